@@ -1,0 +1,176 @@
+"""DeepSeek-V4, top to bottom, over a flat batch and paged caches.
+
+Shape legend: T tokens in the flat batch, N mHC streams, D hidden, V vocabulary.
+
+    tokens -> embed [T, D] -> N identical streams [T, N, D]
+      per layer:  streams -> mHC(attn) -> attention -> mHC(ffn) -> MoE -> streams
+    -> hyper head [T, D] -> norm -> head -> logits [T, V]
+
+Parameter names are the checkpoint's (``model.layers.{i}.attn.wq_a.weight``, ...), so
+``load_state_dict`` on a checkpoint written by transformers' ``save_pretrained`` needs no
+renaming (see ``loader.py`` for the other spellings accepted).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rackserve import ops
+from rackserve.config import SLIDING, ModelConfig
+from rackserve.model.attention import Attention
+from rackserve.model.batch import ForwardBatch, KVCacheTensors
+from rackserve.model.layers import FP32_PARAM_SUFFIXES, HyperHead, RMSNorm, Rotary, hc_params
+from rackserve.model.moe import MoE
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, kind: str, hashed: bool,
+                 rotary: Rotary) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.attn = Attention(cfg, layer_id, kind, rotary)
+        self.ffn = MoE(cfg, hashed)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = hc_params(cfg)
+        self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = hc_params(cfg)
+
+    def _hc(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
+            scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        c = self.cfg
+        return ops.hc_weights(streams, fn, base, scale, c.hc_sinkhorn_iters, c.hc_eps,
+                              c.rms_norm_eps)
+
+    def forward(
+        self,
+        streams: torch.Tensor,
+        input_ids: torch.Tensor,
+        batch: ForwardBatch,
+        caches: KVCacheTensors,
+        expert_counts: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # streams: [T, N, D] -> [T, N, D]
+        pre, post, comb = self._hc(streams, self.hc_attn_fn, self.hc_attn_base,
+                                   self.hc_attn_scale)
+        x = self.attn(self.attn_norm(ops.hc_collapse(streams, pre)), batch, caches)
+        streams = ops.hc_expand(streams, x, post, comb)
+        pre, post, comb = self._hc(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
+        x = self.ffn(self.ffn_norm(ops.hc_collapse(streams, pre)), input_ids, expert_counts)
+        return ops.hc_expand(streams, x, post, comb)
+
+
+class MTPLayer(nn.Module):
+    """One multi-token-prediction layer (DeepSeek-V3 pattern, carried to mHC streams).
+
+    Predicts token t+2 from the main model's final streams at t and the embedding of token
+    t+1: streams = eh_proj([enorm(embed(x_{t+1})) ; hnorm(h_t)]) per stream, then a sliding
+    attention + routed MoE block, its own hyper head and norm; embeddings and ``head`` are
+    shared with the main model. Checkpoint names: ``mtp.{k}.enorm``, ``hnorm``,
+    ``eh_proj``, the decoder-layer names, ``norm``, ``hc_head_{fn,base,scale}``.
+    Its cache layer id is ``num_hidden_layers + k`` (sliding-window group only).
+    """
+
+    def __init__(self, cfg: ModelConfig, k: int, rotary: Rotary) -> None:
+        super().__init__()
+        d = cfg.hidden_size
+        self.enorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * d, d, bias=False)
+        self.block = DecoderLayer(cfg, cfg.num_hidden_layers + k, SLIDING, False, rotary)
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.hc_head = HyperHead(cfg)
+
+
+class DeepseekV4Model(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rope_dim = cfg.qk_rope_head_dim
+        self.rotary_main = Rotary(cfg.rope_main, rope_dim)
+        self.rotary_compress = Rotary(cfg.rope_compress, rope_dim)
+        self.layers = nn.ModuleList(
+            DecoderLayer(
+                cfg,
+                i,
+                kind,
+                cfg.mlp_layer_types[i] == "hash_moe",
+                self.rotary_main if kind == SLIDING else self.rotary_compress,
+            )
+            for i, kind in enumerate(cfg.layer_types)
+        )
+        self.hc_head = HyperHead(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        batch: ForwardBatch,
+        caches: KVCacheTensors,
+        expert_counts: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids: [T] -> (normed hidden [T, D], final streams [T, N, D]).
+
+        expert_counts: optional [num_layers, E] accumulator of routed tokens per expert.
+        """
+        x = self.embed_tokens(input_ids)
+        streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        for i, layer in enumerate(self.layers):
+            counts = None if expert_counts is None else expert_counts[i]
+            streams = layer(streams, input_ids, batch, caches, counts)
+        return self.norm(self.hc_head(streams)), streams
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, with_mtp: bool = True) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = DeepseekV4Model(cfg)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        num_mtp = cfg.num_nextn_predict_layers if with_mtp else 0
+        self.mtp = nn.ModuleList(
+            MTPLayer(cfg, k, self.model.rotary_main) for k in range(num_mtp)
+        )
+
+    @property
+    def has_mtp(self) -> bool:
+        return len(self.mtp) > 0
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        batch: ForwardBatch,
+        caches: KVCacheTensors,
+        expert_counts: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (hidden [T, D], final streams [T, N, D]); logits via ``compute_logits``."""
+        return self.model(input_ids, batch, caches, expert_counts)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [S, D] (only the rows that need logits) -> [S, V] float32
+        return self.head(hidden).float()
+
+    def mtp_forward(
+        self,
+        k: int,
+        next_ids: torch.Tensor,
+        streams: torch.Tensor,
+        batch: ForwardBatch,
+        caches: KVCacheTensors,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP layer k. next_ids: [T] (token t+1); streams: [T, N, D] at t; ``batch``
+        positions are those of the next tokens. Returns (hidden [T, D], streams)."""
+        layer = self.mtp[k]
+        e = layer.enorm(self.model.embed_tokens(next_ids))  # [T, D]
+        h = layer.hnorm(streams)  # [T, N, D]
+        x = layer.eh_proj(torch.cat([e.unsqueeze(1).expand_as(h), h], dim=-1))
+        x = layer.block(x, next_ids, batch, caches)
+        return layer.norm(layer.hc_head(x)), x
+
+    def cast(self, dtype: torch.dtype) -> DeepseekV4ForCausalLM:
+        """Cast to ``dtype``, keeping the reference's float32 parameters in float32."""
+        for name, param in self.named_parameters():
+            if not name.endswith(FP32_PARAM_SUFFIXES) and param.is_floating_point():
+                param.data = param.data.to(dtype)
+        return self

@@ -1,0 +1,133 @@
+"""Small building blocks: RMSNorm, rotary tables, mHC hyper-connections, grouped linear.
+
+Parameter names follow the checkpoint (``save_pretrained``) spelling so a state dict maps
+one to one. Parameters the reference keeps in float32 (norm weights, mHC, sinks, biases)
+are created float32 and stay so when the model is cast (see ``FP32_PARAM_SUFFIXES``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from rackserve import ops
+from rackserve.config import ModelConfig, RopeConfig
+
+# Parameter-name suffixes kept in float32 whatever the model dtype, as the reference does.
+FP32_PARAM_SUFFIXES = (
+    "norm.weight",
+    "hc_attn_fn",
+    "hc_attn_base",
+    "hc_attn_scale",
+    "hc_ffn_fn",
+    "hc_ffn_base",
+    "hc_ffn_scale",
+    "hc_head_fn",
+    "hc_head_base",
+    "hc_head_scale",
+    "hc_head.hc_fn",
+    "hc_head.hc_base",
+    "hc_head.hc_scale",
+    "attn_sink",
+    "ape",
+    "gate.bias",
+)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+def rope_inv_freq(rope: RopeConfig, rope_dim: int) -> torch.Tensor:
+    """Inverse frequencies [rope_dim / 2] for plain RoPE or YaRN (NTK-by-parts)."""
+    exponents = torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim
+    pos_freqs = rope.theta**exponents
+    if rope.rope_type == "default":
+        return 1.0 / pos_freqs
+
+    def correction_dim(num_rotations: float) -> float:
+        return (
+            rope_dim
+            * math.log(rope.original_max_position_embeddings / (num_rotations * 2 * math.pi))
+            / (2 * math.log(rope.theta))
+        )
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rope_dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # 1: keep the original frequency; 0: interpolate by `factor`
+    return (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for one rope setting; positions are absolute token positions."""
+
+    def __init__(self, rope: RopeConfig, rope_dim: int) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(rope, rope_dim), persistent=False)
+        self.scale = rope.attention_factor
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.rope_cos_sin(positions, self.inv_freq, self.scale, dtype)
+
+
+def hc_params(cfg: ModelConfig) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:
+    """mHC parameters around one block: fn [(2+N)N, N*D], base [(2+N)N], scale [3]."""
+    n = cfg.hc_mult
+    mixes = (2 + n) * n
+    return (
+        nn.Parameter(torch.zeros(mixes, n * cfg.hidden_size, dtype=torch.float32)),
+        nn.Parameter(torch.zeros(mixes, dtype=torch.float32)),
+        nn.Parameter(torch.ones(3, dtype=torch.float32)),
+    )
+
+
+class HyperHead(nn.Module):
+    """Final collapse of the N streams (sigmoid weights, no Sinkhorn)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        n = cfg.hc_mult
+        self.hc_fn = nn.Parameter(torch.zeros(n, n * cfg.hidden_size, dtype=torch.float32))
+        self.hc_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
+        self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+        self.hc_eps = cfg.hc_eps
+        self.norm_eps = cfg.rms_norm_eps
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        # streams: [T, N, D] -> [T, D]
+        flat = ops.rms_norm(streams.flatten(1).float(), None, self.norm_eps)
+        mixes = torch.nn.functional.linear(flat, self.hc_fn.float())
+        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
+        return ops.hc_collapse(streams, pre)
+
+
+class GroupedLinear(nn.Module):
+    """Block-diagonal projection: G groups of `in_per_group` -> `out_per_group` each.
+
+    weight: [G * out_per_group, in_per_group] (the checkpoint's ``wo_a``).
+    """
+
+    def __init__(self, in_per_group: int, out_per_group: int, groups: int) -> None:
+        super().__init__()
+        self.groups = groups
+        self.weight = nn.Parameter(torch.empty(groups * out_per_group, in_per_group))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, G, in] -> [T, G * out]
+        w = self.weight.view(self.groups, -1, x.shape[-1])  # [G, out, in]
+        return torch.einsum("tgi,goi->tgo", x, w).flatten(1)

@@ -1,0 +1,199 @@
+"""Plain-torch reference of every model op: the specification, runs on any device.
+
+Shape legend: T tokens in the flat batch, D hidden size, H attention heads, Dh head dim,
+R rope dims (trailing slice of a head), N mHC streams, K keys visible to a query,
+E routed experts, k experts per token.
+
+Numerics follow the DeepSeek-V4 reference: norms, softmaxes, mHC and router scores are
+computed in float32 and cast back to the activation dtype once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x: [..., C]; weight: [C] (float32) or None for the unweighted norm."""
+    if weight is None:
+        return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * xf).to(x.dtype)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions: [T] -> cos, sin: [T, R/2] (one angle per interleaved pair)."""
+    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
+    return (freqs.cos() * scale).to(dtype), (freqs.sin() * scale).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved RoPE on the trailing 2 * cos.shape[-1] channels of x.
+
+    x: [T, ..., C]; cos, sin: [T, R/2]. Pairs are (2i, 2i+1) of the rope slice; the leading
+    C - R "nope" channels pass through. Rotation in float32, like the reference.
+    """
+    half = cos.shape[-1]
+    rope_dim = 2 * half
+    extra = x.dim() - cos.dim()
+    cos = cos.view(cos.shape[0], *([1] * extra), half)
+    sin = sin.view(sin.shape[0], *([1] * extra), half)
+    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:].float()
+    even, odd = rope[..., 0::2], rope[..., 1::2]
+    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
+    return torch.cat([nope, rotated.flatten(-2).to(x.dtype)], dim=-1)
+
+
+def sink_attention(
+    q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, sinks: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Shared-KV multi-query attention with a per-head sink logit.
+
+    q: [S, H, Dh]; kv: [K, Dh] (keys == values); mask: [S, K] bool (True = visible) or
+    None; sinks: [H] float32. The sink joins the softmax denominator only.
+    Returns [S, H, Dh].
+    """
+    logits = torch.einsum("shd,kd->shk", q, kv) * scale
+    if mask is not None:
+        logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
+    sink = sinks.to(logits.dtype).view(1, -1, 1).expand(logits.shape[0], -1, 1)
+    combined = torch.cat([logits, sink], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(combined, dim=-1)[..., :-1]
+    return torch.einsum("shk,kd->shd", probs.to(kv.dtype), kv)
+
+
+def compress_windows(
+    kv_rows: torch.Tensor, gate_rows: torch.Tensor, position_bias: torch.Tensor, overlap: bool
+) -> torch.Tensor:
+    """Softmax-gated pooling of closed compressor windows (before the entry norm and RoPE).
+
+    Non-overlapping (HCA): kv_rows, gate_rows: [W, r, C]; entry w pools window w.
+    Overlapping (CSA): kv_rows, gate_rows: [W, 2r, 2C], the rows of window w-1 followed by
+    window w (window -1 of entry 0 is given as gate -inf); entry w pools the first half
+    ("Ca") of window w-1 with the second half ("Cb") of window w, per channel.
+    position_bias: [r, C] or [r, 2C], added to the gates by slot within the window.
+    Returns [W, C].
+    """
+    if not overlap:
+        gates = gate_rows.float() + position_bias
+        return (kv_rows * gates.softmax(dim=1).to(kv_rows.dtype)).sum(dim=1)
+    r = position_bias.shape[0]
+    c = kv_rows.shape[-1] // 2
+    gates = gate_rows.float() + position_bias.repeat(2, 1)
+    kv = torch.cat([kv_rows[:, :r, :c], kv_rows[:, r:, c:]], dim=1)  # [W, 2r, C]
+    gate = torch.cat([gates[:, :r, :c], gates[:, r:, c:]], dim=1)
+    return (kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1)
+
+
+def indexer_scores(
+    q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Lightning-indexer scores sum_h w[s,h] * relu(q[s,h] . k[t]) * scale.
+
+    q: [S, Hi, Di]; keys: [Tc, Di]; weights: [S, Hi] (float32). Returns [S, Tc] float32.
+    """
+    scores = torch.einsum("shd,td->sht", q.float(), keys.float()).relu() * scale
+    return (scores * weights.float().unsqueeze(-1)).sum(dim=1)
+
+
+def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Project positive [.., N, N] matrices towards doubly stochastic (column first)."""
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
+
+
+def hc_weights(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC mixing weights from the N residual streams.
+
+    streams: [T, N, D]; fn: [(2+N)N, N*D]; base: [(2+N)N]; scale: [3].
+    Returns pre [T, N], post [T, N], comb [T, N, N] (float32).
+    """
+    n = streams.shape[1]
+    flat = rms_norm(streams.flatten(1).float(), None, norm_eps)
+    mixes = F.linear(flat, fn.float())
+    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
+    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
+    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    comb = torch.softmax(comb_w.view(-1, n, n) * scale[2] + comb_b.view(n, n), dim=-1) + hc_eps
+    return pre, post, sinkhorn(comb, sinkhorn_iters, hc_eps)
+
+
+def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """streams: [T, N, D], pre: [T, N] -> [T, D] in the streams' dtype."""
+    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+
+def hc_expand(
+    streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
+    """New streams = post * block_out + comb^T @ streams.
+
+    streams: [T, N, D]; block_out: [T, D]; post: [T, N]; comb: [T, N, N] where comb[j, k]
+    weighs input stream j into output stream k. Returns [T, N, D].
+    """
+    dtype = streams.dtype
+    mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+    return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(1) + mixed
+
+
+def router_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    """logits: [T, E] -> per-expert scores [T, E] float32."""
+    logits = logits.float()
+    if scoring_func == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    if scoring_func == "sigmoid":
+        return torch.sigmoid(logits)
+    return torch.softmax(logits, dim=-1)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """Clamped SwiGLU: silu(min(gate, limit)) * clamp(up, -limit, limit)."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """Routed experts, one loop iteration per expert that has tokens.
+
+    x: [T, D]; topk_ids, topk_weights: [T, k]; w13: [E, 2I, D] (gate rows then up rows);
+    w2: [E, D, I]. Returns [T, D].
+    """
+    out = torch.zeros_like(x)
+    flat_ids = topk_ids.flatten()
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    token_of = order // topk_ids.shape[1]
+    weights = topk_weights.flatten()[order]
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = token_of[start : start + count]
+        gate, up = F.linear(x[rows], w13[expert]).chunk(2, dim=-1)
+        y = F.linear(swiglu(gate, up, limit), w2[expert])
+        out.index_add_(0, rows, (y * weights[start : start + count, None]).to(out.dtype))
+        start += count
+    return out
