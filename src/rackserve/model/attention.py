@@ -196,9 +196,7 @@ class Attention(nn.Module):
                 new = comp.pool(window_rows[:, row_cols], first, self.rotary)
                 entries[dst, entry_cols] = new.to(entries.dtype)
 
-    def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, caches: KVCacheTensors
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, caches: KVCacheTensors) -> torch.Tensor:
         # x: [T, D] (the normed block input) -> [T, D]
         t = x.shape[0]
         cos, sin = self.rotary(batch.positions, x.dtype)

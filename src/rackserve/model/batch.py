@@ -68,8 +68,11 @@ class KVCacheTensors:
         self.tensors: dict[str, dict[int, torch.Tensor]] = {
             g.name: {
                 layer: torch.zeros(
-                    num_blocks[g.name], g.block_tokens // g.ratio, g.entry_width,
-                    dtype=dtype, device=device,
+                    num_blocks[g.name],
+                    g.block_tokens // g.ratio,
+                    g.entry_width,
+                    dtype=dtype,
+                    device=device,
                 )
                 for layer in g.layer_ids
             }

@@ -25,8 +25,9 @@ from rackserve.model.moe import MoE
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, kind: str, hashed: bool,
-                 rotary: Rotary) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer_id: int, kind: str, hashed: bool, rotary: Rotary
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.attn = Attention(cfg, layer_id, kind, rotary)
@@ -36,11 +37,13 @@ class DecoderLayer(nn.Module):
         self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = hc_params(cfg)
         self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = hc_params(cfg)
 
-    def _hc(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
-            scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _hc(
+        self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         c = self.cfg
-        return ops.hc_weights(streams, fn, base, scale, c.hc_sinkhorn_iters, c.hc_eps,
-                              c.rms_norm_eps)
+        return ops.hc_weights(
+            streams, fn, base, scale, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps
+        )
 
     def forward(
         self,
@@ -51,8 +54,7 @@ class DecoderLayer(nn.Module):
         expert_counts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # streams: [T, N, D] -> [T, N, D]
-        pre, post, comb = self._hc(streams, self.hc_attn_fn, self.hc_attn_base,
-                                   self.hc_attn_scale)
+        pre, post, comb = self._hc(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
         x = self.attn(self.attn_norm(ops.hc_collapse(streams, pre)), batch, caches)
         streams = ops.hc_expand(streams, x, post, comb)
         pre, post, comb = self._hc(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
@@ -129,9 +131,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.model = DeepseekV4Model(cfg)
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         num_mtp = cfg.num_nextn_predict_layers if with_mtp else 0
-        self.mtp = nn.ModuleList(
-            MTPLayer(cfg, k, self.model.rotary_main) for k in range(num_mtp)
-        )
+        self.mtp = nn.ModuleList(MTPLayer(cfg, k, self.model.rotary_main) for k in range(num_mtp))
 
     @property
     def has_mtp(self) -> bool:

@@ -68,7 +68,9 @@ def rope_inv_freq(rope: RopeConfig, rope_dim: int) -> torch.Tensor:
         high += 0.001  # avoid a zero-width ramp
     ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     extrapolation = 1 - ramp  # 1: keep the original frequency; 0: interpolate by `factor`
-    return (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
 
 
 class Rotary(nn.Module):

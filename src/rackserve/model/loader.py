@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -78,19 +78,16 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_tensors(files: list[Path], progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) one at a time, across all shards."""
+def open_shards(files: list[Path]) -> list[tuple[object, str]]:
+    """(handle, tensor name) of every tensor across the shards; nothing is read yet."""
     names = []
-    handles = []
     for f in files:
         try:
-            h = safe_open(str(f), framework="pt")
+            handle = safe_open(str(f), framework="pt")
         except Exception as e:  # safetensors raises its own error types
             raise CheckpointError(f"cannot read {f}: {e}") from None
-        handles.append(h)
-        names.extend((h, k) for k in h.keys())
-    for handle, name in tqdm(names, desc="loading", unit="tensor", disable=not progress):
-        yield name, handle.get_tensor(name)
+        names.extend((handle, k) for k in handle.keys())  # noqa: SIM118 (not a dict)
+    return names
 
 
 def load_model(
@@ -103,21 +100,18 @@ def load_model(
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_pretrained(model_dir)
     files = checkpoint_files(model_dir)
-    has_mtp = any(
-        k.startswith("mtp.") for f in files for k in safe_open(str(f), framework="pt").keys()
-    )
+    names = open_shards(files)
     with torch.device(device):
-        model = DeepseekV4ForCausalLM(cfg, with_mtp=has_mtp)
+        model = DeepseekV4ForCausalLM(cfg, with_mtp=any(k.startswith("mtp.") for _, k in names))
     model.cast(dtype)
     if progress is None:
         progress = sum(f.stat().st_size for f in files) > 1 << 30
-    load_weights(model, iter_tensors(files, progress))
+    bar = tqdm(names, desc="loading", unit="tensor", disable=not progress)
+    load_weights(model, ((name, handle.get_tensor(name)) for handle, name in bar))
     return model.eval()
 
 
-def load_weights(
-    model: DeepseekV4ForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]]
-) -> None:
+def load_weights(model: DeepseekV4ForCausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy checkpoint tensors into the model; every parameter must be filled exactly once."""
     targets = dict(model.named_parameters())
     targets.update((n, b) for n, b in model.named_buffers() if n.endswith("tid2eid"))
@@ -149,7 +143,9 @@ def load_weights(
             unexpected.append(raw_name)
             continue
         if tuple(dst.shape) != tuple(tensor.shape):
-            mismatched.append(f"{raw_name}: checkpoint {tuple(tensor.shape)}, model {tuple(dst.shape)}")
+            mismatched.append(
+                f"{raw_name}: checkpoint {tuple(tensor.shape)}, model {tuple(dst.shape)}"
+            )
             continue
         dst.copy_(tensor.to(dst.dtype))
     for target_name, seen in expert_slices.items():
@@ -158,13 +154,19 @@ def load_weights(
             expected.discard(target_name)
     problems = []
     if mismatched:
-        problems.append("shape mismatches (is config.json the one saved with these weights?): "
-                        + "; ".join(mismatched[:10]))
+        problems.append(
+            "shape mismatches (is config.json the one saved with these weights?): "
+            + "; ".join(mismatched[:10])
+        )
     if expected:
-        problems.append(f"missing tensors: {sorted(expected)[:10]}"
-                        + (f" and {len(expected) - 10} more" if len(expected) > 10 else ""))
+        problems.append(
+            f"missing tensors: {sorted(expected)[:10]}"
+            + (f" and {len(expected) - 10} more" if len(expected) > 10 else "")
+        )
     if unexpected:
-        problems.append(f"unexpected tensors: {sorted(unexpected)[:10]}"
-                        + (f" and {len(unexpected) - 10} more" if len(unexpected) > 10 else ""))
+        problems.append(
+            f"unexpected tensors: {sorted(unexpected)[:10]}"
+            + (f" and {len(unexpected) - 10} more" if len(unexpected) > 10 else "")
+        )
     if problems:
         raise CheckpointError("checkpoint does not match config.json: " + " | ".join(problems))

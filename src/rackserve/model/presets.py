@@ -19,9 +19,7 @@ def default_layer_types(num_layers: int) -> tuple[str, ...]:
     return tuple([HCA] * min(num_layers, 2) + interleave)
 
 
-def tiny_config(
-    num_layers: int = 6, num_experts: int = 8, vocab_size: int = 4096
-) -> ModelConfig:
+def tiny_config(num_layers: int = 6, num_experts: int = 8, vocab_size: int = 4096) -> ModelConfig:
     """Every layer kind in a few layers; fast on one CPU core."""
     cycle = (SLIDING, CSA, HCA)
     layer_types = tuple(cycle[i % 3] for i in range(num_layers))
@@ -99,10 +97,21 @@ def v4_flash_config(
     )
 
 
-def preset_config(name: str, num_layers: int | None = None, num_experts: int | None = None,
-                  vocab_size: int | None = None) -> ModelConfig:
-    kwargs = {k: v for k, v in (("num_layers", num_layers), ("num_experts", num_experts),
-                                ("vocab_size", vocab_size)) if v is not None}
+def preset_config(
+    name: str,
+    num_layers: int | None = None,
+    num_experts: int | None = None,
+    vocab_size: int | None = None,
+) -> ModelConfig:
+    kwargs = {
+        k: v
+        for k, v in (
+            ("num_layers", num_layers),
+            ("num_experts", num_experts),
+            ("vocab_size", vocab_size),
+        )
+        if v is not None
+    }
     if name == "tiny":
         return tiny_config(**kwargs)
     if name == "v4-flash":

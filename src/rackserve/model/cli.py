@@ -1,0 +1,93 @@
+"""`rackserve model create` and `rackserve generate`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from rackserve.model.presets import PRESETS, preset_config
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(name: str | None, device: str) -> torch.dtype:
+    """CPU defaults to float32, accelerators to bfloat16."""
+    if name is None or name == "auto":
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _create(args: argparse.Namespace) -> int:
+    from rackserve.model.create import create_checkpoint
+
+    cfg = preset_config(args.preset, args.layers, args.experts)
+    dtype = parse_dtype(args.dtype or ("float32" if args.preset == "tiny" else "bfloat16"), "cpu")
+    out = create_checkpoint(cfg, args.out, seed=args.seed, dtype=dtype, with_mtp=not args.no_mtp)
+    print(
+        f"wrote {args.preset} checkpoint ({cfg.num_hidden_layers} layers, "
+        f"{cfg.n_routed_experts} experts, {dtype}) to {out}"
+    )
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from rackserve.model.generate import generate_tokens
+    from rackserve.model.loader import load_model
+
+    device = args.device or default_device()
+    model = load_model(args.model, dtype=parse_dtype(args.dtype, device), device=device)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    prompt_ids = tokenizer.encode(args.prompt)
+    if not prompt_ids:
+        raise ValueError("--prompt is empty")
+    out = generate_tokens(
+        model,
+        prompt_ids,
+        args.max_tokens,
+        args.temperature,
+        args.seed,
+        stop_ids=model.cfg.eos_token_id,
+    )
+    print(tokenizer.decode(out, skip_special_tokens=True))
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    model = subparsers.add_parser("model", help="create checkpoints")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    create = model_sub.add_parser("create", help="write a random-weight checkpoint + tokenizer")
+    create.add_argument("--preset", choices=PRESETS, default="tiny")
+    create.add_argument("--layers", type=int, default=None, help="number of layers")
+    create.add_argument("--experts", type=int, default=None, help="number of routed experts")
+    create.add_argument("--seed", type=int, default=0)
+    create.add_argument("--dtype", default=None, help="float32 (tiny default) or bfloat16")
+    create.add_argument("--no-mtp", action="store_true", help="leave out the MTP layer(s)")
+    create.add_argument("--out", type=Path, required=True)
+    create.set_defaults(func=_create)
+
+    gen = subparsers.add_parser("generate", help="generate text from a prompt")
+    gen.add_argument("--model", type=Path, required=True, help="checkpoint directory")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on GPU")
+    gen.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    gen.set_defaults(func=_generate)

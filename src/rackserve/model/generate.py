@@ -1,0 +1,81 @@
+"""A minimal single-request generation loop over contiguous (unshared) cache blocks.
+
+It is the model's own test harness and the simplest way to run a checkpoint; serving
+goes through the engine (paged cache manager, scheduler, batching).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rackserve.kv.spec import cache_groups_for
+from rackserve.model.batch import ForwardBatch, KVCacheTensors
+from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
+
+
+class ContiguousCache:
+    """Every request owns a private run of blocks long enough for ``max_len`` tokens."""
+
+    def __init__(self, model: DeepseekV4ForCausalLM, num_reqs: int, max_len: int) -> None:
+        self.groups = cache_groups_for(model.cfg)
+        device = next(model.parameters()).device
+        dtype = model.head.weight.dtype
+        per_req = {g.name: -(-max_len // g.block_tokens) for g in self.groups}
+        # block 0 is the null block of the paged pools; keep the same convention here
+        self.tensors = KVCacheTensors(
+            self.groups, {n: 1 + num_reqs * b for n, b in per_req.items()}, dtype, device
+        )
+        self.block_tables = {
+            n: (1 + torch.arange(num_reqs * b, device=device).view(num_reqs, b))
+            for n, b in per_req.items()
+        }
+
+    def batch(self, num_computed: list[int], num_new: list[int], reqs: list[int]) -> ForwardBatch:
+        """Metadata for requests ``reqs`` (rows of the block tables) with their new tokens."""
+        device = next(iter(self.block_tables.values())).device
+        positions = torch.cat(
+            [
+                torch.arange(c, c + n, device=device)
+                for c, n in zip(num_computed, num_new, strict=True)
+            ]
+        )
+        starts = [0]
+        for n in num_new:
+            starts.append(starts[-1] + n)
+        tables = {k: v[reqs] for k, v in self.block_tables.items()}
+        return ForwardBatch(positions, starts, list(num_computed), tables)
+
+
+@torch.inference_mode()
+def generate_tokens(
+    model: DeepseekV4ForCausalLM,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    stop_ids: tuple[int, ...] = (),
+) -> list[int]:
+    """Greedy (temperature 0) or sampled generation for one prompt."""
+    device = next(model.parameters()).device
+    cache = ContiguousCache(model, 1, len(prompt_ids) + max_new_tokens)
+    gen = torch.Generator(device=device)
+    if seed is not None:
+        gen.manual_seed(seed)
+    out: list[int] = []
+    tokens, computed = list(prompt_ids), 0
+    while len(out) < max_new_tokens:
+        ids = torch.tensor(tokens[computed:], device=device)
+        batch = cache.batch([computed], [len(ids)], [0])
+        hidden, _ = model(ids, batch, cache.tensors)
+        logits = model.compute_logits(hidden[-1:])[0]
+        computed = len(tokens)
+        if temperature <= 0:
+            token = int(logits.argmax())
+        else:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            token = int(torch.multinomial(probs, 1, generator=gen))
+        out.append(token)
+        tokens.append(token)
+        if token in stop_ids:
+            break
+    return out

@@ -1,0 +1,119 @@
+"""What a request asks for: `SamplingParams` (and, later in this file, `Request`,
+`RequestStatus`, `FinishReason`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+# Temperatures below this are treated as greedy: dividing logits by a near-zero temperature
+# overflows to inf and gives the same argmax anyway (vLLM uses the same threshold).
+GREEDY_TEMPERATURE_EPS = 1e-5
+# Most top logprobs a request may ask for, per token (vLLM's default `max_logprobs`).
+MAX_NUM_LOGPROBS = 20
+
+
+# --------------------------------------------------------------------------------------
+# SamplingParams
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling and stopping parameters, shaped like vLLM's.
+
+    `temperature == 0` means greedy. `top_k` of 0 or -1 disables top-k (both are accepted, as
+    in vLLM; -1 is normalised to 0). `stop` may be given as one string. `max_tokens` is a
+    concrete number: the API layer resolves an omitted value to the remaining context.
+    Penalties follow vLLM/OpenAI: presence and frequency count generated tokens only;
+    repetition multiplies the logits of every token seen in prompt or output.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    max_tokens: int = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        # Normalise the accepted aliases once, so the rest of the engine sees one spelling.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", [self.stop])
+        else:
+            object.__setattr__(self, "stop", list(self.stop))
+        object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        self._validate()
+
+    def _validate(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(
+                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}"
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be 0 or -1 (off) or a positive count, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {value}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(
+                f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}"
+            )
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens}); "
+                "raise max_tokens or lower min_tokens"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_NUM_LOGPROBS:
+                raise ValueError(f"{name} must be None or in [0, {MAX_NUM_LOGPROBS}], got {value}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(
+                f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}"
+            )
+
+    @property
+    def is_greedy(self) -> bool:
+        """Argmax decoding: temperature is (numerically) zero."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+# --------------------------------------------------------------------------------------
+# Request, RequestStatus, FinishReason: added by the engine work.
+# --------------------------------------------------------------------------------------

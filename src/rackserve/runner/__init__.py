@@ -1,0 +1,1 @@
+"""The model runner: input building, the forward pass, sampling and stop checks."""

@@ -1,0 +1,153 @@
+"""Checkpoint loading: round trip, accepted spellings, and errors that name the fix."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from rackserve.cli import main
+from rackserve.config import ConfigError, ModelConfig
+from rackserve.model.create import create_checkpoint
+from rackserve.model.loader import CheckpointError, load_model
+from rackserve.model.presets import tiny_config
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    cfg = tiny_config(num_layers=3, vocab_size=512)
+    return create_checkpoint(cfg, tmp_path_factory.mktemp("tiny"), seed=3)
+
+
+def copy_of(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_loads_every_tensor_and_mtp(tiny_dir: Path):
+    model = load_model(tiny_dir)
+    assert model.has_mtp
+    state = load_file(str(tiny_dir / "model.safetensors"))
+    w1 = state["model.layers.1.ffn.experts.3.w1.weight"]
+    assert torch.equal(model.model.layers[1].ffn.experts.w13[3, : w1.shape[0]], w1)
+    assert torch.equal(model.head.weight, state["head.weight"])
+
+
+def test_sharded_checkpoint_and_original_spelling(tiny_dir: Path, tmp_path: Path):
+    state = load_file(str(tiny_dir / "model.safetensors"))
+    renamed = {}
+    for name, t in state.items():  # DeepSeek's own spelling: no `model.` prefix
+        name = name.removeprefix("model.")
+        name = {"embed_tokens.weight": "embed.weight"}.get(name, name)
+        name = name.replace("hc_head.hc_", "hc_head_") if name.startswith("hc_head.") else name
+        renamed[name] = t
+    names = sorted(renamed)
+    out = tmp_path / "sharded"
+    out.mkdir()
+    shutil.copy(tiny_dir / "config.json", out)
+    half = len(names) // 2
+    weight_map = {}
+    for i, part in enumerate((names[:half], names[half:])):
+        fname = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file({n: renamed[n] for n in part}, str(out / fname))
+        weight_map.update(dict.fromkeys(part, fname))
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    a, b = load_model(tiny_dir), load_model(out)
+    for (na, pa), (nb, pb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert na == nb and torch.equal(pa, pb), na
+
+
+def test_bf16_keeps_reference_fp32_params(tiny_dir: Path):
+    model = load_model(tiny_dir, dtype=torch.bfloat16)
+    assert model.head.weight.dtype == torch.bfloat16
+    layer = model.model.layers[1]
+    assert layer.attn.attn_sink.dtype == torch.float32
+    assert layer.hc_attn_fn.dtype == torch.float32
+    assert layer.attn_norm.weight.dtype == torch.float32
+
+
+def _rewrite(path: Path, edit) -> None:
+    state = load_file(str(path / "model.safetensors"))
+    edit(state)
+    save_file(state, str(path / "model.safetensors"))
+
+
+def test_missing_tensor(tiny_dir: Path, tmp_path: Path):
+    d = copy_of(tiny_dir, tmp_path / "c")
+    _rewrite(d, lambda s: s.pop("model.layers.0.attn.wq_a.weight"))
+    with pytest.raises(CheckpointError, match=r"missing tensors: \['model.layers.0.attn.wq_a"):
+        load_model(d)
+
+
+def test_missing_expert(tiny_dir: Path, tmp_path: Path):
+    d = copy_of(tiny_dir, tmp_path / "c")
+    _rewrite(d, lambda s: s.pop("model.layers.2.ffn.experts.5.w2.weight"))
+    with pytest.raises(CheckpointError, match=r"missing tensors.*layers.2.ffn.experts.w2"):
+        load_model(d)
+
+
+def test_unexpected_tensor(tiny_dir: Path, tmp_path: Path):
+    d = copy_of(tiny_dir, tmp_path / "c")
+    _rewrite(d, lambda s: s.update({"model.layers.0.attn.extra.weight": torch.zeros(2)}))
+    with pytest.raises(CheckpointError, match=r"unexpected tensors.*attn.extra"):
+        load_model(d)
+
+
+def test_shape_mismatch(tiny_dir: Path, tmp_path: Path):
+    d = copy_of(tiny_dir, tmp_path / "c")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["moe_intermediate_size"] = 32
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"shape mismatches.*config.json"):
+        load_model(d)
+
+
+def test_unknown_model_type(tiny_dir: Path, tmp_path: Path):
+    d = copy_of(tiny_dir, tmp_path / "c")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="unsupported model_type 'llama'"):
+        load_model(d)
+
+
+def test_unreadable_files(tiny_dir: Path, tmp_path: Path):
+    d = copy_of(tiny_dir, tmp_path / "c")
+    (d / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(CheckpointError, match="cannot read"):
+        load_model(d)
+    (d / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"no \*.safetensors files"):
+        load_model(d)
+    (d / "config.json").write_text("{")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        ModelConfig.from_pretrained(d)
+
+
+def test_cli_error_is_one_line(tmp_path: Path, capsys):
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "config.json not found" in err and "model create" in err
+    assert "Traceback" not in err
+
+
+def test_legacy_config_keys():
+    raw = tiny_config(num_layers=4).to_hf_dict()
+    for key in ("layer_types", "mlp_layer_types", "compress_rates", "partial_rotary_factor"):
+        raw.pop(key)
+    compress = raw.pop("rope_parameters")["compress"]
+    raw.update(
+        compress_ratios=[0, 4, 128, 4],
+        compress_rate_hca=16,
+        num_hash_layers=2,
+        qk_rope_head_dim=16,
+        rope_scaling={k: v for k, v in compress.items() if k not in ("rope_theta",)},
+    )
+    cfg = ModelConfig.from_hf_dict(raw)
+    assert cfg.layer_types[:3] == tiny_config(num_layers=4).layer_types[:3]
+    assert cfg.hca_ratio == 16 and cfg.num_hash_layers == 2 and cfg.qk_rope_head_dim == 16
+    assert cfg.rope_compress == tiny_config().rope_compress
