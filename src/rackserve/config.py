@@ -129,9 +129,13 @@ class ModelConfig:
         bad = [t for t in self.layer_types if t not in LAYER_TYPES]
         bad += [t for t in self.mlp_layer_types if t not in MLP_LAYER_TYPES]
         if bad:
-            raise ConfigError(f"unknown layer types {bad}; allowed: {LAYER_TYPES + MLP_LAYER_TYPES}")
+            raise ConfigError(
+                f"unknown layer types {bad}; allowed: {LAYER_TYPES + MLP_LAYER_TYPES}"
+            )
         if self.scoring_func not in SCORING_FUNCS:
-            raise ConfigError(f"scoring_func must be one of {SCORING_FUNCS}, got {self.scoring_func!r}")
+            raise ConfigError(
+                f"scoring_func must be one of {SCORING_FUNCS}, got {self.scoring_func!r}"
+            )
         if self.hidden_act != "silu":
             raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported; use 'silu'")
         if self.num_key_value_heads != 1:
@@ -187,11 +191,16 @@ class ModelConfig:
             layer_types=list(self.layer_types),
             mlp_layer_types=list(self.mlp_layer_types),
             compress_rates={CSA: self.csa_ratio, HCA: self.hca_ratio},
-            eos_token_id=self.eos_token_id[0] if len(self.eos_token_id) == 1 else list(self.eos_token_id),
+            eos_token_id=self.eos_token_id[0]
+            if len(self.eos_token_id) == 1
+            else list(self.eos_token_id),
             partial_rotary_factor=self.qk_rope_head_dim / self.head_dim,
             rope_theta=self.rope_main.theta,
             compress_rope_theta=self.rope_compress.theta,
-            rope_parameters={"main": rope_dict(self.rope_main), "compress": rope_dict(self.rope_compress)},
+            rope_parameters={
+                "main": rope_dict(self.rope_main),
+                "compress": rope_dict(self.rope_compress),
+            },
         )
         return d
 
@@ -281,3 +290,73 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON ({e})") from None
         return cls.from_hf_dict(raw)
+
+
+# ---- engine ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """KV cache budget and prefix caching. Give ``kv_cache_memory`` in bytes, or leave it
+    None to use ``gpu_memory_utilization`` of the free accelerator memory (CPU: 1 GiB)."""
+
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "xxhash"  # or "sha256"
+    checkpoint_interval: int | None = 8192  # state checkpoints every N tokens of a long prefill
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ConfigError("--kv-cache-memory must be a positive number of bytes")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError("--gpu-memory-utilization must be in (0, 1]")
+        if self.prefix_caching_hash_algo not in ("xxhash", "sha256"):
+            raise ConfigError("--prefix-caching-hash-algo must be 'xxhash' or 'sha256'")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 8192
+    policy: str = "fcfs"  # or "priority"
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
+            raise ConfigError(
+                "--max-num-seqs and --max-num-batched-tokens must be >= 1, --max-model-len >= 2"
+            )
+        if self.policy not in ("fcfs", "priority"):
+            raise ConfigError("--scheduling-policy must be 'fcfs' or 'priority'")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                "without chunked prefill --max-num-batched-tokens must be >= --max-model-len"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine core needs. ``model`` is a checkpoint directory."""
+
+    model: str
+    model_config: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on accelerators
+    device: str = "auto"  # auto: cuda when available
+    seed: int = 0
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        limit = self.model_config.max_position_embeddings
+        if self.scheduler.max_model_len > limit:
+            raise ConfigError(
+                f"--max-model-len {self.scheduler.max_model_len} exceeds the model's "
+                f"max_position_embeddings ({limit})"
+            )
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model

@@ -1,9 +1,11 @@
-"""What a request asks for: `SamplingParams` (and, later in this file, `Request`,
-`RequestStatus`, `FinishReason`)."""
+"""The request that flows through the engine (`Request`, its `RequestStatus`) and what it
+asks for (`SamplingParams`)."""
 
 from __future__ import annotations
 
+import enum
 import math
+import time
 from dataclasses import dataclass, field
 
 # Temperatures below this are treated as greedy: dividing logits by a near-zero temperature
@@ -115,5 +117,86 @@ class SamplingParams:
 
 
 # --------------------------------------------------------------------------------------
-# Request, RequestStatus, FinishReason: added by the engine work.
+# Request
 # --------------------------------------------------------------------------------------
+
+
+class FinishReason(enum.StrEnum):
+    """The OpenAI ``finish_reason`` values a request can end with."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is. Every value from FINISHED_STOPPED on is final."""
+
+    WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KV = enum.auto()  # P/D decode side: pushed KV not yet arrived
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence in the engine. Phase-free: the scheduler only compares
+    ``num_computed_tokens`` with ``num_tokens``; a prefix-cache hit simply starts
+    ``num_computed_tokens`` above zero."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # lower runs first under the priority policy, as in vLLM
+    cache_salt: str | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first schedule)
+    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)

@@ -1,0 +1,123 @@
+"""The contracts between the engine's parts.
+
+    API process --EngineCoreRequest--> engine core
+    scheduler --SchedulerOutput--> runner --RunnerOutput--> scheduler
+    engine core --EngineCoreOutputs--> API process (new token ids, finish, stats)
+
+Messages that cross processes are msgspec Structs (compact msgpack, array-like).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+import torch
+
+from rackserve.request import SamplingParams
+
+# ---- scheduler -> runner ----------------------------------------------------------------
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (new, or resumed after preemption: it recomputes
+    ``token_ids`` from ``num_computed_tokens``, which a prefix hit may have advanced)."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + output so far
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: tuple[list[int], ...]  # per cache group, the whole block table
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A running request the runner knows: blocks appended since the last step."""
+
+    req_id: str
+    new_block_ids: tuple[list[int], ...]  # per cache group, appended to its block table
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_reqs: list[NewRequestData]
+    cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # req id -> tokens to compute this step
+    total_num_scheduled_tokens: int
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    finished_req_ids: set[str] = field(default_factory=set)  # runner drops their state
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+# ---- runner -> scheduler ----------------------------------------------------------------
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs of one sampled position: ``token_ids[0]`` is the sampled token, then the top
+    n; ``rank`` is the sampled token's rank (1 = best)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
+
+
+@dataclass
+class RunnerOutput:
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]  # [] for a prefill chunk that ends before the prompt
+    logprobs: list[list[TokenLogprobs]] | None = None
+    prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
+    expert_counts: torch.Tensor | None = None  # [num_layers, E] routed tokens this step
+    num_accepted_draft_tokens: dict[str, int] = field(default_factory=dict)
+    forward_time_s: float = 0.0
+
+
+# ---- across processes -------------------------------------------------------------------
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class Logprob(msgspec.Struct, array_like=True):
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[Logprob] | None = None
+    prompt_logprobs: list[Logprob | None] | None = None  # sent once, with the first token
+    finish_reason: str | None = None  # FinishReason value once finished
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0  # fraction of the scarcest cache group in use
+    prefix_cache_queries: int = 0  # tokens looked up (cumulative)
+    prefix_cache_hits: int = 0  # tokens found (cumulative)
+    num_preemptions: int = 0  # cumulative
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
