@@ -12,6 +12,8 @@ import sys
 
 COMMAND_MODULES = (
     "rackserve.model.cli",  # model create, generate
+    "rackserve.bench.cli",
+    "rackserve.planner.cli",
 )
 
 
