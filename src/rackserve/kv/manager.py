@@ -1,0 +1,433 @@
+"""The hybrid KV cache manager: block tables per cache group, allocation, release, prefix hits.
+
+Bookkeeping only (block ids, reference counts, hashes); the runner owns the tensors. A
+request's block table of group g (block span T) maps slot i to token positions
+``[i*T, (i+1)*T)``, absolute: a sliding group's table starts with null blocks for the pages
+it has released.
+
+Lifecycle, driven by the scheduler::
+
+    num_hit, hit = get_computed_blocks(req)           # once, before the first allocation
+    new = allocate_slots(req, n, num_hit, hit)        # None: cache full, nothing changed
+    ... runner computes tokens [num_computed, num_computed + n) ...
+    commit(req, num_computed + n)                     # hash full blocks, release window pages
+    ... allocate_slots / commit per step ...
+    free(req, num_computed)                           # finished, aborted or preempted
+
+State checkpoints (the sliding rows ``[B-W+1, B)`` of every sliding group, needed for an exact
+hit at B) are kept only at chosen boundaries B: the prompt end ``floor_A(num_prompt_tokens)``,
+every ``checkpoint_interval`` tokens of the prompt, and the finish boundary
+``floor_A(num_computed)``. The finish boundary is unknown until the request ends, so the
+latest A-boundary is cached provisionally when its pages leave the window and demoted to
+transient once the request passes the next one: at most one such checkpoint per request.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from rackserve.kv.block_pool import BlockPool, KVCacheBlock
+from rackserve.kv.hashing import BlockHashChain, BlockKey, block_key, check_hash_algo
+from rackserve.kv.spec import CacheGroupSpec, hash_granularity, prefix_alignment
+
+
+class KVRequest(Protocol):
+    """What the manager reads from a request."""
+
+    request_id: str
+    all_token_ids: list[int]  # prompt + output so far
+    num_prompt_tokens: int
+    cache_salt: str | None
+
+
+@dataclass(frozen=True)
+class HitBlocks:
+    """A prefix hit of ``num_tokens`` tokens: per group (spec order), the block table prefix
+    covering ``[0, num_tokens)``, null blocks where a sliding group needs no rows."""
+
+    num_tokens: int
+    blocks: tuple[tuple[KVCacheBlock, ...], ...]
+
+
+@dataclass(frozen=True)
+class NewBlocks:
+    """Per group (spec order): the block table slot ``offsets[g]`` from which ``block_ids[g]``
+    are to be written. Offset 0 on a request's first allocation (its whole table, hit and
+    null blocks included); afterwards the current table length (append)."""
+
+    offsets: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """Counted when a request is admitted (its first allocate_slots succeeds)."""
+
+    num_queries: int  # admitted requests (a preempted one counts again on re-admission)
+    num_queried_tokens: int
+    num_hit_tokens: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+
+@dataclass(eq=False)
+class _RequestState:
+    chain: BlockHashChain  # extended only when prefix caching is on
+    allocated: bool = False
+    block_tables: list[list[KVCacheBlock]] = field(default_factory=list)
+    num_computed_tokens: int = 0  # as of the last commit
+    # Full groups: leading slots already hashed. Sliding groups: leading slots released.
+    num_done_slots: list[int] = field(default_factory=list)
+    tentative_boundary: int = 0
+    tentative_blocks: list[tuple[BlockPool, KVCacheBlock, BlockKey]] = field(default_factory=list)
+
+
+class KVCacheManager:
+    """Block tables of every running request over all cache groups (one BlockPool each)."""
+
+    def __init__(
+        self,
+        specs: Sequence[CacheGroupSpec],
+        num_blocks: Mapping[str, int],
+        enable_prefix_caching: bool = True,
+        hash_algo: str = "xxhash",
+        checkpoint_interval: int | None = None,
+    ) -> None:
+        self.specs = tuple(specs)
+        names = [s.name for s in self.specs]
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"cache group names must be non-empty and unique, got {names}")
+        if set(num_blocks) != set(names):
+            raise ValueError(
+                f"num_blocks must have exactly the groups {names}, got {list(num_blocks)}"
+            )
+        check_hash_algo(hash_algo)
+        self.alignment = prefix_alignment(self.specs)  # A
+        self.granularity = hash_granularity(self.specs)  # G
+        if checkpoint_interval is not None and (
+            checkpoint_interval <= 0 or checkpoint_interval % self.alignment
+        ):
+            raise ValueError(
+                f"checkpoint_interval must be a positive multiple of the prefix alignment "
+                f"{self.alignment}, got {checkpoint_interval}"
+            )
+        self.pools = tuple(BlockPool(num_blocks[name]) for name in names)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hash_algo = hash_algo
+        self.checkpoint_interval = checkpoint_interval
+        self._group_index = {name: g for g, name in enumerate(names)}
+        self._sliding = [(g, s, self.pools[g]) for g, s in enumerate(self.specs) if s.is_sliding]
+        self._full = [(g, s, self.pools[g]) for g, s in enumerate(self.specs) if not s.is_sliding]
+        self._states: dict[str, _RequestState] = {}
+        self._num_queries = self._num_queried_tokens = self._num_hit_tokens = 0
+
+    # ---- prefix lookup -------------------------------------------------------------------
+    def get_computed_blocks(self, req: KVRequest) -> tuple[int, HitBlocks]:
+        """The longest exact prefix hit B, with the blocks to reuse.
+
+        ::
+
+            [0 ............................ B)[B ....... len-1][len-1]
+            full-history groups: all of [0, B)                  ^ at least one token is
+            sliding groups:      [B-W+1, B)  (state checkpoint)   computed (for logits)
+
+        B is a multiple of A and <= len(all_token_ids) - 1 (the prompt of a new request; the
+        prompt + output of a preempted one, which is recomputed as a prompt).
+        """
+        state = self._states.get(req.request_id)
+        if state is not None and state.allocated:
+            raise ValueError(f"request {req.request_id} already holds blocks; free it first")
+        empty = HitBlocks(0, tuple(() for _ in self.specs))
+        if not self.enable_prefix_caching:
+            return 0, empty
+        if state is None:
+            state = self._states[req.request_id] = self._new_state(req)
+        state.chain.extend(req.all_token_ids)
+        limit = self._floor_align(max(0, len(req.all_token_ids) - 1))
+        history: dict[int, list[KVCacheBlock]] = {}
+        for g, spec, pool in self._full:
+            history[g] = blocks = []
+            while (len(blocks) + 1) * spec.block_tokens <= limit:
+                block = pool.get_cached_block(_slot_key(spec, state.chain, len(blocks)))
+                if block is None:
+                    break
+                blocks.append(block)
+            limit = self._floor_align(min(limit, len(blocks) * spec.block_tokens))
+        # Longest first: an evicted checkpoint falls back to the previous boundary with one.
+        for boundary in range(limit, 0, -self.alignment):
+            sliding = self._find_checkpoint(state.chain, boundary)
+            if sliding is None:
+                continue
+            tables = tuple(
+                tuple(sliding[g] if s.is_sliding else history[g][: boundary // s.block_tokens])
+                for g, s in enumerate(self.specs)
+            )
+            return boundary, HitBlocks(boundary, tables)
+        return 0, empty
+
+    def _find_checkpoint(
+        self, chain: BlockHashChain, boundary: int
+    ) -> dict[int, list[KVCacheBlock]] | None:
+        """Sliding tables for a hit at ``boundary``: nulls, then the cached pages holding
+        rows [boundary-W+1, boundary); None when any page is missing."""
+        tables = {}
+        for g, spec, pool in self._sliding:
+            first = _first_live_slot(spec, boundary)
+            table = [pool.null_block] * first
+            for i in range(first, boundary // spec.block_tokens):
+                block = pool.get_cached_block(_slot_key(spec, chain, i))
+                if block is None:
+                    return None
+                table.append(block)
+            tables[g] = table
+        return tables
+
+    # ---- allocation ----------------------------------------------------------------------
+    def allocate_slots(
+        self,
+        req: KVRequest,
+        num_new_tokens: int,
+        num_computed_tokens: int,
+        hit: HitBlocks | None = None,
+    ) -> NewBlocks | None:
+        """Blocks for writing tokens [num_computed, num_computed + num_new); all or nothing.
+
+        ::
+
+            positions  0 ...... L-W+1 ........ L ============== L+n        (L = num_computed)
+            full       [ kept ................ )[ new ............)
+            sliding    null ... [ window rows  )[ new ............)
+                                ^ slot (L-W+1) // T: first slot a query of this step reads
+
+        ``hit`` (from :meth:`get_computed_blocks`, first call only) starts the table.
+        Returns None, changing nothing, when any group lacks free blocks.
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        state = self._states.get(req.request_id)
+        if state is None:
+            state = self._states[req.request_id] = self._new_state(req)
+        first_call = not state.allocated
+        if first_call:
+            start = hit.num_tokens if hit is not None else 0
+            if num_computed_tokens != start:
+                raise ValueError(
+                    f"first allocation of {req.request_id} must start at the hit ({start} "
+                    f"tokens), got num_computed_tokens={num_computed_tokens}"
+                )
+            if hit is not None and hit.num_tokens:
+                self._check_hit(state, hit)
+                tables = [list(blocks) for blocks in hit.blocks]
+            else:
+                tables = [[] for _ in self.specs]
+        else:
+            if hit is not None and hit.num_tokens:
+                raise ValueError("a prefix hit can only start a request's first allocation")
+            self._commit(req, state, num_computed_tokens)  # frees pages that left the window
+            tables = state.block_tables
+
+        end = num_computed_tokens + num_new_tokens
+        plan = []  # per group: (first slot to fill, number of new blocks)
+        for spec, pool, table in zip(self.specs, self.pools, tables, strict=True):
+            first = len(table)
+            if spec.is_sliding:
+                first = max(first, _first_live_slot(spec, num_computed_tokens))
+            num_new = max(0, math.ceil(end / spec.block_tokens) - first)
+            # Hit blocks sitting in the free queue stop being free when touched.
+            num_touched = sum(b.ref_cnt == 0 for b in table) if first_call else 0
+            if num_new + num_touched > pool.num_free_blocks:
+                return None
+            plan.append((first, num_new))
+
+        if first_call:
+            for pool, table in zip(self.pools, tables, strict=True):
+                pool.touch([b for b in table if b is not pool.null_block])
+            state.allocated = True
+            state.block_tables = tables
+            state.num_computed_tokens = num_computed_tokens
+            state.num_done_slots = [  # hit slots are hashed (full) or released (sliding)
+                _first_live_slot(s, num_computed_tokens) if s.is_sliding else len(t)
+                for s, t in zip(self.specs, tables, strict=True)
+            ]
+            state.tentative_boundary = self._floor_align(num_computed_tokens)
+            if self.enable_prefix_caching:  # counted once admitted, not per retried lookup
+                self._num_queries += 1
+                self._num_queried_tokens += len(req.all_token_ids)
+                self._num_hit_tokens += num_computed_tokens
+        offsets, block_ids = [], []
+        for pool, table, (first, num_new) in zip(self.pools, tables, plan, strict=True):
+            offset = 0 if first_call else len(table)
+            table.extend([pool.null_block] * (first - len(table)))
+            new_blocks = pool.get_new_blocks(num_new)
+            assert new_blocks is not None  # checked above
+            table.extend(new_blocks)
+            offsets.append(offset)
+            block_ids.append(tuple(b.block_id for b in table[offset:]))
+        return NewBlocks(tuple(offsets), tuple(block_ids))
+
+    def commit(self, req: KVRequest, num_computed_tokens: int) -> None:
+        """After a step: tokens [0, num_computed_tokens) have their KV in the cache."""
+        state = self._states.get(req.request_id)
+        if state is None or not state.allocated:
+            raise ValueError(f"request {req.request_id} holds no blocks")
+        self._commit(req, state, num_computed_tokens)
+
+    def free(self, req: KVRequest, num_computed_tokens: int | None = None) -> None:
+        """Release every block of a finished, aborted or preempted request (idempotent).
+
+        The finish checkpoint ``floor_A(num_computed)`` and all full history blocks stay
+        cached, so the next turn (or the preempted request itself) can hit them. Each pool
+        gets the table in reverse: the request's last blocks are evicted first.
+        """
+        state = self._states.pop(req.request_id, None)
+        if state is None or not state.allocated:
+            return
+        if num_computed_tokens is not None:
+            self._commit(req, state, num_computed_tokens)
+        if self.enable_prefix_caching:
+            self._cache_checkpoint(state, self._floor_align(state.num_computed_tokens))
+        for pool, table in zip(self.pools, state.block_tables, strict=True):
+            pool.free([b for b in reversed(table) if b is not pool.null_block])
+
+    # ---- commit internals ----------------------------------------------------------------
+    def _commit(self, req: KVRequest, state: _RequestState, num_computed_tokens: int) -> None:
+        previous = state.num_computed_tokens
+        if num_computed_tokens < previous:
+            raise ValueError(
+                f"num_computed_tokens went back from {previous} to {num_computed_tokens}"
+            )
+        state.num_computed_tokens = num_computed_tokens
+        if self.enable_prefix_caching and num_computed_tokens > previous:
+            state.chain.extend(req.all_token_ids)
+            self._cache_full_blocks(state)
+            for boundary in self._chosen_boundaries(req, previous, num_computed_tokens):
+                self._cache_checkpoint(state, boundary)
+            latest = self._floor_align(num_computed_tokens)
+            if latest != state.tentative_boundary:
+                # The previous provisional finish checkpoint is superseded: make it transient.
+                for pool, block, key in state.tentative_blocks:
+                    if block.block_hash == key:
+                        pool.uncache_free_block(block)
+                state.tentative_blocks.clear()
+                state.tentative_boundary = latest
+        self._release_window(state)
+
+    def _chosen_boundaries(self, req: KVRequest, previous: int, current: int) -> list[int]:
+        """Checkpoint boundaries reached in (previous, current]."""
+        prompt_end = self._floor_align(req.num_prompt_tokens)
+        boundaries = [prompt_end] if previous < prompt_end <= current else []
+        if self.checkpoint_interval is not None:
+            interval = self.checkpoint_interval
+            stop = min(current, req.num_prompt_tokens)
+            boundaries += range((previous // interval + 1) * interval, stop + 1, interval)
+        return boundaries
+
+    def _cache_full_blocks(self, state: _RequestState) -> None:
+        for g, spec, pool in self._full:
+            table = state.block_tables[g]
+            num_full = min(state.num_computed_tokens // spec.block_tokens, len(table))
+            for i in range(state.num_done_slots[g], num_full):
+                pool.cache_block(table[i], _slot_key(spec, state.chain, i))
+            state.num_done_slots[g] = max(state.num_done_slots[g], num_full)
+
+    def _cache_checkpoint(self, state: _RequestState, boundary: int) -> None:
+        """Hash the held sliding pages with rows [boundary-W+1, boundary)."""
+        if boundary <= 0:
+            return
+        for g, spec, pool in self._sliding:
+            table = state.block_tables[g]
+            stop = min(boundary // spec.block_tokens, len(table))
+            for i in range(_first_live_slot(spec, boundary), stop):
+                if table[i] is not pool.null_block and table[i].block_hash is None:
+                    pool.cache_block(table[i], _slot_key(spec, state.chain, i))
+
+    def _release_window(self, state: _RequestState) -> None:
+        """Free sliding pages no future query reads (entirely below L - W + 1).
+
+        ::
+
+            positions   ......[ B-W+1 ...... B)........[ L-W+1 ....... L)
+            pages       free  | checkpoint B  |  free  |  kept (window)  |
+                        head  | tail (cached) |  head  |                 |
+        """
+        latest = state.tentative_boundary if self.enable_prefix_caching else 0
+        for g, spec, pool in self._sliding:
+            table, span = state.block_tables[g], spec.block_tokens
+            start = state.num_done_slots[g]
+            stop = min(_first_live_slot(spec, state.num_computed_tokens), len(table))
+            released = []
+            for i in range(start, stop):
+                block, table[i] = table[i], pool.null_block
+                if block is pool.null_block:
+                    continue
+                overlaps_latest = i * span < latest and (i + 1) * span > latest - spec.window + 1
+                if overlaps_latest and block.block_hash is None:
+                    key = _slot_key(spec, state.chain, i)
+                    if pool.cache_block(block, key):
+                        state.tentative_blocks.append((pool, block, key))
+                released.append(block)
+            state.num_done_slots[g] = max(start, stop)
+            pool.free(released)
+
+    # ---- helpers and queries -------------------------------------------------------------
+    def _new_state(self, req: KVRequest) -> _RequestState:
+        return _RequestState(BlockHashChain(self.granularity, req.cache_salt, self.hash_algo))
+
+    def _check_hit(self, state: _RequestState, hit: HitBlocks) -> None:
+        # A hit is only valid until the next allocation may evict its blocks.
+        if not self.enable_prefix_caching:
+            raise ValueError("a prefix hit needs enable_prefix_caching=True")
+        for spec, pool, blocks in zip(self.specs, self.pools, hit.blocks, strict=True):
+            for i, block in enumerate(blocks):
+                key = _slot_key(spec, state.chain, i)
+                if block is not pool.null_block and pool.get_cached_block(key) is not block:
+                    raise RuntimeError(
+                        "stale HitBlocks: call allocate_slots right after get_computed_blocks"
+                    )
+
+    def _floor_align(self, num_tokens: int) -> int:
+        return num_tokens // self.alignment * self.alignment
+
+    def get_block_ids(self, req: KVRequest) -> tuple[list[int], ...]:
+        """The request's block table per group (null block ids in released slots)."""
+        state = self._states.get(req.request_id)
+        if state is None or not state.allocated:
+            return tuple([] for _ in self.specs)
+        return tuple([b.block_id for b in table] for table in state.block_tables)
+
+    def num_free_blocks(self, group: str) -> int:
+        return self.pools[self._group_index[group]].num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """The fullest group's fraction of blocks held by requests."""
+        return max(pool.usage for pool in self.pools)
+
+    def usage_by_group(self) -> dict[str, float]:
+        return {spec.name: pool.usage for spec, pool in zip(self.specs, self.pools, strict=True)}
+
+    @property
+    def stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(self._num_queries, self._num_queried_tokens, self._num_hit_tokens)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (e.g. after a weight update); held blocks stay valid."""
+        for pool in self.pools:
+            pool.reset_prefix_cache()
+
+
+def _first_live_slot(spec: CacheGroupSpec, num_computed_tokens: int) -> int:
+    """First slot of a sliding table with a row that a query reads once L tokens are
+    computed: rows [L-W+1, L) are still read."""
+    assert spec.window is not None
+    return max(0, num_computed_tokens - spec.window + 1) // spec.block_tokens
+
+
+def _slot_key(spec: CacheGroupSpec, chain: BlockHashChain, slot: int) -> BlockKey:
+    """Cache key of block table slot ``slot``: the prefix hash at the block's end."""
+    return block_key(spec.name, chain, (slot + 1) * spec.block_tokens)
