@@ -107,7 +107,9 @@ class Indexer(nn.Module):
         scores = ops.indexer_scores(q, keys, weights, self.head_dim**-0.5)
         scores = scores.masked_fill(~visible, float("-inf"))
         k = min(self.topk, keys.shape[0])
-        top = scores.topk(k, dim=-1).indices
+        # Ties (common with few index heads: relu zeroes whole scores) go to the earliest
+        # entry, so the choice never depends on how the prompt was chunked.
+        top = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
         selected = torch.zeros_like(visible).scatter_(1, top, True)
         return selected & visible  # picks past the causal limit are dropped
 
@@ -173,8 +175,6 @@ class Attention(nn.Module):
         """Write this step's raw rows, then emit every entry whose window closed."""
         state = caches.flat(self.state_group, self.layer_id)
         entries = caches.flat(self.entry_group, self.layer_id)
-        state_tables = batch.block_tables[self.state_group]
-        entry_tables = batch.block_tables[self.entry_group]
         parts = self._compressors()
         rows = torch.cat([c.rows(x) for c, _, _ in parts], dim=-1)  # [T, state width]
         r = self.ratio
@@ -182,16 +182,22 @@ class Attention(nn.Module):
             start, end = batch.query_start_loc[i], batch.query_start_loc[i + 1]
             computed, total = batch.num_computed_tokens[i], batch.seq_len(i)
             positions = torch.arange(computed, total, device=x.device)
-            state[caches.slots(self.state_group, state_tables[i], positions)] = rows[start:end]
+            state[
+                caches.slots(self.state_group, batch.block_table(self.state_group, i), positions)
+            ] = rows[start:end]
             first, last = computed // r, total // r  # new entries: [first, last)
             if first == last:
                 continue
             lo = (first - 1) * r if self.kind == CSA else first * r
             src = torch.arange(max(lo, 0), last * r, device=x.device)
-            window_rows = state[caches.slots(self.state_group, state_tables[i], src)]
+            window_rows = state[
+                caches.slots(self.state_group, batch.block_table(self.state_group, i), src)
+            ]
             if lo < 0:  # entry 0 of CSA: a placeholder window -1 (masked in `pool`)
                 window_rows = torch.cat([window_rows[:r], window_rows])
-            dst = caches.slots(self.entry_group, entry_tables[i], torch.arange(first, last))
+            dst = caches.slots(
+                self.entry_group, batch.block_table(self.entry_group, i), torch.arange(first, last)
+            )
             for comp, row_cols, entry_cols in parts:
                 new = comp.pool(window_rows[:, row_cols], first, self.rotary)
                 entries[dst, entry_cols] = new.to(entries.dtype)
@@ -208,16 +214,16 @@ class Attention(nn.Module):
             self._update_compressed(x, batch, caches)
 
         swa = caches.flat("swa", self.layer_id)
-        swa_tables = batch.block_tables["swa"]
         out = torch.empty_like(q)
         for i in range(batch.num_reqs):
             start, end = batch.query_start_loc[i], batch.query_start_loc[i + 1]
             computed, total = batch.num_computed_tokens[i], batch.seq_len(i)
             q_pos = batch.positions[start:end]
             new_pos = torch.arange(computed, total, device=x.device)
-            swa[caches.slots("swa", swa_tables[i], new_pos)] = kv[start:end].to(swa.dtype)
+            swa_table = batch.block_table("swa", i)
+            swa[caches.slots("swa", swa_table, new_pos)] = kv[start:end].to(swa.dtype)
             key_pos = torch.arange(max(0, computed - self.window + 1), total, device=x.device)
-            keys = swa[caches.slots("swa", swa_tables[i], key_pos)].to(q.dtype)
+            keys = swa[caches.slots("swa", swa_table, key_pos)].to(q.dtype)
             diff = q_pos[:, None] - key_pos[None, :]
             mask = (diff >= 0) & (diff < self.window)
             if self.ratio and total >= self.ratio:
@@ -245,7 +251,7 @@ class Attention(nn.Module):
         """Append request i's compressed entries to its keys, with per-query visibility."""
         num_entries = batch.seq_len(i) // self.ratio
         entry_ids = torch.arange(num_entries, device=x.device)
-        table = batch.block_tables[self.entry_group][i]
+        table = batch.block_table(self.entry_group, i)
         rows = caches.flat(self.entry_group, self.layer_id)[
             caches.slots(self.entry_group, table, entry_ids)
         ]

@@ -43,7 +43,12 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] int64
     query_start_loc: list[int]  # [R + 1]
     num_computed_tokens: list[int]  # [R]
-    block_tables: dict[str, torch.Tensor]  # group name -> [R, max_blocks] int64
+    block_tables: dict[str, torch.Tensor]  # group name -> [num_rows, max_blocks] int64
+    rows: list[int]  # [R] request r's row in the block tables (a persistent batch)
+
+    def block_table(self, group: str, r: int) -> torch.Tensor:
+        """[max_blocks] the block table of request r in a cache group."""
+        return self.block_tables[group][self.rows[r]]
 
     @property
     def num_reqs(self) -> int:

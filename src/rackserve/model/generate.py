@@ -42,8 +42,7 @@ class ContiguousCache:
         starts = [0]
         for n in num_new:
             starts.append(starts[-1] + n)
-        tables = {k: v[reqs] for k, v in self.block_tables.items()}
-        return ForwardBatch(positions, starts, list(num_computed), tables)
+        return ForwardBatch(positions, starts, list(num_computed), self.block_tables, list(reqs))
 
 
 @torch.inference_mode()

@@ -43,7 +43,7 @@ def tiny_config(num_layers: int = 6, num_experts: int = 8, vocab_size: int = 409
         sliding_window=16,
         o_groups=2,
         o_lora_rank=32,
-        index_n_heads=4,
+        index_n_heads=16,  # enough heads that exact-zero index scores (ties) are rare
         index_head_dim=32,
         index_topk=8,
         bos_token_id=0,

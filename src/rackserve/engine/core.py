@@ -1,0 +1,143 @@
+"""The engine core: one step = schedule -> execute -> update.
+
+It works on token ids only. Building it loads the checkpoint, derives the cache groups
+from the model, sizes the KV pools from the memory budget and prints the capacity.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+import torch
+
+from rackserve.config import EngineConfig
+from rackserve.engine.outputs import EngineCoreOutputs, EngineCoreRequest, SchedulerOutput
+from rackserve.engine.scheduler import Scheduler
+from rackserve.kv.manager import KVCacheManager
+from rackserve.kv.spec import (
+    bytes_per_token,
+    cache_groups_for,
+    capacity_tokens,
+    plan_num_blocks,
+    prefix_alignment,
+)
+from rackserve.model.cli import default_device, parse_dtype
+from rackserve.model.loader import load_model
+from rackserve.request import Request, RequestStatus
+from rackserve.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 512 << 20
+
+
+def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
+    """``--kv-cache-memory``, else a fraction of the accelerator's free memory."""
+    if config.cache.kv_cache_memory is not None:
+        return config.cache.kv_cache_memory
+    if device.type != "cuda":
+        return CPU_DEFAULT_KV_BYTES
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free * config.cache.gpu_memory_utilization)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, log_stats: bool = True) -> None:
+        self.config = config
+        device = torch.device(default_device() if config.device == "auto" else config.device)
+        dtype = parse_dtype(config.dtype, device.type)
+        torch.manual_seed(config.seed)
+        self.model = load_model(config.model, dtype=dtype, device=device)
+        cfg = self.model.cfg
+        self.eos_token_ids = cfg.eos_token_id
+        self.max_model_len = config.scheduler.max_model_len
+        element = torch.tensor([], dtype=dtype).element_size()
+        groups = cache_groups_for(cfg, dtype_bytes=element)
+        sched = config.scheduler
+        num_blocks = plan_num_blocks(
+            groups,
+            kv_budget_bytes(config, device),
+            sched.max_num_seqs,
+            sched.max_num_batched_tokens,
+        )
+        interval = config.cache.checkpoint_interval
+        kv = KVCacheManager(
+            groups,
+            num_blocks,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
+            hash_algo=config.cache.prefix_caching_hash_algo,
+            checkpoint_interval=_round_interval(interval, groups),
+        )
+        self.kv_capacity_tokens = capacity_tokens(groups, num_blocks)
+        self.kv_bytes_per_token = bytes_per_token(groups)
+        if log_stats:
+            print(
+                f"KV cache: capacity {self.kv_capacity_tokens} tokens, "
+                f"{self.kv_bytes_per_token:.0f} bytes/token of history, "
+                f"prefix alignment {kv.alignment} tokens",
+                flush=True,
+            )
+        self.scheduler = Scheduler(sched, kv, cfg.eos_token_id)
+        self.runner = ModelRunner(
+            self.model,
+            groups,
+            num_blocks,
+            sched.max_num_seqs,
+            sched.max_model_len,
+            cfg.eos_token_id,
+            config.seed,
+        )
+        self.last_step: SchedulerOutput | None = None
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request; ValueError (the client's fault) leaves the engine untouched."""
+        vocab = self.model.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in request.prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        self.scheduler.add_request(
+            Request(
+                request_id=request.request_id,
+                prompt_token_ids=list(request.prompt_token_ids),
+                sampling_params=request.sampling_params,
+                eos_token_ids=self.eos_token_ids,
+                arrival_time=request.arrival_time,
+                priority=request.priority,
+                cache_salt=request.cache_salt,
+            )
+        )
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the step ----------------------------------------------------------------------------------
+    def step(self) -> EngineCoreOutputs:
+        sched = self.scheduler.schedule()
+        self.last_step = sched
+        if sched.is_empty:
+            # Still tell the runner about finished requests so it drops their state.
+            self.runner.execute(sched)
+            return EngineCoreOutputs(
+                outputs=[], scheduler_stats=self.scheduler.stats(), timestamp=time.time()
+            )
+        result = self.runner.execute(sched)
+        outputs = self.scheduler.update(sched, result)
+        return EngineCoreOutputs(
+            outputs=outputs, scheduler_stats=self.scheduler.stats(), timestamp=time.time()
+        )
+
+    def shutdown(self) -> None:
+        self.abort_requests(list(self.scheduler.requests))
+
+
+def _round_interval(interval: int | None, groups: list) -> int | None:
+    """Round the checkpoint interval to the prefix alignment of this model."""
+    if interval is None:
+        return None
+    a = prefix_alignment(groups)
+    return max(a, interval // a * a)

@@ -1,0 +1,273 @@
+"""The engine-core process: an ``EngineCore`` behind two ZMQ sockets.
+
+    API process                                 engine-core process
+    PUSH (bind) --[type, msgpack]--> PULL --input thread--> input queue --+
+                                                                          | busy loop:
+    PULL (bind) <--[type, msgpack]-- PUSH <--output thread-- output queue <+ step()
+
+The busy loop never touches a socket: IO threads decode and encode msgspec messages into
+thread-safe queues, so a slow client or a large message never delays a step. The loop
+blocks on the input queue only when the core has no work. Messages are two frames, a
+one-byte ``MessageType`` and a msgpack payload, so the receiver decodes each payload into
+its exact type. The API process binds ``ipc://`` sockets in a temporary directory and
+passes their addresses here; a watcher thread exits this process when its parent dies.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import msgspec
+import zmq
+
+from rackserve.config import EngineConfig
+from rackserve.engine.outputs import EngineCoreOutputs, EngineCoreRequest
+
+DEFAULT_CORE_FACTORY = "rackserve.engine.core:EngineCore"
+PARENT_POLL_S = 0.2
+IO_POLL_MS = 100  # how often idle IO threads look at the stop flag
+
+
+class MessageType(enum.IntEnum):
+    # API -> engine
+    ADD = 1  # EngineCoreRequest
+    ABORT = 2  # list[str] of request ids
+    PING = 3  # int: a token echoed by PONG
+    SHUTDOWN = 4  # no payload
+    # engine -> API
+    READY = 10  # EngineReady
+    OUTPUTS = 11  # EngineCoreOutputs
+    PONG = 12  # int
+    REQUEST_ERROR = 13  # RequestError: add_request refused a request
+    DEAD = 14  # EngineDead: the loop failed; the process exits next
+
+
+class EngineReady(msgspec.Struct, array_like=True):
+    max_model_len: int
+    eos_token_ids: list[int]
+    pid: int
+
+
+class RequestError(msgspec.Struct, array_like=True):
+    request_id: str
+    message: str
+
+
+class EngineDead(msgspec.Struct, array_like=True):
+    message: str
+
+
+PAYLOAD_TYPES: dict[MessageType, Any] = {
+    MessageType.ADD: EngineCoreRequest,
+    MessageType.ABORT: list[str],
+    MessageType.PING: int,
+    MessageType.SHUTDOWN: None,
+    MessageType.READY: EngineReady,
+    MessageType.OUTPUTS: EngineCoreOutputs,
+    MessageType.PONG: int,
+    MessageType.REQUEST_ERROR: RequestError,
+    MessageType.DEAD: EngineDead,
+}
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode_message(kind: MessageType, payload: Any = None) -> list[bytes]:
+    return [bytes([kind]), _encoder.encode(payload)]
+
+
+def decode_message(frames: list[bytes]) -> tuple[MessageType, Any]:
+    """Decode two frames; raises ValueError (or msgspec.DecodeError) on a malformed one."""
+    if len(frames) != 2 or len(frames[0]) != 1:
+        raise ValueError(f"expected 2 frames [type, payload], got {len(frames)}")
+    kind = MessageType(frames[0][0])
+    return kind, msgspec.msgpack.decode(frames[1], type=PAYLOAD_TYPES[kind])
+
+
+class EngineCoreLike(Protocol):
+    """What the loop needs from an engine core (``rackserve.engine.core.EngineCore``)."""
+
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+
+    def add_request(self, request: EngineCoreRequest) -> None: ...
+    def abort_requests(self, request_ids: Any) -> None: ...
+    def step(self) -> EngineCoreOutputs: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def shutdown(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class EngineProcessConfig:
+    """Everything the child process needs; picklable (the process is spawned)."""
+
+    engine_config: EngineConfig
+    input_address: str
+    output_address: str
+    parent_pid: int
+    core_factory: str = DEFAULT_CORE_FACTORY  # "module:callable" taking an EngineConfig
+
+
+def load_core_factory(path: str) -> Callable[[EngineConfig], EngineCoreLike]:
+    module_name, _, attr = path.partition(":")
+    if not attr:
+        raise ValueError(f"core factory {path!r} must look like 'package.module:callable'")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+class EngineCoreProc:
+    """The loop and its IO threads; ``run`` returns the process exit code."""
+
+    def __init__(self, core: EngineCoreLike, context: zmq.Context, config: EngineProcessConfig):
+        self.core = core
+        self.input_queue: queue.Queue[tuple[MessageType, Any]] = queue.Queue()
+        self.output_queue: queue.Queue[list[bytes] | None] = queue.Queue()
+        self.stop_event = threading.Event()
+        self.shutdown_requested = False
+        self.last_stats: Any = None
+        input_socket = context.socket(zmq.PULL)
+        input_socket.connect(config.input_address)
+        output_socket = context.socket(zmq.PUSH)
+        output_socket.connect(config.output_address)
+        self.input_thread = threading.Thread(
+            target=self._input_loop, args=(input_socket,), name="engine-input", daemon=True
+        )
+        self.output_thread = threading.Thread(
+            target=self._output_loop, args=(output_socket,), name="engine-output", daemon=True
+        )
+
+    # ---- IO threads (the only users of their sockets) ------------------------------------
+    def _input_loop(self, socket: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+        while not self.stop_event.is_set():
+            if not poller.poll(IO_POLL_MS):
+                continue
+            frames = socket.recv_multipart()
+            try:
+                self.input_queue.put(decode_message(frames))
+            except (ValueError, msgspec.DecodeError) as e:
+                # A malformed message is the sender's bug; it must not stop the engine.
+                print(f"engine core: dropped a malformed input message: {e}", flush=True)
+        socket.close(linger=0)
+
+    def _output_loop(self, socket: zmq.Socket) -> None:
+        while (frames := self.output_queue.get()) is not None:
+            socket.send_multipart(frames, copy=False)
+        socket.close(linger=2000)  # flush the last messages (DEAD, final outputs)
+
+    def send(self, kind: MessageType, payload: Any = None) -> None:
+        self.output_queue.put(encode_message(kind, payload))
+
+    # ---- the loop ------------------------------------------------------------------------
+    def _handle(self, kind: MessageType, payload: Any) -> bool:
+        """Apply one input message; returns True if it may have changed the stats."""
+        if kind == MessageType.ADD:
+            try:
+                self.core.add_request(payload)
+            except Exception as e:  # bad input must never take the engine down
+                self.send(MessageType.REQUEST_ERROR, RequestError(payload.request_id, str(e)))
+                return False
+            return True
+        if kind == MessageType.ABORT:
+            self.core.abort_requests(payload)
+            return True
+        if kind == MessageType.PING:
+            self.send(MessageType.PONG, payload)
+        elif kind == MessageType.SHUTDOWN:
+            self.shutdown_requested = True
+        return False
+
+    def _step(self) -> None:
+        step_start = time.monotonic()
+        outputs = self.core.step()
+        stats = outputs.scheduler_stats
+        if outputs.outputs or stats != self.last_stats:
+            # The step's start: the frontend derives queue times from it (CLOCK_MONOTONIC is
+            # shared by the processes of one host).
+            outputs.timestamp = step_start
+            self.send(MessageType.OUTPUTS, outputs)
+            self.last_stats = stats
+
+    def run(self) -> int:
+        self.input_thread.start()
+        self.output_thread.start()
+        core = self.core
+        self.send(
+            MessageType.READY,
+            EngineReady(core.max_model_len, list(core.eos_token_ids), os.getpid()),
+        )
+        exit_code = 0
+        try:
+            while not self.shutdown_requested:
+                stats_dirty = False
+                if not core.has_unfinished_requests():
+                    stats_dirty |= self._handle(*self.input_queue.get())  # idle: block
+                while True:
+                    try:
+                        stats_dirty |= self._handle(*self.input_queue.get_nowait())
+                    except queue.Empty:
+                        break
+                if self.shutdown_requested:
+                    break
+                # An idle step after an abort refreshes the stats (KV usage drops at once).
+                if core.has_unfinished_requests() or stats_dirty:
+                    self._step()
+        except Exception:
+            exit_code = 1
+            message = traceback.format_exc()
+            print(f"engine core died:\n{message}", flush=True)
+            self.send(MessageType.DEAD, EngineDead(message[-4000:]))
+        finally:
+            try:
+                core.shutdown()
+            finally:
+                self.stop_event.set()
+                self.output_queue.put(None)
+                self.output_thread.join(timeout=5)
+                self.input_thread.join(timeout=1)
+        return exit_code
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit at once when the API process is gone, so no engine outlives its server."""
+    while True:
+        time.sleep(PARENT_POLL_S)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+def run_engine_core(config: EngineProcessConfig) -> None:
+    """Entry point of the spawned process."""
+    # Ctrl-C reaches the whole process group and SIGTERM may too (systemd): the API process
+    # owns shutdown (it drains first, then sends SHUTDOWN), so the engine ignores both.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    threading.Thread(
+        target=_watch_parent, args=(config.parent_pid,), name="parent-watch", daemon=True
+    ).start()
+    context = zmq.Context()
+    try:
+        core = load_core_factory(config.core_factory)(config.engine_config)
+    except Exception:
+        message = traceback.format_exc()
+        print(f"engine core failed to start:\n{message}", flush=True)
+        socket = context.socket(zmq.PUSH)
+        socket.connect(config.output_address)
+        socket.send_multipart(encode_message(MessageType.DEAD, EngineDead(message[-4000:])))
+        socket.close(linger=2000)
+        context.term()
+        raise SystemExit(1) from None
+    exit_code = EngineCoreProc(core, context, config).run()
+    context.destroy(linger=0)
+    raise SystemExit(exit_code)

@@ -1,0 +1,297 @@
+"""The phase-free scheduler: each step grants tokens to requests under a token budget.
+
+A request only has ``num_tokens`` (prompt + output so far) and ``num_computed_tokens``; a
+prefill chunk, a decode step and a recompute after preemption are the same thing: "compute
+the next ``n`` tokens". Running requests are served first (in order), then waiting ones
+(FCFS or priority). When the cache is full the scheduler preempts (recompute) the running
+request that would be scheduled last; the KV manager never decides policy.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterable
+
+from rackserve.config import SchedulerConfig
+from rackserve.engine.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    Logprob,
+    NewRequestData,
+    RunnerOutput,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from rackserve.kv.manager import KVCacheManager
+from rackserve.request import Request, RequestStatus
+from rackserve.runner.stop import check_stop_token
+
+
+class WaitingQueue:
+    """FCFS (a deque) or priority order (a heap on (priority, arrival, seq))."""
+
+    def __init__(self, policy: str) -> None:
+        self.priority = policy == "priority"
+        self._fifo: deque[Request] = deque()
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._heap) if self.priority else len(self._fifo)
+
+    def __iter__(self):
+        return (e[-1] for e in self._heap) if self.priority else iter(self._fifo)
+
+    def add(self, req: Request, front: bool = False) -> None:
+        if self.priority:
+            heapq.heappush(self._heap, (req.priority, req.arrival_time, next(self._seq), req))
+        elif front:  # a preempted request resumes before newer arrivals
+            self._fifo.appendleft(req)
+        else:
+            self._fifo.append(req)
+
+    def peek(self) -> Request:
+        return self._heap[0][-1] if self.priority else self._fifo[0]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[-1] if self.priority else self._fifo.popleft()
+
+    def remove(self, ids: set[str]) -> None:
+        """O(n); only on abort."""
+        if self.priority:
+            self._heap = [e for e in self._heap if e[-1].request_id not in ids]
+            heapq.heapify(self._heap)
+        else:
+            self._fifo = deque(r for r in self._fifo if r.request_id not in ids)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_manager: KVCacheManager,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.eos_token_ids = eos_token_ids
+        self.requests: dict[str, Request] = {}
+        self.waiting = WaitingQueue(config.policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()  # told to the runner with the next step
+        self.num_preemptions = 0
+
+    # ---- requests in and out ----------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        limit = self.config.max_model_len
+        if req.num_prompt_tokens >= limit:
+            raise ValueError(
+                f"This model's maximum context length is {limit} tokens; the prompt has "
+                f"{req.num_prompt_tokens} tokens (at least one must be left to generate)"
+            )
+        if not req.prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.waiting.add(req)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish (e.g. abort) requests wherever they are; frees their blocks at once."""
+        reqs = [self.requests[i] for i in request_ids if i in self.requests]
+        if not reqs:
+            return []
+        ids = {r.request_id for r in reqs}
+        self.waiting.remove(ids)
+        self.running = [r for r in self.running if r.request_id not in ids]
+        for req in reqs:
+            self._free(req, status)
+        return reqs
+
+    def _free(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.kv.free(req)
+        self.finished_req_ids.add(req.request_id)
+        del self.requests[req.request_id]
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        num_scheduled: dict[str, int] = {}
+        preempted: set[str] = set()
+
+        # 1. Running requests, in order; preempt from the back when the cache is full.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(self._num_wanted(req), budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            new_blocks = self.kv.allocate_slots(req, num_new, req.num_computed_tokens)
+            while new_blocks is None:
+                victim = self._pick_victim()
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is req:
+                    break
+                new_blocks = self.kv.allocate_slots(req, num_new, req.num_computed_tokens)
+            if new_blocks is None:
+                break  # req itself was preempted: everything after it already was
+            cached_reqs.append(
+                CachedRequestData(
+                    req.request_id,
+                    tuple(list(b) for b in new_blocks.block_ids),
+                    req.num_computed_tokens,
+                )
+            )
+            num_scheduled[req.request_id] = num_new
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting requests, unless this step had to preempt (the cache is tight).
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            req = self.waiting.peek()
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                break  # admitted by the KV connector (P/D), not here
+            num_hit, hit = self.kv.get_computed_blocks(req)
+            num_new = req.num_tokens - num_hit
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            new_blocks = self.kv.allocate_slots(req, num_new, num_hit, hit)
+            if new_blocks is None:
+                break
+            self.waiting.pop()
+            if req.status == RequestStatus.WAITING:
+                req.num_cached_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit
+            self.running.append(req)
+            new_reqs.append(
+                NewRequestData(
+                    req.request_id,
+                    list(req.all_token_ids),
+                    req.num_prompt_tokens,
+                    req.sampling_params,
+                    tuple(list(b) for b in new_blocks.block_ids),
+                    num_hit,
+                )
+            )
+            num_scheduled[req.request_id] = num_new
+            budget -= num_new
+
+        # Optimistic advance: the runner computes exactly what was granted.
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        out = SchedulerOutput(
+            new_reqs=new_reqs,
+            cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=preempted,
+        )
+        self.finished_req_ids = set()
+        return out
+
+    def _num_wanted(self, req: Request) -> int:
+        """Tokens not yet computed (a decode step: 1), capped by the context length."""
+        wanted = req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens
+        return min(wanted, self.config.max_model_len - req.num_computed_tokens)
+
+    def _pick_victim(self) -> Request:
+        if self.waiting.priority:  # the least urgent running request
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute later: free every block; a prefix hit may restore part of it."""
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add(req, front=True)
+
+    def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
+        """Apply sampled tokens, finish requests, commit computed KV to the cache."""
+        outputs = []
+        finished = set()
+        for k, req_id in enumerate(result.req_ids):
+            req = self.requests.get(req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            sampled = result.sampled_token_ids[k]
+            self.kv.commit(req, req.num_computed_tokens)
+            if not sampled:
+                continue  # a prefill chunk short of the prompt's end
+            decision = None
+            accepted = []
+            for token in sampled:
+                accepted.append(token)
+                req.append_output_token_ids([token])
+                decision = check_stop_token(
+                    req.sampling_params,
+                    token,
+                    req.num_output_tokens,
+                    self.eos_token_ids,
+                    req.num_tokens,
+                    self.config.max_model_len,
+                )
+                if decision is not None:
+                    break
+            out = EngineCoreOutput(
+                request_id=req_id, new_token_ids=accepted, num_cached_tokens=req.num_cached_tokens
+            )
+            if result.logprobs is not None and result.logprobs[k]:
+                out.new_logprobs = [
+                    Logprob(lp.token_ids, lp.logprobs, lp.rank)
+                    for lp in result.logprobs[k][: len(accepted)]
+                ]
+            if req_id in result.prompt_logprobs:
+                out.prompt_logprobs = [
+                    None if lp is None else Logprob(lp.token_ids, lp.logprobs, lp.rank)
+                    for lp in result.prompt_logprobs[req_id]
+                ]
+            if decision is not None:
+                status = (
+                    RequestStatus.FINISHED_STOPPED
+                    if decision.kind == "stop"
+                    else RequestStatus.FINISHED_LENGTH_CAPPED
+                )
+                out.finish_reason = status.finish_reason.value
+                out.stop_reason = decision.stop_reason
+                req.stop_reason = decision.stop_reason
+                finished.add(req_id)
+                self._free(req, status)
+            outputs.append(out)
+        if finished:
+            self.running = [r for r in self.running if r.request_id not in finished]
+        return outputs
+
+    def stats(self) -> SchedulerStats:
+        kv_stats = self.kv.stats
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=kv_stats.num_queried_tokens,
+            prefix_cache_hits=kv_stats.num_hit_tokens,
+            num_preemptions=self.num_preemptions,
+        )
