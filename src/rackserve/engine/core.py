@@ -91,7 +91,7 @@ class EngineCore:
         )
         self.last_step: SchedulerOutput | None = None
 
-    # ---- requests -------------------------------------------------------------------------------
+    # ---- requests ----------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request; ValueError (the client's fault) leaves the engine untouched."""
         vocab = self.model.cfg.vocab_size
@@ -115,17 +115,11 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
-    # ---- the step ----------------------------------------------------------------------------------
+    # ---- the step ----------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
         sched = self.scheduler.schedule()
         self.last_step = sched
-        if sched.is_empty:
-            # Still tell the runner about finished requests so it drops their state.
-            self.runner.execute(sched)
-            return EngineCoreOutputs(
-                outputs=[], scheduler_stats=self.scheduler.stats(), timestamp=time.time()
-            )
-        result = self.runner.execute(sched)
+        result = self.runner.execute(sched)  # an empty step still drops finished state
         outputs = self.scheduler.update(sched, result)
         return EngineCoreOutputs(
             outputs=outputs, scheduler_stats=self.scheduler.stats(), timestamp=time.time()
