@@ -85,6 +85,9 @@ class _RequestState:
     num_done_slots: list[int] = field(default_factory=list)
     tentative_boundary: int = 0
     tentative_blocks: list[tuple[BlockPool, KVCacheBlock, BlockKey]] = field(default_factory=list)
+    # Where this request's chain leaves the cached history without a checkpoint there (a
+    # shared system prompt): it checkpoints that boundary so the next request hits it.
+    divergence_boundary: int = 0
 
 
 class KVCacheManager:
@@ -158,6 +161,7 @@ class KVCacheManager:
                     break
                 blocks.append(block)
             limit = self._floor_align(min(limit, len(blocks) * spec.block_tokens))
+        state.divergence_boundary = limit
         # Longest first: an evicted checkpoint falls back to the previous boundary with one.
         for boundary in range(limit, 0, -self.alignment):
             sliding = self._find_checkpoint(state.chain, boundary)
@@ -320,7 +324,10 @@ class KVCacheManager:
     def _chosen_boundaries(self, req: KVRequest, previous: int, current: int) -> list[int]:
         """Checkpoint boundaries reached in (previous, current]."""
         prompt_end = self._floor_align(req.num_prompt_tokens)
-        boundaries = [prompt_end] if previous < prompt_end <= current else []
+        state = self._states[req.request_id]
+        boundaries = [
+            b for b in {prompt_end, state.divergence_boundary} if previous < b <= current
+        ]
         if self.checkpoint_interval is not None:
             interval = self.checkpoint_interval
             stop = min(current, req.num_prompt_tokens)
