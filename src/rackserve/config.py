@@ -348,6 +348,7 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda when available
     seed: int = 0
     served_model_name: str | None = None
+    cpu_threads: int = 1  # intra-op threads when running on the CPU (tiny models: 1 is best)
 
     def __post_init__(self) -> None:
         limit = self.model_config.max_position_embeddings

@@ -20,8 +20,11 @@ def budget_for_tokens(
     minimum = plan_num_blocks(groups, 1 << 40, max_num_seqs, max_num_batched_tokens)
     sliding = sum(minimum[g.name] * g.bytes_per_block for g in groups if g.is_sliding)
     full = [g for g in groups if not g.is_sliding]
-    return int(sliding + sum(2 * g.bytes_per_block for g in full)
-               + tokens * sum(g.bytes_per_token for g in full))
+    return int(
+        sliding
+        + sum(2 * g.bytes_per_block for g in full)
+        + tokens * sum(g.bytes_per_token for g in full)
+    )
 
 
 def make_engine(

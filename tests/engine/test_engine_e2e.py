@@ -30,9 +30,14 @@ def reference(tmp_path_factory):
     expected = {}
     with torch.no_grad():
         for req_id, ids in prompts.items():
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)
-            expected[req_id] = out[0, len(ids):].tolist()
+            out = hf.generate(
+                torch.tensor([ids]),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            expected[req_id] = out[0, len(ids) :].tolist()
     return path, prompts, expected
 
 

@@ -26,6 +26,7 @@ from rackserve.kv.spec import (
 from rackserve.model.cli import default_device, parse_dtype
 from rackserve.model.loader import load_model
 from rackserve.request import Request, RequestStatus
+from rackserve.runner.kv_transfer import export_blocks, import_blocks
 from rackserve.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,8 @@ class EngineCore:
         device = torch.device(default_device() if config.device == "auto" else config.device)
         dtype = parse_dtype(config.dtype, device.type)
         torch.manual_seed(config.seed)
+        if device.type == "cpu":
+            torch.set_num_threads(config.cpu_threads)
         self.model = load_model(config.model, dtype=dtype, device=device)
         cfg = self.model.cfg
         self.eos_token_ids = cfg.eos_token_id
@@ -124,6 +127,18 @@ class EngineCore:
         return EngineCoreOutputs(
             outputs=outputs, scheduler_stats=self.scheduler.stats(), timestamp=time.time()
         )
+
+    # ---- KV export / import (P/D transfer, host KV pool) -----------------------------------
+    def export_kv(self, request_id: str) -> tuple[tuple[list[int], ...], torch.Tensor]:
+        """A running request's block tables and its KV as one packed region."""
+        req = self.scheduler.requests[request_id]
+        block_ids = self.scheduler.kv.get_block_ids(req)
+        return block_ids, export_blocks(self.runner.caches, block_ids)
+
+    def import_kv(self, request_id: str, packed: torch.Tensor) -> None:
+        """Fill a running request's blocks from a packed region."""
+        req = self.scheduler.requests[request_id]
+        import_blocks(self.runner.caches, self.scheduler.kv.get_block_ids(req), packed)
 
     def shutdown(self) -> None:
         self.abort_requests(list(self.scheduler.requests))

@@ -1,0 +1,117 @@
+"""Prefix caching across agent turns, seeded sampling and KV export/import, on the tiny
+model created by `model create` (no reference needed: these compare the engine with
+itself or with the cache's theoretical best)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from engine_utils import make_engine, run_to_completion
+from transformers import AutoTokenizer
+
+from rackserve.engine.outputs import EngineCoreRequest
+from rackserve.model.create import create_checkpoint
+from rackserve.model.presets import tiny_config
+from rackserve.request import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return create_checkpoint(tiny_config(), tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+def test_agent_sessions_hit_while_long_requests_churn(tiny):
+    """10 sessions x 6 turns (next prompt = prompt + output + new text), interleaved, while
+    long requests churn the sliding-window pages of a small cache."""
+    core = make_engine(tiny, max_num_seqs=16, max_num_batched_tokens=512, kv_tokens=12_000)
+    g = torch.Generator().manual_seed(0)
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(10, 4000, (n,), generator=g).tolist()
+
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = {f"s{i}": rand(int(torch.randint(60, 200, (1,), generator=g))) for i in range(10)}
+    total_prompt = theoretical = measured = 0
+    for turn in range(6):
+        churn = {f"long{turn}_{k}": rand(1500) for k in range(2)}
+        for req_id, ids in {**churn, **prompts}.items():
+            core.add_request(EngineCoreRequest(f"{req_id}_t{turn}", ids, params, time.time()))
+        outputs = {f"{r}_t{turn}": [] for r in prompts}
+        while core.has_unfinished_requests():
+            for out in core.step().outputs:
+                if out.request_id in outputs:
+                    if not outputs[out.request_id]:
+                        measured += out.num_cached_tokens
+                    outputs[out.request_id] += out.new_token_ids
+        for req_id, ids in prompts.items():
+            total_prompt += len(ids)
+            output = outputs[f"{req_id}_t{turn}"]
+            if turn < 5:
+                new_text = rand(int(torch.randint(20, 80, (1,), generator=g)))
+                prompts[req_id] = ids + output + new_text
+                theoretical += len(ids) + len(output)  # what turn + 1 could reuse
+    theoretical_rate = theoretical / total_prompt
+    assert measured / total_prompt >= 0.9 * theoretical_rate, (measured, theoretical)
+    assert core.scheduler.kv.usage == 0.0
+
+
+def test_chat_template_turns_hit_the_previous_prompt(tiny):
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    core = make_engine(tiny)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    messages = [{"role": "system", "content": "You are a coding agent. " * 8}]
+    previous: list[int] = []
+    alignment = core.scheduler.kv.alignment
+    for turn in range(4):
+        messages.append({"role": "user", "content": f"Run step {turn}: " + "ls -la; " * 12})
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert ids[: len(previous)] == previous  # the template's round trip
+        core.add_request(EngineCoreRequest(f"t{turn}", ids, params, time.time()))
+        out_ids, cached = [], None
+        while core.has_unfinished_requests():
+            for out in core.step().outputs:
+                cached = out.num_cached_tokens if cached is None else cached
+                out_ids += out.new_token_ids
+        if turn:
+            assert cached >= len(previous) // alignment * alignment - alignment
+            assert cached > 0
+        reply = tokenizer.decode(out_ids, skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": reply})
+        previous = ids
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(tiny):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12)
+    prompt = list(range(20, 80))
+    alone = run_to_completion(make_engine(tiny), {"x": prompt}, seeded)["x"]
+    core = make_engine(tiny)
+    others = {f"o{i}": list(range(30 + i, 90 + i)) for i in range(5)}
+    batched = run_to_completion(core, {**others, "x": prompt}, seeded)["x"]
+    assert alone == batched
+    other_seed = SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=12)
+    assert run_to_completion(make_engine(tiny), {"x": prompt}, other_seed)["x"] != alone
+
+
+def test_kv_export_import_round_trip(tiny):
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompt = list(range(5, 205))
+    expected = run_to_completion(make_engine(tiny), {"x": prompt}, params)["x"]
+
+    core = make_engine(tiny)
+    core.add_request(EngineCoreRequest("x", prompt, params, time.time()))
+    tokens = []
+    while not tokens:  # run the prefill
+        tokens += [t for o in core.step().outputs for t in o.new_token_ids]
+    block_ids, packed = core.export_kv("x")
+    assert all(len(ids) for ids in block_ids)
+    saved = packed.clone()
+    core.import_kv("x", torch.zeros_like(packed))  # wipe the request's KV ...
+    assert core.export_kv("x")[1].abs().sum() == 0
+    core.import_kv("x", saved)  # ... and restore it from the packed region
+    assert torch.equal(core.export_kv("x")[1], saved)
+    while core.has_unfinished_requests():
+        tokens += [t for o in core.step().outputs for t in o.new_token_ids]
+    assert tokens == expected

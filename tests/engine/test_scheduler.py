@@ -1,0 +1,130 @@
+"""Scheduler unit tests: a fake runner, the real KV manager, exact expectations."""
+
+from __future__ import annotations
+
+import pytest
+
+from rackserve.config import SchedulerConfig
+from rackserve.engine.outputs import RunnerOutput, SchedulerOutput
+from rackserve.engine.scheduler import Scheduler
+from rackserve.kv.manager import KVCacheManager
+from rackserve.kv.spec import cache_groups_for
+from rackserve.model.presets import tiny_config
+from rackserve.request import Request, RequestStatus, SamplingParams
+
+EOS = 1
+TOKEN = 7  # what the fake runner samples
+
+
+def make_scheduler(num_history_blocks: int = 100, policy: str = "fcfs", **config) -> Scheduler:
+    groups = cache_groups_for(tiny_config())
+    blocks = {g.name: (1000 if g.is_sliding else num_history_blocks) for g in groups}
+    defaults = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, policy=policy)
+    return Scheduler(
+        SchedulerConfig(**{**defaults, **config}), KVCacheManager(groups, blocks), (EOS,)
+    )
+
+
+def request(req_id: str, num_prompt: int, max_tokens: int = 4, priority: int = 0) -> Request:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    prompt = [10 + (i % 50) for i in range(num_prompt)]
+    return Request(req_id, prompt, params, (EOS,), arrival_time=0.0, priority=priority)
+
+
+def fake_run(sched: Scheduler, out: SchedulerOutput) -> RunnerOutput:
+    """Sample TOKEN for every request whose step reaches its last known token."""
+    ids = [r.req_id for r in out.new_reqs] + [r.req_id for r in out.cached_reqs]
+    sampled = []
+    for req_id in ids:
+        req = sched.requests[req_id]
+        sampled.append([TOKEN] if req.num_computed_tokens >= req.num_tokens else [])
+    return RunnerOutput(req_ids=ids, sampled_token_ids=sampled)
+
+
+def step(sched: Scheduler) -> SchedulerOutput:
+    out = sched.schedule()
+    sched.update(out, fake_run(sched, out))
+    return out
+
+
+def test_token_budget_and_chunked_prefill():
+    sched = make_scheduler(max_num_batched_tokens=64)
+    sched.add_request(request("a", 100))
+    sched.add_request(request("b", 30))
+    out = step(sched)
+    assert out.num_scheduled_tokens == {"a": 64}  # a takes the whole budget, b waits
+    out = step(sched)
+    assert out.num_scheduled_tokens == {"a": 36, "b": 28}  # a finishes its prompt, b chunks
+    out = step(sched)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 2}  # a decodes, b completes its prompt
+    assert sched.requests["a"].output_token_ids == [TOKEN, TOKEN]
+
+
+def test_max_num_seqs():
+    sched = make_scheduler(max_num_seqs=2)
+    for i in range(3):
+        sched.add_request(request(f"r{i}", 8))
+    out = step(sched)
+    assert set(out.num_scheduled_tokens) == {"r0", "r1"}
+    assert len(sched.waiting) == 1
+
+
+def test_finishes_at_max_tokens_and_frees_blocks():
+    sched = make_scheduler()
+    sched.add_request(request("a", 20, max_tokens=3))
+    while sched.num_unfinished:
+        step(sched)
+    assert sched.kv.usage == 0.0
+    out = sched.schedule()
+    assert out.finished_req_ids == {"a"}  # the runner hears about it on the next step
+
+
+def test_preemption_recomputes_the_last_running_request():
+    # 4 history blocks of 32 tokens: two 50-token requests cannot both grow past 64.
+    sched = make_scheduler(num_history_blocks=5, max_num_batched_tokens=128)
+    sched.add_request(request("a", 50, max_tokens=20))
+    sched.add_request(request("b", 50, max_tokens=20))
+    step(sched)
+    assert [r.request_id for r in sched.running] == ["a", "b"]
+    preempted = set()
+    for _ in range(30):
+        preempted |= step(sched).preempted_req_ids
+        if preempted:
+            break
+    assert preempted == {"b"}
+    b = sched.requests["b"]
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert sched.num_preemptions == 1
+    while sched.num_unfinished:
+        step(sched)
+    assert sched.kv.usage == 0.0
+
+
+def test_abort_at_any_moment_frees_every_block():
+    sched = make_scheduler(max_num_batched_tokens=32)
+    sched.add_request(request("a", 100))
+    sched.add_request(request("b", 10))
+    step(sched)  # a mid-prefill, b waiting
+    assert sched.kv.usage > 0
+    sched.finish_requests(["a", "b", "unknown"], RequestStatus.FINISHED_ABORTED)
+    assert sched.kv.usage == 0.0 and sched.num_unfinished == 0
+    assert sched.schedule().finished_req_ids == {"a", "b"}
+
+
+def test_max_model_len():
+    sched = make_scheduler(max_model_len=64)
+    with pytest.raises(ValueError, match="maximum context length is 64"):
+        sched.add_request(request("long", 64))
+    sched.add_request(request("a", 60, max_tokens=100))
+    while sched.num_unfinished:
+        step(sched)
+    # generation stops with "length" when the context is full
+    assert sched.finished_req_ids == {"a"}
+
+
+def test_priority_policy_admits_the_most_urgent_first():
+    sched = make_scheduler(policy="priority", max_num_seqs=1)
+    sched.add_request(request("low", 8, priority=5))
+    sched.add_request(request("high", 8, priority=-1))
+    out = step(sched)
+    assert set(out.num_scheduled_tokens) == {"high"}
