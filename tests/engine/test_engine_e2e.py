@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_utils import make_engine, run_to_completion
-from hf_reference import hf_reference
 
+from hf_reference import hf_reference
 from rackserve.model.presets import tiny_config
 from rackserve.request import SamplingParams
 
