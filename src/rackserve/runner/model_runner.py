@@ -7,7 +7,6 @@ makes no policy: it computes exactly the tokens it was granted.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -15,23 +14,8 @@ from rackserve.engine.outputs import RunnerOutput, SchedulerOutput, TokenLogprob
 from rackserve.kv.spec import CacheGroupSpec
 from rackserve.model.batch import ForwardBatch, KVCacheTensors
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
-from rackserve.request import SamplingParams
-from rackserve.runner.inputs import BlockTables, ScheduledRequest, build_step_inputs
-from rackserve.runner.sampler import SamplingTensors, make_generator, sample
-
-
-@dataclass
-class RunnerRequest:
-    req_id: str
-    token_ids: list[int]
-    num_prompt_tokens: int
-    sampling_params: SamplingParams
-    generator: torch.Generator | None
-    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+from rackserve.runner.input_batch import InputBatch, RunnerRequest
+from rackserve.runner.sampler import make_generator, sample
 
 
 class ModelRunner:
@@ -49,56 +33,28 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.dtype = model.head.weight.dtype
         self.caches = KVCacheTensors(groups, num_blocks, self.dtype, self.device)
-        self.block_tables = BlockTables(
-            {g.name: g.block_tokens for g in groups}, max_num_reqs, max_model_len
+        self.input_batch = InputBatch(
+            {g.name: g.block_tokens for g in groups},
+            max_num_reqs,
+            max_model_len,
+            model.cfg.vocab_size,
+            eos_token_ids,
+            self.device,
         )
-        self.eos_token_ids = eos_token_ids
-        self.vocab_size = model.cfg.vocab_size
-        self.requests: dict[str, RunnerRequest] = {}
         self.generator = make_generator(seed, self.device)  # unseeded random requests
-
-    # ---- state updates from the scheduler ------------------------------------------------------
-    def _update_states(self, sched: SchedulerOutput) -> None:
-        for req_id in sched.finished_req_ids | sched.preempted_req_ids:
-            self.requests.pop(req_id, None)
-            self.block_tables.remove(req_id)
-        for new in sched.new_reqs:
-            params = new.sampling_params
-            generator = None if params.seed is None else make_generator(params.seed, self.device)
-            self.requests[new.req_id] = RunnerRequest(
-                new.req_id, list(new.token_ids), new.num_prompt_tokens, params, generator
-            )
-            self.block_tables.add(new.req_id, new.block_ids)
-        for cached in sched.cached_reqs:
-            self.block_tables.append(cached.req_id, cached.new_block_ids)
 
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        self._update_states(sched)
-        order = [n.req_id for n in sched.new_reqs] + [c.req_id for c in sched.cached_reqs]
-        computed = {n.req_id: n.num_computed_tokens for n in sched.new_reqs}
-        computed.update((c.req_id, c.num_computed_tokens) for c in sched.cached_reqs)
-        if not order:
+        step = self.input_batch.prepare(sched)
+        if step is None:
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
-        reqs = [self.requests[i] for i in order]
-        inputs = build_step_inputs(
-            [
-                ScheduledRequest(
-                    r.token_ids,
-                    computed[r.req_id],
-                    sched.num_scheduled_tokens[r.req_id],
-                    self.block_tables.row_of[r.req_id],
-                )
-                for r in reqs
-            ],
-            self.device,
-        )
+        reqs, inputs = step.reqs, step.inputs
         batch = ForwardBatch(
             inputs.positions,
             inputs.query_start_loc,
             inputs.num_computed_tokens,
-            self.block_tables.tables,
+            self.input_batch.block_tables.tables,
             inputs.rows,
         )
         cfg = self.model.cfg
@@ -107,23 +63,17 @@ class ModelRunner:
         )
         start = time.perf_counter()
         hidden, _ = self.model(inputs.input_ids, batch, self.caches, expert_counts)
-        prompt_logprobs = self._prompt_logprobs(reqs, inputs.query_start_loc, computed, hidden)
+        prompt_logprobs = self._prompt_logprobs(
+            reqs, inputs.query_start_loc, inputs.num_computed_tokens, hidden
+        )
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, V]
 
-        sampled_reqs = [r for r, s in zip(reqs, inputs.sample_mask, strict=True) if s]
+        sampled_reqs = step.sampled_reqs
         sampled: list[list[int]] = [[] for _ in reqs]
         logprobs: list[list[TokenLogprobs]] | None = None
-        if sampled_reqs:
-            tensors = SamplingTensors.from_params(
-                [r.sampling_params for r in sampled_reqs],
-                prompt_token_ids=[r.token_ids[: r.num_prompt_tokens] for r in sampled_reqs],
-                output_token_ids=[r.output_token_ids for r in sampled_reqs],
-                vocab_size=self.vocab_size,
-                eos_token_ids=self.eos_token_ids,
-                device=self.device,
-            )
+        if step.sampling is not None:
             generators = {i: r.generator for i, r in enumerate(sampled_reqs) if r.generator}
-            out = sample(logits, tensors, generators, self.generator)
+            out = sample(logits, step.sampling, generators, self.generator)
             token_ids = out.token_ids.tolist()
             rows = iter(range(len(sampled_reqs)))
             if out.logprobs is not None:
@@ -141,7 +91,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return RunnerOutput(
-            req_ids=order,
+            req_ids=[r.req_id for r in reqs],
             sampled_token_ids=sampled,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
@@ -153,14 +103,14 @@ class ModelRunner:
         self,
         reqs: list[RunnerRequest],
         starts: list[int],
-        computed: dict[str, int],
+        computed: list[int],
         hidden: torch.Tensor,
     ) -> dict[str, list[TokenLogprobs | None]]:
         """Accumulate prompt logprobs chunk by chunk; hand them out when the prompt ends."""
         done: dict[str, list[TokenLogprobs | None]] = {}
         for k, r in enumerate(reqs):
             num = r.sampling_params.prompt_logprobs
-            c = computed[r.req_id]
+            c = computed[k]
             if num is None or c >= r.num_prompt_tokens:
                 continue
             if c == 0:
