@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from rackserve.bench.engine_bench import register_scheduler, register_throughput
 from rackserve.bench.workloads import AgenticConfig
 
 BenchRegistrar = Callable[[Any], None]  # argument: the `bench` sub-parsers action
@@ -201,7 +202,12 @@ def _serve_main(args: argparse.Namespace) -> int:
     return 0 if result["completed"] else 1
 
 
-BENCH_REGISTRARS: tuple[BenchRegistrar, ...] = (register_agentic, register_serve)
+BENCH_REGISTRARS: tuple[BenchRegistrar, ...] = (
+    register_agentic,
+    register_serve,
+    register_scheduler,
+    register_throughput,
+)
 
 
 def register(subparsers: Any) -> None:
