@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rackserve.bench.engine_bench import register_scheduler, register_throughput
+from rackserve.bench.forward_cli import register_decode, register_forward
 from rackserve.bench.workloads import AgenticConfig
 
 BenchRegistrar = Callable[[Any], None]  # argument: the `bench` sub-parsers action
@@ -207,6 +208,8 @@ BENCH_REGISTRARS: tuple[BenchRegistrar, ...] = (
     register_serve,
     register_scheduler,
     register_throughput,
+    register_forward,
+    register_decode,
 )
 
 

@@ -93,6 +93,7 @@ class EngineCore:
             config.seed,
         )
         self.last_step: SchedulerOutput | None = None
+        self.last_forward_time_s = 0.0
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -123,6 +124,7 @@ class EngineCore:
         sched = self.scheduler.schedule()
         self.last_step = sched
         result = self.runner.execute(sched)  # an empty step still drops finished state
+        self.last_forward_time_s = result.forward_time_s
         outputs = self.scheduler.update(sched, result)
         return EngineCoreOutputs(
             outputs=outputs, scheduler_stats=self.scheduler.stats(), timestamp=time.time()

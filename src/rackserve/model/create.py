@@ -128,3 +128,34 @@ def create_checkpoint(
     # vocab size and the tokenizer uses the first ids.
     write_tokenizer(out, min(cfg.vocab_size, 4096))
     return out
+
+
+@torch.no_grad()
+def init_model_(model: DeepseekV4ForCausalLM, seed: int = 0) -> DeepseekV4ForCausalLM:
+    """Random weights in place, on the model's device (benchmarks without a checkpoint).
+
+    Same rules as ``init_tensor`` but drawn on the device, so a V4-Flash-sized model is
+    ready in seconds; the values differ from a created checkpoint's.
+    """
+    cfg = model.cfg
+    device = next(model.parameters()).device
+    g = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith(("norm.weight", "hc_attn_scale", "hc_ffn_scale", "hc_scale")):
+            p.fill_(1.0)
+        elif name.endswith(("hc_attn_base", "hc_ffn_base", "hc_base", "gate.bias")):
+            p.zero_()
+        elif name.endswith(("hc_attn_fn", "hc_ffn_fn", "hc_fn", "ape", "attn_sink")):
+            p.normal_(0.0, 0.02, generator=g)
+        elif name.endswith("embed_tokens.weight"):
+            p.normal_(0.0, 1.0, generator=g)
+        else:
+            std = 1.0 / math.sqrt(p.shape[-1])
+            if name.endswith(("attn.wo_b.weight", "experts.w2", ".w2.weight", "eh_proj.weight")):
+                std /= math.sqrt(2 * cfg.num_hidden_layers)
+            p.normal_(0.0, std, generator=g)
+    for name, b in model.named_buffers():
+        if name.endswith("tid2eid"):
+            scores = torch.rand(b.shape[0], cfg.n_routed_experts, generator=g, device=device)
+            b.copy_(scores.argsort(dim=-1)[:, : b.shape[1]])
+    return model

@@ -1,0 +1,186 @@
+"""`bench forward`: the model forward alone, for an exact synthetic batch, through the real
+runner path (persistent batch -> flat inputs -> model over paged caches).
+
+Caches are "pre-filled" synthetically: every request gets block tables covering its
+context (sliding groups only their window), nothing is computed before the timed step.
+Bytes and FLOPs come from ``rackserve.planner.counting`` (the planner's own counting), so
+the printed fraction of roofline is directly the planner's calibration input.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+
+import torch
+
+from rackserve.engine.outputs import NewRequestData, SchedulerOutput
+from rackserve.kv.spec import CacheGroupSpec, cache_groups_for
+from rackserve.model.batch import ForwardBatch, KVCacheTensors
+from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
+from rackserve.planner.cost import roofline_time
+from rackserve.planner.counting import BatchShape, step_ops
+from rackserve.planner.hardware import get_hardware
+from rackserve.planner.models import Formats
+from rackserve.request import SamplingParams
+from rackserve.runner.input_batch import InputBatch, PreparedStep
+
+_BATCH = re.compile(r"^(prefill|decode):(\d+)(?:@(\d+))?(?:x(\d+))?$")
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """``prefill:TOKENS[@CONTEXT]`` (one request) or ``decode:REQS@CONTEXT[xTOKENS]``."""
+
+    phase: str
+    num_requests: int
+    new_tokens: int
+    context: int
+
+    @classmethod
+    def parse(cls, text: str) -> BatchSpec:
+        m = _BATCH.match(text.strip())
+        if not m:
+            raise ValueError(
+                f"bad --batch {text!r}: use prefill:TOKENS[@CONTEXT] or "
+                "decode:REQS@CONTEXT[xTOKENS]"
+            )
+        phase, a, b, c = m.group(1), int(m.group(2)), m.group(3), m.group(4)
+        if phase == "prefill":
+            if c is not None:
+                raise ValueError("prefill batches take no xTOKENS suffix")
+            return cls("prefill", 1, a, int(b or 0))
+        if b is None:
+            raise ValueError("decode batches need a context: decode:REQS@CONTEXT")
+        return cls("decode", a, int(c or 1), int(b))
+
+
+@dataclass
+class SyntheticStep:
+    step: PreparedStep
+    block_tables: dict[str, torch.Tensor]
+    caches: KVCacheTensors
+    groups: list[CacheGroupSpec]
+
+
+def synthetic_step(model: DeepseekV4ForCausalLM, batch: BatchSpec, seed: int = 0) -> SyntheticStep:
+    """Block tables and inputs for ``batch``; the caches hold whatever they were born with."""
+    cfg = model.cfg
+    device = next(model.parameters()).device
+    dtype = model.head.weight.dtype
+    groups = cache_groups_for(cfg, dtype_bytes=torch.tensor([], dtype=dtype).element_size())
+    total = batch.context + batch.new_tokens
+    next_id = {g.name: 1 for g in groups}  # block 0 is the null block
+    tables: list[tuple[list[int], ...]] = []
+    for _ in range(batch.num_requests):
+        per_group = []
+        for g in groups:
+            num = -(-total // g.block_tokens)
+            first_live = 0
+            if g.window is not None:  # only the window rows are ever read
+                first_live = max(0, batch.context - g.window + 1) // g.block_tokens
+            ids = [0] * first_live + list(
+                range(next_id[g.name], next_id[g.name] + num - first_live)
+            )
+            next_id[g.name] += num - first_live
+            per_group.append(ids)
+        tables.append(tuple(per_group))
+    caches = KVCacheTensors(groups, next_id, dtype, device)
+    gen = torch.Generator().manual_seed(seed)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    new_reqs = [
+        NewRequestData(
+            f"r{i}",
+            torch.randint(0, cfg.vocab_size, (total,), generator=gen).tolist(),
+            total,
+            params,
+            tables[i],
+            batch.context,
+        )
+        for i in range(batch.num_requests)
+    ]
+    sched = SchedulerOutput(
+        new_reqs=new_reqs,
+        cached_reqs=[],
+        num_scheduled_tokens={r.req_id: batch.new_tokens for r in new_reqs},
+        total_num_scheduled_tokens=batch.num_requests * batch.new_tokens,
+    )
+    input_batch = InputBatch(
+        {g.name: g.block_tokens for g in groups},
+        batch.num_requests,
+        total,
+        cfg.vocab_size,
+        cfg.eos_token_id,
+        device,
+    )
+    step = input_batch.prepare(sched)
+    assert step is not None
+    tables = {k: v.to(device) for k, v in input_batch.block_tables.tables.items()}
+    return SyntheticStep(step, tables, caches, groups)
+
+
+@torch.inference_mode()
+def time_forward(
+    model: DeepseekV4ForCausalLM, synthetic: SyntheticStep, iters: int = 10, warmup: int = 2
+) -> list[float]:
+    """Seconds per forward (+ logits of the sampled rows): CUDA events on a GPU."""
+    inputs, caches = synthetic.step.inputs, synthetic.caches
+    batch = ForwardBatch(
+        inputs.positions,
+        inputs.query_start_loc,
+        inputs.num_computed_tokens,
+        synthetic.block_tables,
+        inputs.rows,
+    )
+    cuda = inputs.input_ids.device.type == "cuda"
+
+    def run() -> None:
+        hidden, _ = model(inputs.input_ids, batch, caches)
+        model.compute_logits(hidden[inputs.logits_indices])
+
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(iters):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def roofline(model: DeepseekV4ForCausalLM, batch: BatchSpec, hardware: str | None) -> dict:
+    """Bytes, FLOPs and the roofline time of the step (planner counting, this dtype)."""
+    element = model.head.weight.element_size()
+    precision = {2: "bf16", 4: "fp32"}.get(element, "bf16")
+    formats = Formats(
+        weight_bytes=element,
+        expert_bytes=element,
+        kv_bytes=element,
+        act_bytes=element,
+        dispatch_bytes=element,
+        gemm_precision="bf16",
+        expert_precision="bf16",
+        attention_precision="bf16",
+        indexer_precision="bf16",
+    )
+    shape = BatchShape(batch.num_requests, batch.new_tokens, batch.context)
+    ops = step_ops(model.cfg, shape, formats, ep_size=1, logits_tokens=batch.num_requests)
+    out = {
+        "flops": sum(o.flops for o in ops),
+        "bytes": sum(o.bytes for o in ops),
+        "precision": precision,
+    }
+    if hardware is not None:
+        gpu = get_hardware(hardware)
+        out["hardware"] = gpu.name
+        out["roofline_s"] = roofline_time(ops, gpu)
+    return out

@@ -1,0 +1,225 @@
+"""`bench forward` and `bench decode` command lines (heavy imports inside the handlers)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _load(args: argparse.Namespace):
+    """The model from --model DIR, or a --preset with random weights made on the device."""
+    import torch
+
+    from rackserve.model.cli import default_device, parse_dtype
+
+    device = args.device or default_device()
+    dtype = parse_dtype(args.dtype, device)
+    if args.model:
+        from rackserve.model.loader import load_model
+
+        return load_model(args.model, dtype=dtype, device=device), str(args.model)
+    from rackserve.model.create import init_model_
+    from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
+    from rackserve.model.presets import preset_config
+
+    cfg = preset_config(args.preset, args.layers, args.experts)
+    with torch.device(device):
+        model = DeepseekV4ForCausalLM(cfg, with_mtp=False)
+    init_model_(model.cast(dtype), seed=0)
+    return (
+        model.eval(),
+        f"{args.preset} ({cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts)",
+    )
+
+
+def _hardware(args: argparse.Namespace, device_type: str) -> str | None:
+    if args.hardware:
+        return args.hardware
+    if device_type != "cuda":
+        return None
+    import torch
+
+    name = torch.cuda.get_device_name().lower()
+    for key in ("h200", "h100", "b200", "b300"):
+        if key in name:
+            return key
+    return None
+
+
+def _forward(args: argparse.Namespace) -> int:
+    from rackserve.bench.forward import BatchSpec, roofline, synthetic_step, time_forward
+
+    model, model_name = _load(args)
+    device = next(model.parameters()).device
+    hardware = _hardware(args, device.type)
+    records: list[dict[str, Any]] = []
+    for spec_text in args.batch:
+        spec = BatchSpec.parse(spec_text)
+        synthetic = synthetic_step(model, spec)
+        times = time_forward(model, synthetic, iters=args.iters, warmup=args.warmup)
+        measured = statistics.median(times)
+        counts = roofline(model, spec, hardware)
+        record: dict[str, Any] = {
+            "kind": "forward",
+            "phase": spec.phase,
+            "batch": spec_text,
+            "num_requests": spec.num_requests,
+            "new_tokens": spec.new_tokens,
+            "context": spec.context,
+            "model": model_name,
+            "dtype": str(model.head.weight.dtype).removeprefix("torch."),
+            "device": torch_device_name(device),
+            "gpu": counts.get("hardware"),
+            "measured_s": measured,
+            "min_s": min(times),
+            "iters": len(times),
+            "flops": counts["flops"],
+            "bytes": counts["bytes"],
+            "date": datetime.date.today().isoformat(),
+            "commit": _git_commit(),
+        }
+        line = (
+            f"{spec_text}: median {measured * 1e3:.3f} ms over {len(times)} runs; "
+            f"{counts['flops'] / 1e9:.2f} GFLOP, {counts['bytes'] / 1e9:.3f} GB"
+        )
+        if "roofline_s" in counts:
+            record["roofline_s"] = counts["roofline_s"]
+            record["fraction_of_roofline"] = counts["roofline_s"] / measured
+            line += (
+                f"; roofline {counts['roofline_s'] * 1e3:.3f} ms on {counts['hardware']} "
+                f"({100 * record['fraction_of_roofline']:.1f}% of roofline)"
+            )
+        print(line, flush=True)
+        records.append(record)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(records, indent=2) + "\n")
+    return 0
+
+
+def torch_device_name(device) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _decode(args: argparse.Namespace) -> int:
+    """Engine steps at a fixed decode concurrency: step time vs the forward inside it."""
+    from rackserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from rackserve.engine.core import EngineCore
+    from rackserve.engine.outputs import EngineCoreRequest
+    from rackserve.request import SamplingParams
+
+    total = args.context + args.warmup + args.steps + 2
+    config = EngineConfig(
+        model=str(args.model),
+        model_config=ModelConfig.from_pretrained(args.model),
+        cache=CacheConfig(kv_cache_memory=args.kv_cache_memory),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.concurrency,
+            max_num_batched_tokens=max(args.max_num_batched_tokens, args.concurrency),
+            max_model_len=total,
+        ),
+        dtype=args.dtype or "auto",
+        device=args.device or "auto",
+    )
+    core = EngineCore(config)
+    params = SamplingParams(temperature=0, max_tokens=total - args.context, ignore_eos=True)
+    vocab = core.model.cfg.vocab_size
+    for i in range(args.concurrency):
+        prompt = [(i * 7919 + t) % (vocab - 2) + 2 for t in range(args.context)]
+        core.add_request(EngineCoreRequest(f"d{i}", prompt, params, time.time()))
+    # Fill the contexts (not timed), then time pure decode steps.
+    while not (
+        core.last_step is not None
+        and len(core.last_step.num_scheduled_tokens) == args.concurrency
+        and all(n == 1 for n in core.last_step.num_scheduled_tokens.values())
+    ):
+        core.step()
+    step_times, forward_times = [], []
+    for i in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        core.step()
+        elapsed = time.perf_counter() - start
+        if i >= args.warmup:
+            step_times.append(elapsed)
+            forward_times.append(core.last_forward_time_s)
+    step_ms = statistics.median(step_times) * 1e3
+    forward_ms = statistics.median(forward_times) * 1e3
+    result = {
+        "kind": "decode",
+        "concurrency": args.concurrency,
+        "context": args.context,
+        "median_step_ms": step_ms,
+        "median_forward_ms": forward_ms,
+        "overhead_ms": step_ms - forward_ms,
+        "output_tokens_per_s": args.concurrency / (step_ms / 1e3),
+        "date": datetime.date.today().isoformat(),
+        "commit": _git_commit(),
+    }
+    print(
+        f"decode x{args.concurrency} @ {args.context}: step {step_ms:.2f} ms, forward "
+        f"{forward_ms:.2f} ms, overhead {step_ms - forward_ms:.2f} ms "
+        f"({result['output_tokens_per_s']:.0f} tok/s)"
+    )
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def _model_args(p: argparse.ArgumentParser, allow_preset: bool) -> None:
+    p.add_argument("--model", required=not allow_preset, help="checkpoint directory")
+    if allow_preset:
+        p.add_argument("--preset", default="v4-flash", help="random weights when no --model")
+        p.add_argument("--layers", type=int, default=None)
+        p.add_argument("--experts", type=int, default=None)
+    p.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on GPU")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--output", default=None, help="JSON result file")
+
+
+def register_forward(bench_subparsers: Any) -> None:
+    p = bench_subparsers.add_parser(
+        "forward", help="time the model forward for an exact synthetic batch"
+    )
+    _model_args(p, allow_preset=True)
+    p.add_argument(
+        "--batch",
+        action="append",
+        required=True,
+        help="prefill:TOKENS[@CONTEXT] or decode:REQS@CONTEXT[xTOKENS]; repeatable",
+    )
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--hardware", default=None, help="roofline GPU (default: detected)")
+    p.set_defaults(func=_forward)
+
+
+def register_decode(bench_subparsers: Any) -> None:
+    p = bench_subparsers.add_parser(
+        "decode", help="engine decode steps at a concurrency: step time vs forward time"
+    )
+    _model_args(p, allow_preset=False)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
+    p.set_defaults(func=_decode)

@@ -1,0 +1,95 @@
+"""`bench forward` / `bench decode` on the tiny model (CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rackserve.bench.forward import BatchSpec, roofline, synthetic_step, time_forward
+from rackserve.cli import main
+from rackserve.model.create import create_checkpoint
+from rackserve.model.loader import load_model
+from rackserve.model.presets import tiny_config
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return create_checkpoint(tiny_config(), tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+def test_batch_spec_parsing():
+    assert BatchSpec.parse("prefill:512") == BatchSpec("prefill", 1, 512, 0)
+    assert BatchSpec.parse("prefill:512@4096") == BatchSpec("prefill", 1, 512, 4096)
+    assert BatchSpec.parse("decode:64@2048") == BatchSpec("decode", 64, 1, 2048)
+    assert BatchSpec.parse("decode:64@2048x4") == BatchSpec("decode", 64, 4, 2048)
+    for bad in ("decode:64", "prefill:5x2", "train:3@4"):
+        with pytest.raises(ValueError, match=r"--batch|context|suffix"):
+            BatchSpec.parse(bad)
+
+
+def test_synthetic_step_inputs_and_counts(tiny):
+    """Decode 2 requests at context 40: positions, window-only tables, planner counts."""
+    model = load_model(tiny)
+    spec = BatchSpec("decode", 2, 1, 40)
+    synthetic = synthetic_step(model, spec, seed=3)
+    step = synthetic.step
+    assert step.inputs.input_ids.shape == (2,)
+    assert step.inputs.positions.tolist() == [40, 40]
+    assert len(time_forward(model, synthetic, iters=2, warmup=0)) == 2
+    counts = roofline(model, spec, "h200")
+    assert counts["flops"] > 0 and counts["bytes"] > 0 and counts["roofline_s"] > 0
+    # the sliding groups' tables start with null blocks below the window
+    swa = synthetic.block_tables["swa"][0]
+    assert swa[0] == 0 and swa[40 // 8] != 0
+
+
+def test_cli_forward_writes_calibration_records(tiny, tmp_path, capsys):
+    out = tmp_path / "fwd.json"
+    argv = [
+        "bench",
+        "forward",
+        "--model",
+        str(tiny),
+        "--batch",
+        "prefill:64",
+        "--batch",
+        "decode:4@100",
+        "--iters",
+        "2",
+        "--warmup",
+        "1",
+        "--hardware",
+        "h200",
+        "--output",
+        str(out),
+    ]
+    assert main(argv) == 0
+    records = json.loads(out.read_text())
+    assert [r["phase"] for r in records] == ["prefill", "decode"]
+    assert all(r["kind"] == "forward" and r["measured_s"] > 0 for r in records)
+    assert all(0 < r["fraction_of_roofline"] < 1 for r in records)
+    assert "of roofline" in capsys.readouterr().out
+
+
+def test_cli_decode_reports_step_and_forward(tiny, tmp_path):
+    out = tmp_path / "decode.json"
+    argv = [
+        "bench",
+        "decode",
+        "--model",
+        str(tiny),
+        "--concurrency",
+        "4",
+        "--context",
+        "64",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--output",
+        str(out),
+    ]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["median_step_ms"] >= result["median_forward_ms"] > 0
