@@ -14,6 +14,7 @@ COMMAND_MODULES = (
     "rackserve.model.cli",  # model create, generate
     "rackserve.bench.cli",
     "rackserve.planner.cli",
+    "rackserve.server.cli",
 )
 
 

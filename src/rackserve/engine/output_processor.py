@@ -10,7 +10,7 @@ and sends the follow-up requests it returns.
                                 children to send now (child 0 has its first token, so its
                                 prompt is in the prefix cache for them)
 
-Per token it detokenizes incrementally (``Detokenizer``), checks stop strings
+Per token it detokenizes incrementally (``engine/detokenizer.py``), checks stop strings
 (``runner/stop.py``), collects logprobs, and records the timings that the metrics need.
 """
 
@@ -22,13 +22,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from rackserve.engine.detokenizer import Detokenizer, special_token_ids
 from rackserve.engine.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, Logprob
 from rackserve.request import FinishReason, SamplingParams
 from rackserve.runner.stop import check_stop_strings, stream_holdback_chars
-
-# Prompt tokens the detokenizer starts from, so the first generated token is decoded in
-# context (a leading space or a multi-byte character split across the prompt boundary).
-_PROMPT_CONTEXT_TOKENS = 6
 
 
 class RequestOutputKind(enum.Enum):
@@ -110,58 +107,6 @@ class ProcessedOutputs:
     abort_ids: list[str]  # engine request ids to abort (stopped by a stop string)
     to_send: list[EngineCoreRequest]  # children released by their sibling's first token
     stats: IterationStats
-
-
-class Detokenizer:
-    """Incremental detokenization with prefix/read offsets (vLLM's scheme).
-
-    ``tokens[prefix_offset:read_offset]`` is already-emitted context; decoding it with the
-    new tokens and cutting off its own decoding gives the new text. A result ending in
-    U+FFFD is an incomplete UTF-8 sequence, so nothing is emitted until it completes.
-    """
-
-    def __init__(
-        self,
-        tokenizer: Any,
-        prompt_token_ids: list[int],
-        skip_special_tokens: bool,
-        special_ids: frozenset[int],
-    ) -> None:
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.special_ids = special_ids
-        self.tokens = self._to_tokens(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
-        self.read_offset = len(self.tokens)
-        self.prefix_offset = max(self.read_offset - _PROMPT_CONTEXT_TOKENS + 1, 0)
-        self.text = ""
-
-    def _to_tokens(self, token_ids: list[int]) -> list[str]:
-        if self.skip_special_tokens:
-            token_ids = [t for t in token_ids if t not in self.special_ids]
-        return self.tokenizer.convert_ids_to_tokens(token_ids)
-
-    def append(self, token_id: int) -> str:
-        """Add one token; returns the text it completed (possibly empty)."""
-        self.tokens.extend(self._to_tokens([token_id]))
-        convert = self.tokenizer.convert_tokens_to_string
-        prefix_text = convert(self.tokens[self.prefix_offset : self.read_offset])
-        new_text = convert(self.tokens[self.prefix_offset :])
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
-            return ""
-        delta = new_text[len(prefix_text) :]
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.tokens)
-        self.text += delta
-        return delta
-
-
-def special_token_ids(tokenizer: Any) -> frozenset[int]:
-    """Ids that ``skip_special_tokens`` removes: the named specials and added special tokens."""
-    ids = set(getattr(tokenizer, "all_special_ids", ()))
-    for token_id, token in getattr(tokenizer, "added_tokens_decoder", {}).items():
-        if getattr(token, "special", False):
-            ids.add(token_id)
-    return frozenset(ids)
 
 
 @dataclass
@@ -288,17 +233,17 @@ class OutputProcessor:
 
     # ---- outputs -------------------------------------------------------------------------
     def process_outputs(
-        self, outputs: EngineCoreOutputs | Iterable[EngineCoreOutput], now: float | None = None
+        self,
+        outputs: EngineCoreOutputs | Iterable[EngineCoreOutput],
+        now: float | None = None,
+        step_start: float | None = None,
     ) -> ProcessedOutputs:
         """Apply one batch of engine outputs; see ``ProcessedOutputs``.
 
-        ``EngineCoreOutputs.timestamp``, when set (the engine process sets it to the start
-        of the step that produced the outputs), gives each request's queue time."""
+        ``step_start`` (``time.monotonic()`` when the step that produced the outputs
+        started; the engine process sends it) gives each request's queue time."""
         now = time.monotonic() if now is None else now
-        if isinstance(outputs, EngineCoreOutputs):
-            items, step_start = outputs.outputs, outputs.timestamp
-        else:
-            items, step_start = outputs, 0.0
+        items = outputs.outputs if isinstance(outputs, EngineCoreOutputs) else outputs
         stats = IterationStats()
         abort_ids: list[str] = []
         to_send: list[EngineCoreRequest] = []
@@ -331,7 +276,7 @@ class OutputProcessor:
         child: _Child,
         output: EngineCoreOutput,
         now: float,
-        step_start: float,
+        step_start: float | None,
         stats: IterationStats,
     ) -> bool:
         """Append one output's tokens; returns True if a stop string ended the request, so
@@ -347,7 +292,7 @@ class OutputProcessor:
         if new_token_ids:
             if child.first_token_time is None:
                 stats.time_to_first_tokens_s.append(now - parent.arrival_time)
-                if step_start > 0.0:
+                if step_start is not None:
                     stats.queue_times_s.append(max(step_start - parent.arrival_time, 0.0))
                 stats.num_prompt_tokens += len(parent.prompt_token_ids)
                 child.first_token_time = now

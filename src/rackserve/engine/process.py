@@ -16,6 +16,7 @@ passes their addresses here; a watcher thread exits this process when its parent
 from __future__ import annotations
 
 import enum
+import faulthandler
 import importlib
 import os
 import queue
@@ -193,8 +194,8 @@ class EngineCoreProc:
         outputs = self.core.step()
         stats = outputs.scheduler_stats
         if outputs.outputs or stats != self.last_stats:
-            # The step's start: the frontend derives queue times from it (CLOCK_MONOTONIC is
-            # shared by the processes of one host).
+            # Replaces the core's wall-clock stamp with the step's monotonic start: the
+            # frontend derives queue times from it (CLOCK_MONOTONIC is host-wide).
             outputs.timestamp = step_start
             self.send(MessageType.OUTPUTS, outputs)
             self.last_stats = stats
@@ -253,6 +254,7 @@ def run_engine_core(config: EngineProcessConfig) -> None:
     # owns shutdown (it drains first, then sends SHUTDOWN), so the engine ignores both.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: dump stacks
     threading.Thread(
         target=_watch_parent, args=(config.parent_pid,), name="parent-watch", daemon=True
     ).start()

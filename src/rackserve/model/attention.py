@@ -196,7 +196,9 @@ class Attention(nn.Module):
             if lo < 0:  # entry 0 of CSA: a placeholder window -1 (masked in `pool`)
                 window_rows = torch.cat([window_rows[:r], window_rows])
             dst = caches.slots(
-                self.entry_group, batch.block_table(self.entry_group, i), torch.arange(first, last)
+                self.entry_group,
+                batch.block_table(self.entry_group, i),
+                torch.arange(first, last, device=x.device),
             )
             for comp, row_cols, entry_cols in parts:
                 new = comp.pool(window_rows[:, row_cols], first, self.rotary)
