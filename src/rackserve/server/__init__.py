@@ -1,0 +1,9 @@
+"""The OpenAI-compatible API server: ``rackserve serve`` (see docs/serving.md).
+
+protocol.py      request models (pydantic) and response shapes
+serving.py       tokenization, length checks, responses and SSE chunks
+api.py           the FastAPI app (``build_app``): routes, errors, auth, limits
+async_client.py  the API process's client of the engine-core process
+metrics.py       Prometheus metrics with vLLM's names under ``rackserve:``
+cli.py           ``rackserve serve``
+"""

@@ -1,0 +1,269 @@
+"""OpenAI request models (pydantic) and the response shapes, with vLLM's extra parameters.
+
+Every request model forbids unknown fields: a parameter we do not implement is a 400 that
+names it, never silently ignored. Parameters that exist in the OpenAI API but that we only
+support in some values (``best_of``, ``tool_choice``, ``response_format``, ...) are
+accepted at the values we honour and refused otherwise, naming the parameter.
+
+Responses are built as plain dicts (``*_response``/``*_chunk`` helpers) in the exact
+layout OpenAI and vLLM send; streaming encodes them with msgspec, which is fast enough
+for many concurrent streams on one core.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rackserve.engine.output_processor import TokenLogprob
+from rackserve.request import MAX_NUM_LOGPROBS, SamplingParams
+
+
+class ParamError(ValueError):
+    """A request parameter is invalid or unsupported; ``param`` names it."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingRequest(OpenAIModel):
+    """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=128)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    user: str | None = None  # an end-user id; it does not change the output
+    logit_bias: dict[str, float] | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=1)
+    priority: int = 0
+    cache_salt: str | None = None
+    request_id: str | None = None
+
+    def check_supported(self) -> None:
+        if self.logit_bias:
+            raise ParamError("logit_bias is not supported", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise ParamError("stream_options is only allowed when stream is true", "stream_options")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The engine's SamplingParams; raises ParamError naming a bad value."""
+        try:
+            return SamplingParams(
+                n=self.n,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=0 if self.top_k is None else self.top_k,
+                min_p=0.0 if self.min_p is None else self.min_p,
+                seed=self.seed,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=1.0
+                if self.repetition_penalty is None
+                else self.repetition_penalty,
+                stop=[] if self.stop is None else self.stop,
+                stop_token_ids=self.stop_token_ids or [],
+                ignore_eos=self.ignore_eos,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=self.prompt_logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+            )
+        except ValueError as e:
+            message = str(e)
+            raise ParamError(message, message.split(" ", 1)[0]) from None
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_NUM_LOGPROBS)
+    best_of: int | None = None
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.best_of is not None and self.best_of != self.n:
+            raise ParamError("best_of other than n is not supported", "best_of")
+        if self.suffix:
+            raise ParamError("suffix is not supported", "suffix")
+        if self.echo and (self.logprobs is not None or self.prompt_logprobs is not None):
+            raise ParamError("echo together with logprobs is not supported", "echo")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ParamError("prompt must not be empty", "prompt")
+
+
+class ContentPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_NUM_LOGPROBS)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools:
+            raise ParamError("tools are not supported by this server", "tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise ParamError("tool_choice must be 'none' or 'auto' (no tools)", "tool_choice")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise ParamError(
+                "only response_format {'type': 'text'} is supported", "response_format"
+            )
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ParamError("top_logprobs requires logprobs to be true", "top_logprobs")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ParamError(
+                "continue_final_message and add_generation_prompt cannot both be true; "
+                "set add_generation_prompt to false",
+                "continue_final_message",
+            )
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages for the chat template; ``developer`` is the newer name of ``system``."""
+        out = []
+        for m in self.messages:
+            message = m.model_dump(exclude_none=True)
+            if message["role"] == "developer":
+                message["role"] = "system"
+            out.append(message)
+        return out
+
+
+class TokenizeRequest(OpenAIModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- responses --------------------------------------------------------------------------
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: Any = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> dict:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+    }
+
+
+def chat_logprobs(entries: list[TokenLogprob], num_top: int) -> dict:
+    """``choice.logprobs`` of a chat completion: one item per generated token."""
+
+    def item(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return {
+        "content": [
+            {
+                **item(e.token, e.logprob),
+                "top_logprobs": [item(text, lp) for _, text, lp in e.top[:num_top]],
+            }
+            for e in entries
+        ]
+    }
+
+
+def completion_logprobs(entries: list[TokenLogprob], num_top: int, text_offset: int) -> dict:
+    """``choice.logprobs`` of a completion; the sampled token is in ``top_logprobs`` too."""
+    offsets, offset = [], text_offset
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.token)
+    return {
+        "text_offset": offsets,
+        "token_logprobs": [e.logprob for e in entries],
+        "tokens": [e.token for e in entries],
+        "top_logprobs": [
+            {e.token: e.logprob, **{text: lp for _, text, lp in e.top[:num_top]}}
+            if num_top
+            else {e.token: e.logprob}
+            for e in entries
+        ],
+    }
+
+
+def prompt_logprobs_json(entries: list[TokenLogprob | None] | None) -> list | None:
+    """vLLM's ``prompt_logprobs``: per prompt position, {token id: {logprob, rank, token}}."""
+    if entries is None:
+        return None
+    return [
+        None
+        if e is None
+        else {
+            str(e.token_id): {"logprob": e.logprob, "rank": e.rank, "decoded_token": e.token},
+            **{
+                str(t): {"logprob": lp, "rank": None, "decoded_token": text}
+                for t, text, lp in e.top
+                if t != e.token_id
+            },
+        }
+        for e in entries
+    ]
+
+
+def now_s() -> int:
+    return int(time.time())

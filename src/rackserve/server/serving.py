@@ -1,0 +1,410 @@
+"""What the OpenAI endpoints do between parsing and the HTTP response: tokenize (chat
+template), check lengths, turn engine outputs into OpenAI responses and SSE chunks.
+
+One client request may hold several prompts (``/v1/completions`` accepts a list); each is
+one engine request (``n`` completions), and choice ``index = prompt_index * n + i``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from fastapi.responses import JSONResponse
+
+from rackserve.engine.output_processor import RequestOutput, RequestOutputKind
+from rackserve.request import SamplingParams
+from rackserve.server.async_client import (
+    AsyncEngineClient,
+    EngineDeadError,
+    RequestAbortedError,
+    RequestRejectedError,
+)
+from rackserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ParamError,
+    TokenizeRequest,
+    chat_logprobs,
+    completion_logprobs,
+    error_body,
+    now_s,
+    prompt_logprobs_json,
+    usage,
+)
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class ApiError(Exception):
+    """An error answered with OpenAI's envelope ``{"error": {message, type, param, code}}``."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    @property
+    def type(self) -> str:
+        if self.status >= 500:
+            return "server_error"
+        return "authentication_error" if self.status == 401 else "invalid_request_error"
+
+    def response(self) -> JSONResponse:
+        body = error_body(self.message, self.type, self.param, self.code)
+        return JSONResponse(body, status_code=self.status)
+
+
+def as_api_error(error: BaseException) -> ApiError:
+    """The HTTP error for an exception raised while a request ran."""
+    if isinstance(error, ApiError):
+        return error
+    if isinstance(error, RequestRejectedError):
+        return ApiError(400, str(error))
+    if isinstance(error, EngineDeadError):
+        return ApiError(500, f"The engine died while serving this request: {error}")
+    if isinstance(error, RequestAbortedError):
+        return ApiError(499, str(error))
+    return ApiError(500, f"Internal error: {type(error).__name__}: {error}")
+
+
+def sse(payload: Any) -> str:
+    return f"data: {msgspec.json.encode(payload).decode()}\n\n"
+
+
+@dataclass
+class Prepared:
+    """A validated, tokenized request, ready for the engine."""
+
+    chat: bool
+    body: ChatCompletionRequest | CompletionRequest
+    response_id: str
+    model: str
+    prompts: list[tuple[str | None, list[int]]]  # (text if known, token ids)
+    params: SamplingParams
+    num_top_logprobs: int
+    abort: Callable[[str], None]
+    engine_ids: list[str] = field(default_factory=list)
+    created: int = field(default_factory=now_s)
+
+    def abort_all(self) -> None:
+        for engine_id in self.engine_ids:
+            self.abort(engine_id)
+
+
+class OpenAIServing:
+    def __init__(
+        self, client: AsyncEngineClient, tokenizer: Any, served_model_names: tuple[str, ...]
+    ) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.served_model_names = served_model_names
+        self.vocab_size = len(tokenizer)
+
+    # ---- tokenization --------------------------------------------------------------------
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ParamError(
+                f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param
+            )
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool, **kwargs: Any) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ParamError("this model's tokenizer has no chat template", "messages")
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+        )
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    # ---- preparing requests --------------------------------------------------------------
+    def prepare_completion(self, body: CompletionRequest, request_id: str) -> Prepared:
+        raw = body.prompt
+        if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
+            raw = [raw]
+        prompts: list[tuple[str | None, list[int]]] = []
+        for item in raw:
+            if isinstance(item, str):
+                prompts.append((item, self.encode(item, body.add_special_tokens)))
+            else:
+                self.check_token_ids(item, "prompt")
+                prompts.append((None, list(item)))
+        return self._prepare(body, request_id, prompts, body.logprobs, chat=False)
+
+    def prepare_chat(self, body: ChatCompletionRequest, request_id: str) -> Prepared:
+        text = self.render_chat(
+            body.template_messages(),
+            body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            **(body.chat_template_kwargs or {}),
+        )
+        prompt = (text, self.encode(text, body.add_special_tokens))
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        return self._prepare(body, request_id, [prompt], logprobs, chat=True)
+
+    def _prepare(
+        self,
+        body: Any,
+        request_id: str,
+        prompts: list[tuple[str | None, list[int]]],
+        logprobs: int | None,
+        chat: bool,
+    ) -> Prepared:
+        max_model_len = self.client.max_model_len
+        what = "messages" if chat else "prompt"
+        requested = body.max_completion_tokens if chat else None
+        requested = requested or body.max_tokens
+        max_tokens = 1
+        for i, (text, ids) in enumerate(prompts):
+            if body.truncate_prompt_tokens is not None:
+                ids = ids[-body.truncate_prompt_tokens :]
+                prompts[i] = (None if text is None else self.tokenizer.decode(ids), ids)
+            if not ids:
+                raise ParamError(f"the {what} is empty (no tokens)", what)
+            if len(ids) >= max_model_len:
+                raise ParamError(
+                    f"This model's maximum context length is {max_model_len} tokens. However, "
+                    f"your request has {len(ids)} input tokens. Please reduce the length of "
+                    f"the input {what}.",
+                    what,
+                )
+            if requested is not None and len(ids) + requested > max_model_len:
+                raise ParamError(
+                    f"This model's maximum context length is {max_model_len} tokens. However, "
+                    f"you requested {len(ids) + requested} tokens ({len(ids)} in the {what}, "
+                    f"{requested} in the completion). Please reduce the length of the {what} "
+                    "or completion.",
+                    "max_tokens",
+                )
+            # Without max_tokens a request may fill the context, as in vLLM.
+            max_tokens = max(max_tokens, requested or max_model_len - len(ids))
+        if body.stop_token_ids:
+            self.check_token_ids(body.stop_token_ids, "stop_token_ids")
+        params = body.sampling_params(max_tokens, logprobs)
+        if requested is None and len(prompts) > 1:
+            # one SamplingParams for all prompts: bound by the longest prompt's room
+            room = max_model_len - max(len(ids) for _, ids in prompts)
+            params = body.sampling_params(max(room, 1), logprobs)
+        model = body.model or self.served_model_names[0]
+        prefix = "chatcmpl" if chat else "cmpl"
+        prepared = Prepared(
+            chat,
+            body,
+            f"{prefix}-{request_id}",
+            model,
+            prompts,
+            params,
+            logprobs or 0,
+            self.client.abort,
+        )
+        # Engine ids stay unique even when clients reuse an X-Request-Id.
+        suffix = secrets.token_hex(4)
+        prepared.engine_ids = [f"{request_id}-{i}-{suffix}" for i in range(len(prompts))]
+        return prepared
+
+    # ---- running ---------------------------------------------------------------------------
+    async def _outputs(
+        self, prepared: Prepared, kind: RequestOutputKind
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) of every prompt, merged as they arrive."""
+        body = prepared.body
+        generators = [
+            self.client.generate(
+                engine_id,
+                ids,
+                prepared.params,
+                prompt=text,
+                kind=kind,
+                priority=body.priority,
+                cache_salt=body.cache_salt,
+            )
+            for engine_id, (text, ids) in zip(prepared.engine_ids, prepared.prompts, strict=True)
+        ]
+        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int, generator: AsyncIterator[RequestOutput]) -> None:
+            try:
+                async with contextlib.aclosing(generator):  # type: ignore[type-var]
+                    async for output in generator:
+                        queue.put_nowait((i, output))
+                queue.put_nowait((i, None))
+            except Exception as e:
+                queue.put_nowait((i, e))
+
+        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(generators)]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def collect(self, prepared: Prepared) -> dict:
+        """The whole (non-streaming) response."""
+        finals: dict[int, RequestOutput] = {}
+        async for i, output in self._outputs(prepared, RequestOutputKind.FINAL_ONLY):
+            finals[i] = output
+        n = prepared.params.n
+        choices, num_completion, num_cached = [], 0, 0
+        for i in range(len(prepared.prompts)):
+            output = finals[i]
+            num_cached += output.num_cached_tokens
+            for c in output.outputs:
+                num_completion += len(c.token_ids)
+                choice: dict[str, Any] = {"index": i * n + c.index}
+                if prepared.chat:
+                    choice["message"] = {"role": "assistant", "content": c.text}
+                    choice["logprobs"] = (
+                        None
+                        if c.logprobs is None
+                        else chat_logprobs(c.logprobs, prepared.num_top_logprobs)
+                    )
+                else:
+                    prefix = self._echo(prepared, i)
+                    choice["text"] = prefix + c.text
+                    choice["logprobs"] = (
+                        None
+                        if c.logprobs is None
+                        else completion_logprobs(c.logprobs, prepared.num_top_logprobs, 0)
+                    )
+                    choice["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
+                choice.update(finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                choices.append(choice)
+        num_prompt = sum(len(ids) for _, ids in prepared.prompts)
+        response = {
+            "id": prepared.response_id,
+            "object": "chat.completion" if prepared.chat else "text_completion",
+            "created": prepared.created,
+            "model": prepared.model,
+            "choices": choices,
+            "usage": usage(num_prompt, num_completion, num_cached),
+        }
+        if prepared.chat:
+            response["prompt_logprobs"] = prompt_logprobs_json(finals[0].prompt_logprobs)
+        return response
+
+    def _echo(self, prepared: Prepared, prompt_index: int) -> str:
+        if prepared.chat or not prepared.body.echo:
+            return ""
+        text, ids = prepared.prompts[prompt_index]
+        return text if text is not None else self.tokenizer.decode(ids)
+
+    async def stream(self, prepared: Prepared) -> AsyncIterator[str]:
+        """SSE chunks as OpenAI/vLLM send them, ending with ``data: [DONE]``."""
+        body, n, chat = prepared.body, prepared.params.n, prepared.chat
+        options = body.stream_options
+        include_usage = options is not None and options.include_usage
+        continuous = include_usage and options is not None and options.continuous_usage_stats
+        num_prompt = sum(len(ids) for _, ids in prepared.prompts)
+        head = {
+            "id": prepared.response_id,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": prepared.created,
+            "model": prepared.model,
+        }
+        num_completion, cached = 0, [0] * len(prepared.prompts)
+        text_offsets: dict[int, int] = {}
+
+        def chunk(choices: list[dict]) -> str:
+            payload = {**head, "choices": choices}
+            if include_usage:
+                payload["usage"] = (
+                    usage(num_prompt, num_completion, sum(cached)) if continuous else None
+                )
+            return sse(payload)
+
+        if chat:  # the role first, once per choice, as OpenAI does
+            for i in range(len(prepared.prompts) * n):
+                delta = {"role": "assistant", "content": ""}
+                yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
+        async for i, output in self._outputs(prepared, RequestOutputKind.DELTA):
+            cached[i] = output.num_cached_tokens
+            for c in output.outputs:
+                num_completion += len(c.token_ids)
+                index = i * n + c.index
+                text = c.text
+                if not chat and index not in text_offsets:
+                    text = self._echo(prepared, i) + text
+                    text_offsets[index] = 0
+                wants_logprobs = c.logprobs is not None and bool(c.token_ids)
+                if not text and not c.finished and not wants_logprobs:
+                    continue  # nothing to say yet (held back, or a partial character)
+                choice: dict[str, Any] = {"index": index}
+                logprobs = None
+                if chat:
+                    choice["delta"] = {"content": text} if text or not c.finished else {}
+                    if c.logprobs is not None:
+                        logprobs = chat_logprobs(c.logprobs, prepared.num_top_logprobs)
+                else:
+                    choice["text"] = text
+                    if c.logprobs is not None:
+                        offset = text_offsets.get(index, 0)
+                        logprobs = completion_logprobs(
+                            c.logprobs, prepared.num_top_logprobs, offset
+                        )
+                    text_offsets[index] = text_offsets.get(index, 0) + len(text)
+                choice.update(
+                    logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason
+                )
+                yield chunk([choice])
+        if include_usage:
+            yield sse(
+                {**head, "choices": [], "usage": usage(num_prompt, num_completion, sum(cached))}
+            )
+        yield SSE_DONE
+
+    # ---- small endpoints -------------------------------------------------------------------
+    def models(self, model_path: str, max_model_len: int) -> dict:
+        created = now_s()
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "rackserve",
+                    "root": model_path,
+                    "parent": None,
+                    "max_model_len": max_model_len,
+                }
+                for name in self.served_model_names
+            ],
+        }
+
+    def tokenize(self, body: TokenizeRequest, max_model_len: int) -> dict:
+        if (body.prompt is None) == (body.messages is None):
+            raise ParamError("give exactly one of 'prompt' and 'messages'", "prompt")
+        if body.messages is not None:
+            messages = [m.model_dump(exclude_none=True) for m in body.messages]
+            text = self.render_chat(messages, body.add_generation_prompt)
+            ids = self.encode(text, bool(body.add_special_tokens))
+        else:
+            add_special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = self.encode(body.prompt or "", add_special)
+        return {
+            "count": len(ids),
+            "max_model_len": max_model_len,
+            "tokens": ids,
+            "token_strs": None,
+        }
+
+    def detokenize(self, tokens: list[int]) -> str:
+        self.check_token_ids(tokens, "tokens")
+        return self.tokenizer.decode(tokens)
