@@ -12,7 +12,13 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from rackserve.planner.cost import Efficiency, load_calibration, op_time, roofline_time
+from rackserve.planner.cost import (
+    Efficiency,
+    load_calibration,
+    load_op_calibration,
+    op_time,
+    roofline_time,
+)
 from rackserve.planner.counting import BatchShape, step_ops
 from rackserve.planner.hardware import get_hardware, hardware_presets
 from rackserve.planner.models import PlannerModel, load_model, model_presets
@@ -67,8 +73,9 @@ def build_workload(args: argparse.Namespace) -> Workload:
 
 
 def calibrated(model: PlannerModel, gpu_name: str, results_dir: str) -> dict[str, Efficiency]:
-    """Efficiency per phase, scaled by measured H200 forward results when there are any."""
-    h200, base = get_hardware("h200"), Efficiency()
+    """Efficiency per phase: op factors measured on the H200 (``load_op_calibration``),
+    then scaled by measured H200 forward results of optimised kernels when there are any."""
+    h200, base = get_hardware("h200"), load_op_calibration(results_dir)
     out = {}
     for phase, batch in (("prefill", BatchShape(2, 8192, 0)), ("decode", BatchShape(64, 1, 8192))):
         ops = step_ops(model.cfg, batch, model.formats)

@@ -111,11 +111,52 @@ def read_results(results_dir: str | Path) -> list[dict]:
             if (
                 isinstance(rec, dict)
                 and rec.get("kind") == "forward"
+                # our plain-torch reference path measures Python loops, not the kernels
+                # this model describes: it must not drag the factors down
+                and rec.get("implementation") != "reference"
                 and float(rec.get("measured_s", 0)) > 0
                 and float(rec.get("roofline_s", 0)) > 0
             ):
                 records.append(rec)
     return records
+
+
+def load_op_calibration(
+    results_dir: str | Path, gpu: str = "H200", base: Efficiency | None = None
+) -> Efficiency:
+    """``base`` with ``gemm`` and ``hbm`` set from measured op records (benchmarks/h200_ops.py).
+
+    Records: ``{"kind": "op_efficiency", "op_kind": "gemm" | "moe" | "hbm", "shape",
+    "efficiency", "gpu"}``. gemm = median efficiency of the compute-bound projections
+    (at least 4096 tokens); hbm = median of the bandwidth-bound records (a device copy and
+    expert weight streaming at decode token counts). Both clipped to the plausible ranges.
+    """
+    eff = base or Efficiency()
+    recs = []
+    for path in sorted(Path(results_dir).glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        recs += [
+            r
+            for r in (data if isinstance(data, list) else [data])
+            if isinstance(r, dict)
+            and r.get("kind") == "op_efficiency"
+            and gpu.lower() in str(r.get("gpu", "")).lower()
+        ]
+    gemm = [
+        r["efficiency"]
+        for r in recs
+        if r["op_kind"] == "gemm" and int(str(r["shape"]).split()[0].removeprefix("T=")) >= 4096
+    ]
+    hbm = [r["efficiency"] for r in recs if r["op_kind"] in ("hbm", "moe")]
+    updates = {}
+    if gemm:
+        updates["gemm"] = min(max(statistics.median(gemm), _COMPUTE_RANGE[0]), _COMPUTE_RANGE[1])
+    if hbm:
+        updates["hbm"] = min(max(statistics.median(hbm), _BANDWIDTH_RANGE[0]), _BANDWIDTH_RANGE[1])
+    return replace(eff, **updates)
 
 
 def load_calibration(
