@@ -77,6 +77,9 @@ def _forward(args: argparse.Namespace) -> int:
         counts = roofline(model, spec, hardware)
         record: dict[str, Any] = {
             "kind": "forward",
+            # every op runs its plain-torch reference today (rackserve.ops); the planner
+            # calibrates only from kernel implementations
+            "implementation": "reference",
             "phase": spec.phase,
             "batch": spec_text,
             "num_requests": spec.num_requests,
