@@ -151,3 +151,24 @@ def test_legacy_config_keys():
     assert cfg.layer_types[:3] == tiny_config(num_layers=4).layer_types[:3]
     assert cfg.hca_ratio == 16 and cfg.num_hash_layers == 2 and cfg.qk_rope_head_dim == 16
     assert cfg.rope_compress == tiny_config().rope_compress
+
+
+def test_mtp_layer_runs_over_the_paged_cache(tiny_dir: Path):
+    """MTP (transformers has no reference for it): predicts t+2 from the final streams at t
+    and token t+1, over its own sliding-window cache layer; shapes and finiteness."""
+    from rackserve.model.generate import ContiguousCache
+
+    model = load_model(tiny_dir)
+    ids = torch.randint(2, model.cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
+    cache = ContiguousCache(model, 1, 41)
+    assert model.cfg.num_hidden_layers in cache.tensors.tensors["swa"]  # the MTP layer's cache
+    with torch.inference_mode():
+        hidden, streams = model(ids[:-1], cache.batch([0], [39], [0]), cache.tensors)
+        # MTP input at position t: streams at t and token t+1, positions shifted by one
+        batch = cache.batch([1], [39], [0])
+        mtp_hidden, _ = model.mtp_forward(0, ids[1:], streams, batch, cache.tensors)
+        logits = model.compute_logits(mtp_hidden)
+        main_logits = model.compute_logits(hidden)
+    assert hidden.shape == mtp_hidden.shape == (39, model.cfg.hidden_size)
+    assert logits.shape == (39, model.cfg.vocab_size) and torch.isfinite(logits).all()
+    assert not torch.allclose(logits, main_logits)

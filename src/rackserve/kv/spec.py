@@ -99,7 +99,10 @@ def _state_block_tokens(page: int, window: int) -> int:
 
 
 def cache_groups_for(
-    cfg: ModelConfig, dtype_bytes: int = 2, state_dtype_bytes: int | None = None
+    cfg: ModelConfig,
+    dtype_bytes: int = 2,
+    state_dtype_bytes: int | None = None,
+    num_mtp_layers: int = 0,
 ) -> list[CacheGroupSpec]:
     """The cache groups of a DeepSeek-V4 model, every size derived from ``cfg``.
 
@@ -118,7 +121,9 @@ def cache_groups_for(
     csa_window, hca_window = 2 * cfg.csa_ratio, cfg.hca_ratio
     # (name, layers, block_tokens, ratio, window, entry_width, dtype_bytes)
     table = (
-        ("swa", tuple(range(cfg.num_hidden_layers)), page, 1, cfg.sliding_window, d,
+        # MTP layers are sliding-window layers after the main ones (ids L, L+1, ...)
+        ("swa", tuple(range(cfg.num_hidden_layers + num_mtp_layers)), page, 1,
+         cfg.sliding_window, d,
          dtype_bytes),
         # kv + gate rows of the main and the indexer compressor, both overlap halves each.
         ("csa_state", csa_layers, _state_block_tokens(page, csa_window), 1, csa_window,

@@ -46,26 +46,22 @@ def _create(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
+    from rackserve.llm import LLM
+    from rackserve.request import SamplingParams
 
-    from rackserve.model.generate import generate_tokens
-    from rackserve.model.loader import load_model
-
-    device = args.device or default_device()
-    model = load_model(args.model, dtype=parse_dtype(args.dtype, device), device=device)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    prompt_ids = tokenizer.encode(args.prompt)
-    if not prompt_ids:
+    if not args.prompt:
         raise ValueError("--prompt is empty")
-    out = generate_tokens(
-        model,
-        prompt_ids,
-        args.max_tokens,
-        args.temperature,
-        args.seed,
-        stop_ids=model.cfg.eos_token_id,
+    llm = LLM(
+        str(args.model),
+        dtype=args.dtype or "auto",
+        device=args.device or "auto",
+        max_num_seqs=4,
+        max_num_batched_tokens=2048,
     )
-    print(tokenizer.decode(out, skip_special_tokens=True))
+    params = SamplingParams(
+        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
+    )
+    print(llm.generate(args.prompt, params)[0].outputs[0].text)
     return 0
 
 

@@ -17,7 +17,7 @@ class ContiguousCache:
     """Every request owns a private run of blocks long enough for ``max_len`` tokens."""
 
     def __init__(self, model: DeepseekV4ForCausalLM, num_reqs: int, max_len: int) -> None:
-        self.groups = cache_groups_for(model.cfg)
+        self.groups = cache_groups_for(model.cfg, num_mtp_layers=len(model.mtp))
         device = next(model.parameters()).device
         dtype = model.head.weight.dtype
         per_req = {g.name: -(-max_len // g.block_tokens) for g in self.groups}
