@@ -21,126 +21,23 @@ c cached tokens per request, D hidden, H heads, E experts, K top-k, F expert (FF
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
-
 from rackserve.config import CSA, HCA, ModelConfig
+from rackserve.planner.counting_mla import _mla_ops, _mla_param_counts
 from rackserve.planner.models import Formats, MlaConfig
-
-# Op kinds: each gets its own efficiency factor in cost.py.
-GEMM, MOE, ATTENTION, INDEXER, MEMORY = "gemm", "moe", "attention", "indexer", "memory"
-
-
-@dataclass(frozen=True)
-class BatchShape:
-    """One rank's batch: ``num_requests`` requests, each adding ``new_tokens`` tokens on top
-    of ``context_len`` tokens already in its KV cache (prefill chunk: n large; decode: n =
-    1 + draft tokens)."""
-
-    num_requests: int
-    new_tokens: int
-    context_len: int
-
-    def __post_init__(self) -> None:
-        if self.num_requests < 0 or self.new_tokens < 1 or self.context_len < 0:
-            raise ValueError("BatchShape needs num_requests >= 0, new_tokens >= 1, context >= 0")
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_requests * self.new_tokens
-
-    @property
-    def mean_visible(self) -> float:
-        """Mean number of earlier-or-same tokens a new token attends to (causal)."""
-        return self.context_len + (self.new_tokens + 1) / 2
-
-
-@dataclass(frozen=True)
-class OpCost:
-    """One op summed over the layers it appears in (``launches`` = kernel launches)."""
-
-    name: str
-    kind: str
-    precision: str
-    flops: float
-    bytes_read: float
-    bytes_written: float
-    launches: int = 1
-
-    @property
-    def bytes(self) -> float:
-        return self.bytes_read + self.bytes_written
-
-
-def expert_union(num_experts: int, top_k: int, num_tokens: float) -> float:
-    """Expected number of distinct experts hit by ``num_tokens`` tokens routing to ``top_k``
-    of ``num_experts`` uniformly: E (1 - (1 - K/E)^tokens)."""
-    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
-
-
-def _gemm(
-    name: str, m: float, k: int, n: int, w_bytes: float, act: float, prec: str, kind: str = GEMM
-) -> OpCost:
-    # y[m, n] = x[m, k] @ w[k, n]: the weight is read once, activations once each way.
-    return OpCost(name, kind, prec, 2.0 * m * k * n, k * n * w_bytes + m * k * act, m * n * act)
-
-
-def _mem(name: str, read: float, written: float, flops: float = 0.0) -> OpCost:
-    return OpCost(name, MEMORY, "bf16", flops, read, written)
-
-
-def _sum_by_name(ops: Iterable[OpCost]) -> list[OpCost]:
-    merged: dict[str, OpCost] = {}
-    for op in ops:
-        if op.flops == 0 and op.bytes == 0:
-            continue
-        prev = merged.get(op.name)
-        merged[op.name] = (
-            op
-            if prev is None
-            else OpCost(
-                op.name,
-                op.kind,
-                op.precision,
-                prev.flops + op.flops,
-                prev.bytes_read + op.bytes_read,
-                prev.bytes_written + op.bytes_written,
-                prev.launches + op.launches,
-            )
-        )
-    return list(merged.values())
-
-
-def _moe_ops(
-    T: int, D: int, F: int, E: int, K: int, n_shared: int, f: Formats, ep_size: int
-) -> list[OpCost]:
-    """Router, shared expert and this rank's routed experts for T local tokens."""
-    a = f.act_bytes
-    pairs = T * K  # (token, expert) pairs this rank computes, balanced EP average
-    local_experts = E / ep_size
-    hit = local_experts * (1.0 - (1.0 - K / E) ** (T * ep_size))  # union over the EP group
-    expert_w = 3.0 * D * F * f.expert_bytes
-    ops = [_gemm("moe.router", T, D, E, 2.0, a, "bf16")]
-    if n_shared:
-        ops += [
-            _gemm("moe.shared_up", T, D, 2 * F * n_shared, f.weight_bytes, a, f.gemm_precision),
-            _gemm("moe.shared_down", T, F * n_shared, D, f.weight_bytes, a, f.gemm_precision),
-        ]
-    ops.append(
-        OpCost(
-            "moe.experts",
-            MOE,
-            f.expert_precision,
-            2.0 * 3 * D * F * pairs,
-            hit * expert_w + pairs * (D * f.dispatch_bytes + 2 * F * a),
-            pairs * (F + D) * a,
-        )
-    )
-    # SwiGLU between the two expert GEMMs (BF16 in, FP8 out), then the weighted
-    # un-permute back to token order (dispatch writes tokens straight into expert order).
-    ops.append(_mem("moe.act", pairs * 2 * F * a, pairs * F * f.dispatch_bytes))
-    ops.append(_mem("moe.unpermute", pairs * D * a, T * D * a))
-    return ops
+from rackserve.planner.opcost import (  # noqa: F401 (re-exported: the public counting API)
+    ATTENTION,
+    GEMM,
+    INDEXER,
+    MEMORY,
+    MOE,
+    BatchShape,
+    OpCost,
+    _gemm,
+    _mem,
+    _moe_ops,
+    _sum_by_name,
+    expert_union,
+)
 
 
 def _v4_attention_ops(cfg: ModelConfig, layer: int, b: BatchShape, f: Formats) -> list[OpCost]:
@@ -252,110 +149,6 @@ def _v4_ops(
     return ops
 
 
-def _mla_layer_ops(cfg: MlaConfig, b: BatchShape, f: Formats) -> list[OpCost]:
-    """MLA: naive (per-head K/V up-projection) for prefill chunks, absorbed for decode."""
-    T, R, n, c = b.num_tokens, b.num_requests, b.new_tokens, b.context_len
-    D, H, a, w, p = (
-        cfg.hidden_size,
-        cfg.num_attention_heads,
-        f.act_bytes,
-        f.weight_bytes,
-        f.gemm_precision,
-    )
-    nope, rope, v, kvl = (
-        cfg.qk_nope_head_dim,
-        cfg.qk_rope_head_dim,
-        cfg.v_head_dim,
-        cfg.kv_lora_rank,
-    )
-    visible = b.mean_visible
-    ops = [
-        _gemm("attn.q_a", T, D, cfg.q_lora_rank, w, a, p),
-        _gemm("attn.q_b", T, cfg.q_lora_rank, H * (nope + rope), w, a, p),
-        _gemm("attn.kv_a", T, D, kvl + rope, w, a, p),
-        _gemm("attn.o_proj", T, H * v, D, w, a, p),
-        _mem("attn.kv_write", T * (kvl + rope) * a, T * (kvl + rope) * f.kv_bytes),
-    ]
-    if n > 16:  # prefill: up-project every cached and new latent, then plain MHA
-        ops.append(_gemm("attn.kv_b", R * (c + n), kvl, H * (nope + v), w, a, p))
-        ops.append(
-            OpCost(
-                "attn.core",
-                ATTENTION,
-                f.attention_precision,
-                2.0 * T * H * (nope + rope + v) * visible,
-                R * (c + n) * H * (nope + rope + v) * a,
-                T * H * v * a,
-            )
-        )
-    else:  # decode: absorb W_UK into q and W_UV after attention; attend in latent space
-        ops.append(
-            OpCost(
-                "attn.absorb",
-                GEMM,
-                "bf16",
-                2.0 * T * H * (nope + v) * kvl,
-                H * (nope + v) * kvl * 2.0 + T * H * (nope + kvl) * a,
-                T * H * (kvl + v) * a,
-            )
-        )
-        ops.append(
-            OpCost(
-                "attn.core",
-                ATTENTION,
-                f.attention_precision,
-                2.0 * T * H * (2 * kvl + rope) * visible,
-                R * (c + n) * (kvl + rope) * f.kv_bytes,
-                T * H * kvl * a,
-            )
-        )
-    return ops
-
-
-def _mla_ops(
-    cfg: MlaConfig, b: BatchShape, f: Formats, ep_size: int, logits_tokens: int
-) -> list[OpCost]:
-    T, D, a = b.num_tokens, cfg.hidden_size, f.act_bytes
-    ops = [_mem("embed", T * D * 2.0, T * D * a)]
-    for layer in range(cfg.num_hidden_layers):
-        ops += _mla_layer_ops(cfg, b, f)
-        ops.append(_mem("norms", 4 * T * D * a, 2 * T * D * a))
-        if layer < cfg.first_k_dense_replace:
-            ops += [
-                _gemm(
-                    "dense_mlp.up",
-                    T,
-                    D,
-                    2 * cfg.intermediate_size,
-                    f.weight_bytes,
-                    a,
-                    f.gemm_precision,
-                ),
-                _gemm(
-                    "dense_mlp.down",
-                    T,
-                    cfg.intermediate_size,
-                    D,
-                    f.weight_bytes,
-                    a,
-                    f.gemm_precision,
-                ),
-            ]
-        else:
-            ops += _moe_ops(
-                T,
-                D,
-                cfg.moe_intermediate_size,
-                cfg.n_routed_experts,
-                cfg.num_experts_per_tok,
-                cfg.n_shared_experts,
-                f,
-                ep_size,
-            )
-    ops.append(_gemm("lm_head", logits_tokens, D, cfg.vocab_size, 2.0, a, "bf16"))
-    return ops
-
-
 def step_ops(
     cfg: ModelConfig | MlaConfig,
     batch: BatchShape,
@@ -445,43 +238,6 @@ def param_counts(cfg: ModelConfig | MlaConfig) -> dict[str, int]:
         - counts["embed"]
         - counts["experts"]
         + cfg.num_hidden_layers * cfg.num_experts_per_tok * per_expert
-    )
-    return counts
-
-
-def _mla_param_counts(cfg: MlaConfig) -> dict[str, int]:
-    D, H = cfg.hidden_size, cfg.num_attention_heads
-    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    attention = (
-        D * cfg.q_lora_rank
-        + cfg.q_lora_rank
-        + cfg.q_lora_rank * H * qk
-        + D * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-        + cfg.kv_lora_rank
-        + cfg.kv_lora_rank * H * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-        + H * cfg.v_head_dim * D
-    )
-    L, moe = cfg.num_hidden_layers, cfg.num_moe_layers
-    per_expert = 3 * D * cfg.moe_intermediate_size
-    counts = {
-        "embed": cfg.vocab_size * D,
-        "lm_head": cfg.vocab_size * D,
-        "attention": L * attention,
-        "dense_mlp": cfg.first_k_dense_replace * 3 * D * cfg.intermediate_size,
-        "router": moe * cfg.n_routed_experts * D,
-        "experts": moe * cfg.n_routed_experts * per_expert,
-        "shared_experts": moe * cfg.n_shared_experts * per_expert,
-        "norms": 2 * L * D + D,
-    }
-    counts["total"] = sum(counts.values())
-    counts["mtp"] = cfg.num_nextn_predict_layers * (
-        attention + cfg.n_routed_experts * (per_expert + D) + per_expert + 2 * D * D + 4 * D
-    )
-    counts["active"] = (
-        counts["total"]
-        - counts["embed"]
-        - counts["experts"]
-        + moe * cfg.num_experts_per_tok * per_expert
     )
     return counts
 
