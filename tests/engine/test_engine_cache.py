@@ -8,13 +8,14 @@ import time
 
 import pytest
 import torch
-from engine_utils import make_engine, run_to_completion
 from transformers import AutoTokenizer
 
 from rackserve.engine.outputs import EngineCoreRequest
 from rackserve.model.create import create_checkpoint
 from rackserve.model.presets import tiny_config
 from rackserve.request import SamplingParams
+
+from engine_utils import make_engine, run_to_completion
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_utils import make_engine, run_to_completion
 
-from hf_reference import hf_reference
 from rackserve.model.presets import tiny_config
 from rackserve.request import SamplingParams
+
+from engine_utils import make_engine, run_to_completion
+from hf_reference import hf_reference
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

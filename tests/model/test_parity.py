@@ -7,11 +7,12 @@ import dataclasses
 import pytest
 import torch
 
-from hf_reference import hf_reference
 from rackserve.config import CSA, HCA, SLIDING
 from rackserve.model.generate import ContiguousCache, generate_tokens
 from rackserve.model.loader import load_model
 from rackserve.model.presets import default_layer_types, tiny_config
+
+from hf_reference import hf_reference
 
 TOL = 1e-4  # max |ours - reference| relative to the reference's logit scale
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+
 from conftest import API_KEY, MAX_MODEL_LEN, MODEL_NAME, Server
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
