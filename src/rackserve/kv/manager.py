@@ -325,9 +325,7 @@ class KVCacheManager:
         """Checkpoint boundaries reached in (previous, current]."""
         prompt_end = self._floor_align(req.num_prompt_tokens)
         state = self._states[req.request_id]
-        boundaries = [
-            b for b in {prompt_end, state.divergence_boundary} if previous < b <= current
-        ]
+        boundaries = [b for b in {prompt_end, state.divergence_boundary} if previous < b <= current]
         if self.checkpoint_interval is not None:
             interval = self.checkpoint_interval
             stop = min(current, req.num_prompt_tokens)
