@@ -24,8 +24,8 @@ from rackserve.bench.client import (
     GenerationRequest,
     RequestTimeline,
     StreamingClient,
-    fetch_model_id,
     open_client,
+    resolve_endpoint,
 )
 from rackserve.bench.metrics import agentic_metrics, trace_stats
 from rackserve.bench.workloads import AgenticConfig, Session, TokenCounter, generate_session
@@ -217,14 +217,10 @@ def run_agentic(
     Blocking; call from synchronous code (the CLI, the demo). The result layout is
     documented in docs/bench.md.
     """
-    model = model or asyncio.run(fetch_model_id(base_url))
-    endpoint = EndpointConfig(
-        base_url=base_url,
-        model=model,
-        endpoint=run.endpoint,
-        fixed_output=run.fixed_output,
-        request_timeout_s=run.request_timeout_s,
+    endpoint = resolve_endpoint(
+        base_url, model, run.endpoint, run.fixed_output, run.request_timeout_s
     )
+    model = endpoint.model
     date = datetime.now(UTC).isoformat(timespec="seconds")
     levels = asyncio.run(run_agentic_async(workload, endpoint, run, counter))
     return {

@@ -259,6 +259,23 @@ async def fetch_model_id(base_url: str, timeout_s: float = 30.0) -> str:
     return str(models[0]["id"])
 
 
+def resolve_endpoint(
+    base_url: str,
+    model: str | None,
+    endpoint: str,
+    fixed_output: bool,
+    request_timeout_s: float,
+) -> EndpointConfig:
+    """A run's endpoint; asks the server for its model id when none is given (blocking)."""
+    return EndpointConfig(
+        base_url=base_url,
+        model=model or asyncio.run(fetch_model_id(base_url)),
+        endpoint=endpoint,
+        fixed_output=fixed_output,
+        request_timeout_s=request_timeout_s,
+    )
+
+
 def resolve_model(base_url: str, model: str | None) -> str:
     """``model`` if given, else the server's first model (a blocking helper for the CLI)."""
     return model or asyncio.run(fetch_model_id(base_url))

@@ -21,8 +21,8 @@ from rackserve.bench.client import (
     EndpointConfig,
     GenerationRequest,
     RequestTimeline,
-    fetch_model_id,
     open_client,
+    resolve_endpoint,
 )
 from rackserve.bench.metrics import inter_token_latencies, serve_metrics
 from rackserve.bench.workloads import TokenCounter, make_text
@@ -179,14 +179,10 @@ def run_serve(
     counter: TokenCounter | None = None,
 ) -> dict[str, Any]:
     """Run ``bench serve`` against ``base_url`` (blocking) and return the result."""
-    model = model or asyncio.run(fetch_model_id(base_url))
-    endpoint = EndpointConfig(
-        base_url=base_url,
-        model=model,
-        endpoint=config.endpoint,
-        fixed_output=config.fixed_output,
-        request_timeout_s=config.request_timeout_s,
+    endpoint = resolve_endpoint(
+        base_url, model, config.endpoint, config.fixed_output, config.request_timeout_s
     )
+    model = endpoint.model
     date = datetime.now(UTC).isoformat(timespec="seconds")
     timelines, duration = asyncio.run(run_serve_async(config, endpoint, counter))
     return serve_result(config, model, timelines, duration, date)

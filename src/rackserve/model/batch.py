@@ -12,20 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-
-class CacheGroup(Protocol):
-    """The attributes of ``rackserve.kv.spec.CacheGroupSpec`` the model relies on."""
-
-    name: str
-    layer_ids: tuple[int, ...]
-    block_tokens: int
-    ratio: int
-    window: int | None
-    entry_width: int
+from rackserve.kv.spec import CacheGroupSpec
 
 
 @dataclass
@@ -64,7 +54,7 @@ class KVCacheTensors:
 
     def __init__(
         self,
-        groups: Sequence[CacheGroup],
+        groups: Sequence[CacheGroupSpec],
         num_blocks: dict[str, int],
         dtype: torch.dtype,
         device: torch.device | str,
