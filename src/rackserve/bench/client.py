@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -233,6 +234,12 @@ class StreamingClient:
         )
 
 
+def auth_headers() -> dict[str, str]:
+    """``Authorization`` from ``OPENAI_API_KEY``, as the openai client and vLLM's benchmarks do."""
+    key = os.environ.get("OPENAI_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 @asynccontextmanager
 async def open_client(
     endpoint: EndpointConfig, counter: TokenCounter | None = None
@@ -240,7 +247,9 @@ async def open_client(
     """A client over one connection pool with no connection cap (concurrency is ours)."""
     timeout = aiohttp.ClientTimeout(total=endpoint.request_timeout_s)
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=connector, headers=auth_headers()
+    ) as session:
         yield StreamingClient(endpoint, session, counter)
 
 
@@ -248,7 +257,7 @@ async def fetch_model_id(base_url: str, timeout_s: float = 30.0) -> str:
     """The first model the server lists at ``/v1/models`` (used when ``--model`` is absent)."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with (
-        aiohttp.ClientSession(timeout=timeout) as session,
+        aiohttp.ClientSession(timeout=timeout, headers=auth_headers()) as session,
         session.get(f"{api_root(base_url)}/models") as response,
     ):
         if response.status != 200:
