@@ -126,7 +126,9 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         num_scheduled: dict[str, int] = {}
+        scheduled: list[tuple[Request, int]] = []  # num_scheduled without the id lookups
         preempted: set[str] = set()
+        allocate_slots = self.kv.allocate_slots  # bound once: this loop runs per request
 
         # 1. Running requests, in order; preempt from the back when the cache is full.
         i = 0
@@ -136,7 +138,7 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            new_blocks = self.kv.allocate_slots(req, num_new, req.num_computed_tokens)
+            new_blocks = allocate_slots(req, num_new, req.num_computed_tokens)
             while new_blocks is None:
                 victim = self._pick_victim()
                 self._preempt(victim)
@@ -149,11 +151,12 @@ class Scheduler:
             cached_reqs.append(
                 CachedRequestData(
                     req.request_id,
-                    tuple(list(b) for b in new_blocks.block_ids),
+                    tuple(map(list, new_blocks.block_ids)),
                     req.num_computed_tokens,
                 )
             )
             num_scheduled[req.request_id] = num_new
+            scheduled.append((req, num_new))
             budget -= num_new
             i += 1
 
@@ -192,11 +195,12 @@ class Scheduler:
                 )
             )
             num_scheduled[req.request_id] = num_new
+            scheduled.append((req, num_new))
             budget -= num_new
 
         # Optimistic advance: the runner computes exactly what was granted.
-        for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
+        for req, n in scheduled:
+            req.num_computed_tokens += n
         out = SchedulerOutput(
             new_reqs=new_reqs,
             cached_reqs=cached_reqs,
@@ -233,29 +237,42 @@ class Scheduler:
         """Apply sampled tokens, finish requests, commit computed KV to the cache."""
         outputs = []
         finished = set()
-        for k, req_id in enumerate(result.req_ids):
-            req = self.requests.get(req_id)
-            if req is None or req.status != RequestStatus.RUNNING:
+        # Hoisted: this loop runs once per request per step.
+        get_request, commit, running = self.requests.get, self.kv.commit, RequestStatus.RUNNING
+        eos_token_ids, max_model_len = self.eos_token_ids, self.config.max_model_len
+        for k, (req_id, sampled) in enumerate(
+            zip(result.req_ids, result.sampled_token_ids, strict=True)
+        ):
+            req = get_request(req_id)
+            if req is None or req.status != running:
                 continue  # aborted or preempted while the step ran
-            sampled = result.sampled_token_ids[k]
-            self.kv.commit(req, req.num_computed_tokens)
+            commit(req, req.num_computed_tokens)
             if not sampled:
                 continue  # a prefill chunk short of the prompt's end
+            params = req.sampling_params
             decision = None
             accepted = []
             for token in sampled:
                 accepted.append(token)
                 req.append_output_token_ids([token])
-                decision = check_stop_token(
-                    req.sampling_params,
-                    token,
-                    req.num_output_tokens,
-                    self.eos_token_ids,
-                    req.num_tokens,
-                    self.config.max_model_len,
-                )
-                if decision is not None:
-                    break
+                # A token can only stop the request if one of these holds; the full check
+                # (min_tokens, ignore_eos, which reason) runs for those few tokens only.
+                if (
+                    token in eos_token_ids
+                    or token in params.stop_token_ids
+                    or len(req.output_token_ids) >= params.max_tokens
+                    or len(req.all_token_ids) >= max_model_len
+                ):
+                    decision = check_stop_token(
+                        params,
+                        token,
+                        req.num_output_tokens,
+                        eos_token_ids,
+                        req.num_tokens,
+                        max_model_len,
+                    )
+                    if decision is not None:
+                        break
             out = EngineCoreOutput(
                 request_id=req_id, new_token_ids=accepted, num_cached_tokens=req.num_cached_tokens
             )

@@ -24,14 +24,24 @@ transient once the request passes the next one: at most one such checkpoint per 
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 from rackserve.kv.block_pool import BlockPool, KVCacheBlock
-from rackserve.kv.hashing import BlockHashChain, BlockKey, block_key, check_hash_algo
+from rackserve.kv.hashing import BlockHashChain, check_hash_algo
+from rackserve.kv.records import (
+    HitBlocks,
+    NewBlocks,
+    PrefixCacheStats,
+    RequestState,
+    first_live_slot,
+    group_event,
+    next_checkpoint_event,
+    slot_key,
+)
 from rackserve.kv.spec import CacheGroupSpec, hash_granularity, prefix_alignment
+
+__all__ = ["HitBlocks", "KVCacheManager", "KVRequest", "NewBlocks", "PrefixCacheStats"]
 
 
 class KVRequest(Protocol):
@@ -41,53 +51,6 @@ class KVRequest(Protocol):
     all_token_ids: list[int]  # prompt + output so far
     num_prompt_tokens: int
     cache_salt: str | None
-
-
-@dataclass(frozen=True)
-class HitBlocks:
-    """A prefix hit of ``num_tokens`` tokens: per group (spec order), the block table prefix
-    covering ``[0, num_tokens)``, null blocks where a sliding group needs no rows."""
-
-    num_tokens: int
-    blocks: tuple[tuple[KVCacheBlock, ...], ...]
-
-
-@dataclass(frozen=True)
-class NewBlocks:
-    """Per group (spec order): the block table slot ``offsets[g]`` from which ``block_ids[g]``
-    are to be written. Offset 0 on a request's first allocation (its whole table, hit and
-    null blocks included); afterwards the current table length (append)."""
-
-    offsets: tuple[int, ...]
-    block_ids: tuple[tuple[int, ...], ...]
-
-
-@dataclass(frozen=True)
-class PrefixCacheStats:
-    """Counted when a request is admitted (its first allocate_slots succeeds)."""
-
-    num_queries: int  # admitted requests (a preempted one counts again on re-admission)
-    num_queried_tokens: int
-    num_hit_tokens: int
-
-    @property
-    def hit_rate(self) -> float:
-        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
-
-
-@dataclass(eq=False)
-class _RequestState:
-    chain: BlockHashChain  # extended only when prefix caching is on
-    allocated: bool = False
-    block_tables: list[list[KVCacheBlock]] = field(default_factory=list)
-    num_computed_tokens: int = 0  # as of the last commit
-    # Full groups: leading slots already hashed. Sliding groups: leading slots released.
-    num_done_slots: list[int] = field(default_factory=list)
-    tentative_boundary: int = 0
-    tentative_blocks: list[tuple[BlockPool, KVCacheBlock, BlockKey]] = field(default_factory=list)
-    # Where this request's chain leaves the cached history without a checkpoint there (a
-    # shared system prompt): it checkpoints that boundary so the next request hits it.
-    divergence_boundary: int = 0
 
 
 class KVCacheManager:
@@ -100,6 +63,7 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         hash_algo: str = "xxhash",
         checkpoint_interval: int | None = None,
+        enable_fast_path: bool = True,
     ) -> None:
         self.specs = tuple(specs)
         names = [s.name for s in self.specs]
@@ -123,10 +87,15 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_algo = hash_algo
         self.checkpoint_interval = checkpoint_interval
+        # Skip commits and allocations with nothing to do (records.py); off in the tests
+        # that check the fast path against the full one.
+        self.enable_fast_path = enable_fast_path
+        self._no_block_ids: tuple[tuple[int, ...], ...] = tuple(() for _ in self.specs)
         self._group_index = {name: g for g, name in enumerate(names)}
         self._sliding = [(g, s, self.pools[g]) for g, s in enumerate(self.specs) if s.is_sliding]
         self._full = [(g, s, self.pools[g]) for g, s in enumerate(self.specs) if not s.is_sliding]
-        self._states: dict[str, _RequestState] = {}
+        self._groups = [(g, s, self.pools[g]) for g, s in enumerate(self.specs)]
+        self._states: dict[str, RequestState] = {}
         self._num_queries = self._num_queried_tokens = self._num_hit_tokens = 0
 
     # ---- prefix lookup -------------------------------------------------------------------
@@ -156,7 +125,7 @@ class KVCacheManager:
         for g, spec, pool in self._full:
             history[g] = blocks = []
             while (len(blocks) + 1) * spec.block_tokens <= limit:
-                block = pool.get_cached_block(_slot_key(spec, state.chain, len(blocks)))
+                block = pool.get_cached_block(slot_key(spec, state.chain, len(blocks)))
                 if block is None:
                     break
                 blocks.append(block)
@@ -181,10 +150,10 @@ class KVCacheManager:
         rows [boundary-W+1, boundary); None when any page is missing."""
         tables = {}
         for g, spec, pool in self._sliding:
-            first = _first_live_slot(spec, boundary)
+            first = first_live_slot(spec, boundary)
             table = [pool.null_block] * first
             for i in range(first, boundary // spec.block_tokens):
-                block = pool.get_cached_block(_slot_key(spec, chain, i))
+                block = pool.get_cached_block(slot_key(spec, chain, i))
                 if block is None:
                     return None
                 table.append(block)
@@ -211,9 +180,17 @@ class KVCacheManager:
         ``hit`` (from :meth:`get_computed_blocks`, first call only) starts the table.
         Returns None, changing nothing, when any group lacks free blocks.
         """
+        state = self._states.get(req.request_id)
+        if (  # the decode fast path (records.py): no commit work, no new block
+            state is not None
+            and state.num_computed_tokens <= num_computed_tokens < state.next_commit_event
+            and 0 <= num_new_tokens <= state.capacity_tokens - num_computed_tokens
+            and (hit is None or not hit.num_tokens)
+        ):
+            state.num_computed_tokens = num_computed_tokens
+            return state.no_new_blocks
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        state = self._states.get(req.request_id)
         if state is None:
             state = self._states[req.request_id] = self._new_state(req)
         first_call = not state.allocated
@@ -233,20 +210,30 @@ class KVCacheManager:
             if hit is not None and hit.num_tokens:
                 raise ValueError("a prefix hit can only start a request's first allocation")
             self._commit(req, state, num_computed_tokens)  # frees pages that left the window
+            if self.enable_fast_path and (
+                num_computed_tokens + num_new_tokens <= state.capacity_tokens
+            ):
+                return state.no_new_blocks  # the tables have room: no block to add
             tables = state.block_tables
 
         end = num_computed_tokens + num_new_tokens
-        plan = []  # per group: (first slot to fill, number of new blocks)
-        for spec, pool, table in zip(self.specs, self.pools, tables, strict=True):
+        groups: Iterable[int] = range(len(self.specs))
+        if self.enable_fast_path and not first_call:
+            # A group whose table already reaches `end` neither grows nor pads (its live
+            # slots are below end / T): leave it out, its NewBlocks entry is an empty append.
+            groups = [g for g, cap in enumerate(state.group_capacity) if cap < end]
+        plan = []  # (group, first slot to fill, number of new blocks)
+        for g in groups:
+            spec, pool, table = self.specs[g], self.pools[g], tables[g]
             first = len(table)
             if spec.is_sliding:
-                first = max(first, _first_live_slot(spec, num_computed_tokens))
-            num_new = max(0, math.ceil(end / spec.block_tokens) - first)
+                first = max(first, first_live_slot(spec, num_computed_tokens))
+            num_new = max(0, -(-end // spec.block_tokens) - first)
             # Hit blocks sitting in the free queue stop being free when touched.
             num_touched = sum(b.ref_cnt == 0 for b in table) if first_call else 0
-            if num_new + num_touched > pool.num_free_blocks:
+            if num_new + num_touched > pool.free_queue.num_free:
                 return None
-            plan.append((first, num_new))
+            plan.append((g, first, num_new))
 
         if first_call:
             for pool, table in zip(self.pools, tables, strict=True):
@@ -255,7 +242,7 @@ class KVCacheManager:
             state.block_tables = tables
             state.num_computed_tokens = num_computed_tokens
             state.num_done_slots = [  # hit slots are hashed (full) or released (sliding)
-                _first_live_slot(s, num_computed_tokens) if s.is_sliding else len(t)
+                first_live_slot(s, num_computed_tokens) if s.is_sliding else len(t)
                 for s, t in zip(self.specs, tables, strict=True)
             ]
             state.tentative_boundary = self._floor_align(num_computed_tokens)
@@ -263,20 +250,34 @@ class KVCacheManager:
                 self._num_queries += 1
                 self._num_queried_tokens += len(req.all_token_ids)
                 self._num_hit_tokens += num_computed_tokens
-        offsets, block_ids = [], []
-        for pool, table, (first, num_new) in zip(self.pools, tables, plan, strict=True):
-            offset = 0 if first_call else len(table)
+        offsets = (0,) * len(tables) if first_call else tuple(map(len, tables))
+        block_ids = list(self._no_block_ids)
+        for g, first, num_new in plan:
+            pool, table = self.pools[g], tables[g]
             table.extend([pool.null_block] * (first - len(table)))
             new_blocks = pool.get_new_blocks(num_new)
             assert new_blocks is not None  # checked above
             table.extend(new_blocks)
-            offsets.append(offset)
-            block_ids.append(tuple(b.block_id for b in table[offset:]))
-        return NewBlocks(tuple(offsets), tuple(block_ids))
+            block_ids[g] = tuple([b.block_id for b in table[offsets[g] :]])
+        if self.enable_fast_path:
+            if first_call:
+                state.group_events = [0] * len(tables)
+                self._update_events(state, self._groups)
+                state.group_capacity = [0] * len(tables)
+            for g, _, _ in plan:
+                state.group_capacity[g] = len(tables[g]) * self.specs[g].block_tokens
+            state.capacity_tokens = min(state.group_capacity)
+            state.no_new_blocks = NewBlocks(tuple(map(len, tables)), self._no_block_ids)
+        return NewBlocks(offsets, tuple(block_ids))
 
     def commit(self, req: KVRequest, num_computed_tokens: int) -> None:
         """After a step: tokens [0, num_computed_tokens) have their KV in the cache."""
         state = self._states.get(req.request_id)
+        if state is not None and (
+            state.num_computed_tokens <= num_computed_tokens < state.next_commit_event
+        ):
+            state.num_computed_tokens = num_computed_tokens  # fast path: nothing to do yet
+            return
         if state is None or not state.allocated:
             raise ValueError(f"request {req.request_id} holds no blocks")
         self._commit(req, state, num_computed_tokens)
@@ -299,32 +300,63 @@ class KVCacheManager:
             pool.free([b for b in reversed(table) if b is not pool.null_block])
 
     # ---- commit internals ----------------------------------------------------------------
-    def _commit(self, req: KVRequest, state: _RequestState, num_computed_tokens: int) -> None:
+    def _commit(self, req: KVRequest, state: RequestState, num_computed_tokens: int) -> None:
         previous = state.num_computed_tokens
         if num_computed_tokens < previous:
             raise ValueError(
                 f"num_computed_tokens went back from {previous} to {num_computed_tokens}"
             )
         state.num_computed_tokens = num_computed_tokens
+        if num_computed_tokens < state.next_commit_event:
+            return  # nothing to hash, checkpoint or release yet (0 when the fast path is off)
+        full, sliding = self._full, self._sliding
+        if self.enable_fast_path:  # visit only the groups with work (records.py)
+            events = state.group_events
+            full = [x for x in full if events[x[0]] <= num_computed_tokens]
+            sliding = [x for x in sliding if events[x[0]] <= num_computed_tokens]
         if self.enable_prefix_caching and num_computed_tokens > previous:
             state.chain.extend(req.all_token_ids)
-            self._cache_full_blocks(state)
-            for boundary in self._chosen_boundaries(req, previous, num_computed_tokens):
-                self._cache_checkpoint(state, boundary)
-            latest = self._floor_align(num_computed_tokens)
-            if latest != state.tentative_boundary:
-                # The previous provisional finish checkpoint is superseded: make it transient.
-                for pool, block, key in state.tentative_blocks:
-                    if block.block_hash == key:
-                        pool.uncache_free_block(block)
-                state.tentative_blocks.clear()
-                state.tentative_boundary = latest
-        self._release_window(state)
+            self._cache_full_blocks(state, full)
+            # Checkpoint boundaries (chosen ones and the provisional finish boundary, which
+            # is floor_A(previous) until here) are multiples of A: none without a new one.
+            if num_computed_tokens // self.alignment != previous // self.alignment:
+                self._move_checkpoints(req, state, previous)
+        self._release_window(state, sliding)
+        if self.enable_fast_path:
+            self._update_events(state, full + sliding)
 
-    def _chosen_boundaries(self, req: KVRequest, previous: int, current: int) -> list[int]:
+    def _update_events(
+        self, state: RequestState, groups: Iterable[tuple[int, CacheGroupSpec, BlockPool]]
+    ) -> None:
+        """Recompute the fast-path events of ``groups`` (whose num_done_slots moved)."""
+        caching = self.enable_prefix_caching
+        for g, spec, _ in groups:
+            state.group_events[g] = group_event(spec, state.num_done_slots[g], caching)
+        state.next_commit_event = min(state.group_events)
+        if caching:
+            state.next_commit_event = min(
+                state.next_commit_event,
+                next_checkpoint_event(state.num_computed_tokens, self.alignment),
+            )
+
+    def _move_checkpoints(self, req: KVRequest, state: RequestState, previous: int) -> None:
+        current = state.num_computed_tokens
+        for boundary in self._chosen_boundaries(req, state, previous, current):
+            self._cache_checkpoint(state, boundary)
+        latest = self._floor_align(current)
+        if latest != state.tentative_boundary:
+            # The previous provisional finish checkpoint is superseded: make it transient.
+            for pool, block, key in state.tentative_blocks:
+                if block.block_hash == key:
+                    pool.uncache_free_block(block)
+            state.tentative_blocks.clear()
+            state.tentative_boundary = latest
+
+    def _chosen_boundaries(
+        self, req: KVRequest, state: RequestState, previous: int, current: int
+    ) -> list[int]:
         """Checkpoint boundaries reached in (previous, current]."""
         prompt_end = self._floor_align(req.num_prompt_tokens)
-        state = self._states[req.request_id]
         boundaries = [b for b in {prompt_end, state.divergence_boundary} if previous < b <= current]
         if self.checkpoint_interval is not None:
             interval = self.checkpoint_interval
@@ -332,26 +364,30 @@ class KVCacheManager:
             boundaries += range((previous // interval + 1) * interval, stop + 1, interval)
         return boundaries
 
-    def _cache_full_blocks(self, state: _RequestState) -> None:
-        for g, spec, pool in self._full:
+    def _cache_full_blocks(
+        self, state: RequestState, groups: Iterable[tuple[int, CacheGroupSpec, BlockPool]]
+    ) -> None:
+        for g, spec, pool in groups:
             table = state.block_tables[g]
             num_full = min(state.num_computed_tokens // spec.block_tokens, len(table))
             for i in range(state.num_done_slots[g], num_full):
-                pool.cache_block(table[i], _slot_key(spec, state.chain, i))
+                pool.cache_block(table[i], slot_key(spec, state.chain, i))
             state.num_done_slots[g] = max(state.num_done_slots[g], num_full)
 
-    def _cache_checkpoint(self, state: _RequestState, boundary: int) -> None:
+    def _cache_checkpoint(self, state: RequestState, boundary: int) -> None:
         """Hash the held sliding pages with rows [boundary-W+1, boundary)."""
         if boundary <= 0:
             return
         for g, spec, pool in self._sliding:
             table = state.block_tables[g]
             stop = min(boundary // spec.block_tokens, len(table))
-            for i in range(_first_live_slot(spec, boundary), stop):
+            for i in range(first_live_slot(spec, boundary), stop):
                 if table[i] is not pool.null_block and table[i].block_hash is None:
-                    pool.cache_block(table[i], _slot_key(spec, state.chain, i))
+                    pool.cache_block(table[i], slot_key(spec, state.chain, i))
 
-    def _release_window(self, state: _RequestState) -> None:
+    def _release_window(
+        self, state: RequestState, groups: Iterable[tuple[int, CacheGroupSpec, BlockPool]]
+    ) -> None:
         """Free sliding pages no future query reads (entirely below L - W + 1).
 
         ::
@@ -361,10 +397,10 @@ class KVCacheManager:
                         head  | tail (cached) |  head  |                 |
         """
         latest = state.tentative_boundary if self.enable_prefix_caching else 0
-        for g, spec, pool in self._sliding:
+        for g, spec, pool in groups:
             table, span = state.block_tables[g], spec.block_tokens
             start = state.num_done_slots[g]
-            stop = min(_first_live_slot(spec, state.num_computed_tokens), len(table))
+            stop = min(first_live_slot(spec, state.num_computed_tokens), len(table))
             released = []
             for i in range(start, stop):
                 block, table[i] = table[i], pool.null_block
@@ -372,7 +408,7 @@ class KVCacheManager:
                     continue
                 overlaps_latest = i * span < latest and (i + 1) * span > latest - spec.window + 1
                 if overlaps_latest and block.block_hash is None:
-                    key = _slot_key(spec, state.chain, i)
+                    key = slot_key(spec, state.chain, i)
                     if pool.cache_block(block, key):
                         state.tentative_blocks.append((pool, block, key))
                 released.append(block)
@@ -380,16 +416,16 @@ class KVCacheManager:
             pool.free(released)
 
     # ---- helpers and queries -------------------------------------------------------------
-    def _new_state(self, req: KVRequest) -> _RequestState:
-        return _RequestState(BlockHashChain(self.granularity, req.cache_salt, self.hash_algo))
+    def _new_state(self, req: KVRequest) -> RequestState:
+        return RequestState(BlockHashChain(self.granularity, req.cache_salt, self.hash_algo))
 
-    def _check_hit(self, state: _RequestState, hit: HitBlocks) -> None:
+    def _check_hit(self, state: RequestState, hit: HitBlocks) -> None:
         # A hit is only valid until the next allocation may evict its blocks.
         if not self.enable_prefix_caching:
             raise ValueError("a prefix hit needs enable_prefix_caching=True")
         for spec, pool, blocks in zip(self.specs, self.pools, hit.blocks, strict=True):
             for i, block in enumerate(blocks):
-                key = _slot_key(spec, state.chain, i)
+                key = slot_key(spec, state.chain, i)
                 if block is not pool.null_block and pool.get_cached_block(key) is not block:
                     raise RuntimeError(
                         "stale HitBlocks: call allocate_slots right after get_computed_blocks"
@@ -424,15 +460,3 @@ class KVCacheManager:
         """Forget every cached prefix (e.g. after a weight update); held blocks stay valid."""
         for pool in self.pools:
             pool.reset_prefix_cache()
-
-
-def _first_live_slot(spec: CacheGroupSpec, num_computed_tokens: int) -> int:
-    """First slot of a sliding table with a row that a query reads once L tokens are
-    computed: rows [L-W+1, L) are still read."""
-    assert spec.window is not None
-    return max(0, num_computed_tokens - spec.window + 1) // spec.block_tokens
-
-
-def _slot_key(spec: CacheGroupSpec, chain: BlockHashChain, slot: int) -> BlockKey:
-    """Cache key of block table slot ``slot``: the prefix hash at the block's end."""
-    return block_key(spec.name, chain, (slot + 1) * spec.block_tokens)

@@ -12,6 +12,8 @@ It needs logits (for sampling) only when the step reaches its last known token.
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,29 +40,54 @@ class StepInputs:
 
 
 def build_step_inputs(reqs: list[ScheduledRequest], device: torch.device | str) -> StepInputs:
-    counts = np.fromiter((r.num_scheduled_tokens for r in reqs), dtype=np.int64, count=len(reqs))
-    starts = np.zeros(len(reqs) + 1, dtype=np.int64)
-    np.cumsum(counts, out=starts[1:])
-    computed = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=len(reqs))
-    # positions: computed[r] + (0 .. counts[r]-1), vectorised over the flat batch
-    total = int(starts[-1])
-    owner = np.repeat(np.arange(len(reqs)), counts)
-    positions = computed[owner] + np.arange(total) - starts[:-1][owner]
-    input_ids = np.empty(total, dtype=np.int64)
-    sample_mask = []
-    for i, r in enumerate(reqs):
-        c, n = r.num_computed_tokens, r.num_scheduled_tokens
-        input_ids[starts[i] : starts[i + 1]] = r.token_ids[c : c + n]
-        sample_mask.append(c + n >= len(r.token_ids))
-    logits_indices = (starts[1:] - 1)[np.asarray(sample_mask, dtype=bool)]
+    return build_batch_inputs(
+        [r.token_ids for r in reqs],
+        [r.num_computed_tokens for r in reqs],
+        [r.num_scheduled_tokens for r in reqs],
+        [r.row for r in reqs],
+        device,
+    )
+
+
+def build_batch_inputs(
+    token_ids: Sequence[list[int]],
+    num_computed_tokens: list[int],
+    num_scheduled_tokens: list[int],
+    rows: list[int],
+    device: torch.device | str,
+) -> StepInputs:
+    """The flat inputs of R requests, given as columns (request r: ``token_ids[r]``, ...)."""
+    num_reqs = len(token_ids)
+    counts = np.array(num_scheduled_tokens, dtype=np.int64)  # [R]
+    computed = np.array(num_computed_tokens, dtype=np.int64)  # [R]
+    lengths = np.fromiter(map(len, token_ids), dtype=np.int64, count=num_reqs)  # [R]
+    sample_mask = computed + counts >= lengths  # [R] the step reaches the last known token
+    if num_reqs and counts.min() == counts.max() == 1:
+        # Pure decode (the common step): one token per request, no per-token index maths.
+        starts = np.arange(num_reqs + 1, dtype=np.int64)
+        positions = computed
+        input_ids = np.fromiter(
+            map(operator.getitem, token_ids, num_computed_tokens), dtype=np.int64, count=num_reqs
+        )
+    else:
+        starts = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(counts, out=starts[1:])
+        # positions: computed[r] + (0 .. counts[r]-1), vectorised over the flat batch
+        total = int(starts[-1])
+        owner = np.repeat(np.arange(num_reqs), counts)
+        positions = computed[owner] + np.arange(total) - starts[:-1][owner]
+        input_ids = np.empty(total, dtype=np.int64)
+        for i, (c, n) in enumerate(zip(num_computed_tokens, num_scheduled_tokens, strict=True)):
+            input_ids[starts[i] : starts[i + 1]] = token_ids[i][c : c + n]
+    logits_indices = (starts[1:] - 1)[sample_mask]
     return StepInputs(
         input_ids=torch.from_numpy(input_ids).to(device),
         positions=torch.from_numpy(positions).to(device),
         query_start_loc=starts.tolist(),
-        num_computed_tokens=computed.tolist(),
-        rows=[r.row for r in reqs],
+        num_computed_tokens=list(num_computed_tokens),
+        rows=list(rows),
         logits_indices=torch.from_numpy(logits_indices).to(device),
-        sample_mask=sample_mask,
+        sample_mask=sample_mask.tolist(),
     )
 
 
@@ -74,6 +101,9 @@ class BlockTables:
             name: torch.zeros(max_num_reqs, -(-max_len // bt) + 1, dtype=torch.int64)
             for name, bt in group_block_tokens.items()
         }
+        # numpy views of the same (CPU) memory: writing a few ids through them costs far
+        # less than building a torch.tensor per append.
+        self._np_tables = [self.tables[name].numpy() for name in self.names]
         self.lengths = {name: [0] * max_num_reqs for name in self.names}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.row_of: dict[str, int] = {}
@@ -88,10 +118,10 @@ class BlockTables:
 
     def append(self, req_id: str, new_block_ids: tuple[list[int], ...]) -> None:
         row = self.row_of[req_id]
-        for name, ids in zip(self.names, new_block_ids, strict=True):
+        for name, table, ids in zip(self.names, self._np_tables, new_block_ids, strict=True):
             if ids:
                 start = self.lengths[name][row]
-                self.tables[name][row, start : start + len(ids)] = torch.tensor(ids)
+                table[row, start : start + len(ids)] = ids
                 self.lengths[name][row] = start + len(ids)
 
     def remove(self, req_id: str) -> None:

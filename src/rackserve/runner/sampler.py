@@ -41,11 +41,14 @@ __all__ = [
     "apply_top_k_top_p",
     "compute_logprobs",
     "make_generator",
+    "pad_token_ids",
     "sample",
 ]
 
 
-def _pad(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device | str) -> torch.Tensor:
+def pad_token_ids(
+    rows: Sequence[Sequence[int]], pad_id: int, device: torch.device | str
+) -> torch.Tensor:
     """Ragged id lists -> [R, max_len] int64 padded with `pad_id` (at least one column)."""
     width = max((len(row) for row in rows), default=0) or 1
     packed = [list(row) + [pad_id] * (width - len(row)) for row in rows]
@@ -142,11 +145,13 @@ class SamplingTensors:
             repetition_penalty=column([p.repetition_penalty for p in params], torch.float32)
             if use_repetition
             else None,
-            output_token_ids=_pad(output_token_ids, vocab_size, device)
+            output_token_ids=pad_token_ids(output_token_ids, vocab_size, device)
             if use_presence_or_frequency or use_repetition
             else None,
-            prompt_token_ids=_pad(prompt_token_ids, vocab_size, device) if use_repetition else None,
-            blocked_token_ids=_pad(blocked, vocab_size, device) if any(blocked) else None,
+            prompt_token_ids=pad_token_ids(prompt_token_ids, vocab_size, device)
+            if use_repetition
+            else None,
+            blocked_token_ids=pad_token_ids(blocked, vocab_size, device) if any(blocked) else None,
             num_logprobs=max(requested) if requested else None,
             all_greedy=all(greedy),
             all_random=not any(greedy),
