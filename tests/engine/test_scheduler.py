@@ -128,3 +128,32 @@ def test_priority_policy_admits_the_most_urgent_first():
     sched.add_request(request("high", 8, priority=-1))
     out = step(sched)
     assert set(out.num_scheduled_tokens) == {"high"}
+
+
+def test_request_admitted_with_its_kv_skips_prefill():
+    """P/D decode side / bench decode: blocks for the context are allocated at admission,
+    the window's old pages released, and the runner hears of it as a new request that
+    already computed its context; then it decodes one token per step."""
+    sched = make_scheduler(max_num_batched_tokens=64)
+    req = request("pd", 200, max_tokens=3)
+    assert sched.add_request_with_kv(req, 199)
+    assert req.num_computed_tokens == 199 and not sched.waiting
+    swa, *_ = sched.kv.get_block_ids(req)
+    assert swa[: (199 - 16 + 1) // 8] == [0] * ((199 - 16 + 1) // 8)  # released: null block
+    out = step(sched)
+    (new,) = out.new_reqs
+    assert new.req_id == "pd" and new.num_computed_tokens == 199 and not out.cached_reqs
+    assert out.num_scheduled_tokens == {"pd": 1}
+    out = step(sched)
+    assert [c.req_id for c in out.cached_reqs] == ["pd"] and not out.new_reqs
+    while sched.num_unfinished:
+        step(sched)
+    assert req.output_token_ids == [TOKEN] * 3 and sched.kv.usage == 0.0
+
+
+def test_request_with_kv_refused_when_the_cache_is_full():
+    sched = make_scheduler(num_history_blocks=4)  # 3 usable blocks of 32 tokens
+    assert not sched.add_request_with_kv(request("big", 200), 199)
+    assert sched.num_unfinished == 0 and sched.kv.usage == 0.0
+    with pytest.raises(ValueError, match="at least one token"):
+        sched.add_request_with_kv(request("x", 10), 10)

@@ -145,16 +145,17 @@ def _decode(args: argparse.Namespace) -> int:
     core = EngineCore(config)
     params = SamplingParams(temperature=0, max_tokens=total - args.context, ignore_eos=True)
     vocab = core.model.cfg.vocab_size
+    # Synthetic contexts: blocks are allocated and the KV is whatever the cache holds (as a
+    # P/D decode instance admits pushed KV); nothing is prefilled. A salt per request keeps
+    # these never-computed blocks out of anyone's prefix hits.
     for i in range(args.concurrency):
         prompt = [(i * 7919 + t) % (vocab - 2) + 2 for t in range(args.context)]
-        core.add_request(EngineCoreRequest(f"d{i}", prompt, params, time.time()))
-    # Fill the contexts (not timed), then time pure decode steps.
-    while not (
-        core.last_step is not None
-        and len(core.last_step.num_scheduled_tokens) == args.concurrency
-        and all(n == 1 for n in core.last_step.num_scheduled_tokens.values())
-    ):
-        core.step()
+        request = EngineCoreRequest(f"d{i}", prompt, params, time.time(), cache_salt=f"d{i}")
+        if not core.add_request_with_kv(request, args.context - 1):
+            raise ValueError(
+                f"the KV cache cannot hold {args.concurrency} x {args.context} tokens: "
+                "raise --kv-cache-memory or lower --concurrency / --context"
+            )
     step_times, forward_times = [], []
     for i in range(args.warmup + args.steps):
         start = time.perf_counter()

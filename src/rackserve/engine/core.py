@@ -98,19 +98,25 @@ class EngineCore:
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request; ValueError (the client's fault) leaves the engine untouched."""
+        self.scheduler.add_request(self._request(request))
+
+    def add_request_with_kv(self, request: EngineCoreRequest, num_computed_tokens: int) -> bool:
+        """Admit a request whose first tokens' KV lands straight in its blocks (P/D decode
+        side, ``bench decode``'s synthetic contexts); False when there is no room now."""
+        return self.scheduler.add_request_with_kv(self._request(request), num_computed_tokens)
+
+    def _request(self, request: EngineCoreRequest) -> Request:
         vocab = self.model.cfg.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        self.scheduler.add_request(
-            Request(
-                request_id=request.request_id,
-                prompt_token_ids=list(request.prompt_token_ids),
-                sampling_params=request.sampling_params,
-                eos_token_ids=self.eos_token_ids,
-                arrival_time=request.arrival_time,
-                priority=request.priority,
-                cache_salt=request.cache_salt,
-            )
+        return Request(
+            request_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            sampling_params=request.sampling_params,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=request.arrival_time,
+            priority=request.priority,
+            cache_salt=request.cache_salt,
         )
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:

@@ -81,6 +81,7 @@ class Scheduler:
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # told to the runner with the next step
+        self._unannounced: set[str] = set()  # admitted with KV, not yet sent to the runner
         self.num_preemptions = 0
 
     # ---- requests in and out ----------------------------------------------------------------
@@ -98,6 +99,33 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.add(req)
 
+    def add_request_with_kv(self, req: Request, num_computed_tokens: int) -> bool:
+        """Admit a request whose first ``num_computed_tokens`` tokens get their KV written
+        straight into its blocks, with no prefill here: the P/D decode side (the prefill
+        instance pushes the KV) and ``bench decode`` (synthetic contexts). Allocates the
+        blocks now, a token budget at a time as a prefill would; returns False, changing
+        nothing, when the batch is full or the cache lacks room."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        if not 0 < num_computed_tokens < req.num_tokens:
+            raise ValueError("num_computed_tokens must leave at least one token to compute")
+        self.add_request(req)  # the same validation as any request
+        self.waiting.remove({req.request_id})
+        done = 0
+        while done < num_computed_tokens:
+            n = min(self.config.max_num_batched_tokens, num_computed_tokens - done)
+            if self.kv.allocate_slots(req, n, done) is None:
+                self.kv.free(req)
+                del self.requests[req.request_id]
+                return False
+            done += n
+            self.kv.commit(req, done)  # pages below the window go back at once
+        req.num_computed_tokens = done
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self._unannounced.add(req.request_id)
+        return True
+
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Finish (e.g. abort) requests wherever they are; frees their blocks at once."""
         reqs = [self.requests[i] for i in request_ids if i in self.requests]
@@ -112,6 +140,7 @@ class Scheduler:
 
     def _free(self, req: Request, status: RequestStatus) -> None:
         req.status = status
+        self._unannounced.discard(req.request_id)
         self.kv.free(req)
         self.finished_req_ids.add(req.request_id)
         del self.requests[req.request_id]
@@ -148,13 +177,18 @@ class Scheduler:
                 new_blocks = self.kv.allocate_slots(req, num_new, req.num_computed_tokens)
             if new_blocks is None:
                 break  # req itself was preempted: everything after it already was
-            cached_reqs.append(
-                CachedRequestData(
-                    req.request_id,
-                    tuple(map(list, new_blocks.block_ids)),
-                    req.num_computed_tokens,
+            if self._unannounced and req.request_id in self._unannounced:
+                # admitted with its KV in place: the runner sees it for the first time
+                self._unannounced.discard(req.request_id)
+                new_reqs.append(self._new_request_data(req, self.kv.get_block_ids(req)))
+            else:
+                cached_reqs.append(
+                    CachedRequestData(
+                        req.request_id,
+                        tuple(map(list, new_blocks.block_ids)),
+                        req.num_computed_tokens,
+                    )
                 )
-            )
             num_scheduled[req.request_id] = num_new
             scheduled.append((req, num_new))
             budget -= num_new
@@ -185,14 +219,7 @@ class Scheduler:
             req.num_computed_tokens = num_hit
             self.running.append(req)
             new_reqs.append(
-                NewRequestData(
-                    req.request_id,
-                    list(req.all_token_ids),
-                    req.num_prompt_tokens,
-                    req.sampling_params,
-                    tuple(list(b) for b in new_blocks.block_ids),
-                    num_hit,
-                )
+                self._new_request_data(req, tuple(list(b) for b in new_blocks.block_ids))
             )
             num_scheduled[req.request_id] = num_new
             scheduled.append((req, num_new))
@@ -212,6 +239,17 @@ class Scheduler:
         self.finished_req_ids = set()
         return out
 
+    @staticmethod
+    def _new_request_data(req: Request, block_ids: tuple[list[int], ...]) -> NewRequestData:
+        return NewRequestData(
+            req.request_id,
+            list(req.all_token_ids),
+            req.num_prompt_tokens,
+            req.sampling_params,
+            block_ids,
+            req.num_computed_tokens,
+        )
+
     def _num_wanted(self, req: Request) -> int:
         """Tokens not yet computed (a decode step: 1), capped by the context length."""
         wanted = req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens
@@ -225,6 +263,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         """Recompute later: free every block; a prefix hit may restore part of it."""
         self.running.remove(req)
+        self._unannounced.discard(req.request_id)  # recomputed: announced when re-admitted
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
