@@ -54,3 +54,15 @@ def test_engine_config_from_flags(tiny_model: Path) -> None:
     )
     assert config.scheduler.max_model_len == 256 and config.scheduler.max_num_seqs == 4
     assert config.model_name == str(tiny_model)
+
+
+def test_too_small_kv_budget_fails_in_one_line(tmp_path: Path, capsys) -> None:
+    from rackserve.cli import main
+    from rackserve.model.create import create_checkpoint
+    from rackserve.model.presets import tiny_config
+
+    model = create_checkpoint(tiny_config(num_layers=3, vocab_size=512), tmp_path / "m")
+    argv = ["serve", str(model), "--port", "0", "--kv-cache-memory", "1M"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "raise --kv-cache-memory" in err and "Traceback" not in err

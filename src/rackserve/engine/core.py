@@ -17,6 +17,7 @@ from rackserve.engine.outputs import EngineCoreOutputs, EngineCoreRequest, Sched
 from rackserve.engine.scheduler import Scheduler
 from rackserve.kv.manager import KVCacheManager
 from rackserve.kv.spec import (
+    CacheGroupSpec,
     bytes_per_token,
     cache_groups_for,
     capacity_tokens,
@@ -44,6 +45,19 @@ def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
     return int(free * config.cache.gpu_memory_utilization)
 
 
+def plan_kv_cache(
+    config: EngineConfig, dtype: torch.dtype, budget_bytes: int
+) -> tuple[list[CacheGroupSpec], dict[str, int]]:
+    """Cache groups of the model and blocks per group for a budget; ValueError naming the
+    fix when the budget is too small (cheap: no weights are loaded)."""
+    element = torch.tensor([], dtype=dtype).element_size()
+    groups = cache_groups_for(config.model_config, dtype_bytes=element)
+    sched = config.scheduler
+    return groups, plan_num_blocks(
+        groups, budget_bytes, sched.max_num_seqs, sched.max_num_batched_tokens
+    )
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, log_stats: bool = True) -> None:
         self.config = config
@@ -56,15 +70,8 @@ class EngineCore:
         cfg = self.model.cfg
         self.eos_token_ids = cfg.eos_token_id
         self.max_model_len = config.scheduler.max_model_len
-        element = torch.tensor([], dtype=dtype).element_size()
-        groups = cache_groups_for(cfg, dtype_bytes=element)
         sched = config.scheduler
-        num_blocks = plan_num_blocks(
-            groups,
-            kv_budget_bytes(config, device),
-            sched.max_num_seqs,
-            sched.max_num_batched_tokens,
-        )
+        groups, num_blocks = plan_kv_cache(config, dtype, kv_budget_bytes(config, device))
         interval = config.cache.checkpoint_interval
         kv = KVCacheManager(
             groups,

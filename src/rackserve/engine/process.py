@@ -261,8 +261,9 @@ def run_engine_core(config: EngineProcessConfig) -> None:
     context = zmq.Context()
     try:
         core = load_core_factory(config.core_factory)(config.engine_config)
-    except Exception:
-        message = traceback.format_exc()
+    except Exception as exc:
+        # Bad configuration (ValueError names the fix) reads best as one line.
+        message = str(exc) if isinstance(exc, ValueError) else traceback.format_exc()
         print(f"engine core failed to start:\n{message}", flush=True)
         socket = context.socket(zmq.PUSH)
         socket.connect(config.output_address)

@@ -153,6 +153,14 @@ def serve(args: argparse.Namespace) -> int:
 
     options = resolve_options(args)
     engine_config = build_engine_config(options)
+    if engine_config.cache.kv_cache_memory is not None:
+        # Fail in one line before any process starts when the budget cannot work.
+        from rackserve.engine.core import plan_kv_cache
+        from rackserve.model.cli import default_device, parse_dtype
+
+        device = default_device() if engine_config.device == "auto" else engine_config.device
+        dtype = parse_dtype(engine_config.dtype, device)
+        plan_kv_cache(engine_config, dtype, engine_config.cache.kv_cache_memory)
     tokenizer = AutoTokenizer.from_pretrained(options["tokenizer"] or options["model"])
     names = tuple(options["served_model_name"] or [str(options["model"])])
     metrics = ServerMetrics(names[0])
