@@ -144,6 +144,7 @@ def build_engine_config(options: dict[str, Any]) -> Any:
 
 def serve(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM/SIGINT (exit 0) or engine death (exit 1)."""
+    import prometheus_client
     import uvicorn
     from transformers import AutoTokenizer
 
@@ -153,6 +154,8 @@ def serve(args: argparse.Namespace) -> int:
 
     options = resolve_options(args)
     engine_config = build_engine_config(options)
+    # This process only serves: drop the `_created` series, as vLLM's /metrics does.
+    prometheus_client.disable_created_metrics()
     if engine_config.cache.kv_cache_memory is not None:
         # Fail in one line before any process starts when the budget cannot work.
         from rackserve.engine.core import plan_kv_cache
