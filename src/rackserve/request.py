@@ -156,7 +156,7 @@ _FINISH_REASONS = {
 }
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: read several times per request per step
 class Request:
     """One sequence in the engine. Phase-free: the scheduler only compares
     ``num_computed_tokens`` with ``num_tokens``; a prefix-cache hit simply starts

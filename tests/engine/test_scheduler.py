@@ -33,7 +33,7 @@ def request(req_id: str, num_prompt: int, max_tokens: int = 4, priority: int = 0
 
 def fake_run(sched: Scheduler, out: SchedulerOutput) -> RunnerOutput:
     """Sample TOKEN for every request whose step reaches its last known token."""
-    ids = [r.req_id for r in out.new_reqs] + [r.req_id for r in out.cached_reqs]
+    ids = [r.req_id for r in out.new_reqs] + out.cached_reqs.req_ids
     sampled = []
     for req_id in ids:
         req = sched.requests[req_id]
@@ -142,10 +142,10 @@ def test_request_admitted_with_its_kv_skips_prefill():
     assert swa[: (199 - 16 + 1) // 8] == [0] * ((199 - 16 + 1) // 8)  # released: null block
     out = step(sched)
     (new,) = out.new_reqs
-    assert new.req_id == "pd" and new.num_computed_tokens == 199 and not out.cached_reqs
+    assert new.req_id == "pd" and new.num_computed_tokens == 199 and not out.cached_reqs.num_reqs
     assert out.num_scheduled_tokens == {"pd": 1}
     out = step(sched)
-    assert [c.req_id for c in out.cached_reqs] == ["pd"] and not out.new_reqs
+    assert out.cached_reqs.req_ids == ["pd"] and not out.new_reqs
     while sched.num_unfinished:
         step(sched)
     assert req.output_token_ids == [TOKEN] * 3 and sched.kv.usage == 0.0

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rackserve.engine.outputs import NewRequestData, SchedulerOutput
+from rackserve.engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from rackserve.kv.spec import CacheGroupSpec, cache_groups_for
 from rackserve.model.batch import ForwardBatch, KVCacheTensors
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
@@ -102,7 +102,7 @@ def synthetic_step(model: DeepseekV4ForCausalLM, batch: BatchSpec, seed: int = 0
     ]
     sched = SchedulerOutput(
         new_reqs=new_reqs,
-        cached_reqs=[],
+        cached_reqs=CachedRequestData(),
         num_scheduled_tokens={r.req_id: batch.new_tokens for r in new_reqs},
         total_num_scheduled_tokens=batch.num_requests * batch.new_tokens,
     )

@@ -152,45 +152,56 @@ class Scheduler:
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        max_model_len = self.config.max_model_len
         new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
+        cached = CachedRequestData()
         num_scheduled: dict[str, int] = {}
-        scheduled: list[tuple[Request, int]] = []  # num_scheduled without the id lookups
+        # Parallel to the scheduled requests, for the optimistic advance below.
+        scheduled_reqs: list[Request] = []
+        scheduled_counts: list[int] = []
         preempted: set[str] = set()
-        allocate_slots = self.kv.allocate_slots  # bound once: this loop runs per request
+        # Bound once: this loop runs per request per step.
+        allocate_slots, running = self.kv.allocate_slots, self.running
+        unannounced = self._unannounced
+        cached_ids, cached_blocks = cached.req_ids, cached.new_block_ids
+        cached_computed = cached.num_computed_tokens
 
-        # 1. Running requests, in order; preempt from the back when the cache is full.
+        # 1. Running requests, in order; preempt from the back when the cache is full
+        #    (_preempt removes from `running` in place).
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            num_new = min(self._num_wanted(req), budget)
+        while i < len(running) and budget > 0:
+            req = running[i]
+            num_computed = req.num_computed_tokens
+            # Tokens not yet computed (a decode step: 1), capped by the context length.
+            wanted = min(len(req.all_token_ids) + len(req.spec_token_ids), max_model_len)
+            num_new = min(wanted - num_computed, budget)
             if num_new <= 0:
                 i += 1
                 continue
-            new_blocks = allocate_slots(req, num_new, req.num_computed_tokens)
+            new_blocks = allocate_slots(req, num_new, num_computed)
             while new_blocks is None:
                 victim = self._pick_victim()
                 self._preempt(victim)
                 preempted.add(victim.request_id)
                 if victim is req:
                     break
-                new_blocks = self.kv.allocate_slots(req, num_new, req.num_computed_tokens)
+                new_blocks = allocate_slots(req, num_new, num_computed)
             if new_blocks is None:
                 break  # req itself was preempted: everything after it already was
-            if self._unannounced and req.request_id in self._unannounced:
+            req_id = req.request_id
+            if unannounced and req_id in unannounced:
                 # admitted with its KV in place: the runner sees it for the first time
-                self._unannounced.discard(req.request_id)
+                unannounced.discard(req_id)
                 new_reqs.append(self._new_request_data(req, self.kv.get_block_ids(req)))
             else:
-                cached_reqs.append(
-                    CachedRequestData(
-                        req.request_id,
-                        tuple(map(list, new_blocks.block_ids)),
-                        req.num_computed_tokens,
-                    )
-                )
-            num_scheduled[req.request_id] = num_new
-            scheduled.append((req, num_new))
+                block_ids = new_blocks.block_ids
+                cached_ids.append(req_id)
+                # None, not five empty lists, when no group got a block (most decode steps)
+                cached_blocks.append(tuple(map(list, block_ids)) if any(block_ids) else None)
+                cached_computed.append(num_computed)
+            num_scheduled[req_id] = num_new
+            scheduled_reqs.append(req)
+            scheduled_counts.append(num_new)
             budget -= num_new
             i += 1
 
@@ -222,15 +233,16 @@ class Scheduler:
                 self._new_request_data(req, tuple(list(b) for b in new_blocks.block_ids))
             )
             num_scheduled[req.request_id] = num_new
-            scheduled.append((req, num_new))
+            scheduled_reqs.append(req)
+            scheduled_counts.append(num_new)
             budget -= num_new
 
         # Optimistic advance: the runner computes exactly what was granted.
-        for req, n in scheduled:
+        for req, n in zip(scheduled_reqs, scheduled_counts, strict=True):
             req.num_computed_tokens += n
         out = SchedulerOutput(
             new_reqs=new_reqs,
-            cached_reqs=cached_reqs,
+            cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             finished_req_ids=self.finished_req_ids,
@@ -249,11 +261,6 @@ class Scheduler:
             block_ids,
             req.num_computed_tokens,
         )
-
-    def _num_wanted(self, req: Request) -> int:
-        """Tokens not yet computed (a decode step: 1), capped by the context length."""
-        wanted = req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens
-        return min(wanted, self.config.max_model_len - req.num_computed_tokens)
 
     def _pick_victim(self) -> Request:
         if self.waiting.priority:  # the least urgent running request
@@ -279,6 +286,7 @@ class Scheduler:
         # Hoisted: this loop runs once per request per step.
         get_request, commit, running = self.requests.get, self.kv.commit, RequestStatus.RUNNING
         eos_token_ids, max_model_len = self.eos_token_ids, self.config.max_model_len
+        all_logprobs, prompt_logprobs = result.logprobs, result.prompt_logprobs
         for k, (req_id, sampled) in enumerate(
             zip(result.req_ids, result.sampled_token_ids, strict=True)
         ):
@@ -290,40 +298,39 @@ class Scheduler:
                 continue  # a prefill chunk short of the prompt's end
             params = req.sampling_params
             decision = None
-            accepted = []
-            for token in sampled:
-                accepted.append(token)
-                req.append_output_token_ids([token])
+            # Counts as if the tokens were appended one by one (the stop check sees each).
+            num_output, num_tokens = len(req.output_token_ids), len(req.all_token_ids)
+            num_accepted = len(sampled)
+            for j, token in enumerate(sampled, 1):
                 # A token can only stop the request if one of these holds; the full check
                 # (min_tokens, ignore_eos, which reason) runs for those few tokens only.
                 if (
                     token in eos_token_ids
                     or token in params.stop_token_ids
-                    or len(req.output_token_ids) >= params.max_tokens
-                    or len(req.all_token_ids) >= max_model_len
+                    or num_output + j >= params.max_tokens
+                    or num_tokens + j >= max_model_len
                 ):
                     decision = check_stop_token(
-                        params,
-                        token,
-                        req.num_output_tokens,
-                        eos_token_ids,
-                        req.num_tokens,
-                        max_model_len,
+                        params, token, num_output + j, eos_token_ids, num_tokens + j, max_model_len
                     )
                     if decision is not None:
+                        num_accepted = j
                         break
+            # The runner hands its lists over (as vLLM's does): no copy unless cut at a stop.
+            accepted = sampled if num_accepted == len(sampled) else sampled[:num_accepted]
+            req.append_output_token_ids(accepted)
             out = EngineCoreOutput(
                 request_id=req_id, new_token_ids=accepted, num_cached_tokens=req.num_cached_tokens
             )
-            if result.logprobs is not None and result.logprobs[k]:
+            if all_logprobs is not None and all_logprobs[k]:
                 out.new_logprobs = [
                     Logprob(lp.token_ids, lp.logprobs, lp.rank)
-                    for lp in result.logprobs[k][: len(accepted)]
+                    for lp in all_logprobs[k][:num_accepted]
                 ]
-            if req_id in result.prompt_logprobs:
+            if prompt_logprobs and req_id in prompt_logprobs:
                 out.prompt_logprobs = [
                     None if lp is None else Logprob(lp.token_ids, lp.logprobs, lp.rank)
-                    for lp in result.prompt_logprobs[req_id]
+                    for lp in prompt_logprobs[req_id]
                 ]
             if decision is not None:
                 status = (

@@ -32,6 +32,14 @@ def check_hash_algo(algo: str) -> None:
         raise ValueError(f"unknown prefix hash {algo!r}; choose one of {HASH_ALGOS}")
 
 
+def _sha256_digest(data: bytes) -> BlockHash:
+    return hashlib.sha256(data).digest()
+
+
+_DIGESTS = {"xxhash": xxhash.xxh3_128_digest, "sha256": _sha256_digest}  # 16 / 32 bytes
+_NO_EXTRA_KEYS = struct.pack("<I", 0)  # hash_tokens' extra-key framing for b""
+
+
 def _digest(data: bytes, algo: str) -> BlockHash:
     if algo == "xxhash":
         return xxhash.xxh3_128_digest(data)  # 16 bytes
@@ -79,6 +87,10 @@ class BlockHashChain:
         self.algo = algo
         self.root = root_hash(cache_salt, algo)
         self.hashes: list[BlockHash] = []
+        # Compiled once: decode steps hash one small chunk at a time, where hash_tokens'
+        # per-call format string and joins cost more than the hash itself.
+        self._pack_chunk = struct.Struct(f"<{granularity}q").pack
+        self._chunk_digest = _DIGESTS[algo]
 
     @property
     def num_tokens(self) -> int:
@@ -91,9 +103,11 @@ class BlockHashChain:
         g = self.granularity
         start, stop = len(self.hashes), len(all_token_ids) // g
         parent = self.hashes[-1] if self.hashes else self.root
-        for i in range(start, stop):
-            parent = hash_tokens(parent, all_token_ids[i * g : (i + 1) * g], algo=self.algo)
-            self.hashes.append(parent)
+        pack, digest, append = self._pack_chunk, self._chunk_digest, self.hashes.append
+        for i in range(start * g, stop * g, g):
+            # == hash_tokens(parent, all_token_ids[i : i + g], algo=self.algo)
+            parent = digest(parent + _NO_EXTRA_KEYS + pack(*all_token_ids[i : i + g]))
+            append(parent)
         return max(0, stop - start)
 
     def prefix_hash(self, end: int) -> BlockHash:

@@ -24,10 +24,11 @@ transient once the request passes the next one: at most one such checkpoint per 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from rackserve.kv.block_pool import BlockPool, KVCacheBlock
+from rackserve.kv.commit import CommitMixin
 from rackserve.kv.hashing import BlockHashChain, check_hash_algo
 from rackserve.kv.records import (
     HitBlocks,
@@ -35,8 +36,6 @@ from rackserve.kv.records import (
     PrefixCacheStats,
     RequestState,
     first_live_slot,
-    group_event,
-    next_checkpoint_event,
     slot_key,
 )
 from rackserve.kv.spec import CacheGroupSpec, hash_granularity, prefix_alignment
@@ -53,7 +52,7 @@ class KVRequest(Protocol):
     cache_salt: str | None
 
 
-class KVCacheManager:
+class KVCacheManager(CommitMixin):
     """Block tables of every running request over all cache groups (one BlockPool each)."""
 
     def __init__(
@@ -210,20 +209,13 @@ class KVCacheManager:
             if hit is not None and hit.num_tokens:
                 raise ValueError("a prefix hit can only start a request's first allocation")
             self._commit(req, state, num_computed_tokens)  # frees pages that left the window
-            if self.enable_fast_path and (
-                num_computed_tokens + num_new_tokens <= state.capacity_tokens
-            ):
-                return state.no_new_blocks  # the tables have room: no block to add
+            if self.enable_fast_path:
+                return self._grow(state, num_computed_tokens, num_computed_tokens + num_new_tokens)
             tables = state.block_tables
 
         end = num_computed_tokens + num_new_tokens
-        groups: Iterable[int] = range(len(self.specs))
-        if self.enable_fast_path and not first_call:
-            # A group whose table already reaches `end` neither grows nor pads (its live
-            # slots are below end / T): leave it out, its NewBlocks entry is an empty append.
-            groups = [g for g, cap in enumerate(state.group_capacity) if cap < end]
         plan = []  # (group, first slot to fill, number of new blocks)
-        for g in groups:
+        for g in range(len(self.specs)):
             spec, pool, table = self.specs[g], self.pools[g], tables[g]
             first = len(table)
             if spec.is_sliding:
@@ -259,15 +251,46 @@ class KVCacheManager:
             assert new_blocks is not None  # checked above
             table.extend(new_blocks)
             block_ids[g] = tuple([b.block_id for b in table[offsets[g] :]])
-        if self.enable_fast_path:
-            if first_call:
-                state.group_events = [0] * len(tables)
-                self._update_events(state, self._groups)
-                state.group_capacity = [0] * len(tables)
-            for g, _, _ in plan:
-                state.group_capacity[g] = len(tables[g]) * self.specs[g].block_tokens
+        if self.enable_fast_path:  # first call: later ones take _grow
+            state.group_events = [0] * len(tables)
+            self._update_events(state, self._groups)
+            state.group_capacity = [
+                len(t) * s.block_tokens for s, t in zip(self.specs, tables, strict=True)
+            ]
             state.capacity_tokens = min(state.group_capacity)
             state.no_new_blocks = NewBlocks(tuple(map(len, tables)), self._no_block_ids)
+        return NewBlocks(offsets, tuple(block_ids))
+
+    def _grow(self, state: RequestState, num_computed_tokens: int, end: int) -> NewBlocks | None:
+        """allocate_slots with the fast path, after the first call: only the groups whose
+        tables end before ``end`` grow. The others neither grow nor pad (their live slots
+        are below end / T), so their NewBlocks entry is an empty append."""
+        tables, capacity = state.block_tables, state.group_capacity
+        if end <= state.capacity_tokens:
+            return state.no_new_blocks
+        plan = []  # (group, first slot to fill, number of new blocks)
+        for g, group_capacity in enumerate(capacity):
+            if group_capacity >= end:
+                continue
+            spec, table = self.specs[g], tables[g]
+            first = len(table)
+            if spec.is_sliding:
+                first = max(first, first_live_slot(spec, num_computed_tokens))
+            num_new = max(0, -(-end // spec.block_tokens) - first)
+            if num_new > self.pools[g].free_queue.num_free:
+                return None
+            plan.append((g, first, num_new))
+        offsets = tuple(map(len, tables))
+        block_ids = list(self._no_block_ids)
+        for g, first, num_new in plan:
+            pool, table = self.pools[g], tables[g]
+            if first > len(table):
+                table.extend([pool.null_block] * (first - len(table)))
+            table.extend(pool.get_new_blocks(num_new))
+            block_ids[g] = tuple([b.block_id for b in table[offsets[g] :]])
+            capacity[g] = len(table) * self.specs[g].block_tokens
+        state.capacity_tokens = min(capacity)
+        state.no_new_blocks = NewBlocks(tuple(map(len, tables)), self._no_block_ids)
         return NewBlocks(offsets, tuple(block_ids))
 
     def commit(self, req: KVRequest, num_computed_tokens: int) -> None:
@@ -299,122 +322,6 @@ class KVCacheManager:
         for pool, table in zip(self.pools, state.block_tables, strict=True):
             pool.free([b for b in reversed(table) if b is not pool.null_block])
 
-    # ---- commit internals ----------------------------------------------------------------
-    def _commit(self, req: KVRequest, state: RequestState, num_computed_tokens: int) -> None:
-        previous = state.num_computed_tokens
-        if num_computed_tokens < previous:
-            raise ValueError(
-                f"num_computed_tokens went back from {previous} to {num_computed_tokens}"
-            )
-        state.num_computed_tokens = num_computed_tokens
-        if num_computed_tokens < state.next_commit_event:
-            return  # nothing to hash, checkpoint or release yet (0 when the fast path is off)
-        full, sliding = self._full, self._sliding
-        if self.enable_fast_path:  # visit only the groups with work (records.py)
-            events = state.group_events
-            full = [x for x in full if events[x[0]] <= num_computed_tokens]
-            sliding = [x for x in sliding if events[x[0]] <= num_computed_tokens]
-        if self.enable_prefix_caching and num_computed_tokens > previous:
-            state.chain.extend(req.all_token_ids)
-            self._cache_full_blocks(state, full)
-            # Checkpoint boundaries (chosen ones and the provisional finish boundary, which
-            # is floor_A(previous) until here) are multiples of A: none without a new one.
-            if num_computed_tokens // self.alignment != previous // self.alignment:
-                self._move_checkpoints(req, state, previous)
-        self._release_window(state, sliding)
-        if self.enable_fast_path:
-            self._update_events(state, full + sliding)
-
-    def _update_events(
-        self, state: RequestState, groups: Iterable[tuple[int, CacheGroupSpec, BlockPool]]
-    ) -> None:
-        """Recompute the fast-path events of ``groups`` (whose num_done_slots moved)."""
-        caching = self.enable_prefix_caching
-        for g, spec, _ in groups:
-            state.group_events[g] = group_event(spec, state.num_done_slots[g], caching)
-        state.next_commit_event = min(state.group_events)
-        if caching:
-            state.next_commit_event = min(
-                state.next_commit_event,
-                next_checkpoint_event(state.num_computed_tokens, self.alignment),
-            )
-
-    def _move_checkpoints(self, req: KVRequest, state: RequestState, previous: int) -> None:
-        current = state.num_computed_tokens
-        for boundary in self._chosen_boundaries(req, state, previous, current):
-            self._cache_checkpoint(state, boundary)
-        latest = self._floor_align(current)
-        if latest != state.tentative_boundary:
-            # The previous provisional finish checkpoint is superseded: make it transient.
-            for pool, block, key in state.tentative_blocks:
-                if block.block_hash == key:
-                    pool.uncache_free_block(block)
-            state.tentative_blocks.clear()
-            state.tentative_boundary = latest
-
-    def _chosen_boundaries(
-        self, req: KVRequest, state: RequestState, previous: int, current: int
-    ) -> list[int]:
-        """Checkpoint boundaries reached in (previous, current]."""
-        prompt_end = self._floor_align(req.num_prompt_tokens)
-        boundaries = [b for b in {prompt_end, state.divergence_boundary} if previous < b <= current]
-        if self.checkpoint_interval is not None:
-            interval = self.checkpoint_interval
-            stop = min(current, req.num_prompt_tokens)
-            boundaries += range((previous // interval + 1) * interval, stop + 1, interval)
-        return boundaries
-
-    def _cache_full_blocks(
-        self, state: RequestState, groups: Iterable[tuple[int, CacheGroupSpec, BlockPool]]
-    ) -> None:
-        for g, spec, pool in groups:
-            table = state.block_tables[g]
-            num_full = min(state.num_computed_tokens // spec.block_tokens, len(table))
-            for i in range(state.num_done_slots[g], num_full):
-                pool.cache_block(table[i], slot_key(spec, state.chain, i))
-            state.num_done_slots[g] = max(state.num_done_slots[g], num_full)
-
-    def _cache_checkpoint(self, state: RequestState, boundary: int) -> None:
-        """Hash the held sliding pages with rows [boundary-W+1, boundary)."""
-        if boundary <= 0:
-            return
-        for g, spec, pool in self._sliding:
-            table = state.block_tables[g]
-            stop = min(boundary // spec.block_tokens, len(table))
-            for i in range(first_live_slot(spec, boundary), stop):
-                if table[i] is not pool.null_block and table[i].block_hash is None:
-                    pool.cache_block(table[i], slot_key(spec, state.chain, i))
-
-    def _release_window(
-        self, state: RequestState, groups: Iterable[tuple[int, CacheGroupSpec, BlockPool]]
-    ) -> None:
-        """Free sliding pages no future query reads (entirely below L - W + 1).
-
-        ::
-
-            positions   ......[ B-W+1 ...... B)........[ L-W+1 ....... L)
-            pages       free  | checkpoint B  |  free  |  kept (window)  |
-                        head  | tail (cached) |  head  |                 |
-        """
-        latest = state.tentative_boundary if self.enable_prefix_caching else 0
-        for g, spec, pool in groups:
-            table, span = state.block_tables[g], spec.block_tokens
-            start = state.num_done_slots[g]
-            stop = min(first_live_slot(spec, state.num_computed_tokens), len(table))
-            released = []
-            for i in range(start, stop):
-                block, table[i] = table[i], pool.null_block
-                if block is pool.null_block:
-                    continue
-                overlaps_latest = i * span < latest and (i + 1) * span > latest - spec.window + 1
-                if overlaps_latest and block.block_hash is None:
-                    key = slot_key(spec, state.chain, i)
-                    if pool.cache_block(block, key):
-                        state.tentative_blocks.append((pool, block, key))
-                released.append(block)
-            state.num_done_slots[g] = max(start, stop)
-            pool.free(released)
-
     # ---- helpers and queries -------------------------------------------------------------
     def _new_state(self, req: KVRequest) -> RequestState:
         return RequestState(BlockHashChain(self.granularity, req.cache_salt, self.hash_algo))
@@ -430,9 +337,6 @@ class KVCacheManager:
                     raise RuntimeError(
                         "stale HitBlocks: call allocate_slots right after get_computed_blocks"
                     )
-
-    def _floor_align(self, num_tokens: int) -> int:
-        return num_tokens // self.alignment * self.alignment
 
     def get_block_ids(self, req: KVRequest) -> tuple[list[int], ...]:
         """The request's block table per group (null block ids in released slots)."""

@@ -21,7 +21,7 @@ from rackserve.runner.inputs import BlockTables, StepInputs, build_batch_inputs
 from rackserve.runner.sampler import SamplingTensors, make_generator, pad_token_ids
 
 
-@dataclass
+@dataclass(slots=True)  # slots: read per request per step, keep it compact
 class RunnerRequest:
     req_id: str
     token_ids: list[int]
@@ -179,36 +179,41 @@ class InputBatch:
             )
             row = self.block_tables.add(new.req_id, new.block_ids)
             self.sampling_params.set_row(row, params, new.num_prompt_tokens)
+        cached = sched.cached_reqs
         append = self.block_tables.append
-        for cached in sched.cached_reqs:
-            if any(cached.new_block_ids):  # most decode steps get no block
-                append(cached.req_id, cached.new_block_ids)
+        for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if new_block_ids is not None:  # most decode steps get no block
+                append(req_id, new_block_ids)
 
     def prepare(self, sched: SchedulerOutput) -> PreparedStep | None:
         """Apply the deltas, then build this step's inputs; None for an empty step."""
         self.update(sched)
-        req_ids = [n.req_id for n in sched.new_reqs] + [c.req_id for c in sched.cached_reqs]
+        cached = sched.cached_reqs
+        req_ids = [n.req_id for n in sched.new_reqs] + cached.req_ids
         if not req_ids:
             return None
-        computed = [n.num_computed_tokens for n in sched.new_reqs]
-        computed += [c.num_computed_tokens for c in sched.cached_reqs]
+        computed = [n.num_computed_tokens for n in sched.new_reqs] + cached.num_computed_tokens
         reqs = list(map(self.requests.__getitem__, req_ids))
         rows = list(map(self.block_tables.row_of.__getitem__, req_ids))
+        token_ids = [r.token_ids for r in reqs]
         inputs = build_batch_inputs(
-            [r.token_ids for r in reqs],
+            token_ids,
             computed,
             list(map(sched.num_scheduled_tokens.__getitem__, req_ids)),
             rows,
             self.device,
         )
         mask = inputs.sample_mask
-        sampled = [r for r, s in zip(reqs, mask, strict=True) if s]
+        if all(mask):  # a decode step: every request samples, nothing to filter
+            sampled, sampled_token_ids = reqs, token_ids
+            sampled_rows = np.array(rows, dtype=np.int64)
+        else:
+            sampled = [r for r, s in zip(reqs, mask, strict=True) if s]
+            sampled_rows = np.array(rows, dtype=np.int64)[np.array(mask, dtype=bool)]
+            sampled_token_ids = [r.token_ids for r in sampled]
         sampling = None
         if sampled:
             sampling = self.sampling_params.gather(
-                np.array(rows, dtype=np.int64)[np.array(mask, dtype=bool)],
-                [r.token_ids for r in sampled],
-                self.eos_token_ids,
-                self.device,
+                sampled_rows, sampled_token_ids, self.eos_token_ids, self.device
             )
         return PreparedStep(reqs, inputs, sampled, sampling)
