@@ -54,7 +54,7 @@ class ModelRunner:
             inputs.positions,
             inputs.query_start_loc,
             inputs.num_computed_tokens,
-            self.input_batch.block_tables.tables,
+            self._device_block_tables(),
             inputs.rows,
         )
         cfg = self.model.cfg
@@ -98,6 +98,15 @@ class ModelRunner:
             expert_counts=expert_counts,
             forward_time_s=time.perf_counter() - start,
         )
+
+    def _device_block_tables(self) -> dict[str, torch.Tensor]:
+        """The persistent block tables where the model runs. On an accelerator the whole
+        tables are copied each step (fine next to the reference ops; a device-resident
+        copy updated by row deltas comes with the GPU fast path)."""
+        tables = self.input_batch.block_tables.tables
+        if self.device.type == "cpu":
+            return tables
+        return {name: t.to(self.device, non_blocking=True) for name, t in tables.items()}
 
     def _prompt_logprobs(
         self,
