@@ -157,3 +157,30 @@ def test_request_with_kv_refused_when_the_cache_is_full():
     assert sched.num_unfinished == 0 and sched.kv.usage == 0.0
     with pytest.raises(ValueError, match="at least one token"):
         sched.add_request_with_kv(request("x", 10), 10)
+
+
+def test_priority_victim_is_never_a_request_already_scheduled_this_step():
+    # 4 history blocks of 32 tokens; "low" runs first, then "high" arrives. When "high"
+    # needs a third block, the victim ("low", least urgent) must not have been scheduled
+    # earlier in the same step: it would be both preempted and in this step's batch.
+    sched = make_scheduler(num_history_blocks=5, policy="priority", max_num_batched_tokens=128)
+    params = SamplingParams(temperature=0, max_tokens=40)
+    low = Request("low", [10 + i for i in range(40)], params, (EOS,), priority=5)
+    high = Request("high", [60 + i for i in range(60)], params, (EOS,), priority=0)  # no hit
+    sched.add_request(low)
+    step(sched)
+    sched.add_request(high)
+    preempted: set[str] = set()
+    for _ in range(30):
+        out = step(sched)
+        scheduled = set(out.num_scheduled_tokens)
+        assert not out.preempted_req_ids & scheduled
+        assert not out.preempted_req_ids & set(out.cached_reqs.req_ids)
+        preempted |= out.preempted_req_ids
+        if preempted:
+            break
+    assert preempted == {"low"} and "high" in scheduled
+    assert [r.request_id for r in sched.running] == ["high"]
+    while sched.num_unfinished:
+        step(sched)
+    assert sched.kv.usage == 0.0

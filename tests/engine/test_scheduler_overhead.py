@@ -49,6 +49,11 @@ def test_batched_cached_data_matches_the_manager_tables():
             num_blocks += new is not None
         step = batch.prepare(out)
         assert step is not None
+        # reused from the last step when the same requests run: still this step's
+        ids = [n.req_id for n in out.new_reqs] + cached.req_ids
+        assert [r.req_id for r in step.reqs] == ids
+        assert step.inputs.rows == [batch.block_tables.row_of[i] for i in ids]
+        assert step.inputs.positions.tolist()[-1] == sched.requests[ids[-1]].num_computed_tokens - 1
         for req in sched.running:
             row = batch.block_tables.row_of[req.request_id]
             for g, ids in enumerate(kv.get_block_ids(req)):

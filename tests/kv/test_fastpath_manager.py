@@ -1,7 +1,8 @@
 """The manager's decode fast path against the full path: two managers, one with
 ``enable_fast_path=False``, get the same random calls (prefill chunks, long decodes, prefix
 hits, preemption under cache pressure, frees with and without a final count) and must agree
-on every return value, block table, cached key, reference count and free-queue order."""
+on every return value, block table, cached key, reference count and free-queue order. The
+fast manager also misses most of the calls that ``kv_idle_until`` lets a scheduler skip."""
 
 from __future__ import annotations
 
@@ -72,6 +73,13 @@ class Twin:
         assert plain(fast) == plain(full), name
         return Pair((fast, full)) if name == "get_computed_blocks" else fast
 
+    def skip(self, name: str, *args):
+        """A call the scheduler skips under ``kv_idle_until``: only the full manager gets it,
+        and it must be what the skip assumes (an empty append, or a no-op commit)."""
+        full = getattr(self.full, name)(*args)
+        if name == "allocate_slots":
+            assert full is not None and not any(full.block_ids)
+
     def check(self, running) -> None:
         assert pool_state(self.fast) == pool_state(self.full)
         assert self.fast.stats == self.full.stats
@@ -84,13 +92,14 @@ def drive(
 ) -> int:
     """A small engine loop: up to 6 running requests, chunked prefill, mostly 1-token decode
     steps, preemption when full, multi-turn sessions. Returns the number of fast-path
-    allocations seen (so the test knows the fast path was exercised)."""
+    allocations seen or of skipped ones, whichever is fewer (so the test knows both were
+    exercised)."""
     rng = random.Random(seed)
     twin = Twin(specs, num_blocks, **kwargs)
     system = [rng.randrange(2, 4000) for _ in range(rng.randrange(1, max_prompt))]
     contexts: list[list[int]] = []
     waiting, running, budget = [], [], {}
-    num_fast = 0
+    num_fast = num_skipped = 0
     for i in range(num_requests):
         base = contexts.pop() if contexts and rng.random() < 0.5 else list(system)
         prompt = base + [rng.randrange(2, 4000) for _ in range(rng.randrange(1, max_prompt))]
@@ -104,6 +113,12 @@ def drive(
                     continue
                 left = len(req.all_token_ids) - req.num_computed_tokens
                 num_new = min(left, 1 if rng.random() < 0.8 else rng.randrange(1, 300))
+                end = req.num_computed_tokens + num_new
+                if num_new > 0 and end <= req.kv_idle_until and rng.random() < 0.8:
+                    twin.skip("allocate_slots", req, num_new, req.num_computed_tokens)
+                    num_skipped += 1
+                    scheduled.append((req, num_new))
+                    continue
                 while (
                     new := twin.call("allocate_slots", req, num_new, req.num_computed_tokens)
                 ) is None:
@@ -131,7 +146,10 @@ def drive(
                 scheduled.append((req, num_new))
             for req, num_new in scheduled:
                 req.num_computed_tokens += num_new
-                twin.call("commit", req, req.num_computed_tokens)
+                if req.num_computed_tokens < req.kv_idle_until and rng.random() < 0.8:
+                    twin.skip("commit", req, req.num_computed_tokens)
+                else:
+                    twin.call("commit", req, req.num_computed_tokens)
                 if rng.random() < 0.1:  # a repeated commit changes nothing
                     twin.call("commit", req, req.num_computed_tokens)
                 if req.num_computed_tokens == len(req.all_token_ids):
@@ -146,7 +164,7 @@ def drive(
     for req in running:
         twin.call("free", req, req.num_computed_tokens)
     twin.check([])
-    return num_fast
+    return min(num_fast, num_skipped)
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -9,6 +9,7 @@ request that would be scheduled last; the KV manager never decides policy.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 from collections import deque
@@ -67,6 +68,10 @@ class WaitingQueue:
             self._fifo = deque(r for r in self._fifo if r.request_id not in ids)
 
 
+def _urgency(req: Request) -> tuple[int, float]:
+    return req.priority, req.arrival_time  # lower runs first, as in vLLM
+
+
 class Scheduler:
     def __init__(
         self,
@@ -79,6 +84,8 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(config.policy)
+        # Served in order; under the priority policy kept sorted by urgency, so that, as in
+        # FCFS, the request to preempt is always the last one (not yet scheduled this step).
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # told to the runner with the next step
         self._unannounced: set[str] = set()  # admitted with KV, not yet sent to the runner
@@ -122,7 +129,7 @@ class Scheduler:
             self.kv.commit(req, done)  # pages below the window go back at once
         req.num_computed_tokens = done
         req.status = RequestStatus.RUNNING
-        self.running.append(req)
+        self._add_running(req)
         self._unannounced.add(req.request_id)
         return True
 
@@ -156,9 +163,6 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         num_scheduled: dict[str, int] = {}
-        # Parallel to the scheduled requests, for the optimistic advance below.
-        scheduled_reqs: list[Request] = []
-        scheduled_counts: list[int] = []
         preempted: set[str] = set()
         # Bound once: this loop runs per request per step.
         allocate_slots, running = self.kv.allocate_slots, self.running
@@ -167,15 +171,33 @@ class Scheduler:
         cached_computed = cached.num_computed_tokens
 
         # 1. Running requests, in order; preempt from the back when the cache is full
-        #    (_preempt removes from `running` in place).
+        #    (_preempt removes from `running` in place). The victim is never a request
+        #    scheduled earlier in this loop, so each is advanced (optimistically: the runner
+        #    computes exactly what was granted) as soon as it is scheduled.
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             num_computed = req.num_computed_tokens
-            # Tokens not yet computed (a decode step: 1), capped by the context length.
-            wanted = min(len(req.all_token_ids) + len(req.spec_token_ids), max_model_len)
-            num_new = min(wanted - num_computed, budget)
+            # Tokens not yet computed (a decode step: 1), capped by the context length and
+            # the budget (compared, not min(): this runs per request per step).
+            wanted = len(req.all_token_ids) + len(req.spec_token_ids)
+            if wanted > max_model_len:
+                wanted = max_model_len
+            num_new = wanted - num_computed
+            if num_new > budget:
+                num_new = budget
             if num_new <= 0:
+                i += 1
+                continue
+            req_id = req.request_id
+            if num_computed + num_new <= req.kv_idle_until and req_id not in unannounced:
+                # Most decode steps: the manager has nothing to do (KVRequest.kv_idle_until)
+                cached_ids.append(req_id)
+                cached_blocks.append(None)
+                cached_computed.append(num_computed)
+                num_scheduled[req_id] = num_new
+                req.num_computed_tokens = num_computed + num_new
+                budget -= num_new
                 i += 1
                 continue
             new_blocks = allocate_slots(req, num_new, num_computed)
@@ -188,7 +210,6 @@ class Scheduler:
                 new_blocks = allocate_slots(req, num_new, num_computed)
             if new_blocks is None:
                 break  # req itself was preempted: everything after it already was
-            req_id = req.request_id
             if unannounced and req_id in unannounced:
                 # admitted with its KV in place: the runner sees it for the first time
                 unannounced.discard(req_id)
@@ -200,8 +221,7 @@ class Scheduler:
                 cached_blocks.append(tuple(map(list, block_ids)) if any(block_ids) else None)
                 cached_computed.append(num_computed)
             num_scheduled[req_id] = num_new
-            scheduled_reqs.append(req)
-            scheduled_counts.append(num_new)
+            req.num_computed_tokens = num_computed + num_new
             budget -= num_new
             i += 1
 
@@ -228,18 +248,14 @@ class Scheduler:
                 req.num_cached_tokens = num_hit
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit
-            self.running.append(req)
+            self._add_running(req)
             new_reqs.append(
                 self._new_request_data(req, tuple(list(b) for b in new_blocks.block_ids))
             )
             num_scheduled[req.request_id] = num_new
-            scheduled_reqs.append(req)
-            scheduled_counts.append(num_new)
+            req.num_computed_tokens += num_new
             budget -= num_new
 
-        # Optimistic advance: the runner computes exactly what was granted.
-        for req, n in zip(scheduled_reqs, scheduled_counts, strict=True):
-            req.num_computed_tokens += n
         out = SchedulerOutput(
             new_reqs=new_reqs,
             cached_reqs=cached,
@@ -262,9 +278,16 @@ class Scheduler:
             req.num_computed_tokens,
         )
 
+    def _add_running(self, req: Request) -> None:
+        if self.waiting.priority:  # after its equals: FCFS among the same urgency
+            bisect.insort(self.running, req, key=_urgency)
+        else:
+            self.running.append(req)
+
     def _pick_victim(self) -> Request:
-        if self.waiting.priority:  # the least urgent running request
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        """The request that would be scheduled last: the least urgent under the priority
+        policy. Requests are scheduled front to back, so it is either the one asking for
+        blocks or one not scheduled yet this step, never one already in this step's batch."""
         return self.running[-1]
 
     def _preempt(self, req: Request) -> None:
@@ -286,6 +309,7 @@ class Scheduler:
         # Hoisted: this loop runs once per request per step.
         get_request, commit, running = self.requests.get, self.kv.commit, RequestStatus.RUNNING
         eos_token_ids, max_model_len = self.eos_token_ids, self.config.max_model_len
+        eos_set = frozenset(eos_token_ids)
         all_logprobs, prompt_logprobs = result.logprobs, result.prompt_logprobs
         for k, (req_id, sampled) in enumerate(
             zip(result.req_ids, result.sampled_token_ids, strict=True)
@@ -293,7 +317,8 @@ class Scheduler:
             req = get_request(req_id)
             if req is None or req.status != running:
                 continue  # aborted or preempted while the step ran
-            commit(req, req.num_computed_tokens)
+            if req.num_computed_tokens >= req.kv_idle_until:  # else a no-op (KVRequest)
+                commit(req, req.num_computed_tokens)
             if not sampled:
                 continue  # a prefill chunk short of the prompt's end
             params = req.sampling_params
@@ -301,21 +326,34 @@ class Scheduler:
             # Counts as if the tokens were appended one by one (the stop check sees each).
             num_output, num_tokens = len(req.output_token_ids), len(req.all_token_ids)
             num_accepted = len(sampled)
-            for j, token in enumerate(sampled, 1):
-                # A token can only stop the request if one of these holds; the full check
-                # (min_tokens, ignore_eos, which reason) runs for those few tokens only.
-                if (
-                    token in eos_token_ids
-                    or token in params.stop_token_ids
-                    or num_output + j >= params.max_tokens
-                    or num_tokens + j >= max_model_len
-                ):
-                    decision = check_stop_token(
-                        params, token, num_output + j, eos_token_ids, num_tokens + j, max_model_len
-                    )
-                    if decision is not None:
-                        num_accepted = j
-                        break
+            # Counts only grow with j: when none of the tokens can stop the request (the
+            # usual decode step), the per-token loop is skipped.
+            if (
+                num_output + num_accepted >= params.max_tokens
+                or num_tokens + num_accepted >= max_model_len
+                or not eos_set.isdisjoint(sampled)
+                or (params.stop_token_ids and not set(params.stop_token_ids).isdisjoint(sampled))
+            ):
+                for j, token in enumerate(sampled, 1):
+                    # A token can only stop the request if one of these holds; the full check
+                    # (min_tokens, ignore_eos, which reason) runs for those few tokens only.
+                    if (
+                        token in eos_token_ids
+                        or token in params.stop_token_ids
+                        or num_output + j >= params.max_tokens
+                        or num_tokens + j >= max_model_len
+                    ):
+                        decision = check_stop_token(
+                            params,
+                            token,
+                            num_output + j,
+                            eos_token_ids,
+                            num_tokens + j,
+                            max_model_len,
+                        )
+                        if decision is not None:
+                            num_accepted = j
+                            break
             # The runner hands its lists over (as vLLM's does): no copy unless cut at a stop.
             accepted = sampled if num_accepted == len(sampled) else sampled[:num_accepted]
             req.append_output_token_ids(accepted)

@@ -13,6 +13,7 @@ from rackserve.kv.records import (
     RequestState,
     first_live_slot,
     group_event,
+    idle_until,
     next_checkpoint_event,
     slot_key,
 )
@@ -63,6 +64,7 @@ class CommitMixin:
         self._release_window(req, state, sliding)
         if self.enable_fast_path:
             self._update_events(state, full + sliding if full else sliding)
+            req.kv_idle_until = idle_until(state)  # the scheduler's skip bound
 
     def _update_events(self, state: RequestState, groups: Iterable[Group]) -> None:
         """Recompute the fast-path events of ``groups`` (whose num_done_slots moved)."""
@@ -135,14 +137,16 @@ class CommitMixin:
                         head  | tail (cached) |  head  |                 |
         """
         latest = state.tentative_boundary if self.enable_prefix_caching else 0
+        num_computed_tokens = state.num_computed_tokens
         for g, spec, pool in groups:
-            table, span = state.block_tables[g], spec.block_tokens
+            table, span, null = state.block_tables[g], spec.block_tokens, pool.null_block
             start = state.num_done_slots[g]
-            stop = min(first_live_slot(spec, state.num_computed_tokens), len(table))
+            # min(first_live_slot(spec, L), len(table)), inlined: a decode step's hot path
+            stop = min(max(0, num_computed_tokens - spec.window + 1) // span, len(table))
             released = []
             for i in range(start, stop):
-                block, table[i] = table[i], pool.null_block
-                if block is pool.null_block:
+                block, table[i] = table[i], null
+                if block is null:
                     continue
                 overlaps_latest = i * span < latest and (i + 1) * span > latest - spec.window + 1
                 if overlaps_latest and block.block_hash is None:

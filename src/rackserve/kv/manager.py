@@ -36,6 +36,7 @@ from rackserve.kv.records import (
     PrefixCacheStats,
     RequestState,
     first_live_slot,
+    idle_until,
     slot_key,
 )
 from rackserve.kv.spec import CacheGroupSpec, hash_granularity, prefix_alignment
@@ -44,12 +45,17 @@ __all__ = ["HitBlocks", "KVCacheManager", "KVRequest", "NewBlocks", "PrefixCache
 
 
 class KVRequest(Protocol):
-    """What the manager reads from a request."""
+    """What the manager reads from a request, and the one field it writes."""
 
     request_id: str
     all_token_ids: list[int]  # prompt + output so far
     num_prompt_tokens: int
     cache_salt: str | None
+    # Written by the manager (fast path on; 0 when the request holds no blocks): an
+    # allocate_slots(req, n, L) with L + n <= kv_idle_until would return an empty append and a
+    # commit(req, L') with L' < kv_idle_until would do nothing, so the scheduler may skip
+    # those calls (records.idle_until says why the count the manager keeps may then lag).
+    kv_idle_until: int
 
 
 class KVCacheManager(CommitMixin):
@@ -187,7 +193,7 @@ class KVCacheManager(CommitMixin):
             and (hit is None or not hit.num_tokens)
         ):
             state.num_computed_tokens = num_computed_tokens
-            return state.no_new_blocks
+            return state.no_new_blocks or self._no_new_blocks(state)
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         if state is None:
@@ -208,9 +214,17 @@ class KVCacheManager(CommitMixin):
         else:
             if hit is not None and hit.num_tokens:
                 raise ValueError("a prefix hit can only start a request's first allocation")
-            self._commit(req, state, num_computed_tokens)  # frees pages that left the window
+            if self.enable_fast_path and (
+                state.num_computed_tokens <= num_computed_tokens < state.next_commit_event
+            ):
+                state.num_computed_tokens = num_computed_tokens  # no commit work (records.py)
+            else:
+                self._commit(req, state, num_computed_tokens)  # frees pages that left the window
             if self.enable_fast_path:
-                return self._grow(state, num_computed_tokens, num_computed_tokens + num_new_tokens)
+                end = num_computed_tokens + num_new_tokens
+                new = self._grow(state, num_computed_tokens, end)
+                req.kv_idle_until = idle_until(state)
+                return new
             tables = state.block_tables
 
         end = num_computed_tokens + num_new_tokens
@@ -258,25 +272,25 @@ class KVCacheManager(CommitMixin):
                 len(t) * s.block_tokens for s, t in zip(self.specs, tables, strict=True)
             ]
             state.capacity_tokens = min(state.group_capacity)
-            state.no_new_blocks = NewBlocks(tuple(map(len, tables)), self._no_block_ids)
+            state.no_new_blocks = None  # built when first asked for (_no_new_blocks)
+            req.kv_idle_until = idle_until(state)
         return NewBlocks(offsets, tuple(block_ids))
 
     def _grow(self, state: RequestState, num_computed_tokens: int, end: int) -> NewBlocks | None:
         """allocate_slots with the fast path, after the first call: only the groups whose
         tables end before ``end`` grow. The others neither grow nor pad (their live slots
         are below end / T), so their NewBlocks entry is an empty append."""
-        tables, capacity = state.block_tables, state.group_capacity
         if end <= state.capacity_tokens:
-            return state.no_new_blocks
+            return state.no_new_blocks or self._no_new_blocks(state)
+        tables, capacity = state.block_tables, state.group_capacity
+        # Usually one group (a decode step reaching the end of an 8-token csa_state page).
+        growing = [g for g, group_capacity in enumerate(capacity) if group_capacity < end]
         plan = []  # (group, first slot to fill, number of new blocks)
-        for g, group_capacity in enumerate(capacity):
-            if group_capacity >= end:
-                continue
-            spec, table = self.specs[g], tables[g]
-            first = len(table)
-            if spec.is_sliding:
-                first = max(first, first_live_slot(spec, num_computed_tokens))
-            num_new = max(0, -(-end // spec.block_tokens) - first)
+        for g in growing:
+            spec, first = self.specs[g], len(tables[g])
+            if spec.window is not None:  # max(first, first_live_slot(spec, L)), inlined
+                first = max(first, (num_computed_tokens - spec.window + 1) // spec.block_tokens)
+            num_new = -(-end // spec.block_tokens) - first  # > 0: capacity < end
             if num_new > self.pools[g].free_queue.num_free:
                 return None
             plan.append((g, first, num_new))
@@ -290,8 +304,13 @@ class KVCacheManager(CommitMixin):
             block_ids[g] = tuple([b.block_id for b in table[offsets[g] :]])
             capacity[g] = len(table) * self.specs[g].block_tokens
         state.capacity_tokens = min(capacity)
-        state.no_new_blocks = NewBlocks(tuple(map(len, tables)), self._no_block_ids)
+        # Built when first asked for: the scheduler skips most calls that would return it.
+        state.no_new_blocks = None
         return NewBlocks(offsets, tuple(block_ids))
+
+    def _no_new_blocks(self, state: RequestState) -> NewBlocks:
+        state.no_new_blocks = NewBlocks(tuple(map(len, state.block_tables)), self._no_block_ids)
+        return state.no_new_blocks
 
     def commit(self, req: KVRequest, num_computed_tokens: int) -> None:
         """After a step: tokens [0, num_computed_tokens) have their KV in the cache."""
@@ -315,6 +334,8 @@ class KVCacheManager(CommitMixin):
         state = self._states.pop(req.request_id, None)
         if state is None or not state.allocated:
             return
+        if self.enable_fast_path:
+            req.kv_idle_until = 0  # re-admitted (preempted) requests allocate first
         if num_computed_tokens is not None:
             self._commit(req, state, num_computed_tokens)
         if self.enable_prefix_caching:

@@ -75,7 +75,7 @@ class RequestState:
     divergence_boundary: int = 0
     # Fast path (0 and empty when it is off): a commit to fewer than `next_commit_event`
     # tokens only records the count; an allocation ending within `capacity_tokens` needs no
-    # block and returns `no_new_blocks`, the NewBlocks of an empty append.
+    # block and returns `no_new_blocks`, the NewBlocks of an empty append (None until asked).
     group_events: list[int] = field(default_factory=list)  # group_event() per group
     next_commit_event: int = 0  # min(group_events, next_checkpoint_event)
     group_capacity: list[int] = field(default_factory=list)  # len(table) * T per group
@@ -107,6 +107,17 @@ def next_checkpoint_event(num_computed_tokens: int, alignment: int) -> int:
     between only needs hashes up to floor_A(L), which the last full commit (or the prefix
     lookup) covered."""
     return (num_computed_tokens // alignment + 1) * alignment
+
+
+def idle_until(state: RequestState) -> int:
+    """KVRequest.kv_idle_until, the scheduler's bound E' = min(next_commit_event, capacity):
+    allocating [L, L + n), n >= 1, with L + n <= E' takes the allocation fast path (L < E', the
+    tables cover L + n), and a commit to L' < E' takes the commit fast path. Both fast paths
+    only record the count, so a scheduler may skip the calls: the count the manager keeps
+    then lags (never past an A-boundary: next_checkpoint_event), and what reads it sees
+    the same: free() caches floor_A(count), the next real commit's checkpoint range
+    (previous, current] holds multiples of A only, none in between."""
+    return min(state.next_commit_event, state.capacity_tokens)
 
 
 def first_live_slot(spec: CacheGroupSpec, num_computed_tokens: int) -> int:

@@ -166,8 +166,13 @@ class InputBatch:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.device = torch.device(device)
+        # The last step's request order and what prepare() looked up for it: a decode step
+        # with no request joining or leaving schedules the same requests, in the same order.
+        self._last: tuple[list[str], list[RunnerRequest], list[int], list[list[int]]] | None = None
 
     def update(self, sched: SchedulerOutput) -> None:
+        if sched.new_reqs or sched.finished_req_ids or sched.preempted_req_ids:
+            self._last = None  # requests or rows change: prepare() looks them up again
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:
             self.requests.pop(req_id, None)
             self.block_tables.remove(req_id)
@@ -189,13 +194,23 @@ class InputBatch:
         """Apply the deltas, then build this step's inputs; None for an empty step."""
         self.update(sched)
         cached = sched.cached_reqs
-        req_ids = [n.req_id for n in sched.new_reqs] + cached.req_ids
-        if not req_ids:
-            return None
-        computed = [n.num_computed_tokens for n in sched.new_reqs] + cached.num_computed_tokens
-        reqs = list(map(self.requests.__getitem__, req_ids))
-        rows = list(map(self.block_tables.row_of.__getitem__, req_ids))
-        token_ids = [r.token_ids for r in reqs]
+        last = self._last
+        if last is not None and cached.req_ids == last[0]:
+            # update() changed no request or row (else it reset _last), and no request joined:
+            # the lookups of the last step still hold
+            req_ids, reqs, rows, token_ids = last
+            computed = cached.num_computed_tokens
+        else:
+            req_ids = [n.req_id for n in sched.new_reqs] + cached.req_ids
+            if not req_ids:
+                self._last = None
+                return None
+            computed = [n.num_computed_tokens for n in sched.new_reqs]
+            computed += cached.num_computed_tokens
+            reqs = list(map(self.requests.__getitem__, req_ids))
+            rows = list(map(self.block_tables.row_of.__getitem__, req_ids))
+            token_ids = [r.token_ids for r in reqs]
+            self._last = req_ids, reqs, rows, token_ids
         inputs = build_batch_inputs(
             token_ids,
             computed,

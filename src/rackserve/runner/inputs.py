@@ -120,9 +120,13 @@ class BlockTables:
         row = self.row_of[req_id]
         for name, table, ids in zip(self.names, self._np_tables, new_block_ids, strict=True):
             if ids:
-                start = self.lengths[name][row]
-                table[row, start : start + len(ids)] = ids
-                self.lengths[name][row] = start + len(ids)
+                lengths = self.lengths[name]
+                start = lengths[row]
+                if len(ids) == 1:  # a decode step's new page: a scalar write costs far less
+                    table[row, start] = ids[0]
+                else:
+                    table[row, start : start + len(ids)] = ids
+                lengths[row] = start + len(ids)
 
     def remove(self, req_id: str) -> None:
         row = self.row_of.pop(req_id, None)
