@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any
+
+from rackserve.bench.report import write_json
 
 
 def scheduler_step_times(
@@ -97,7 +97,7 @@ def _scheduler(args: argparse.Namespace) -> int:
             f"update {r['update_ms']:.3f} ms; the synthetic runner is not timed)"
         )
     if args.output:
-        Path(args.output).write_text(json.dumps(results, indent=2) + "\n")
+        write_json(results, args.output)
     return 0
 
 
@@ -139,7 +139,7 @@ def _throughput(args: argparse.Namespace) -> int:
         f"{result['output_tokens_per_s']:.1f} output tokens/s"
     )
     if args.output:
-        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+        write_json(result, args.output)
     return 0
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
 import subprocess
 import time
-from pathlib import Path
 from typing import Any
+
+from rackserve.bench.report import write_json
 
 
 def _git_commit() -> str:
@@ -111,8 +111,7 @@ def _forward(args: argparse.Namespace) -> int:
         print(line, flush=True)
         records.append(record)
     if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(records, indent=2) + "\n")
+        write_json(records, args.output)
     return 0
 
 
@@ -183,7 +182,7 @@ def _decode(args: argparse.Namespace) -> int:
         f"({result['output_tokens_per_s']:.0f} tok/s)"
     )
     if args.output:
-        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+        write_json(result, args.output)
     return 0
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from rackserve.bench.metrics import summary_row
 
 
-def write_json(result: Mapping[str, Any], path: str | Path) -> Path:
+def write_json(result: Mapping[str, Any] | Sequence[Any], path: str | Path) -> Path:
     """Write ``result`` as indented JSON (NaN/inf become null, keeping the file standard)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
