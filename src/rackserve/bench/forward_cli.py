@@ -26,7 +26,7 @@ def _load(args: argparse.Namespace):
     """The model from --model DIR, or a --preset with random weights made on the device."""
     import torch
 
-    from rackserve.model.cli import default_device, parse_dtype
+    from rackserve.device import default_device, parse_dtype
 
     device = args.device or default_device()
     dtype = parse_dtype(args.dtype, device)

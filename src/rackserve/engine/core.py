@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import torch
 
 from rackserve.config import EngineConfig
+from rackserve.device import default_device, parse_dtype
 from rackserve.engine.outputs import EngineCoreOutputs, EngineCoreRequest, SchedulerOutput
 from rackserve.engine.scheduler import Scheduler
 from rackserve.kv.manager import KVCacheManager
@@ -24,7 +25,6 @@ from rackserve.kv.spec import (
     plan_num_blocks,
     prefix_alignment,
 )
-from rackserve.model.cli import default_device, parse_dtype
 from rackserve.model.loader import load_model
 from rackserve.request import Request, RequestStatus
 from rackserve.runner.kv_transfer import export_blocks, import_blocks

@@ -158,8 +158,8 @@ def serve(args: argparse.Namespace) -> int:
     prometheus_client.disable_created_metrics()
     if engine_config.cache.kv_cache_memory is not None:
         # Fail in one line before any process starts when the budget cannot work.
+        from rackserve.device import default_device, parse_dtype
         from rackserve.engine.core import plan_kv_cache
-        from rackserve.model.cli import default_device, parse_dtype
 
         device = default_device() if engine_config.device == "auto" else engine_config.device
         dtype = parse_dtype(engine_config.dtype, device)

@@ -1,0 +1,27 @@
+"""Where the model runs and in which dtype: the defaults every entry point shares."""
+
+from __future__ import annotations
+
+import torch
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def parse_dtype(name: str | None, device: str) -> torch.dtype:
+    """CPU defaults to float32, accelerators to bfloat16."""
+    if name is None or name == "auto":
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[name]
