@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from rackserve.planner.comm import A2AShape, all_to_all_time, dp_imbalance, ep_balancedness
-from rackserve.planner.cost import Efficiency, load_calibration
+from rackserve.planner.cost import Efficiency, load_calibration, load_op_calibration
 from rackserve.planner.hardware import get_hardware, hardware_presets
 from rackserve.planner.models import deepseek_v4_flash
 from rackserve.planner.search import SystemConfig, evaluate, pareto, search
@@ -142,3 +142,23 @@ def test_plan_cli_writes_table_json_png(tmp_path, capsys) -> None:
         == 0
     )
     assert "all-to-all" in capsys.readouterr().out
+
+
+def test_op_calibration_sets_gemm_and_hbm_from_measured_records(tmp_path) -> None:
+    def rec(kind: str, shape: str, eff: float, gpu: str = "NVIDIA H200") -> dict:
+        return {"kind": "op_efficiency", "op_kind": kind, "shape": shape, "efficiency": eff,
+                "gpu": gpu}  # fmt: skip
+
+    records = [
+        rec("gemm", "T=64 K=4096 N=1024", 0.05),  # latency-bound: ignored
+        rec("gemm", "T=4096 K=4096 N=1024", 0.5),
+        rec("gemm", "T=8192 K=4096 N=4096", 0.7),
+        rec("hbm", "copy 1GiB", 0.99),  # clipped to the plausible range
+        rec("moe", "64 experts x 1 tokens", 0.99),
+        rec("gemm", "T=8192 K=1 N=1", 0.01, gpu="B200"),  # another GPU: ignored
+    ]
+    (tmp_path / "ops.json").write_text(json.dumps(records))
+    eff = load_op_calibration(tmp_path)
+    assert eff.gemm == pytest.approx(0.6) and eff.hbm == pytest.approx(0.95)
+    assert eff.moe == Efficiency().moe  # untouched
+    assert load_op_calibration(tmp_path / "missing") == Efficiency()
