@@ -177,6 +177,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None  # time.monotonic() when first admitted
     # Owned by the KV manager (KVRequest.kv_idle_until): bounds below which the scheduler's
     # per-step allocate_slots and commit calls would be no-ops, so it skips them.
     kv_idle_until: int = 0

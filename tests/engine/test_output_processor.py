@@ -171,3 +171,13 @@ def test_abort_returns_only_sent_children(tokenizer) -> None:
     assert proc.abort_request("p") == ["0_p"]
     assert proc.abort_request("p") == []
     assert proc.process_outputs(_out("0_p", 300)).request_outputs == []
+
+
+def test_queue_time_uses_the_engines_first_scheduled_time(tokenizer) -> None:
+    proc = OutputProcessor(tokenizer)
+    proc.add_request("q", [5, 6, 7], SamplingParams(max_tokens=2), arrival_time=100.0)
+    first = EngineCoreOutput("q", [40], first_scheduled_time=100.25)
+    # the step that produced the token started later (a prefill of several steps)
+    stats = proc.process_outputs([first], now=101.0, step_start=100.9).stats
+    assert stats.queue_times_s == [pytest.approx(0.25)]
+    assert stats.time_to_first_tokens_s == [pytest.approx(1.0)]

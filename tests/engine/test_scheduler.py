@@ -184,3 +184,18 @@ def test_priority_victim_is_never_a_request_already_scheduled_this_step():
     while sched.num_unfinished:
         step(sched)
     assert sched.kv.usage == 0.0
+
+
+def test_first_output_carries_when_the_request_was_first_scheduled():
+    """Queue time must not depend on how many steps the prefill took."""
+    sched = make_scheduler(max_num_batched_tokens=32)
+    sched.add_request(request("a", 100, max_tokens=3))
+    first = sched.schedule()  # admitted: prefill chunk 1 of 4
+    scheduled_at = sched.requests["a"].first_scheduled_time
+    assert scheduled_at is not None
+    assert sched.update(first, fake_run(sched, first)) == []  # no token yet
+    outputs = []
+    while sched.num_unfinished:
+        out = sched.schedule()
+        outputs += sched.update(out, fake_run(sched, out))
+    assert [o.first_scheduled_time for o in outputs] == [scheduled_at, None, None]

@@ -292,8 +292,9 @@ class OutputProcessor:
         if new_token_ids:
             if child.first_token_time is None:
                 stats.time_to_first_tokens_s.append(now - parent.arrival_time)
-                if step_start is not None:
-                    stats.queue_times_s.append(max(step_start - parent.arrival_time, 0.0))
+                started = output.first_scheduled_time or step_start
+                if started is not None:
+                    stats.queue_times_s.append(max(started - parent.arrival_time, 0.0))
                 stats.num_prompt_tokens += len(parent.prompt_token_ids)
                 child.first_token_time = now
             else:

@@ -116,6 +116,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     finish_reason: str | None = None  # FinishReason value once finished
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # time.monotonic() (host-wide) when first scheduled; sent with the first token only,
+    # so the frontend's queue time is exact even when the prefill took several steps
+    first_scheduled_time: float | None = None
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):

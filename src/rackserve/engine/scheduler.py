@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -128,6 +129,7 @@ class Scheduler:
             done += n
             self.kv.commit(req, done)  # pages below the window go back at once
         req.num_computed_tokens = done
+        req.first_scheduled_time = time.monotonic()
         req.status = RequestStatus.RUNNING
         self._add_running(req)
         self._unannounced.add(req.request_id)
@@ -246,6 +248,7 @@ class Scheduler:
             self.waiting.pop()
             if req.status == RequestStatus.WAITING:
                 req.num_cached_tokens = num_hit
+                req.first_scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit
             self._add_running(req)
@@ -360,6 +363,8 @@ class Scheduler:
             out = EngineCoreOutput(
                 request_id=req_id, new_token_ids=accepted, num_cached_tokens=req.num_cached_tokens
             )
+            if len(req.output_token_ids) == num_accepted:  # its first tokens: when it started
+                out.first_scheduled_time = req.first_scheduled_time
             if all_logprobs is not None and all_logprobs[k]:
                 out.new_logprobs = [
                     Logprob(lp.token_ids, lp.logprobs, lp.rank)

@@ -72,7 +72,7 @@ class ServerMetrics:
         )
         self.request_queue_time = histogram(
             "request_queue_time_seconds",
-            "Arrival to the start of the step that produced the first token.",
+            "Arrival to the moment the scheduler first admitted the request.",
             LATENCY_BUCKETS,
         )
         self.request_prompt_tokens = histogram(
