@@ -23,10 +23,12 @@ from safetensors.torch import save_file
 
 from rackserve.config import ModelConfig
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
+from rackserve.model.layers import FP32_PARAM_SUFFIXES
 from rackserve.model.tokenizer import write_tokenizer
 
 SHARD_BYTES = 2 << 30
-_RESIDUAL_OUT = ("attn.wo_b.weight", ".w2.weight", "eh_proj.weight")
+# stacked experts are `experts.w2` in the model, `experts.{e}.w2.weight` in checkpoints
+_RESIDUAL_OUT = ("attn.wo_b.weight", ".w2.weight", "experts.w2", "eh_proj.weight")
 
 
 def checkpoint_shapes(cfg: ModelConfig, with_mtp: bool = True) -> list[tuple[str, tuple[int, ...]]]:
@@ -51,6 +53,25 @@ def checkpoint_shapes(cfg: ModelConfig, with_mtp: bool = True) -> list[tuple[str
     return sorted(out)
 
 
+def init_rule(name: str, shape: tuple[int, ...], cfg: ModelConfig) -> tuple[str, float]:
+    """How one weight starts: ("fill", value) or ("normal", std). The one set of rules for
+    checkpoints (``init_tensor``) and in-place device init (``init_model_``)."""
+    if name.endswith(("norm.weight", "hc_attn_scale", "hc_ffn_scale", "hc_scale")):
+        return "fill", 1.0
+    if name.endswith(("hc_attn_base", "hc_ffn_base", "hc_base", "gate.bias")):
+        return "fill", 0.0
+    if name.endswith(("hc_attn_fn", "hc_ffn_fn", "hc_fn")):
+        return "normal", 0.02
+    if name.endswith(("ape", "attn_sink")):
+        return "normal", 0.1
+    if name.endswith("embed_tokens.weight"):
+        return "normal", 1.0
+    std = 1.0 / math.sqrt(shape[-1])
+    if name.endswith(_RESIDUAL_OUT):
+        std /= math.sqrt(2 * cfg.num_hidden_layers)
+    return "normal", std
+
+
 def init_tensor(
     name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -60,22 +81,12 @@ def init_tensor(
         # distinct experts per token: the first k of a random permutation
         perm = torch.rand(shape[0], cfg.n_routed_experts, generator=g).argsort(dim=-1)
         return perm[:, : shape[1]].to(torch.int64).contiguous()
-    if name.endswith("norm.weight"):
-        return torch.ones(shape, dtype=torch.float32)
-    if name.endswith(("hc_attn_scale", "hc_ffn_scale", "hc_scale")):
-        return torch.ones(shape, dtype=torch.float32)
-    if name.endswith(("hc_attn_base", "hc_ffn_base", "hc_base", "gate.bias")):
-        return torch.zeros(shape, dtype=torch.float32)
-    if name.endswith(("hc_attn_fn", "hc_ffn_fn", "hc_fn")):
-        return torch.randn(shape, generator=g) * 0.02
-    if name.endswith(("ape", "attn_sink")):
-        return torch.randn(shape, generator=g) * 0.1
-    if name.endswith("embed_tokens.weight"):
-        return (torch.randn(shape, generator=g)).to(dtype)
-    std = 1.0 / math.sqrt(shape[-1])
-    if name.endswith(_RESIDUAL_OUT):
-        std /= math.sqrt(2 * cfg.num_hidden_layers)
-    return (torch.randn(shape, generator=g) * std).to(dtype)
+    kind, value = init_rule(name, shape, cfg)
+    if kind == "fill":
+        return torch.full(shape, value, dtype=torch.float32)
+    t = torch.randn(shape, generator=g) * value
+    # the reference's float32 parameters stay float32 in the checkpoint
+    return t if name.endswith(FP32_PARAM_SUFFIXES) else t.to(dtype)
 
 
 def _shards(
@@ -134,26 +145,18 @@ def create_checkpoint(
 def init_model_(model: DeepseekV4ForCausalLM, seed: int = 0) -> DeepseekV4ForCausalLM:
     """Random weights in place, on the model's device (benchmarks without a checkpoint).
 
-    Same rules as ``init_tensor`` but drawn on the device, so a V4-Flash-sized model is
-    ready in seconds; the values differ from a created checkpoint's.
+    The rules of ``init_rule`` drawn on the device, so a V4-Flash-sized model is ready in
+    seconds; the values differ from a created checkpoint's.
     """
     cfg = model.cfg
     device = next(model.parameters()).device
     g = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
-        if name.endswith(("norm.weight", "hc_attn_scale", "hc_ffn_scale", "hc_scale")):
-            p.fill_(1.0)
-        elif name.endswith(("hc_attn_base", "hc_ffn_base", "hc_base", "gate.bias")):
-            p.zero_()
-        elif name.endswith(("hc_attn_fn", "hc_ffn_fn", "hc_fn", "ape", "attn_sink")):
-            p.normal_(0.0, 0.02, generator=g)
-        elif name.endswith("embed_tokens.weight"):
-            p.normal_(0.0, 1.0, generator=g)
+        kind, value = init_rule(name, tuple(p.shape), cfg)
+        if kind == "fill":
+            p.fill_(value)
         else:
-            std = 1.0 / math.sqrt(p.shape[-1])
-            if name.endswith(("attn.wo_b.weight", "experts.w2", ".w2.weight", "eh_proj.weight")):
-                std /= math.sqrt(2 * cfg.num_hidden_layers)
-            p.normal_(0.0, std, generator=g)
+            p.normal_(0.0, value, generator=g)
     for name, b in model.named_buffers():
         if name.endswith("tid2eid"):
             scores = torch.rand(b.shape[0], cfg.n_routed_experts, generator=g, device=device)
