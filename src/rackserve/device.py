@@ -25,3 +25,9 @@ def parse_dtype(name: str | None, device: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}")
     return DTYPES[name]
+
+
+def resolve(device: str | None, dtype: str | None) -> tuple[torch.device, torch.dtype]:
+    """The device ("auto"/None: cuda when available) and dtype ("auto"/None: by device)."""
+    name = default_device() if device in (None, "auto") else device
+    return torch.device(name), parse_dtype(dtype, torch.device(name).type)

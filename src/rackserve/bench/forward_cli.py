@@ -26,10 +26,9 @@ def _load(args: argparse.Namespace):
     """The model from --model DIR, or a --preset with random weights made on the device."""
     import torch
 
-    from rackserve.device import default_device, parse_dtype
+    from rackserve.device import resolve
 
-    device = args.device or default_device()
-    dtype = parse_dtype(args.dtype, device)
+    device, dtype = resolve(args.device, args.dtype)
     if args.model:
         from rackserve.model.loader import load_model
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 
 from rackserve.config import EngineConfig
-from rackserve.device import default_device, parse_dtype
+from rackserve.device import resolve
 from rackserve.engine.outputs import EngineCoreOutputs, EngineCoreRequest, SchedulerOutput
 from rackserve.engine.scheduler import Scheduler
 from rackserve.kv.manager import KVCacheManager
@@ -61,8 +61,7 @@ def plan_kv_cache(
 class EngineCore:
     def __init__(self, config: EngineConfig, log_stats: bool = True) -> None:
         self.config = config
-        device = torch.device(default_device() if config.device == "auto" else config.device)
-        dtype = parse_dtype(config.dtype, device.type)
+        device, dtype = resolve(config.device, config.dtype)
         torch.manual_seed(config.seed)
         if device.type == "cpu":
             torch.set_num_threads(config.cpu_threads)

@@ -158,11 +158,10 @@ def serve(args: argparse.Namespace) -> int:
     prometheus_client.disable_created_metrics()
     if engine_config.cache.kv_cache_memory is not None:
         # Fail in one line before any process starts when the budget cannot work.
-        from rackserve.device import default_device, parse_dtype
+        from rackserve.device import resolve
         from rackserve.engine.core import plan_kv_cache
 
-        device = default_device() if engine_config.device == "auto" else engine_config.device
-        dtype = parse_dtype(engine_config.dtype, device)
+        _, dtype = resolve(engine_config.device, engine_config.dtype)
         plan_kv_cache(engine_config, dtype, engine_config.cache.kv_cache_memory)
     tokenizer = AutoTokenizer.from_pretrained(options["tokenizer"] or options["model"])
     names = tuple(options["served_model_name"] or [str(options["model"])])
