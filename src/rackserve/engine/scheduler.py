@@ -94,6 +94,12 @@ class Scheduler:
 
     # ---- requests in and out ----------------------------------------------------------------
     def add_request(self, req: Request) -> None:
+        self._check_new(req)
+        self.requests[req.request_id] = req
+        self.waiting.add(req)
+
+    def _check_new(self, req: Request) -> None:
+        """Bad input (the client's fault) raises ValueError and changes nothing."""
         limit = self.config.max_model_len
         if req.num_prompt_tokens >= limit:
             raise ValueError(
@@ -104,8 +110,6 @@ class Scheduler:
             raise ValueError("the prompt is empty")
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        self.requests[req.request_id] = req
-        self.waiting.add(req)
 
     def add_request_with_kv(self, req: Request, num_computed_tokens: int) -> bool:
         """Admit a request whose first ``num_computed_tokens`` tokens get their KV written
@@ -117,8 +121,8 @@ class Scheduler:
             return False
         if not 0 < num_computed_tokens < req.num_tokens:
             raise ValueError("num_computed_tokens must leave at least one token to compute")
-        self.add_request(req)  # the same validation as any request
-        self.waiting.remove({req.request_id})
+        self._check_new(req)
+        self.requests[req.request_id] = req
         done = 0
         while done < num_computed_tokens:
             n = min(self.config.max_num_batched_tokens, num_computed_tokens - done)
