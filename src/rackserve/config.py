@@ -28,6 +28,9 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the fix."""
 
 
+_REQUIRED_HF_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
 @dataclass(frozen=True)
 class RopeConfig:
     """One rotary setting (``main`` for sliding layers, ``compress`` for CSA/HCA layers)."""
@@ -212,6 +215,13 @@ class ModelConfig:
             raise ConfigError(
                 f"unsupported model_type {model_type!r}: rackserve serves 'deepseek_v4' checkpoints"
             )
+        # The shape-defining keys: defaulting one silently would build a different model.
+        missing = [k for k in _REQUIRED_HF_KEYS if raw.get(k) is None]
+        if missing:
+            raise ConfigError(
+                f"config.json lacks {', '.join(missing)}: use the config.json saved with the "
+                "weights (every DeepSeek-V4 config.json has them)"
+            )
         d = dict(raw)
         n = int(d.get("num_hidden_layers", cls.num_hidden_layers))
         head_dim = int(d.get("head_dim", cls.head_dim))
@@ -289,6 +299,10 @@ class ModelConfig:
             ) from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(
+                f"{path} must hold a JSON object of model settings, not a {type(raw).__name__}"
+            )
         return cls.from_hf_dict(raw)
 
 

@@ -13,6 +13,15 @@ from dataclasses import dataclass, field
 GREEDY_TEMPERATURE_EPS = 1e-5
 # Most top logprobs a request may ask for, per token (vLLM's default `max_logprobs`).
 MAX_NUM_LOGPROBS = 20
+# Integer fields travel as int64 (the runner's tables, torch generators, msgspec): a value
+# outside this range is refused up front rather than overflowing inside the engine loop.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def child_seed(seed: int, index: int) -> int:
+    """The seed of completion ``index`` of a seeded ``n > 1`` request: ``seed + index``,
+    wrapped into int64 so a seed near the top of the range never overflows."""
+    return (seed + index - INT64_MIN) % 2**64 + INT64_MIN
 
 
 # --------------------------------------------------------------------------------------
@@ -64,6 +73,10 @@ class SamplingParams:
     def _validate(self) -> None:
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "seed"):
+            value = getattr(self, name)
+            if value is not None and not INT64_MIN <= value <= INT64_MAX:
+                raise ValueError(f"{name} must fit in a signed 64-bit integer, got {value}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(
                 f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}"
@@ -101,6 +114,17 @@ class SamplingParams:
             raise ValueError(
                 f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}"
             )
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """ValueError unless the token-id fields fit a vocabulary of ``vocab_size``."""
+        if self.top_k > vocab_size:
+            raise ValueError(
+                f"top_k must be at most the vocabulary size {vocab_size} (0 or -1 = off), "
+                f"got {self.top_k}"
+            )
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {bad[0]}")
 
     @property
     def is_greedy(self) -> bool:

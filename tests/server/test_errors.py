@@ -8,14 +8,16 @@ import pytest
 from conftest import API_KEY, MAX_MODEL_LEN, MODEL_NAME, Server
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+JSON_AUTH = {**AUTH, "Content-Type": "application/json"}  # raw bytes bodies say what they are
 CHAT = [{"role": "user", "content": "hi"}]
 
 
 def post(server: Server, path: str, body, headers: dict | None = None) -> httpx.Response:
     kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    default = JSON_AUTH if isinstance(body, bytes) else AUTH
     return httpx.post(
         f"{server.base_url}{path}",
-        headers=headers if headers is not None else AUTH,
+        headers=headers if headers is not None else default,
         timeout=30,
         **kw,
     )
@@ -102,7 +104,7 @@ def test_body_too_large(server: Server) -> None:
             yield b" " * 1024
 
     response = httpx.post(
-        f"{server.base_url}/v1/completions", content=chunks(), headers=AUTH, timeout=30
+        f"{server.base_url}/v1/completions", content=chunks(), headers=JSON_AUTH, timeout=30
     )
     assert_error(response, 413)
 

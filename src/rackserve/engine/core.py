@@ -26,7 +26,7 @@ from rackserve.kv.spec import (
     prefix_alignment,
 )
 from rackserve.model.loader import load_model
-from rackserve.request import Request, RequestStatus
+from rackserve.request import INT64_MAX, INT64_MIN, Request, RequestStatus
 from rackserve.runner.kv_transfer import export_blocks, import_blocks
 from rackserve.runner.model_runner import ModelRunner
 
@@ -115,6 +115,11 @@ class EngineCore:
         vocab = self.model.cfg.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        # A value the runner's tables cannot hold would fail inside step() and take every
+        # other request down with it: refuse it here, where only this request fails.
+        request.sampling_params.check_vocab(vocab)
+        if not INT64_MIN <= request.priority <= INT64_MAX:
+            raise ValueError(f"priority must fit in a signed 64-bit integer: {request.priority}")
         return Request(
             request_id=request.request_id,
             prompt_token_ids=list(request.prompt_token_ids),

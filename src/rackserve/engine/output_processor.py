@@ -24,7 +24,7 @@ from typing import Any
 
 from rackserve.engine.detokenizer import Detokenizer, special_token_ids
 from rackserve.engine.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, Logprob
-from rackserve.request import FinishReason, SamplingParams
+from rackserve.request import FinishReason, SamplingParams, child_seed
 from rackserve.runner.stop import check_stop_strings, stream_holdback_chars
 
 
@@ -186,7 +186,7 @@ class OutputProcessor:
             child_id = request_id if n == 1 else child_request_id(i, request_id)
             child_params = params
             if n > 1:
-                seed = None if params.seed is None else params.seed + i
+                seed = None if params.seed is None else child_seed(params.seed, i)
                 child_params = replace(params, n=1, seed=seed)
             detokenizer = Detokenizer(
                 self.tokenizer, prompt_token_ids, child_params.skip_special_tokens, self.special_ids

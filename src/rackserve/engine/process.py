@@ -160,7 +160,20 @@ class EngineCoreProc:
             except (ValueError, msgspec.DecodeError) as e:
                 # A malformed message is the sender's bug; it must not stop the engine.
                 print(f"engine core: dropped a malformed input message: {e}", flush=True)
+                self._reject_undecodable(frames, str(e))
         socket.close(linger=0)
+
+    def _reject_undecodable(self, frames: list[bytes], message: str) -> None:
+        """An ADD whose payload fails validation (a value out of range) still names its
+        request: answer REQUEST_ERROR so that request fails at once instead of hanging."""
+        if len(frames) != 2 or frames[0] != bytes([MessageType.ADD]):
+            return
+        try:
+            request_id = msgspec.msgpack.decode(frames[1])[0]
+        except Exception:
+            return
+        if isinstance(request_id, str):
+            self.send(MessageType.REQUEST_ERROR, RequestError(request_id, message))
 
     def _output_loop(self, socket: zmq.Socket) -> None:
         while (frames := self.output_queue.get()) is not None:

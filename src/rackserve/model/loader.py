@@ -111,6 +111,25 @@ def load_model(
     return model.eval()
 
 
+def check_checkpoint(model_dir: str | Path) -> None:
+    """CheckpointError/ConfigError unless ``load_model`` would succeed on ``model_dir``
+    (config, readable and complete shards, every tensor's name and shape). Reads only the
+    safetensors headers and builds the model on the meta device, so it costs no weights'
+    memory and lets ``serve`` fail in one line before any process starts."""
+    model_dir = Path(model_dir)
+    cfg = ModelConfig.from_pretrained(model_dir)
+    names = open_shards(checkpoint_files(model_dir))
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(cfg, with_mtp=any(k.startswith("mtp.") for _, k in names))
+
+    def shapes() -> Iterable[tuple[str, torch.Tensor]]:
+        for handle, name in names:
+            shape = handle.get_slice(name).get_shape()  # type: ignore[attr-defined]
+            yield name, torch.empty(shape, device="meta")
+
+    load_weights(model, shapes())
+
+
 def load_weights(model: DeepseekV4ForCausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy checkpoint tensors into the model; every parameter must be filled exactly once."""
     targets = dict(model.named_parameters())

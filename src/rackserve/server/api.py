@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jinja2
 import msgspec
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.datastructures import Headers, MutableHeaders
@@ -28,7 +30,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import rackserve
 from rackserve.server import serving
 from rackserve.server.async_client import AsyncEngineClient, EngineDeadError
+from rackserve.server.limits import RequestLimits
 from rackserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from rackserve.server.openapi import install_request_schemas
 from rackserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -38,9 +42,21 @@ from rackserve.server.protocol import (
     error_body,
 )
 from rackserve.server.serving import ApiError
+from rackserve.server.tokenization import TokenizerPool
+
+logger = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
+# Deeper JSON is refused before validation: recursive decoders and validators would
+# otherwise fail with RecursionError (OpenAI request bodies nest a few levels; tool and
+# response-format schemas a few dozen).
+MAX_JSON_DEPTH = 64
 _TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+# request_rejected{reason} for errors that carry no code of their own
+REJECTION_REASONS = {
+    400: "invalid_request", 401: "invalid_api_key", 403: "forbidden", 404: "not_found",
+    405: "method_not_allowed", 413: "body_too_large", 415: "unsupported_media_type",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -50,6 +66,10 @@ class ServerSettings:
     api_key: str | None = None
     max_request_body_bytes: int = 32 << 20
     health_timeout_s: float = 10.0
+    # Browser origins allowed to call the API (CORS); none by default, so a web page cannot
+    # drive generations from a visitor's browser. "*" allows every origin.
+    allowed_origins: tuple[str, ...] = ()
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -59,13 +79,23 @@ class ServerSettings:
 
 
 class FrontDoor:
-    """ASGI middleware: X-Request-Id (honoured and echoed), API key, Content-Length limit.
+    """ASGI middleware: X-Request-Id (honoured and echoed), Origin, API key, Content-Type
+    and Content-Length checks.
 
     Pure ASGI rather than ``BaseHTTPMiddleware``, which would buffer streamed responses and
     hide client disconnects from the endpoints."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_key: str | None,
+        max_body_bytes: int,
+        allowed_origins: tuple[str, ...] = (),
+        on_reject: Callable[[ApiError], None] | None = None,
+    ) -> None:
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+        self.allowed_origins = frozenset(allowed_origins)
+        self.on_reject = on_reject
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -80,14 +110,38 @@ class FrontDoor:
                 MutableHeaders(scope=message)["X-Request-Id"] = request_id
             await send(message)
 
-        error = self._check(scope["path"], headers)
+        error = self._check_browser(scope["method"], headers) or self._check(
+            scope["path"], headers, scope["method"]
+        )
         if error is not None:
+            if self.on_reject is not None:
+                self.on_reject(error)
             await error.response()(scope, receive, send_with_id)
             return
         await self.app(scope, receive, send_with_id)
 
-    def _check(self, path: str, headers: Headers) -> ApiError | None:
-        if self.api_key is not None and path not in OPEN_PATHS:
+    def _check_browser(self, method: str, headers: Headers) -> ApiError | None:
+        """Requests a web page could make from a visitor's browser: an Origin that is not
+        allowed is refused outright (a CORS preflight of an allowed one passes on to the
+        CORS middleware), and a POST must be ``application/json``, which a page cannot
+        send cross-origin without a preflight."""
+        origin = headers.get("origin")
+        if origin is not None and not ({origin, "*"} & self.allowed_origins):
+            return ApiError(403, f"Origin {origin!r} is not allowed.", code="origin_not_allowed")
+        if method == "POST":
+            media_type = headers.get("content-type", "").partition(";")[0].strip().lower()
+            if media_type != "application/json":
+                return ApiError(
+                    415,
+                    "Content-Type must be application/json.",
+                    code="unsupported_media_type",
+                )
+        return None
+
+    def _check(self, path: str, headers: Headers, method: str = "GET") -> ApiError | None:
+        # A CORS preflight carries no credentials; the CORS middleware answers it.
+        preflight = method == "OPTIONS" and "origin" in headers
+        if self.api_key is not None and path not in OPEN_PATHS and not preflight:
             scheme, _, token = headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not secrets.compare_digest(
                 token.strip().encode(), self.api_key.encode()
@@ -97,6 +151,10 @@ class FrontDoor:
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             return _too_large(self.max_body_bytes)
         return None
+
+
+def param_error(error: ParamError) -> ApiError:
+    return ApiError(400, str(error), param=error.param, code=error.code)
 
 
 def _too_large(limit: int) -> ApiError:
@@ -111,10 +169,32 @@ async def read_json(request: Request, limit: int) -> Any:
         if size > limit:
             raise _too_large(limit)
         chunks.append(chunk)
+    body = b"".join(chunks)
     try:
-        return msgspec.json.decode(b"".join(chunks))
+        parsed = msgspec.json.decode(body)
     except msgspec.DecodeError as e:
         raise ApiError(400, f"Request body is not valid JSON: {e}") from None
+    except RecursionError:
+        parsed = None  # nested deeper than msgspec goes: answered just below
+    # Depth needs at least that many brackets: most bodies skip the walk.
+    if parsed is None or body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH:
+        check_depth(parsed, body)
+    return parsed
+
+
+def check_depth(value: Any, body: bytes) -> None:
+    """ApiError 400 when JSON nests deeper than MAX_JSON_DEPTH (iterative: no recursion)."""
+    too_deep = value is None and body.lstrip()[:1] in (b"[", b"{")
+    stack = [(value, 1)]
+    while stack and not too_deep:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth > MAX_JSON_DEPTH:
+                too_deep = True
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    if too_deep:
+        raise ApiError(400, f"Request body nests JSON deeper than {MAX_JSON_DEPTH} levels.")
 
 
 def validate(model: type, body: Any) -> Any:
@@ -152,23 +232,50 @@ def build_app(
 ) -> FastAPI:
     """The API app; its lifespan starts the engine client and shuts it down."""
 
+    pool = TokenizerPool()
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await client.start()
+        if client.ready is None:  # `serve` starts it first, to report failures in one line
+            await client.start()
         try:
             yield
         finally:
+            pool.shutdown()
             await client.shutdown()
 
     app = FastAPI(title="rackserve", version=rackserve.__version__, lifespan=lifespan)
+
+    def count_rejection(error: ApiError) -> None:
+        if 400 <= error.status < 500 and error.status != 499:
+            metrics.record_rejected(error.code or REJECTION_REASONS.get(error.status, "invalid"))
+
+    if settings.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.allowed_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+        )
     app.add_middleware(
-        FrontDoor, api_key=settings.api_key, max_body_bytes=settings.max_request_body_bytes
+        FrontDoor,
+        api_key=settings.api_key,
+        max_body_bytes=settings.max_request_body_bytes,
+        allowed_origins=settings.allowed_origins,
+        on_reject=count_rejection,
     )
-    handler = serving.OpenAIServing(client, tokenizer, settings.served_model_names)
+    handler = serving.OpenAIServing(client, tokenizer, settings.served_model_names, settings.limits)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        count_rejection(exc)
         return exc.response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        # Never a plain-text 500, and never internal text (a traceback line) to clients.
+        logger.error("unhandled error in %s", request.url.path, exc_info=exc)
+        return ApiError(500, "Internal server error.").response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -186,8 +293,17 @@ def build_app(
             if check is not None:
                 check()
         except ParamError as e:
-            raise ApiError(400, str(e), param=e.param) from None
+            raise param_error(e) from None
         return parsed
+
+    async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` in the tokenizer pool; bad input becomes a 400."""
+        try:
+            return await pool.run(fn, *args)
+        except ParamError as e:
+            raise param_error(e) from None
+        except jinja2.TemplateError as e:
+            raise ApiError(400, f"Chat template error: {e}", param="messages") from None
 
     async def run(
         request: Request,
@@ -195,13 +311,9 @@ def build_app(
         prepare: Callable[[Any, str], serving.Prepared],
     ) -> Response:
         if client.is_dead:
-            raise ApiError(503, f"The engine is not running: {client.dead_reason}")
-        try:
-            prepared = prepare(body, request.state.request_id)
-        except ParamError as e:
-            raise ApiError(400, str(e), param=e.param) from None
-        except jinja2.TemplateError as e:
-            raise ApiError(400, f"Chat template error: {e}", param="messages") from None
+            raise ApiError(503, "The engine is not running.")
+        # Off the event loop: a long prompt or template must not stall other clients.
+        prepared = await off_loop(prepare, body, request.state.request_id)
         if body.stream:
             return StreamingResponse(
                 _with_disconnect(request, prepared, handler.stream(prepared)),
@@ -226,12 +338,7 @@ def build_app(
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
         body = await parse(request, TokenizeRequest)
-        try:
-            return JSONResponse(handler.tokenize(body, client.max_model_len))
-        except ParamError as e:
-            raise ApiError(400, str(e), param=e.param) from None
-        except jinja2.TemplateError as e:
-            raise ApiError(400, f"Chat template error: {e}", param="messages") from None
+        return JSONResponse(await off_loop(handler.tokenize, body, client.max_model_len))
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> JSONResponse:
@@ -239,7 +346,17 @@ def build_app(
         try:
             return JSONResponse({"prompt": handler.detokenize(body.tokens)})
         except ParamError as e:
-            raise ApiError(400, str(e), param=e.param) from None
+            raise param_error(e) from None
+
+    install_request_schemas(
+        app,
+        {
+            "/v1/completions": CompletionRequest,
+            "/v1/chat/completions": ChatCompletionRequest,
+            "/tokenize": TokenizeRequest,
+            "/detokenize": DetokenizeRequest,
+        },
+    )
 
     @app.get("/health")
     async def health() -> Response:

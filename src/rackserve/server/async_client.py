@@ -22,11 +22,13 @@ import traceback
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
 from rackserve.config import EngineConfig
 from rackserve.engine.output_processor import OutputProcessor, RequestOutput, RequestOutputKind
+from rackserve.engine.outputs import EngineCoreRequest
 from rackserve.engine.process import (
     DEFAULT_CORE_FACTORY,
     EngineDead,
@@ -52,6 +54,10 @@ class RequestRejectedError(ValueError):
 
 class RequestAbortedError(RuntimeError):
     """The request was aborted (client disconnect) while a consumer waited for it."""
+
+
+class ServerShutdownError(RuntimeError):
+    """The request was still running when the shutdown drain timed out."""
 
 
 class AsyncEngineClient:
@@ -198,11 +204,13 @@ class AsyncEngineClient:
             priority=priority,
             cache_salt=cache_salt,
         )
-        self._queues[request_id] = queue
-        for request in requests:
-            self._send(MessageType.ADD, request)
         finished = False
         try:
+            # Inside the try: whatever fails from here on (even encoding the message) frees
+            # the request's frontend state and engine state alike.
+            self._queues[request_id] = queue
+            for request in requests:
+                self._send(MessageType.ADD, request)
             while not finished:
                 item = await queue.get()
                 if isinstance(item, Exception):
@@ -219,6 +227,10 @@ class AsyncEngineClient:
         engine_ids = self.processor.abort_request(request_id)
         if engine_ids and not self.is_dead:
             self._send(MessageType.ABORT, engine_ids)
+            if self.metrics is not None:
+                # The engine sends nothing for an aborted request: count it here, once per
+                # unfinished engine request, as vLLM's request_success{finished_reason="abort"}.
+                self.metrics.record_aborted(len(engine_ids))
         queue = self._queues.get(request_id)
         if queue is not None:
             queue.put_nowait(RequestAbortedError(f"request {request_id} was aborted"))
@@ -280,11 +292,23 @@ class AsyncEngineClient:
         if processed.abort_ids:
             self._send(MessageType.ABORT, processed.abort_ids)
         for request in processed.to_send:
-            self._send(MessageType.ADD, request)
+            self._send_request(request)
         if self.metrics is not None:
             self.metrics.record_iteration(processed.stats)
             if outputs.scheduler_stats is not None:
                 self.metrics.record_scheduler_stats(outputs.scheduler_stats)
+
+    def _send_request(self, request: EngineCoreRequest) -> None:
+        """Send a released child; one that cannot be encoded fails its own request only."""
+        try:
+            self._send(MessageType.ADD, request)
+        except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as e:
+            self._on_request_error(RequestError(request.request_id, f"invalid request: {e}"))
+
+    def fail_all_requests(self, error: Exception) -> None:
+        """Wake every waiting request with ``error`` (the shutdown drain has timed out); their
+        generators then abort them in the engine."""
+        self._fail_all(error)
 
     def _on_request_error(self, error: RequestError) -> None:
         parent_id = self.processor.parent_id(error.request_id)

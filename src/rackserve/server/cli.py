@@ -42,6 +42,11 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "uvicorn_log_level": "info",
     "disable_uvicorn_access_log": False,
     "engine_core_factory": "rackserve.engine.core:EngineCore",
+    # reliability and security (docs/reliability.md)
+    "allowed_origins": None,
+    "max_sequences_per_request": 256,
+    "max_tokens_per_request": None,
+    "trust_request_chat_template": False,
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]i?[bB]?|[bB])?\s*$")
 
@@ -86,6 +91,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--uvicorn-log-level", choices=("critical", "error", "warning", "info", "debug"))
     add("--disable-uvicorn-access-log", action="store_true", default=None)
     add("--engine-core-factory", help="'module:callable' building the engine core (testing)")
+    add("--allowed-origins", nargs="+", help="browser origins allowed (CORS); default none")
+    add("--max-sequences-per-request", type=int, help="most prompts x n in a request (256)")
+    add("--max-tokens-per-request", type=int, help="cap on max_tokens (default: the context)")
+    add(
+        "--trust-request-chat-template",
+        action="store_true",
+        default=None,
+        help="let requests pass their own Jinja chat_template (off: it runs arbitrary Jinja)",
+    )
     p.set_defaults(func=serve)
 
 
@@ -142,6 +156,38 @@ def build_engine_config(options: dict[str, Any]) -> Any:
     )
 
 
+def check_tokenizer_dir(path: str | Path) -> None:
+    """ValueError naming the missing file unless ``path`` holds a tokenizer that
+    transformers can load without extra packages (otherwise it talks of sentencepiece)."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ValueError(f"tokenizer directory {directory} not found: pass --tokenizer DIR")
+    if (
+        not (directory / "tokenizer.json").exists()
+        and not (directory / "tokenizer_config.json").exists()
+    ):
+        raise ValueError(
+            f"{directory} has no tokenizer.json (nor tokenizer_config.json): copy the "
+            "checkpoint's tokenizer files there or pass --tokenizer DIR"
+        )
+
+
+def preflight(options: dict[str, Any], engine_config: Any) -> None:
+    """Every check that can fail on the operator's input, in one line each, before any
+    process starts: the checkpoint's config, shards and tensor shapes, the KV budget, the
+    tokenizer files."""
+    from rackserve.model.loader import check_checkpoint
+
+    check_checkpoint(options["model"])
+    if engine_config.cache.kv_cache_memory is not None:
+        from rackserve.device import resolve
+        from rackserve.engine.core import plan_kv_cache
+
+        _, dtype = resolve(engine_config.device, engine_config.dtype)
+        plan_kv_cache(engine_config, dtype, engine_config.cache.kv_cache_memory)
+    check_tokenizer_dir(options["tokenizer"] or options["model"])
+
+
 def serve(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM/SIGINT (exit 0) or engine death (exit 1)."""
     import prometheus_client
@@ -149,20 +195,20 @@ def serve(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from rackserve.server.api import ServerSettings, build_app
-    from rackserve.server.async_client import AsyncEngineClient
+    from rackserve.server.async_client import (
+        AsyncEngineClient,
+        EngineDeadError,
+        ServerShutdownError,
+    )
+    from rackserve.server.drain import DrainingServer
+    from rackserve.server.limits import RequestLimits
     from rackserve.server.metrics import ServerMetrics
 
     options = resolve_options(args)
     engine_config = build_engine_config(options)
     # This process only serves: drop the `_created` series, as vLLM's /metrics does.
     prometheus_client.disable_created_metrics()
-    if engine_config.cache.kv_cache_memory is not None:
-        # Fail in one line before any process starts when the budget cannot work.
-        from rackserve.device import resolve
-        from rackserve.engine.core import plan_kv_cache
-
-        _, dtype = resolve(engine_config.device, engine_config.dtype)
-        plan_kv_cache(engine_config, dtype, engine_config.cache.kv_cache_memory)
+    preflight(options, engine_config)
     tokenizer = AutoTokenizer.from_pretrained(options["tokenizer"] or options["model"])
     names = tuple(options["served_model_name"] or [str(options["model"])])
     metrics = ServerMetrics(names[0])
@@ -193,6 +239,12 @@ def serve(args: argparse.Namespace) -> int:
         model_path=str(options["model"]),
         api_key=options["api_key"],
         max_request_body_bytes=options["max_request_body_bytes"],
+        allowed_origins=tuple(options["allowed_origins"] or ()),
+        limits=RequestLimits(
+            max_sequences_per_request=options["max_sequences_per_request"],
+            max_tokens_per_request=options["max_tokens_per_request"],
+            trust_request_chat_template=bool(options["trust_request_chat_template"]),
+        ),
     )
     app = build_app(client, tokenizer, metrics, settings)
     config = uvicorn.Config(
@@ -201,16 +253,35 @@ def serve(args: argparse.Namespace) -> int:
         port=options["port"],
         log_level=options["uvicorn_log_level"],
         access_log=not options["disable_uvicorn_access_log"],
-        timeout_graceful_shutdown=options["shutdown_timeout"],
         timeout_keep_alive=5,
     )
-    server = uvicorn.Server(config)
+
+    def drain_expired() -> None:
+        timeout = options["shutdown_timeout"]
+        print(f"rackserve: requests still running after {timeout:g} s; ending them", flush=True)
+        client.fail_all_requests(ServerShutdownError("shutdown timeout"))
+
+    server = DrainingServer(config, options["shutdown_timeout"], drain_expired)
     server_box.append(server)
-    # uvicorn re-raises the signal that stopped it once it has drained; a no-op handler
-    # turns that into a normal return, so a SIGTERM drain ends with exit code 0.
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda signum, frame: None)
-    server.run()
+
+    async def main() -> bool:
+        # The engine starts before uvicorn, so a start-up failure is one line here rather
+        # than a lifespan traceback (the app's lifespan skips a started client).
+        try:
+            await client.start()
+        except EngineDeadError as e:
+            last = [line for line in str(e).splitlines() if line.strip()][-1:]
+            print(f"rackserve serve: error: {' '.join(last)}", file=sys.stderr)
+            return False
+        # uvicorn re-raises the signal that stopped it once it has drained; a no-op handler
+        # turns that into a normal return, so a SIGTERM drain ends with exit code 0.
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda signum, frame: None)
+        await server.serve()
+        return True
+
+    if not asyncio.run(main()):
+        return 1
     if outcome["engine_dead"]:
         return 1
     if not server.started:

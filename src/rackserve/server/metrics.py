@@ -82,6 +82,12 @@ class ServerMetrics:
             "request_generation_tokens", "Generated tokens of finished requests.", TOKEN_BUCKETS
         )
         self._last = SchedulerStats()
+        self._request_rejected = Counter(
+            PREFIX + "request_rejected",
+            "Requests refused before reaching the engine, by reason (a limit, bad input).",
+            ["model_name", "reason"],
+            registry=registry,
+        )
 
     def record_scheduler_stats(self, stats: SchedulerStats) -> None:
         self.num_requests_running.set(stats.num_running_reqs)
@@ -113,6 +119,13 @@ class ServerMetrics:
             self.e2e_request_latency.observe(finished.e2e_latency_s)
             self.request_prompt_tokens.observe(finished.num_prompt_tokens)
             self.request_generation_tokens.observe(finished.num_generation_tokens)
+
+    def record_aborted(self, num_requests: int) -> None:
+        """Engine requests aborted before they finished (client gone, stop string)."""
+        self._request_success.labels(self.model_name, "abort").inc(num_requests)
+
+    def record_rejected(self, reason: str) -> None:
+        self._request_rejected.labels(self.model_name, reason).inc()
 
     def render(self) -> bytes:
         """The text exposition format."""

@@ -13,20 +13,25 @@ for many concurrent streams on one core.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from rackserve.engine.output_processor import TokenLogprob
-from rackserve.request import MAX_NUM_LOGPROBS, SamplingParams
+from rackserve.request import INT64_MAX, INT64_MIN, MAX_NUM_LOGPROBS, SamplingParams
+
+# Integers the engine holds as int64 (seeds, top_k, priorities): a larger value is a 400
+# here, not an overflow in the engine or in msgspec (vLLM bounds seed the same way).
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 
 
 class ParamError(ValueError):
     """A request parameter is invalid or unsupported; ``param`` names it."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code  # set for a server limit, so rejections can be counted by reason
 
 
 class OpenAIModel(BaseModel):
@@ -51,11 +56,11 @@ class SamplingRequest(OpenAIModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    seed: int | None = None
+    seed: Int64 | None = None
     user: str | None = None  # an end-user id; it does not change the output
     logit_bias: dict[str, float] | None = None
     # vLLM extras
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int = Field(0, ge=0)
@@ -65,7 +70,7 @@ class SamplingRequest(OpenAIModel):
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=1)
-    priority: int = 0
+    priority: Int64 = 0
     cache_salt: str | None = None
     request_id: str | None = None
 

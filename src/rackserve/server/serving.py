@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -24,7 +25,9 @@ from rackserve.server.async_client import (
     EngineDeadError,
     RequestAbortedError,
     RequestRejectedError,
+    ServerShutdownError,
 )
+from rackserve.server.limits import RequestLimits
 from rackserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,8 +40,10 @@ from rackserve.server.protocol import (
     prompt_logprobs_json,
     usage,
 )
+from rackserve.server.tokenization import BoundedTokenizer, check_chat_template_kwargs
 
 SSE_DONE = "data: [DONE]\n\n"
+logger = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
@@ -67,11 +72,15 @@ def as_api_error(error: BaseException) -> ApiError:
         return error
     if isinstance(error, RequestRejectedError):
         return ApiError(400, str(error))
+    if isinstance(error, ServerShutdownError):
+        return ApiError(503, "The server shut down before this request finished.")
     if isinstance(error, EngineDeadError):
-        return ApiError(500, f"The engine died while serving this request: {error}")
+        # The reason (a traceback's last line) goes to the server log, not to clients.
+        return ApiError(500, "The engine died while serving this request.")
     if isinstance(error, RequestAbortedError):
         return ApiError(499, str(error))
-    return ApiError(500, f"Internal error: {type(error).__name__}: {error}")
+    logger.error("request failed", exc_info=error)
+    return ApiError(500, "Internal server error.")
 
 
 def sse(payload: Any) -> str:
@@ -100,12 +109,18 @@ class Prepared:
 
 class OpenAIServing:
     def __init__(
-        self, client: AsyncEngineClient, tokenizer: Any, served_model_names: tuple[str, ...]
+        self,
+        client: AsyncEngineClient,
+        tokenizer: Any,
+        served_model_names: tuple[str, ...],
+        limits: RequestLimits | None = None,
     ) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.served_model_names = served_model_names
         self.vocab_size = len(tokenizer)
+        self.limits = RequestLimits() if limits is None else limits
+        self.bounded = BoundedTokenizer(tokenizer)
 
     # ---- tokenization --------------------------------------------------------------------
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
@@ -116,37 +131,50 @@ class OpenAIServing:
             )
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool, **kwargs: Any) -> str:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ParamError("this model's tokenizer has no chat template", "messages")
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+        return self.bounded.render_chat(
+            messages, add_generation_prompt, self.client.max_model_len, kwargs
         )
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    def encode(
+        self,
+        text: str,
+        add_special_tokens: bool,
+        what: str = "prompt",
+        keep_last: int | None = None,
+    ) -> list[int]:
+        max_model_len = self.client.max_model_len
+        return self.bounded.encode(text, add_special_tokens, max_model_len, what, keep_last)
 
     # ---- preparing requests --------------------------------------------------------------
     def prepare_completion(self, body: CompletionRequest, request_id: str) -> Prepared:
         raw = body.prompt
         if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
             raw = [raw]
+        self.limits.check(body, len(raw), self.vocab_size)
         prompts: list[tuple[str | None, list[int]]] = []
         for item in raw:
             if isinstance(item, str):
-                prompts.append((item, self.encode(item, body.add_special_tokens)))
+                ids = self.encode(
+                    item, body.add_special_tokens, keep_last=body.truncate_prompt_tokens
+                )
+                prompts.append((item, ids))
             else:
                 self.check_token_ids(item, "prompt")
                 prompts.append((None, list(item)))
         return self._prepare(body, request_id, prompts, body.logprobs, chat=False)
 
     def prepare_chat(self, body: ChatCompletionRequest, request_id: str) -> Prepared:
+        self.limits.check(body, 1, self.vocab_size)
+        kwargs = body.chat_template_kwargs or {}
+        check_chat_template_kwargs(kwargs, self.limits.trust_request_chat_template)
         text = self.render_chat(
             body.template_messages(),
             body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
-            **(body.chat_template_kwargs or {}),
+            **kwargs,
         )
-        prompt = (text, self.encode(text, body.add_special_tokens))
+        ids = self.encode(text, body.add_special_tokens, "messages", body.truncate_prompt_tokens)
+        prompt = (text, ids)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         return self._prepare(body, request_id, [prompt], logprobs, chat=True)
 
@@ -193,6 +221,9 @@ class OpenAIServing:
             # one SamplingParams for all prompts: bound by the longest prompt's room
             room = max_model_len - max(len(ids) for _, ids in prompts)
             params = body.sampling_params(max(room, 1), logprobs)
+        cap = self.limits.max_tokens_per_request
+        if cap is not None and params.max_tokens > cap:  # max_tokens omitted: fill up to cap
+            params = body.sampling_params(cap, logprobs)
         model = body.model or self.served_model_names[0]
         prefix = "chatcmpl" if chat else "cmpl"
         prepared = Prepared(
