@@ -20,12 +20,14 @@ import faulthandler
 import importlib
 import os
 import queue
+import shutil
 import signal
 import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
@@ -37,6 +39,7 @@ from rackserve.engine.outputs import EngineCoreOutputs, EngineCoreRequest
 DEFAULT_CORE_FACTORY = "rackserve.engine.core:EngineCore"
 PARENT_POLL_S = 0.2
 IO_POLL_MS = 100  # how often idle IO threads look at the stop flag
+IPC_DIR_PREFIX = "rackserve-"  # the API process's temporary directory of ipc:// sockets
 
 
 class MessageType(enum.IntEnum):
@@ -253,11 +256,22 @@ class EngineCoreProc:
         return exit_code
 
 
-def _watch_parent(parent_pid: int) -> None:
-    """Exit at once when the API process is gone, so no engine outlives its server."""
+def ipc_directory(address: str) -> Path | None:
+    """The directory of an ``ipc://`` socket address (None for other transports)."""
+    if not address.startswith("ipc://"):
+        return None
+    return Path(address.removeprefix("ipc://")).parent
+
+
+def _watch_parent(parent_pid: int, ipc_dir: Path | None) -> None:
+    """Exit at once when the API process is gone, so no engine outlives its server. A
+    killed API process cannot remove its IPC directory: the engine does it on its way out
+    (only a directory named as the client creates it, so a bad address removes nothing)."""
     while True:
         time.sleep(PARENT_POLL_S)
         if os.getppid() != parent_pid:
+            if ipc_dir is not None and ipc_dir.name.startswith(IPC_DIR_PREFIX):
+                shutil.rmtree(ipc_dir, ignore_errors=True)
             os._exit(1)
 
 
@@ -268,8 +282,9 @@ def run_engine_core(config: EngineProcessConfig) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: dump stacks
+    ipc_dir = ipc_directory(config.input_address)
     threading.Thread(
-        target=_watch_parent, args=(config.parent_pid,), name="parent-watch", daemon=True
+        target=_watch_parent, args=(config.parent_pid, ipc_dir), name="parent-watch", daemon=True
     ).start()
     context = zmq.Context()
     try:

@@ -31,6 +31,7 @@ from rackserve.engine.output_processor import OutputProcessor, RequestOutput, Re
 from rackserve.engine.outputs import EngineCoreRequest
 from rackserve.engine.process import (
     DEFAULT_CORE_FACTORY,
+    IPC_DIR_PREFIX,
     EngineDead,
     EngineProcessConfig,
     EngineReady,
@@ -105,7 +106,7 @@ class AsyncEngineClient:
 
     async def start(self) -> None:
         """Spawn the engine process and wait until its core is built (weights, KV cache)."""
-        self._tmpdir = tempfile.mkdtemp(prefix="rackserve-")
+        self._tmpdir = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX)
         self._context = zmq.asyncio.Context()
         self._input_socket = self._context.socket(zmq.PUSH)
         self._output_socket = self._context.socket(zmq.PULL)
