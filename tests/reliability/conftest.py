@@ -32,7 +32,7 @@ Server = harness.Server
 child_pids, pid_alive, run_server = harness.child_pids, harness.pid_alive, harness.run_server
 tiny_model = harness.tiny_model  # the session fixture, shared by name
 JSON = {"Content-Type": "application/json"}
-GREEDY = {"model": MODEL_NAME, "prompt": "The quick brown fox", "max_tokens": 12,
+GREEDY = {"model": MODEL_NAME, "prompt": "The quick brown fox", "max_tokens": 8,
           "temperature": 0, "ignore_eos": True}  # fmt: skip
 _SAMPLE = re.compile(r"^(rackserve:\w+)\{([^}]*)\} ([0-9.e+-]+)$", re.M)
 
