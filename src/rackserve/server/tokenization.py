@@ -138,6 +138,8 @@ class BoundedTokenizer:
     ) -> str:
         """The rendered chat, bounded like a prompt (``kwargs`` are already checked by
         ``check_chat_template_kwargs`` where they come from a request)."""
+        if not messages:
+            raise ParamError("messages must hold at least one message", "messages")
         if not getattr(self.tokenizer, "chat_template", None) and "chat_template" not in kwargs:
             raise ParamError("this model's tokenizer has no chat template", "messages")
         for message in messages:
