@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import (
+from reliability_harness import (
     MODEL_NAME,
     Server,
     engine_idle,

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import MODEL_NAME, Server, greedy_text, rss_bytes, run_server
+from reliability_harness import MODEL_NAME, Server, greedy_text, rss_bytes, run_server
 
 
 def health_latencies(server: Server, stop: threading.Event, out: list[float]) -> None:

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import MODEL_NAME, Server, greedy_text, run_server
+from reliability_harness import MODEL_NAME, Server, greedy_text, run_server
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 BASES = {

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import MODEL_NAME, greedy_text, pid_alive, run_isolated, wait_until
+from reliability_harness import MODEL_NAME, greedy_text, pid_alive, run_isolated, wait_until
 
 LONG = {"model": MODEL_NAME, "prompt": "Tell me everything.", "max_tokens": 480,
         "ignore_eos": True}  # fmt: skip

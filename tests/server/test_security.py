@@ -73,7 +73,7 @@ def test_chat_template_kwargs(server: Server) -> None:
 
 
 def test_deep_json_is_a_400_envelope(server: Server) -> None:
-    for depth in (100, 1000, 100_000):
+    for depth in (100, 1000, 30_000):  # the shared server takes bodies up to 64 K
         body = b'{"model": "tiny", "prompt": ' + b"[" * depth + b"]" * depth + b"}"
         response = httpx.post(
             f"{server.base_url}/v1/completions", content=body, headers=JSON_AUTH, timeout=30
