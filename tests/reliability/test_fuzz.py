@@ -174,5 +174,6 @@ def test_fuzz_short(tiny_model: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # about 15 min on 2 busy cores
 def test_fuzz_10000(tiny_model: Path, tmp_path: Path) -> None:
     check_fuzz(tiny_model, tmp_path, 10_000)
