@@ -82,16 +82,16 @@ def test_decode_inputs_match_the_general_build(seed):
     # one token each: the last known token (samples) or an earlier one (a spec / chunk end)
     computed = [len(t) - rng.choice([1, 1, 2]) for t in token_ids]
     rows = rng.sample(range(20), 9)
-    decode = build_batch_inputs(token_ids, computed, [1] * 9, rows, "cpu")
+    decode = build_batch_inputs(token_ids, computed, [1] * 9, rows)
     # the same batch plus a 0-token request takes the general path; drop that request again
-    general = build_batch_inputs(
-        [*token_ids, [5]], [*computed, 0], [1] * 9 + [0], [*rows, 0], "cpu"
-    )
-    assert torch.equal(decode.input_ids, general.input_ids)
-    assert torch.equal(decode.positions, general.positions)
+    general = build_batch_inputs([*token_ids, [5]], [*computed, 0], [1] * 9 + [0], [*rows, 0])
+    assert np.array_equal(decode.input_ids, general.input_ids)
+    assert np.array_equal(decode.positions, general.positions)
+    assert np.array_equal(decode.token_req, general.token_req)
+    assert decode.max_seq_len == general.max_seq_len
     assert decode.query_start_loc == general.query_start_loc[:-1]
     assert decode.num_computed_tokens == general.num_computed_tokens[:-1]
     assert decode.rows == rows
-    assert torch.equal(decode.logits_indices, general.logits_indices)
+    assert np.array_equal(decode.logits_indices, general.logits_indices)
     assert decode.sample_mask == general.sample_mask[:-1]
     assert decode.input_ids.tolist() == [t[c] for t, c in zip(token_ids, computed, strict=True)]

@@ -14,6 +14,11 @@ Compression is stateless given the cached raw rows ("carry-over as data"): entry
 HCA layer pools the rows of window w; entry w of a CSA layer pools the first half of the
 rows of window w-1 with the second half of the rows of window w. So chunked prefill,
 preemption and prefix hits need no special path.
+
+The whole batch is computed at once, with no per-request loop and no host sync: every query
+gathers its own rows (its W window rows, then the visible HCA entries or the indexer's
+top-k CSA entries) through its request's block tables, and one batched sink attention runs
+over them. Queries are processed in chunks only to bound the gathered bytes.
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ from torch import nn
 
 from rackserve import ops
 from rackserve.config import CSA, HCA, SLIDING, ModelConfig
-from rackserve.model.batch import ForwardBatch, KVCacheTensors
+from rackserve.model.batch import KVCacheTensors, StepMetadata, paged_slots
 from rackserve.model.layers import GroupedLinear, RMSNorm, Rotary
+from rackserve.ops import Kernels
 
 
 class Compressor(nn.Module):
@@ -47,28 +53,25 @@ class Compressor(nn.Module):
         """x: [T, D] -> raw rows [T, 2 * row] = [kv | gate], cached per token."""
         return torch.cat([self.wkv(x), self.wgate(x)], dim=-1)
 
-    def pool(self, rows: torch.Tensor, first_entry: int, rotary: Rotary) -> torch.Tensor:
-        """Entries from cached rows.
+    def pool(
+        self,
+        window_rows: torch.Tensor,
+        missing: torch.Tensor | None,
+        positions: torch.Tensor,
+        rotary: Rotary,
+    ) -> torch.Tensor:
+        """Entries from the cached rows of their closing windows.
 
-        rows: [n * r, 2 * row] for HCA (windows first_entry .. first_entry + n - 1), or
-        [(n + 1) * r, 2 * row] for CSA (one extra window in front: window first_entry - 1,
-        all -inf gates when first_entry == 0). Returns normed, roped entries [n, width].
+        window_rows: [n, r, 2 * row] (HCA: window w) or [n, 2r, 2 * row] (CSA: window w-1,
+        then window w); missing: [n, 2r] bool, rows that do not exist (window -1 of CSA
+        entry 0: zero weight in the softmax), or None; positions: [n] the entry positions
+        w * r. Returns normed, roped entries [n, width].
         """
-        r = self.ratio
-        kv, gate = rows[:, : self.row], rows[:, self.row :]
-        if self.overlap:
-            n = kv.shape[0] // r - 1
-            if first_entry == 0:  # window -1 does not exist: zero weight in the softmax
-                gate = gate.clone()
-                gate[:r] = float("-inf")
-            # windows [w-1, w] side by side: [n, 2r, 2 * width]
-            kv = torch.stack([kv[i * r : (i + 2) * r] for i in range(n)]) if n else kv[:0]
-            gate = torch.stack([gate[i * r : (i + 2) * r] for i in range(n)]) if n else gate[:0]
-        else:
-            n = kv.shape[0] // r
-            kv, gate = kv.reshape(n, r, -1), gate.reshape(n, r, -1)
+        kv, gate = window_rows[..., : self.row], window_rows[..., self.row :]
+        if missing is not None:
+            gate = gate.masked_fill(missing[..., None], float("-inf"))
+            kv = kv.masked_fill(missing[..., None], 0.0)
         pooled = ops.compress_windows(kv, gate, self.ape, self.overlap)
-        positions = torch.arange(n, device=rows.device) * r + first_entry * r
         cos, sin = rotary(positions, pooled.dtype)
         return ops.apply_rope(self.norm(pooled), cos, sin)
 
@@ -78,8 +81,9 @@ class Indexer(nn.Module):
     heads scored against the compressed keys. Checkpoint names: ``wq_b``,
     ``weights_proj``, ``compressor.*``."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: Kernels) -> None:
         super().__init__()
+        self.kernels = kernels
         self.num_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
         self.topk = cfg.index_topk
         self.wq_b = nn.Linear(cfg.q_lora_rank, self.num_heads * self.head_dim, bias=False)
@@ -93,25 +97,27 @@ class Indexer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         keys: torch.Tensor,
-        visible: torch.Tensor,
+        num_visible: torch.Tensor,
     ) -> torch.Tensor:
         """Top-k compressed entries per query.
 
-        x: [S, D]; q_residual: [S, q_lora]; cos/sin at the query positions; keys: [Tc, Di];
-        visible: [S, Tc] causal visibility. Returns a [S, Tc] bool mask of selected entries.
+        x: [S, D]; q_residual: [S, q_lora]; cos/sin at the query positions; keys: [S, E, Di]
+        (entries 0..E-1 of each query's request); num_visible: [S]. Returns entry ids
+        [S, min(topk, E)], best first; ids >= num_visible are not visible (the caller masks).
+        Ties (common with few index heads: relu zeroes whole scores) go to the earliest
+        entry, so the choice never depends on how the prompt was chunked.
         """
         s = x.shape[0]
         q = self.wq_b(q_residual).view(s, self.num_heads, self.head_dim)
         q = ops.apply_rope(q, cos, sin)
         weights = self.weights_proj(x).float() * self.num_heads**-0.5
-        scores = ops.indexer_scores(q, keys, weights, self.head_dim**-0.5)
-        scores = scores.masked_fill(~visible, float("-inf"))
-        k = min(self.topk, keys.shape[0])
-        # Ties (common with few index heads: relu zeroes whole scores) go to the earliest
-        # entry, so the choice never depends on how the prompt was chunked.
-        top = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
-        selected = torch.zeros_like(visible).scatter_(1, top, True)
-        return selected & visible  # picks past the causal limit are dropped
+        k = min(self.topk, keys.shape[1])
+        return self.kernels.indexer_topk(q, keys, weights, self.head_dim**-0.5, num_visible, k)
+
+
+# Bytes of gathered rows and scores one attention chunk may hold (queries are processed in
+# chunks of at most this much; a decode batch of 256 at 4K context is one chunk).
+_CHUNK_BYTES = 1 << 30
 
 
 class Attention(nn.Module):
@@ -122,9 +128,11 @@ class Attention(nn.Module):
     ``wo_a``, ``wo_b``, ``attn_sink``, ``compressor.*``, ``indexer.*``.
     """
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, kind: str, rotary: Rotary) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer_id: int, kind: str, rotary: Rotary, kernels: Kernels
+    ) -> None:
         super().__init__()
-        self.layer_id, self.kind = layer_id, kind
+        self.layer_id, self.kind, self.kernels = layer_id, kind, kernels
         self.num_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
         self.window, self.eps, self.o_groups = cfg.sliding_window, cfg.rms_norm_eps, cfg.o_groups
         self.rotary = rotary  # shared module: "main" for sliding layers, "compress" otherwise
@@ -141,7 +149,7 @@ class Attention(nn.Module):
         if kind == CSA:
             self.ratio = cfg.csa_ratio
             self.compressor = Compressor(cfg, self.head_dim, self.ratio, overlap=True)
-            self.indexer = Indexer(cfg)
+            self.indexer = Indexer(cfg, kernels)
         elif kind == HCA:
             self.ratio = cfg.hca_ratio
             self.compressor = Compressor(cfg, self.head_dim, self.ratio, overlap=False)
@@ -170,98 +178,126 @@ class Attention(nn.Module):
         ]
 
     def _update_compressed(
-        self, x: torch.Tensor, batch: ForwardBatch, caches: KVCacheTensors
+        self, x: torch.Tensor, meta: StepMetadata, caches: KVCacheTensors
     ) -> None:
-        """Write this step's raw rows, then emit every entry whose window closed."""
+        """Write this step's raw rows, then emit the entry of every window that closed.
+
+        Token t at position p closes entry w = (p + 1) / r - 1 when (p + 1) % r == 0; the
+        entry pools the rows of window w (CSA: of windows w-1 and w)::
+
+            positions   (w-1)r ........ wr ........ wr + r - 1 = p
+                        |- CSA only -|--- window w ---|
+        """
         state = caches.flat(self.state_group, self.layer_id)
         entries = caches.flat(self.entry_group, self.layer_id)
         parts = self._compressors()
         rows = torch.cat([c.rows(x) for c, _, _ in parts], dim=-1)  # [T, state width]
+        state[meta.slot_mapping[self.state_group]] = rows.to(state.dtype)
+        closing = meta.closing[self.ratio]  # [n] token indices
+        if closing.numel() == 0:
+            return
         r = self.ratio
-        for i in range(batch.num_reqs):
-            start, end = batch.query_start_loc[i], batch.query_start_loc[i + 1]
-            computed, total = batch.num_computed_tokens[i], batch.seq_len(i)
-            positions = torch.arange(computed, total, device=x.device)
-            state[
-                caches.slots(self.state_group, batch.block_table(self.state_group, i), positions)
-            ] = rows[start:end]
-            first, last = computed // r, total // r  # new entries: [first, last)
-            if first == last:
-                continue
-            lo = (first - 1) * r if self.kind == CSA else first * r
-            src = torch.arange(max(lo, 0), last * r, device=x.device)
-            window_rows = state[
-                caches.slots(self.state_group, batch.block_table(self.state_group, i), src)
-            ]
-            if lo < 0:  # entry 0 of CSA: a placeholder window -1 (masked in `pool`)
-                window_rows = torch.cat([window_rows[:r], window_rows])
-            dst = caches.slots(
-                self.entry_group,
-                batch.block_table(self.entry_group, i),
-                torch.arange(first, last, device=x.device),
-            )
-            for comp, row_cols, entry_cols in parts:
-                new = comp.pool(window_rows[:, row_cols], first, self.rotary)
-                entries[dst, entry_cols] = new.to(entries.dtype)
+        pos, req = meta.positions[closing], meta.token_req[closing]  # [n]
+        entry = (pos + 1) // r - 1  # [n]
+        valid = (pos + 1) % r == 0
+        if meta.token_mask is not None:
+            valid &= meta.token_mask[closing]
+        span = 2 * r if self.kind == CSA else r
+        first = entry * r - (r if self.kind == CSA else 0)
+        window_pos = first[:, None] + torch.arange(span, device=x.device)  # [n, span]
+        missing = (window_pos < 0) if self.kind == CSA else None  # window -1 of entry 0
+        src = paged_slots(
+            meta.block_tables[self.state_group],
+            caches.per_block(self.state_group),
+            req[:, None],
+            window_pos.clamp(min=0),
+        )
+        window_rows = state[src]  # [n, span, state width]
+        dst = paged_slots(
+            meta.block_tables[self.entry_group],
+            caches.per_block(self.entry_group),
+            req,
+            entry.clamp(min=0),
+        )
+        dst = torch.where(valid, dst, 0)  # not closing (graph padding): into the null block
+        for comp, row_cols, entry_cols in parts:
+            new = comp.pool(window_rows[..., row_cols], missing, entry * r, self.rotary)
+            entries[dst, entry_cols] = new.to(entries.dtype)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, caches: KVCacheTensors) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: StepMetadata, caches: KVCacheTensors) -> torch.Tensor:
         # x: [T, D] (the normed block input) -> [T, D]
         t = x.shape[0]
-        cos, sin = self.rotary(batch.positions, x.dtype)
+        cos, sin = self.rotary(meta.positions, x.dtype)
         q_residual = self.q_norm(self.wq_a(x))
         q = self.wq_b(q_residual).view(t, self.num_heads, self.head_dim)
         q = ops.apply_rope(ops.rms_norm(q, None, self.eps), cos, sin)
         kv = ops.apply_rope(self.norm(self.wkv(x)), cos, sin)  # [T, Dh]
-        if self.ratio:
-            self._update_compressed(x, batch, caches)
-
         swa = caches.flat("swa", self.layer_id)
+        swa[meta.slot_mapping["swa"]] = kv.to(swa.dtype)
+        if self.ratio:
+            self._update_compressed(x, meta, caches)
+
         out = torch.empty_like(q)
-        for i in range(batch.num_reqs):
-            start, end = batch.query_start_loc[i], batch.query_start_loc[i + 1]
-            computed, total = batch.num_computed_tokens[i], batch.seq_len(i)
-            q_pos = batch.positions[start:end]
-            new_pos = torch.arange(computed, total, device=x.device)
-            swa_table = batch.block_table("swa", i)
-            swa[caches.slots("swa", swa_table, new_pos)] = kv[start:end].to(swa.dtype)
-            key_pos = torch.arange(max(0, computed - self.window + 1), total, device=x.device)
-            keys = swa[caches.slots("swa", swa_table, key_pos)].to(q.dtype)
-            diff = q_pos[:, None] - key_pos[None, :]
-            mask = (diff >= 0) & (diff < self.window)
-            if self.ratio and total >= self.ratio:
-                keys, mask = self._add_compressed(
-                    i, x[start:end], q_residual[start:end], q_pos, batch, caches, keys, mask
-                )
-            out[start:end] = ops.sink_attention(
-                q[start:end], keys, mask, self.attn_sink, self.head_dim**-0.5
+        chunk = self._chunk_tokens(t, meta.max_seq_len, x.element_size())
+        for a in range(0, t, chunk):
+            b = min(a + chunk, t)
+            rows, valid = self._gather_rows(
+                meta, caches, slice(a, b), x[a:b], q_residual[a:b], cos[a:b], sin[a:b]
+            )
+            out[a:b] = self.kernels.sparse_attention(
+                q[a:b], rows, valid, self.attn_sink, self.head_dim**-0.5
             )
         # K = V carried RoPE into the output's rope slice: rotate back by the query position.
         out = ops.apply_rope(out, cos, -sin)
         return self.wo_b(self.wo_a(out.view(t, self.o_groups, -1)))
 
-    def _add_compressed(
+    def _chunk_tokens(self, num_tokens: int, max_seq_len: int, element_size: int) -> int:
+        """Queries per chunk so that one chunk's gathered rows and scores stay bounded."""
+        entries = max_seq_len // self.ratio if self.ratio else 0
+        rows = self.window + (min(entries, self.indexer.topk) if self.kind == CSA else entries)
+        per_token = rows * (self.head_dim * element_size + 4 * self.num_heads)
+        if self.kind == CSA:  # the indexer's fp32 keys and per-head scores
+            per_token += entries * 4 * (self.indexer.head_dim + self.indexer.num_heads)
+        return max(1, min(num_tokens, _CHUNK_BYTES // per_token))
+
+    def _gather_rows(
         self,
-        i: int,
+        meta: StepMetadata,
+        caches: KVCacheTensors,
+        tokens: slice,
         x: torch.Tensor,
         q_residual: torch.Tensor,
-        q_pos: torch.Tensor,
-        batch: ForwardBatch,
-        caches: KVCacheTensors,
-        keys: torch.Tensor,
-        mask: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append request i's compressed entries to its keys, with per-query visibility."""
-        num_entries = batch.seq_len(i) // self.ratio
-        entry_ids = torch.arange(num_entries, device=x.device)
-        table = batch.block_table(self.entry_group, i)
-        rows = caches.flat(self.entry_group, self.layer_id)[
-            caches.slots(self.entry_group, table, entry_ids)
-        ]
-        compressed = rows[:, : self.head_dim].to(keys.dtype)
-        # Entry w is complete once token r*w + r - 1 has been seen.
-        visible = entry_ids[None, :] < ((q_pos + 1) // self.ratio)[:, None]  # [S, Tc]
-        if self.kind == CSA:
-            cos, sin = self.rotary(q_pos, x.dtype)
-            index_keys = rows[:, self.head_dim :].to(x.dtype)
-            visible = self.indexer.select(x, q_residual, cos, sin, index_keys, visible)
-        return torch.cat([keys, compressed]), torch.cat([mask, visible], dim=1)
+        """The rows each query of ``tokens`` attends to, and which of them are valid.
+
+        Query at position p: window rows p-W+1 .. p, then (HCA) entries 0 .. E-1 or (CSA)
+        the indexer's picks, entry e visible once p >= r*e + r - 1. E = max_seq_len // r
+        bounds every request's entries. Returns rows [n, M, Dh] and valid [n, M].
+        """
+        pos, req = meta.positions[tokens], meta.token_req[tokens]  # [n]
+        swa = caches.flat("swa", self.layer_id)
+        window = pos[:, None] - torch.arange(self.window - 1, -1, -1, device=pos.device)
+        valid = window >= 0  # [n, W]
+        slots = paged_slots(
+            meta.block_tables["swa"], caches.per_block("swa"), req[:, None], window.clamp(min=0)
+        )
+        rows = swa[slots]  # [n, W, Dh]
+        num_entries = meta.max_seq_len // self.ratio if self.ratio else 0
+        if num_entries == 0:
+            return rows, valid
+        entries = caches.flat(self.entry_group, self.layer_id)
+        table, per_block = meta.block_tables[self.entry_group], caches.per_block(self.entry_group)
+        num_visible = (pos + 1) // self.ratio  # [n]
+        all_ids = torch.arange(num_entries, device=pos.device)[None, :]  # [1, E]
+        if self.kind == CSA:  # entry rows are [kv (Dh) | indexer key (Di)]
+            index_keys = entries[:, self.head_dim :][
+                paged_slots(table, per_block, req[:, None], all_ids)
+            ]
+            ids = self.indexer.select(x, q_residual, cos, sin, index_keys, num_visible)
+        else:
+            ids = all_ids.expand(pos.shape[0], -1)
+        compressed = entries[:, : self.head_dim][paged_slots(table, per_block, req[:, None], ids)]
+        rows = torch.cat([rows, compressed.to(rows.dtype)], dim=1)
+        return rows, torch.cat([valid, ids < num_visible[:, None]], dim=1)

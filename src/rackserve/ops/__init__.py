@@ -1,37 +1,121 @@
-"""The one dispatch point for model ops: the model calls ``ops.<name>`` only.
+"""The one dispatch point for model ops: the model calls ``ops.<name>`` or its
+:class:`Kernels` table only.
 
-Every op has a plain-torch reference in ``reference.py`` (the specification, CPU-tested);
-device kernels register here as they land, each tested against its reference.
+Every op has a plain-torch reference in ``reference.py`` (the specification, CPU-tested).
+Ops with a faster implementation (Triton kernels in ``ops/triton/``, grouped GEMMs) are
+reached through a :class:`Kernels` table the model is built with: ``kernels("reference")``
+always runs the references; ``kernels("auto")`` runs the fast implementation for tensors on
+a device that has one and the reference elsewhere (so the CPU path is the specification).
+Each fast implementation is tested against its reference.
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rackserve.ops import reference
+from rackserve.ops.grouped_moe import grouped_mm_supported, moe_experts_grouped
 from rackserve.ops.reference import (
     apply_rope,
     compress_windows,
     hc_collapse,
     hc_expand,
+    hc_head,
+    hc_post,
+    hc_pre,
     hc_weights,
-    indexer_scores,
+    indexer_topk,
     moe_experts,
     rms_norm,
     rope_cos_sin,
     router_scores,
-    sink_attention,
     sinkhorn,
+    sparse_attention,
     swiglu,
+    topk_earliest,
 )
 
 __all__ = [
+    "KERNEL_CHOICES",
+    "Kernels",
     "apply_rope",
     "compress_windows",
     "hc_collapse",
     "hc_expand",
+    "hc_head",
+    "hc_post",
+    "hc_pre",
     "hc_weights",
-    "indexer_scores",
+    "indexer_topk",
+    "kernels",
     "moe_experts",
     "rms_norm",
     "rope_cos_sin",
     "router_scores",
-    "sink_attention",
     "sinkhorn",
+    "sparse_attention",
     "swiglu",
+    "topk_earliest",
 ]
+
+KERNEL_CHOICES = ("auto", "reference")
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The implementation of every op that has more than one, chosen once per model."""
+
+    name: str
+    hc_pre: Callable
+    hc_post: Callable
+    hc_head: Callable
+    moe_experts: Callable
+    sparse_attention: Callable
+    indexer_topk: Callable
+
+
+def _on_cuda(fast: Callable, ref: Callable) -> Callable:
+    """Call ``fast`` when the first tensor argument is on a CUDA device, else ``ref``."""
+
+    def dispatch(x, *args, **kwargs):
+        return (fast if x.is_cuda else ref)(x, *args, **kwargs)
+
+    dispatch.__name__ = getattr(fast, "__name__", "dispatch")
+    return dispatch
+
+
+def _moe(x, *args, **kwargs):
+    if x.is_cuda and grouped_mm_supported(x):
+        return moe_experts_grouped(x, *args, **kwargs)
+    return reference.moe_experts(x, *args, **kwargs)
+
+
+def kernels(name: str = "auto") -> Kernels:
+    """The op table for ``name`` in :data:`KERNEL_CHOICES`."""
+    if name not in KERNEL_CHOICES:
+        raise ValueError(f"unknown kernels {name!r}: choose one of {', '.join(KERNEL_CHOICES)}")
+    ref = Kernels(
+        "reference",
+        hc_pre=reference.hc_pre,
+        hc_post=reference.hc_post,
+        hc_head=reference.hc_head,
+        moe_experts=reference.moe_experts,
+        sparse_attention=reference.sparse_attention,
+        indexer_topk=reference.indexer_topk,
+    )
+    if name == "reference":
+        return ref
+    try:
+        from rackserve.ops.triton import mhc
+    except ImportError:  # no Triton (a CPU-only install): the references everywhere
+        mhc = None
+    return Kernels(
+        "auto",
+        hc_pre=_on_cuda(mhc.hc_pre, ref.hc_pre) if mhc else ref.hc_pre,
+        hc_post=_on_cuda(mhc.hc_post, ref.hc_post) if mhc else ref.hc_post,
+        hc_head=_on_cuda(mhc.hc_head, ref.hc_head) if mhc else ref.hc_head,
+        moe_experts=_moe,
+        sparse_attention=ref.sparse_attention,
+        indexer_topk=ref.indexer_topk,
+    )

@@ -2,7 +2,7 @@
 
 Shape legend: T tokens in the flat batch, D hidden size, H attention heads, Dh head dim,
 R rope dims (trailing slice of a head), N mHC streams, K keys visible to a query,
-E routed experts, k experts per token.
+E routed experts, k experts per token, S queries, M rows gathered per query.
 
 Numerics follow the DeepSeek-V4 reference: norms, softmaxes, mHC and router scores are
 computed in float32 and cast back to the activation dtype once.
@@ -48,23 +48,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([nope, rotated.flatten(-2).to(x.dtype)], dim=-1)
 
 
-def sink_attention(
-    q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, sinks: torch.Tensor, scale: float
+def sparse_attention(
+    q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sinks: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Shared-KV multi-query attention with a per-head sink logit.
+    """Shared-KV multi-query attention of each query over its own gathered rows, with a
+    per-head sink logit.
 
-    q: [S, H, Dh]; kv: [K, Dh] (keys == values); mask: [S, K] bool (True = visible) or
-    None; sinks: [H] float32. The sink joins the softmax denominator only.
-    Returns [S, H, Dh].
+    q: [S, H, Dh]; kv: [S, M, Dh] (query s's window rows + selected compressed entries;
+    keys == values); valid: [S, M] bool; sinks: [H] float32. The sink joins the softmax
+    denominator only, so a query with no valid row returns zeros. Returns [S, H, Dh].
     """
-    logits = torch.einsum("shd,kd->shk", q, kv) * scale
-    if mask is not None:
-        logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
+    logits = torch.einsum("shd,smd->shm", q, kv) * scale
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
     sink = sinks.to(logits.dtype).view(1, -1, 1).expand(logits.shape[0], -1, 1)
     combined = torch.cat([logits, sink], dim=-1)
     combined = combined - combined.max(dim=-1, keepdim=True).values
     probs = torch.softmax(combined, dim=-1)[..., :-1]
-    return torch.einsum("shk,kd->shd", probs.to(kv.dtype), kv)
+    return torch.einsum("shm,smd->shd", probs.to(kv.dtype), kv)
 
 
 def compress_windows(
@@ -90,15 +90,42 @@ def compress_windows(
     return (kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1)
 
 
-def indexer_scores(
-    q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Lightning-indexer scores sum_h w[s,h] * relu(q[s,h] . k[t]) * scale.
+def topk_earliest(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores per row, best first; ties go to the earliest index.
 
-    q: [S, Hi, Di]; keys: [Tc, Di]; weights: [S, Hi] (float32). Returns [S, Tc] float32.
+    scores: [S, E] float32 -> [S, k] int64. ``torch.topk`` breaks ties in no fixed order
+    (it differs between devices and tensor widths), so each score is packed with its index
+    into one int64 key, order-preserving float bits above, (2^31 - 1 - index) below: the
+    keys are distinct and their top k is the stable-sort answer.
     """
-    scores = torch.einsum("shd,td->sht", q.float(), keys.float()).relu() * scale
-    return (scores * weights.float().unsqueeze(-1)).sum(dim=1)
+    bits = (scores.float() + 0.0).contiguous().view(torch.int32)  # + 0.0: -0.0 -> 0.0
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # float order as signed-int order
+    index = torch.arange(scores.shape[-1], device=scores.device)
+    packed = (ordered.to(torch.int64) << 32) | (0x7FFFFFFF - index)
+    return packed.topk(k, dim=-1).indices
+
+
+def indexer_topk(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    weights: torch.Tensor,
+    scale: float,
+    num_visible: torch.Tensor,
+    k: int,
+) -> torch.Tensor:
+    """Lightning indexer: each query's top-k compressed entries by
+    sum_h w[s,h] * relu(q[s,h] . key[s,e]) * scale.
+
+    q: [S, Hi, Di]; keys: [S, E, Di] (the query's request's entries 0..E-1); weights:
+    [S, Hi] float32; num_visible: [S] (entries >= it are not visible yet). Returns [S, k]
+    int64 entry ids, best first, ties to the earliest; ids >= num_visible[s] (picked only
+    when fewer than k are visible) are for the caller to mask.
+    """
+    scores = torch.einsum("shd,sed->she", q.float(), keys.float()).relu() * scale
+    scores = (scores * weights.float().unsqueeze(-1)).sum(dim=1)  # [S, E]
+    entry = torch.arange(keys.shape[1], device=keys.device)
+    scores = scores.masked_fill(entry[None, :] >= num_visible[:, None], float("-inf"))
+    return topk_earliest(scores, k)
 
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -197,3 +224,50 @@ def moe_experts(
         out.index_add_(0, rows, (y * weights[start : start + count, None]).to(out.dtype))
         start += count
     return out
+
+
+def hc_pre(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_weight: torch.Tensor,
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC before a block: mixing weights, collapse, then the block's RMSNorm.
+
+    streams: [T, N, D]; fn: [(2+N)N, N*D]; base: [(2+N)N]; scale: [3]; norm_weight: [D].
+    Returns x [T, D] in the streams' dtype (the block input), post [T, N], comb [T, N, N]
+    (float32, for ``hc_post``).
+    """
+    pre, post, comb = hc_weights(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+    return rms_norm(hc_collapse(streams, pre), norm_weight, norm_eps), post, comb
+
+
+def hc_post(
+    streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
+    """mHC after a block (``hc_expand``): streams [T, N, D], block_out [T, D] -> [T, N, D]."""
+    return hc_expand(streams, block_out, post, comb)
+
+
+def hc_head(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    hc_eps: float,
+    norm_eps: float,
+    norm_weight: torch.Tensor,
+) -> torch.Tensor:
+    """Final collapse (sigmoid weights, no Sinkhorn) then the final RMSNorm.
+
+    streams: [T, N, D]; fn: [N, N*D]; base: [N]; scale: [1]; norm_weight: [D].
+    Returns [T, D] in the streams' dtype (``HyperHead`` followed by the model's ``norm``).
+    """
+    flat = rms_norm(streams.flatten(1).float(), None, norm_eps)
+    mixes = F.linear(flat, fn.float())
+    pre = torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps
+    return rms_norm(hc_collapse(streams, pre), norm_weight, norm_eps)

@@ -41,6 +41,8 @@ class PreparedStep:
     inputs: StepInputs
     sampled_reqs: list[RunnerRequest]  # those that sample this step, in order
     sampling: SamplingTensors | None
+    # block-table writes since the last step (BlockTables.drain_writes): flat index, id
+    table_writes: tuple[np.ndarray, np.ndarray]
 
 
 class SamplingParamTable:
@@ -212,11 +214,7 @@ class InputBatch:
             token_ids = [r.token_ids for r in reqs]
             self._last = req_ids, reqs, rows, token_ids
         inputs = build_batch_inputs(
-            token_ids,
-            computed,
-            list(map(sched.num_scheduled_tokens.__getitem__, req_ids)),
-            rows,
-            self.device,
+            token_ids, computed, list(map(sched.num_scheduled_tokens.__getitem__, req_ids)), rows
         )
         mask = inputs.sample_mask
         if all(mask):  # a decode step: every request samples, nothing to filter
@@ -231,4 +229,4 @@ class InputBatch:
             sampling = self.sampling_params.gather(
                 sampled_rows, sampled_token_ids, self.eos_token_ids, self.device
             )
-        return PreparedStep(reqs, inputs, sampled, sampling)
+        return PreparedStep(reqs, inputs, sampled, sampling, self.block_tables.drain_writes())

@@ -1,7 +1,9 @@
 """The model runner: turns a SchedulerOutput into tensors, runs the model, samples.
 
 It owns the cache tensors and per-request state (token ids, block tables, generators) and
-makes no policy: it computes exactly the tokens it was granted.
+makes no policy: it computes exactly the tokens it was granted. A uniform decode step
+replays a captured CUDA graph (``cuda_graph.py``); other steps run the same forward
+eagerly. Nothing waits for the device before the sampled token ids are read back.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ import torch
 
 from rackserve.engine.outputs import RunnerOutput, SchedulerOutput, TokenLogprobs
 from rackserve.kv.spec import CacheGroupSpec
-from rackserve.model.batch import ForwardBatch, KVCacheTensors
+from rackserve.model.batch import KVCacheTensors
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
+from rackserve.runner.cuda_graph import DecodeGraphs, context_buckets, graph_batch_sizes
 from rackserve.runner.input_batch import InputBatch, RunnerRequest
 from rackserve.runner.sampler import make_generator, sample
+from rackserve.runner.step_buffers import StepBuffers
 
 
 class ModelRunner:
@@ -28,6 +32,8 @@ class ModelRunner:
         max_model_len: int,
         eos_token_ids: tuple[int, ...],
         seed: int = 0,
+        enforce_eager: bool = False,
+        log: bool = True,
     ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
@@ -42,6 +48,22 @@ class ModelRunner:
             self.device,
         )
         self.generator = make_generator(seed, self.device)  # unseeded random requests
+        self.buffers = StepBuffers(groups, self.input_batch.block_tables, max_num_reqs, self.device)
+        cfg = model.cfg
+        self.expert_counts = torch.zeros(
+            cfg.num_hidden_layers, cfg.n_routed_experts, dtype=torch.int64, device=self.device
+        )
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not enforce_eager:
+            self.graphs = DecodeGraphs(
+                model,
+                self.caches,
+                self.buffers,
+                groups,
+                graph_batch_sizes(max_num_reqs),
+                context_buckets(max_model_len),
+            )
+            self.graphs.capture(log=log)
 
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -50,23 +72,19 @@ class ModelRunner:
         if step is None:
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
         reqs, inputs = step.reqs, step.inputs
-        batch = ForwardBatch(
-            inputs.positions,
-            inputs.query_start_loc,
-            inputs.num_computed_tokens,
-            self._device_block_tables(),
-            inputs.rows,
-        )
-        cfg = self.model.cfg
-        expert_counts = torch.zeros(
-            cfg.num_hidden_layers, cfg.n_routed_experts, dtype=torch.int64, device=self.device
-        )
         start = time.perf_counter()
-        hidden, _ = self.model(inputs.input_ids, batch, self.caches, expert_counts)
-        prompt_logprobs = self._prompt_logprobs(
-            reqs, inputs.query_start_loc, inputs.num_computed_tokens, hidden
-        )
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, V]
+        key = self.graphs.key_for(inputs) if self.graphs is not None else None
+        prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
+        if key is not None:
+            logits, expert_counts = self.graphs.run(key, inputs, step.table_writes)
+        else:
+            input_ids, meta, logits_indices = self.buffers.eager_step(inputs, step.table_writes)
+            expert_counts = self.expert_counts.zero_()
+            hidden, _ = self.model(input_ids, meta, self.caches, expert_counts)
+            prompt_logprobs = self._prompt_logprobs(
+                reqs, inputs.query_start_loc, inputs.num_computed_tokens, hidden
+            )
+            logits = self.model.compute_logits(hidden[logits_indices])  # [S, V]
 
         sampled_reqs = step.sampled_reqs
         sampled: list[list[int]] = [[] for _ in reqs]
@@ -88,25 +106,14 @@ class ModelRunner:
                 if logprobs is not None and num is not None:
                     assert out.logprobs is not None
                     logprobs[k] = [_token_logprobs(out.logprobs, row, num)]
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
         return RunnerOutput(
             req_ids=[r.req_id for r in reqs],
             sampled_token_ids=sampled,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            expert_counts=expert_counts,
-            forward_time_s=time.perf_counter() - start,
+            expert_counts=expert_counts.clone(),  # the static buffer is reused next step
+            forward_time_s=time.perf_counter() - start,  # ends at the token read-back
         )
-
-    def _device_block_tables(self) -> dict[str, torch.Tensor]:
-        """The persistent block tables where the model runs. On an accelerator the whole
-        tables are copied each step (fine next to the reference ops; a device-resident
-        copy updated by row deltas comes with the GPU fast path)."""
-        tables = self.input_batch.block_tables.tables
-        if self.device.type == "cpu":
-            return tables
-        return {name: t.to(self.device, non_blocking=True) for name, t in tables.items()}
 
     def _prompt_logprobs(
         self,
