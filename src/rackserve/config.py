@@ -349,6 +349,7 @@ class EngineConfig:
     seed: int = 0
     served_model_name: str | None = None
     cpu_threads: int = 1  # intra-op threads when running on the CPU (tiny models: 1 is best)
+    enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly (as vLLM names it)
 
     def __post_init__(self) -> None:
         limit = self.model_config.max_position_embeddings

@@ -137,7 +137,7 @@ def time_forward(
     inputs, caches = synthetic.step.inputs, synthetic.caches
     device = next(model.parameters()).device
     num_reqs = len(inputs.rows)
-    buffers = StepBuffers(synthetic.groups, synthetic.input_batch.block_tables, num_reqs, device)
+    buffers = StepBuffers(synthetic.groups, synthetic.input_batch.block_tables, device)
     writes = synthetic.step.table_writes
     cuda = device.type == "cuda"
     if graph:

@@ -97,6 +97,8 @@ class EngineCore:
             sched.max_model_len,
             cfg.eos_token_id,
             config.seed,
+            enforce_eager=config.enforce_eager,
+            log=log_stats,
         )
         self.last_step: SchedulerOutput | None = None
         self.last_forward_time_s = 0.0

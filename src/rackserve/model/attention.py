@@ -198,8 +198,11 @@ class Attention(nn.Module):
             return
         r = self.ratio
         pos, req = meta.positions[closing], meta.token_req[closing]  # [n]
-        entry = (pos + 1) // r - 1  # [n]
         valid = (pos + 1) % r == 0
+        # a token before the first window end (graph padding) pools window 0 as garbage
+        # into the null block: clamped, so even garbage is finite (a fully missing CSA
+        # window would be a softmax over -inf: NaN, and 0 * NaN leaks through masks)
+        entry = ((pos + 1) // r - 1).clamp_(min=0)  # [n]
         if meta.token_mask is not None:
             valid &= meta.token_mask[closing]
         span = 2 * r if self.kind == CSA else r
@@ -217,7 +220,7 @@ class Attention(nn.Module):
             meta.block_tables[self.entry_group],
             caches.per_block(self.entry_group),
             req,
-            entry.clamp(min=0),
+            entry,
         )
         dst = torch.where(valid, dst, 0)  # not closing (graph padding): into the null block
         for comp, row_cols, entry_cols in parts:

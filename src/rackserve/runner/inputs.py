@@ -95,6 +95,7 @@ class BlockTables:
 
     def __init__(self, group_block_tokens: dict[str, int], max_num_reqs: int, max_len: int):
         self.names = list(group_block_tokens)
+        self.max_num_reqs = max_num_reqs
         self.tables = {
             name: torch.zeros(max_num_reqs, -(-max_len // bt) + 1, dtype=torch.int64)
             for name, bt in group_block_tokens.items()

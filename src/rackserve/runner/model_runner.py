@@ -48,7 +48,7 @@ class ModelRunner:
             self.device,
         )
         self.generator = make_generator(seed, self.device)  # unseeded random requests
-        self.buffers = StepBuffers(groups, self.input_batch.block_tables, max_num_reqs, self.device)
+        self.buffers = StepBuffers(groups, self.input_batch.block_tables, self.device)
         cfg = model.cfg
         self.expert_counts = torch.zeros(
             cfg.num_hidden_layers, cfg.n_routed_experts, dtype=torch.int64, device=self.device

@@ -6,7 +6,7 @@ rows of the requests, logits indices, closing tokens, block-table writes) is pac
 one pinned int64 staging buffer and copied with a single non-blocking copy; the device
 views are slices of that copy. Two staging buffers alternate so that packing step N+1 never
 overwrites memory whose copy for step N may still be in flight. On the CPU the arrays are
-used in place.
+used in place; everything else is the same path.
 """
 
 from __future__ import annotations
@@ -26,23 +26,22 @@ class StepBuffers:
         self,
         groups: Sequence[CacheGroupSpec],
         host_tables: BlockTables,
-        max_num_reqs: int,
-        device: torch.device,
+        device: torch.device | str,
     ) -> None:
         self.groups = list(groups)
-        self.device = device
-        self.on_host = device.type == "cpu"
-        self.null_row = max_num_reqs  # the extra row of zeros (null block) padding points to
-        if self.on_host:
-            # the model reads the host tables themselves; a null row is never needed here
-            self.tables = dict(host_tables.tables)
-        else:
-            offsets = host_tables.flat_offsets
-            self.flat = torch.zeros(int(offsets[-1]), dtype=torch.int64, device=device)
-            self.tables = {
-                name: self.flat[offsets[g] : offsets[g + 1]].view(max_num_reqs + 1, -1)
-                for g, name in enumerate(host_tables.names)
-            }
+        self.device = torch.device(device)
+        self.on_host = self.device.type == "cpu"
+        # The tables the model reads: every group's [rows + 1, cols] table in one flat buffer
+        # (BlockTables.flat_offsets), kept equal to the host tables by replaying their
+        # writes; the extra row stays all null blocks for the padded rows of a graph.
+        max_num_reqs = host_tables.max_num_reqs
+        self.null_row = max_num_reqs
+        offsets = host_tables.flat_offsets
+        self.flat = torch.zeros(int(offsets[-1]), dtype=torch.int64, device=device)
+        self.tables = {
+            name: self.flat[offsets[g] : offsets[g + 1]].view(max_num_reqs + 1, -1)
+            for g, name in enumerate(host_tables.names)
+        }
         self._staging: list[torch.Tensor] = []
         self._next = 0
         self.ratios = sorted({g.ratio for g in self.groups if g.ratio > 1})
@@ -75,7 +74,7 @@ class StepBuffers:
 
     def apply_writes(self, index: torch.Tensor, values: torch.Tensor) -> None:
         """Replay block-table writes (flat indices into :attr:`flat`) on the device copy."""
-        if not self.on_host and index.numel():
+        if index.numel():
             self.flat[index] = values
 
     # ---- eager steps --------------------------------------------------------------------------

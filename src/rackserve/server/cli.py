@@ -35,6 +35,7 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "dtype": "auto",
     "device": "auto",
     "seed": 0,
+    "enforce_eager": False,
     "shutdown_timeout": 30.0,
     "engine_dead_exit_delay": 2.0,
     "engine_startup_timeout": 600.0,
@@ -79,6 +80,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--dtype", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16")
     add("--device", help="auto, cpu or cuda")
     add("--seed", type=int, help="engine seed (default 0)")
+    add("--enforce-eager", action="store_true", default=None, help="no CUDA graphs for decode")
     add("--shutdown-timeout", type=float, help="SIGTERM: seconds to drain requests (30)")
     add("--engine-dead-exit-delay", type=float, help="seconds from engine death to exit (2)")
     add("--engine-startup-timeout", type=float, help="seconds to load the model (600)")
@@ -138,6 +140,7 @@ def build_engine_config(options: dict[str, Any]) -> Any:
         dtype=options["dtype"],
         device=options["device"],
         seed=options["seed"],
+        enforce_eager=options["enforce_eager"],
         served_model_name=names[0] if names else None,
     )
 
