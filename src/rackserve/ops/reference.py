@@ -197,3 +197,50 @@ def moe_experts(
         out.index_add_(0, rows, (y * weights[start : start + count, None]).to(out.dtype))
         start += count
     return out
+
+
+def hc_pre(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_weight: torch.Tensor,
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC before a block: mixing weights, collapse, then the block's RMSNorm.
+
+    streams: [T, N, D]; fn: [(2+N)N, N*D]; base: [(2+N)N]; scale: [3]; norm_weight: [D].
+    Returns x [T, D] in the streams' dtype (the block input), post [T, N], comb [T, N, N]
+    (float32, for ``hc_post``).
+    """
+    pre, post, comb = hc_weights(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+    return rms_norm(hc_collapse(streams, pre), norm_weight, norm_eps), post, comb
+
+
+def hc_post(
+    streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
+    """mHC after a block (``hc_expand``): streams [T, N, D], block_out [T, D] -> [T, N, D]."""
+    return hc_expand(streams, block_out, post, comb)
+
+
+def hc_head(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    hc_eps: float,
+    norm_eps: float,
+    norm_weight: torch.Tensor,
+) -> torch.Tensor:
+    """Final collapse (sigmoid weights, no Sinkhorn) then the final RMSNorm.
+
+    streams: [T, N, D]; fn: [N, N*D]; base: [N]; scale: [1]; norm_weight: [D].
+    Returns [T, D] in the streams' dtype (``HyperHead`` followed by the model's ``norm``).
+    """
+    flat = rms_norm(streams.flatten(1).float(), None, norm_eps)
+    mixes = F.linear(flat, fn.float())
+    pre = torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps
+    return rms_norm(hc_collapse(streams, pre), norm_weight, norm_eps)
