@@ -49,8 +49,8 @@ def test_fp32_fast_path_matches_reference_kernels(name, tmp_path):
     fast, ref = _pair(name, tmp_path, torch.float32)
     vocab = fast.cfg.vocab_size
     prompt = torch.randint(2, vocab, (230,), generator=torch.Generator().manual_seed(0)).cuda()
-    caches = {m: ContiguousCache(m, 1, 230 + 64) for m in ("fast", "ref")}
     models = {"fast": fast, "ref": ref}
+    caches = {m: ContiguousCache(model, 1, 230 + 64) for m, model in models.items()}
     ids, done, worst = prompt, 0, 0.0
     for step in range(65):
         logits = {}

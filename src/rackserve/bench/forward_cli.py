@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import statistics
 import subprocess
 import time
@@ -13,6 +14,10 @@ from rackserve.bench.report import write_json
 
 
 def _git_commit() -> str:
+    """The commit measured: $RACKSERVE_COMMIT when set (a device copy of the tree may carry
+    a stale .git), else git's HEAD."""
+    if os.environ.get("RACKSERVE_COMMIT"):
+        return os.environ["RACKSERVE_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
