@@ -21,6 +21,11 @@ from rackserve.model.presets import preset_config
 from rackserve.runner.step_buffers import StepBuffers
 
 
+def _forward(model, input_ids, meta, caches, logits_indices) -> None:
+    hidden, _ = model(input_ids, meta, caches)
+    model.compute_logits(hidden[logits_indices])
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batch", action="append", required=True)
@@ -41,15 +46,11 @@ def main() -> None:
         with torch.inference_mode():
             input_ids, meta, idx = buffers.eager_step(s.step.inputs, s.step.table_writes)
 
-            def run() -> None:
-                hidden, _ = model(input_ids, meta, s.caches)
-                model.compute_logits(hidden[idx])
-
             for _ in range(3):
-                run()
+                _forward(model, input_ids, meta, s.caches, idx)
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                run()
+                _forward(model, input_ids, meta, s.caches, idx)
                 torch.cuda.synchronize()
         totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
         for e in prof.events():
