@@ -15,7 +15,7 @@ from rackserve.kv.spec import CacheGroupSpec
 from rackserve.model.batch import ForwardBatch, KVCacheTensors
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 from rackserve.runner.input_batch import InputBatch, RunnerRequest
-from rackserve.runner.sampler import make_generator, sample
+from rackserve.runner.sampler import sample
 
 
 class ModelRunner:
@@ -40,8 +40,8 @@ class ModelRunner:
             model.cfg.vocab_size,
             eos_token_ids,
             self.device,
+            seed,  # draws the noise seeds of unseeded random requests
         )
-        self.generator = make_generator(seed, self.device)  # unseeded random requests
 
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -72,8 +72,7 @@ class ModelRunner:
         sampled: list[list[int]] = [[] for _ in reqs]
         logprobs: list[list[TokenLogprobs]] | None = None
         if step.sampling is not None:
-            generators = {i: r.generator for i, r in enumerate(sampled_reqs) if r.generator}
-            out = sample(logits, step.sampling, generators, self.generator)
+            out = sample(logits, step.sampling)
             token_ids = out.token_ids.tolist()
             rows = iter(range(len(sampled_reqs)))
             if out.logprobs is not None:
