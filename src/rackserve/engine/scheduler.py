@@ -26,9 +26,9 @@ from rackserve.engine.outputs import (
     SchedulerOutput,
     SchedulerStats,
 )
+from rackserve.engine.stop import check_stop_token
 from rackserve.kv.manager import KVCacheManager
 from rackserve.request import Request, RequestStatus
-from rackserve.runner.stop import check_stop_token
 
 
 class WaitingQueue:
