@@ -66,7 +66,7 @@ class KVCacheManager(CommitMixin):
         specs: Sequence[CacheGroupSpec],
         num_blocks: Mapping[str, int],
         enable_prefix_caching: bool = True,
-        hash_algo: str = "xxhash",
+        hash_algo: str = "sha256",
         checkpoint_interval: int | None = None,
         enable_fast_path: bool = True,
     ) -> None:
