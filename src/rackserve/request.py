@@ -178,9 +178,6 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None  # time.monotonic() when first admitted
-    # Owned by the KV manager (KVRequest.kv_idle_until): bounds below which the scheduler's
-    # per-step allocate_slots and commit calls would be no-ops, so it skips them.
-    kv_idle_until: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

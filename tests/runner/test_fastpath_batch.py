@@ -53,14 +53,15 @@ def assert_same(a: SamplingTensors, b: SamplingTensors) -> None:
 def test_gathered_rows_match_from_params(seed):
     rng = random.Random(seed)
     table = SamplingParamTable(8, V)
-    rows: dict[int, tuple[SamplingParams, list[int], int]] = {}
+    rows: dict[int, tuple[SamplingParams, list[int], int, int]] = {}
     for _ in range(6):  # requests leave and join: rows are overwritten
         for row in rng.sample(range(8), rng.randrange(1, 9)):
             params = random_params(rng)
             num_prompt = rng.randrange(1, 6)
             tokens = [rng.randrange(V) for _ in range(num_prompt + rng.randrange(8))]
-            table.set_row(row, params, num_prompt)
-            rows[row] = (params, tokens, num_prompt)
+            seed = rng.randrange(-(2**63), 2**64)
+            table.set_row(row, params, num_prompt, seed)
+            rows[row] = (params, tokens, num_prompt, seed)
         picked = rng.sample(sorted(rows), rng.randrange(len(rows) + 1))
         expected = SamplingTensors.from_params(
             [rows[r][0] for r in picked],
@@ -68,6 +69,7 @@ def test_gathered_rows_match_from_params(seed):
             output_token_ids=[rows[r][1][rows[r][2] :] for r in picked],
             vocab_size=V,
             eos_token_ids=EOS,
+            seeds=[rows[r][3] for r in picked],
         )
         got = table.gather(
             np.array(picked, dtype=np.int64), [rows[r][1] for r in picked], EOS, "cpu"

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import torch
 
 from rackserve.engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput
-from rackserve.kv.records import first_live_slot
 from rackserve.kv.spec import CacheGroupSpec, cache_groups_for
 from rackserve.model.batch import KVCacheTensors
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
@@ -81,7 +80,7 @@ def synthetic_step(model: DeepseekV4ForCausalLM, batch: BatchSpec, seed: int = 0
         for g in groups:
             num = -(-total // g.block_tokens)
             # sliding groups: only the window rows are ever read (the manager's rule)
-            first_live = first_live_slot(g, batch.context) if g.window is not None else 0
+            first_live = g.first_live_slot(batch.context) if g.window is not None else 0
             ids = [0] * first_live + list(
                 range(next_id[g.name], next_id[g.name] + num - first_live)
             )

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import torch
 
-from rackserve.config import EngineConfig
+from rackserve.config import CPU_KV_CACHE_MEMORY, EngineConfig
 from rackserve.device import resolve
 from rackserve.engine.outputs import EngineCoreOutputs, EngineCoreRequest, SchedulerOutput
 from rackserve.engine.scheduler import Scheduler
@@ -32,15 +32,13 @@ from rackserve.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-CPU_DEFAULT_KV_BYTES = 512 << 20
-
 
 def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
     """``--kv-cache-memory``, else a fraction of the accelerator's free memory."""
     if config.cache.kv_cache_memory is not None:
         return config.cache.kv_cache_memory
     if device.type != "cuda":
-        return CPU_DEFAULT_KV_BYTES
+        return CPU_KV_CACHE_MEMORY
     free, _ = torch.cuda.mem_get_info(device)
     return int(free * config.cache.gpu_memory_utilization)
 

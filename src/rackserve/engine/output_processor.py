@@ -11,7 +11,7 @@ and sends the follow-up requests it returns.
                                 prompt is in the prefix cache for them)
 
 Per token it detokenizes incrementally (``engine/detokenizer.py``), checks stop strings
-(``runner/stop.py``), collects logprobs, and records the timings that the metrics need.
+(``engine/stop.py``), collects logprobs, and records the timings that the metrics need.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any
 
 from rackserve.engine.detokenizer import Detokenizer, special_token_ids
 from rackserve.engine.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, Logprob
+from rackserve.engine.stop import check_stop_strings, stream_holdback_chars
 from rackserve.request import FinishReason, SamplingParams
-from rackserve.runner.stop import check_stop_strings, stream_holdback_chars
 
 
 class RequestOutputKind(enum.Enum):

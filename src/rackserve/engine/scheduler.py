@@ -26,9 +26,9 @@ from rackserve.engine.outputs import (
     SchedulerOutput,
     SchedulerStats,
 )
+from rackserve.engine.stop import check_stop_token
 from rackserve.kv.manager import KVCacheManager
 from rackserve.request import Request, RequestStatus
-from rackserve.runner.stop import check_stop_token
 
 
 class WaitingQueue:
@@ -122,17 +122,13 @@ class Scheduler:
         if not 0 < num_computed_tokens < req.num_tokens:
             raise ValueError("num_computed_tokens must leave at least one token to compute")
         self._check_new(req)
+        # Nothing is cached before a step has run on the KV (KVCacheManager.reserve): a
+        # request with the same prefix must not hit blocks the transfer has not filled.
+        budget = self.config.max_num_batched_tokens
+        if not self.kv.reserve(req, num_computed_tokens, budget):
+            return False
         self.requests[req.request_id] = req
-        done = 0
-        while done < num_computed_tokens:
-            n = min(self.config.max_num_batched_tokens, num_computed_tokens - done)
-            if self.kv.allocate_slots(req, n, done) is None:
-                self.kv.free(req)
-                del self.requests[req.request_id]
-                return False
-            done += n
-            self.kv.commit(req, done)  # pages below the window go back at once
-        req.num_computed_tokens = done
+        req.num_computed_tokens = num_computed_tokens
         req.first_scheduled_time = time.monotonic()
         req.status = RequestStatus.RUNNING
         self._add_running(req)
@@ -172,6 +168,7 @@ class Scheduler:
         preempted: set[str] = set()
         # Bound once: this loop runs per request per step.
         allocate_slots, running = self.kv.allocate_slots, self.running
+        idle_until = self.kv.idle_until.get  # KVCacheManager.idle_until: calls it may skip
         unannounced = self._unannounced
         cached_ids, cached_blocks = cached.req_ids, cached.new_block_ids
         cached_computed = cached.num_computed_tokens
@@ -196,8 +193,8 @@ class Scheduler:
                 i += 1
                 continue
             req_id = req.request_id
-            if num_computed + num_new <= req.kv_idle_until and req_id not in unannounced:
-                # Most decode steps: the manager has nothing to do (KVRequest.kv_idle_until)
+            if num_computed + num_new <= idle_until(req_id, 0) and req_id not in unannounced:
+                # Most decode steps: the manager has nothing to do
                 cached_ids.append(req_id)
                 cached_blocks.append(None)
                 cached_computed.append(num_computed)
@@ -315,6 +312,7 @@ class Scheduler:
         finished = set()
         # Hoisted: this loop runs once per request per step.
         get_request, commit, running = self.requests.get, self.kv.commit, RequestStatus.RUNNING
+        idle_until = self.kv.idle_until.get
         eos_token_ids, max_model_len = self.eos_token_ids, self.config.max_model_len
         eos_set = frozenset(eos_token_ids)
         all_logprobs, prompt_logprobs = result.logprobs, result.prompt_logprobs
@@ -324,7 +322,7 @@ class Scheduler:
             req = get_request(req_id)
             if req is None or req.status != running:
                 continue  # aborted or preempted while the step ran
-            if req.num_computed_tokens >= req.kv_idle_until:  # else a no-op (KVRequest)
+            if req.num_computed_tokens >= idle_until(req_id, 0):  # else a no-op
                 commit(req, req.num_computed_tokens)
             if not sampled:
                 continue  # a prefill chunk short of the prompt's end

@@ -18,7 +18,7 @@ import torch
 from rackserve.engine.outputs import SchedulerOutput, TokenLogprobs
 from rackserve.request import SamplingParams
 from rackserve.runner.inputs import BlockTables, StepInputs, build_batch_inputs
-from rackserve.runner.sampler import SamplingTensors, make_generator, pad_token_ids
+from rackserve.runner.sampler import SamplingTensors, noise_seed, pad_token_ids
 
 
 @dataclass(slots=True)  # slots: read per request per step, keep it compact
@@ -27,7 +27,6 @@ class RunnerRequest:
     token_ids: list[int]
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    generator: torch.Generator | None
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
     @property
@@ -70,8 +69,10 @@ class SamplingParamTable:
         self.min_tokens = np.zeros(n, dtype=np.int64)
         self.wants_logprobs = np.zeros(n, dtype=bool)
         self.num_logprobs = np.zeros(n, dtype=np.int64)  # read where wants_logprobs
+        self.seed = np.zeros(n, dtype=np.int64)
 
-    def set_row(self, row: int, p: SamplingParams, num_prompt_tokens: int) -> None:
+    def set_row(self, row: int, p: SamplingParams, num_prompt_tokens: int, seed: int) -> None:
+        """`seed`: the row's noise seed (``p.seed`` when set, else one drawn for it)."""
         greedy = p.is_greedy
         self.params[row] = p
         self.num_prompt_tokens[row] = num_prompt_tokens
@@ -86,6 +87,7 @@ class SamplingParamTable:
         self.min_tokens[row] = p.min_tokens
         self.wants_logprobs[row] = p.logprobs is not None
         self.num_logprobs[row] = p.logprobs or 0
+        self.seed[row] = noise_seed(seed)
 
     def gather(
         self,
@@ -128,6 +130,7 @@ class SamplingParamTable:
                 if len(token_ids[i]) - prompt_lens[i] < p.min_tokens:
                     blocked[i] = ([] if p.ignore_eos else list(eos_token_ids)) + p.stop_token_ids
         wants = self.wants_logprobs[rows]
+        positions = np.fromiter(map(len, token_ids), dtype=np.int64, count=len(token_ids))
         return SamplingTensors(
             temperature=column(self.temperature[rows], np.float32),
             is_greedy=torch.from_numpy(is_greedy).to(device),
@@ -146,6 +149,8 @@ class SamplingParamTable:
             blocked_token_ids=pad_token_ids(blocked, vocab_size, device)
             if blocked is not None and any(blocked)
             else None,
+            seeds=column(self.seed[rows], np.int64),
+            positions=column(positions, np.int64),
             num_logprobs=int(self.num_logprobs[rows][wants].max()) if wants.any() else None,
             all_greedy=bool(is_greedy.all()),
             all_random=not is_greedy.any(),
@@ -161,13 +166,19 @@ class InputBatch:
         vocab_size: int,
         eos_token_ids: tuple[int, ...],
         device: torch.device | str,
+        seed: int = 0,
     ) -> None:
+        """`seed` draws the noise seeds of random requests that bring none."""
         self.block_tables = BlockTables(group_block_tokens, max_num_reqs, max_model_len)
         self.sampling_params = SamplingParamTable(max_num_reqs, vocab_size)
         self.requests: dict[str, RunnerRequest] = {}
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.device = torch.device(device)
+        self._seed_rng = np.random.default_rng(seed)
+        # Seeds drawn for unseeded requests, kept until they finish (not when preempted), so
+        # a recomputed request samples with the same noise: its text does not depend on load.
+        self._drawn_seeds: dict[str, int] = {}
         # The last step's request order and what prepare() looked up for it: a decode step
         # with no request joining or leaving schedules the same requests, in the same order.
         self._last: tuple[list[str], list[RunnerRequest], list[int], list[list[int]]] | None = None
@@ -178,19 +189,33 @@ class InputBatch:
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:
             self.requests.pop(req_id, None)
             self.block_tables.remove(req_id)
+        for req_id in sched.finished_req_ids:
+            self._drawn_seeds.pop(req_id, None)
         for new in sched.new_reqs:
             params = new.sampling_params
-            generator = None if params.seed is None else make_generator(params.seed, self.device)
             self.requests[new.req_id] = RunnerRequest(
-                new.req_id, list(new.token_ids), new.num_prompt_tokens, params, generator
+                new.req_id, list(new.token_ids), new.num_prompt_tokens, params
             )
             row = self.block_tables.add(new.req_id, new.block_ids)
-            self.sampling_params.set_row(row, params, new.num_prompt_tokens)
+            self.sampling_params.set_row(
+                row, params, new.num_prompt_tokens, self._seed_of(new.req_id, params)
+            )
         cached = sched.cached_reqs
         append = self.block_tables.append
         for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
             if new_block_ids is not None:  # most decode steps get no block
                 append(req_id, new_block_ids)
+
+    def _seed_of(self, req_id: str, params: SamplingParams) -> int:
+        if params.seed is not None:
+            return params.seed
+        if params.is_greedy:
+            return 0  # draws no noise
+        seed = self._drawn_seeds.get(req_id)
+        if seed is None:
+            seed = int(self._seed_rng.integers(0, 2**63))
+            self._drawn_seeds[req_id] = seed
+        return seed
 
     def prepare(self, sched: SchedulerOutput) -> PreparedStep | None:
         """Apply the deltas, then build this step's inputs; None for an empty step."""

@@ -18,7 +18,7 @@ from rackserve.model.batch import KVCacheTensors
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 from rackserve.runner.cuda_graph import DecodeGraphs, context_buckets, graph_batch_sizes
 from rackserve.runner.input_batch import InputBatch, RunnerRequest
-from rackserve.runner.sampler import make_generator, sample
+from rackserve.runner.sampler import sample
 from rackserve.runner.step_buffers import StepBuffers
 
 
@@ -46,8 +46,8 @@ class ModelRunner:
             model.cfg.vocab_size,
             eos_token_ids,
             self.device,
+            seed,  # draws the noise seeds of unseeded random requests
         )
-        self.generator = make_generator(seed, self.device)  # unseeded random requests
         self.buffers = StepBuffers(groups, self.input_batch.block_tables, self.device)
         cfg = model.cfg
         self.expert_counts = torch.zeros(
@@ -90,8 +90,7 @@ class ModelRunner:
         sampled: list[list[int]] = [[] for _ in reqs]
         logprobs: list[list[TokenLogprobs]] | None = None
         if step.sampling is not None:
-            generators = {i: r.generator for i, r in enumerate(sampled_reqs) if r.generator}
-            out = sample(logits, step.sampling, generators, self.generator)
+            out = sample(logits, step.sampling)
             token_ids = out.token_ids.tolist()
             rows = iter(range(len(sampled_reqs)))
             if out.logprobs is not None:
