@@ -46,14 +46,16 @@ class ExpertPlacement:
     def from_physical_to_logical(
         cls, physical_to_logical: torch.Tensor, num_experts: int, num_ranks: int
     ) -> ExpertPlacement:
-        """Build the inverse maps. physical_to_logical: [L, S] (any integer dtype)."""
-        p2l = physical_to_logical.to(torch.int64)
+        """Build the inverse maps. physical_to_logical: [L, S] (any integer dtype); the
+        result lives on its device (the maps are computed on the CPU)."""
+        device = physical_to_logical.device
+        p2l = physical_to_logical.to("cpu", torch.int64)
         if p2l.dim() != 2:
             raise ValueError(f"physical_to_logical must be [L, S], got {list(p2l.shape)}")
         if p2l.numel() and (int(p2l.min()) < 0 or int(p2l.max()) >= num_experts):
             raise ValueError(f"physical_to_logical holds ids outside [0, {num_experts})")
         logical_to_physical, replica_count = invert_placement(p2l, num_experts)
-        return cls(p2l.contiguous(), logical_to_physical, replica_count, num_ranks)
+        return cls(p2l.contiguous(), logical_to_physical, replica_count, num_ranks).to(device)
 
     @classmethod
     def default(
@@ -92,6 +94,8 @@ class ExpertPlacement:
         return ExpertPlacement.from_physical_to_logical(p2l, self.num_experts, self.num_ranks)
 
     def to(self, device: torch.device | str) -> ExpertPlacement:
+        if self.physical_to_logical.device == torch.device(device):
+            return self
         return ExpertPlacement(
             self.physical_to_logical.to(device),
             self.logical_to_physical.to(device),
@@ -107,16 +111,17 @@ def invert_placement(
 
     Raises ValueError when a logical expert has no slot in some layer (its tokens would have
     nowhere to go)."""
+    physical_to_logical = physical_to_logical.cpu()
     num_layers, num_slots = physical_to_logical.shape
     replica_count = torch.zeros(num_layers, num_experts, dtype=torch.int64)
-    replica_count.scatter_add_(1, physical_to_logical.cpu(), torch.ones_like(physical_to_logical))
+    replica_count.scatter_add_(1, physical_to_logical, torch.ones_like(physical_to_logical))
     if bool((replica_count == 0).any()):
         layer, expert = (replica_count == 0).nonzero()[0].tolist()
         raise ValueError(f"logical expert {expert} has no physical slot in layer {layer}")
     max_replicas = int(replica_count.max()) if num_slots else 1
     # Slots grouped by expert (stable: replicas keep slot order); expert e's replicas start
     # at the running sum of the counts before it.
-    order = torch.argsort(physical_to_logical.cpu(), dim=1, stable=True)
+    order = torch.argsort(physical_to_logical, dim=1, stable=True)
     start = torch.cumsum(replica_count, dim=1) - replica_count
     column = torch.arange(max_replicas, dtype=torch.int64)
     index = start[:, :, None] + column % replica_count[:, :, None]  # [L, E, M]
