@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from rackserve.bench.balance import register_balance
 from rackserve.bench.engine_bench import register_scheduler, register_throughput
 from rackserve.bench.forward_cli import register_decode, register_forward
 from rackserve.bench.workloads import AgenticConfig
@@ -210,6 +211,7 @@ BENCH_REGISTRARS: tuple[BenchRegistrar, ...] = (
     register_throughput,
     register_forward,
     register_decode,
+    register_balance,
 )
 
 
