@@ -28,7 +28,7 @@ from torch import nn
 
 from rackserve import ops
 from rackserve.config import CSA, HCA, SLIDING, ModelConfig
-from rackserve.model.batch import KVCacheTensors, StepMetadata, paged_slots
+from rackserve.model.batch import KVCacheTensors, StepMetadata
 from rackserve.model.layers import GroupedLinear, RMSNorm, Rotary
 from rackserve.ops import Kernels
 
@@ -180,52 +180,20 @@ class Attention(nn.Module):
     def _update_compressed(
         self, x: torch.Tensor, meta: StepMetadata, caches: KVCacheTensors
     ) -> None:
-        """Write this step's raw rows, then emit the entry of every window that closed.
-
-        Token t at position p closes entry w = (p + 1) / r - 1 when (p + 1) % r == 0; the
-        entry pools the rows of window w (CSA: of windows w-1 and w)::
-
-            positions   (w-1)r ........ wr ........ wr + r - 1 = p
-                        |- CSA only -|--- window w ---|
-        """
+        """Write this step's raw rows, then emit the entry of every window that closed
+        (``meta.compression``: which windows, from which state rows, into which slots)."""
         state = caches.flat(self.state_group, self.layer_id)
         entries = caches.flat(self.entry_group, self.layer_id)
         parts = self._compressors()
         rows = torch.cat([c.rows(x) for c, _, _ in parts], dim=-1)  # [T, state width]
         state[meta.slot_mapping[self.state_group]] = rows.to(state.dtype)
-        closing = meta.closing[self.ratio]  # [n] token indices
-        if closing.numel() == 0:
+        plan = meta.compression[self.entry_group]
+        if plan.dst.numel() == 0:
             return
-        r = self.ratio
-        pos, req = meta.positions[closing], meta.token_req[closing]  # [n]
-        valid = (pos + 1) % r == 0
-        # a token before the first window end (graph padding) pools window 0 as garbage
-        # into the null block: clamped, so even garbage is finite (a fully missing CSA
-        # window would be a softmax over -inf: NaN, and 0 * NaN leaks through masks)
-        entry = ((pos + 1) // r - 1).clamp_(min=0)  # [n]
-        if meta.token_mask is not None:
-            valid &= meta.token_mask[closing]
-        span = 2 * r if self.kind == CSA else r
-        first = entry * r - (r if self.kind == CSA else 0)
-        window_pos = first[:, None] + torch.arange(span, device=x.device)  # [n, span]
-        missing = (window_pos < 0) if self.kind == CSA else None  # window -1 of entry 0
-        src = paged_slots(
-            meta.block_tables[self.state_group],
-            caches.per_block(self.state_group),
-            req[:, None],
-            window_pos.clamp(min=0),
-        )
-        window_rows = state[src]  # [n, span, state width]
-        dst = paged_slots(
-            meta.block_tables[self.entry_group],
-            caches.per_block(self.entry_group),
-            req,
-            entry,
-        )
-        dst = torch.where(valid, dst, 0)  # not closing (graph padding): into the null block
+        window_rows = state[plan.src]  # [n, span, state width]
         for comp, row_cols, entry_cols in parts:
-            new = comp.pool(window_rows[..., row_cols], missing, entry * r, self.rotary)
-            entries[dst, entry_cols] = new.to(entries.dtype)
+            new = comp.pool(window_rows[..., row_cols], plan.missing, plan.positions, self.rotary)
+            entries[plan.dst, entry_cols] = new.to(entries.dtype)
 
     def forward(self, x: torch.Tensor, meta: StepMetadata, caches: KVCacheTensors) -> torch.Tensor:
         # x: [T, D] (the normed block input) -> [T, D]
@@ -279,28 +247,21 @@ class Attention(nn.Module):
         the indexer's picks, entry e visible once p >= r*e + r - 1. E = max_seq_len // r
         bounds every request's entries. Returns rows [n, M, Dh] and valid [n, M].
         """
-        pos, req = meta.positions[tokens], meta.token_req[tokens]  # [n]
-        swa = caches.flat("swa", self.layer_id)
-        window = pos[:, None] - torch.arange(self.window - 1, -1, -1, device=pos.device)
-        valid = window >= 0  # [n, W]
-        slots = paged_slots(
-            meta.block_tables["swa"], caches.per_block("swa"), req[:, None], window.clamp(min=0)
-        )
-        rows = swa[slots]  # [n, W, Dh]
-        num_entries = meta.max_seq_len // self.ratio if self.ratio else 0
-        if num_entries == 0:
+        window = meta.gather["swa"]
+        rows = caches.flat("swa", self.layer_id)[window.slots[tokens]]  # [n, W, Dh]
+        valid = window.valid[tokens]
+        if not self.ratio or meta.max_seq_len < self.ratio:
             return rows, valid
         entries = caches.flat(self.entry_group, self.layer_id)
-        table, per_block = meta.block_tables[self.entry_group], caches.per_block(self.entry_group)
-        num_visible = (pos + 1) // self.ratio  # [n]
-        all_ids = torch.arange(num_entries, device=pos.device)[None, :]  # [1, E]
+        plan = meta.gather[self.entry_group]
+        slots, num_visible = plan.slots[tokens], plan.num_visible[tokens]  # [n, E], [n]
         if self.kind == CSA:  # entry rows are [kv (Dh) | indexer key (Di)]
-            index_keys = entries[:, self.head_dim :][
-                paged_slots(table, per_block, req[:, None], all_ids)
-            ]
+            index_keys = entries[:, self.head_dim :][slots]  # [n, E, Di]
             ids = self.indexer.select(x, q_residual, cos, sin, index_keys, num_visible)
+            slots = slots.gather(1, ids)
+            picked = ids < num_visible[:, None]
         else:
-            ids = all_ids.expand(pos.shape[0], -1)
-        compressed = entries[:, : self.head_dim][paged_slots(table, per_block, req[:, None], ids)]
+            picked = plan.valid[tokens]
+        compressed = entries[:, : self.head_dim][slots]  # [n, K, Dh]
         rows = torch.cat([rows, compressed.to(rows.dtype)], dim=1)
-        return rows, torch.cat([valid, ids < num_visible[:, None]], dim=1)
+        return rows, torch.cat([valid, picked], dim=1)

@@ -37,6 +37,43 @@ def paged_slots(
 
 
 @dataclass(frozen=True)
+class Gather:
+    """Rows each query reads from one cache group, shared by every layer of the group.
+
+    ``slots`` [T, M]: cache rows (window positions for the sliding group, entries 0..E-1 of
+    the query's request for a compressed group); ``valid`` [T, M]: which are visible to the
+    query (causality, window start); ``num_visible`` [T]: compressed groups only, the
+    entries the query may see (entry e once position >= r*e + r - 1).
+    """
+
+    slots: torch.Tensor
+    valid: torch.Tensor
+    num_visible: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Compression:
+    """Windows closing this step in one compressed group (same for all its layers).
+
+    Token t at position p closes entry w = (p + 1) / r - 1 of its request when
+    (p + 1) % r == 0. The entry pools the state rows of its window (CSA: windows w-1 and w,
+    the state group's window being 2r)::
+
+        positions   (w-1)r ........ wr ........ wr + r - 1 = p
+                    |- CSA only -|--- window w ---|
+
+    ``src`` [n, span] state slots of the window rows; ``missing`` [n, span] rows before
+    position 0 (window -1 of entry 0), None without overlap; ``dst`` [n] entry slots, the
+    null block for candidates that do not close (graph padding); ``positions`` [n] w * r.
+    """
+
+    src: torch.Tensor
+    missing: torch.Tensor | None
+    dst: torch.Tensor
+    positions: torch.Tensor
+
+
+@dataclass(frozen=True)
 class StepMetadata:
     """Attention metadata of one step, on the model's device.
 
@@ -46,18 +83,19 @@ class StepMetadata:
         positions  0 ........ num_computed ........ num_computed + num_new
                    |-- in cache (paged) --|-- new: this step's tokens --|
 
-    ``max_seq_len`` (host) bounds every request's length after the step; it sizes the
-    compressed-entry gathers (a CUDA graph uses its context bucket). ``closing[r]`` lists
-    the tokens that may close a compressor window of ratio r (eager steps: exactly those
-    with ``(pos + 1) % r == 0``; graphs: every token, and the layer masks the rest).
-    ``token_mask`` is False on padded tokens (None: every token is real).
+    Everything index-shaped is computed once per step by :meth:`build`, for every cache
+    group: ``slot_mapping`` (where each new token's row goes, ratio-1 groups), ``gather``
+    (the rows each query reads: the sliding window, all compressed entries), and
+    ``compression`` (the windows that close). ``max_seq_len`` (host) bounds every request's
+    length after the step and sizes the compressed gathers (a CUDA graph uses its context
+    bucket). ``token_mask`` is False on padded tokens (None: every token is real).
     """
 
     positions: torch.Tensor  # [T] int64
     token_req: torch.Tensor  # [T] int64
-    block_tables: Mapping[str, torch.Tensor]  # group -> [R, C] int64
-    slot_mapping: Mapping[str, torch.Tensor]  # ratio-1 group -> [T] int64 slot of each token
-    closing: Mapping[int, torch.Tensor]  # ratio -> [n] int64 token indices
+    slot_mapping: Mapping[str, torch.Tensor]  # ratio-1 group -> [T] int64
+    gather: Mapping[str, Gather]  # "swa" and compressed groups
+    compression: Mapping[str, Compression]  # compressed group -> its closing windows
     max_seq_len: int
     token_mask: torch.Tensor | None = None  # [T] bool
 
@@ -76,15 +114,67 @@ class StepMetadata:
         closing: Mapping[int, torch.Tensor],
         token_mask: torch.Tensor | None = None,
     ) -> StepMetadata:
-        """Derive the per-token slot mappings (device ops only: safe inside a graph)."""
+        """Derive every index of the step (device ops only: safe inside a graph).
+
+        block_tables: group -> [R, C] rows of this step's requests; closing: ratio -> [n]
+        the tokens that may close a window (eager steps: exactly those with
+        (pos + 1) % r == 0; graphs: every token, the rest is masked here).
+        """
         slot_mapping = {
             g.name: paged_slots(block_tables[g.name], g.block_tokens, token_req, positions)
             for g in groups
             if g.ratio == 1
         }
-        return cls(
-            positions, token_req, block_tables, slot_mapping, closing, max_seq_len, token_mask
-        )
+        gather: dict[str, Gather] = {}
+        compression: dict[str, Compression] = {}
+        for g in groups:
+            table, per_block = block_tables[g.name], g.entries_per_block
+            if g.name == "swa":  # window rows p-W+1 .. p
+                window = positions[:, None] - torch.arange(
+                    g.window - 1, -1, -1, device=positions.device
+                )
+                slots = paged_slots(table, per_block, token_req[:, None], window.clamp(min=0))
+                gather[g.name] = Gather(slots, window >= 0)
+            elif g.ratio > 1:
+                num_entries = max_seq_len // g.ratio
+                entry = torch.arange(num_entries, device=positions.device)
+                num_visible = (positions + 1) // g.ratio
+                slots = paged_slots(table, per_block, token_req[:, None], entry[None, :])
+                gather[g.name] = Gather(slots, entry[None, :] < num_visible[:, None], num_visible)
+                state = next(
+                    s for s in groups if s.window is not None and s.layer_ids == g.layer_ids
+                )
+                compression[g.name] = _compression(
+                    g, state, block_tables, positions, token_req, closing[g.ratio], token_mask
+                )
+        return cls(positions, token_req, slot_mapping, gather, compression, max_seq_len, token_mask)
+
+
+def _compression(
+    entries: CacheGroupSpec,
+    state: CacheGroupSpec,
+    block_tables: Mapping[str, torch.Tensor],
+    positions: torch.Tensor,
+    token_req: torch.Tensor,
+    closing: torch.Tensor,
+    token_mask: torch.Tensor | None,
+) -> Compression:
+    r, span = entries.ratio, state.window  # span: r (HCA) or 2r (CSA, overlapping)
+    pos, req = positions[closing], token_req[closing]  # [n]
+    valid = (pos + 1) % r == 0
+    if token_mask is not None:
+        valid &= token_mask[closing]
+    # a candidate before its first window end (graph padding) pools window 0 as garbage into
+    # the null block: clamped, so even garbage is finite (a window with every row missing
+    # would be a softmax over -inf: NaN, and 0 * NaN leaks through masks)
+    entry = ((pos + 1) // r - 1).clamp_(min=0)
+    window_pos = (entry * r - (span - r))[:, None] + torch.arange(span, device=pos.device)
+    src = paged_slots(
+        block_tables[state.name], state.entries_per_block, req[:, None], window_pos.clamp(min=0)
+    )
+    dst = paged_slots(block_tables[entries.name], entries.entries_per_block, req, entry)
+    missing = window_pos < 0 if span > r else None
+    return Compression(src, missing, torch.where(valid, dst, 0), entry * r)
 
 
 def closing_tokens(
@@ -124,10 +214,6 @@ class KVCacheTensors:
         """[num_blocks * entries_per_block, entry_width] view, addressed by slot."""
         t = self.tensors[group][layer]
         return t.view(-1, t.shape[-1])
-
-    def per_block(self, group: str) -> int:
-        g = self.groups[group]
-        return g.block_tokens // g.ratio
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in self.tensors.values() for t in d.values())
