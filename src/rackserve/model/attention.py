@@ -34,7 +34,8 @@ from rackserve.ops import Kernels
 
 
 class Compressor(nn.Module):
-    """Projects tokens to raw (kv, gate) rows and pools closed windows into entries.
+    """Projects tokens to raw (kv, gate) rows; ``ops.compress_pool`` turns the rows of a
+    closed window into an entry (pool, norm, RoPE).
 
     ``width`` is the entry width; with ``overlap`` the rows are twice as wide (the Ca / Cb
     halves of CSA). Checkpoint names: ``wkv``, ``wgate``, ``ape``, ``norm``.
@@ -52,28 +53,6 @@ class Compressor(nn.Module):
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, D] -> raw rows [T, 2 * row] = [kv | gate], cached per token."""
         return torch.cat([self.wkv(x), self.wgate(x)], dim=-1)
-
-    def pool(
-        self,
-        window_rows: torch.Tensor,
-        missing: torch.Tensor | None,
-        positions: torch.Tensor,
-        rotary: Rotary,
-    ) -> torch.Tensor:
-        """Entries from the cached rows of their closing windows.
-
-        window_rows: [n, r, 2 * row] (HCA: window w) or [n, 2r, 2 * row] (CSA: window w-1,
-        then window w); missing: [n, 2r] bool, rows that do not exist (window -1 of CSA
-        entry 0: zero weight in the softmax), or None; positions: [n] the entry positions
-        w * r. Returns normed, roped entries [n, width].
-        """
-        kv, gate = window_rows[..., : self.row], window_rows[..., self.row :]
-        if missing is not None:
-            gate = gate.masked_fill(missing[..., None], float("-inf"))
-            kv = kv.masked_fill(missing[..., None], 0.0)
-        pooled = ops.compress_windows(kv, gate, self.ape, self.overlap)
-        cos, sin = rotary(positions, pooled.dtype)
-        return ops.apply_rope(self.norm(pooled), cos, sin)
 
 
 class Indexer(nn.Module):
@@ -190,9 +169,12 @@ class Attention(nn.Module):
         plan = meta.compression[self.entry_group]
         if plan.dst.numel() == 0:
             return
-        window_rows = state[plan.src]  # [n, span, state width]
+        rotary = self.rotary
         for comp, row_cols, entry_cols in parts:
-            new = comp.pool(window_rows[..., row_cols], plan.missing, plan.positions, self.rotary)
+            new = self.kernels.compress_pool(
+                state, plan.src, plan.missing, row_cols.start, comp.ape, comp.norm.weight,
+                comp.norm.eps, plan.positions, rotary.inv_freq, rotary.scale,
+            )  # fmt: skip
             entries[plan.dst, entry_cols] = new.to(entries.dtype)
 
     def forward(self, x: torch.Tensor, meta: StepMetadata, caches: KVCacheTensors) -> torch.Tensor:

@@ -18,6 +18,7 @@ from rackserve.ops import reference
 from rackserve.ops.grouped_moe import grouped_mm_supported, moe_experts_grouped
 from rackserve.ops.reference import (
     apply_rope,
+    compress_pool,
     compress_windows,
     hc_collapse,
     hc_expand,
@@ -40,6 +41,7 @@ __all__ = [
     "KERNEL_CHOICES",
     "Kernels",
     "apply_rope",
+    "compress_pool",
     "compress_windows",
     "hc_collapse",
     "hc_expand",
@@ -73,6 +75,7 @@ class Kernels:
     moe_experts: Callable
     sparse_attention: Callable
     indexer_topk: Callable
+    compress_pool: Callable
 
 
 def _on_cuda(fast: Callable, ref: Callable) -> Callable:
@@ -103,6 +106,7 @@ def kernels(name: str = "auto") -> Kernels:
         moe_experts=reference.moe_experts,
         sparse_attention=reference.sparse_attention,
         indexer_topk=reference.indexer_topk,
+        compress_pool=reference.compress_pool,
     )
     if name == "reference":
         return ref
@@ -118,4 +122,5 @@ def kernels(name: str = "auto") -> Kernels:
         moe_experts=_moe,
         sparse_attention=ref.sparse_attention,
         indexer_topk=ref.indexer_topk,
+        compress_pool=ref.compress_pool,
     )

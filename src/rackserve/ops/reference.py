@@ -271,3 +271,36 @@ def hc_head(
     mixes = F.linear(flat, fn.float())
     pre = torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps
     return rms_norm(hc_collapse(streams, pre), norm_weight, norm_eps)
+
+
+def compress_pool(
+    state: torch.Tensor,
+    src: torch.Tensor,
+    missing: torch.Tensor | None,
+    col: int,
+    ape: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    rope_scale: float,
+) -> torch.Tensor:
+    """Compressed entries of closing windows, from the raw rows in the state cache.
+
+    state: [Ns, Wst] (flat state cache); src: [n, span] slots of each window's rows (span
+    r, or 2r with overlap: window w-1 then window w); missing: [n, span] bool rows that do
+    not exist (window -1 of CSA entry 0), or None; col: the first state column of this
+    compressor's [kv | gate] rows (each ``row`` = ape.shape[1] wide); ape: [r, row] float32
+    position bias; norm_weight: [C]; positions: [n] entry positions (w * r) for the RoPE
+    (``inv_freq`` [R/2], ``rope_scale``). Pool (``compress_windows``), RMSNorm, RoPE.
+    Returns [n, C] in the state's dtype.
+    """
+    row = ape.shape[1]
+    rows = state[src][..., col : col + 2 * row]  # [n, span, 2 * row]
+    kv, gate = rows[..., :row], rows[..., row:]
+    if missing is not None:
+        gate = gate.masked_fill(missing[..., None], float("-inf"))
+        kv = kv.masked_fill(missing[..., None], 0.0)
+    pooled = compress_windows(kv, gate, ape, src.shape[1] > ape.shape[0])
+    cos, sin = rope_cos_sin(positions, inv_freq, rope_scale, pooled.dtype)
+    return apply_rope(rms_norm(pooled, norm_weight, eps), cos, sin)
