@@ -244,3 +244,27 @@ def hc_head(
     mixes = F.linear(flat, fn.float())
     pre = torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps
     return rms_norm(hc_collapse(streams, pre), norm_weight, norm_eps)
+
+
+def hc_post_pre(
+    streams: torch.Tensor,
+    block_out: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_weight: torch.Tensor,
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``hc_post`` of one block, then ``hc_pre`` of the next on the new streams.
+
+    Returns the new streams [T, N, D] and the next block's x [T, D], post [T, N], comb [T, N, N].
+    """
+    streams = hc_post(streams, block_out, post, comb)
+    return (
+        streams,
+        *hc_pre(streams, fn, base, scale, norm_weight, sinkhorn_iters, hc_eps, norm_eps),
+    )
