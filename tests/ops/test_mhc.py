@@ -250,29 +250,43 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @needs_cuda
 @pytest.mark.parametrize("t", [1, 64, 256, 8192])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_v4_flash_sizes_on_gpu(mhc, t, dtype):
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
+def test_v4_flash_sizes_on_gpu(mhc, t, dtype, precision):
     """V4-Flash shapes (N=4, D=4096) with the GPU tiling; the same tolerances."""
+    import dataclasses
+
     d = 4096
+    tiling = mhc.default_tiling(t, N, d, torch.device(DEVICE))
+    tiling = dataclasses.replace(tiling, gemm_precision=precision)
     args = hc_pre_args(t, d, seed=t, dtype=dtype)
     streams, fn, base, scale, norm_weight = args[:5]
     head_args = (fn[:N], base[:N], scale[:1], HC_EPS, NORM_EPS, norm_weight)
     block_out = torch.randn(t, d, device=DEVICE).to(dtype)
-    got = mhc.hc_pre(*args)
-    got_post = mhc.hc_post(streams, block_out, got[1], got[2])
-    got_head = mhc.hc_head(streams, *head_args)
+    got = mhc.hc_pre(*args, tiling=tiling)
+    got_post = mhc.hc_post(streams, block_out, got[1], got[2], tiling=tiling)
+    got_head = mhc.hc_head(streams, *head_args, tiling=tiling)
+    post_pre_args = (streams, block_out, got[1], got[2], *args[1:])
+    got_post_pre = mhc.hc_post_pre(*post_pre_args, tiling=tiling)
     ref = reference.hc_pre(*args)
-    ref_post = reference.hc_post(streams, block_out, ref[1], ref[2])
+    ref_post = reference.hc_post(streams, block_out, got[1], got[2])
     ref_head = reference.hc_head(streams, *head_args)
     if dtype == torch.float32:
         for g, r in zip((*got, got_post, got_head), (*ref, ref_post, ref_head), strict=True):
+            assert_fp32_close(g, r)
+        for g, r in zip(got_post_pre, reference.hc_post_pre(*post_pre_args), strict=True):
             assert_fp32_close(g, r)
         return
     ref32 = reference.hc_pre(streams.float(), *args[1:])
     for g, rb, rf in zip(got, ref, ref32, strict=True):
         assert_bf16_close(g, rb, rf)
-    post32 = reference.hc_post(streams.float(), block_out.float(), ref[1], ref[2])
+    post32 = reference.hc_post(streams.float(), block_out.float(), got[1], got[2])
     assert_bf16_close(got_post, ref_post, post32)
     assert_bf16_close(got_head, ref_head, reference.hc_head(streams.float(), *head_args))
+    assert_bf16_close(got_post_pre[0], ref_post, post32)
+    pre_bf16 = reference.hc_pre(got_post_pre[0], *args[1:])
+    pre_fp32 = reference.hc_pre(got_post_pre[0].float(), *args[1:])
+    for g, rb, rf in zip(got_post_pre[1:], pre_bf16, pre_fp32, strict=True):
+        assert_bf16_close(g, rb, rf)
 
 
 @pytest.mark.gpu
@@ -286,7 +300,8 @@ def test_cuda_graph_replay_is_bitwise_equal_to_eager(mhc):
 
     def step():
         x, post, comb = mhc.hc_pre(streams, *params)
-        return mhc.hc_post(streams, block_out + x, post, comb)
+        new, x, post, comb = mhc.hc_post_pre(streams, block_out + x, post, comb, *params)
+        return mhc.hc_post(new, x, post, comb)
 
     step()  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
