@@ -1,11 +1,12 @@
 """Times the fused mHC ops (Triton) against their torch references on the GPU.
 
 V4-Flash sizes (N=4 streams, D=4096, bf16 streams, fp32 mHC weights) at T in {1, 64, 256,
-8192}. Each record: op, impl ("triton" | "reference" | "triton:<tiling variant>"), T, the
-compulsory bytes (every input read once, every output written once), the median time with
-``triton.testing.do_bench`` (L2 flushed before each call, launch cost included) and with
-``do_bench_cudagraph`` (inside a CUDA graph: what decode will see), GB/s on the graph time,
-and for Triton rows the max |kernel - reference| (bf16 both).
+8192}; ops hc_pre, hc_post, hc_post_pre (the two fused), hc_head. Each record: op, impl
+("triton" | "reference" | "triton:<tiling variant>"), T, the compulsory bytes (every input
+read once, every output written once), the median time with ``triton.testing.do_bench``
+(L2 flushed before each call, launch cost included) and with ``do_bench_cudagraph``
+(inside a CUDA graph: what decode will see), GB/s on the graph time, and for Triton rows
+the max |kernel - reference| of the bf16 output x (or the streams, for hc_post).
 
     from benchmarks.mhc_bench import run; records = run()      # the lead's one-call script
     python benchmarks/mhc_bench.py --output $OUT/mhc_bench.json
@@ -65,8 +66,9 @@ def _variants(t: int, device: torch.device) -> dict[str, mhc.Tiling]:
     return {
         "programs/2": rep(base, gemm_programs=max(1, base.gemm_programs // 2)),
         "programs*2": rep(base, gemm_programs=base.gemm_programs * 2),
-        "gemm_k64": rep(base, gemm_block_k=64),
-        "gemm_t16_k256": rep(base, gemm_block_t=16, gemm_block_k=256),
+        "gemm_d/2": rep(base, gemm_block_d=max(1, base.gemm_block_d // 2)),
+        "gemm_d*2": rep(base, gemm_block_d=base.gemm_block_d * 2),
+        "tf32x3": rep(base, gemm_precision="tf32x3"),
         "finish_d1024": rep(base, finish_block_d=1024, finish_warps=4),
         "post_d2048_w8": rep(base, post_block_d=2048, post_warps=8),
     }
@@ -113,6 +115,15 @@ def run(device: str = "cuda", tokens: tuple[int, ...] = TOKENS, sweep: bool = Tr
                     s, a["block_out"], p, c, tiling=tiling
                 ),
                 lambda s=s, a=a, p=post, c=comb: reference.hc_post(s, a["block_out"], p, c),
+            ),
+            "hc_post_pre": (
+                2 * stream_bytes + x_bytes + fn.numel() * 4 + x_bytes + t * (N + N * N) * 8,
+                lambda tiling, s=s, a=a, p=post, c=comb, block=block: mhc.hc_post_pre(
+                    s, a["block_out"], p, c, *block, tiling=tiling
+                )[1],
+                lambda s=s, a=a, p=post, c=comb, block=block: reference.hc_post_pre(
+                    s, a["block_out"], p, c, *block
+                )[1],
             ),
             "hc_head": (
                 stream_bytes + N * N * D * 4 + x_bytes,

@@ -136,25 +136,56 @@ def test_hc_post_matches_reference(mhc, t, d, dtype):
         assert_bf16_close(got, ref, ref32)
 
 
-def gpu_like_tiling(mhc) -> object:
-    """The GPU's one token per finish/post program, many K1 splits, D looped in chunks."""
+@pytest.mark.parametrize("t,d", [(1, 64), (3, 320), (37, 256), (130, 64), (130, 320)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_post_pre_matches_reference(mhc, t, d, dtype):
+    """The expand fused into the next pre: new streams, then x, post, comb on them."""
+    args = hc_pre_args(t, d, seed=t * 3 + d, dtype=dtype)
+    streams = args[0]
+    _, post, comb = reference.hc_pre(*args)
+    nxt = make_block_params(d, seed=t * 5 + d, mixes=(2 + N) * N)
+    g = torch.Generator().manual_seed(t + 2 * d)
+    block_out = torch.randn(t, d, generator=g).to(DEVICE, dtype)
+    call = (streams, block_out, post, comb, *nxt, ITERS, HC_EPS, NORM_EPS)
+    got = mhc.hc_post_pre(*call)
+    ref = reference.hc_post_pre(*call)
+    assert [g.shape for g in got] == [r.shape for r in ref]
+    assert [g.dtype for g in got] == [r.dtype for r in ref]
+    if dtype == torch.float32:
+        for g, r in zip(got, ref, strict=True):
+            assert_fp32_close(g, r)
+        return
+    # bf16: the new streams are rounded once (the reference rounds comb, each product and
+    # the sum), so the pre half is checked on the kernel's own streams: two bf16 pipelines
+    # that differ by one rounding of their input cannot be held to 2x each other's error.
+    assert_bf16_close(got[0], ref[0], reference.hc_post(streams.float(), *call[1:4]))
+    pre_bf16 = reference.hc_pre(got[0], *call[4:])
+    pre_fp32 = reference.hc_pre(got[0].float(), *call[4:])
+    for g, rb, rf in zip(got[1:], pre_bf16, pre_fp32, strict=True):
+        assert_bf16_close(g, rb, rf)
+
+
+def gpu_like_tiling(mhc, finish_block_t: int) -> object:
+    """Few tokens per finish/post program (1 on the GPU), many K1 splits (more than one
+    BLOCK_S step of K2's reduction at D=320), D looped in chunks by K2."""
     return mhc.Tiling(
         gemm_block_t=16,
-        gemm_block_k=32,
+        gemm_block_d=8,
         gemm_programs=64,
         gemm_warps=4,
-        finish_block_t=1,
+        gemm_precision="ieee",
+        finish_block_t=finish_block_t,
         finish_block_d=64,
         finish_warps=4,
-        post_block_t=1,
+        post_block_t=finish_block_t,
         post_block_d=128,
         post_warps=4,
     )
 
 
-@pytest.mark.parametrize("t,d", [(3, 320), (37, 64)])
-def test_gpu_like_tiling_matches_reference(mhc, t, d):
-    tiling = gpu_like_tiling(mhc)
+@pytest.mark.parametrize("t,d,finish_block_t", [(3, 320, 1), (19, 64, 4)])
+def test_gpu_like_tiling_matches_reference(mhc, t, d, finish_block_t):
+    tiling = gpu_like_tiling(mhc, finish_block_t)
     args = hc_pre_args(t, d, seed=5, dtype=torch.float32)
     x, post, comb = mhc.hc_pre(*args, tiling=tiling)
     for g, r in zip((x, post, comb), reference.hc_pre(*args), strict=True):
@@ -169,6 +200,10 @@ def test_gpu_like_tiling_matches_reference(mhc, t, d):
     block_out = torch.randn(t, d, device=DEVICE)
     got = mhc.hc_post(streams, block_out, post, comb, tiling=tiling)
     assert_fp32_close(got, reference.hc_post(streams, block_out, post, comb))
+    call = (streams, block_out, post, comb, fn, base, scale, norm_weight, ITERS, HC_EPS, NORM_EPS)
+    got = mhc.hc_post_pre(*call, tiling=tiling)
+    for g, r in zip(got, reference.hc_post_pre(*call), strict=True):
+        assert_fp32_close(g, r)
 
 
 def test_strided_streams_and_determinism(mhc):
@@ -215,29 +250,43 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @needs_cuda
 @pytest.mark.parametrize("t", [1, 64, 256, 8192])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_v4_flash_sizes_on_gpu(mhc, t, dtype):
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
+def test_v4_flash_sizes_on_gpu(mhc, t, dtype, precision):
     """V4-Flash shapes (N=4, D=4096) with the GPU tiling; the same tolerances."""
+    import dataclasses
+
     d = 4096
+    tiling = mhc.default_tiling(t, N, d, torch.device(DEVICE))
+    tiling = dataclasses.replace(tiling, gemm_precision=precision)
     args = hc_pre_args(t, d, seed=t, dtype=dtype)
     streams, fn, base, scale, norm_weight = args[:5]
     head_args = (fn[:N], base[:N], scale[:1], HC_EPS, NORM_EPS, norm_weight)
     block_out = torch.randn(t, d, device=DEVICE).to(dtype)
-    got = mhc.hc_pre(*args)
-    got_post = mhc.hc_post(streams, block_out, got[1], got[2])
-    got_head = mhc.hc_head(streams, *head_args)
+    got = mhc.hc_pre(*args, tiling=tiling)
+    got_post = mhc.hc_post(streams, block_out, got[1], got[2], tiling=tiling)
+    got_head = mhc.hc_head(streams, *head_args, tiling=tiling)
+    post_pre_args = (streams, block_out, got[1], got[2], *args[1:])
+    got_post_pre = mhc.hc_post_pre(*post_pre_args, tiling=tiling)
     ref = reference.hc_pre(*args)
-    ref_post = reference.hc_post(streams, block_out, ref[1], ref[2])
+    ref_post = reference.hc_post(streams, block_out, got[1], got[2])
     ref_head = reference.hc_head(streams, *head_args)
     if dtype == torch.float32:
         for g, r in zip((*got, got_post, got_head), (*ref, ref_post, ref_head), strict=True):
+            assert_fp32_close(g, r)
+        for g, r in zip(got_post_pre, reference.hc_post_pre(*post_pre_args), strict=True):
             assert_fp32_close(g, r)
         return
     ref32 = reference.hc_pre(streams.float(), *args[1:])
     for g, rb, rf in zip(got, ref, ref32, strict=True):
         assert_bf16_close(g, rb, rf)
-    post32 = reference.hc_post(streams.float(), block_out.float(), ref[1], ref[2])
+    post32 = reference.hc_post(streams.float(), block_out.float(), got[1], got[2])
     assert_bf16_close(got_post, ref_post, post32)
     assert_bf16_close(got_head, ref_head, reference.hc_head(streams.float(), *head_args))
+    assert_bf16_close(got_post_pre[0], ref_post, post32)
+    pre_bf16 = reference.hc_pre(got_post_pre[0], *args[1:])
+    pre_fp32 = reference.hc_pre(got_post_pre[0].float(), *args[1:])
+    for g, rb, rf in zip(got_post_pre[1:], pre_bf16, pre_fp32, strict=True):
+        assert_bf16_close(g, rb, rf)
 
 
 @pytest.mark.gpu
@@ -251,7 +300,8 @@ def test_cuda_graph_replay_is_bitwise_equal_to_eager(mhc):
 
     def step():
         x, post, comb = mhc.hc_pre(streams, *params)
-        return mhc.hc_post(streams, block_out + x, post, comb)
+        new, x, post, comb = mhc.hc_post_pre(streams, block_out + x, post, comb, *params)
+        return mhc.hc_post(new, x, post, comb)
 
     step()  # compile outside the capture
     graph = torch.cuda.CUDAGraph()

@@ -304,3 +304,27 @@ def compress_pool(
     pooled = compress_windows(kv, gate, ape, src.shape[1] > ape.shape[0])
     cos, sin = rope_cos_sin(positions, inv_freq, rope_scale, pooled.dtype)
     return apply_rope(rms_norm(pooled, norm_weight, eps), cos, sin)
+
+
+def hc_post_pre(
+    streams: torch.Tensor,
+    block_out: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_weight: torch.Tensor,
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``hc_post`` of one block, then ``hc_pre`` of the next on the new streams.
+
+    Returns the new streams [T, N, D] and the next block's x [T, D], post [T, N], comb [T, N, N].
+    """
+    streams = hc_post(streams, block_out, post, comb)
+    return (
+        streams,
+        *hc_pre(streams, fn, base, scale, norm_weight, sinkhorn_iters, hc_eps, norm_eps),
+    )

@@ -37,45 +37,90 @@ def to_output(y, out_ptr):
 
 @triton.jit
 def prenorm_gemm_kernel(
-    x_ptr,  # [T, K] streams flattened, any float dtype
-    w_ptr,  # [M, K] fp32
-    mix_ptr,  # [S, T, BLOCK_M] fp32 partial mixes
-    sq_ptr,  # [S, T] fp32 partial sums of squares
+    x_ptr,  # [T, N, D] streams (FUSE_POST: the streams before the expand)
+    w_ptr,  # [M, N*D] fp32
+    mix_ptr,  # [S, T, BLOCK_M] fp32 out: partial mixes
+    sq_ptr,  # [S, T] fp32 out: partial sums of squares
+    block_out_ptr,  # [T, D]     FUSE_POST only
+    post_ptr,  # [T, N] fp32     FUSE_POST only
+    comb_ptr,  # [T, N, N] fp32  FUSE_POST only
+    new_ptr,  # [T, N, D] out    FUSE_POST only: the expanded streams
     num_tokens,
-    num_cols,
+    hidden,
     num_mixes,
-    cols_per_split,
+    d_per_split,
     stride_xt,
+    stride_xn,
     stride_wm,
     stride_mix_s,
     stride_mix_t,
     stride_sq_s,
+    stride_bt,
+    N: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FUSE_POST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
+    # A split owns hidden columns [d_start, d_start + d_per_split) of all N streams, so the
+    # FUSE_POST prologue (which mixes the streams per column) has everything it needs.
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
-    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    mixes = tl.arange(0, BLOCK_M)
-    row_ok = rows < num_tokens
-    mix_ok = mixes < num_mixes
-    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xt
-    w_rows = w_ptr + mixes[:, None] * stride_wm
+    tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = tok < num_tokens
+    tok64 = tok.to(tl.int64)
+    n = tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    tn_ok = tok_ok[:, None] & n_ok[None, :]
+    m = tl.arange(0, BLOCK_M)
+    mn_ok = (m < num_mixes)[:, None] & n_ok[None, :]
     acc = tl.zeros((BLOCK_T, BLOCK_M), tl.float32)
     sq = tl.zeros((BLOCK_T,), tl.float32)
-    col0 = pid_s * cols_per_split
-    for k in range(0, cols_per_split, BLOCK_K):
-        cols = col0 + k + tl.arange(0, BLOCK_K)
-        col_ok = cols < num_cols
-        x = tl.load(x_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-        x = x.to(tl.float32)
-        w = tl.load(w_rows + cols[None, :], mask=mix_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-        sq += tl.sum(x * x, axis=1)
-    mix_out = mix_ptr + pid_s * stride_mix_s + rows[:, None] * stride_mix_t + mixes[None, :]
-    tl.store(mix_out, acc, mask=row_ok[:, None])
-    tl.store(sq_ptr + pid_s * stride_sq_s + rows, sq, mask=row_ok)
+    if FUSE_POST:
+        post = tl.load(post_ptr + tok[:, None] * N + n[None, :], mask=tn_ok, other=0.0)
+    d_start = pid_s * d_per_split
+    for k in range(0, d_per_split, BLOCK_D):
+        d = d_start + k + tl.arange(0, BLOCK_D)
+        d_ok = d < hidden
+        td_ok = tok_ok[:, None] & d_ok[None, :]
+        tnd_ok = tn_ok[:, :, None] & d_ok[None, None, :]
+        if FUSE_POST:
+            # new[t, k, d] = post[t, k] * block_out[t, d] + sum_j comb[t, j, k] * x[t, j, d]
+            bo = tl.load(
+                block_out_ptr + tok64[:, None] * stride_bt + d[None, :], mask=td_ok, other=0.0
+            )
+            x = post[:, :, None] * bo.to(tl.float32)[:, None, :]
+            for j in tl.static_range(N):
+                x_j = tl.load(
+                    x_ptr + tok64[:, None] * stride_xt + j * stride_xn + d[None, :],
+                    mask=td_ok,
+                    other=0.0,
+                )
+                c_j = tl.load(
+                    comb_ptr + tok[:, None] * (N * N) + j * N + n[None, :], mask=tn_ok, other=0.0
+                )
+                x += c_j[:, :, None] * x_j.to(tl.float32)[:, None, :]
+            new = to_output(x, new_ptr)
+            new_rows = new_ptr + tok64[:, None, None] * (N * hidden) + n[None, :, None] * hidden
+            tl.store(new_rows + d[None, None, :], new, mask=tnd_ok)
+            x = tl.where(tnd_ok, new.to(tl.float32), 0.0)  # the GEMM sees the stored streams
+        else:
+            x_rows = x_ptr + tok64[:, None, None] * stride_xt + n[None, :, None] * stride_xn
+            x = tl.load(x_rows + d[None, None, :], mask=tnd_ok, other=0.0).to(tl.float32)
+        w_rows = w_ptr + m[:, None, None] * stride_wm + n[None, :, None] * hidden
+        w = tl.load(
+            w_rows + d[None, None, :], mask=mn_ok[:, :, None] & d_ok[None, None, :], other=0.0
+        )
+        # [BT, BN, BD] . [BM, BN, BD] over (n, d): one dot with K = BN * BD
+        x2 = tl.reshape(x, (BLOCK_T, BLOCK_N * BLOCK_D))
+        w2 = tl.reshape(w, (BLOCK_M, BLOCK_N * BLOCK_D))
+        acc = tl.dot(x2, tl.trans(w2), acc, input_precision=PRECISION)
+        sq += tl.sum(tl.sum(x * x, axis=2), axis=1)
+    mix_out = mix_ptr + pid_s * stride_mix_s + tok[:, None] * stride_mix_t + m[None, :]
+    tl.store(mix_out, acc, mask=tok_ok[:, None])
+    tl.store(sq_ptr + pid_s * stride_sq_s + tok, sq, mask=tok_ok)
 
 
 @triton.jit
@@ -105,6 +150,7 @@ def hc_finish_kernel(
     N: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HEAD: tl.constexpr,
     SINGLE_PASS: tl.constexpr,
@@ -120,20 +166,33 @@ def hc_finish_kernel(
     mix_tok = mix_ptr + tok * stride_mix_t  # [BT]
     jk = n[:, None] * N + n[None, :]  # comb mix m = 2N + j*N + k
 
-    # Reduce the split partials in a fixed order.
+    # Reduce the split partials, BLOCK_S splits per step (one step when S <= BLOCK_S):
+    # a fixed order, so results are deterministic.
     pre_acc = tl.zeros((BLOCK_T, BLOCK_N), tl.float32)
     post_acc = tl.zeros((BLOCK_T, BLOCK_N), tl.float32)
-    comb_acc = tl.zeros((BLOCK_T, BLOCK_N, BLOCK_N), tl.float32)
+    comb_acc = tl.zeros((BLOCK_T, BLOCK_N * BLOCK_N), tl.float32)
     sq = tl.zeros((BLOCK_T,), tl.float32)
-    for s in range(num_splits):
-        mix_s = mix_tok + s * stride_mix_s
-        pre_acc += tl.load(mix_s[:, None] + n[None, :], mask=tn_ok, other=0.0)
+    jk_flat = tl.arange(0, BLOCK_N * BLOCK_N)
+    jk_flat_ok = (jk_flat // BLOCK_N < N) & (jk_flat % BLOCK_N < N)
+    jk_flat_m = 2 * N + (jk_flat // BLOCK_N) * N + jk_flat % BLOCK_N
+    for s0 in range(0, num_splits, BLOCK_S):
+        split = s0 + tl.arange(0, BLOCK_S)
+        ts_ok = tok_ok[:, None] & (split < num_splits)[None, :]  # [BT, BS]
+        mix_ts = mix_tok[:, None] + split[None, :] * stride_mix_s  # [BT, BS]
+        tsn_ok = ts_ok[:, :, None] & n_ok[None, None, :]
+        pre_acc += tl.sum(tl.load(mix_ts[:, :, None] + n[None, None, :], mask=tsn_ok, other=0.0), 1)
         if not HEAD:
-            post_acc += tl.load(mix_s[:, None] + N + n[None, :], mask=tn_ok, other=0.0)
-            comb_acc += tl.load(
-                mix_s[:, None, None] + 2 * N + jk[None, :, :], mask=tjk_ok, other=0.0
+            part = tl.load(mix_ts[:, :, None] + N + n[None, None, :], mask=tsn_ok, other=0.0)
+            post_acc += tl.sum(part, axis=1)
+            part = tl.load(
+                mix_ts[:, :, None] + jk_flat_m[None, None, :],
+                mask=ts_ok[:, :, None] & jk_flat_ok[None, None, :],
+                other=0.0,
             )
-        sq += tl.load(sq_ptr + s * stride_sq_s + tok, mask=tok_ok, other=0.0)
+            comb_acc += tl.sum(part, axis=1)
+        sq_ts = sq_ptr + tok[:, None] + split[None, :] * stride_sq_s
+        sq += tl.sum(tl.load(sq_ts, mask=ts_ok, other=0.0), axis=1)
+    comb_acc3 = tl.reshape(comb_acc, (BLOCK_T, BLOCK_N, BLOCK_N))
     rms = tl.rsqrt(sq * inv_num_cols + norm_eps)  # [BT]: 1 / rms of the K columns
 
     scale_pre = tl.load(scale_ptr)
@@ -149,7 +208,7 @@ def hc_finish_kernel(
         tl.store(post_ptr + tok[:, None] * N + n[None, :], post, mask=tn_ok)
 
         base_comb = tl.load(base_ptr + 2 * N + jk, mask=jk_ok, other=0.0)
-        logits = comb_acc * rms[:, None, None] * scale_comb + base_comb[None, :, :]
+        logits = comb_acc3 * rms[:, None, None] * scale_comb + base_comb[None, :, :]
         logits = tl.where(jk_ok[None, :, :], logits, -1e30)
         prob = tl.exp(logits - tl.max(logits, axis=2)[:, :, None])
         comb = prob / tl.sum(prob, axis=2)[:, :, None] + hc_eps
