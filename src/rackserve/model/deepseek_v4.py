@@ -59,10 +59,9 @@ class DecoderLayer(nn.Module):
             streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
             self.attn_norm.weight, *hc,
         )  # fmt: skip
-        streams = k.hc_post(streams, self.attn(x, meta, caches), post, comb)
-        x, post, comb = k.hc_pre(
-            streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale,
-            self.ffn_norm.weight, *hc,
+        streams, x, post, comb = k.hc_post_pre(  # the attention's post + the FFN's pre
+            streams, self.attn(x, meta, caches), post, comb,
+            self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.ffn_norm.weight, *hc,
         )  # fmt: skip
         x = self.ffn(x, input_ids, expert_counts, meta.token_mask)
         return k.hc_post(streams, x, post, comb)

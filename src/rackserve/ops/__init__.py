@@ -11,6 +11,8 @@ Each fast implementation is tested against its reference.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,6 +26,7 @@ from rackserve.ops.reference import (
     hc_expand,
     hc_head,
     hc_post,
+    hc_post_pre,
     hc_pre,
     hc_weights,
     indexer_topk,
@@ -47,6 +50,7 @@ __all__ = [
     "hc_expand",
     "hc_head",
     "hc_post",
+    "hc_post_pre",
     "hc_pre",
     "hc_weights",
     "indexer_topk",
@@ -72,19 +76,27 @@ class Kernels:
     hc_pre: Callable
     hc_post: Callable
     hc_head: Callable
+    hc_post_pre: Callable
     moe_experts: Callable
     sparse_attention: Callable
     indexer_topk: Callable
     compress_pool: Callable
 
 
-def _on_cuda(fast: Callable, ref: Callable) -> Callable:
-    """Call ``fast`` when the first tensor argument is on a CUDA device, else ``ref``."""
+def _on_cuda(module: str, name: str, ref: Callable) -> Callable:
+    """Call ``module.name`` (a Triton kernel) when the first tensor argument is on a CUDA
+    device, else ``ref``. The kernel module is imported on the first CUDA call only, so a
+    CPU-only run never imports Triton (and tests choose its interpreter first)."""
+    fast: list[Callable] = []
 
     def dispatch(x, *args, **kwargs):
-        return (fast if x.is_cuda else ref)(x, *args, **kwargs)
+        if not x.is_cuda:
+            return ref(x, *args, **kwargs)
+        if not fast:
+            fast.append(getattr(importlib.import_module(module), name))
+        return fast[0](x, *args, **kwargs)
 
-    dispatch.__name__ = getattr(fast, "__name__", "dispatch")
+    dispatch.__name__ = name
     return dispatch
 
 
@@ -103,24 +115,23 @@ def kernels(name: str = "auto") -> Kernels:
         hc_pre=reference.hc_pre,
         hc_post=reference.hc_post,
         hc_head=reference.hc_head,
+        hc_post_pre=reference.hc_post_pre,
         moe_experts=reference.moe_experts,
         sparse_attention=reference.sparse_attention,
         indexer_topk=reference.indexer_topk,
         compress_pool=reference.compress_pool,
     )
-    if name == "reference":
+    if name == "reference" or importlib.util.find_spec("triton") is None:
         return ref
-    try:
-        from rackserve.ops.triton import mhc
-    except ImportError:  # no Triton (a CPU-only install): the references everywhere
-        mhc = None
+    mhc, compress = "rackserve.ops.triton.mhc", "rackserve.ops.triton.compress"
     return Kernels(
         "auto",
-        hc_pre=_on_cuda(mhc.hc_pre, ref.hc_pre) if mhc else ref.hc_pre,
-        hc_post=_on_cuda(mhc.hc_post, ref.hc_post) if mhc else ref.hc_post,
-        hc_head=_on_cuda(mhc.hc_head, ref.hc_head) if mhc else ref.hc_head,
+        hc_pre=_on_cuda(mhc, "hc_pre", ref.hc_pre),
+        hc_post=_on_cuda(mhc, "hc_post", ref.hc_post),
+        hc_head=_on_cuda(mhc, "hc_head", ref.hc_head),
+        hc_post_pre=_on_cuda(mhc, "hc_post_pre", ref.hc_post_pre),
         moe_experts=_moe,
         sparse_attention=ref.sparse_attention,
         indexer_topk=ref.indexer_topk,
-        compress_pool=ref.compress_pool,
+        compress_pool=_on_cuda(compress, "compress_pool", ref.compress_pool),
     )

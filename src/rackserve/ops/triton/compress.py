@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rackserve.ops.triton.common import round_as
+
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -90,24 +92,24 @@ def _compress_pool_kernel(
         a_o = a_o * alpha_o + tl.sum(p_o * kv_o, 0)
         m_e, m_o = new_e, new_o
     # pooled entry, rounded as the reference rounds it (activation dtype), then RMSNorm
-    x_e = tl.where(h_ok, a_e / tl.where(l_e > 0, l_e, 1.0), 0.0).to(OUT_DTYPE).to(tl.float32)
-    x_o = tl.where(h_ok, a_o / tl.where(l_o > 0, l_o, 1.0), 0.0).to(OUT_DTYPE).to(tl.float32)
+    x_e = round_as(tl.where(h_ok, a_e / tl.where(l_e > 0, l_e, 1.0), 0.0), OUT_DTYPE)
+    x_o = round_as(tl.where(h_ok, a_o / tl.where(l_o > 0, l_o, 1.0), 0.0), OUT_DTYPE)
     rms = tl.rsqrt((tl.sum(x_e * x_e, 0) + tl.sum(x_o * x_o, 0)) / C + eps)
     w_e = tl.load(norm_ptr + even, mask=h_ok, other=0.0)
     w_o = tl.load(norm_ptr + even + 1, mask=h_ok, other=0.0)
-    n_e = (w_e * (x_e * rms)).to(OUT_DTYPE).to(tl.float32)
-    n_o = (w_o * (x_o * rms)).to(OUT_DTYPE).to(tl.float32)
+    n_e = round_as(w_e * (x_e * rms), OUT_DTYPE)
+    n_o = round_as(w_o * (x_o * rms), OUT_DTYPE)
     # interleaved RoPE on the trailing ROPE_HALF pairs, at the entry position
     k = h - (C // 2 - ROPE_HALF)
     is_rope = (k >= 0) & h_ok
     freq = tl.load(inv_freq_ptr + k, mask=is_rope, other=0.0)
     angle = tl.load(pos_ptr + w).to(tl.float32) * freq
-    cos = (tl.cos(angle) * rope_scale).to(OUT_DTYPE).to(tl.float32)
-    sin = (tl.sin(angle) * rope_scale).to(OUT_DTYPE).to(tl.float32)
+    cos = round_as(tl.cos(angle) * rope_scale, OUT_DTYPE)
+    sin = round_as(tl.sin(angle) * rope_scale, OUT_DTYPE)
     o_e = tl.where(is_rope, n_e * cos - n_o * sin, n_e)
     o_o = tl.where(is_rope, n_o * cos + n_e * sin, n_o)
-    tl.store(out_ptr + w * C + even, o_e.to(OUT_DTYPE), mask=h_ok)
-    tl.store(out_ptr + w * C + even + 1, o_o.to(OUT_DTYPE), mask=h_ok)
+    tl.store(out_ptr + w * C + even, round_as(o_e, OUT_DTYPE).to(OUT_DTYPE), mask=h_ok)
+    tl.store(out_ptr + w * C + even + 1, round_as(o_o, OUT_DTYPE).to(OUT_DTYPE), mask=h_ok)
 
 
 def compress_pool(

@@ -20,19 +20,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from rackserve.ops.triton.common import round_as
+
 
 @triton.jit
 def to_output(y, out_ptr):
-    """y (fp32) in the element type of out_ptr, rounded to nearest even.
-
-    bfloat16 is rounded by hand: the Triton interpreter's float32 -> bfloat16 cast truncates
-    (CPU tests would see 1-ulp errors); on the GPU this is the same RTNE as the hardware cast.
-    """
-    if out_ptr.dtype.element_ty == tl.bfloat16:
-        bits = y.to(tl.uint32, bitcast=True)
-        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        y = tl.where(y == y, rounded.to(tl.float32, bitcast=True), y)  # NaN stays NaN
-    return y.to(out_ptr.dtype.element_ty)
+    """y (fp32) in the element type of out_ptr, rounded to nearest even (``round_as``)."""
+    return round_as(y, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)
 
 
 @triton.jit
