@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -38,6 +39,8 @@ from rackserve.server.protocol import (
     error_body,
 )
 from rackserve.server.serving import ApiError
+
+logger = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
 _TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
@@ -176,6 +179,13 @@ def build_app(
 
     async def parse(request: Request, model: type) -> Any:
         parsed = validate(model, await read_json(request, settings.max_request_body_bytes))
+        ignored = parsed.ignored_fields()
+        if ignored:  # accepted as vLLM does, but never silently
+            logger.warning(
+                "request %s: ignoring fields this server does not use: %s",
+                request.state.request_id,
+                ", ".join(ignored),
+            )
         name = getattr(parsed, "model", None)
         if name is not None and name not in settings.served_model_names:
             raise ApiError(

@@ -1,9 +1,10 @@
 """OpenAI request models (pydantic) and the response shapes, with vLLM's extra parameters.
 
-Every request model forbids unknown fields: a parameter we do not implement is a 400 that
-names it, never silently ignored. Parameters that exist in the OpenAI API but that we only
-support in some values (``best_of``, ``tool_choice``, ``response_format``, ...) are
-accepted at the values we honour and refused otherwise, naming the parameter.
+Validation is lenient as vLLM's: an explicit ``null`` means the field's default, and an
+unknown field (``store``, ``metadata``, ``service_tier``, ...; also ``refusal`` or ``audio``
+in an assistant message from ``message.model_dump()``) is accepted and ignored; the API
+logs every ignored field (``ignored_fields``). A value that is wrong, or a known parameter
+at a value we do not honour (``best_of``, ``suffix``, ...), is a 400 naming the parameter.
 
 Responses are built as plain dicts (``*_response``/``*_chunk`` helpers) in the exact
 layout OpenAI and vLLM send; streaming encodes them with msgspec, which is fast enough
@@ -15,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rackserve.engine.output_processor import TokenLogprob
 from rackserve.request import MAX_NUM_LOGPROBS, SamplingParams
@@ -30,7 +31,28 @@ class ParamError(ValueError):
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # Clients serialise unset optionals as null (pydantic's model_dump, many SDKs).
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+    def ignored_fields(self, prefix: str = "") -> list[str]:
+        """Dotted names of the unknown fields here and in nested models (for the log)."""
+        names = [prefix + name for name in self.model_extra or {}]
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if isinstance(value, OpenAIModel):
+                names += value.ignored_fields(f"{prefix}{name}.")
+            elif isinstance(value, list):
+                for i, item in enumerate(value):
+                    if isinstance(item, OpenAIModel):
+                        names += item.ignored_fields(f"{prefix}{name}.{i}.")
+        return names
 
 
 class StreamOptions(OpenAIModel):
@@ -107,6 +129,8 @@ class SamplingRequest(OpenAIModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
+    # 0: score the prompt only (echo + logprobs), as lm-eval's loglikelihood requests do
+    max_tokens: int | None = Field(None, ge=0)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_NUM_LOGPROBS)
     best_of: int | None = None
@@ -119,8 +143,6 @@ class CompletionRequest(SamplingRequest):
             raise ParamError("best_of other than n is not supported", "best_of")
         if self.suffix:
             raise ParamError("suffix is not supported", "suffix")
-        if self.echo and (self.logprobs is not None or self.prompt_logprobs is not None):
-            raise ParamError("echo together with logprobs is not supported", "echo")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ParamError("prompt must not be empty", "prompt")
 
@@ -227,22 +249,37 @@ def chat_logprobs(entries: list[TokenLogprob], num_top: int) -> dict:
     }
 
 
-def completion_logprobs(entries: list[TokenLogprob], num_top: int, text_offset: int) -> dict:
-    """``choice.logprobs`` of a completion; the sampled token is in ``top_logprobs`` too."""
+def completion_logprobs(
+    entries: list[TokenLogprob] | list[TokenLogprob | str], num_top: int, text_offset: int
+) -> dict:
+    """``choice.logprobs`` of a completion; the sampled token is in ``top_logprobs`` too.
+
+    A ``str`` entry is a token without a logprob (the first prompt token when ``echo``
+    scores the prompt): its logprob and top logprobs are null, as in OpenAI and vLLM."""
     offsets, offset = [], text_offset
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict | None] = []
     for e in entries:
         offsets.append(offset)
+        if isinstance(e, str):
+            tokens.append(e)
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            offset += len(e)
+            continue
+        tokens.append(e.token)
+        token_logprobs.append(e.logprob)
+        top = {e.token: e.logprob}
+        if num_top:
+            top.update({text: lp for _, text, lp in e.top[:num_top]})
+        top_logprobs.append(top)
         offset += len(e.token)
     return {
         "text_offset": offsets,
-        "token_logprobs": [e.logprob for e in entries],
-        "tokens": [e.token for e in entries],
-        "top_logprobs": [
-            {e.token: e.logprob, **{text: lp for _, text, lp in e.top[:num_top]}}
-            if num_top
-            else {e.token: e.logprob}
-            for e in entries
-        ],
+        "token_logprobs": token_logprobs,
+        "tokens": tokens,
+        "top_logprobs": top_logprobs,
     }
 
 

@@ -11,13 +11,18 @@ import asyncio
 import contextlib
 import secrets
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
 from fastapi.responses import JSONResponse
 
-from rackserve.engine.output_processor import RequestOutput, RequestOutputKind
+from rackserve.engine.output_processor import (
+    CompletionOutput,
+    RequestOutput,
+    RequestOutputKind,
+    TokenLogprob,
+)
 from rackserve.request import SamplingParams
 from rackserve.server.async_client import (
     AsyncEngineClient,
@@ -92,10 +97,27 @@ class Prepared:
     abort: Callable[[str], None]
     engine_ids: list[str] = field(default_factory=list)
     created: int = field(default_factory=now_s)
+    # Scoring (/v1/completions): echo + logprobs puts the prompt's logprobs first;
+    # max_tokens 0 runs one step for them and drops the generated token.
+    score_prompt: bool = False
+    echo_without_generation: bool = False
+    prompt_logprobs_requested: bool = True
 
     def abort_all(self) -> None:
         for engine_id in self.engine_ids:
             self.abort(engine_id)
+
+
+def scoring_body(body: CompletionRequest) -> CompletionRequest:
+    """What the engine runs for a completion request: echo + logprobs asks for the prompt's
+    logprobs (as many alternatives as ``logprobs``), and max_tokens 0 runs one step (the
+    generated token is dropped from the response)."""
+    update: dict[str, Any] = {}
+    if body.max_tokens == 0:
+        update["max_tokens"] = 1
+    if body.echo and body.logprobs is not None:
+        update["prompt_logprobs"] = max(body.logprobs, body.prompt_logprobs or 0)
+    return body.model_copy(update=update) if update else body
 
 
 class OpenAIServing:
@@ -137,7 +159,13 @@ class OpenAIServing:
             else:
                 self.check_token_ids(item, "prompt")
                 prompts.append((None, list(item)))
-        return self._prepare(body, request_id, prompts, body.logprobs, chat=False)
+        prepared = self._prepare(
+            scoring_body(body), request_id, prompts, body.logprobs, chat=False
+        )
+        prepared.score_prompt = body.echo and body.logprobs is not None
+        prepared.echo_without_generation = body.max_tokens == 0
+        prepared.prompt_logprobs_requested = body.prompt_logprobs is not None
+        return prepared
 
     def prepare_chat(self, body: ChatCompletionRequest, request_id: str) -> Prepared:
         text = self.render_chat(
@@ -266,6 +294,8 @@ class OpenAIServing:
             output = finals[i]
             num_cached += output.num_cached_tokens
             for c in output.outputs:
+                if not prepared.chat:
+                    c = self._generated(prepared, c)
                 num_completion += len(c.token_ids)
                 choice: dict[str, Any] = {"index": i * n + c.index}
                 if prepared.chat:
@@ -276,14 +306,17 @@ class OpenAIServing:
                         else chat_logprobs(c.logprobs, prepared.num_top_logprobs)
                     )
                 else:
-                    prefix = self._echo(prepared, i)
-                    choice["text"] = prefix + c.text
+                    prompt_entries = self._prompt_entries(prepared, i, output)
+                    choice["text"] = self._echo(prepared, i) + c.text
                     choice["logprobs"] = (
                         None
                         if c.logprobs is None
-                        else completion_logprobs(c.logprobs, prepared.num_top_logprobs, 0)
+                        else completion_logprobs(
+                            prompt_entries + c.logprobs, prepared.num_top_logprobs, 0
+                        )
                     )
-                    choice["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
+                    if prepared.prompt_logprobs_requested:
+                        choice["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
                 choice.update(finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                 choices.append(choice)
         num_prompt = sum(len(ids) for _, ids in prepared.prompts)
@@ -298,6 +331,32 @@ class OpenAIServing:
         if prepared.chat:
             response["prompt_logprobs"] = prompt_logprobs_json(finals[0].prompt_logprobs)
         return response
+
+    @staticmethod
+    def _generated(prepared: Prepared, c: CompletionOutput) -> CompletionOutput:
+        """The completion as the client sees it: nothing when max_tokens was 0."""
+        if not prepared.echo_without_generation:
+            return c
+        return replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [])
+
+    def _prompt_entries(
+        self, prepared: Prepared, prompt_index: int, output: RequestOutput
+    ) -> list[TokenLogprob | str]:
+        """The prompt's logprob entries when scoring (the first token, which has none, as
+        its text), else nothing."""
+        if not prepared.score_prompt:
+            return []
+        _, ids = prepared.prompts[prompt_index]
+        entries = output.prompt_logprobs
+        if entries is None or len(entries) != len(ids):
+            raise RuntimeError(
+                f"the engine returned {0 if entries is None else len(entries)} prompt "
+                f"logprobs for a prompt of {len(ids)} tokens"
+            )
+        return [
+            self.tokenizer.decode([token_id]) if e is None else e
+            for token_id, e in zip(ids, entries, strict=True)
+        ]
 
     def _echo(self, prepared: Prepared, prompt_index: int) -> str:
         if prepared.chat or not prepared.body.echo:
@@ -336,13 +395,17 @@ class OpenAIServing:
         async for i, output in self._outputs(prepared, RequestOutputKind.DELTA):
             cached[i] = output.num_cached_tokens
             for c in output.outputs:
+                if not chat:
+                    c = self._generated(prepared, c)
                 num_completion += len(c.token_ids)
                 index = i * n + c.index
                 text = c.text
+                prompt_entries: list[TokenLogprob | str] = []
                 if not chat and index not in text_offsets:
                     text = self._echo(prepared, i) + text
                     text_offsets[index] = 0
-                wants_logprobs = c.logprobs is not None and bool(c.token_ids)
+                    prompt_entries = self._prompt_entries(prepared, i, output)
+                wants_logprobs = c.logprobs is not None and bool(c.token_ids or prompt_entries)
                 if not text and not c.finished and not wants_logprobs:
                     continue  # nothing to say yet (held back, or a partial character)
                 choice: dict[str, Any] = {"index": index}
@@ -356,7 +419,7 @@ class OpenAIServing:
                     if c.logprobs is not None:
                         offset = text_offsets.get(index, 0)
                         logprobs = completion_logprobs(
-                            c.logprobs, prepared.num_top_logprobs, offset
+                            prompt_entries + c.logprobs, prepared.num_top_logprobs, offset
                         )
                     text_offsets[index] = text_offsets.get(index, 0) + len(text)
                 choice.update(
