@@ -13,11 +13,37 @@ from dataclasses import dataclass, field
 GREEDY_TEMPERATURE_EPS = 1e-5
 # Most top logprobs a request may ask for, per token (vLLM's default `max_logprobs`).
 MAX_NUM_LOGPROBS = 20
+# OpenAI's range for a logit_bias value.
+MAX_ABS_LOGIT_BIAS = 100.0
 
 
 # --------------------------------------------------------------------------------------
 # SamplingParams
 # --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StructuredOutputSpec:
+    """What the output must match: exactly one of a JSON schema (as JSON text), any JSON
+    object (``json_object``), a regex, a list of choices, or a grammar (EBNF / Lark text,
+    as vLLM's ``structured_outputs.grammar``)."""
+
+    json_schema: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [
+            self.json_schema is not None, self.json_object, self.regex is not None,
+            self.choice is not None, self.grammar is not None,
+        ]  # fmt: skip
+        if sum(given) != 1:
+            raise ValueError(
+                "structured output takes exactly one of json (schema), json_object, regex, "
+                f"choice and grammar; got {sum(given)}"
+            )
 
 
 @dataclass(frozen=True)
@@ -49,6 +75,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # token id -> value added to its logit before sampling (OpenAI's logit_bias)
+    logit_bias: dict[int, float] | None = None
+    # grammar the output must follow (runner/structured_output.py), None: free text
+    structured_output: StructuredOutputSpec | None = None
 
     def __post_init__(self) -> None:
         # Normalise the accepted aliases once, so the rest of the engine sees one spelling.
@@ -101,6 +131,14 @@ class SamplingParams:
             raise ValueError(
                 f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}"
             )
+        for token_id, value in (self.logit_bias or {}).items():
+            if not isinstance(token_id, int) or token_id < 0:
+                raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token_id!r}")
+            if not (math.isfinite(value) and abs(value) <= MAX_ABS_LOGIT_BIAS):
+                raise ValueError(
+                    f"logit_bias values must be in [-{MAX_ABS_LOGIT_BIAS:g}, "
+                    f"{MAX_ABS_LOGIT_BIAS:g}], got {value}"
+                )
 
     @property
     def is_greedy(self) -> bool:

@@ -49,7 +49,10 @@ def test_prompt_longer_than_context(server: Server) -> None:
         ({"logit_bias": {"not-a-token": 1.0}}, "logit_bias"),
         ({"logit_bias": {"5": 500.0}}, "logit_bias"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+            "tools.0.function.name",
+        ),
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"temperature": "hot"}, "temperature"),
         ({"min_tokens": 9, "max_tokens": 3}, "min_tokens"),

@@ -7,9 +7,9 @@ import time
 
 import openai
 from openai.types.chat import ChatCompletionMessage
+from test_api import post
 
 from conftest import MODEL_NAME, Server
-from test_api import post
 
 
 def test_explicit_nulls_mean_defaults(server: Server) -> None:
@@ -52,8 +52,11 @@ def test_sdk_message_dump_round_trips(client: openai.OpenAI) -> None:
         messages=[
             {"role": "user", "content": "hi"},
             dumped,
-            {"role": "user", "content": [{"type": "text", "text": "and "}, {"type": "text", "text": "more"}]},
-        ],  # fmt: skip
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "and "}, {"type": "text", "text": "more"}],
+            },
+        ],
         max_tokens=2,
     )
     assert second.choices[0].message.role == "assistant"

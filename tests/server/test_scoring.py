@@ -7,9 +7,9 @@ import math
 
 import openai
 import pytest
+from test_api import post, sse_events
 
 from conftest import MODEL_NAME, Server
-from test_api import post, sse_events
 
 
 def tokens_of(server: Server, text: str) -> list[int]:
@@ -29,8 +29,13 @@ def check_shape(logprobs: dict, num_tokens: int) -> None:
 def test_echo_logprobs_scores_prompt_then_generated(server: Server) -> None:
     ids = tokens_of(server, "The harbour was quiet that morning")
     body = {
-        "model": MODEL_NAME, "prompt": [ids], "max_tokens": 1, "logprobs": 1,
-        "echo": True, "temperature": 0, "seed": 1234,
+        "model": MODEL_NAME,
+        "prompt": [ids],
+        "max_tokens": 1,
+        "logprobs": 1,
+        "echo": True,
+        "temperature": 0,
+        "seed": 1234,
     }  # fmt: skip  (lm-eval's local-completions loglikelihood body)
     response = post(server, "/v1/completions", body)
     assert response.status_code == 200, response.text
@@ -39,7 +44,10 @@ def test_echo_logprobs_scores_prompt_then_generated(server: Server) -> None:
     check_shape(logprobs, len(ids) + 1)
     # logprobs=1: the scored token plus the best alternative (the same token when greedy)
     for token, lp, top in zip(
-        logprobs["tokens"][1:], logprobs["token_logprobs"][1:], logprobs["top_logprobs"][1:]
+        logprobs["tokens"][1:],
+        logprobs["token_logprobs"][1:],
+        logprobs["top_logprobs"][1:],
+        strict=True,
     ):
         assert token in top and top[token] == lp and 1 <= len(top) <= 2
         assert max(top.values()) >= lp

@@ -15,6 +15,7 @@ from rackserve.kv.spec import CacheGroupSpec
 from rackserve.model.batch import ForwardBatch, KVCacheTensors
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 from rackserve.runner.input_batch import InputBatch, RunnerRequest
+from rackserve.runner.logits_processors import apply_logits_processors
 from rackserve.runner.sampler import make_generator, sample
 
 
@@ -69,6 +70,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, V]
 
         sampled_reqs = step.sampled_reqs
+        # hook (issue 15): logit_bias and structured output, runner/logits_processors.py
+        logits = apply_logits_processors(logits, [r.sampling_params for r in sampled_reqs])
         sampled: list[list[int]] = [[] for _ in reqs]
         logprobs: list[list[TokenLogprobs]] | None = None
         if step.sampling is not None:

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rackserve.engine.output_processor import TokenLogprob
 from rackserve.request import MAX_NUM_LOGPROBS, SamplingParams
+from rackserve.server.tools import template_tool_calls
 
 
 class ParamError(ValueError):
@@ -91,9 +92,16 @@ class SamplingRequest(OpenAIModel):
     cache_salt: str | None = None
     request_id: str | None = None
 
+    def token_logit_bias(self) -> dict[int, float] | None:
+        """``logit_bias`` with token-id keys; ParamError for a key that is not a number."""
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(token_id): value for token_id, value in self.logit_bias.items()}
+        except ValueError:
+            raise ParamError("logit_bias keys must be token ids (integers)", "logit_bias") from None
+
     def check_supported(self) -> None:
-        if self.logit_bias:
-            raise ParamError("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options is only allowed when stream is true", "stream_options")
 
@@ -121,10 +129,19 @@ class SamplingRequest(OpenAIModel):
                 prompt_logprobs=self.prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                logit_bias=self.token_logit_bias(),
             )
         except ValueError as e:
             message = str(e)
             raise ParamError(message, message.split(" ", 1)[0]) from None
+
+    def check_logit_bias(self, vocab_size: int) -> None:
+        for token_id in self.token_logit_bias() or {}:
+            if not 0 <= token_id < vocab_size:
+                raise ParamError(
+                    f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size})",
+                    "logit_bias",
+                )
 
 
 class CompletionRequest(SamplingRequest):
@@ -152,11 +169,44 @@ class ContentPart(OpenAIModel):
     text: str
 
 
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ToolCallFunction(OpenAIModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(OpenAIModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -168,17 +218,14 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise ParamError("tools are not supported by this server", "tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ParamError("tool_choice must be 'none' or 'auto' (no tools)", "tool_choice")
+        self.check_tools()
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise ParamError(
                 "only response_format {'type': 'text'} is supported", "response_format"
@@ -192,6 +239,28 @@ class ChatCompletionRequest(SamplingRequest):
                 "continue_final_message",
             )
 
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: "auto" when tools are given, else "none"."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def check_tools(self) -> None:
+        choice = self.tool_choice
+        if choice is None or choice in ("none", "auto"):
+            return
+        if not self.tools:
+            raise ParamError("tool_choice other than 'none' or 'auto' needs tools", "tool_choice")
+        if isinstance(choice, NamedToolChoice):
+            names = {t.function.name for t in self.tools}
+            if choice.function.name not in names:
+                raise ParamError(
+                    f"tool_choice names the function {choice.function.name!r}, which is "
+                    "not among the tools",
+                    "tool_choice",
+                )
+
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages for the chat template; ``developer`` is the newer name of ``system``."""
         out = []
@@ -199,6 +268,8 @@ class ChatCompletionRequest(SamplingRequest):
             message = m.model_dump(exclude_none=True)
             if message["role"] == "developer":
                 message["role"] = "system"
+            if message.get("tool_calls"):
+                message["tool_calls"] = template_tool_calls(message["tool_calls"])
             out.append(message)
         return out
 
