@@ -11,8 +11,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import API_KEY, MODEL_NAME, Server, run_server
 from rackserve.server.tools import ToolCallParser
+
+from conftest import API_KEY, MODEL_NAME, Server, run_server
 
 HELPERS = Path(__file__).parent / "helpers"
 TOOLS = [
