@@ -23,6 +23,8 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 N_BUCKETS = (1, 2, 5, 10, 20)
+CACHE_CONFIG_LABELS = ("block_size", "gpu_memory_utilization", "kv_cache_memory_bytes",
+                       "enable_prefix_caching", "cache_dtype")  # fmt: skip
 # Bucket edges as vLLM uses them, so dashboards built for vLLM read the same.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
@@ -131,16 +133,18 @@ class ServerMetrics:
         self._cache_config_info = Gauge(
             self.prefix + "cache_config_info",
             "Information of the KV cache configuration (labels; the value is 1).",
-            ["model_name", "block_size", "gpu_memory_utilization", "kv_cache_memory_bytes",
-             "enable_prefix_caching", "cache_dtype"],
+            ["model_name", *CACHE_CONFIG_LABELS],
             registry=registry,
-        )  # fmt: skip
+        )
         self.stats_log = StatsLogLine()
         self._last = SchedulerStats()
 
     def set_cache_config_info(self, **labels: Any) -> None:
         """One ``cache_config_info`` series with the configuration as labels."""
-        values = {k: "None" if v is None else str(v) for k, v in labels.items()}
+        unknown = set(labels) - set(CACHE_CONFIG_LABELS)
+        if unknown:
+            raise ValueError(f"cache_config_info has no labels {sorted(unknown)}")
+        values = {n: str(labels.get(n)) for n in CACHE_CONFIG_LABELS}
         self._cache_config_info.labels(model_name=self.model_name, **values).set(1)
 
     def record_request_params(self, n: int, max_tokens: int) -> None:
