@@ -23,30 +23,6 @@ MAX_ABS_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True)
-class StructuredOutputSpec:
-    """What the output must match: exactly one of a JSON schema (as JSON text), any JSON
-    object (``json_object``), a regex, a list of choices, or a grammar (EBNF / Lark text,
-    as vLLM's ``structured_outputs.grammar``)."""
-
-    json_schema: str | None = None
-    json_object: bool = False
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-
-    def __post_init__(self) -> None:
-        given = [
-            self.json_schema is not None, self.json_object, self.regex is not None,
-            self.choice is not None, self.grammar is not None,
-        ]  # fmt: skip
-        if sum(given) != 1:
-            raise ValueError(
-                "structured output takes exactly one of json (schema), json_object, regex, "
-                f"choice and grammar; got {sum(given)}"
-            )
-
-
-@dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling and stopping parameters, shaped like vLLM's.
 
@@ -77,8 +53,6 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # token id -> value added to its logit before sampling (OpenAI's logit_bias)
     logit_bias: dict[int, float] | None = None
-    # grammar the output must follow (runner/structured_output.py), None: free text
-    structured_output: StructuredOutputSpec | None = None
 
     def __post_init__(self) -> None:
         # Normalise the accepted aliases once, so the rest of the engine sees one spelling.
