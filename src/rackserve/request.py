@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 GREEDY_TEMPERATURE_EPS = 1e-5
 # Most top logprobs a request may ask for, per token (vLLM's default `max_logprobs`).
 MAX_NUM_LOGPROBS = 20
+# OpenAI's range for a logit_bias value.
+MAX_ABS_LOGIT_BIAS = 100.0
 
 
 # --------------------------------------------------------------------------------------
@@ -49,6 +51,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # token id -> value added to its logit before sampling (OpenAI's logit_bias)
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         # Normalise the accepted aliases once, so the rest of the engine sees one spelling.
@@ -101,6 +105,14 @@ class SamplingParams:
             raise ValueError(
                 f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}"
             )
+        for token_id, value in (self.logit_bias or {}).items():
+            if not isinstance(token_id, int) or token_id < 0:
+                raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token_id!r}")
+            if not (math.isfinite(value) and abs(value) <= MAX_ABS_LOGIT_BIAS):
+                raise ValueError(
+                    f"logit_bias values must be in [-{MAX_ABS_LOGIT_BIAS:g}, "
+                    f"{MAX_ABS_LOGIT_BIAS:g}], got {value}"
+                )
 
     @property
     def is_greedy(self) -> bool:

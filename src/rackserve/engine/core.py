@@ -34,13 +34,23 @@ logger = logging.getLogger(__name__)
 
 
 def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
-    """``--kv-cache-memory``, else a fraction of the accelerator's free memory."""
+    """``--kv-cache-memory-bytes``, else what ``--gpu-memory-utilization`` leaves: as in
+    vLLM, the whole instance (weights, activations, KV cache) may use that fraction of the
+    GPU's total memory, so the memory in use once the weights are loaded comes off."""
     if config.cache.kv_cache_memory is not None:
         return config.cache.kv_cache_memory
     if device.type != "cuda":
         return CPU_KV_CACHE_MEMORY
-    free, _ = torch.cuda.mem_get_info(device)
-    return int(free * config.cache.gpu_memory_utilization)
+    free, total = torch.cuda.mem_get_info(device)
+    utilization = config.cache.gpu_memory_utilization
+    budget = int(total * utilization) - (total - free)
+    if budget <= 0:
+        raise ValueError(
+            f"--gpu-memory-utilization {utilization} allows {total * utilization / 2**30:.1f} "
+            f"GiB, but {(total - free) / 2**30:.1f} GiB are already in use (weights, other "
+            "processes): raise it, or give --kv-cache-memory-bytes"
+        )
+    return budget
 
 
 def plan_kv_cache(

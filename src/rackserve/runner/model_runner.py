@@ -1,6 +1,6 @@
 """The model runner: turns a SchedulerOutput into tensors, runs the model, samples.
 
-It owns the cache tensors and per-request state (token ids, block tables, generators) and
+It owns the cache tensors and per-request state (token ids, block tables, sampling rows) and
 makes no policy: it computes exactly the tokens it was granted. A uniform decode step
 replays a captured CUDA graph (``cuda_graph.py``); other steps run the same forward
 eagerly. Nothing waits for the device before the sampled token ids are read back.
@@ -18,6 +18,7 @@ from rackserve.model.batch import KVCacheTensors
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 from rackserve.runner.cuda_graph import DecodeGraphs, context_buckets, graph_batch_sizes
 from rackserve.runner.input_batch import InputBatch, RunnerRequest
+from rackserve.runner.logits_processors import apply_logits_processors
 from rackserve.runner.sampler import sample
 from rackserve.runner.step_buffers import StepBuffers
 
@@ -87,6 +88,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[logits_indices])  # [S, V]
 
         sampled_reqs = step.sampled_reqs
+        # hook (issue 15): logit_bias and structured output, runner/logits_processors.py
+        logits = apply_logits_processors(logits, [r.sampling_params for r in sampled_reqs])
         sampled: list[list[int]] = [[] for _ in reqs]
         logprobs: list[list[TokenLogprobs]] | None = None
         if step.sampling is not None:

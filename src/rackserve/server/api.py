@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -39,6 +40,8 @@ from rackserve.server.protocol import (
 )
 from rackserve.server.serving import ApiError
 
+logger = logging.getLogger(__name__)
+
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
 _TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
@@ -50,6 +53,10 @@ class ServerSettings:
     api_key: str | None = None
     max_request_body_bytes: int = 32 << 20
     health_timeout_s: float = 10.0
+    auto_tool_parser: str | None = None  # --enable-auto-tool-choice --tool-call-parser NAME
+    max_logprobs: int = 20
+    log_requests: bool = False
+    stats_log_interval_s: float | None = None  # None: no periodic stats line
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -155,16 +162,27 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await client.start()
+        stats_task = None
+        if settings.stats_log_interval_s is not None:
+            stats_task = asyncio.create_task(_log_stats(metrics, settings.stats_log_interval_s))
         try:
             yield
         finally:
+            if stats_task is not None:
+                stats_task.cancel()
             await client.shutdown()
 
     app = FastAPI(title="rackserve", version=rackserve.__version__, lifespan=lifespan)
     app.add_middleware(
         FrontDoor, api_key=settings.api_key, max_body_bytes=settings.max_request_body_bytes
     )
-    handler = serving.OpenAIServing(client, tokenizer, settings.served_model_names)
+    handler = serving.OpenAIServing(
+        client,
+        tokenizer,
+        settings.served_model_names,
+        auto_tool_parser=settings.auto_tool_parser,
+        max_logprobs=settings.max_logprobs,
+    )
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -176,6 +194,13 @@ def build_app(
 
     async def parse(request: Request, model: type) -> Any:
         parsed = validate(model, await read_json(request, settings.max_request_body_bytes))
+        ignored = parsed.ignored_fields()
+        if ignored:  # accepted as vLLM does, but never silently
+            logger.warning(
+                "request %s: ignoring fields this server does not use: %s",
+                request.state.request_id,
+                ", ".join(ignored),
+            )
         name = getattr(parsed, "model", None)
         if name is not None and name not in settings.served_model_names:
             raise ApiError(
@@ -202,6 +227,15 @@ def build_app(
             raise ApiError(400, str(e), param=e.param) from None
         except jinja2.TemplateError as e:
             raise ApiError(400, f"Chat template error: {e}", param="messages") from None
+        for _ in prepared.prompts:
+            metrics.record_request_params(prepared.params.n, prepared.params.max_tokens)
+        if settings.log_requests:
+            logger.info(
+                "Received request %s: prompt tokens %s, params: %s",
+                prepared.response_id,
+                [len(ids) for _, ids in prepared.prompts],
+                prepared.params,
+            )
         if body.stream:
             return StreamingResponse(
                 _with_disconnect(request, prepared, handler.stream(prepared)),
@@ -219,9 +253,18 @@ def build_app(
         body = await parse(request, ChatCompletionRequest)
         return await run(request, body, handler.prepare_chat)
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models() -> JSONResponse:
         return JSONResponse(handler.models(settings.model_path, client.max_model_len))
+
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
+    async def model(model_id: str) -> JSONResponse:
+        for card in handler.models(settings.model_path, client.max_model_len)["data"]:
+            if card["id"] == model_id:
+                return JSONResponse(card)
+        raise ApiError(
+            404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found"
+        )
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
@@ -241,7 +284,7 @@ def build_app(
         except ParamError as e:
             raise ApiError(400, str(e), param=e.param) from None
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         try:
             await client.check_health(settings.health_timeout_s)
@@ -249,15 +292,29 @@ def build_app(
             return ApiError(503, str(e)).response()
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics_endpoint() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/version")
+    @app.api_route("/version", methods=["GET", "HEAD"])
     async def version() -> JSONResponse:
         return JSONResponse({"version": rackserve.__version__})
 
+    @app.api_route("/ping", methods=["GET", "HEAD", "POST"])
+    async def ping() -> Response:
+        """SageMaker's health route, as vLLM serves it: /health's answer."""
+        return await health()
+
     return app
+
+
+async def _log_stats(metrics: ServerMetrics, interval_s: float) -> None:
+    """vLLM's periodic stats line (``--disable-log-stats`` turns it off)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        line = metrics.stats_log.line()
+        if line is not None:
+            logger.info("Engine 000: %s", line)
 
 
 async def _until_done(request: Request, prepared: serving.Prepared, work: Awaitable[dict]) -> dict:

@@ -217,6 +217,8 @@ class AsyncEngineClient:
     def abort(self, request_id: str) -> None:
         """Abort a client request: frees its KV blocks in the engine, wakes its consumer."""
         engine_ids = self.processor.abort_request(request_id)
+        if engine_ids and self.metrics is not None:
+            self.metrics.record_abort()
         if engine_ids and not self.is_dead:
             self._send(MessageType.ABORT, engine_ids)
         queue = self._queues.get(request_id)
