@@ -11,7 +11,6 @@ only), ``gate.tid2eid`` [V, k] (hash layers), ``experts.{e}.w1/w3`` [I, D] (gate
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from rackserve import ops
@@ -23,8 +22,9 @@ class Router(nn.Module):
     table on hash layers. Weights are the selected scores, normalised, times the routed
     scaling factor."""
 
-    def __init__(self, cfg: ModelConfig, hashed: bool) -> None:
+    def __init__(self, cfg: ModelConfig, hashed: bool, kernels: ops.Kernels) -> None:
         super().__init__()
+        self.kernels = kernels
         self.top_k, self.scoring_func = cfg.num_experts_per_tok, cfg.scoring_func
         self.scaling = cfg.routed_scaling_factor
         self.hashed = hashed
@@ -39,14 +39,16 @@ class Router(nn.Module):
         self, x: torch.Tensor, input_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [T, D] -> topk_ids [T, k] int64, topk_weights [T, k] float32
-        scores = ops.router_scores(F.linear(x, self.weight), self.scoring_func)
-        if self.hashed:
-            ids = self.tid2eid[input_ids].long()
-        else:
-            ids = torch.topk(scores + self.bias, self.top_k, dim=-1, sorted=False).indices
-        weights = scores.gather(1, ids)
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return ids, weights * self.scaling
+        return self.kernels.route(
+            x,
+            self.weight,
+            None if self.hashed else self.bias,
+            self.tid2eid if self.hashed else None,
+            input_ids,
+            self.top_k,
+            self.scoring_func,
+            self.scaling,
+        )
 
 
 class Experts(nn.Module):
@@ -78,7 +80,7 @@ class SharedExpert(nn.Module):
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, hashed: bool, kernels: ops.Kernels) -> None:
         super().__init__()
-        self.gate = Router(cfg, hashed)
+        self.gate = Router(cfg, hashed, kernels)
         self.experts = Experts(cfg, kernels)
         self.shared_experts = SharedExpert(cfg) if cfg.n_shared_experts else None
 

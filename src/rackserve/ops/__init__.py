@@ -33,6 +33,7 @@ from rackserve.ops.reference import (
     moe_experts,
     rms_norm,
     rope_cos_sin,
+    route,
     router_scores,
     sinkhorn,
     sparse_attention,
@@ -58,6 +59,7 @@ __all__ = [
     "moe_experts",
     "rms_norm",
     "rope_cos_sin",
+    "route",
     "router_scores",
     "sinkhorn",
     "sparse_attention",
@@ -81,6 +83,7 @@ class Kernels:
     sparse_attention: Callable
     indexer_topk: Callable
     compress_pool: Callable
+    route: Callable
 
 
 def _on_cuda(module: str, name: str, ref: Callable) -> Callable:
@@ -120,6 +123,7 @@ def kernels(name: str = "auto") -> Kernels:
         sparse_attention=reference.sparse_attention,
         indexer_topk=reference.indexer_topk,
         compress_pool=reference.compress_pool,
+        route=reference.route,
     )
     if name == "reference" or importlib.util.find_spec("triton") is None:
         return ref
@@ -134,4 +138,5 @@ def kernels(name: str = "auto") -> Kernels:
         sparse_attention=ref.sparse_attention,
         indexer_topk=ref.indexer_topk,
         compress_pool=_on_cuda(compress, "compress_pool", ref.compress_pool),
+        route=_on_cuda("rackserve.ops.triton.route", "route", ref.route),
     )

@@ -328,3 +328,30 @@ def hc_post_pre(
         streams,
         *hc_pre(streams, fn, base, scale, norm_weight, sinkhorn_iters, hc_eps, norm_eps),
     )
+
+
+def route(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    table: torch.Tensor | None,
+    input_ids: torch.Tensor,
+    top_k: int,
+    scoring_func: str,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router of one MoE layer: which k experts each token goes to, with what weight.
+
+    x: [T, D]; weight: [E, D]; learned routing: bias [E] float32 (selection only: top-k
+    of score + bias), table None; hash routing: table [V, k] (``tid2eid``), bias None;
+    input_ids: [T]. Weights are the selected scores, normalised, times ``scaling``.
+    Returns ids [T, k] int64, weights [T, k] float32.
+    """
+    scores = router_scores(F.linear(x, weight), scoring_func)
+    if table is not None:
+        ids = table[input_ids].long()
+    else:
+        ids = torch.topk(scores + bias, top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, weights * scaling
