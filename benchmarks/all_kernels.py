@@ -41,7 +41,7 @@ def _route_records() -> list[dict]:
         args = (x, w, bias, None, ids, k, "sqrtsoftplus", 1.5)
         nbytes = x.numel() * 2 + w.numel() * 2 + t * k * 12
         for impl, fn in (("triton", route), ("reference", reference.route)):
-            us = _bench(lambda fn=fn: fn(*args))
+            us = _bench(lambda fn=fn, args=args: fn(*args))
             out.append(
                 {
                     "op": "route",
@@ -74,7 +74,7 @@ def _compress_records() -> list[dict]:
             args = (state, src, None, 0, ape, nw, 1e-6, pos, inv_freq, 1.0)
             nbytes = n * span * 2 * row * 2 + n * width * 2
             for impl, fn in (("triton", compress_pool), ("reference", reference.compress_pool)):
-                us = _bench(lambda fn=fn: fn(*args))
+                us = _bench(lambda fn=fn, args=args: fn(*args))
                 out.append(
                     {
                         "op": f"compress_{name}",
