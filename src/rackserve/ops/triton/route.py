@@ -13,20 +13,16 @@ Shape legend: T tokens, D hidden, E experts, k experts per token.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from rackserve.ops.triton.common import round_as
-
 _SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
-_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
 def _route_kernel(
-    x_ptr,
-    x_stride,
-    w_ptr,
+    logits_ptr,
     bias_ptr,
     table_ptr,
     ids_ptr,
@@ -34,30 +30,19 @@ def _route_kernel(
     out_w_ptr,
     num_tokens,
     scaling,
-    D: tl.constexpr,
     E: tl.constexpr,
     K: tl.constexpr,
     SCORING: tl.constexpr,
     HASHED: tl.constexpr,
-    X_DTYPE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
-    BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < num_tokens
     e = tl.arange(0, BLOCK_E)
     e_ok = e < E
-    logits = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
-        d_ok = d < D
-        x = tl.load(x_ptr + t[:, None] * x_stride + d[None, :], t_ok[:, None] & d_ok[None, :])
-        w = tl.load(w_ptr + e[None, :] * D + d[:, None], e_ok[None, :] & d_ok[:, None])
-        # fp32 FMA: products of bf16 inputs are exact in fp32, the work is small (E <= 256),
-        # and it is what the Triton interpreter computes correctly (its bf16 dot is not)
-        logits += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-    logits = round_as(logits, X_DTYPE)  # F.linear returns the activation dtype
+    ok = t_ok[:, None] & e_ok[None, :]
+    logits = tl.load(logits_ptr + t[:, None] * E + e[None, :], ok, other=0.0).to(tl.float32)
     neg_inf = float("-inf")
     if SCORING == 0:  # sqrt(softplus), softplus as torch: linear above 20, log1p below
         z = tl.exp(tl.minimum(logits, 20.0))
@@ -103,22 +88,19 @@ def route(
     scaling: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See ``reference.route``."""
-    num_tokens, hidden = x.shape
+    num_tokens = x.shape[0]
     num_experts = weight.shape[0]
     if (table is None) == (bias is None):
         raise ValueError("route: give the bias (learned routing) or the table (hash routing)")
-    if x.stride(1) != 1 or x.dtype not in _TL_DTYPE:
-        raise ValueError("route: x must be row-contiguous fp32/bf16/fp16")
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=x.device)
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
     if num_tokens == 0:
         return ids, weights
-    block_t = 16  # tl.dot's smallest M
+    logits = F.linear(x, weight).contiguous()  # [T, E] in the activation dtype
+    block_t = 16
     hashed = table is not None
     _route_kernel[(triton.cdiv(num_tokens, block_t),)](
-        x,
-        x.stride(0),
-        weight.contiguous(),
+        logits,
         bias if bias is not None else weights,
         table.contiguous() if hashed else ids,
         input_ids.contiguous(),
@@ -126,15 +108,12 @@ def route(
         weights,
         num_tokens,
         scaling,
-        D=hidden,
         E=num_experts,
         K=top_k,
         SCORING=_SCORING[scoring_func],
         HASHED=hashed,
-        X_DTYPE=_TL_DTYPE[x.dtype],
         BLOCK_T=block_t,
         BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
-        BLOCK_D=64 if num_experts <= 128 else 32,
         num_warps=4,
     )
     return ids, weights
