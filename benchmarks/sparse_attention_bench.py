@@ -68,10 +68,12 @@ def _variants(s: int, wb: int, device: torch.device) -> dict[str, sparse_attn.Ti
     rep = dataclasses.replace
     return {
         "bf16_p": rep(base, split_p=False),
-        "bn64": rep(base, block_n=64, num_warps=8),
-        "bh32_w8": rep(base, block_h=32, num_warps=8),
-        "bh16_w8": rep(base, block_h=16, num_warps=8),
-        "stages3": rep(base, num_stages=3),
+        "bn64": rep(base, block_n=64),
+        "bn16": rep(base, block_n=16),
+        "bh32": rep(base, block_h=32),
+        "bh16": rep(base, block_h=16),
+        "no_prefetch_w4_stages3": rep(base, prefetch=False, num_warps=4, num_stages=3),
+        "no_prefetch_w8_stages3": rep(base, prefetch=False, num_stages=3),
         "splits*2": rep(base, num_splits=base.num_splits * 2),
         "splits/2": rep(base, num_splits=max(1, base.num_splits // 2)),
         "bh64_dv2": rep(base, block_h=64, num_dv=2, num_warps=8),

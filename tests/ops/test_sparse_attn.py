@@ -143,11 +143,12 @@ def tilings(attn) -> dict[str, object]:
         "dv2_split2": t(16, 16, 2, 2, 4, 2, 16, 4),
         "dv4_single": t(16, 32, 4, 1, 4, 2, 16, 4),
         "heads32": t(32, 16, 1, 2, 8, 2, 32, 4),
+        "no_prefetch": t(16, 16, 1, 2, 4, 3, 16, 4, prefetch=False),
     }
 
 
 @pytest.mark.parametrize(
-    "name", ["split3", "split_every_tile", "dv2_split2", "dv4_single", "heads32"]
+    "name", ["split3", "split_every_tile", "dv2_split2", "dv4_single", "heads32", "no_prefetch"]
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tilings_match_reference(attn, name, dtype):

@@ -47,6 +47,27 @@ def _round_to(x, dtype: tl.constexpr):
 
 
 @triton.jit
+def _load_tile(n0, row_end, s, valid_ptr, stride_vs, slots_a_ptr, stride_sa, slots_b_ptr,
+               stride_sb, kv_a_ptr, stride_a, kv_b_ptr, stride_b, width_a, cols, col_ok,
+               BLOCK_N: tl.constexpr):  # fmt: skip
+    """Rows n0 .. n0 + BLOCK_N - 1 (< row_end) of query s: (valid [BLOCK_N], row pointers,
+    rows [BLOCK_N, BLOCK_D]). Invalid rows are masked before the load: they read as 0
+    whatever their slot holds (garbage, NaN, or outside the cache)."""
+    rows = n0 + tl.arange(0, BLOCK_N)
+    in_range = rows < row_end
+    ok = tl.load(valid_ptr + s * stride_vs + rows, mask=in_range, other=0) != 0
+    in_a = rows < width_a
+    # slots load without waiting for ``valid`` (one dependent round trip less)
+    slot_a = tl.load(slots_a_ptr + s * stride_sa + rows, mask=in_a & in_range, other=0)
+    slot_b = tl.load(slots_b_ptr + s * stride_sb + (rows - width_a), mask=~in_a & in_range, other=0)
+    row_ptr = tl.where(
+        in_a, kv_a_ptr + slot_a.to(tl.int64) * stride_a, kv_b_ptr + slot_b.to(tl.int64) * stride_b
+    )
+    kv = tl.load(row_ptr[:, None] + cols[None, :], mask=ok[:, None] & col_ok[None, :], other=0.0)
+    return ok, row_ptr, kv
+
+
+@triton.jit
 def _inverse_rope(o, s, col0, cos_ptr, sin_ptr, stride_cs, stride_ss, rope_start, head_dim,
                   BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr):  # fmt: skip
     """``apply_rope(o, cos, -sin)`` on o [BLOCK_H, BLOCK_DV] fp32 (columns col0 + 0..BLOCK_DV-1
@@ -105,6 +126,8 @@ def sparse_attn_kernel(
     NUM_DV: tl.constexpr,
     SINGLE: tl.constexpr,
     ROPE: tl.constexpr,
+    NUM_STAGES: tl.constexpr,  # software pipelining of the slot loads
+    PREFETCH: tl.constexpr,  # register double-buffering of the row tiles
     SPLIT_P: tl.constexpr,  # 16-bit rows: p = hi + lo, two PV dots (~16-bit p)
     FP32_DOTS: tl.constexpr,  # fp32 FMA dots: fp32 inputs, and the interpreter (see above)
 ):
@@ -130,21 +153,68 @@ def sparse_attn_kernel(
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_sum = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_DV), tl.float32)
-    for n0 in range(row0, row_end, BLOCK_N):
-        rows = n0 + tl.arange(0, BLOCK_N)
-        ok = tl.load(valid_ptr + s * stride_vs + rows, mask=rows < row_end, other=0) != 0
-        in_a = rows < width_a
-        slot_a = tl.load(slots_a_ptr + s * stride_sa + rows, mask=ok & in_a, other=0)
-        slot_b = tl.load(slots_b_ptr + s * stride_sb + (rows - width_a), mask=ok & ~in_a, other=0)
-        row_ptr = tl.where(
-            in_a,
-            kv_a_ptr + slot_a.to(tl.int64) * stride_a,
-            kv_b_ptr + slot_b.to(tl.int64) * stride_b,
+    if PREFETCH:  # registers double-buffer the rows: tile i+1 loads while tile i computes
+        ok, row_ptr, kv = _load_tile(
+            row0,
+            row_end,
+            s,
+            valid_ptr,
+            stride_vs,
+            slots_a_ptr,
+            stride_sa,
+            slots_b_ptr,
+            stride_sb,
+            kv_a_ptr,
+            stride_a,
+            kv_b_ptr,
+            stride_b,
+            width_a,
+            cols,
+            col_ok,
+            BLOCK_N,
         )
-        # masked before any dot: an invalid row is 0, whatever its slot holds
-        kv = tl.load(
-            row_ptr[:, None] + cols[None, :], mask=ok[:, None] & col_ok[None, :], other=0.0
-        )
+    for n0 in tl.range(row0, row_end, BLOCK_N, num_stages=NUM_STAGES):
+        if PREFETCH:
+            # past row_end the next tile is fully masked: no memory traffic
+            ok_next, row_ptr_next, kv_next = _load_tile(
+                n0 + BLOCK_N,
+                row_end,
+                s,
+                valid_ptr,
+                stride_vs,
+                slots_a_ptr,
+                stride_sa,
+                slots_b_ptr,
+                stride_sb,
+                kv_a_ptr,
+                stride_a,
+                kv_b_ptr,
+                stride_b,
+                width_a,
+                cols,
+                col_ok,
+                BLOCK_N,
+            )
+        else:
+            ok, row_ptr, kv = _load_tile(
+                n0,
+                row_end,
+                s,
+                valid_ptr,
+                stride_vs,
+                slots_a_ptr,
+                stride_sa,
+                slots_b_ptr,
+                stride_sb,
+                kv_a_ptr,
+                stride_a,
+                kv_b_ptr,
+                stride_b,
+                width_a,
+                cols,
+                col_ok,
+                BLOCK_N,
+            )
         if FP32_DOTS:
             scores = tl.dot(q, tl.trans(kv.to(tl.float32)), input_precision="ieee")
         else:
@@ -173,6 +243,8 @@ def sparse_attn_kernel(
             if SPLIT_P:  # the rounding error of p as a second 16-bit operand
                 acc = tl.dot((p - p_hi.to(tl.float32)).to(v.dtype), v, acc)
         m = m_new
+        if PREFETCH:
+            ok, row_ptr, kv = ok_next, row_ptr_next, kv_next
 
     if SINGLE:
         sink = tl.load(sinks_ptr + heads, mask=head_ok, other=0.0) * 1.4426950408889634
