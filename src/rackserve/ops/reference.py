@@ -355,3 +355,36 @@ def route(
     weights = scores.gather(1, ids)
     weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return ids, weights * scaling
+
+
+def paged_sparse_attention(
+    q: torch.Tensor,
+    kv_a: torch.Tensor,
+    slots_a: torch.Tensor,
+    kv_b: torch.Tensor,
+    slots_b: torch.Tensor,
+    valid: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``sparse_attention`` over rows gathered from two paged caches by slot, optionally
+    followed by the inverse RoPE of the output.
+
+    q: [S, H, Dh]; kv_a: [Na, Dh] (window rows); kv_b: [Nb, Cb >= Dh] (compressed entries:
+    only the first Dh columns are KV); slots_a: [S, Wa], slots_b: [S, Wb] (Wb may be 0) int;
+    valid: [S, Wa + Wb] bool over the rows [window | compressed]; sinks: [H] float32.
+    Invalid rows are zeroed before the attention (a masked logit is -inf, but 0 * NaN
+    garbage would still leak into the output), so their slots may hold anything; slots of
+    invalid rows must still index the caches here. cos, sin: [S, R/2] or None: when given,
+    the output gets ``apply_rope(out, cos, -sin)`` (K = V carried the rows' RoPE into the
+    output's rope slice). Returns [S, H, Dh].
+    """
+    dh = q.shape[-1]
+    kv = torch.cat([kv_a[:, :dh][slots_a], kv_b[:, :dh][slots_b].to(kv_a.dtype)], dim=1)
+    kv = kv.masked_fill(~valid[..., None], 0.0)  # [S, Wa + Wb, Dh]
+    out = sparse_attention(q, kv, valid, sinks, scale)
+    if cos is None:
+        return out
+    return apply_rope(out, cos, -sin)
