@@ -70,8 +70,6 @@ def indexer_logits_kernel(
     num_visible_ptr,  # [S] int
     out_ptr,  # [S, E] fp32 logits or int64 packed keys
     num_entries,
-    num_heads,
-    head_dim,
     scale,
     stride_qs,
     stride_qh,
@@ -79,6 +77,8 @@ def indexer_logits_kernel(
     stride_ss,
     stride_ws,
     stride_os,
+    HEADS: tl.constexpr,  # Hi; constexpr so the masks along Di are known per vector
+    HEAD_DIM: tl.constexpr,  # Di (loads of whole 16-byte vectors need that)
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_E: tl.constexpr,
@@ -90,8 +90,8 @@ def indexer_logits_kernel(
     first_tile = tl.program_id(1) * TILES
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
-    head_ok = heads < num_heads
-    dim_ok = dims < head_dim
+    head_ok = heads < HEADS
+    dim_ok = dims < HEAD_DIM
     q = tl.load(
         q_ptr + s * stride_qs + heads[:, None] * stride_qh + dims[None, :],
         mask=head_ok[:, None] & dim_ok[None, :],
@@ -219,8 +219,6 @@ def indexer_logits(
         num_visible,
         out,
         num_entries,
-        num_heads,
-        head_dim,
         scale,
         q.stride(0),
         q.stride(1),
@@ -228,6 +226,8 @@ def indexer_logits(
         slots.stride(0),
         weights.stride(0),
         out.stride(0),
+        HEADS=num_heads,
+        HEAD_DIM=head_dim,
         BLOCK_H=max(16, triton.next_power_of_2(num_heads)),
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_E=tiling.block_e,

@@ -39,13 +39,13 @@ def norm_rope_kernel(
     out_ptr,  # [T, M, C] contiguous, x's dtype
     num_rows,  # T * M
     rows_per_token,  # M
-    num_channels,  # C
-    half,  # R/2
     eps,
     stride_xt,
     stride_xm,
     stride_ct,
     stride_st,
+    CHANNELS: tl.constexpr,  # C; constexpr so channel masks allow 16-byte vectors
+    HALF: tl.constexpr,  # R/2
     BLOCK_ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
@@ -57,11 +57,11 @@ def norm_rope_kernel(
     row_ok = rows < num_rows
     token = rows // rows_per_token
     x_row = x_ptr + token.to(tl.int64) * stride_xt + (rows % rows_per_token) * stride_xm
-    out_row = out_ptr + rows.to(tl.int64) * num_channels
-    nope = num_channels - 2 * half if ROPE else num_channels
+    out_row = out_ptr + rows.to(tl.int64) * CHANNELS
+    nope = CHANNELS - 2 * HALF if ROPE else CHANNELS
     cols = tl.arange(0, BLOCK_C)
     # the norm needs every channel; a plain rope only copies the nope ones
-    load_cols = num_channels if NORM else nope
+    load_cols = CHANNELS if NORM else nope
     x = tl.load(
         x_row[:, None] + cols[None, :],
         mask=row_ok[:, None] & (cols < load_cols)[None, :],
@@ -69,13 +69,13 @@ def norm_rope_kernel(
     ).to(tl.float32)
     factor = tl.full((BLOCK_ROWS,), 1.0, tl.float32)
     if NORM:
-        mean_sq = tl.sum(x * x, axis=1) / num_channels
+        mean_sq = tl.sum(x * x, axis=1) / CHANNELS
         factor = 1.0 / tl.sqrt_rn(mean_sq + eps)
         if not WEIGHTED:  # the reference rounds the factor to x's dtype first
             factor = to_output(factor, out_ptr).to(tl.float32)
         y = x * factor[:, None]
         if WEIGHTED:  # weight * (x * factor): the reference's order
-            w = tl.load(w_ptr + cols, mask=cols < num_channels, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + cols, mask=cols < CHANNELS, other=0.0).to(tl.float32)
             y = w[None, :] * y
     else:
         y = x
@@ -87,7 +87,7 @@ def norm_rope_kernel(
     if ROPE:
         pair = tl.arange(0, BLOCK_HALF)
         lane = tl.arange(0, 2)
-        pair_ok = pair < half
+        pair_ok = pair < HALF
         offs = nope + 2 * pair[None, :, None] + lane[None, None, :]  # [1, BLOCK_HALF, 2]
         mask = row_ok[:, None, None] & pair_ok[None, :, None] & (lane < 2)[None, None, :]
         xr = tl.load(x_row[:, None, None] + offs, mask=mask, other=0.0).to(tl.float32)
@@ -189,13 +189,13 @@ def _launch(
         out,
         num_rows,
         x3.shape[1],
-        channels,
-        half,
         eps,
         x3.stride(0),
         x3.stride(1),
         cos.stride(0) if rope else 0,
         sin.stride(0) if rope else 0,
+        CHANNELS=channels,
+        HALF=half,
         BLOCK_ROWS=block_rows,
         BLOCK_C=block_c,
         BLOCK_HALF=max(1, triton.next_power_of_2(half)),
