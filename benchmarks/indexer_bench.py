@@ -21,6 +21,7 @@ Triton rows whether the answer equals the reference (ids) or its max |error|.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 from collections.abc import Callable
@@ -98,6 +99,8 @@ def _indexer_variants(s: int, e: int, device: torch.device) -> dict[str, indexer
         "tiles4x": indexer.IndexerTiling(base.block_e, min(64, 4 * base.tiles), 4, 3),
         "stages1": indexer.IndexerTiling(base.block_e, base.tiles, 4, 1),
         "warps8": indexer.IndexerTiling(base.block_e, base.tiles, 8, 3),
+        "select_torch": dataclasses.replace(base, triton_select_max_entries=0),
+        "select_triton": dataclasses.replace(base, triton_select_max_entries=e),
     }
     return {k: v for k, v in variants.items() if v.tiles <= max(tiles_per_query, 1)}
 

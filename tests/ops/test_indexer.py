@@ -153,12 +153,27 @@ def test_packed_keys_equal_topk_earliest_packing(indexer):
 def test_tilings_agree(indexer, block_e, tiles):
     """GPU-like small programs and long ones give the same bits (deterministic per entry)."""
     case = make_case(5, 210, 16, 64, seed=block_e, dtype=torch.bfloat16)
-    tiling = indexer.IndexerTiling(block_e=block_e, tiles=tiles, num_warps=4, num_stages=2)
+    tiling = indexer.IndexerTiling(block_e, tiles, 4, 2, triton_select_max_entries=0)
     got = indexer.indexer_logits(**case, tiling=tiling)
     base = indexer.indexer_logits(**case)
     assert torch.equal(got, base)
     ids = indexer.paged_indexer_topk(**case, k=50, tiling=tiling)
     assert_same_topk(ids, reference.paged_indexer_topk(**case, k=50), reference_scores(case))
+
+
+@pytest.mark.parametrize(
+    "s,e,k,visible",
+    [(3, 100, 37, None), (2, 64, 64, None), (4, 1, 1, None), (2, 130, 1, None), (3, 90, 32, 7)],
+)
+def test_triton_select_matches_reference(indexer, s, e, k, visible):
+    """The bitonic top-k kernel (the GPU default for E <= 2048): non-power-of-2 k and E,
+    k = E, k = 1, fewer visible entries than k; half the keys zero (ties)."""
+    case = make_case(s, e, 16, 32, seed=e + k, dtype=torch.bfloat16, zero_frac=0.5)
+    if visible is not None:
+        case["num_visible"] = torch.full((s,), visible, device=DEVICE)
+    tiling = indexer.IndexerTiling(64, 8, 4, 1, triton_select_max_entries=e)
+    got = indexer.paged_indexer_topk(**case, k=k, tiling=tiling)
+    assert torch.equal(got, reference.paged_indexer_topk(**case, k=k))
 
 
 def test_all_ties_pick_earliest(indexer):

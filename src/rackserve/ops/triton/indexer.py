@@ -37,6 +37,9 @@ class IndexerTiling:
     tiles: int  # tiles per program: q and weights are loaded once per program
     num_warps: int
     num_stages: int
+    # select with the Triton bitonic top-k kernel (one program per query, the packed row in
+    # registers) up to this many entries; torch.topk beyond (and for 0 / k > E)
+    triton_select_max_entries: int = 2048
 
 
 @functools.lru_cache(maxsize=8)
@@ -53,7 +56,10 @@ def default_tiling(num_queries: int, num_entries: int, device: torch.device) -> 
     SM). On CPU (the interpreter) big programs keep the interpreted loop short.
     """
     if device.type != "cuda":
-        return IndexerTiling(block_e=64, tiles=8, num_warps=4, num_stages=1)
+        # the interpreted bitonic top-k is slow: tests select with it explicitly
+        return IndexerTiling(64, tiles=8, num_warps=4, num_stages=1, triton_select_max_entries=0)
+    # select: torch.topk on int64 is a radix select (8 digit passes) + a sort of the k
+    # picks, 2+ launches; a bitonic top-k of a 1024-entry row in one program is a few us
     block_e = 64
     tiles_per_query = triton.cdiv(max(num_entries, 1), block_e)
     want = max(1, num_queries * tiles_per_query // (4 * _num_sms(device)))
@@ -141,6 +147,29 @@ def _store_logits(out_row, e, logit, num_entries, PACKED: tl.constexpr):
         tl.store(out_row + e, key, mask=e < num_entries)
     else:
         tl.store(out_row + e, logit, mask=e < num_entries)
+
+
+@triton.jit
+def select_topk_kernel(
+    packed_ptr,  # [S, E] int64 keys of ``_store_logits``
+    ids_ptr,  # [S, k] int64 entry ids, best first
+    num_entries,
+    k,
+    stride_ps,
+    stride_is,
+    BLOCK_N: tl.constexpr,  # next_pow2(E)
+    BLOCK_K: tl.constexpr,  # next_pow2(k) <= BLOCK_N
+):
+    """Bitonic top-BLOCK_K of one query's packed row; the keys are distinct, so the sorted
+    answer is ``torch.topk``'s, and the entry id is recovered from the low 32 bits."""
+    s = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_N)
+    lowest = -9223372036854775807 - 1  # padding sorts after every real key
+    keys = tl.load(packed_ptr + s * stride_ps + e, mask=e < num_entries, other=lowest)
+    best = tl.topk(keys, BLOCK_K)  # [BLOCK_K] descending
+    ids = 0x7FFFFFFF - (best & 0xFFFFFFFF)
+    pick = tl.arange(0, BLOCK_K)
+    tl.store(ids_ptr + s * stride_is + pick, ids, mask=pick < k)
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -253,7 +282,8 @@ def paged_indexer_topk(
     *,
     tiling: IndexerTiling | None = None,
 ) -> torch.Tensor:
-    """Fused ``ops.reference.paged_indexer_topk``: one logits launch + ``torch.topk``.
+    """Fused ``ops.reference.paged_indexer_topk``: the logits launch, then one bitonic
+    top-k launch (E <= ``tiling.triton_select_max_entries``) or ``torch.topk``.
 
     q: [S, Hi, Di] (fp32/bf16/fp16); key_cache: [N, C >= Di], the index keys in its first
     Di columns (row stride C, unit column stride); slots: [S, E] int64 rows of each query's
@@ -263,7 +293,24 @@ def paged_indexer_topk(
     """
     if not 0 <= k <= slots.shape[-1]:
         raise ValueError(f"k={k} must be in [0, E={slots.shape[-1]}]")
+    tiling = tiling or default_tiling(q.shape[0], slots.shape[-1], q.device)
     packed = indexer_logits(
         q, key_cache, slots, weights, scale, num_visible, packed=True, tiling=tiling
     )
-    return packed.topk(k, dim=-1).indices
+    num_queries, num_entries = packed.shape
+    if k == 0 or num_queries == 0 or num_entries > tiling.triton_select_max_entries:
+        return packed.topk(k, dim=-1).indices
+    ids = _empty((num_queries, k), torch.int64, q.device)
+    block_n = max(2, triton.next_power_of_2(num_entries))  # tl.topk needs k >= 2
+    select_topk_kernel[(num_queries,)](
+        packed,
+        ids,
+        num_entries,
+        k,
+        packed.stride(0),
+        ids.stride(0),
+        BLOCK_N=block_n,
+        BLOCK_K=max(2, triton.next_power_of_2(k)),
+        num_warps=4 if block_n <= 1024 else 8 if block_n <= 4096 else 16,
+    )
+    return ids
