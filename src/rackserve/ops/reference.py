@@ -388,3 +388,38 @@ def paged_sparse_attention(
     if cos is None:
         return out
     return apply_rope(out, cos, -sin)
+
+
+def paged_indexer_topk(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    scale: float,
+    num_visible: torch.Tensor,
+    k: int,
+) -> torch.Tensor:
+    """``indexer_topk`` reading each query's keys through its slot list.
+
+    q: [S, Hi, Di]; key_cache: [N, C] rows whose first Di columns are the index keys (a
+    column slice of the csa_kv cache: C may be the row stride of a wider cache); slots:
+    [S, E] int64, entry e of query s's request lives at row slots[s, e]; weights [S, Hi]
+    float32; num_visible: [S]. Returns [S, k] int64 entry ids (see ``indexer_topk``).
+    """
+    keys = key_cache[slots][..., : q.shape[-1]]  # [S, E, Di]
+    return indexer_topk(q, keys, weights, scale, num_visible, k)
+
+
+def rms_norm_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """RMSNorm over the last dim, then interleaved RoPE on its trailing 2 * R/2 channels.
+
+    x: [T, ..., C]; weight: [C] float32 or None; cos, sin: [T, R/2]. Both steps round to
+    x's dtype, as the unfused ops do (the q and kv paths of attention).
+    """
+    return apply_rope(rms_norm(x, weight, eps), cos, sin)
