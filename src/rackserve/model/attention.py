@@ -26,7 +26,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rackserve import ops
 from rackserve.config import CSA, HCA, SLIDING, ModelConfig
 from rackserve.model.batch import KVCacheTensors, StepMetadata
 from rackserve.model.layers import GroupedLinear, RMSNorm, Rotary
@@ -75,23 +74,26 @@ class Indexer(nn.Module):
         q_residual: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        keys: torch.Tensor,
+        key_cache: torch.Tensor,
+        slots: torch.Tensor,
         num_visible: torch.Tensor,
     ) -> torch.Tensor:
         """Top-k compressed entries per query.
 
-        x: [S, D]; q_residual: [S, q_lora]; cos/sin at the query positions; keys: [S, E, Di]
-        (entries 0..E-1 of each query's request); num_visible: [S]. Returns entry ids
+        x: [S, D]; q_residual: [S, q_lora]; cos/sin at the query positions; key_cache: the
+        [N, C] rows whose first Di columns are index keys; slots: [S, E] rows of entries
+        0..E-1 of each query's request; num_visible: [S]. Returns entry ids
         [S, min(topk, E)], best first; ids >= num_visible are not visible (the caller masks).
         Ties (common with few index heads: relu zeroes whole scores) go to the earliest
         entry, so the choice never depends on how the prompt was chunked.
         """
-        s = x.shape[0]
-        q = self.wq_b(q_residual).view(s, self.num_heads, self.head_dim)
-        q = ops.apply_rope(q, cos, sin)
+        s, k = x.shape[0], self.kernels
+        q = k.apply_rope(self.wq_b(q_residual).view(s, self.num_heads, self.head_dim), cos, sin)
         weights = self.weights_proj(x).float() * self.num_heads**-0.5
-        k = min(self.topk, keys.shape[1])
-        return self.kernels.indexer_topk(q, keys, weights, self.head_dim**-0.5, num_visible, k)
+        num = min(self.topk, slots.shape[1])
+        return k.paged_indexer_topk(
+            q, key_cache, slots, weights, self.head_dim**-0.5, num_visible, num
+        )
 
 
 # Bytes of gathered rows and scores one attention chunk may hold (queries are processed in
@@ -179,29 +181,30 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: StepMetadata, caches: KVCacheTensors) -> torch.Tensor:
         # x: [T, D] (the normed block input) -> [T, D]
-        t = x.shape[0]
+        t, k = x.shape[0], self.kernels
         cos, sin = self.rotary(meta.positions, x.dtype)
-        q_residual = self.q_norm(self.wq_a(x))
+        q_residual = k.rms_norm(self.wq_a(x), self.q_norm.weight, self.eps)
         q = self.wq_b(q_residual).view(t, self.num_heads, self.head_dim)
-        q = ops.apply_rope(ops.rms_norm(q, None, self.eps), cos, sin)
-        kv = ops.apply_rope(self.norm(self.wkv(x)), cos, sin)  # [T, Dh]
+        q = k.rms_norm_rope(q, None, self.eps, cos, sin)  # unweighted per-head norm
+        kv = k.rms_norm_rope(self.wkv(x), self.norm.weight, self.eps, cos, sin)  # [T, Dh]
         swa = caches.flat("swa", self.layer_id)
         swa[meta.slot_mapping["swa"]] = kv.to(swa.dtype)
         if self.ratio:
             self._update_compressed(x, meta, caches)
 
         out = torch.empty_like(q)
+        window = meta.gather["swa"]
         chunk = self._chunk_tokens(t, meta.max_seq_len, x.element_size())
         for a in range(0, t, chunk):
-            b = min(a + chunk, t)
-            rows, valid = self._gather_rows(
-                meta, caches, slice(a, b), x[a:b], q_residual[a:b], cos[a:b], sin[a:b]
+            rows = slice(a, min(a + chunk, t))
+            entries, slots, valid = self._compressed_rows(
+                meta, caches, rows, x[rows], q_residual[rows], cos[rows], sin[rows]
             )
-            out[a:b] = self.kernels.sparse_attention(
-                q[a:b], rows, valid, self.attn_sink, self.head_dim**-0.5
-            )
-        # K = V carried RoPE into the output's rope slice: rotate back by the query position.
-        out = ops.apply_rope(out, cos, -sin)
+            # K = V carried RoPE into the output's rope slice: the op rotates it back
+            out[rows] = k.paged_sparse_attention(
+                q[rows], swa, window.slots[rows], entries, slots, valid, self.attn_sink,
+                self.head_dim**-0.5, cos[rows], sin[rows],
+            )  # fmt: skip
         return self.wo_b(self.wo_a(out.view(t, self.o_groups, -1)))
 
     def _chunk_tokens(self, num_tokens: int, max_seq_len: int, element_size: int) -> int:
@@ -213,37 +216,36 @@ class Attention(nn.Module):
             per_token += entries * 4 * (self.indexer.head_dim + self.indexer.num_heads)
         return max(1, min(num_tokens, _CHUNK_BYTES // per_token))
 
-    def _gather_rows(
+    def _compressed_rows(
         self,
         meta: StepMetadata,
         caches: KVCacheTensors,
-        tokens: slice,
+        rows: slice,
         x: torch.Tensor,
         q_residual: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows each query of ``tokens`` attends to, and which of them are valid.
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The compressed rows the queries of ``rows`` attend to besides their window.
 
-        Query at position p: window rows p-W+1 .. p, then (HCA) entries 0 .. E-1 or (CSA)
-        the indexer's picks, entry e visible once p >= r*e + r - 1. E = max_seq_len // r
-        bounds every request's entries. Returns rows [n, M, Dh] and valid [n, M].
+        Query at position p: (HCA) entries 0 .. E-1, or (CSA) the indexer's picks; entry e
+        is visible once p >= r*e + r - 1, and E = max_seq_len // r bounds every request's
+        entries. Returns (the entry cache, slots [n, K], valid [n, W + K] over
+        [window | compressed]); a sliding layer returns no compressed slots.
         """
-        window = meta.gather["swa"]
-        rows = caches.flat("swa", self.layer_id)[window.slots[tokens]]  # [n, W, Dh]
-        valid = window.valid[tokens]
+        window_valid = meta.gather["swa"].valid[rows]
+        swa = caches.flat("swa", self.layer_id)
         if not self.ratio or meta.max_seq_len < self.ratio:
-            return rows, valid
+            return swa, meta.gather["swa"].slots[rows][:, :0], window_valid
         entries = caches.flat(self.entry_group, self.layer_id)
         plan = meta.gather[self.entry_group]
-        slots, num_visible = plan.slots[tokens], plan.num_visible[tokens]  # [n, E], [n]
+        slots = plan.slots[rows]  # [n, E]
         if self.kind == CSA:  # entry rows are [kv (Dh) | indexer key (Di)]
-            index_keys = entries[:, self.head_dim :][slots]  # [n, E, Di]
-            ids = self.indexer.select(x, q_residual, cos, sin, index_keys, num_visible)
-            slots = slots.gather(1, ids)
-            picked = ids < num_visible[:, None]
+            num_visible = plan.num_visible[rows]
+            ids = self.indexer.select(
+                x, q_residual, cos, sin, entries[:, self.head_dim :], slots, num_visible
+            )
+            slots, picked = slots.gather(1, ids), ids < num_visible[:, None]
         else:
-            picked = plan.valid[tokens]
-        compressed = entries[:, : self.head_dim][slots]  # [n, K, Dh]
-        rows = torch.cat([rows, compressed.to(rows.dtype)], dim=1)
-        return rows, torch.cat([valid, picked], dim=1)
+            picked = plan.valid[rows]
+        return entries, slots, torch.cat([window_valid, picked], dim=1)

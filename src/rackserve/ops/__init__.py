@@ -11,6 +11,7 @@ Each fast implementation is tested against its reference.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 from collections.abc import Callable
@@ -31,7 +32,10 @@ from rackserve.ops.reference import (
     hc_weights,
     indexer_topk,
     moe_experts,
+    paged_indexer_topk,
+    paged_sparse_attention,
     rms_norm,
+    rms_norm_rope,
     rope_cos_sin,
     route,
     router_scores,
@@ -57,7 +61,10 @@ __all__ = [
     "indexer_topk",
     "kernels",
     "moe_experts",
+    "paged_indexer_topk",
+    "paged_sparse_attention",
     "rms_norm",
+    "rms_norm_rope",
     "rope_cos_sin",
     "route",
     "router_scores",
@@ -80,10 +87,13 @@ class Kernels:
     hc_head: Callable
     hc_post_pre: Callable
     moe_experts: Callable
-    sparse_attention: Callable
-    indexer_topk: Callable
+    paged_sparse_attention: Callable
+    paged_indexer_topk: Callable
     compress_pool: Callable
     route: Callable
+    rms_norm: Callable
+    apply_rope: Callable
+    rms_norm_rope: Callable
 
 
 def _on_cuda(module: str, name: str, ref: Callable) -> Callable:
@@ -113,30 +123,25 @@ def kernels(name: str = "auto") -> Kernels:
     """The op table for ``name`` in :data:`KERNEL_CHOICES`."""
     if name not in KERNEL_CHOICES:
         raise ValueError(f"unknown kernels {name!r}: choose one of {', '.join(KERNEL_CHOICES)}")
-    ref = Kernels(
-        "reference",
-        hc_pre=reference.hc_pre,
-        hc_post=reference.hc_post,
-        hc_head=reference.hc_head,
-        hc_post_pre=reference.hc_post_pre,
-        moe_experts=reference.moe_experts,
-        sparse_attention=reference.sparse_attention,
-        indexer_topk=reference.indexer_topk,
-        compress_pool=reference.compress_pool,
-        route=reference.route,
-    )
+    ops = [f.name for f in dataclasses.fields(Kernels) if f.name != "name"]
+    ref = Kernels("reference", **{op: getattr(reference, op) for op in ops})
     if name == "reference" or importlib.util.find_spec("triton") is None:
         return ref
-    mhc, compress = "rackserve.ops.triton.mhc", "rackserve.ops.triton.compress"
-    return Kernels(
-        "auto",
-        hc_pre=_on_cuda(mhc, "hc_pre", ref.hc_pre),
-        hc_post=_on_cuda(mhc, "hc_post", ref.hc_post),
-        hc_head=_on_cuda(mhc, "hc_head", ref.hc_head),
-        hc_post_pre=_on_cuda(mhc, "hc_post_pre", ref.hc_post_pre),
-        moe_experts=_moe,
-        sparse_attention=ref.sparse_attention,
-        indexer_topk=ref.indexer_topk,
-        compress_pool=_on_cuda(compress, "compress_pool", ref.compress_pool),
-        route=_on_cuda("rackserve.ops.triton.route", "route", ref.route),
-    )
+    triton_ops = {  # op -> the module of its Triton kernel
+        "hc_pre": "mhc",
+        "hc_post": "mhc",
+        "hc_head": "mhc",
+        "hc_post_pre": "mhc",
+        "paged_sparse_attention": "sparse_attn",
+        "paged_indexer_topk": "indexer",
+        "compress_pool": "compress",
+        "route": "route",
+        "rms_norm": "norm_rope",
+        "apply_rope": "norm_rope",
+        "rms_norm_rope": "norm_rope",
+    }
+    fast = {
+        op: _on_cuda(f"rackserve.ops.triton.{module}", op, getattr(ref, op))
+        for op, module in triton_ops.items()
+    }
+    return Kernels("auto", moe_experts=_moe, **fast)
