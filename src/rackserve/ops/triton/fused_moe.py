@@ -63,7 +63,12 @@ def _num_sms(device: torch.device) -> int:
 
 
 def default_tiling(
-    num_tokens: int, top_k: int, num_experts: int, inter: int, device: torch.device
+    num_tokens: int,
+    top_k: int,
+    num_experts: int,
+    inter: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> Tiling:
     """Launch shapes from T, k, E, I and the device (host ints only: graph-safe).
 
@@ -80,14 +85,15 @@ def default_tiling(
     block_m = 16 if pairs <= 16 * num_experts else 32
     hit_experts = min(num_experts, pairs)
     narrow = hit_experts * triton.cdiv(inter, 64) < 3 * _num_sms(device)
+    block_k = 64 if dtype == torch.float32 else 128  # 3 stages of fp32 tiles fill the SMEM
     return Tiling(
         block_m=block_m,
         gate_up_block_n=32 if narrow else 64,
-        gate_up_block_k=128,
+        gate_up_block_k=block_k,
         gate_up_warps=4,
         gate_up_stages=4,
         down_block_n=64,
-        down_block_k=128,
+        down_block_k=block_k,
         down_warps=4,
         down_stages=4,
         align_segment=2048,
@@ -221,7 +227,7 @@ def moe_experts(
     out = _empty((num_tokens, hidden), x.dtype, x.device)
     if num_tokens == 0 or top_k == 0:
         return out.zero_()
-    tiling = tiling or default_tiling(num_tokens, top_k, num_experts, inter, x.device)
+    tiling = tiling or default_tiling(num_tokens, top_k, num_experts, inter, x.device, x.dtype)
     x = x.contiguous()
     topk_ids = topk_ids.contiguous()
     weights = topk_weights.to(torch.float32).contiguous().view(-1)

@@ -41,7 +41,15 @@ from rackserve.ops.triton.mhc_kernels import to_output
 
 
 @triton.jit
-def _segment_counts(ids_ptr, seg, num_pairs, num_experts, pairs_per_segment, BLOCK_E, CHUNK):
+def _segment_counts(
+    ids_ptr,
+    seg,
+    num_pairs,
+    num_experts,
+    pairs_per_segment,
+    BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     """counts [BLOCK_E] int32 of the pairs of segment seg with expert e (ids outside
     [0, E) are counted nowhere)."""
     experts = tl.arange(0, BLOCK_E)
@@ -154,8 +162,10 @@ def _swiglu(gate, up, limit):
 def _dot(a, w, acc, FP32_DOT: tl.constexpr):
     """acc + a @ w with fp32 accumulation; IEEE fp32 products when FP32_DOT."""
     if FP32_DOT:
-        return tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, w, acc)
+        acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, w, acc)
+    return acc
 
 
 @triton.jit
