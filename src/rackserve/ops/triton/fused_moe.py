@@ -170,15 +170,8 @@ def _check(
     if x.dim() != 2 or x.dtype not in _ACTIVATION_DTYPES:
         raise ValueError(f"x must be [T, D] in {_ACTIVATION_DTYPES}, got {x.dtype} {x.shape}")
     t, d = x.shape
-    if (
-        topk_ids.dim() != 2
-        or topk_ids.shape[0] != t
-        or topk_ids.dtype
-        not in (
-            torch.int32,
-            torch.int64,
-        )
-    ):
+    id_dtypes = (torch.int32, torch.int64)
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_ids.dtype not in id_dtypes:
         raise ValueError(
             f"topk_ids must be [{t}, k] int32/int64, got {topk_ids.dtype} {tuple(topk_ids.shape)}"
         )
