@@ -113,10 +113,20 @@ def _on_cuda(module: str, name: str, ref: Callable) -> Callable:
     return dispatch
 
 
+# Decode-sized batches take the fused Triton MoE (weights streamed once per step, no
+# padding to GEMM tiles); larger ones the grouped GEMMs (tensor-core tiles for prefill).
+FUSED_MOE_MAX_TOKENS = 256
+
+
 def _moe(x, *args, **kwargs):
+    if x.is_cuda and x.shape[0] <= FUSED_MOE_MAX_TOKENS:
+        return _fused_moe(x, *args, **kwargs)
     if x.is_cuda and grouped_mm_supported(x):
         return moe_experts_grouped(x, *args, **kwargs)
     return reference.moe_experts(x, *args, **kwargs)
+
+
+_fused_moe = _on_cuda("rackserve.ops.triton.fused_moe", "moe_experts", reference.moe_experts)
 
 
 def kernels(name: str = "auto") -> Kernels:
