@@ -8,8 +8,8 @@ has a ``run(device=...)`` returning records, plus the router and window-compress
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
+import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -99,12 +99,18 @@ def main() -> None:
             records[name] = fn()
         except Exception:
             traceback.print_exc()
+    # each module in its own process: a kernel fault poisons the CUDA context it runs in
     for path in sorted(Path(__file__).parent.glob("*_bench.py")):
-        module = importlib.import_module(path.stem)
-        try:
-            records[path.stem] = module.run(device="cuda")
-        except Exception:
-            traceback.print_exc()
+        code = (
+            f"import json, sys; sys.path.insert(0, {str(path.parent)!r}); "
+            f"import {path.stem} as m; print('@@' + json.dumps(m.run(device='cuda'), default=str))"
+        )
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        lines = [x for x in done.stdout.splitlines() if x.startswith("@@")]
+        if done.returncode or not lines:
+            print(f"{path.stem} failed:\n{done.stderr[-3000:]}", flush=True)
+            continue
+        records[path.stem] = json.loads(lines[-1][2:])
     Path(args.output).write_text(json.dumps(records, indent=1, default=str))
     for name, rows in records.items():
         for r in rows:

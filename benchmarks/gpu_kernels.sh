@@ -9,12 +9,12 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/src PYTHONUNBUFFERED=1
-rs() { python3 -c 'import sys; from rackserve.cli import main; sys.exit(main(sys.argv[1:]))' "$@"; }
+RS=(python3 -c 'import sys; from rackserve.cli import main; sys.exit(main(sys.argv[1:]))')
 echo "== op + model GPU tests"
-timeout 300 python3 -m pytest -q -x -p no:cacheprovider -m "gpu or not gpu" tests/ops \
+timeout 300 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/ops \
   tests/model/test_gpu_fastpath.py 2>&1 | tee "$OUT/pytest.log" | tail -12
 echo "== bench forward (fast)"
-timeout 240 rs bench forward --preset v4-flash --layers 4 --experts 64 --iters 20 --warmup 3 \
+timeout 240 "${RS[@]}" bench forward --preset v4-flash --layers 4 --experts 64 --iters 20 --warmup 3 \
   --batch decode:1@4096 --batch decode:64@4096 --batch decode:256@4096 --batch decode:64@512 \
   --batch prefill:2048 --batch prefill:8192 --output "$OUT/forward.json" 2>&1 | tail -6
 echo "== profile"

@@ -195,6 +195,7 @@ def test_strided_inputs_and_determinism(fm):
 def test_empty_batch(fm):
     _, _, _, w13, w2 = make_case(1, 4, 64, 32, 2, seed=0, dtype=torch.float32)
     x, ids, weights = torch.zeros(0, 64), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2)
+    x, ids, weights = (t.to(w13.device) for t in (x, ids, weights))
     assert fm.moe_experts(x, ids, weights, w13, w2, LIMIT).shape == (0, 64)
 
 

@@ -131,7 +131,8 @@ def moe_align(
     block_expert = _empty((num_blocks,), torch.int32, device)
     block_e = max(16, triton.next_power_of_2(num_experts))
     chunk = max(16, min(128, 8192 // block_e))  # [CHUNK, BLOCK_E] one-hot tiles
-    segment = max(chunk, triton.cdiv(segment, chunk) * chunk)
+    # a segment no longer than the pairs there are: a decode step's few pairs are one chunk
+    segment = max(chunk, triton.cdiv(min(segment, num_pairs), chunk) * chunk)
     num_segments = max(1, triton.cdiv(num_pairs, segment))
     ids = topk_ids.view(-1)
     counts = sorted_ids  # unread when one program counts
