@@ -66,12 +66,17 @@ def default_tiling(
     if device.type != "cuda":
         return Tiling(16, 32, 1, 1, 4, 1, 16, 4)
     sms = _num_sms(device)
-    block_h = 32 if num_queries * triton.cdiv(num_heads, 32) >= 2 * sms else 16
+    # Measured on the H200 (benchmarks/results/2026-12-01-h200-m2.md; H 64, Dh 512): 32
+    # heads per program from S = 64 (24.5 vs 33.7 us at 160 rows, 93 vs 137 us at 640) and
+    # 64-row tiles from S = 128 (94 vs 107 us at 160 rows, 265 vs 366 us at 640 for S=256)
+    block_h = 32 if num_queries >= 64 else 16
+    block_n = 64 if num_queries >= 128 else 32
+    tiles = max(1, triton.cdiv(num_rows, block_n))
     programs = num_queries * triton.cdiv(num_heads, block_h)
     splits = max(1, min(tiles, triton.cdiv(sms, programs)))
     # ptxas for sm_90 at Dh 512, BLOCK_N 32, prefetch: 8 warps 155 registers (16 heads) /
     # 209 (32 heads), no spills; 4 warps spill
-    return Tiling(block_h, 32, 1, splits, 8, 1, 16, 4)
+    return Tiling(block_h, block_n, 1, splits, 8, 1, 16, 4)
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
