@@ -124,7 +124,8 @@ class KVCacheManager:
 
         Nothing of the request is keyed, so no other request can hit it, until its first
         :meth:`commit`: the scheduler commits only after a step has run on the KV, which the
-        caller must have written before that step.
+        caller must have written before that step. Window pages released here were never
+        keyed, so its first state checkpoint is the first A-boundary it computes past.
         """
         if num_tokens < 1 or max_chunk < 1:
             raise ValueError("num_tokens and max_chunk must be >= 1")
