@@ -387,15 +387,6 @@ class KVCacheManager:
         return self.pools[self._group_index[group]].num_free_blocks
 
     @property
-    def max_request_tokens(self) -> int:
-        """The most tokens one request can hold with the cache to itself (the least over
-        full-history groups; unbounded for a model with sliding groups only)."""
-        return min(
-            ((pool.num_blocks - 1) * spec.block_tokens for _, spec, pool in self._full),
-            default=1 << 62,
-        )
-
-    @property
     def usage(self) -> float:
         """The fullest group's fraction of blocks held by requests."""
         return max(pool.usage for pool in self.pools)

@@ -25,7 +25,7 @@ from rackserve.kv.block_pool import BlockPool, KVCacheBlock
 from rackserve.kv.hashing import BlockHashChain, BlockKey, block_key
 from rackserve.kv.spec import CacheGroupSpec
 
-# A token count no request reaches: the commit fast path of a request with no event ahead.
+# A token count no request reaches: the event of a group that never has commit work.
 NEVER = 1 << 62
 
 
