@@ -173,7 +173,8 @@ class Scheduler:
         preempted: set[str] = set()
         # Bound once: this loop runs per request per step.
         allocate_slots, running = self.kv.allocate_slots, self.running
-        idle_until = self.kv.idle_until.get  # KVCacheManager.idle_until: calls it may skip
+        # KVCacheManager.idle_until: calls it may skip (every running request has an entry)
+        idle_until = self.kv.idle_until
         unannounced = self._unannounced
         cached_ids, cached_blocks = cached.req_ids, cached.new_block_ids
         cached_computed = cached.num_computed_tokens
@@ -198,7 +199,7 @@ class Scheduler:
                 i += 1
                 continue
             req_id = req.request_id
-            if num_computed + num_new <= idle_until(req_id, 0) and req_id not in unannounced:
+            if num_computed + num_new <= idle_until[req_id] and req_id not in unannounced:
                 # Most decode steps: the manager has nothing to do
                 cached_ids.append(req_id)
                 cached_blocks.append(None)
@@ -354,7 +355,7 @@ class Scheduler:
         finished = set()
         # Hoisted: this loop runs once per request per step.
         get_request, commit, running = self.requests.get, self.kv.commit, RequestStatus.RUNNING
-        idle_until = self.kv.idle_until.get
+        idle_until = self.kv.idle_until  # every running request has an entry
         eos_token_ids, max_model_len = self.eos_token_ids, self.config.max_model_len
         eos_set = frozenset(eos_token_ids)
         all_logprobs, prompt_logprobs = result.logprobs, result.prompt_logprobs
@@ -364,7 +365,7 @@ class Scheduler:
             req = get_request(req_id)
             if req is None or req.status != running:
                 continue  # aborted or preempted while the step ran
-            if req.num_computed_tokens >= idle_until(req_id, 0):  # else a no-op
+            if req.num_computed_tokens >= idle_until[req_id]:  # else a no-op
                 commit(req, req.num_computed_tokens)
             if not sampled:
                 continue  # a prefill chunk short of the prompt's end

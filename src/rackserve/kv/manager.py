@@ -197,7 +197,10 @@ class KVCacheManager:
         else:
             if hit is not None and hit.num_tokens:
                 raise ValueError("a prefix hit can only start a request's first allocation")
-            self._commit(req, state, num_computed_tokens)  # frees pages that left the window
+            if state.num_computed_tokens <= num_computed_tokens < state.next_commit_event:
+                state.num_computed_tokens = num_computed_tokens  # _commit would only do this
+            else:
+                self._commit(req, state, num_computed_tokens)  # frees pages left behind
             tables, capacity = state.block_tables, state.group_capacity
 
         plan = []  # (group, first slot to fill, number of new blocks)
