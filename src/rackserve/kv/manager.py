@@ -203,10 +203,15 @@ class KVCacheManager:
                 self._commit(req, state, num_computed_tokens)  # frees pages left behind
             tables, capacity = state.block_tables, state.group_capacity
 
+        # Every group on the first call; later only those whose table ends before `end`
+        # (usually one: a decode step filling an 8-token csa_state page).
+        groups = self._groups
+        if not first_call:
+            groups = [
+                groups[g] for g, group_capacity in enumerate(capacity) if group_capacity < end
+            ]
         plan = []  # (group, first slot to fill, number of new blocks)
-        for g, spec, pool in self._groups:
-            if capacity[g] >= end and not first_call:
-                continue  # usually all groups but one (a decode step filling an 8-token page)
+        for g, spec, pool in groups:
             table, first = tables[g], len(tables[g])
             if spec.window is not None:
                 first = max(first, spec.first_live_slot(num_computed_tokens))
@@ -258,7 +263,7 @@ class KVCacheManager:
             for s, t in zip(self.specs, tables, strict=True)
         ]
         state.group_events = [0] * len(tables)
-        state.tentative_boundary = self.prefix_cache.floor_align(num_computed_tokens)
+        self.prefix_cache.set_tentative(state, self.prefix_cache.floor_align(num_computed_tokens))
         if self.enable_prefix_caching and not state.kv_pending:  # once admitted, not per lookup
             self._num_queries += 1
             self._num_queried_tokens += len(req.all_token_ids)
@@ -321,14 +326,13 @@ class KVCacheManager:
             pages       free  | checkpoint B  |  free  |  kept (window)  |
                         head  | tail (cached) |  head  |                 |
         """
-        latest = state.tentative_boundary if caching else 0
         for group in groups:
             g, spec, pool = group
             table, null = state.block_tables[g], pool.null_block
             start = state.num_done_slots[g]
             stop = min(spec.first_live_slot(state.num_computed_tokens), len(table))
-            # Slots holding rows [latest-W+1, latest): the provisional finish checkpoint.
-            first_latest, stop_latest = spec.first_live_slot(latest), latest // spec.block_tokens
+            # Slots holding rows [B-W+1, B) of the provisional finish checkpoint B.
+            first_latest, stop_latest = state.tentative_slots[g] if caching else (0, 0)
             released = []
             for i in range(start, stop):
                 block, table[i] = table[i], null
