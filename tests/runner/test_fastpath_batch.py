@@ -1,6 +1,6 @@
-"""The runner's per-step fast paths against their references: persistent sampling rows
-(gathered per step) against SamplingTensors.from_params, and the decode-only input build
-against the general one."""
+"""The runner's per-step work against fresh computations: persistent sampling rows
+(overwritten as requests leave and join, gathered per step in any order) against a fresh
+packing of the same requests, and the decode-only input build against the general one."""
 
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from rackserve.request import SamplingParams
-from rackserve.runner.input_batch import SamplingParamTable
 from rackserve.runner.inputs import build_batch_inputs
-from rackserve.runner.sampler import SamplingTensors
+from rackserve.runner.sampling_tensors import SamplingParamTable, SamplingTensors
 
 V = 64
 EOS = (1, 2)
@@ -50,7 +49,7 @@ def assert_same(a: SamplingTensors, b: SamplingTensors) -> None:
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_gathered_rows_match_from_params(seed):
+def test_reused_rows_gather_like_a_fresh_packing(seed):
     rng = random.Random(seed)
     table = SamplingParamTable(8, V)
     rows: dict[int, tuple[SamplingParams, list[int], int, int]] = {}

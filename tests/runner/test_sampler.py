@@ -11,13 +11,8 @@ import pytest
 import torch
 
 from rackserve.request import SamplingParams
-from rackserve.runner.sampler import (
-    SamplingTensors,
-    apply_penalties,
-    noise_seed,
-    sample,
-    sampling_noise,
-)
+from rackserve.runner.sampler import apply_penalties, sample, sampling_noise
+from rackserve.runner.sampling_tensors import SamplingTensors, noise_seed
 
 V = 50
 EOS = 1

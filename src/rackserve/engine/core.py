@@ -7,6 +7,7 @@ from the model, sizes the KV pools from the memory budget and prints the capacit
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterable
 
@@ -61,9 +62,24 @@ def plan_kv_cache(
     element = torch.tensor([], dtype=dtype).element_size()
     groups = cache_groups_for(config.model_config, dtype_bytes=element)
     sched = config.scheduler
-    return groups, plan_num_blocks(
+    num_blocks = plan_num_blocks(
         groups, budget_bytes, sched.max_num_seqs, sched.max_num_batched_tokens
     )
+    # A request may grow to max_model_len: if the whole cache cannot hold it, it would
+    # preempt itself forever (vLLM refuses to start too).
+    capacity = capacity_tokens(groups, num_blocks)
+    full = [g for g in groups if not g.is_sliding]
+    if full and capacity < sched.max_model_len:
+        missing = sched.max_model_len - capacity
+        # the missing tokens, plus a block per group for plan_num_blocks' rounding
+        needed = budget_bytes + math.ceil(missing * bytes_per_token(groups))
+        needed += sum(g.bytes_per_block for g in full)
+        raise ValueError(
+            f"the KV cache holds {capacity} tokens, fewer than one request of --max-model-len "
+            f"{sched.max_model_len}: raise --kv-cache-memory to at least {needed} bytes "
+            f"({needed / 2**20:.1f} MiB) or lower --max-model-len"
+        )
+    return groups, num_blocks
 
 
 class EngineCore:

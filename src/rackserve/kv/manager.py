@@ -124,7 +124,8 @@ class KVCacheManager:
 
         Nothing of the request is keyed, so no other request can hit it, until its first
         :meth:`commit`: the scheduler commits only after a step has run on the KV, which the
-        caller must have written before that step.
+        caller must have written before that step. Window pages released here were never
+        keyed, so its first state checkpoint is the first A-boundary it computes past.
         """
         if num_tokens < 1 or max_chunk < 1:
             raise ValueError("num_tokens and max_chunk must be >= 1")
@@ -196,13 +197,21 @@ class KVCacheManager:
         else:
             if hit is not None and hit.num_tokens:
                 raise ValueError("a prefix hit can only start a request's first allocation")
-            self._commit(req, state, num_computed_tokens)  # frees pages that left the window
+            if state.num_computed_tokens <= num_computed_tokens < state.next_commit_event:
+                state.num_computed_tokens = num_computed_tokens  # _commit would only do this
+            else:
+                self._commit(req, state, num_computed_tokens)  # frees pages left behind
             tables, capacity = state.block_tables, state.group_capacity
 
+        # Every group on the first call; later only those whose table ends before `end`
+        # (usually one: a decode step filling an 8-token csa_state page).
+        groups = self._groups
+        if not first_call:
+            groups = [
+                groups[g] for g, group_capacity in enumerate(capacity) if group_capacity < end
+            ]
         plan = []  # (group, first slot to fill, number of new blocks)
-        for g, spec, pool in self._groups:
-            if capacity[g] >= end and not first_call:
-                continue  # usually all groups but one (a decode step filling an 8-token page)
+        for g, spec, pool in groups:
             table, first = tables[g], len(tables[g])
             if spec.window is not None:
                 first = max(first, spec.first_live_slot(num_computed_tokens))
@@ -254,7 +263,7 @@ class KVCacheManager:
             for s, t in zip(self.specs, tables, strict=True)
         ]
         state.group_events = [0] * len(tables)
-        state.tentative_boundary = self.prefix_cache.floor_align(num_computed_tokens)
+        self.prefix_cache.set_tentative(state, self.prefix_cache.floor_align(num_computed_tokens))
         if self.enable_prefix_caching and not state.kv_pending:  # once admitted, not per lookup
             self._num_queries += 1
             self._num_queried_tokens += len(req.all_token_ids)
@@ -317,14 +326,13 @@ class KVCacheManager:
             pages       free  | checkpoint B  |  free  |  kept (window)  |
                         head  | tail (cached) |  head  |                 |
         """
-        latest = state.tentative_boundary if caching else 0
         for group in groups:
             g, spec, pool = group
             table, null = state.block_tables[g], pool.null_block
             start = state.num_done_slots[g]
             stop = min(spec.first_live_slot(state.num_computed_tokens), len(table))
-            # Slots holding rows [latest-W+1, latest): the provisional finish checkpoint.
-            first_latest, stop_latest = spec.first_live_slot(latest), latest // spec.block_tokens
+            # Slots holding rows [B-W+1, B) of the provisional finish checkpoint B.
+            first_latest, stop_latest = state.tentative_slots[g] if caching else (0, 0)
             released = []
             for i in range(start, stop):
                 block, table[i] = table[i], null
@@ -384,15 +392,6 @@ class KVCacheManager:
 
     def num_free_blocks(self, group: str) -> int:
         return self.pools[self._group_index[group]].num_free_blocks
-
-    @property
-    def max_request_tokens(self) -> int:
-        """The most tokens one request can hold with the cache to itself (the least over
-        full-history groups; unbounded for a model with sliding groups only)."""
-        return min(
-            ((pool.num_blocks - 1) * spec.block_tokens for _, spec, pool in self._full),
-            default=1 << 62,
-        )
 
     @property
     def usage(self) -> float:

@@ -157,7 +157,15 @@ class PrefixCache:
                 if block.block_hash == key:
                     pool.uncache_free_block(block)
             state.tentative_blocks.clear()
-            state.tentative_boundary = latest
+            self.set_tentative(state, latest)
+
+    def set_tentative(self, state: RequestState, boundary: int) -> None:
+        """The provisional finish checkpoint moves to ``boundary`` (a multiple of A)."""
+        state.tentative_boundary = boundary
+        state.tentative_slots = [
+            (s.first_live_slot(boundary), boundary // s.block_tokens) if s.is_sliding else (0, 0)
+            for s in self.specs
+        ]
 
     def _chosen_boundaries(
         self, req: PromptRequest, state: RequestState, previous: int, current: int

@@ -25,7 +25,7 @@ from rackserve.kv.block_pool import BlockPool, KVCacheBlock
 from rackserve.kv.hashing import BlockHashChain, BlockKey, block_key
 from rackserve.kv.spec import CacheGroupSpec
 
-# A token count no request reaches: the commit fast path of a request with no event ahead.
+# A token count no request reaches: the event of a group that never has commit work.
 NEVER = 1 << 62
 
 
@@ -69,6 +69,9 @@ class RequestState:
     # Full groups: leading slots already hashed. Sliding groups: leading slots released.
     num_done_slots: list[int] = field(default_factory=list)
     tentative_boundary: int = 0
+    # Per group, the slots [first, stop) holding rows of the tentative checkpoint (sliding
+    # groups; (0, 0) elsewhere): kept with the boundary, read by every page release.
+    tentative_slots: list[tuple[int, int]] = field(default_factory=list)
     tentative_blocks: list[tuple[BlockPool, KVCacheBlock, BlockKey]] = field(default_factory=list)
     # Where this request's chain leaves the cached history without a checkpoint there (a
     # shared system prompt): it checkpoints that boundary so the next request hits it.

@@ -9,7 +9,6 @@ instead of re-reading every request's SamplingParams.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,7 +17,7 @@ import torch
 from rackserve.engine.outputs import SchedulerOutput, TokenLogprobs
 from rackserve.request import SamplingParams
 from rackserve.runner.inputs import BlockTables, StepInputs, build_batch_inputs
-from rackserve.runner.sampler import SamplingTensors, noise_seed, pad_token_ids
+from rackserve.runner.sampling_tensors import SamplingParamTable, SamplingTensors
 
 
 @dataclass(slots=True)  # slots: read per request per step, keep it compact
@@ -42,119 +41,6 @@ class PreparedStep:
     sampling: SamplingTensors | None
     # block-table writes since the last step (BlockTables.drain_writes): flat index, id
     table_writes: tuple[np.ndarray, np.ndarray]
-
-
-class SamplingParamTable:
-    """Sampling parameters per persistent-batch row, as numpy columns.
-
-    Holds the values :meth:`SamplingTensors.from_params` packs (greedy rows neutral), as
-    float64 so the "does any row need this filter" tests see the values the user gave;
-    :meth:`gather` must produce exactly what ``from_params`` produces for the same
-    requests (tests/runner/test_fastpath_batch.py checks it).
-    """
-
-    def __init__(self, max_num_rows: int, vocab_size: int) -> None:
-        n = max_num_rows
-        self.vocab_size = vocab_size
-        self.params: list[SamplingParams | None] = [None] * n
-        self.num_prompt_tokens = np.zeros(n, dtype=np.int64)
-        self.temperature = np.ones(n)
-        self.is_greedy = np.zeros(n, dtype=bool)
-        self.top_k = np.full(n, vocab_size, dtype=np.int64)
-        self.top_p = np.ones(n)
-        self.min_p = np.zeros(n)
-        self.presence_penalty = np.zeros(n)
-        self.frequency_penalty = np.zeros(n)
-        self.repetition_penalty = np.ones(n)
-        self.min_tokens = np.zeros(n, dtype=np.int64)
-        self.wants_logprobs = np.zeros(n, dtype=bool)
-        self.num_logprobs = np.zeros(n, dtype=np.int64)  # read where wants_logprobs
-        self.seed = np.zeros(n, dtype=np.int64)
-
-    def set_row(self, row: int, p: SamplingParams, num_prompt_tokens: int, seed: int) -> None:
-        """`seed`: the row's noise seed (``p.seed`` when set, else one drawn for it)."""
-        greedy = p.is_greedy
-        self.params[row] = p
-        self.num_prompt_tokens[row] = num_prompt_tokens
-        self.temperature[row] = 1.0 if greedy else p.temperature
-        self.is_greedy[row] = greedy
-        self.top_k[row] = p.top_k if p.top_k > 0 and not greedy else self.vocab_size
-        self.top_p[row] = 1.0 if greedy else p.top_p
-        self.min_p[row] = 0.0 if greedy else p.min_p
-        self.presence_penalty[row] = p.presence_penalty
-        self.frequency_penalty[row] = p.frequency_penalty
-        self.repetition_penalty[row] = p.repetition_penalty
-        self.min_tokens[row] = p.min_tokens
-        self.wants_logprobs[row] = p.logprobs is not None
-        self.num_logprobs[row] = p.logprobs or 0
-        self.seed[row] = noise_seed(seed)
-
-    def gather(
-        self,
-        rows: np.ndarray,
-        token_ids: Sequence[list[int]],
-        eos_token_ids: Sequence[int],
-        device: torch.device | str,
-    ) -> SamplingTensors:
-        """SamplingTensors of ``rows`` [R] (in that order). ``token_ids[i]`` (prompt + output
-        so far) belongs to ``rows[i]``; it is only sliced when a penalty or min_tokens
-        needs the prompt or output part."""
-        vocab_size = self.vocab_size
-        prompt_lens = self.num_prompt_tokens[rows].tolist()
-
-        def prompts() -> list[list[int]]:
-            return [ids[:n] for ids, n in zip(token_ids, prompt_lens, strict=True)]
-
-        def outputs() -> list[list[int]]:
-            return [ids[n:] for ids, n in zip(token_ids, prompt_lens, strict=True)]
-
-        def column(values: np.ndarray, dtype: np.dtype) -> torch.Tensor:
-            return torch.from_numpy(values.astype(dtype)).to(device)
-
-        is_greedy = self.is_greedy[rows]
-        top_k = self.top_k[rows]
-        top_p = self.top_p[rows]
-        min_p = self.min_p[rows]
-        presence = self.presence_penalty[rows]
-        frequency = self.frequency_penalty[rows]
-        repetition = self.repetition_penalty[rows]
-        use_presence_or_frequency = bool(presence.any() or frequency.any())
-        use_repetition = bool((repetition != 1.0).any())
-        blocked = None
-        min_tokens = self.min_tokens[rows]
-        if min_tokens.any():
-            blocked = [[] for _ in range(len(rows))]
-            for i in np.flatnonzero(min_tokens).tolist():
-                p = self.params[rows[i]]
-                assert p is not None
-                if len(token_ids[i]) - prompt_lens[i] < p.min_tokens:
-                    blocked[i] = ([] if p.ignore_eos else list(eos_token_ids)) + p.stop_token_ids
-        wants = self.wants_logprobs[rows]
-        positions = np.fromiter(map(len, token_ids), dtype=np.int64, count=len(token_ids))
-        return SamplingTensors(
-            temperature=column(self.temperature[rows], np.float32),
-            is_greedy=torch.from_numpy(is_greedy).to(device),
-            top_k=column(top_k, np.int64) if (top_k < vocab_size).any() else None,
-            top_p=column(top_p, np.float32) if (top_p < 1.0).any() else None,
-            min_p=column(min_p, np.float32) if (min_p > 0.0).any() else None,
-            presence_penalty=column(presence, np.float32) if use_presence_or_frequency else None,
-            frequency_penalty=column(frequency, np.float32) if use_presence_or_frequency else None,
-            repetition_penalty=column(repetition, np.float32) if use_repetition else None,
-            output_token_ids=pad_token_ids(outputs(), vocab_size, device)
-            if use_presence_or_frequency or use_repetition
-            else None,
-            prompt_token_ids=pad_token_ids(prompts(), vocab_size, device)
-            if use_repetition
-            else None,
-            blocked_token_ids=pad_token_ids(blocked, vocab_size, device)
-            if blocked is not None and any(blocked)
-            else None,
-            seeds=column(self.seed[rows], np.int64),
-            positions=column(positions, np.int64),
-            num_logprobs=int(self.num_logprobs[rows][wants].max()) if wants.any() else None,
-            all_greedy=bool(is_greedy.all()),
-            all_random=not is_greedy.any(),
-        )
 
 
 class InputBatch:

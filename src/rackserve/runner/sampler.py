@@ -27,168 +27,25 @@ generator and no host sync, and every shape is fixed given R and V (CUDA-graph f
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from rackserve.request import SamplingParams
+from rackserve.runner.sampling_tensors import SamplingTensors
 
 __all__ = [
     "LogprobsTensors",
     "SamplerOutput",
-    "SamplingTensors",
     "apply_min_p",
     "apply_min_tokens",
     "apply_penalties",
     "apply_top_k_top_p",
     "compute_logprobs",
-    "noise_seed",
-    "pad_token_ids",
     "sample",
     "sampling_noise",
 ]
 
 _MASK32 = 0xFFFFFFFF
-
-
-def pad_token_ids(
-    rows: Sequence[Sequence[int]], pad_id: int, device: torch.device | str
-) -> torch.Tensor:
-    """Ragged id lists -> [R, max_len] int64 padded with `pad_id` (at least one column)."""
-    width = max((len(row) for row in rows), default=0) or 1
-    packed = [list(row) + [pad_id] * (width - len(row)) for row in rows]
-    return torch.tensor(packed, dtype=torch.int64, device=device)
-
-
-@dataclass(frozen=True)
-class SamplingTensors:
-    """The batch's sampling parameters packed once per step.
-
-    Token-id tensors are padded with V (one past the vocabulary): scattering into a [R, V + 1]
-    buffer and dropping the last column discards the padding without a mask.
-    Optional tensors are None when no row in the batch needs them, so common batches skip
-    the work entirely.
-    """
-
-    temperature: torch.Tensor  # [R] float32; 1.0 on greedy rows so nothing divides by 0
-    is_greedy: torch.Tensor  # [R] bool
-    top_k: torch.Tensor | None  # [R] int64; V where off
-    top_p: torch.Tensor | None  # [R] float32; 1.0 where off
-    min_p: torch.Tensor | None  # [R] float32; 0.0 where off
-    presence_penalty: torch.Tensor | None  # [R] float32
-    frequency_penalty: torch.Tensor | None  # [R] float32
-    repetition_penalty: torch.Tensor | None  # [R] float32
-    output_token_ids: torch.Tensor | None  # [R, O] int64, padded with V
-    prompt_token_ids: torch.Tensor | None  # [R, P] int64, padded with V
-    blocked_token_ids: torch.Tensor | None  # [R, S] int64, padded with V (min_tokens)
-    seeds: torch.Tensor  # [R] int64: the row's seed (SamplingParams.seed or one drawn for it)
-    positions: torch.Tensor  # [R] int64: position of the token being sampled (= tokens so far)
-    num_logprobs: int | None  # the most any row asks for; None when no row asks
-    all_greedy: bool
-    all_random: bool
-
-    @classmethod
-    def from_params(
-        cls,
-        params: Sequence[SamplingParams],
-        *,
-        prompt_token_ids: Sequence[Sequence[int]],
-        output_token_ids: Sequence[Sequence[int]],
-        vocab_size: int,
-        eos_token_ids: Sequence[int],
-        seeds: Sequence[int] | None = None,
-        device: torch.device | str = "cpu",
-    ) -> SamplingTensors:
-        """Pack R requests' parameters. Row i of every tensor belongs to ``params[i]``.
-
-        `output_token_ids[i]` are the tokens generated so far (penalties, min_tokens);
-        `prompt_token_ids[i]` are read only when some row has a repetition penalty. The
-        sampled token's position is the row's token count. `seeds[i]` is the noise seed of a
-        row whose params carry no seed (the runner draws one per request when it joins);
-        without `seeds`, every random row must have ``SamplingParams.seed``.
-        """
-        num_rows = len(params)
-        if not len(prompt_token_ids) == len(output_token_ids) == num_rows:
-            raise ValueError("params, prompt_token_ids and output_token_ids need one entry per row")
-        if seeds is not None and len(seeds) != num_rows:
-            raise ValueError("seeds needs one entry per row")
-        row_seeds: list[int] = []
-        for i, p in enumerate(params):
-            if p.seed is not None:
-                row_seeds.append(noise_seed(p.seed))
-            elif seeds is not None:
-                row_seeds.append(noise_seed(seeds[i]))
-            elif p.is_greedy:
-                row_seeds.append(0)  # draws nothing
-            else:
-                raise ValueError(
-                    f"row {i} samples at random without a seed: set SamplingParams.seed or "
-                    "pass seeds= (one per row)"
-                )
-        positions = [
-            len(prompt) + len(output)
-            for prompt, output in zip(prompt_token_ids, output_token_ids, strict=True)
-        ]
-
-        def column(values: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        greedy = [p.is_greedy for p in params]
-        # Greedy rows get neutral values: filters are no-ops there, and leaving them off keeps
-        # the "any row needs this filter" checks below honest.
-        temperature: list[float] = []
-        top_k: list[int] = []
-        top_p: list[float] = []
-        min_p: list[float] = []
-        for p in params:
-            temperature.append(1.0 if p.is_greedy else p.temperature)
-            top_k.append(p.top_k if p.top_k > 0 and not p.is_greedy else vocab_size)
-            top_p.append(1.0 if p.is_greedy else p.top_p)
-            min_p.append(0.0 if p.is_greedy else p.min_p)
-        use_presence_or_frequency = any(
-            p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params
-        )
-        use_repetition = any(p.repetition_penalty != 1.0 for p in params)
-
-        blocked: list[list[int]] = []
-        for p, outputs in zip(params, output_token_ids, strict=True):
-            if len(outputs) < p.min_tokens:
-                # ignore_eos: EOS never stops the request, so there is nothing to hold back.
-                stop_ids = [] if p.ignore_eos else list(eos_token_ids)
-                blocked.append(stop_ids + p.stop_token_ids)
-            else:
-                blocked.append([])
-
-        requested = [p.logprobs for p in params if p.logprobs is not None]
-        return cls(
-            temperature=column(temperature, torch.float32),
-            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            top_k=column(top_k, torch.int64) if any(k < vocab_size for k in top_k) else None,
-            top_p=column(top_p, torch.float32) if any(p < 1.0 for p in top_p) else None,
-            min_p=column(min_p, torch.float32) if any(p > 0.0 for p in min_p) else None,
-            presence_penalty=column([p.presence_penalty for p in params], torch.float32)
-            if use_presence_or_frequency
-            else None,
-            frequency_penalty=column([p.frequency_penalty for p in params], torch.float32)
-            if use_presence_or_frequency
-            else None,
-            repetition_penalty=column([p.repetition_penalty for p in params], torch.float32)
-            if use_repetition
-            else None,
-            output_token_ids=pad_token_ids(output_token_ids, vocab_size, device)
-            if use_presence_or_frequency or use_repetition
-            else None,
-            prompt_token_ids=pad_token_ids(prompt_token_ids, vocab_size, device)
-            if use_repetition
-            else None,
-            blocked_token_ids=pad_token_ids(blocked, vocab_size, device) if any(blocked) else None,
-            seeds=column(row_seeds, torch.int64),
-            positions=column(positions, torch.int64),
-            num_logprobs=max(requested) if requested else None,
-            all_greedy=all(greedy),
-            all_random=not any(greedy),
-        )
 
 
 @dataclass(frozen=True)
@@ -204,11 +61,6 @@ class LogprobsTensors:
 class SamplerOutput:
     token_ids: torch.Tensor  # [R] int64
     logprobs: LogprobsTensors | None
-
-
-def noise_seed(seed: int) -> int:
-    """Any Python int -> the int64 (two's complement of its low 64 bits) the noise is keyed by."""
-    return (seed + 2**63) % 2**64 - 2**63
 
 
 def _token_mask(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
