@@ -1,6 +1,14 @@
 """Suite-wide settings."""
 
+import os
+
 import torch
+
+# Without a CUDA device, Triton kernels run under its interpreter on CPU tensors. The
+# variable is read when a kernel is defined (on import), so it is set before any test
+# module can import a kernel.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The tiny test models are far too small to gain from intra-op threads, and with other
 # processes on the 2 cores (servers under test) spinning thread pools cost 10x.

@@ -309,15 +309,21 @@ class ModelConfig:
 # ---- engine ------------------------------------------------------------------------------
 
 
+# The KV cache budget on a CPU when none is given (docs/serving.md states it; a test checks).
+CPU_KV_CACHE_MEMORY = 512 << 20
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """KV cache budget and prefix caching. Give ``kv_cache_memory`` in bytes, or leave it
-    None to use ``gpu_memory_utilization`` of the free accelerator memory (CPU: 1 GiB)."""
+    None to use ``gpu_memory_utilization`` of the free accelerator memory (on a CPU:
+    ``CPU_KV_CACHE_MEMORY``, 512 MiB). Prefix keys are sha256 by default; "xxhash" is faster
+    but not collision-resistant, for trusted workloads (kv/hashing.py)."""
 
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
-    prefix_caching_hash_algo: str = "xxhash"  # or "sha256"
+    prefix_caching_hash_algo: str = "sha256"  # or "xxhash" (faster; trusted tenants only)
     checkpoint_interval: int | None = 8192  # state checkpoints every N tokens of a long prefill
 
     def __post_init__(self) -> None:
@@ -363,6 +369,7 @@ class EngineConfig:
     seed: int = 0
     served_model_name: str | None = None
     cpu_threads: int = 1  # intra-op threads when running on the CPU (tiny models: 1 is best)
+    enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly (as vLLM names it)
 
     def __post_init__(self) -> None:
         limit = self.model_config.max_position_embeddings

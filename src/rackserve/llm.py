@@ -39,6 +39,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         seed: int = 0,
         tokenizer: str | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         model_config = ModelConfig.from_pretrained(model)
         max_len = max_model_len or min(model_config.max_position_embeddings, 8192)
@@ -57,6 +58,7 @@ class LLM:
                 dtype=dtype,
                 device=device,
                 seed=seed,
+                enforce_eager=enforce_eager,
             ),
             log_stats=False,
         )

@@ -24,6 +24,10 @@ def child_seed(seed: int, index: int) -> int:
     return (seed + index - INT64_MIN) % 2**64 + INT64_MIN
 
 
+# OpenAI's range for a logit_bias value.
+MAX_ABS_LOGIT_BIAS = 100.0
+
+
 # --------------------------------------------------------------------------------------
 # SamplingParams
 # --------------------------------------------------------------------------------------
@@ -58,6 +62,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # token id -> value added to its logit before sampling (OpenAI's logit_bias)
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         # Normalise the accepted aliases once, so the rest of the engine sees one spelling.
@@ -114,6 +120,14 @@ class SamplingParams:
             raise ValueError(
                 f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}"
             )
+        for token_id, value in (self.logit_bias or {}).items():
+            if not isinstance(token_id, int) or token_id < 0:
+                raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token_id!r}")
+            if not (math.isfinite(value) and abs(value) <= MAX_ABS_LOGIT_BIAS):
+                raise ValueError(
+                    f"logit_bias values must be in [-{MAX_ABS_LOGIT_BIAS:g}, "
+                    f"{MAX_ABS_LOGIT_BIAS:g}], got {value}"
+                )
 
     def check_vocab(self, vocab_size: int) -> None:
         """ValueError unless the token-id fields fit a vocabulary of ``vocab_size``."""
@@ -125,6 +139,9 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {bad[0]}")
+        bad = [t for t in self.logit_bias or {} if t >= vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias keys must be in [0, {vocab_size}), got {bad[0]}")
 
     @property
     def is_greedy(self) -> bool:
@@ -202,9 +219,6 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None  # time.monotonic() when first admitted
-    # Owned by the KV manager (KVRequest.kv_idle_until): bounds below which the scheduler's
-    # per-step allocate_slots and commit calls would be no-ops, so it skips them.
-    kv_idle_until: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -40,7 +40,7 @@ def test_synthetic_step_inputs_and_counts(tiny):
     counts = roofline(model, spec, "h200")
     assert counts["flops"] > 0 and counts["bytes"] > 0 and counts["roofline_s"] > 0
     # the sliding groups' tables start with null blocks below the window
-    swa = synthetic.block_tables["swa"][0]
+    swa = synthetic.input_batch.block_tables.tables["swa"][0]
     assert swa[0] == 0 and swa[40 // 8] != 0
 
 

@@ -4,18 +4,22 @@ itself or with the cache's theoretical best)."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
+from rackserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from rackserve.engine.core import plan_kv_cache
 from rackserve.engine.outputs import EngineCoreRequest
+from rackserve.kv.spec import capacity_tokens
 from rackserve.model.create import create_checkpoint
 from rackserve.model.presets import tiny_config
 from rackserve.request import SamplingParams
 
-from engine_utils import make_engine, run_to_completion
+from engine_utils import budget_for_tokens, make_engine, run_to_completion
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +98,78 @@ def test_seeded_sampling_is_reproducible_in_any_batch(tiny):
     assert alone == batched
     other_seed = SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=12)
     assert run_to_completion(make_engine(tiny), {"x": prompt}, other_seed)["x"] != alone
+
+
+@pytest.mark.parametrize("seed", [1234, None], ids=["seeded", "unseeded"])
+def test_sampled_text_survives_preemption(tiny, seed):
+    """Random sampling under a KV budget that preempts gives the tokens of an unconstrained
+    run: the noise is keyed by (seed, position), and an unseeded request keeps the seed the
+    runner drew for it when it first joined."""
+    params = SamplingParams(temperature=1.0, seed=seed, max_tokens=40, ignore_eos=True)
+    prompts = {f"r{i}": [(7 * i + 3 * t) % 500 + 2 for t in range(100)] for i in range(8)}
+    sizes = {"max_num_batched_tokens": 128, "max_model_len": 256}
+    roomy = run_to_completion(make_engine(tiny, **sizes), prompts, params)
+    tight = make_engine(tiny, **sizes, kv_tokens=400)
+    assert run_to_completion(tight, prompts, params) == roomy
+    assert tight.scheduler.num_preemptions > 0
+    assert len({t for tokens in roomy.values() for t in tokens}) > 40  # it really samples
+
+
+def test_engine_refuses_a_cache_smaller_than_one_max_model_len_request(tiny):
+    """A request could grow past the whole cache and never finish: refuse to start, with
+    one line naming the fix, and the size it names is enough."""
+    model_config = ModelConfig.from_pretrained(tiny)
+    scheduler = SchedulerConfig(max_num_batched_tokens=256, max_model_len=2048)
+    budget = budget_for_tokens(tiny, 540, scheduler.max_num_seqs, 256)
+
+    def config(kv_bytes: int) -> EngineConfig:
+        cache = CacheConfig(kv_cache_memory=kv_bytes)
+        return EngineConfig(str(tiny), model_config, cache, scheduler, device="cpu")
+
+    with pytest.raises(ValueError, match="max-model-len") as refused:
+        plan_kv_cache(config(budget), torch.float32, budget)
+    message = str(refused.value)
+    assert "\n" not in message and "--kv-cache-memory" in message
+    suggested = int(re.search(r"at least (\d+) bytes", message).group(1))
+    groups, num_blocks = plan_kv_cache(config(suggested), torch.float32, suggested)
+    assert capacity_tokens(groups, num_blocks) >= 2048
+
+
+def prompt_logprobs_of(core, prompts: dict[str, list[int]], params: SamplingParams) -> dict:
+    """Every prompt_logprobs message each request got (there must be exactly one)."""
+    for req_id, ids in prompts.items():
+        core.add_request(EngineCoreRequest(req_id, ids, params, time.time()))
+    got: dict[str, list] = {req_id: [] for req_id in prompts}
+    while core.has_unfinished_requests():
+        for out in core.step().outputs:
+            if out.prompt_logprobs is not None:
+                got[out.request_id].append(out.prompt_logprobs)
+    return got
+
+
+def test_prompt_logprobs_are_whole_on_a_prefix_hit_and_after_preemption(tiny):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prompt_logprobs=2)
+    prompt = [(5 * t) % 400 + 2 for t in range(91)]
+    core = make_engine(tiny)
+    (first,) = prompt_logprobs_of(core, {"a": prompt}, params)["a"]
+    (again,) = prompt_logprobs_of(core, {"b": prompt}, params)["b"]  # the cache holds it
+    assert len(first) == 91 and first[0] is None
+    assert [lp.token_ids[0] for lp in first[1:]] == prompt[1:]  # entry j scores token j
+    assert all(len(lp.token_ids) == 3 and lp.rank >= 1 for lp in first[1:])
+    assert again == first
+
+    sizes = {"max_num_batched_tokens": 128, "max_model_len": 256}
+    prompts = {f"r{i}": [(7 * i + 3 * t) % 500 + 2 for t in range(100)] for i in range(8)}
+    roomy = prompt_logprobs_of(make_engine(tiny, **sizes), prompts, params)
+    tight = make_engine(tiny, **sizes, kv_tokens=400)
+    preempted = prompt_logprobs_of(tight, prompts, params)
+    assert tight.scheduler.num_preemptions > 0
+    for req_id, ids in prompts.items():
+        (expected,), (got,) = roomy[req_id], preempted[req_id]
+        assert len(got) == len(ids) and got[0] is None
+        for a, b in zip(expected[1:], got[1:], strict=True):
+            assert a.token_ids == b.token_ids and a.rank == b.rank
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
 
 
 def test_kv_export_import_round_trip(tiny):

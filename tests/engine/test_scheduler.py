@@ -159,6 +159,52 @@ def test_request_with_kv_refused_when_the_cache_is_full():
         sched.add_request_with_kv(request("x", 10), 10)
 
 
+def test_transferred_kv_is_not_cached_before_a_step_ran_on_it():
+    """add_request_with_kv admits before the KV is written: a request with the same prefix
+    must not hit those blocks yet. Once the request has run (and finished), it may."""
+    sched = make_scheduler()
+    pd = request("pd", 200, max_tokens=30)
+    assert sched.add_request_with_kv(pd, 199)
+    probe = request("probe", 200)
+    assert sched.kv.get_computed_blocks(probe)[0] == 0
+    sched.kv.free(probe)
+    assert sched.kv.stats.num_queries == 0  # it looked nothing up
+    while sched.num_unfinished:
+        step(sched)
+    # Its history is cached, and the first checkpoint it computed past (224; the window
+    # pages of 192 were released during the transfer, before they held anything).
+    later = Request("later", [*pd.all_token_ids, 5], pd.sampling_params, (EOS,))
+    assert sched.kv.get_computed_blocks(later)[0] == 224
+
+
+def drain(sched: Scheduler, max_steps: int = 500) -> list:
+    outputs = []
+    for _ in range(max_steps):
+        if not sched.num_unfinished:
+            break
+        out = sched.schedule()
+        outputs += sched.update(out, fake_run(sched, out))
+    return outputs
+
+
+@pytest.mark.parametrize("prompt_len", [40, 100], ids=["grows-too-big", "prompt-too-big"])
+def test_a_request_that_can_never_fit_finishes_and_does_not_block_the_queue(prompt_len):
+    """2 usable history blocks of 32 tokens: no request can hold more than 64 tokens. One
+    that outgrows them (or whose prompt does not fit) finishes with "length" instead of
+    preempting itself forever, and the request behind it runs."""
+    sched = make_scheduler(num_history_blocks=3, max_num_batched_tokens=128)
+    sched.add_request(request("big", prompt_len, max_tokens=100))
+    sched.add_request(request("small", 10, max_tokens=4))
+    outputs = drain(sched)
+    assert sched.num_unfinished == 0
+    reasons = {o.request_id: o.finish_reason for o in outputs if o.finish_reason}
+    assert reasons == {"big": "length", "small": "length"}  # small: its max_tokens
+    num_big = sum(len(o.new_token_ids) for o in outputs if o.request_id == "big")
+    assert num_big == (65 - prompt_len if prompt_len < 64 else 0)  # KV for 64 tokens at most
+    assert sum(len(o.new_token_ids) for o in outputs if o.request_id == "small") == 4
+    assert sched.kv.usage == 0.0
+
+
 def test_priority_victim_is_never_a_request_already_scheduled_this_step():
     # 4 history blocks of 32 tokens; "low" runs first, then "high" arrives. When "high"
     # needs a third block, the victim ("low", least urgent) must not have been scheduled

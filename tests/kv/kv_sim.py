@@ -18,7 +18,6 @@ class FakeRequest:
     num_prompt_tokens: int
     cache_salt: str | None = None
     num_computed_tokens: int = 0
-    kv_idle_until: int = 0  # written by the manager
 
 
 def make_request(request_id: str, prompt: list[int], cache_salt: str | None = None) -> FakeRequest:

@@ -11,32 +11,35 @@ import xxhash
 from rackserve.kv.hashing import BlockHashChain, block_key, hash_tokens, root_hash
 
 
-def chain_of(tokens, granularity=4, salt=None, algo="xxhash") -> list[bytes]:
-    chain = BlockHashChain(granularity, salt, algo)
+def chain_of(tokens, granularity=4, salt=None, algo=None) -> list[bytes]:
+    chain = (
+        BlockHashChain(granularity, salt)
+        if algo is None
+        else BlockHashChain(granularity, salt, algo)
+    )
     chain.extend(tokens)
     return chain.hashes
 
 
 def test_format_is_pinned_and_process_independent():
-    # The bytes hashed are part of the P/D and restart contract: pin them.
-    root = xxhash.xxh3_128_digest(b"rackserve/kv/prefix/v1\x00")
-    first = xxhash.xxh3_128_digest(root + struct.pack("<I", 0) + struct.pack("<4q", 0, 1, 2, 3))
+    # The bytes hashed are part of the P/D and restart contract: pin them (default: sha256).
+    root = hashlib.sha256(b"rackserve/kv/prefix/v1\x00").digest()
+    first = hashlib.sha256(root + struct.pack("<I", 0) + struct.pack("<4q", 0, 1, 2, 3)).digest()
     hashes = chain_of(list(range(10)))
     assert len(hashes) == 2  # the partial chunk [8, 10) is not hashed
     assert hashes[0] == first
-    assert hashes[0].hex() == "8a5e06e35c344863ffd2898b2c9bb090"
-    assert hashes[1].hex() == "a86bd5ad63ce06031aa35b9ad923585a"
+    assert hashes[0].hex() == "0fc06d48ba9c6ccabb6f9a98aaa8c413695dce7e5c3d61e154a845b45c5427f3"
+    assert hashes[1].hex() == "ba59b4a454a05a06188bf636377a63d22d215f2004dc9e93e90daf322fce67b2"
 
 
-def test_sha256_option():
-    root = hashlib.sha256(b"rackserve/kv/prefix/v1\x01u").digest()
-    hashes = chain_of(list(range(8)), salt="u", algo="sha256")
-    assert [len(h) for h in hashes] == [32, 32]
-    assert (
-        hashes[0]
-        == hashlib.sha256(root + struct.pack("<I", 0) + struct.pack("<4q", 0, 1, 2, 3)).digest()
-    )
+def test_xxhash_option():
+    root = xxhash.xxh3_128_digest(b"rackserve/kv/prefix/v1\x01u")
+    hashes = chain_of(list(range(8)), salt="u", algo="xxhash")
+    assert [len(h) for h in hashes] == [16, 16]
+    first = xxhash.xxh3_128_digest(root + struct.pack("<I", 0) + struct.pack("<4q", 0, 1, 2, 3))
+    assert hashes[0] == first
     assert hashes[0] != chain_of(list(range(8)), salt="u")[0]
+    assert chain_of(list(range(10)), algo="xxhash")[1].hex() == "a86bd5ad63ce06031aa35b9ad923585a"
     with pytest.raises(ValueError, match="choose one of"):
         BlockHashChain(4, algo="md5")
 

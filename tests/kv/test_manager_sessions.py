@@ -55,6 +55,16 @@ def test_hit_only_at_aligned_boundaries_below_prompt_end():
     assert lookup(m, tokens(2, 75)) == 0
 
 
+def test_a_repeated_prompt_of_a_multiple_of_the_alignment_hits():
+    """A lookup stops at floor_A(len - 1): one alignment below the end of a prompt of k * A
+    tokens, where the prompt's own prefill also checkpoints."""
+    m = manager()
+    for n, expected in ((128, 96), (127, 96), (129, 128), (64, 32)):
+        x = make_request(f"x{n}", tokens(n, n))
+        run_turn(m, x, num_output=2)
+        assert lookup(m, x.all_token_ids[:n]) == expected, n
+
+
 def test_interval_checkpoints_of_a_long_chunked_prefill():
     for interval, expected in ((None, 0), (64, 128)):
         m = manager(checkpoint_interval=interval)

@@ -3,16 +3,21 @@ child seed never overflows, and the engine core refuses (not dies on) what it ca
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import msgspec
 import pytest
+from pydantic import ValidationError
 
 from rackserve.engine.outputs import EngineCoreRequest
 from rackserve.request import INT64_MAX, INT64_MIN, SamplingParams, child_seed
-from rackserve.server.api import MAX_JSON_DEPTH, check_depth
+from rackserve.server.async_client import AsyncEngineClient
 from rackserve.server.limits import RequestLimits
+from rackserve.server.metrics import ServerMetrics
+from rackserve.server.middleware import MAX_JSON_DEPTH, check_depth
 from rackserve.server.protocol import CompletionRequest, ParamError
 from rackserve.server.serving import ApiError
 
@@ -40,6 +45,24 @@ def test_vocab_checks() -> None:
         SamplingParams(top_k=101).check_vocab(100)
     with pytest.raises(ValueError, match="stop_token_ids"):
         SamplingParams(stop_token_ids=[100]).check_vocab(100)
+    SamplingParams(logit_bias={99: 1.0}).check_vocab(100)
+    with pytest.raises(ValueError, match="logit_bias keys must be in"):
+        SamplingParams(logit_bias={100: 1.0}).check_vocab(100)
+
+
+def test_lenient_parsing_keeps_range_checks() -> None:
+    """Issue 15's leniency (null = default, unknown fields ignored) and issue 9's int64
+    bounds hold together: an ignored field never hides an out-of-range known one."""
+    body = CompletionRequest.model_validate(
+        {"prompt": "a", "seed": None, "top_k": None, "store": True, "metadata": {"k": "v"}}
+    )
+    assert body.seed is None and body.top_k is None and body.priority == 0
+    assert body.ignored_fields() == ["store", "metadata"]
+    for field in ("seed", "top_k", "priority"):
+        with pytest.raises(ValidationError, match=field):
+            CompletionRequest.model_validate({"prompt": "a", "store": True, field: INT64_MAX + 1})
+    with pytest.raises(ParamError, match="top_k"):
+        RequestLimits().check(CompletionRequest(prompt="a", unknown=1, top_k=1001), 1, 1000)
 
 
 def test_request_limits() -> None:
@@ -105,3 +128,17 @@ def test_engine_core_rejects_what_it_cannot_hold(tiny_model: Path) -> None:
         if not core.has_unfinished_requests():
             break
     assert finished == {"good"}
+
+
+def test_abort_counts_each_engine_request_once() -> None:
+    """Both branches counted aborts; merged, an abort of a client request with two
+    unfinished engine requests adds 2 to request_success{abort}, not 3."""
+    metrics = ServerMetrics("m")
+    client = AsyncEngineClient.__new__(AsyncEngineClient)
+    client.processor = SimpleNamespace(abort_request=lambda request_id: ["r-0", "r-1"])
+    client.metrics, client.dead_reason = metrics, None
+    client._queues, client._send_queue = {}, asyncio.Queue()
+    client.abort("r")
+    text = metrics.render().decode()
+    assert 'request_success_total{finished_reason="abort",model_name="m"} 2.0' in text
+    assert client._send_queue.qsize() == 1  # one ABORT message for both engine requests

@@ -45,13 +45,18 @@ def test_prompt_longer_than_context(server: Server) -> None:
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"bogus_field": 1}, "bogus_field"),
         ({"temperature": -1}, "temperature"),
         ({"n": 0}, "n"),
         ({"top_p": 0}, "top_p"),
-        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"logit_bias": {"not-a-token": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"5": 500.0}}, "logit_bias"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+            "tools.0.function.name",
+        ),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"temperature": "hot"}, "temperature"),
         ({"min_tokens": 9, "max_tokens": 3}, "min_tokens"),
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"messages": []}, "messages"),

@@ -12,8 +12,11 @@ import argparse
 import dataclasses
 import math
 from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
 from typing import Any
 
+from rackserve.bench.balance import register_balance
 from rackserve.bench.engine_bench import register_scheduler, register_throughput
 from rackserve.bench.forward_cli import register_decode, register_forward
 from rackserve.bench.workloads import AgenticConfig
@@ -173,13 +176,58 @@ def register_serve(bench_subparsers: Any) -> None:
         "--metric-percentiles", type=_percentile_list, default=(99.0,), metavar="P,P"
     )
     parser.add_argument("--save-detailed", action="store_true", help="add per-request lists")
+    # vllm bench serve's common flags (issue 15)
+    vllm = parser.add_argument_group("vllm bench serve flags")
+    vllm.add_argument(
+        "--backend", choices=("openai-chat", "openai", "vllm"),
+        help="openai-chat: /v1/chat/completions; openai, vllm: /v1/completions",
+    )  # fmt: skip
+    vllm.add_argument("--dataset-name", choices=("random",), default="random")
+    vllm.add_argument("--save-result", action="store_true", help="write the JSON result")
+    vllm.add_argument("--result-dir", default=".", help="folder of --save-result's file")
+    vllm.add_argument("--result-filename", help="file name of --save-result's file")
+    vllm.add_argument("--label", help="label of the run in the result")
+    vllm.add_argument(
+        "--ignore-eos", action="store_true", help="send ignore_eos (the default already)"
+    )
+    vllm.add_argument(
+        "--percentile-metrics", default="ttft,tpot,itl,e2el", help="comma list of those metrics"
+    )
+    vllm.add_argument(
+        "--goodput", nargs="+", default=[], metavar="METRIC:MS",
+        help="SLOs for request_goodput, e.g. ttft:500 tpot:50 e2el:2000",
+    )  # fmt: skip
+    vllm.add_argument("--num-warmups", type=int, default=0, help="untimed requests first")
     parser.set_defaults(func=_serve_main)
+
+
+def _goodput(items: list[str]) -> tuple[tuple[str, float], ...]:
+    slos = []
+    for item in items:
+        name, _, value = item.partition(":")
+        try:
+            slos.append((name, float(value)))
+        except ValueError:
+            raise ValueError(f"--goodput takes METRIC:MS, got {item!r}") from None
+    return tuple(slos)
+
+
+def _result_filename(result: dict, config: Any) -> str:
+    """vllm bench serve's default name: {backend}-{rate}qps[-concurrency{c}]-{model}-{date}."""
+    rate = result["request_rate"]
+    concurrency = f"-concurrency{config.max_concurrency}" if config.max_concurrency else ""
+    model = str(result["model_id"]).rstrip("/").split("/")[-1]
+    date = datetime.now().strftime("%Y%m%d-%H%M%S")
+    return f"{result['backend']}-{rate}qps{concurrency}-{model}-{date}.json"
 
 
 def _serve_main(args: argparse.Namespace) -> int:
     from rackserve.bench.report import format_serve_report, write_json
     from rackserve.bench.serve import ServeConfig, run_serve
 
+    endpoint = args.endpoint
+    if args.backend is not None:
+        endpoint = "chat" if args.backend == "openai-chat" else "completions"
     config = ServeConfig(
         num_prompts=args.num_prompts,
         input_len=args.input_len,
@@ -189,17 +237,25 @@ def _serve_main(args: argparse.Namespace) -> int:
         burstiness=args.burstiness,
         max_concurrency=args.max_concurrency,
         seed=args.seed,
-        endpoint=args.endpoint,
-        fixed_output=args.fixed_output,
+        endpoint=endpoint,
+        fixed_output=args.fixed_output or args.ignore_eos,
         request_timeout_s=args.request_timeout,
         percentiles=args.metric_percentiles,
         save_detailed=args.save_detailed,
         progress=args.progress,
+        percentile_metrics=tuple(m for m in args.percentile_metrics.split(",") if m),
+        goodput=_goodput(args.goodput),
+        num_warmups=args.num_warmups,
+        label=args.label,
+        tokenizer_id=args.tokenizer,
     )
     result = run_serve(config, args.base_url, model=args.model, counter=_counter(args))
     print(format_serve_report(result))
     if args.output:
         print(f"wrote {write_json(result, args.output)}")
+    if args.save_result:
+        name = args.result_filename or _result_filename(result, config)
+        print(f"wrote {write_json(result, Path(args.result_dir) / name)}")
     return 0 if result["completed"] else 1
 
 
@@ -210,6 +266,7 @@ BENCH_REGISTRARS: tuple[BenchRegistrar, ...] = (
     register_throughput,
     register_forward,
     register_decode,
+    register_balance,
 )
 
 

@@ -16,16 +16,17 @@ from dataclasses import dataclass
 import torch
 
 from rackserve.engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput
-from rackserve.kv.records import first_live_slot
 from rackserve.kv.spec import CacheGroupSpec, cache_groups_for
-from rackserve.model.batch import ForwardBatch, KVCacheTensors
+from rackserve.model.batch import KVCacheTensors
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 from rackserve.planner.cost import roofline_time
 from rackserve.planner.counting import BatchShape, step_ops
 from rackserve.planner.hardware import get_hardware
 from rackserve.planner.models import Formats
 from rackserve.request import SamplingParams
+from rackserve.runner.cuda_graph import DecodeGraphs
 from rackserve.runner.input_batch import InputBatch, PreparedStep
+from rackserve.runner.step_buffers import StepBuffers
 
 _BATCH = re.compile(r"^(prefill|decode):(\d+)(?:@(\d+))?(?:x(\d+))?$")
 
@@ -60,7 +61,7 @@ class BatchSpec:
 @dataclass
 class SyntheticStep:
     step: PreparedStep
-    block_tables: dict[str, torch.Tensor]
+    input_batch: InputBatch
     caches: KVCacheTensors
     groups: list[CacheGroupSpec]
 
@@ -79,7 +80,7 @@ def synthetic_step(model: DeepseekV4ForCausalLM, batch: BatchSpec, seed: int = 0
         for g in groups:
             num = -(-total // g.block_tokens)
             # sliding groups: only the window rows are ever read (the manager's rule)
-            first_live = first_live_slot(g, batch.context) if g.window is not None else 0
+            first_live = g.first_live_slot(batch.context) if g.window is not None else 0
             ids = [0] * first_live + list(
                 range(next_id[g.name], next_id[g.name] + num - first_live)
             )
@@ -116,28 +117,49 @@ def synthetic_step(model: DeepseekV4ForCausalLM, batch: BatchSpec, seed: int = 0
     )
     step = input_batch.prepare(sched)
     assert step is not None
-    tables = {k: v.to(device) for k, v in input_batch.block_tables.tables.items()}
-    return SyntheticStep(step, tables, caches, groups)
+    return SyntheticStep(step, input_batch, caches, groups)
 
 
 @torch.inference_mode()
 def time_forward(
-    model: DeepseekV4ForCausalLM, synthetic: SyntheticStep, iters: int = 10, warmup: int = 2
+    model: DeepseekV4ForCausalLM,
+    synthetic: SyntheticStep,
+    iters: int = 10,
+    warmup: int = 2,
+    graph: bool = False,
 ) -> list[float]:
-    """Seconds per forward (+ logits of the sampled rows): CUDA events on a GPU."""
-    inputs, caches = synthetic.step.inputs, synthetic.caches
-    batch = ForwardBatch(
-        inputs.positions,
-        inputs.query_start_loc,
-        inputs.num_computed_tokens,
-        synthetic.block_tables,
-        inputs.rows,
-    )
-    cuda = inputs.input_ids.device.type == "cuda"
+    """Seconds per forward (+ logits of the sampled rows): CUDA events on a GPU.
 
-    def run() -> None:
-        hidden, _ = model(inputs.input_ids, batch, caches)
-        model.compute_logits(hidden[inputs.logits_indices])
+    The inputs go through the runner's device path (one upload, device block tables);
+    ``graph``: a uniform decode step is captured once and replayed, as the runner does.
+    """
+    inputs, caches = synthetic.step.inputs, synthetic.caches
+    device = next(model.parameters()).device
+    num_reqs = len(inputs.rows)
+    buffers = StepBuffers(synthetic.groups, synthetic.input_batch.block_tables, device)
+    writes = synthetic.step.table_writes
+    cuda = device.type == "cuda"
+    if graph:
+        if not (cuda and inputs.is_uniform_decode):
+            raise ValueError("CUDA graphs time uniform decode batches on a CUDA device only")
+        graphs = DecodeGraphs(
+            model, caches, buffers, synthetic.groups, [num_reqs], [inputs.max_seq_len]
+        )
+        buffers.apply_writes(*buffers.upload(list(writes)))
+        graphs.capture(log=False)
+        key = graphs.key_for(inputs)
+        assert key is not None
+        empty = (writes[0][:0], writes[1][:0])
+
+        def run() -> None:
+            graphs.run(key, inputs, empty)
+
+    else:
+        input_ids, meta, logits_indices = buffers.eager_step(inputs, writes)
+
+        def run() -> None:
+            hidden, _ = model(input_ids, meta, caches)
+            model.compute_logits(hidden[logits_indices])
 
     for _ in range(warmup):
         run()

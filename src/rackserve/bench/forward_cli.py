@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import statistics
 import subprocess
 import time
@@ -13,6 +14,10 @@ from rackserve.bench.report import write_json
 
 
 def _git_commit() -> str:
+    """The commit measured: $RACKSERVE_COMMIT when set (a device copy of the tree may carry
+    a stale .git), else git's HEAD."""
+    if os.environ.get("RACKSERVE_COMMIT"):
+        return os.environ["RACKSERVE_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
@@ -32,19 +37,25 @@ def _load(args: argparse.Namespace):
     if args.model:
         from rackserve.model.loader import load_model
 
-        return load_model(args.model, dtype=dtype, device=device), str(args.model)
+        model = load_model(args.model, dtype=dtype, device=device, kernels=_kernels(args))
+        return model, str(args.model)
     from rackserve.model.create import init_model_
     from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
     from rackserve.model.presets import preset_config
 
     cfg = preset_config(args.preset, args.layers, args.experts)
     with torch.device(device):
-        model = DeepseekV4ForCausalLM(cfg, with_mtp=False)
+        model = DeepseekV4ForCausalLM(cfg, with_mtp=False, kernels=_kernels(args))
     init_model_(model.cast(dtype), seed=0)
     return (
         model.eval(),
         f"{args.preset} ({cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts)",
     )
+
+
+def _kernels(args: argparse.Namespace) -> str:
+    """`--impl fast` runs the fast kernels where the device has them; `reference` never."""
+    return "auto" if getattr(args, "impl", "fast") == "fast" else "reference"
 
 
 def _hardware(args: argparse.Namespace, device_type: str) -> str | None:
@@ -71,14 +82,22 @@ def _forward(args: argparse.Namespace) -> int:
     for spec_text in args.batch:
         spec = BatchSpec.parse(spec_text)
         synthetic = synthetic_step(model, spec)
-        times = time_forward(model, synthetic, iters=args.iters, warmup=args.warmup)
+        graph = (
+            args.impl == "fast"
+            and not args.enforce_eager
+            and device.type == "cuda"
+            and synthetic.step.inputs.is_uniform_decode
+        )
+        times = time_forward(model, synthetic, iters=args.iters, warmup=args.warmup, graph=graph)
         measured = statistics.median(times)
         counts = roofline(model, spec, hardware)
         record: dict[str, Any] = {
             "kind": "forward",
-            # every op runs its plain-torch reference today (rackserve.ops); the planner
-            # calibrates only from kernel implementations
-            "implementation": "reference",
+            # "reference": every op's plain-torch reference, eager; "fast": the fast kernels
+            # where the device has them, a CUDA graph for decode (the planner calibrates
+            # only from "fast" records)
+            "implementation": args.impl,
+            "cuda_graph": graph,
             "phase": spec.phase,
             "batch": spec_text,
             "num_requests": spec.num_requests,
@@ -210,6 +229,13 @@ def register_forward(bench_subparsers: Any) -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--hardware", default=None, help="roofline GPU (default: detected)")
+    p.add_argument(
+        "--impl",
+        choices=("fast", "reference"),
+        default="fast",
+        help="fast: fast kernels + CUDA-graph decode on a GPU; reference: plain-torch ops, eager",
+    )
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graph (fast kernels)")
     p.set_defaults(func=_forward)
 
 

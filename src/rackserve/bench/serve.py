@@ -1,8 +1,9 @@
 """``bench serve``: random prompts at a Poisson rate and/or a concurrency cap.
 
 The result uses the field names and units of ``vllm bench serve`` (``request_throughput``,
-``mean_ttft_ms``, ``p99_itl_ms``, ...), so result files of both tools compare side by side.
-Prompts start with a unique request number, so they share no prefix (no cache hits).
+``mean_ttft_ms``, ``p99_itl_ms``, ``request_goodput``, ...), so result files of both tools
+compare side by side. Prompts start with a unique request number, so they share no prefix
+(no cache hits); with a tokenizer they have exactly the requested number of tokens.
 """
 
 from __future__ import annotations
@@ -24,9 +25,12 @@ from rackserve.bench.client import (
     open_client,
     resolve_endpoint,
 )
-from rackserve.bench.metrics import inter_token_latencies, serve_metrics
-from rackserve.bench.workloads import TokenCounter, make_text
+from rackserve.bench.metrics import inter_token_latencies, serve_metrics, time_per_output_token
+from rackserve.bench.workloads import VOCABULARY, TokenCounter, make_text
 from rackserve.config import ConfigError
+
+SERIES = ("ttft", "tpot", "itl", "e2el")
+GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,12 @@ class ServeConfig:
     percentiles: tuple[float, ...] = (99,)
     save_detailed: bool = False
     progress: bool = True
+    # vllm bench serve's flags (issue 15)
+    percentile_metrics: tuple[str, ...] = ("ttft", "tpot", "itl", "e2el")
+    goodput: tuple[tuple[str, float], ...] = ()  # (metric, SLO in ms): ttft, tpot, e2el
+    num_warmups: int = 0
+    label: str | None = None
+    tokenizer_id: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1 or self.input_len < 1 or self.output_len < 1:
@@ -66,6 +76,15 @@ class ServeConfig:
             raise ConfigError(f"endpoint must be one of {ENDPOINTS}")
         if any(not 0 < p < 100 for p in self.percentiles):
             raise ConfigError("percentiles must be in (0, 100)")
+        if not set(self.percentile_metrics) <= set(SERIES):
+            raise ConfigError(f"percentile metrics must be among {', '.join(SERIES)}")
+        for name, slo in self.goodput:
+            if name not in GOODPUT_METRICS or slo <= 0:
+                raise ConfigError(
+                    f"goodput takes {'/'.join(GOODPUT_METRICS)}:MS with MS > 0, got {name}:{slo}"
+                )
+        if self.num_warmups < 0:
+            raise ConfigError("num_warmups must be >= 0")
 
 
 def random_requests(
@@ -82,10 +101,70 @@ def random_requests(
     for i in range(config.num_prompts):
         num_input, num_output = length(config.input_len), length(config.output_len)
         # The request number leads so prompts diverge at once (no shared prefix).
-        text = f"{i} " + make_text(rng, max(1, num_input - 1), counter)
+        text = exact_text(rng, num_input, str(i), counter)
         message = {"role": "user", "content": text}
         requests.append(GenerationRequest((message,), num_output, tag=f"r{i}"))
     return requests
+
+
+def exact_text(rng: random.Random, num_tokens: int, head: str, counter: TokenCounter | None) -> str:
+    """``head`` then seeded words, exactly ``num_tokens`` tokens by ``counter`` (one word is
+    one token without a counter) when ``num_tokens`` >= the head's own count. Words are
+    added or dropped one at a time at the end until the count matches; a word that
+    overshoots is swapped for a short one."""
+    if counter is None:
+        return " ".join([head, *make_text(rng, max(1, num_tokens - 1), None).split()])
+    words = make_text(rng, max(1, num_tokens - counter.count(head)), counter).split()
+    for _ in range(4 * num_tokens + 64):
+        error = counter.count(" ".join([head, *words])) - num_tokens
+        if error == 0:
+            break
+        if error > 0 and words:
+            words.pop()
+        elif error < 0:
+            words.append(rng.choice(VOCABULARY) if error < -1 else rng.choice(["a", "I", "."]))
+        else:
+            break  # the head alone is longer than asked
+    return " ".join([head, *words])
+
+
+def goodput_ok(timeline: RequestTimeline, slos: Sequence[tuple[str, float]]) -> bool:
+    """Whether a finished request met every SLO (ms), as ``vllm bench serve --goodput``."""
+    values = {
+        "ttft": timeline.ttft,
+        "tpot": time_per_output_token(timeline) or 0.0,
+        "e2el": timeline.e2el,
+    }
+    return all(values[name] * 1e3 <= slo for name, slo in slos)
+
+
+def max_output_tokens_per_s(timelines: Sequence[RequestTimeline]) -> float:
+    """The most output tokens that arrived in any one-second window (from the first send);
+    a chunk's tokens are spread evenly over the request's chunks."""
+    done = [t for t in timelines if t.success]
+    if not done:
+        return 0.0
+    start = min(t.send_time for t in done)
+    per_second: dict[int, float] = {}
+    for t in done:
+        share = t.completion_tokens / len(t.chunk_times)
+        for when in t.chunk_times:
+            second = int(when - start)
+            per_second[second] = per_second.get(second, 0.0) + share
+    return max(per_second.values())
+
+
+def max_concurrent_requests(timelines: Sequence[RequestTimeline]) -> int:
+    """The most requests in flight at once (send to end)."""
+    events = sorted(
+        [(t.send_time, 1) for t in timelines] + [(t.end_time, -1) for t in timelines],
+        key=lambda e: (e[0], e[1]),  # an end before a start at the same instant
+    )
+    peak = current = 0
+    for _, step in events:
+        current += step
+        peak = max(peak, current)
+    return peak
 
 
 def arrival_offsets(config: ServeConfig) -> list[float]:
@@ -115,6 +194,8 @@ async def run_serve_async(
         progress = tqdm(total=config.num_prompts, desc="requests", leave=False)
 
     async with open_client(endpoint, counter) as client:
+        for request in requests[: config.num_warmups]:  # not timed, as vllm's --num-warmups
+            await client.generate(request)
 
         async def send(request: GenerationRequest) -> RequestTimeline:
             async with cap:
@@ -145,10 +226,15 @@ def serve_result(
     date: str,
 ) -> dict[str, Any]:
     """The result in ``vllm bench serve`` layout, plus a few rackserve fields."""
+    backend = "openai-chat" if config.endpoint == "chat" else "openai"
+    done = [t for t in timelines if t.success]
     result: dict[str, Any] = {
         "date": date,
-        "backend": "openai-chat" if config.endpoint == "chat" else "openai",
+        "endpoint_type": backend,
+        "backend": backend,
+        "label": config.label,
         "model_id": model,
+        "tokenizer_id": config.tokenizer_id or model,
         "num_prompts": config.num_prompts,
         "request_rate": "inf" if math.isinf(config.request_rate) else config.request_rate,
         "burstiness": config.burstiness,
@@ -157,8 +243,17 @@ def serve_result(
         "random_output_len": config.output_len,
         "random_range_ratio": config.range_ratio,
         **serve_metrics(timelines, duration, config.percentiles),
+        "max_output_tokens_per_s": max_output_tokens_per_s(timelines),
+        "max_concurrent_requests": max_concurrent_requests(timelines),
         "failure_examples": sorted({t.error for t in timelines if t.error})[:5],
     }
+    if config.goodput:
+        good = sum(goodput_ok(t, config.goodput) for t in done)
+        result["request_goodput"] = good / duration if duration > 0 else 0.0
+    # percentiles only for the metrics asked (vllm's --percentile-metrics)
+    for name in set(SERIES) - set(config.percentile_metrics):
+        for key in [k for k in result if k.startswith("p") and k.endswith(f"_{name}_ms")]:
+            del result[key]
     if config.save_detailed:
         result |= {
             "input_lens": [t.prompt_tokens for t in timelines],

@@ -7,12 +7,13 @@ from the model, sizes the KV pools from the memory budget and prints the capacit
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterable
 
 import torch
 
-from rackserve.config import EngineConfig
+from rackserve.config import CPU_KV_CACHE_MEMORY, EngineConfig
 from rackserve.device import resolve
 from rackserve.engine.outputs import EngineCoreOutputs, EngineCoreRequest, SchedulerOutput
 from rackserve.engine.scheduler import Scheduler
@@ -32,17 +33,25 @@ from rackserve.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-CPU_DEFAULT_KV_BYTES = 512 << 20
-
 
 def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
-    """``--kv-cache-memory``, else a fraction of the accelerator's free memory."""
+    """``--kv-cache-memory-bytes``, else what ``--gpu-memory-utilization`` leaves: as in
+    vLLM, the whole instance (weights, activations, KV cache) may use that fraction of the
+    GPU's total memory, so the memory in use once the weights are loaded comes off."""
     if config.cache.kv_cache_memory is not None:
         return config.cache.kv_cache_memory
     if device.type != "cuda":
-        return CPU_DEFAULT_KV_BYTES
-    free, _ = torch.cuda.mem_get_info(device)
-    return int(free * config.cache.gpu_memory_utilization)
+        return CPU_KV_CACHE_MEMORY
+    free, total = torch.cuda.mem_get_info(device)
+    utilization = config.cache.gpu_memory_utilization
+    budget = int(total * utilization) - (total - free)
+    if budget <= 0:
+        raise ValueError(
+            f"--gpu-memory-utilization {utilization} allows {total * utilization / 2**30:.1f} "
+            f"GiB, but {(total - free) / 2**30:.1f} GiB are already in use (weights, other "
+            "processes): raise it, or give --kv-cache-memory-bytes"
+        )
+    return budget
 
 
 def plan_kv_cache(
@@ -53,9 +62,24 @@ def plan_kv_cache(
     element = torch.tensor([], dtype=dtype).element_size()
     groups = cache_groups_for(config.model_config, dtype_bytes=element)
     sched = config.scheduler
-    return groups, plan_num_blocks(
+    num_blocks = plan_num_blocks(
         groups, budget_bytes, sched.max_num_seqs, sched.max_num_batched_tokens
     )
+    # A request may grow to max_model_len: if the whole cache cannot hold it, it would
+    # preempt itself forever (vLLM refuses to start too).
+    capacity = capacity_tokens(groups, num_blocks)
+    full = [g for g in groups if not g.is_sliding]
+    if full and capacity < sched.max_model_len:
+        missing = sched.max_model_len - capacity
+        # the missing tokens, plus a block per group for plan_num_blocks' rounding
+        needed = budget_bytes + math.ceil(missing * bytes_per_token(groups))
+        needed += sum(g.bytes_per_block for g in full)
+        raise ValueError(
+            f"the KV cache holds {capacity} tokens, fewer than one request of --max-model-len "
+            f"{sched.max_model_len}: raise --kv-cache-memory to at least {needed} bytes "
+            f"({needed / 2**20:.1f} MiB) or lower --max-model-len"
+        )
+    return groups, num_blocks
 
 
 class EngineCore:
@@ -97,6 +121,8 @@ class EngineCore:
             sched.max_model_len,
             cfg.eos_token_id,
             config.seed,
+            enforce_eager=config.enforce_eager,
+            log=log_stats,
         )
         self.last_step: SchedulerOutput | None = None
         self.last_forward_time_s = 0.0

@@ -11,7 +11,7 @@ and sends the follow-up requests it returns.
                                 prompt is in the prefix cache for them)
 
 Per token it detokenizes incrementally (``engine/detokenizer.py``), checks stop strings
-(``runner/stop.py``), collects logprobs, and records the timings that the metrics need.
+(``engine/stop.py``), collects logprobs, and records the timings that the metrics need.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any
 
 from rackserve.engine.detokenizer import Detokenizer, special_token_ids
 from rackserve.engine.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, Logprob
+from rackserve.engine.stop import check_stop_strings, stream_holdback_chars
 from rackserve.request import FinishReason, SamplingParams, child_seed
-from rackserve.runner.stop import check_stop_strings, stream_holdback_chars
 
 
 class RequestOutputKind(enum.Enum):
@@ -86,6 +86,9 @@ class FinishedRequestStats:
     num_prompt_tokens: int
     num_generation_tokens: int
     e2e_latency_s: float
+    # phases for vLLM's histograms (0 when the request never got a token)
+    prefill_time_s: float = 0.0  # first scheduled -> first token
+    decode_time_s: float = 0.0  # first token -> last token
 
 
 @dataclass
@@ -93,6 +96,7 @@ class IterationStats:
     """What one ``process_outputs`` call saw, for the metrics."""
 
     num_prompt_tokens: int = 0  # prompts whose first token arrived
+    num_cached_prompt_tokens: int = 0  # of those, tokens served from the prefix cache
     num_generation_tokens: int = 0
     time_to_first_tokens_s: list[float] = field(default_factory=list)
     # first-token step start - arrival: exact when the prompt was prefilled in one step
@@ -127,6 +131,7 @@ class _Child:
     num_sent_tokens: int = 0
     first_token_time: float | None = None
     last_token_time: float | None = None
+    first_scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -295,7 +300,9 @@ class OutputProcessor:
                 started = output.first_scheduled_time or step_start
                 if started is not None:
                     stats.queue_times_s.append(max(started - parent.arrival_time, 0.0))
+                    child.first_scheduled_time = started
                 stats.num_prompt_tokens += len(parent.prompt_token_ids)
+                stats.num_cached_prompt_tokens += output.num_cached_tokens
                 child.first_token_time = now
             else:
                 stats.inter_token_latencies_s.append(now - (child.last_token_time or now))
@@ -331,12 +338,16 @@ class OutputProcessor:
                 child.finish_reason = str(output.finish_reason)
                 child.stop_reason = output.stop_reason
         if child.finished:
+            first, last = child.first_token_time, child.last_token_time
+            scheduled = child.first_scheduled_time
             stats.finished.append(
                 FinishedRequestStats(
                     child.finish_reason or FinishReason.ABORT.value,
                     len(parent.prompt_token_ids),
                     len(child.token_ids),
                     now - parent.arrival_time,
+                    0.0 if first is None or scheduled is None else max(first - scheduled, 0.0),
+                    0.0 if first is None or last is None else last - first,
                 )
             )
         # A stop string found while the core still runs the request: it must be aborted.

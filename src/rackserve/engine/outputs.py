@@ -59,10 +59,6 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)  # runner drops their state
     preempted_req_ids: set[str] = field(default_factory=set)
 
-    @property
-    def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
-
 
 # ---- runner -> scheduler ----------------------------------------------------------------
 

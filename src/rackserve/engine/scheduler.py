@@ -10,10 +10,8 @@ request that would be scheduled last; the KV manager never decides policy.
 from __future__ import annotations
 
 import bisect
-import heapq
-import itertools
+import logging
 import time
-from collections import deque
 from collections.abc import Iterable
 
 from rackserve.config import SchedulerConfig
@@ -26,47 +24,12 @@ from rackserve.engine.outputs import (
     SchedulerOutput,
     SchedulerStats,
 )
+from rackserve.engine.request_queue import WaitingQueue
+from rackserve.engine.stop import check_stop_token
 from rackserve.kv.manager import KVCacheManager
 from rackserve.request import Request, RequestStatus
-from rackserve.runner.stop import check_stop_token
 
-
-class WaitingQueue:
-    """FCFS (a deque) or priority order (a heap on (priority, arrival, seq))."""
-
-    def __init__(self, policy: str) -> None:
-        self.priority = policy == "priority"
-        self._fifo: deque[Request] = deque()
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._seq = itertools.count()
-
-    def __len__(self) -> int:
-        return len(self._heap) if self.priority else len(self._fifo)
-
-    def __iter__(self):
-        return (e[-1] for e in self._heap) if self.priority else iter(self._fifo)
-
-    def add(self, req: Request, front: bool = False) -> None:
-        if self.priority:
-            heapq.heappush(self._heap, (req.priority, req.arrival_time, next(self._seq), req))
-        elif front:  # a preempted request resumes before newer arrivals
-            self._fifo.appendleft(req)
-        else:
-            self._fifo.append(req)
-
-    def peek(self) -> Request:
-        return self._heap[0][-1] if self.priority else self._fifo[0]
-
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap)[-1] if self.priority else self._fifo.popleft()
-
-    def remove(self, ids: set[str]) -> None:
-        """O(n); only on abort."""
-        if self.priority:
-            self._heap = [e for e in self._heap if e[-1].request_id not in ids]
-            heapq.heapify(self._heap)
-        else:
-            self._fifo = deque(r for r in self._fifo if r.request_id not in ids)
+logger = logging.getLogger(__name__)
 
 
 def _urgency(req: Request) -> tuple[int, float]:
@@ -90,6 +53,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # told to the runner with the next step
         self._unannounced: set[str] = set()  # admitted with KV, not yet sent to the runner
+        # Finished by schedule() (they can never fit): reported by the next update().
+        self._finished_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
 
     # ---- requests in and out ----------------------------------------------------------------
@@ -122,17 +87,13 @@ class Scheduler:
         if not 0 < num_computed_tokens < req.num_tokens:
             raise ValueError("num_computed_tokens must leave at least one token to compute")
         self._check_new(req)
+        # Nothing is cached before a step has run on the KV (KVCacheManager.reserve): a
+        # request with the same prefix must not hit blocks the transfer has not filled.
+        budget = self.config.max_num_batched_tokens
+        if not self.kv.reserve(req, num_computed_tokens, budget):
+            return False
         self.requests[req.request_id] = req
-        done = 0
-        while done < num_computed_tokens:
-            n = min(self.config.max_num_batched_tokens, num_computed_tokens - done)
-            if self.kv.allocate_slots(req, n, done) is None:
-                self.kv.free(req)
-                del self.requests[req.request_id]
-                return False
-            done += n
-            self.kv.commit(req, done)  # pages below the window go back at once
-        req.num_computed_tokens = done
+        req.num_computed_tokens = num_computed_tokens
         req.first_scheduled_time = time.monotonic()
         req.status = RequestStatus.RUNNING
         self._add_running(req)
@@ -172,6 +133,8 @@ class Scheduler:
         preempted: set[str] = set()
         # Bound once: this loop runs per request per step.
         allocate_slots, running = self.kv.allocate_slots, self.running
+        # KVCacheManager.idle_until: calls it may skip (every running request has an entry)
+        idle_until = self.kv.idle_until
         unannounced = self._unannounced
         cached_ids, cached_blocks = cached.req_ids, cached.new_block_ids
         cached_computed = cached.num_computed_tokens
@@ -196,8 +159,8 @@ class Scheduler:
                 i += 1
                 continue
             req_id = req.request_id
-            if num_computed + num_new <= req.kv_idle_until and req_id not in unannounced:
-                # Most decode steps: the manager has nothing to do (KVRequest.kv_idle_until)
+            if num_computed + num_new <= idle_until[req_id] and req_id not in unannounced:
+                # Most decode steps: the manager has nothing to do
                 cached_ids.append(req_id)
                 cached_blocks.append(None)
                 cached_computed.append(num_computed)
@@ -209,12 +172,18 @@ class Scheduler:
             new_blocks = allocate_slots(req, num_new, num_computed)
             while new_blocks is None:
                 victim = self._pick_victim()
+                if victim is req and i == 0:
+                    # Alone, with every other block free or evictable: it can never fit.
+                    self._finish_unfittable(req)
+                    break
                 self._preempt(victim)
                 preempted.add(victim.request_id)
                 if victim is req:
                     break
                 new_blocks = allocate_slots(req, num_new, num_computed)
             if new_blocks is None:
+                if req.is_finished:
+                    continue  # removed from running: `i` is the next request already
                 break  # req itself was preempted: everything after it already was
             if unannounced and req_id in unannounced:
                 # admitted with its KV in place: the runner sees it for the first time
@@ -241,13 +210,22 @@ class Scheduler:
             req = self.waiting.peek()
             if req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
                 break  # admitted by the KV connector (P/D), not here
-            num_hit, hit = self.kv.get_computed_blocks(req)
+            if req.sampling_params.prompt_logprobs is not None and not req.output_token_ids:
+                # It needs the logits of every prompt position: compute the whole prompt
+                # (vLLM does the same). A resumed request got its prompt logprobs already.
+                num_hit, hit = 0, None
+            else:
+                num_hit, hit = self.kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
             new_blocks = self.kv.allocate_slots(req, num_new, num_hit, hit)
             if new_blocks is None:
+                if not self.running:  # the cache is all free or evictable: it never fits
+                    self.waiting.pop()
+                    self._finish_unfittable(req)
+                    continue
                 break
             self.waiting.pop()
             if req.status == RequestStatus.WAITING:
@@ -297,6 +275,28 @@ class Scheduler:
         blocks or one not scheduled yet this step, never one already in this step's batch."""
         return self.running[-1]
 
+    def _finish_unfittable(self, req: Request) -> None:
+        """Finish (length) a request that needs more KV than the whole cache holds, rather
+        than let it wait forever at the head of the queue. EngineCore refuses to start when
+        one max_model_len request cannot fit, so this only guards other set-ups."""
+        logger.warning(
+            "request %s needs KV for %d tokens, more than the whole cache holds: finished "
+            "with reason 'length' (raise --kv-cache-memory or lower --max-model-len)",
+            req.request_id,
+            req.num_computed_tokens or req.num_tokens,
+        )
+        if req in self.running:
+            self.running.remove(req)
+        self._free(req, RequestStatus.FINISHED_LENGTH_CAPPED)
+        self._finished_outputs.append(
+            EngineCoreOutput(
+                request_id=req.request_id,
+                new_token_ids=[],
+                finish_reason=RequestStatus.FINISHED_LENGTH_CAPPED.finish_reason.value,
+                num_cached_tokens=req.num_cached_tokens,
+            )
+        )
+
     def _preempt(self, req: Request) -> None:
         """Recompute later: free every block; a prefix hit may restore part of it."""
         self.running.remove(req)
@@ -311,10 +311,11 @@ class Scheduler:
 
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
         """Apply sampled tokens, finish requests, commit computed KV to the cache."""
-        outputs = []
+        outputs, self._finished_outputs = self._finished_outputs, []
         finished = set()
         # Hoisted: this loop runs once per request per step.
         get_request, commit, running = self.requests.get, self.kv.commit, RequestStatus.RUNNING
+        idle_until = self.kv.idle_until  # every running request has an entry
         eos_token_ids, max_model_len = self.eos_token_ids, self.config.max_model_len
         eos_set = frozenset(eos_token_ids)
         all_logprobs, prompt_logprobs = result.logprobs, result.prompt_logprobs
@@ -324,7 +325,7 @@ class Scheduler:
             req = get_request(req_id)
             if req is None or req.status != running:
                 continue  # aborted or preempted while the step ran
-            if req.num_computed_tokens >= req.kv_idle_until:  # else a no-op (KVRequest)
+            if req.num_computed_tokens >= idle_until[req_id]:  # else a no-op
                 commit(req, req.num_computed_tokens)
             if not sampled:
                 continue  # a prefill chunk short of the prompt's end
@@ -374,7 +375,7 @@ class Scheduler:
                     Logprob(lp.token_ids, lp.logprobs, lp.rank)
                     for lp in all_logprobs[k][:num_accepted]
                 ]
-            if prompt_logprobs and req_id in prompt_logprobs:
+            if prompt_logprobs and req_id in prompt_logprobs and num_output == 0:
                 out.prompt_logprobs = [
                     None if lp is None else Logprob(lp.token_ids, lp.logprobs, lp.rank)
                     for lp in prompt_logprobs[req_id]

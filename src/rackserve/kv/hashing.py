@@ -7,6 +7,12 @@ prefix ``[0, (i+1)*G)``: the cache key of a group's block ending at token positi
 
 Token ids are packed as little-endian int64 with ``struct`` (never Python's ``hash``, which is
 salted per process), so P/D peers and restarted engines agree on every key.
+
+A hit is taken on the key alone (token ids are not compared), so the hash must not collide,
+even for crafted prompts: sha256 is the default (as in vLLM); xxhash (xxh3-128, faster, not
+collision-resistant against an adversary) is an option for trusted workloads. Requests of
+different tenants should carry different cache salts: then they share no key at all, and
+no tenant can learn from its hit timing what another one sent.
 """
 
 from __future__ import annotations
@@ -48,14 +54,14 @@ def _digest(data: bytes, algo: str) -> BlockHash:
     raise ValueError(f"unknown prefix hash {algo!r}; choose one of {HASH_ALGOS}")
 
 
-def root_hash(cache_salt: str | None, algo: str = "xxhash") -> BlockHash:
+def root_hash(cache_salt: str | None, algo: str = "sha256") -> BlockHash:
     """The parent of the first chunk; requests with different salts share no key."""
     salt = b"\x00" if cache_salt is None else b"\x01" + cache_salt.encode("utf-8")
     return _digest(_ROOT_TAG + salt, algo)
 
 
 def hash_tokens(
-    parent: BlockHash, token_ids: Sequence[int], extra_keys: bytes = b"", algo: str = "xxhash"
+    parent: BlockHash, token_ids: Sequence[int], extra_keys: bytes = b"", algo: str = "sha256"
 ) -> BlockHash:
     """One link of the chain: ``H(parent, token_ids, extra_keys)``.
 
@@ -78,7 +84,7 @@ class BlockHashChain:
     incrementally as tokens are appended (``hashes[i]`` names tokens ``[0, (i+1)*G)``)."""
 
     def __init__(
-        self, granularity: int, cache_salt: str | None = None, algo: str = "xxhash"
+        self, granularity: int, cache_salt: str | None = None, algo: str = "sha256"
     ) -> None:
         if granularity < 1:
             raise ValueError(f"hash granularity must be >= 1, got {granularity}")

@@ -2,17 +2,17 @@
 what it keeps per request (RequestState), and when a request's next commit has work to do.
 
 A decode step grows a request by one token, and almost every such step changes nothing in
-the manager: a full-history group hashes a block only when one fills up, a sliding group
+the manager: a full-history group keys a block only when one fills up, a sliding group
 releases a page only when it leaves the window, and checkpoints sit at a few chosen
 boundaries. The smallest V4 block is 8 tokens, so at least 7 steps in 8 are no-ops.
 The manager keeps, per request and group, the first token count at which a commit has
 work there (:func:`group_event`, :func:`next_checkpoint_event`); below the least of them
-(and within the tables' capacity) it skips commits and allocations, and at an event it
-visits only the groups that have one::
+(and within the tables' capacity) commits and allocations only record the count, and at an
+event only the groups that have one are visited::
 
     committed L ----------------------------------> next event E
-    full g:     (num_done_slots[g] + 1) * T          the next block to hash is full
-    sliding g:  (num_done_slots[g] + 1) * T + W - 1  the next page is below L - W + 1
+    full g:     (num_done_slots[g] + 1) * T          the next block to key is full
+    sliding g:  spec.release_point(num_done_slots[g]) the next page leaves the window
     caching:    the next multiple of A above L       a checkpoint boundary
 """
 
@@ -25,7 +25,7 @@ from rackserve.kv.block_pool import BlockPool, KVCacheBlock
 from rackserve.kv.hashing import BlockHashChain, BlockKey, block_key
 from rackserve.kv.spec import CacheGroupSpec
 
-# A token count no request reaches: the commit fast path of a request with no event ahead.
+# A token count no request reaches: the event of a group that never has commit work.
 NEVER = 1 << 62
 
 
@@ -69,13 +69,19 @@ class RequestState:
     # Full groups: leading slots already hashed. Sliding groups: leading slots released.
     num_done_slots: list[int] = field(default_factory=list)
     tentative_boundary: int = 0
+    # Per group, the slots [first, stop) holding rows of the tentative checkpoint (sliding
+    # groups; (0, 0) elsewhere): kept with the boundary, read by every page release.
+    tentative_slots: list[tuple[int, int]] = field(default_factory=list)
     tentative_blocks: list[tuple[BlockPool, KVCacheBlock, BlockKey]] = field(default_factory=list)
     # Where this request's chain leaves the cached history without a checkpoint there (a
     # shared system prompt): it checkpoints that boundary so the next request hits it.
     divergence_boundary: int = 0
-    # Fast path (0 and empty when it is off): a commit to fewer than `next_commit_event`
-    # tokens only records the count; an allocation ending within `capacity_tokens` needs no
-    # block and returns `no_new_blocks`, the NewBlocks of an empty append (None until asked).
+    # KV written from outside (KVCacheManager.reserve) and not yet known to be in place:
+    # nothing of this request is keyed until its first commit().
+    kv_pending: bool = False
+    # A commit to fewer than `next_commit_event` tokens only records the count; an
+    # allocation ending within `capacity_tokens` needs no block and returns `no_new_blocks`,
+    # the NewBlocks of an empty append (None until asked).
     group_events: list[int] = field(default_factory=list)  # group_event() per group
     next_commit_event: int = 0  # min(group_events, next_checkpoint_event)
     group_capacity: list[int] = field(default_factory=list)  # len(table) * T per group
@@ -88,15 +94,14 @@ def group_event(spec: CacheGroupSpec, num_done_slots: int, enable_prefix_caching
     its ``num_done_slots``. Conservative: the table length is ignored, so growing the table
     later never makes it wrong.
 
-    - full group: hashes slots [num_done, min(L // T, len(table))), empty while
+    - full group: keys slots [num_done, min(L // T, len(table))), empty while
       L < (num_done + 1) * T (and never without prefix caching);
     - sliding group: releases slots [num_done, min(first_live_slot(L), len(table))), empty
-      while L - W + 1 < (num_done + 1) * T.
+      while L < release_point(num_done).
     """
-    end_of_next = (num_done_slots + 1) * spec.block_tokens
     if spec.window is not None:
-        return end_of_next + spec.window - 1
-    return end_of_next if enable_prefix_caching else NEVER
+        return spec.release_point(num_done_slots)
+    return (num_done_slots + 1) * spec.block_tokens if enable_prefix_caching else NEVER
 
 
 def next_checkpoint_event(num_computed_tokens: int, alignment: int) -> int:
@@ -107,24 +112,6 @@ def next_checkpoint_event(num_computed_tokens: int, alignment: int) -> int:
     between only needs hashes up to floor_A(L), which the last full commit (or the prefix
     lookup) covered."""
     return (num_computed_tokens // alignment + 1) * alignment
-
-
-def idle_until(state: RequestState) -> int:
-    """KVRequest.kv_idle_until, the scheduler's bound E' = min(next_commit_event, capacity):
-    allocating [L, L + n), n >= 1, with L + n <= E' takes the allocation fast path (L < E', the
-    tables cover L + n), and a commit to L' < E' takes the commit fast path. Both fast paths
-    only record the count, so a scheduler may skip the calls: the count the manager keeps
-    then lags (never past an A-boundary: next_checkpoint_event), and what reads it sees
-    the same: free() caches floor_A(count), the next real commit's checkpoint range
-    (previous, current] holds multiples of A only, none in between."""
-    return min(state.next_commit_event, state.capacity_tokens)
-
-
-def first_live_slot(spec: CacheGroupSpec, num_computed_tokens: int) -> int:
-    """First slot of a sliding table with a row that a query reads once L tokens are
-    computed: rows [L-W+1, L) are still read."""
-    assert spec.window is not None
-    return max(0, num_computed_tokens - spec.window + 1) // spec.block_tokens
 
 
 def slot_key(spec: CacheGroupSpec, chain: BlockHashChain, slot: int) -> BlockKey:

@@ -77,6 +77,22 @@ class CacheGroupSpec:
         """Bytes per token position over all layers (fractional for compressed groups)."""
         return self.bytes_per_block / self.block_tokens
 
+    def first_live_slot(self, num_computed_tokens: int) -> int:
+        """Sliding groups: the first table slot holding a row a query still reads once
+        ``L = num_computed_tokens`` tokens are computed. The window rule, in one place::
+
+            positions  ......[ L-W+1 ........ L)
+            slots      dead  | first_live_slot(L) ...
+        """
+        assert self.window is not None, f"{self.name} is not a sliding group"
+        return max(0, num_computed_tokens - self.window + 1) // self.block_tokens
+
+    def release_point(self, slot: int) -> int:
+        """Sliding groups: the least L at which ``slot`` leaves the window, the inverse of
+        :meth:`first_live_slot` (``first_live_slot(L) > slot`` iff ``L >= release_point``)."""
+        assert self.window is not None, f"{self.name} is not a sliding group"
+        return (slot + 1) * self.block_tokens + self.window - 1
+
     @property
     def max_blocks_per_request(self) -> int | None:
         """Sliding groups: blocks a request holds between steps (rows [L-W+1, L) plus the

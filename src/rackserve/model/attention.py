@@ -14,6 +14,11 @@ Compression is stateless given the cached raw rows ("carry-over as data"): entry
 HCA layer pools the rows of window w; entry w of a CSA layer pools the first half of the
 rows of window w-1 with the second half of the rows of window w. So chunked prefill,
 preemption and prefix hits need no special path.
+
+The whole batch is computed at once, with no per-request loop and no host sync: every query
+gathers its own rows (its W window rows, then the visible HCA entries or the indexer's
+top-k CSA entries) through its request's block tables, and one batched sink attention runs
+over them. Queries are processed in chunks only to bound the gathered bytes.
 """
 
 from __future__ import annotations
@@ -21,14 +26,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rackserve import ops
 from rackserve.config import CSA, HCA, SLIDING, ModelConfig
-from rackserve.model.batch import ForwardBatch, KVCacheTensors
+from rackserve.model.batch import KVCacheTensors, StepMetadata
 from rackserve.model.layers import GroupedLinear, RMSNorm, Rotary
+from rackserve.ops import Kernels
 
 
 class Compressor(nn.Module):
-    """Projects tokens to raw (kv, gate) rows and pools closed windows into entries.
+    """Projects tokens to raw (kv, gate) rows; ``ops.compress_pool`` turns the rows of a
+    closed window into an entry (pool, norm, RoPE).
 
     ``width`` is the entry width; with ``overlap`` the rows are twice as wide (the Ca / Cb
     halves of CSA). Checkpoint names: ``wkv``, ``wgate``, ``ape``, ``norm``.
@@ -47,39 +53,15 @@ class Compressor(nn.Module):
         """x: [T, D] -> raw rows [T, 2 * row] = [kv | gate], cached per token."""
         return torch.cat([self.wkv(x), self.wgate(x)], dim=-1)
 
-    def pool(self, rows: torch.Tensor, first_entry: int, rotary: Rotary) -> torch.Tensor:
-        """Entries from cached rows.
-
-        rows: [n * r, 2 * row] for HCA (windows first_entry .. first_entry + n - 1), or
-        [(n + 1) * r, 2 * row] for CSA (one extra window in front: window first_entry - 1,
-        all -inf gates when first_entry == 0). Returns normed, roped entries [n, width].
-        """
-        r = self.ratio
-        kv, gate = rows[:, : self.row], rows[:, self.row :]
-        if self.overlap:
-            n = kv.shape[0] // r - 1
-            if first_entry == 0:  # window -1 does not exist: zero weight in the softmax
-                gate = gate.clone()
-                gate[:r] = float("-inf")
-            # windows [w-1, w] side by side: [n, 2r, 2 * width]
-            kv = torch.stack([kv[i * r : (i + 2) * r] for i in range(n)]) if n else kv[:0]
-            gate = torch.stack([gate[i * r : (i + 2) * r] for i in range(n)]) if n else gate[:0]
-        else:
-            n = kv.shape[0] // r
-            kv, gate = kv.reshape(n, r, -1), gate.reshape(n, r, -1)
-        pooled = ops.compress_windows(kv, gate, self.ape, self.overlap)
-        positions = torch.arange(n, device=rows.device) * r + first_entry * r
-        cos, sin = rotary(positions, pooled.dtype)
-        return ops.apply_rope(self.norm(pooled), cos, sin)
-
 
 class Indexer(nn.Module):
     """Lightning indexer of a CSA layer: its own overlapping compressor at Di, and query
     heads scored against the compressed keys. Checkpoint names: ``wq_b``,
     ``weights_proj``, ``compressor.*``."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: Kernels) -> None:
         super().__init__()
+        self.kernels = kernels
         self.num_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
         self.topk = cfg.index_topk
         self.wq_b = nn.Linear(cfg.q_lora_rank, self.num_heads * self.head_dim, bias=False)
@@ -92,26 +74,31 @@ class Indexer(nn.Module):
         q_residual: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        keys: torch.Tensor,
-        visible: torch.Tensor,
+        key_cache: torch.Tensor,
+        slots: torch.Tensor,
+        num_visible: torch.Tensor,
     ) -> torch.Tensor:
         """Top-k compressed entries per query.
 
-        x: [S, D]; q_residual: [S, q_lora]; cos/sin at the query positions; keys: [Tc, Di];
-        visible: [S, Tc] causal visibility. Returns a [S, Tc] bool mask of selected entries.
+        x: [S, D]; q_residual: [S, q_lora]; cos/sin at the query positions; key_cache: the
+        [N, C] rows whose first Di columns are index keys; slots: [S, E] rows of entries
+        0..E-1 of each query's request; num_visible: [S]. Returns entry ids
+        [S, min(topk, E)], best first; ids >= num_visible are not visible (the caller masks).
+        Ties (common with few index heads: relu zeroes whole scores) go to the earliest
+        entry, so the choice never depends on how the prompt was chunked.
         """
-        s = x.shape[0]
-        q = self.wq_b(q_residual).view(s, self.num_heads, self.head_dim)
-        q = ops.apply_rope(q, cos, sin)
+        s, k = x.shape[0], self.kernels
+        q = k.apply_rope(self.wq_b(q_residual).view(s, self.num_heads, self.head_dim), cos, sin)
         weights = self.weights_proj(x).float() * self.num_heads**-0.5
-        scores = ops.indexer_scores(q, keys, weights, self.head_dim**-0.5)
-        scores = scores.masked_fill(~visible, float("-inf"))
-        k = min(self.topk, keys.shape[0])
-        # Ties (common with few index heads: relu zeroes whole scores) go to the earliest
-        # entry, so the choice never depends on how the prompt was chunked.
-        top = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
-        selected = torch.zeros_like(visible).scatter_(1, top, True)
-        return selected & visible  # picks past the causal limit are dropped
+        num = min(self.topk, slots.shape[1])
+        return k.paged_indexer_topk(
+            q, key_cache, slots, weights, self.head_dim**-0.5, num_visible, num
+        )
+
+
+# Bytes of gathered rows and scores one attention chunk may hold (queries are processed in
+# chunks of at most this much; a decode batch of 256 at 4K context is one chunk).
+_CHUNK_BYTES = 1 << 30
 
 
 class Attention(nn.Module):
@@ -122,9 +109,11 @@ class Attention(nn.Module):
     ``wo_a``, ``wo_b``, ``attn_sink``, ``compressor.*``, ``indexer.*``.
     """
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, kind: str, rotary: Rotary) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer_id: int, kind: str, rotary: Rotary, kernels: Kernels
+    ) -> None:
         super().__init__()
-        self.layer_id, self.kind = layer_id, kind
+        self.layer_id, self.kind, self.kernels = layer_id, kind, kernels
         self.num_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
         self.window, self.eps, self.o_groups = cfg.sliding_window, cfg.rms_norm_eps, cfg.o_groups
         self.rotary = rotary  # shared module: "main" for sliding layers, "compress" otherwise
@@ -141,7 +130,7 @@ class Attention(nn.Module):
         if kind == CSA:
             self.ratio = cfg.csa_ratio
             self.compressor = Compressor(cfg, self.head_dim, self.ratio, overlap=True)
-            self.indexer = Indexer(cfg)
+            self.indexer = Indexer(cfg, kernels)
         elif kind == HCA:
             self.ratio = cfg.hca_ratio
             self.compressor = Compressor(cfg, self.head_dim, self.ratio, overlap=False)
@@ -170,98 +159,93 @@ class Attention(nn.Module):
         ]
 
     def _update_compressed(
-        self, x: torch.Tensor, batch: ForwardBatch, caches: KVCacheTensors
+        self, x: torch.Tensor, meta: StepMetadata, caches: KVCacheTensors
     ) -> None:
-        """Write this step's raw rows, then emit every entry whose window closed."""
+        """Write this step's raw rows, then emit the entry of every window that closed
+        (``meta.compression``: which windows, from which state rows, into which slots)."""
         state = caches.flat(self.state_group, self.layer_id)
         entries = caches.flat(self.entry_group, self.layer_id)
         parts = self._compressors()
         rows = torch.cat([c.rows(x) for c, _, _ in parts], dim=-1)  # [T, state width]
-        r = self.ratio
-        for i in range(batch.num_reqs):
-            start, end = batch.query_start_loc[i], batch.query_start_loc[i + 1]
-            computed, total = batch.num_computed_tokens[i], batch.seq_len(i)
-            positions = torch.arange(computed, total, device=x.device)
-            state[
-                caches.slots(self.state_group, batch.block_table(self.state_group, i), positions)
-            ] = rows[start:end]
-            first, last = computed // r, total // r  # new entries: [first, last)
-            if first == last:
-                continue
-            lo = (first - 1) * r if self.kind == CSA else first * r
-            src = torch.arange(max(lo, 0), last * r, device=x.device)
-            window_rows = state[
-                caches.slots(self.state_group, batch.block_table(self.state_group, i), src)
-            ]
-            if lo < 0:  # entry 0 of CSA: a placeholder window -1 (masked in `pool`)
-                window_rows = torch.cat([window_rows[:r], window_rows])
-            dst = caches.slots(
-                self.entry_group,
-                batch.block_table(self.entry_group, i),
-                torch.arange(first, last, device=x.device),
-            )
-            for comp, row_cols, entry_cols in parts:
-                new = comp.pool(window_rows[:, row_cols], first, self.rotary)
-                entries[dst, entry_cols] = new.to(entries.dtype)
+        state[meta.slot_mapping[self.state_group]] = rows.to(state.dtype)
+        plan = meta.compression[self.entry_group]
+        if plan.dst.numel() == 0:
+            return
+        rotary = self.rotary
+        for comp, row_cols, entry_cols in parts:
+            new = self.kernels.compress_pool(
+                state, plan.src, plan.missing, row_cols.start, comp.ape, comp.norm.weight,
+                comp.norm.eps, plan.positions, rotary.inv_freq, rotary.scale,
+            )  # fmt: skip
+            entries[plan.dst, entry_cols] = new.to(entries.dtype)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, caches: KVCacheTensors) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: StepMetadata, caches: KVCacheTensors) -> torch.Tensor:
         # x: [T, D] (the normed block input) -> [T, D]
-        t = x.shape[0]
-        cos, sin = self.rotary(batch.positions, x.dtype)
-        q_residual = self.q_norm(self.wq_a(x))
+        t, k = x.shape[0], self.kernels
+        cos, sin = self.rotary(meta.positions, x.dtype)
+        q_residual = k.rms_norm(self.wq_a(x), self.q_norm.weight, self.eps)
         q = self.wq_b(q_residual).view(t, self.num_heads, self.head_dim)
-        q = ops.apply_rope(ops.rms_norm(q, None, self.eps), cos, sin)
-        kv = ops.apply_rope(self.norm(self.wkv(x)), cos, sin)  # [T, Dh]
-        if self.ratio:
-            self._update_compressed(x, batch, caches)
-
+        q = k.rms_norm_rope(q, None, self.eps, cos, sin)  # unweighted per-head norm
+        kv = k.rms_norm_rope(self.wkv(x), self.norm.weight, self.eps, cos, sin)  # [T, Dh]
         swa = caches.flat("swa", self.layer_id)
+        swa[meta.slot_mapping["swa"]] = kv.to(swa.dtype)
+        if self.ratio:
+            self._update_compressed(x, meta, caches)
+
         out = torch.empty_like(q)
-        for i in range(batch.num_reqs):
-            start, end = batch.query_start_loc[i], batch.query_start_loc[i + 1]
-            computed, total = batch.num_computed_tokens[i], batch.seq_len(i)
-            q_pos = batch.positions[start:end]
-            new_pos = torch.arange(computed, total, device=x.device)
-            swa_table = batch.block_table("swa", i)
-            swa[caches.slots("swa", swa_table, new_pos)] = kv[start:end].to(swa.dtype)
-            key_pos = torch.arange(max(0, computed - self.window + 1), total, device=x.device)
-            keys = swa[caches.slots("swa", swa_table, key_pos)].to(q.dtype)
-            diff = q_pos[:, None] - key_pos[None, :]
-            mask = (diff >= 0) & (diff < self.window)
-            if self.ratio and total >= self.ratio:
-                keys, mask = self._add_compressed(
-                    i, x[start:end], q_residual[start:end], q_pos, batch, caches, keys, mask
-                )
-            out[start:end] = ops.sink_attention(
-                q[start:end], keys, mask, self.attn_sink, self.head_dim**-0.5
+        window = meta.gather["swa"]
+        chunk = self._chunk_tokens(t, meta.max_seq_len, x.element_size())
+        for a in range(0, t, chunk):
+            rows = slice(a, min(a + chunk, t))
+            entries, slots, valid = self._compressed_rows(
+                meta, caches, rows, x[rows], q_residual[rows], cos[rows], sin[rows]
             )
-        # K = V carried RoPE into the output's rope slice: rotate back by the query position.
-        out = ops.apply_rope(out, cos, -sin)
+            # K = V carried RoPE into the output's rope slice: the op rotates it back
+            out[rows] = k.paged_sparse_attention(
+                q[rows], swa, window.slots[rows], entries, slots, valid, self.attn_sink,
+                self.head_dim**-0.5, cos[rows], sin[rows],
+            )  # fmt: skip
         return self.wo_b(self.wo_a(out.view(t, self.o_groups, -1)))
 
-    def _add_compressed(
+    def _chunk_tokens(self, num_tokens: int, max_seq_len: int, element_size: int) -> int:
+        """Queries per chunk so that one chunk's gathered rows and scores stay bounded."""
+        entries = max_seq_len // self.ratio if self.ratio else 0
+        rows = self.window + (min(entries, self.indexer.topk) if self.kind == CSA else entries)
+        per_token = rows * (self.head_dim * element_size + 4 * self.num_heads)
+        if self.kind == CSA:  # the indexer's fp32 keys and per-head scores
+            per_token += entries * 4 * (self.indexer.head_dim + self.indexer.num_heads)
+        return max(1, min(num_tokens, _CHUNK_BYTES // per_token))
+
+    def _compressed_rows(
         self,
-        i: int,
+        meta: StepMetadata,
+        caches: KVCacheTensors,
+        rows: slice,
         x: torch.Tensor,
         q_residual: torch.Tensor,
-        q_pos: torch.Tensor,
-        batch: ForwardBatch,
-        caches: KVCacheTensors,
-        keys: torch.Tensor,
-        mask: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append request i's compressed entries to its keys, with per-query visibility."""
-        num_entries = batch.seq_len(i) // self.ratio
-        entry_ids = torch.arange(num_entries, device=x.device)
-        table = batch.block_table(self.entry_group, i)
-        rows = caches.flat(self.entry_group, self.layer_id)[
-            caches.slots(self.entry_group, table, entry_ids)
-        ]
-        compressed = rows[:, : self.head_dim].to(keys.dtype)
-        # Entry w is complete once token r*w + r - 1 has been seen.
-        visible = entry_ids[None, :] < ((q_pos + 1) // self.ratio)[:, None]  # [S, Tc]
-        if self.kind == CSA:
-            cos, sin = self.rotary(q_pos, x.dtype)
-            index_keys = rows[:, self.head_dim :].to(x.dtype)
-            visible = self.indexer.select(x, q_residual, cos, sin, index_keys, visible)
-        return torch.cat([keys, compressed]), torch.cat([mask, visible], dim=1)
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The compressed rows the queries of ``rows`` attend to besides their window.
+
+        Query at position p: (HCA) entries 0 .. E-1, or (CSA) the indexer's picks; entry e
+        is visible once p >= r*e + r - 1, and E = max_seq_len // r bounds every request's
+        entries. Returns (the entry cache, slots [n, K], valid [n, W + K] over
+        [window | compressed]); a sliding layer returns no compressed slots.
+        """
+        window_valid = meta.gather["swa"].valid[rows]
+        swa = caches.flat("swa", self.layer_id)
+        if not self.ratio or meta.max_seq_len < self.ratio:
+            return swa, meta.gather["swa"].slots[rows][:, :0], window_valid
+        entries = caches.flat(self.entry_group, self.layer_id)
+        plan = meta.gather[self.entry_group]
+        slots = plan.slots[rows]  # [n, E]
+        if self.kind == CSA:  # entry rows are [kv (Dh) | indexer key (Di)]
+            num_visible = plan.num_visible[rows]
+            ids = self.indexer.select(
+                x, q_residual, cos, sin, entries[:, self.head_dim :], slots, num_visible
+            )
+            slots, picked = slots.gather(1, ids), ids < num_visible[:, None]
+        else:
+            picked = plan.valid[rows]
+        return entries, slots, torch.cat([window_valid, picked], dim=1)

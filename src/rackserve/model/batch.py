@@ -1,16 +1,21 @@
-"""What one forward step needs besides the weights: the paged cache tensors and the batch
+"""What one forward step needs besides the weights: the paged cache tensors and the step
 metadata (a flat batch of R requests with T new tokens in all, never a padded [B, S]).
 
 Paging: every cache group (see ``rackserve.kv.spec``) has one tensor per layer,
 ``[num_blocks, block_tokens // ratio, entry_width]``, and one block table per request.
 Block-table entry i of a request covers token positions [i * block_tokens, (i+1) *
 block_tokens): positions are absolute, so a sliding group's table starts with placeholder
-ids for positions that fell out of the window (never read).
+ids for positions that fell out of the window (never read). Block 0 is the null block:
+padded tokens of a CUDA-graph batch write there, and nothing reads it as data.
+
+Everything in :class:`StepMetadata` is a device tensor except a few host ints that fix
+shapes (so one captured CUDA graph serves every step of the same padded size); nothing
+in the forward reads a device value back to the host.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,35 +23,166 @@ import torch
 from rackserve.kv.spec import CacheGroupSpec
 
 
-@dataclass
-class ForwardBatch:
-    """Attention metadata of one step.
+def paged_slots(
+    block_tables: torch.Tensor, per_block: int, req: torch.Tensor, index: torch.Tensor
+) -> torch.Tensor:
+    """Slots of entries ``index`` of requests ``req`` (broadcast together).
 
-    ``query_start_loc`` is cu_seqlens_q: request r owns flat tokens
-    [query_start_loc[r], query_start_loc[r+1]). It had ``num_computed_tokens[r]`` tokens in
-    the cache before this step::
+    block_tables: [R, C] (this step's rows); index: token positions for ratio-1 groups,
+    entry ids otherwise (``per_block`` entries a block). Columns past the table are clamped:
+    callers mask such entries, and the clamp keeps the read inside the cache.
+    """
+    col = (index // per_block).clamp_(max=block_tables.shape[1] - 1)
+    return block_tables[req, col] * per_block + index % per_block
+
+
+@dataclass(frozen=True)
+class Gather:
+    """Rows each query reads from one cache group, shared by every layer of the group.
+
+    ``slots`` [T, M]: cache rows (window positions for the sliding group, entries 0..E-1 of
+    the query's request for a compressed group); ``valid`` [T, M]: which are visible to the
+    query (causality, window start); ``num_visible`` [T]: compressed groups only, the
+    entries the query may see (entry e once position >= r*e + r - 1).
+    """
+
+    slots: torch.Tensor
+    valid: torch.Tensor
+    num_visible: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Compression:
+    """Windows closing this step in one compressed group (same for all its layers).
+
+    Token t at position p closes entry w = (p + 1) / r - 1 of its request when
+    (p + 1) % r == 0. The entry pools the state rows of its window (CSA: windows w-1 and w,
+    the state group's window being 2r)::
+
+        positions   (w-1)r ........ wr ........ wr + r - 1 = p
+                    |- CSA only -|--- window w ---|
+
+    ``src`` [n, span] state slots of the window rows; ``missing`` [n, span] rows before
+    position 0 (window -1 of entry 0), None without overlap; ``dst`` [n] entry slots, the
+    null block for candidates that do not close (graph padding); ``positions`` [n] w * r.
+    """
+
+    src: torch.Tensor
+    missing: torch.Tensor | None
+    dst: torch.Tensor
+    positions: torch.Tensor
+
+
+@dataclass(frozen=True)
+class StepMetadata:
+    """Attention metadata of one step, on the model's device.
+
+    Token t belongs to request ``token_req[t]`` (0..R-1, this step's order) and sits at
+    absolute position ``positions[t]``::
 
         positions  0 ........ num_computed ........ num_computed + num_new
                    |-- in cache (paged) --|-- new: this step's tokens --|
+
+    Everything index-shaped is computed once per step by :meth:`build`, for every cache
+    group: ``slot_mapping`` (where each new token's row goes, ratio-1 groups), ``gather``
+    (the rows each query reads: the sliding window, all compressed entries), and
+    ``compression`` (the windows that close). ``max_seq_len`` (host) bounds every request's
+    length after the step and sizes the compressed gathers (a CUDA graph uses its context
+    bucket). ``token_mask`` is False on padded tokens (None: every token is real).
     """
 
     positions: torch.Tensor  # [T] int64
-    query_start_loc: list[int]  # [R + 1]
-    num_computed_tokens: list[int]  # [R]
-    block_tables: dict[str, torch.Tensor]  # group name -> [num_rows, max_blocks] int64
-    rows: list[int]  # [R] request r's row in the block tables (a persistent batch)
-
-    def block_table(self, group: str, r: int) -> torch.Tensor:
-        """[max_blocks] the block table of request r in a cache group."""
-        return self.block_tables[group][self.rows[r]]
+    token_req: torch.Tensor  # [T] int64
+    slot_mapping: Mapping[str, torch.Tensor]  # ratio-1 group -> [T] int64
+    gather: Mapping[str, Gather]  # "swa" and compressed groups
+    compression: Mapping[str, Compression]  # compressed group -> its closing windows
+    max_seq_len: int
+    token_mask: torch.Tensor | None = None  # [T] bool
 
     @property
-    def num_reqs(self) -> int:
-        return len(self.num_computed_tokens)
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
 
-    def seq_len(self, r: int) -> int:
-        """Tokens in the cache for request r once this step has run."""
-        return self.num_computed_tokens[r] + self.query_start_loc[r + 1] - self.query_start_loc[r]
+    @classmethod
+    def build(
+        cls,
+        groups: Sequence[CacheGroupSpec],
+        positions: torch.Tensor,
+        token_req: torch.Tensor,
+        block_tables: Mapping[str, torch.Tensor],
+        max_seq_len: int,
+        closing: Mapping[int, torch.Tensor],
+        token_mask: torch.Tensor | None = None,
+    ) -> StepMetadata:
+        """Derive every index of the step (device ops only: safe inside a graph).
+
+        block_tables: group -> [R, C] rows of this step's requests; closing: ratio -> [n]
+        the tokens that may close a window (eager steps: exactly those with
+        (pos + 1) % r == 0; graphs: every token, the rest is masked here).
+        """
+        slot_mapping = {
+            g.name: paged_slots(block_tables[g.name], g.block_tokens, token_req, positions)
+            for g in groups
+            if g.ratio == 1
+        }
+        gather: dict[str, Gather] = {}
+        compression: dict[str, Compression] = {}
+        for g in groups:
+            table, per_block = block_tables[g.name], g.entries_per_block
+            if g.name == "swa":  # window rows p-W+1 .. p
+                window = positions[:, None] - torch.arange(
+                    g.window - 1, -1, -1, device=positions.device
+                )
+                slots = paged_slots(table, per_block, token_req[:, None], window.clamp(min=0))
+                gather[g.name] = Gather(slots, window >= 0)
+            elif g.ratio > 1:
+                num_entries = max_seq_len // g.ratio
+                entry = torch.arange(num_entries, device=positions.device)
+                num_visible = (positions + 1) // g.ratio
+                slots = paged_slots(table, per_block, token_req[:, None], entry[None, :])
+                gather[g.name] = Gather(slots, entry[None, :] < num_visible[:, None], num_visible)
+                state = next(
+                    s for s in groups if s.window is not None and s.layer_ids == g.layer_ids
+                )
+                compression[g.name] = _compression(
+                    g, state, block_tables, positions, token_req, closing[g.ratio], token_mask
+                )
+        return cls(positions, token_req, slot_mapping, gather, compression, max_seq_len, token_mask)
+
+
+def _compression(
+    entries: CacheGroupSpec,
+    state: CacheGroupSpec,
+    block_tables: Mapping[str, torch.Tensor],
+    positions: torch.Tensor,
+    token_req: torch.Tensor,
+    closing: torch.Tensor,
+    token_mask: torch.Tensor | None,
+) -> Compression:
+    r, span = entries.ratio, state.window  # span: r (HCA) or 2r (CSA, overlapping)
+    pos, req = positions[closing], token_req[closing]  # [n]
+    valid = (pos + 1) % r == 0
+    if token_mask is not None:
+        valid &= token_mask[closing]
+    # a candidate before its first window end (graph padding) pools window 0 as garbage into
+    # the null block: clamped, so even garbage is finite (a window with every row missing
+    # would be a softmax over -inf: NaN, and 0 * NaN leaks through masks)
+    entry = ((pos + 1) // r - 1).clamp_(min=0)
+    window_pos = (entry * r - (span - r))[:, None] + torch.arange(span, device=pos.device)
+    src = paged_slots(
+        block_tables[state.name], state.entries_per_block, req[:, None], window_pos.clamp(min=0)
+    )
+    dst = paged_slots(block_tables[entries.name], entries.entries_per_block, req, entry)
+    missing = window_pos < 0 if span > r else None
+    return Compression(src, missing, torch.where(valid, dst, 0), entry * r)
+
+
+def closing_tokens(
+    positions: Sequence[int] | torch.Tensor, ratios: Sequence[int], device: torch.device | str
+) -> dict[int, torch.Tensor]:
+    """Exact closing-token lists for an eager step (host positions -> device indices)."""
+    pos = torch.as_tensor(positions, dtype=torch.int64, device="cpu")
+    return {r: torch.nonzero((pos + 1) % r == 0).flatten().to(device) for r in set(ratios)}
 
 
 class KVCacheTensors:
@@ -78,15 +214,6 @@ class KVCacheTensors:
         """[num_blocks * entries_per_block, entry_width] view, addressed by slot."""
         t = self.tensors[group][layer]
         return t.view(-1, t.shape[-1])
-
-    def slots(self, group: str, block_table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """Slots of entries ``index`` (token positions for ratio 1, entry ids otherwise).
-
-        block_table: [max_blocks] one request's row; index: [n] -> [n] slots.
-        """
-        g = self.groups[group]
-        per_block = g.block_tokens // g.ratio
-        return block_table[index // per_block] * per_block + index % per_block
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in self.tensors.values() for t in d.values())

@@ -19,47 +19,52 @@ from torch import nn
 from rackserve import ops
 from rackserve.config import SLIDING, ModelConfig
 from rackserve.model.attention import Attention
-from rackserve.model.batch import ForwardBatch, KVCacheTensors
+from rackserve.model.batch import KVCacheTensors, StepMetadata
 from rackserve.model.layers import FP32_PARAM_SUFFIXES, HyperHead, RMSNorm, Rotary, hc_params
 from rackserve.model.moe import MoE
 
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, layer_id: int, kind: str, hashed: bool, rotary: Rotary
+        self,
+        cfg: ModelConfig,
+        layer_id: int,
+        kind: str,
+        hashed: bool,
+        rotary: Rotary,
+        kernels: ops.Kernels,
     ) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.attn = Attention(cfg, layer_id, kind, rotary)
-        self.ffn = MoE(cfg, hashed)
+        self.cfg, self.kernels = cfg, kernels
+        self.attn = Attention(cfg, layer_id, kind, rotary, kernels)
+        self.ffn = MoE(cfg, hashed, kernels)
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = hc_params(cfg)
         self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = hc_params(cfg)
 
-    def _hc(
-        self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        c = self.cfg
-        return ops.hc_weights(
-            streams, fn, base, scale, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps
-        )
-
     def forward(
         self,
         streams: torch.Tensor,
         input_ids: torch.Tensor,
-        batch: ForwardBatch,
+        meta: StepMetadata,
         caches: KVCacheTensors,
         expert_counts: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # streams: [T, N, D] -> [T, N, D]
-        pre, post, comb = self._hc(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
-        x = self.attn(self.attn_norm(ops.hc_collapse(streams, pre)), batch, caches)
-        streams = ops.hc_expand(streams, x, post, comb)
-        pre, post, comb = self._hc(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
-        x = self.ffn(self.ffn_norm(ops.hc_collapse(streams, pre)), input_ids, expert_counts)
-        return ops.hc_expand(streams, x, post, comb)
+        # streams: [T, N, D] -> [T, N, D]; each sub-layer: mHC weights + collapse + norm,
+        # the block, then mix the block output back into the streams.
+        c, k = self.cfg, self.kernels
+        hc = (c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+        x, post, comb = k.hc_pre(
+            streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
+            self.attn_norm.weight, *hc,
+        )  # fmt: skip
+        streams, x, post, comb = k.hc_post_pre(  # the attention's post + the FFN's pre
+            streams, self.attn(x, meta, caches), post, comb,
+            self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.ffn_norm.weight, *hc,
+        )  # fmt: skip
+        x = self.ffn(x, input_ids, expert_counts, meta.token_mask)
+        return k.hc_post(streams, x, post, comb)
 
 
 class MTPLayer(nn.Module):
@@ -73,21 +78,21 @@ class MTPLayer(nn.Module):
     Its cache layer id is ``num_hidden_layers + k`` (sliding-window group only).
     """
 
-    def __init__(self, cfg: ModelConfig, k: int, rotary: Rotary) -> None:
+    def __init__(self, cfg: ModelConfig, k: int, rotary: Rotary, kernels: ops.Kernels) -> None:
         super().__init__()
         d = cfg.hidden_size
         self.enorm = RMSNorm(d, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(d, cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * d, d, bias=False)
-        self.block = DecoderLayer(cfg, cfg.num_hidden_layers + k, SLIDING, False, rotary)
+        self.block = DecoderLayer(cfg, cfg.num_hidden_layers + k, SLIDING, False, rotary, kernels)
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.hc_head = HyperHead(cfg)
+        self.hc_head = HyperHead(cfg, kernels)
 
 
 class DeepseekV4Model(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: ops.Kernels) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.kernels = cfg, kernels
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         rope_dim = cfg.qk_rope_head_dim
         self.rotary_main = Rotary(cfg.rope_main, rope_dim)
@@ -99,16 +104,17 @@ class DeepseekV4Model(nn.Module):
                 kind,
                 cfg.mlp_layer_types[i] == "hash_moe",
                 self.rotary_main if kind == SLIDING else self.rotary_compress,
+                kernels,
             )
             for i, kind in enumerate(cfg.layer_types)
         )
-        self.hc_head = HyperHead(cfg)
+        self.hc_head = HyperHead(cfg, kernels)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
         self,
         input_ids: torch.Tensor,
-        batch: ForwardBatch,
+        meta: StepMetadata,
         caches: KVCacheTensors,
         expert_counts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,18 +126,24 @@ class DeepseekV4Model(nn.Module):
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         for i, layer in enumerate(self.layers):
             counts = None if expert_counts is None else expert_counts[i]
-            streams = layer(streams, input_ids, batch, caches, counts)
-        return self.norm(self.hc_head(streams)), streams
+            streams = layer(streams, input_ids, meta, caches, counts)
+        return self.hc_head(streams, self.norm), streams
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, with_mtp: bool = True) -> None:
+    """The causal LM. ``kernels`` picks the op implementations once (see ``rackserve.ops``):
+    "auto" runs the fast ones on a GPU and the references on the CPU."""
+
+    def __init__(self, cfg: ModelConfig, with_mtp: bool = True, kernels: str = "auto") -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = DeepseekV4Model(cfg)
+        self.kernels = ops.kernels(kernels)
+        self.model = DeepseekV4Model(cfg, self.kernels)
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         num_mtp = cfg.num_nextn_predict_layers if with_mtp else 0
-        self.mtp = nn.ModuleList(MTPLayer(cfg, k, self.model.rotary_main) for k in range(num_mtp))
+        self.mtp = nn.ModuleList(
+            MTPLayer(cfg, k, self.model.rotary_main, self.kernels) for k in range(num_mtp)
+        )
 
     @property
     def has_mtp(self) -> bool:
@@ -140,12 +152,12 @@ class DeepseekV4ForCausalLM(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        batch: ForwardBatch,
+        meta: StepMetadata,
         caches: KVCacheTensors,
         expert_counts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (hidden [T, D], final streams [T, N, D]); logits via ``compute_logits``."""
-        return self.model(input_ids, batch, caches, expert_counts)
+        return self.model(input_ids, meta, caches, expert_counts)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, D] (only the rows that need logits) -> [S, V] float32
@@ -156,17 +168,17 @@ class DeepseekV4ForCausalLM(nn.Module):
         k: int,
         next_ids: torch.Tensor,
         streams: torch.Tensor,
-        batch: ForwardBatch,
+        meta: StepMetadata,
         caches: KVCacheTensors,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """MTP layer k. next_ids: [T] (token t+1); streams: [T, N, D] at t; ``batch``
+        """MTP layer k. next_ids: [T] (token t+1); streams: [T, N, D] at t; ``meta``
         positions are those of the next tokens. Returns (hidden [T, D], streams)."""
         layer = self.mtp[k]
         e = layer.enorm(self.model.embed_tokens(next_ids))  # [T, D]
         h = layer.hnorm(streams)  # [T, N, D]
         x = layer.eh_proj(torch.cat([e.unsqueeze(1).expand_as(h), h], dim=-1))
-        x = layer.block(x, next_ids, batch, caches)
-        return layer.norm(layer.hc_head(x)), x
+        x = layer.block(x, next_ids, meta, caches)
+        return layer.hc_head(x, layer.norm), x
 
     def cast(self, dtype: torch.dtype) -> DeepseekV4ForCausalLM:
         """Cast to ``dtype``, keeping the reference's float32 parameters in float32."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from rackserve.kv.spec import cache_groups_for
-from rackserve.model.batch import ForwardBatch, KVCacheTensors
+from rackserve.model.batch import KVCacheTensors, StepMetadata, closing_tokens
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 
 
@@ -30,19 +30,22 @@ class ContiguousCache:
             for n, b in per_req.items()
         }
 
-    def batch(self, num_computed: list[int], num_new: list[int], reqs: list[int]) -> ForwardBatch:
+    def batch(self, num_computed: list[int], num_new: list[int], reqs: list[int]) -> StepMetadata:
         """Metadata for requests ``reqs`` (rows of the block tables) with their new tokens."""
         device = next(iter(self.block_tables.values())).device
         positions = torch.cat(
-            [
-                torch.arange(c, c + n, device=device)
-                for c, n in zip(num_computed, num_new, strict=True)
-            ]
+            [torch.arange(c, c + n) for c, n in zip(num_computed, num_new, strict=True)]
         )
-        starts = [0]
-        for n in num_new:
-            starts.append(starts[-1] + n)
-        return ForwardBatch(positions, starts, list(num_computed), self.block_tables, list(reqs))
+        token_req = torch.repeat_interleave(torch.arange(len(reqs)), torch.tensor(num_new))
+        rows = torch.tensor(reqs, device=device)
+        return StepMetadata.build(
+            self.groups,
+            positions.to(device),
+            token_req.to(device),
+            {name: table[rows] for name, table in self.block_tables.items()},
+            max(c + n for c, n in zip(num_computed, num_new, strict=True)),
+            closing_tokens(positions, [g.ratio for g in self.groups if g.ratio > 1], device),
+        )
 
 
 @torch.inference_mode()

@@ -99,23 +99,24 @@ def hc_params(cfg: ModelConfig) -> tuple[nn.Parameter, nn.Parameter, nn.Paramete
 
 
 class HyperHead(nn.Module):
-    """Final collapse of the N streams (sigmoid weights, no Sinkhorn)."""
+    """Final collapse of the N streams (sigmoid weights, no Sinkhorn), then the final norm."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: ops.Kernels) -> None:
         super().__init__()
         n = cfg.hc_mult
+        self.kernels = kernels
         self.hc_fn = nn.Parameter(torch.zeros(n, n * cfg.hidden_size, dtype=torch.float32))
         self.hc_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
         self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
         self.hc_eps = cfg.hc_eps
         self.norm_eps = cfg.rms_norm_eps
 
-    def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        # streams: [T, N, D] -> [T, D]
-        flat = ops.rms_norm(streams.flatten(1).float(), None, self.norm_eps)
-        mixes = torch.nn.functional.linear(flat, self.hc_fn.float())
-        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
-        return ops.hc_collapse(streams, pre)
+    def forward(self, streams: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """streams: [T, N, D] -> the final normed hidden [T, D] (``norm``: the model's)."""
+        return self.kernels.hc_head(
+            streams, self.hc_fn, self.hc_base, self.hc_scale, self.hc_eps, self.norm_eps,
+            norm.weight,
+        )  # fmt: skip
 
 
 class GroupedLinear(nn.Module):

@@ -95,14 +95,17 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     progress: bool | None = None,
+    kernels: str = "auto",
 ) -> DeepseekV4ForCausalLM:
-    """Build the model from ``config.json`` and fill it from the safetensors files."""
+    """Build the model from ``config.json`` and fill it from the safetensors files.
+    ``kernels``: the op implementations (``rackserve.ops.KERNEL_CHOICES``)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_pretrained(model_dir)
     files = checkpoint_files(model_dir)
     names = open_shards(files)
     with torch.device(device):
-        model = DeepseekV4ForCausalLM(cfg, with_mtp=any(k.startswith("mtp.") for _, k in names))
+        with_mtp = any(k.startswith("mtp.") for _, k in names)
+        model = DeepseekV4ForCausalLM(cfg, with_mtp=with_mtp, kernels=kernels)
     model.cast(dtype)
     if progress is None:
         progress = sum(f.stat().st_size for f in files) > 1 << 30

@@ -11,7 +11,6 @@ only), ``gate.tid2eid`` [V, k] (hash layers), ``experts.{e}.w1/w3`` [I, D] (gate
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from rackserve import ops
@@ -23,8 +22,9 @@ class Router(nn.Module):
     table on hash layers. Weights are the selected scores, normalised, times the routed
     scaling factor."""
 
-    def __init__(self, cfg: ModelConfig, hashed: bool) -> None:
+    def __init__(self, cfg: ModelConfig, hashed: bool, kernels: ops.Kernels) -> None:
         super().__init__()
+        self.kernels = kernels
         self.top_k, self.scoring_func = cfg.num_experts_per_tok, cfg.scoring_func
         self.scaling = cfg.routed_scaling_factor
         self.hashed = hashed
@@ -39,26 +39,29 @@ class Router(nn.Module):
         self, x: torch.Tensor, input_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [T, D] -> topk_ids [T, k] int64, topk_weights [T, k] float32
-        scores = ops.router_scores(F.linear(x, self.weight), self.scoring_func)
-        if self.hashed:
-            ids = self.tid2eid[input_ids].long()
-        else:
-            ids = torch.topk(scores + self.bias, self.top_k, dim=-1, sorted=False).indices
-        weights = scores.gather(1, ids)
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return ids, weights * self.scaling
+        return self.kernels.route(
+            x,
+            self.weight,
+            None if self.hashed else self.bias,
+            self.tid2eid if self.hashed else None,
+            input_ids,
+            self.top_k,
+            self.scoring_func,
+            self.scaling,
+        )
 
 
 class Experts(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: ops.Kernels) -> None:
         super().__init__()
+        self.kernels = kernels
         e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, d))
         self.w2 = nn.Parameter(torch.empty(e, d, i))
         self.limit = cfg.swiglu_limit
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return ops.moe_experts(x, ids, weights, self.w13, self.w2, self.limit)
+        return self.kernels.moe_experts(x, ids, weights, self.w13, self.w2, self.limit)
 
 
 class SharedExpert(nn.Module):
@@ -75,19 +78,27 @@ class SharedExpert(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, hashed: bool) -> None:
+    def __init__(self, cfg: ModelConfig, hashed: bool, kernels: ops.Kernels) -> None:
         super().__init__()
-        self.gate = Router(cfg, hashed)
-        self.experts = Experts(cfg)
+        self.gate = Router(cfg, hashed, kernels)
+        self.experts = Experts(cfg, kernels)
         self.shared_experts = SharedExpert(cfg) if cfg.n_shared_experts else None
 
     def forward(
-        self, x: torch.Tensor, input_ids: torch.Tensor, expert_counts: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        input_ids: torch.Tensor,
+        expert_counts: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x: [T, D]; expert_counts: optional [E] accumulator of routed tokens (for EPLB)."""
+        """x: [T, D]; expert_counts: optional [E] accumulator of routed tokens (for EPLB),
+        counting only tokens where ``token_mask`` [T] is True (None: all)."""
         ids, weights = self.gate(x, input_ids)
-        if expert_counts is not None:
-            expert_counts += torch.bincount(ids.flatten(), minlength=expert_counts.shape[0])
+        if expert_counts is not None:  # index_add_, not bincount: no host sync
+            ones = torch.ones_like(ids, dtype=expert_counts.dtype)
+            if token_mask is not None:
+                ones *= token_mask[:, None]
+            expert_counts.index_add_(0, ids.flatten(), ones.flatten())
         out = self.experts(x, ids, weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

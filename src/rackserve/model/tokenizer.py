@@ -58,9 +58,41 @@ EOS_TOKEN_ID = 1
 NUM_BYTE_SYMBOLS = 256
 MIN_VOCAB_SIZE = len(SPECIAL_TOKENS) + NUM_BYTE_SYMBOLS
 
+# DeepSeek-V4's tool-call markup (DSML): the model writes calls as this block, and the
+# template renders earlier calls the same way, so a turn re-renders token for token.
+DSML = "｜DSML｜"
+TOOL_CALLS_BEGIN = f"<{DSML}tool_calls>"
+TOOL_CALLS_END = f"</{DSML}tool_calls>"
+INVOKE_END = f"</{DSML}invoke>"
+PARAMETER_END = f"</{DSML}parameter>"
+# The tool section of the system prompt (V4's layout; set --chat-template for V4's own prose).
+TOOLS_PROMPT_HEAD = (
+    "## Tools\n\n"
+    "You can call the tools below. To call tools, write a block like this:\n\n"
+    f"{TOOL_CALLS_BEGIN}\n"
+    f'<{DSML}invoke name="$TOOL_NAME">\n'
+    f'<{DSML}parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE'
+    f"{PARAMETER_END}\n"
+    f"{INVOKE_END}\n"
+    f"{TOOL_CALLS_END}\n\n"
+    'Write string values as they are with string="true"; write numbers, booleans, arrays '
+    'and objects as JSON with string="false".\n\n'
+    "### Available Tool Schemas\n\n"
+)
+TOOLS_PROMPT_TAIL = "\n\nCall tools only by the names and with the parameters defined above.\n"
+
+
+def _literal(text: str) -> str:
+    """``text`` as a Jinja string expression (escapes keep newlines out of the template's
+    whitespace control)."""
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
+
+
 # DeepSeek-style chat format. Each role opens with a special token and an assistant turn is
 # closed by EOS, exactly the token the model emits when it stops, so a generated reply is
-# re-rendered token for token. System text goes right after BOS, in place.
+# re-rendered token for token. System text goes right after BOS, in place, followed by the
+# tool schemas when the request has tools; an assistant's tool calls follow its content as
+# a DSML block. Tool-call arguments must be a mapping (the server parses the JSON string).
 CHAT_TEMPLATE = (
     "{%- macro render_content(content) -%}"
     "{%- if content is none -%}"
@@ -71,14 +103,51 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- endif -%}"
     "{%- endmacro -%}"
+    "{%- macro render_tools(tools) -%}"
+    "{{- " + _literal(TOOLS_PROMPT_HEAD) + " -}}"
+    "{%- for tool in tools -%}"
+    "{%- if not loop.first -%}{{- '\\n' -}}{%- endif -%}"
+    "{{- (tool['function'] if tool['function'] is defined else tool) | tojson -}}"
+    "{%- endfor -%}"
+    "{{- " + _literal(TOOLS_PROMPT_TAIL) + " -}}"
+    "{%- endmacro -%}"
+    "{%- macro render_tool_calls(tool_calls) -%}"
+    "{{- " + _literal("\n\n" + TOOL_CALLS_BEGIN + "\n") + " -}}"
+    "{%- for call in tool_calls -%}"
+    "{%- set function = call['function'] if call['function'] is defined else call -%}"
+    "{{- '<" + DSML + "invoke name=\"' + function['name'] + '\">\\n' -}}"
+    "{%- if function['arguments'] is mapping -%}"
+    "{%- for key, value in function['arguments'].items() -%}"
+    "{{- '<" + DSML + "parameter name=\"' + key + '\" string=\"' -}}"
+    "{{- 'true\">' + value if value is string else 'false\">' + value | tojson -}}"
+    "{{- '" + PARAMETER_END + "' -}}"
+    "{%- if not loop.last -%}{{- '\\n' -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- else -%}"
+    "{{- '<" + DSML + 'parameter name="arguments" string="true">\' -}}'
+    "{{- function['arguments'] ~ '" + PARAMETER_END + "' -}}"
+    "{%- endif -%}"
+    "{{- '\\n" + INVOKE_END + "' -}}"
+    "{%- if not loop.last -%}{{- '\\n' -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{{- '\\n" + TOOL_CALLS_END + "' -}}"
+    "{%- endmacro -%}"
     "{{- bos_token -}}"
+    "{%- if tools and (messages | length == 0 or messages[0]['role'] != 'system') -%}"
+    "{{- render_tools(tools) -}}"
+    "{%- endif -%}"
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'system' -%}"
     "{{- render_content(message['content']) -}}"
+    "{%- if tools and loop.first -%}{{- '\\n\\n' + render_tools(tools) -}}{%- endif -%}"
     "{%- elif message['role'] == 'user' -%}"
     "{{- '" + USER_TOKEN + "' + render_content(message['content']) -}}"
     "{%- elif message['role'] == 'assistant' -%}"
-    "{{- '" + ASSISTANT_TOKEN + "' + render_content(message['content']) + eos_token -}}"
+    "{{- '" + ASSISTANT_TOKEN + "' + render_content(message['content']) -}}"
+    "{%- if message['tool_calls'] is defined and message['tool_calls'] -%}"
+    "{{- render_tool_calls(message['tool_calls']) -}}"
+    "{%- endif -%}"
+    "{{- eos_token -}}"
     "{%- elif message['role'] == 'tool' -%}"
     "{{- '"
     + TOOL_OUTPUT_BEGIN_TOKEN

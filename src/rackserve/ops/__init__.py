@@ -1,37 +1,157 @@
-"""The one dispatch point for model ops: the model calls ``ops.<name>`` only.
+"""The one dispatch point for model ops: the model calls ``ops.<name>`` or its
+:class:`Kernels` table only.
 
-Every op has a plain-torch reference in ``reference.py`` (the specification, CPU-tested);
-device kernels register here as they land, each tested against its reference.
+Every op has a plain-torch reference in ``reference.py`` (the specification, CPU-tested).
+Ops with a faster implementation (Triton kernels in ``ops/triton/``, grouped GEMMs) are
+reached through a :class:`Kernels` table the model is built with: ``kernels("reference")``
+always runs the references; ``kernels("auto")`` runs the fast implementation for tensors on
+a device that has one and the reference elsewhere (so the CPU path is the specification).
+Each fast implementation is tested against its reference.
 """
 
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rackserve.ops import reference
+from rackserve.ops.grouped_moe import grouped_mm_supported, moe_experts_grouped
 from rackserve.ops.reference import (
     apply_rope,
+    compress_pool,
     compress_windows,
     hc_collapse,
     hc_expand,
+    hc_head,
+    hc_post,
+    hc_post_pre,
+    hc_pre,
     hc_weights,
-    indexer_scores,
+    indexer_topk,
     moe_experts,
+    paged_indexer_topk,
+    paged_sparse_attention,
     rms_norm,
+    rms_norm_rope,
     rope_cos_sin,
+    route,
     router_scores,
-    sink_attention,
     sinkhorn,
+    sparse_attention,
     swiglu,
+    topk_earliest,
 )
 
 __all__ = [
+    "KERNEL_CHOICES",
+    "Kernels",
     "apply_rope",
+    "compress_pool",
     "compress_windows",
     "hc_collapse",
     "hc_expand",
+    "hc_head",
+    "hc_post",
+    "hc_post_pre",
+    "hc_pre",
     "hc_weights",
-    "indexer_scores",
+    "indexer_topk",
+    "kernels",
     "moe_experts",
+    "paged_indexer_topk",
+    "paged_sparse_attention",
     "rms_norm",
+    "rms_norm_rope",
     "rope_cos_sin",
+    "route",
     "router_scores",
-    "sink_attention",
     "sinkhorn",
+    "sparse_attention",
     "swiglu",
+    "topk_earliest",
 ]
+
+KERNEL_CHOICES = ("auto", "reference")
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The implementation of every op that has more than one, chosen once per model."""
+
+    name: str
+    hc_pre: Callable
+    hc_post: Callable
+    hc_head: Callable
+    hc_post_pre: Callable
+    moe_experts: Callable
+    paged_sparse_attention: Callable
+    paged_indexer_topk: Callable
+    compress_pool: Callable
+    route: Callable
+    rms_norm: Callable
+    apply_rope: Callable
+    rms_norm_rope: Callable
+
+
+def _on_cuda(module: str, name: str, ref: Callable) -> Callable:
+    """Call ``module.name`` (a Triton kernel) when the first tensor argument is on a CUDA
+    device, else ``ref``. The kernel module is imported on the first CUDA call only, so a
+    CPU-only run never imports Triton (and tests choose its interpreter first)."""
+    fast: list[Callable] = []
+
+    def dispatch(x, *args, **kwargs):
+        if not x.is_cuda:
+            return ref(x, *args, **kwargs)
+        if not fast:
+            fast.append(getattr(importlib.import_module(module), name))
+        return fast[0](x, *args, **kwargs)
+
+    dispatch.__name__ = name
+    return dispatch
+
+
+# Decode-sized batches take the fused Triton MoE (weights streamed once per step, no
+# padding to GEMM tiles); larger ones the grouped GEMMs (tensor-core tiles for prefill).
+FUSED_MOE_MAX_TOKENS = 256
+
+
+def _moe(x, *args, **kwargs):
+    if x.is_cuda and x.shape[0] <= FUSED_MOE_MAX_TOKENS:
+        return _fused_moe(x, *args, **kwargs)
+    if x.is_cuda and grouped_mm_supported(x):
+        return moe_experts_grouped(x, *args, **kwargs)
+    return reference.moe_experts(x, *args, **kwargs)
+
+
+_fused_moe = _on_cuda("rackserve.ops.triton.fused_moe", "moe_experts", reference.moe_experts)
+
+
+def kernels(name: str = "auto") -> Kernels:
+    """The op table for ``name`` in :data:`KERNEL_CHOICES`."""
+    if name not in KERNEL_CHOICES:
+        raise ValueError(f"unknown kernels {name!r}: choose one of {', '.join(KERNEL_CHOICES)}")
+    ops = [f.name for f in dataclasses.fields(Kernels) if f.name != "name"]
+    ref = Kernels("reference", **{op: getattr(reference, op) for op in ops})
+    if name == "reference" or importlib.util.find_spec("triton") is None:
+        return ref
+    triton_ops = {  # op -> the module of its Triton kernel
+        "hc_pre": "mhc",
+        "hc_post": "mhc",
+        "hc_head": "mhc",
+        "hc_post_pre": "mhc",
+        "paged_sparse_attention": "sparse_attn",
+        "paged_indexer_topk": "indexer",
+        "compress_pool": "compress",
+        "route": "route",
+        "rms_norm": "norm_rope",
+        "apply_rope": "norm_rope",
+        "rms_norm_rope": "norm_rope",
+    }
+    fast = {
+        op: _on_cuda(f"rackserve.ops.triton.{module}", op, getattr(ref, op))
+        for op, module in triton_ops.items()
+    }
+    return Kernels("auto", moe_experts=_moe, **fast)

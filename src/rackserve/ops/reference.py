@@ -2,7 +2,7 @@
 
 Shape legend: T tokens in the flat batch, D hidden size, H attention heads, Dh head dim,
 R rope dims (trailing slice of a head), N mHC streams, K keys visible to a query,
-E routed experts, k experts per token.
+E routed experts, k experts per token, S queries, M rows gathered per query.
 
 Numerics follow the DeepSeek-V4 reference: norms, softmaxes, mHC and router scores are
 computed in float32 and cast back to the activation dtype once.
@@ -48,23 +48,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([nope, rotated.flatten(-2).to(x.dtype)], dim=-1)
 
 
-def sink_attention(
-    q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, sinks: torch.Tensor, scale: float
+def sparse_attention(
+    q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sinks: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Shared-KV multi-query attention with a per-head sink logit.
+    """Shared-KV multi-query attention of each query over its own gathered rows, with a
+    per-head sink logit.
 
-    q: [S, H, Dh]; kv: [K, Dh] (keys == values); mask: [S, K] bool (True = visible) or
-    None; sinks: [H] float32. The sink joins the softmax denominator only.
-    Returns [S, H, Dh].
+    q: [S, H, Dh]; kv: [S, M, Dh] (query s's window rows + selected compressed entries;
+    keys == values); valid: [S, M] bool; sinks: [H] float32. The sink joins the softmax
+    denominator only, so a query with no valid row returns zeros. Returns [S, H, Dh].
     """
-    logits = torch.einsum("shd,kd->shk", q, kv) * scale
-    if mask is not None:
-        logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
+    logits = torch.einsum("shd,smd->shm", q, kv) * scale
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
     sink = sinks.to(logits.dtype).view(1, -1, 1).expand(logits.shape[0], -1, 1)
     combined = torch.cat([logits, sink], dim=-1)
     combined = combined - combined.max(dim=-1, keepdim=True).values
     probs = torch.softmax(combined, dim=-1)[..., :-1]
-    return torch.einsum("shk,kd->shd", probs.to(kv.dtype), kv)
+    return torch.einsum("shm,smd->shd", probs.to(kv.dtype), kv)
 
 
 def compress_windows(
@@ -90,15 +90,42 @@ def compress_windows(
     return (kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1)
 
 
-def indexer_scores(
-    q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Lightning-indexer scores sum_h w[s,h] * relu(q[s,h] . k[t]) * scale.
+def topk_earliest(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores per row, best first; ties go to the earliest index.
 
-    q: [S, Hi, Di]; keys: [Tc, Di]; weights: [S, Hi] (float32). Returns [S, Tc] float32.
+    scores: [S, E] float32 -> [S, k] int64. ``torch.topk`` breaks ties in no fixed order
+    (it differs between devices and tensor widths), so each score is packed with its index
+    into one int64 key, order-preserving float bits above, (2^31 - 1 - index) below: the
+    keys are distinct and their top k is the stable-sort answer.
     """
-    scores = torch.einsum("shd,td->sht", q.float(), keys.float()).relu() * scale
-    return (scores * weights.float().unsqueeze(-1)).sum(dim=1)
+    bits = (scores.float() + 0.0).contiguous().view(torch.int32)  # + 0.0: -0.0 -> 0.0
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # float order as signed-int order
+    index = torch.arange(scores.shape[-1], device=scores.device)
+    packed = (ordered.to(torch.int64) << 32) | (0x7FFFFFFF - index)
+    return packed.topk(k, dim=-1).indices
+
+
+def indexer_topk(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    weights: torch.Tensor,
+    scale: float,
+    num_visible: torch.Tensor,
+    k: int,
+) -> torch.Tensor:
+    """Lightning indexer: each query's top-k compressed entries by
+    sum_h w[s,h] * relu(q[s,h] . key[s,e]) * scale.
+
+    q: [S, Hi, Di]; keys: [S, E, Di] (the query's request's entries 0..E-1); weights:
+    [S, Hi] float32; num_visible: [S] (entries >= it are not visible yet). Returns [S, k]
+    int64 entry ids, best first, ties to the earliest; ids >= num_visible[s] (picked only
+    when fewer than k are visible) are for the caller to mask.
+    """
+    scores = torch.einsum("shd,sed->she", q.float(), keys.float()).relu() * scale
+    scores = (scores * weights.float().unsqueeze(-1)).sum(dim=1)  # [S, E]
+    entry = torch.arange(keys.shape[1], device=keys.device)
+    scores = scores.masked_fill(entry[None, :] >= num_visible[:, None], float("-inf"))
+    return topk_earliest(scores, k)
 
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -197,3 +224,202 @@ def moe_experts(
         out.index_add_(0, rows, (y * weights[start : start + count, None]).to(out.dtype))
         start += count
     return out
+
+
+def hc_pre(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_weight: torch.Tensor,
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC before a block: mixing weights, collapse, then the block's RMSNorm.
+
+    streams: [T, N, D]; fn: [(2+N)N, N*D]; base: [(2+N)N]; scale: [3]; norm_weight: [D].
+    Returns x [T, D] in the streams' dtype (the block input), post [T, N], comb [T, N, N]
+    (float32, for ``hc_post``).
+    """
+    pre, post, comb = hc_weights(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+    return rms_norm(hc_collapse(streams, pre), norm_weight, norm_eps), post, comb
+
+
+def hc_post(
+    streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
+    """mHC after a block (``hc_expand``): streams [T, N, D], block_out [T, D] -> [T, N, D]."""
+    return hc_expand(streams, block_out, post, comb)
+
+
+def hc_head(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    hc_eps: float,
+    norm_eps: float,
+    norm_weight: torch.Tensor,
+) -> torch.Tensor:
+    """Final collapse (sigmoid weights, no Sinkhorn) then the final RMSNorm.
+
+    streams: [T, N, D]; fn: [N, N*D]; base: [N]; scale: [1]; norm_weight: [D].
+    Returns [T, D] in the streams' dtype (``HyperHead`` followed by the model's ``norm``).
+    """
+    flat = rms_norm(streams.flatten(1).float(), None, norm_eps)
+    mixes = F.linear(flat, fn.float())
+    pre = torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps
+    return rms_norm(hc_collapse(streams, pre), norm_weight, norm_eps)
+
+
+def compress_pool(
+    state: torch.Tensor,
+    src: torch.Tensor,
+    missing: torch.Tensor | None,
+    col: int,
+    ape: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    rope_scale: float,
+) -> torch.Tensor:
+    """Compressed entries of closing windows, from the raw rows in the state cache.
+
+    state: [Ns, Wst] (flat state cache); src: [n, span] slots of each window's rows (span
+    r, or 2r with overlap: window w-1 then window w); missing: [n, span] bool rows that do
+    not exist (window -1 of CSA entry 0), or None; col: the first state column of this
+    compressor's [kv | gate] rows (each ``row`` = ape.shape[1] wide); ape: [r, row] float32
+    position bias; norm_weight: [C]; positions: [n] entry positions (w * r) for the RoPE
+    (``inv_freq`` [R/2], ``rope_scale``). Pool (``compress_windows``), RMSNorm, RoPE.
+    Returns [n, C] in the state's dtype.
+    """
+    row = ape.shape[1]
+    rows = state[src][..., col : col + 2 * row]  # [n, span, 2 * row]
+    kv, gate = rows[..., :row], rows[..., row:]
+    if missing is not None:
+        gate = gate.masked_fill(missing[..., None], float("-inf"))
+        kv = kv.masked_fill(missing[..., None], 0.0)
+    pooled = compress_windows(kv, gate, ape, src.shape[1] > ape.shape[0])
+    cos, sin = rope_cos_sin(positions, inv_freq, rope_scale, pooled.dtype)
+    return apply_rope(rms_norm(pooled, norm_weight, eps), cos, sin)
+
+
+def hc_post_pre(
+    streams: torch.Tensor,
+    block_out: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_weight: torch.Tensor,
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``hc_post`` of one block, then ``hc_pre`` of the next on the new streams.
+
+    Returns the new streams [T, N, D] and the next block's x [T, D], post [T, N], comb [T, N, N].
+    """
+    streams = hc_post(streams, block_out, post, comb)
+    return (
+        streams,
+        *hc_pre(streams, fn, base, scale, norm_weight, sinkhorn_iters, hc_eps, norm_eps),
+    )
+
+
+def route(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    table: torch.Tensor | None,
+    input_ids: torch.Tensor,
+    top_k: int,
+    scoring_func: str,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router of one MoE layer: which k experts each token goes to, with what weight.
+
+    x: [T, D]; weight: [E, D]; learned routing: bias [E] float32 (selection only: top-k
+    of score + bias), table None; hash routing: table [V, k] (``tid2eid``), bias None;
+    input_ids: [T]. Weights are the selected scores, normalised, times ``scaling``.
+    Returns ids [T, k] int64, weights [T, k] float32.
+    """
+    scores = router_scores(F.linear(x, weight), scoring_func)
+    if table is not None:
+        ids = table[input_ids].long()
+    else:
+        ids = torch.topk(scores + bias, top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, weights * scaling
+
+
+def paged_sparse_attention(
+    q: torch.Tensor,
+    kv_a: torch.Tensor,
+    slots_a: torch.Tensor,
+    kv_b: torch.Tensor,
+    slots_b: torch.Tensor,
+    valid: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``sparse_attention`` over rows gathered from two paged caches by slot, optionally
+    followed by the inverse RoPE of the output.
+
+    q: [S, H, Dh]; kv_a: [Na, Dh] (window rows); kv_b: [Nb, Cb >= Dh] (compressed entries:
+    only the first Dh columns are KV); slots_a: [S, Wa], slots_b: [S, Wb] (Wb may be 0) int;
+    valid: [S, Wa + Wb] bool over the rows [window | compressed]; sinks: [H] float32.
+    Invalid rows are zeroed before the attention (a masked logit is -inf, but 0 * NaN
+    garbage would still leak into the output), so their slots may hold anything; slots of
+    invalid rows must still index the caches here. cos, sin: [S, R/2] or None: when given,
+    the output gets ``apply_rope(out, cos, -sin)`` (K = V carried the rows' RoPE into the
+    output's rope slice). Returns [S, H, Dh].
+    """
+    dh = q.shape[-1]
+    kv = torch.cat([kv_a[:, :dh][slots_a], kv_b[:, :dh][slots_b].to(kv_a.dtype)], dim=1)
+    kv = kv.masked_fill(~valid[..., None], 0.0)  # [S, Wa + Wb, Dh]
+    out = sparse_attention(q, kv, valid, sinks, scale)
+    if cos is None:
+        return out
+    return apply_rope(out, cos, -sin)
+
+
+def paged_indexer_topk(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    scale: float,
+    num_visible: torch.Tensor,
+    k: int,
+) -> torch.Tensor:
+    """``indexer_topk`` reading each query's keys through its slot list.
+
+    q: [S, Hi, Di]; key_cache: [N, C] rows whose first Di columns are the index keys (a
+    column slice of the csa_kv cache: C may be the row stride of a wider cache); slots:
+    [S, E] int64, entry e of query s's request lives at row slots[s, e]; weights [S, Hi]
+    float32; num_visible: [S]. Returns [S, k] int64 entry ids (see ``indexer_topk``).
+    """
+    keys = key_cache[slots][..., : q.shape[-1]]  # [S, E, Di]
+    return indexer_topk(q, keys, weights, scale, num_visible, k)
+
+
+def rms_norm_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """RMSNorm over the last dim, then interleaved RoPE on its trailing 2 * R/2 channels.
+
+    x: [T, ..., C]; weight: [C] float32 or None; cos, sin: [T, R/2]. Both steps round to
+    x's dtype, as the unfused ops do (the q and kv paths of attention).
+    """
+    return apply_rope(rms_norm(x, weight, eps), cos, sin)

@@ -1,7 +1,9 @@
 """The model runner: turns a SchedulerOutput into tensors, runs the model, samples.
 
-It owns the cache tensors and per-request state (token ids, block tables, generators) and
-makes no policy: it computes exactly the tokens it was granted.
+It owns the cache tensors and per-request state (token ids, block tables, sampling rows) and
+makes no policy: it computes exactly the tokens it was granted. A uniform decode step
+replays a captured CUDA graph (``cuda_graph.py``); other steps run the same forward
+eagerly. Nothing waits for the device before the sampled token ids are read back.
 """
 
 from __future__ import annotations
@@ -12,10 +14,13 @@ import torch
 
 from rackserve.engine.outputs import RunnerOutput, SchedulerOutput, TokenLogprobs
 from rackserve.kv.spec import CacheGroupSpec
-from rackserve.model.batch import ForwardBatch, KVCacheTensors
+from rackserve.model.batch import KVCacheTensors
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
+from rackserve.runner.cuda_graph import DecodeGraphs, context_buckets, graph_batch_sizes
 from rackserve.runner.input_batch import InputBatch, RunnerRequest
-from rackserve.runner.sampler import make_generator, sample
+from rackserve.runner.logits_processors import apply_logits_processors
+from rackserve.runner.sampler import sample
+from rackserve.runner.step_buffers import StepBuffers
 
 
 class ModelRunner:
@@ -28,6 +33,8 @@ class ModelRunner:
         max_model_len: int,
         eos_token_ids: tuple[int, ...],
         seed: int = 0,
+        enforce_eager: bool = False,
+        log: bool = True,
     ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
@@ -40,8 +47,24 @@ class ModelRunner:
             model.cfg.vocab_size,
             eos_token_ids,
             self.device,
+            seed,  # draws the noise seeds of unseeded random requests
         )
-        self.generator = make_generator(seed, self.device)  # unseeded random requests
+        self.buffers = StepBuffers(groups, self.input_batch.block_tables, self.device)
+        cfg = model.cfg
+        self.expert_counts = torch.zeros(
+            cfg.num_hidden_layers, cfg.n_routed_experts, dtype=torch.int64, device=self.device
+        )
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not enforce_eager:
+            self.graphs = DecodeGraphs(
+                model,
+                self.caches,
+                self.buffers,
+                groups,
+                graph_batch_sizes(max_num_reqs),
+                context_buckets(max_model_len),
+            )
+            self.graphs.capture(log=log)
 
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -50,30 +73,27 @@ class ModelRunner:
         if step is None:
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
         reqs, inputs = step.reqs, step.inputs
-        batch = ForwardBatch(
-            inputs.positions,
-            inputs.query_start_loc,
-            inputs.num_computed_tokens,
-            self._device_block_tables(),
-            inputs.rows,
-        )
-        cfg = self.model.cfg
-        expert_counts = torch.zeros(
-            cfg.num_hidden_layers, cfg.n_routed_experts, dtype=torch.int64, device=self.device
-        )
         start = time.perf_counter()
-        hidden, _ = self.model(inputs.input_ids, batch, self.caches, expert_counts)
-        prompt_logprobs = self._prompt_logprobs(
-            reqs, inputs.query_start_loc, inputs.num_computed_tokens, hidden
-        )
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, V]
+        key = self.graphs.key_for(inputs) if self.graphs is not None else None
+        prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
+        if key is not None:
+            logits, expert_counts = self.graphs.run(key, inputs, step.table_writes)
+        else:
+            input_ids, meta, logits_indices = self.buffers.eager_step(inputs, step.table_writes)
+            expert_counts = self.expert_counts.zero_()
+            hidden, _ = self.model(input_ids, meta, self.caches, expert_counts)
+            prompt_logprobs = self._prompt_logprobs(
+                reqs, inputs.query_start_loc, inputs.num_computed_tokens, hidden
+            )
+            logits = self.model.compute_logits(hidden[logits_indices])  # [S, V]
 
         sampled_reqs = step.sampled_reqs
+        # hook (issue 15): logit_bias and structured output, runner/logits_processors.py
+        logits = apply_logits_processors(logits, [r.sampling_params for r in sampled_reqs])
         sampled: list[list[int]] = [[] for _ in reqs]
         logprobs: list[list[TokenLogprobs]] | None = None
         if step.sampling is not None:
-            generators = {i: r.generator for i, r in enumerate(sampled_reqs) if r.generator}
-            out = sample(logits, step.sampling, generators, self.generator)
+            out = sample(logits, step.sampling)
             token_ids = out.token_ids.tolist()
             rows = iter(range(len(sampled_reqs)))
             if out.logprobs is not None:
@@ -88,25 +108,14 @@ class ModelRunner:
                 if logprobs is not None and num is not None:
                     assert out.logprobs is not None
                     logprobs[k] = [_token_logprobs(out.logprobs, row, num)]
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
         return RunnerOutput(
             req_ids=[r.req_id for r in reqs],
             sampled_token_ids=sampled,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            expert_counts=expert_counts,
-            forward_time_s=time.perf_counter() - start,
+            expert_counts=expert_counts.clone(),  # the static buffer is reused next step
+            forward_time_s=time.perf_counter() - start,  # ends at the token read-back
         )
-
-    def _device_block_tables(self) -> dict[str, torch.Tensor]:
-        """The persistent block tables where the model runs. On an accelerator the whole
-        tables are copied each step (fine next to the reference ops; a device-resident
-        copy updated by row deltas comes with the GPU fast path)."""
-        tables = self.input_batch.block_tables.tables
-        if self.device.type == "cpu":
-            return tables
-        return {name: t.to(self.device, non_blocking=True) for name, t in tables.items()}
 
     def _prompt_logprobs(
         self,
@@ -115,27 +124,36 @@ class ModelRunner:
         computed: list[int],
         hidden: torch.Tensor,
     ) -> dict[str, list[TokenLogprobs | None]]:
-        """Accumulate prompt logprobs chunk by chunk; hand them out when the prompt ends."""
+        """Accumulate prompt logprobs chunk by chunk; hand them out when the prompt ends.
+
+        ::
+
+            prompt     t0    t1  ...  t[c]  ...  t[c+n-1]  ...  t[P-1]
+            entry      None  lp(t1 | t0) ... entry j scores t[j] from position j-1
+
+        The scheduler computes such a prompt from position 0 (no prefix hit), so every entry
+        is computed once, in order. A request resumed after preemption has outputs and got
+        its prompt logprobs already. One device-to-host copy per tensor per chunk.
+        """
         done: dict[str, list[TokenLogprobs | None]] = {}
         for k, r in enumerate(reqs):
             num = r.sampling_params.prompt_logprobs
             c = computed[k]
-            if num is None or c >= r.num_prompt_tokens:
+            if num is None or c >= r.num_prompt_tokens or len(r.token_ids) > r.num_prompt_tokens:
                 continue
             if c == 0:
                 r.prompt_logprobs = [None]  # the first prompt token has no logprob
             end = min(starts[k + 1] - starts[k], r.num_prompt_tokens - 1 - c)
             if end > 0:
                 logits = self.model.compute_logits(hidden[starts[k] : starts[k] + end])
-                lp = logits.log_softmax(dim=-1)
+                lp = logits.float().log_softmax(dim=-1)  # [end, V]
                 targets = torch.tensor(r.token_ids[c + 1 : c + 1 + end], device=lp.device)
-                chosen = lp.gather(1, targets[:, None])
-                ranks = (lp > chosen).sum(dim=-1) + 1
-                top = lp.topk(num, dim=-1) if num else None
-                for j in range(end):
-                    ids = [int(targets[j])] + (top.indices[j].tolist() if top else [])
-                    vals = [float(chosen[j])] + (top.values[j].tolist() if top else [])
-                    r.prompt_logprobs.append(TokenLogprobs(ids, vals, int(ranks[j])))
+                chosen = lp.gather(1, targets[:, None])  # [end, 1]
+                ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+                top = lp.topk(num, dim=-1)  # [end, num] each (num may be 0)
+                ids = torch.cat([targets[:, None], top.indices], dim=1).tolist()
+                values = torch.cat([chosen, top.values], dim=1).tolist()
+                r.prompt_logprobs.extend(map(TokenLogprobs, ids, values, ranks))
             if c + starts[k + 1] - starts[k] >= r.num_prompt_tokens:
                 done[r.req_id] = r.prompt_logprobs
         return done

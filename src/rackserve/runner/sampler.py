@@ -17,145 +17,35 @@ v1's default (`logprobs_mode="raw_logprobs"`), and it keeps logprobs comparable 
 requests with different sampling settings.
 
 Sampling uses the exponential race: token = argmax(probs / q) with q ~ Exp(1) drawn per
-vocabulary entry, which picks token i with probability probs[i]. Seeded rows draw their q
-from their own `torch.Generator`, so their tokens depend only on their own logits, their own
-parameters and their generator's state, never on which other requests share the batch.
+vocabulary entry, which picks token i with probability probs[i]. The noise is not drawn from
+a generator: q[r, v] is a counter-based integer hash of (seed of row r, position of the token
+being sampled, v), computed with torch integer ops on the logits' device. A row's token is
+therefore a pure function of (seed, position, logits, params): the same alone or in a batch
+of 64, on CPU or GPU, and after a preemption recomputes the request. There is no per-row
+generator and no host sync, and every shape is fixed given R and V (CUDA-graph friendly).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from rackserve.request import SamplingParams
+from rackserve.runner.sampling_tensors import SamplingTensors
 
 __all__ = [
     "LogprobsTensors",
     "SamplerOutput",
-    "SamplingTensors",
     "apply_min_p",
     "apply_min_tokens",
     "apply_penalties",
     "apply_top_k_top_p",
     "compute_logprobs",
-    "make_generator",
-    "pad_token_ids",
     "sample",
+    "sampling_noise",
 ]
 
-
-def pad_token_ids(
-    rows: Sequence[Sequence[int]], pad_id: int, device: torch.device | str
-) -> torch.Tensor:
-    """Ragged id lists -> [R, max_len] int64 padded with `pad_id` (at least one column)."""
-    width = max((len(row) for row in rows), default=0) or 1
-    packed = [list(row) + [pad_id] * (width - len(row)) for row in rows]
-    return torch.tensor(packed, dtype=torch.int64, device=device)
-
-
-@dataclass(frozen=True)
-class SamplingTensors:
-    """The batch's sampling parameters packed once per step.
-
-    Token-id tensors are padded with V (one past the vocabulary): scattering into a [R, V + 1]
-    buffer and dropping the last column discards the padding without a mask.
-    Optional tensors are None when no row in the batch needs them, so common batches skip
-    the work entirely.
-    """
-
-    temperature: torch.Tensor  # [R] float32; 1.0 on greedy rows so nothing divides by 0
-    is_greedy: torch.Tensor  # [R] bool
-    top_k: torch.Tensor | None  # [R] int64; V where off
-    top_p: torch.Tensor | None  # [R] float32; 1.0 where off
-    min_p: torch.Tensor | None  # [R] float32; 0.0 where off
-    presence_penalty: torch.Tensor | None  # [R] float32
-    frequency_penalty: torch.Tensor | None  # [R] float32
-    repetition_penalty: torch.Tensor | None  # [R] float32
-    output_token_ids: torch.Tensor | None  # [R, O] int64, padded with V
-    prompt_token_ids: torch.Tensor | None  # [R, P] int64, padded with V
-    blocked_token_ids: torch.Tensor | None  # [R, S] int64, padded with V (min_tokens)
-    num_logprobs: int | None  # the most any row asks for; None when no row asks
-    all_greedy: bool
-    all_random: bool
-
-    @classmethod
-    def from_params(
-        cls,
-        params: Sequence[SamplingParams],
-        *,
-        prompt_token_ids: Sequence[Sequence[int]],
-        output_token_ids: Sequence[Sequence[int]],
-        vocab_size: int,
-        eos_token_ids: Sequence[int],
-        device: torch.device | str = "cpu",
-    ) -> SamplingTensors:
-        """Pack R requests' parameters. Row i of every tensor belongs to ``params[i]``.
-
-        `output_token_ids[i]` are the tokens generated so far (penalties, min_tokens);
-        `prompt_token_ids[i]` are read only when some row has a repetition penalty.
-        """
-        num_rows = len(params)
-        if not len(prompt_token_ids) == len(output_token_ids) == num_rows:
-            raise ValueError("params, prompt_token_ids and output_token_ids need one entry per row")
-
-        def column(values: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        greedy = [p.is_greedy for p in params]
-        # Greedy rows get neutral values: filters are no-ops there, and leaving them off keeps
-        # the "any row needs this filter" checks below honest.
-        temperature: list[float] = []
-        top_k: list[int] = []
-        top_p: list[float] = []
-        min_p: list[float] = []
-        for p in params:
-            temperature.append(1.0 if p.is_greedy else p.temperature)
-            top_k.append(p.top_k if p.top_k > 0 and not p.is_greedy else vocab_size)
-            top_p.append(1.0 if p.is_greedy else p.top_p)
-            min_p.append(0.0 if p.is_greedy else p.min_p)
-        use_presence_or_frequency = any(
-            p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params
-        )
-        use_repetition = any(p.repetition_penalty != 1.0 for p in params)
-
-        blocked: list[list[int]] = []
-        for p, outputs in zip(params, output_token_ids, strict=True):
-            if len(outputs) < p.min_tokens:
-                # ignore_eos: EOS never stops the request, so there is nothing to hold back.
-                stop_ids = [] if p.ignore_eos else list(eos_token_ids)
-                blocked.append(stop_ids + p.stop_token_ids)
-            else:
-                blocked.append([])
-
-        requested = [p.logprobs for p in params if p.logprobs is not None]
-        return cls(
-            temperature=column(temperature, torch.float32),
-            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            top_k=column(top_k, torch.int64) if any(k < vocab_size for k in top_k) else None,
-            top_p=column(top_p, torch.float32) if any(p < 1.0 for p in top_p) else None,
-            min_p=column(min_p, torch.float32) if any(p > 0.0 for p in min_p) else None,
-            presence_penalty=column([p.presence_penalty for p in params], torch.float32)
-            if use_presence_or_frequency
-            else None,
-            frequency_penalty=column([p.frequency_penalty for p in params], torch.float32)
-            if use_presence_or_frequency
-            else None,
-            repetition_penalty=column([p.repetition_penalty for p in params], torch.float32)
-            if use_repetition
-            else None,
-            output_token_ids=pad_token_ids(output_token_ids, vocab_size, device)
-            if use_presence_or_frequency or use_repetition
-            else None,
-            prompt_token_ids=pad_token_ids(prompt_token_ids, vocab_size, device)
-            if use_repetition
-            else None,
-            blocked_token_ids=pad_token_ids(blocked, vocab_size, device) if any(blocked) else None,
-            num_logprobs=max(requested) if requested else None,
-            all_greedy=all(greedy),
-            all_random=not any(greedy),
-        )
+_MASK32 = 0xFFFFFFFF
 
 
 @dataclass(frozen=True)
@@ -171,13 +61,6 @@ class LogprobsTensors:
 class SamplerOutput:
     token_ids: torch.Tensor  # [R] int64
     logprobs: LogprobsTensors | None
-
-
-def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """The per-request generator for a seeded request; keep it for the request's lifetime."""
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    return generator
 
 
 def _token_mask(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -270,32 +153,48 @@ def compute_logprobs(
     )
 
 
-def _exponential_noise(
-    probs: torch.Tensor,
-    generators: Mapping[int, torch.Generator],
-    generator: torch.Generator | None,
-) -> torch.Tensor:
-    """q ~ Exp(1) of the shape of probs [R, V]; seeded rows draw from their own generator."""
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    for row, row_generator in generators.items():
-        noise[row].exponential_(generator=row_generator)
-    # exponential_ may return exactly 0 in float32; that would make p / q = inf (or nan).
-    return noise.clamp_min_(torch.finfo(probs.dtype).tiny)
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (Wellons' lowbias32) on int64 tensors holding [0, 2^32).
+
+    Integer ops only, so CPU and GPU give the same bits. No product leaves int64's range: the
+    first multiplier is < 2^31, and the second (>= 2^31) is used as its negative twin
+    c - 2^32, equal modulo 2^32, so each product lies in (-2^63, 2^63) and the mask takes its
+    low 32 bits (two's complement).
+    """
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * (0x846CA68B - 2**32)) & _MASK32
+    return x ^ (x >> 16)
 
 
-def sample(
-    logits: torch.Tensor,
-    tensors: SamplingTensors,
-    generators: Mapping[int, torch.Generator] | None = None,
-    generator: torch.Generator | None = None,
-) -> SamplerOutput:
+def sampling_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """q ~ Exp(1) per (row, vocabulary entry), a pure function of (seed, position, id).
+
+    seeds, positions: [R] int64 -> [R, V] float32. Each row gets a 32-bit key from its seed's
+    two halves and the position; entry v hashes key ^ (v * golden ratio), which is distinct
+    for every v of a row. The top 23 bits give u = (k + 1/2) / 2^23, exact in float32 and
+    never 0 or 1 (24 bits would round the largest u to 1.0, and q = 0 would win any race),
+    and q = -log(u) > 0.
+    """
+    seed_low = seeds & _MASK32
+    seed_high = (seeds >> 32) & _MASK32  # arithmetic shift: the mask keeps the right bits
+    key = _mix32(seed_low ^ 0x9E3779B9)
+    key = _mix32(key ^ seed_high)
+    key = _mix32(key ^ (positions & _MASK32))  # [R]
+    vocab_ids = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
+    vocab_term = (vocab_ids * 0x9E3779B1) & _MASK32  # [V]; < 2^17 * 2^32: no overflow
+    bits = _mix32(key.unsqueeze(1) ^ vocab_term.unsqueeze(0))  # [R, V]
+    uniform = ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+    return uniform.log_().neg_()
+
+
+def sample(logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOutput:
     """Pick one token per row.
 
-    logits: [R, V] float32, not modified. `generators` maps a row index to that seeded
-    request's generator; other random rows share `generator` (None: torch's default RNG).
-    Greedy rows draw nothing, so a seeded request that is greedy keeps its generator state.
+    logits: [R, V] float32, not modified. Random rows race on `sampling_noise` keyed by the
+    row's seed and position; greedy rows take the argmax after penalties. No host sync.
     """
-    generators = generators or {}
     raw_logprobs = logits.log_softmax(dim=-1) if tensors.num_logprobs is not None else None
 
     if tensors.blocked_token_ids is not None:
@@ -312,11 +211,8 @@ def sample(
             logits = apply_min_p(logits, tensors.min_p)
         logits = apply_top_k_top_p(logits, tensors.top_k, tensors.top_p)
         probs = logits.softmax(dim=-1)  # [R, V]
-        random_generators = {
-            row: g for row, g in generators.items() if not bool(tensors.is_greedy[row])
-        }
-        noise = _exponential_noise(probs, random_generators, generator)
-        token_ids = (probs / noise).argmax(dim=-1)
+        noise = sampling_noise(tensors.seeds, tensors.positions, probs.shape[1])
+        token_ids = (probs.float() / noise).argmax(dim=-1)
         if greedy_ids is not None:
             token_ids = torch.where(tensors.is_greedy, greedy_ids, token_ids)
 

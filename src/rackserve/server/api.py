@@ -2,8 +2,9 @@
 
 ``build_app`` wires one ``AsyncEngineClient`` (started and stopped by the app's lifespan)
 into the routes; all state lives on the app, none in module globals. Request bodies are
-read and validated here (not by FastAPI), so every failure, including a body over the size
-limit and an unknown parameter, answers with OpenAI's error envelope and the right status.
+read and validated here (not by FastAPI; the checks are in ``middleware.py``), so every
+failure, including a body over the size limit, answers with OpenAI's error envelope and the
+right status.
 """
 
 from __future__ import annotations
@@ -11,27 +12,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import jinja2
-import msgspec
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
-from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import rackserve
 from rackserve.server import serving
 from rackserve.server.async_client import AsyncEngineClient, EngineDeadError
 from rackserve.server.limits import RequestLimits
 from rackserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from rackserve.server.middleware import FrontDoor, read_json, validate
 from rackserve.server.openapi import install_request_schemas
 from rackserve.server.protocol import (
     ChatCompletionRequest,
@@ -46,12 +43,6 @@ from rackserve.server.tokenization import TokenizerPool
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
-# Deeper JSON is refused before validation: recursive decoders and validators would
-# otherwise fail with RecursionError (OpenAI request bodies nest a few levels; tool and
-# response-format schemas a few dozen).
-MAX_JSON_DEPTH = 64
-_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 # request_rejected{reason} for errors that carry no code of their own
 REJECTION_REASONS = {
     400: "invalid_request", 401: "invalid_api_key", 403: "forbidden", 404: "not_found",
@@ -70,6 +61,10 @@ class ServerSettings:
     # drive generations from a visitor's browser. "*" allows every origin.
     allowed_origins: tuple[str, ...] = ()
     limits: RequestLimits = field(default_factory=RequestLimits)
+    auto_tool_parser: str | None = None  # --enable-auto-tool-choice --tool-call-parser NAME
+    max_logprobs: int = 20
+    log_requests: bool = False
+    stats_log_interval_s: float | None = None  # None: no periodic stats line
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -78,146 +73,8 @@ class ServerSettings:
             raise ValueError("--max-request-body-bytes must be at least 1024")
 
 
-class FrontDoor:
-    """ASGI middleware: X-Request-Id (honoured and echoed), Origin, API key, Content-Type
-    and Content-Length checks.
-
-    Pure ASGI rather than ``BaseHTTPMiddleware``, which would buffer streamed responses and
-    hide client disconnects from the endpoints."""
-
-    def __init__(
-        self,
-        app: ASGIApp,
-        api_key: str | None,
-        max_body_bytes: int,
-        allowed_origins: tuple[str, ...] = (),
-        on_reject: Callable[[ApiError], None] | None = None,
-    ) -> None:
-        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
-        self.allowed_origins = frozenset(allowed_origins)
-        self.on_reject = on_reject
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = Headers(scope=scope)
-        request_id = headers.get("x-request-id") or secrets.token_hex(16)
-        scope.setdefault("state", {})["request_id"] = request_id
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                MutableHeaders(scope=message)["X-Request-Id"] = request_id
-            await send(message)
-
-        error = self._check_browser(scope["method"], headers) or self._check(
-            scope["path"], headers, scope["method"]
-        )
-        if error is not None:
-            if self.on_reject is not None:
-                self.on_reject(error)
-            await error.response()(scope, receive, send_with_id)
-            return
-        await self.app(scope, receive, send_with_id)
-
-    def _check_browser(self, method: str, headers: Headers) -> ApiError | None:
-        """Requests a web page could make from a visitor's browser: an Origin that is not
-        allowed is refused outright (a CORS preflight of an allowed one passes on to the
-        CORS middleware), and a POST must be ``application/json``, which a page cannot
-        send cross-origin without a preflight."""
-        origin = headers.get("origin")
-        if origin is not None and not ({origin, "*"} & self.allowed_origins):
-            return ApiError(403, f"Origin {origin!r} is not allowed.", code="origin_not_allowed")
-        if method == "POST":
-            media_type = headers.get("content-type", "").partition(";")[0].strip().lower()
-            if media_type != "application/json":
-                return ApiError(
-                    415,
-                    "Content-Type must be application/json.",
-                    code="unsupported_media_type",
-                )
-        return None
-
-    def _check(self, path: str, headers: Headers, method: str = "GET") -> ApiError | None:
-        # A CORS preflight carries no credentials; the CORS middleware answers it.
-        preflight = method == "OPTIONS" and "origin" in headers
-        if self.api_key is not None and path not in OPEN_PATHS and not preflight:
-            scheme, _, token = headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(
-                token.strip().encode(), self.api_key.encode()
-            ):
-                return ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
-        length = headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            return _too_large(self.max_body_bytes)
-        return None
-
-
 def param_error(error: ParamError) -> ApiError:
     return ApiError(400, str(error), param=error.param, code=error.code)
-
-
-def _too_large(limit: int) -> ApiError:
-    return ApiError(413, f"Request body is larger than the limit of {limit} bytes.")
-
-
-async def read_json(request: Request, limit: int) -> Any:
-    """The body as JSON, enforcing ``limit`` also for bodies sent without Content-Length."""
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
-    body = b"".join(chunks)
-    try:
-        parsed = msgspec.json.decode(body)
-    except msgspec.DecodeError as e:
-        raise ApiError(400, f"Request body is not valid JSON: {e}") from None
-    except RecursionError:
-        parsed = None  # nested deeper than msgspec goes: answered just below
-    # Depth needs at least that many brackets: most bodies skip the walk.
-    if parsed is None or body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH:
-        check_depth(parsed, body)
-    return parsed
-
-
-def check_depth(value: Any, body: bytes) -> None:
-    """ApiError 400 when JSON nests deeper than MAX_JSON_DEPTH (iterative: no recursion)."""
-    too_deep = value is None and body.lstrip()[:1] in (b"[", b"{")
-    stack = [(value, 1)]
-    while stack and not too_deep:
-        item, depth = stack.pop()
-        if isinstance(item, dict | list):
-            if depth > MAX_JSON_DEPTH:
-                too_deep = True
-            children = item.values() if isinstance(item, dict) else item
-            stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
-    if too_deep:
-        raise ApiError(400, f"Request body nests JSON deeper than {MAX_JSON_DEPTH} levels.")
-
-
-def validate(model: type, body: Any) -> Any:
-    """Parse a request model; the first problem becomes a 400 naming the parameter."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "Request body must be a JSON object.")
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        error = e.errors()[0]
-        parts = [
-            str(p)
-            for p in error["loc"]
-            if isinstance(p, int) or (p.isidentifier() and p.lower() not in _TYPE_NAMES)
-        ]
-        param = ".".join(parts) or None
-        if error["type"] == "extra_forbidden":
-            message = f"Unsupported parameter: '{param}' is not supported by this server."
-        elif error["type"] == "missing":
-            message = f"Missing required parameter: '{param}'."
-        else:
-            message = f"Invalid value for '{param}': {error['msg']}."
-        raise ApiError(400, message, param=param) from None
 
 
 async def until_disconnect(request: Request) -> None:
@@ -238,9 +95,14 @@ def build_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if client.ready is None:  # `serve` starts it first, to report failures in one line
             await client.start()
+        stats_task = None
+        if settings.stats_log_interval_s is not None:
+            stats_task = asyncio.create_task(_log_stats(metrics, settings.stats_log_interval_s))
         try:
             yield
         finally:
+            if stats_task is not None:
+                stats_task.cancel()
             pool.shutdown()
             await client.shutdown()
 
@@ -264,7 +126,14 @@ def build_app(
         allowed_origins=settings.allowed_origins,
         on_reject=count_rejection,
     )
-    handler = serving.OpenAIServing(client, tokenizer, settings.served_model_names, settings.limits)
+    handler = serving.OpenAIServing(
+        client,
+        tokenizer,
+        settings.served_model_names,
+        settings.limits,
+        auto_tool_parser=settings.auto_tool_parser,
+        max_logprobs=settings.max_logprobs,
+    )
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -283,6 +152,13 @@ def build_app(
 
     async def parse(request: Request, model: type) -> Any:
         parsed = validate(model, await read_json(request, settings.max_request_body_bytes))
+        ignored = parsed.ignored_fields()
+        if ignored:  # accepted as vLLM does, but never silently
+            logger.warning(
+                "request %s: ignoring fields this server does not use: %s",
+                request.state.request_id,
+                ", ".join(ignored),
+            )
         name = getattr(parsed, "model", None)
         if name is not None and name not in settings.served_model_names:
             raise ApiError(
@@ -314,6 +190,15 @@ def build_app(
             raise ApiError(503, "The engine is not running.")
         # Off the event loop: a long prompt or template must not stall other clients.
         prepared = await off_loop(prepare, body, request.state.request_id)
+        for _ in prepared.prompts:
+            metrics.record_request_params(prepared.params.n, prepared.params.max_tokens)
+        if settings.log_requests:
+            logger.info(
+                "Received request %s: prompt tokens %s, params: %s",
+                prepared.response_id,
+                [len(ids) for _, ids in prepared.prompts],
+                prepared.params,
+            )
         if body.stream:
             return StreamingResponse(
                 _with_disconnect(request, prepared, handler.stream(prepared)),
@@ -331,9 +216,18 @@ def build_app(
         body = await parse(request, ChatCompletionRequest)
         return await run(request, body, handler.prepare_chat)
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models() -> JSONResponse:
         return JSONResponse(handler.models(settings.model_path, client.max_model_len))
+
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
+    async def model(model_id: str) -> JSONResponse:
+        for card in handler.models(settings.model_path, client.max_model_len)["data"]:
+            if card["id"] == model_id:
+                return JSONResponse(card)
+        raise ApiError(
+            404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found"
+        )
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
@@ -358,7 +252,7 @@ def build_app(
         },
     )
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         try:
             await client.check_health(settings.health_timeout_s)
@@ -366,15 +260,29 @@ def build_app(
             return ApiError(503, str(e)).response()
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics_endpoint() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/version")
+    @app.api_route("/version", methods=["GET", "HEAD"])
     async def version() -> JSONResponse:
         return JSONResponse({"version": rackserve.__version__})
 
+    @app.api_route("/ping", methods=["GET", "HEAD", "POST"])
+    async def ping() -> Response:
+        """SageMaker's health route, as vLLM serves it: /health's answer."""
+        return await health()
+
     return app
+
+
+async def _log_stats(metrics: ServerMetrics, interval_s: float) -> None:
+    """vLLM's periodic stats line (``--disable-log-stats`` turns it off)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        line = metrics.stats_log.line()
+        if line is not None:
+            logger.info("Engine 000: %s", line)
 
 
 async def _until_done(request: Request, prepared: serving.Prepared, work: Awaitable[dict]) -> dict:

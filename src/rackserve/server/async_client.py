@@ -231,7 +231,7 @@ class AsyncEngineClient:
             if self.metrics is not None:
                 # The engine sends nothing for an aborted request: count it here, once per
                 # unfinished engine request, as vLLM's request_success{finished_reason="abort"}.
-                self.metrics.record_aborted(len(engine_ids))
+                self.metrics.record_abort(len(engine_ids))
         queue = self._queues.get(request_id)
         if queue is not None:
             queue.put_nowait(RequestAbortedError(f"request {request_id} was aborted"))

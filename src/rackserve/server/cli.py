@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import re
 import signal
 import sys
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from rackserve.request import MAX_NUM_LOGPROBS
 
 SERVE_DEFAULTS: dict[str, Any] = {
     "model": None,
@@ -35,6 +38,7 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "dtype": "auto",
     "device": "auto",
     "seed": 0,
+    "enforce_eager": False,
     "shutdown_timeout": 30.0,
     "engine_dead_exit_delay": 2.0,
     "engine_startup_timeout": 600.0,
@@ -47,7 +51,25 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "max_sequences_per_request": 256,
     "max_tokens_per_request": None,
     "trust_request_chat_template": False,
+    # vLLM's flags (issue 15)
+    "enable_auto_tool_choice": False,
+    "tool_call_parser": None,
+    "chat_template": None,
+    "max_logprobs": MAX_NUM_LOGPROBS,
+    "enable_log_requests": False,
+    "disable_log_stats": False,
+    "block_size": None,
+    "metrics_prefix": "rackserve",
 }
+# Older spellings still accepted (flags and YAML keys) -> the option they set.
+OPTION_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory"}
+# --dtype as `vllm serve` spells it -> our dtype names
+DTYPE_CHOICES = {
+    "auto": "auto", "half": "float16", "float16": "float16", "bfloat16": "bfloat16",
+    "float": "float32", "float32": "float32",
+}  # fmt: skip
+TOOL_CALL_PARSERS = ("deepseek_v4",)
+STATS_LOG_INTERVAL_S = 10.0  # vLLM's default interval of the periodic stats line
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]i?[bB]?|[bB])?\s*$")
 
 
@@ -62,28 +84,83 @@ def parse_bytes(text: str | int) -> int:
     return int(float(match.group(1)) * 1024 ** "bkmgt".index(unit))
 
 
+_COUNT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)\s*$")
+
+
+def parse_count(text: str | int) -> int:
+    """A token count as vLLM reads one: ``8192``, ``32k`` (32000), ``32K`` (32768), ``1M``
+    (1048576), ``1m`` (10**6): lower case is decimal, upper case binary."""
+    if isinstance(text, int):
+        return text
+    match = _COUNT.match(str(text))
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a count: {text!r} (e.g. 8192, 32k, 32K, 1M)")
+    number, unit = match.group(1), match.group(2)
+    if not unit:
+        if "." in number:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
+        return int(number)
+    if unit.islower():
+        return int(float(number) * 1000 ** ("kmgt".index(unit) + 1))
+    if "." in number:
+        raise argparse.ArgumentTypeError(f"binary multiples take whole numbers: {text!r}")
+    return int(number) * 1024 ** ("KMGT".index(unit) + 1)
+
+
+def parse_dtype_name(text: str) -> str:
+    """``--dtype``: vLLM's names, refused at parse time when unknown."""
+    if text not in DTYPE_CHOICES:
+        raise argparse.ArgumentTypeError(
+            f"invalid dtype {text!r}; choose one of {', '.join(DTYPE_CHOICES)}"
+        )
+    return DTYPE_CHOICES[text]
+
+
+def _with_underscores(*flags: str) -> list[str]:
+    """Each flag plus its underscore spelling (``--max_model_len``), as vLLM accepts."""
+    names = list(flags)
+    for flag in flags:
+        if flag.startswith("--") and "-" in flag[2:]:
+            names.append("--" + flag[2:].replace("-", "_"))
+    return names
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "serve", help="OpenAI-compatible HTTP server", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("model", nargs="?", help="checkpoint directory (HF format)")
-    add = p.add_argument
+
+    def add(*flags: str, **kwargs: Any) -> None:
+        p.add_argument(*_with_underscores(*flags), **kwargs)
+
     add("--config", help="YAML file of options (keys as flag names); CLI flags win")
     add("--tokenizer", help="tokenizer directory (default: the model directory)")
     add("--served-model-name", nargs="+", help="name(s) clients use (default: the model path)")
     add("--host", help="bind address (default 127.0.0.1: loopback only)")
     add("--port", type=int, help="port (default 8000)")
     add("--api-key", help="require 'Authorization: Bearer KEY' (health and metrics stay open)")
-    add("--max-model-len", type=int, help="context length (default: the model's)")
+    add("--max-model-len", type=parse_count, help="context length, e.g. 32k (default: model's)")
     add("--max-num-seqs", type=int, help="most requests in one batch (default 256)")
-    add("--max-num-batched-tokens", type=int, help="token budget of one step (default 8192)")
-    add("--kv-cache-memory", type=parse_bytes, help="KV cache bytes, e.g. 64M, 20G")
-    add("--gpu-memory-utilization", type=float, help="fraction of free memory (default 0.9)")
+    add("--max-num-batched-tokens", type=parse_count, help="token budget of one step (8192)")
+    add(
+        "--kv-cache-memory-bytes", "--kv-cache-memory", dest="kv_cache_memory",
+        type=parse_bytes, help="KV cache bytes, e.g. 64M, 20G (default: from the GPU share)",
+    )  # fmt: skip
+    add(
+        "--gpu-memory-utilization", type=float,
+        help="fraction of the GPU's total memory this instance may use: weights, "
+        "activations and KV cache together (default 0.9)",
+    )  # fmt: skip
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     add("--scheduling-policy", choices=("fcfs", "priority"))
-    add("--dtype", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16")
+    add(
+        "--dtype", type=parse_dtype_name, metavar="{" + ",".join(DTYPE_CHOICES) + "}",
+        help="auto (float32 on CPU, bfloat16 on GPU), half/float16, bfloat16, float/float32",
+    )  # fmt: skip
     add("--device", help="auto, cpu or cuda")
     add("--seed", type=int, help="engine seed (default 0)")
+    add("--enforce-eager", action="store_true", default=None, help="no CUDA graphs for decode")
     add("--shutdown-timeout", type=float, help="SIGTERM: seconds to drain requests (30)")
     add("--engine-dead-exit-delay", type=float, help="seconds from engine death to exit (2)")
     add("--engine-startup-timeout", type=float, help="seconds to load the model (600)")
@@ -100,6 +177,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="let requests pass their own Jinja chat_template (off: it runs arbitrary Jinja)",
     )
+    # vLLM's flags (issue 15)
+    add(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        default=None,
+        help='tool_choice "auto": tool calls parsed from the output (with --tool-call-parser)',
+    )
+    add("--tool-call-parser", choices=TOOL_CALL_PARSERS, help="the model's tool-call format")
+    add("--chat-template", help="chat template: a Jinja file, or the template itself")
+    add("--max-logprobs", type=int, help=f"most logprobs per token (<= {MAX_NUM_LOGPROBS})")
+    add("--enable-log-requests", action="store_true", default=None, help="log every request")
+    add(
+        "--disable-log-stats",
+        action="store_true",
+        default=None,
+        help=f"no stats line every {STATS_LOG_INTERVAL_S:g} s",
+    )
+    add(
+        "--block-size",
+        type=int,
+        help="tokens per KV block. Block sizes here follow from the model (each cache group "
+        "pages its own way); what acts like vLLM's block size is the prefix-cache "
+        "granularity, the common multiple of all groups' blocks: given, it must equal that",
+    )
+    add("--metrics-prefix", help="metric name prefix: rackserve (default) or vllm (dashboards)")
     p.set_defaults(func=serve)
 
 
@@ -112,10 +214,15 @@ def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"{args.config}: expected a mapping of option: value")
         for key, value in loaded.items():
             name = str(key).replace("-", "_")
+            name = OPTION_ALIASES.get(name, name)
             if name not in options:
                 raise ValueError(f"{args.config}: unknown option {key!r}")
             if name in ("kv_cache_memory", "max_request_body_bytes") and value is not None:
                 value = parse_bytes(value)
+            if name in ("max_model_len", "max_num_batched_tokens") and value is not None:
+                value = parse_count(value)
+            if name == "dtype" and value is not None:
+                value = _config_value(args.config, key, parse_dtype_name, value)
             options[name] = value
     for name in options:
         value = getattr(args, name, None)
@@ -126,13 +233,62 @@ def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
     names = options["served_model_name"]
     if isinstance(names, str):
         options["served_model_name"] = [names]
+    check_vllm_options(options)
     return options
+
+
+def _config_value(path: str, key: Any, parse: Any, value: Any) -> Any:
+    try:
+        return parse(str(value))
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"{path}: {key}: {e}") from None
+
+
+def check_vllm_options(options: dict[str, Any]) -> None:
+    """The flag combinations `vllm serve` refuses, refused the same way (one line)."""
+    if options["enable_auto_tool_choice"] and not options["tool_call_parser"]:
+        raise ValueError(
+            "--enable-auto-tool-choice requires --tool-call-parser (one of: "
+            + ", ".join(TOOL_CALL_PARSERS) + ")"
+        )  # fmt: skip
+    if options["tool_call_parser"] not in (None, *TOOL_CALL_PARSERS):
+        raise ValueError(f"unknown --tool-call-parser {options['tool_call_parser']!r}")
+    if not 0 <= options["max_logprobs"] <= MAX_NUM_LOGPROBS:
+        raise ValueError(f"--max-logprobs must be in [0, {MAX_NUM_LOGPROBS}]")
+    if options["metrics_prefix"] not in ("rackserve", "vllm"):
+        raise ValueError("--metrics-prefix must be 'rackserve' or 'vllm'")
+
+
+def load_chat_template(value: str) -> str:
+    """``--chat-template``: a file's contents, or the argument itself when it is a template."""
+    path = Path(value)
+    if any(mark in value for mark in ("{{", "{%")):
+        return value
+    if not path.is_file():
+        raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+    return path.read_text(encoding="utf-8")
+
+
+def check_block_size(options: dict[str, Any], model_config: Any) -> int:
+    """The prefix-cache granularity (tokens); ``--block-size`` must name it if given."""
+    from rackserve.kv.spec import cache_groups_for, prefix_alignment
+
+    granularity = prefix_alignment(cache_groups_for(model_config))
+    given = options["block_size"]
+    if given is not None and given != granularity:
+        raise ValueError(
+            f"--block-size {given}: this model's KV blocks are set by its cache groups; "
+            f"prefix hits come in multiples of {granularity} tokens. Give --block-size "
+            f"{granularity} or leave it out"
+        )
+    return granularity
 
 
 def build_engine_config(options: dict[str, Any]) -> Any:
     from rackserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
     model_config = ModelConfig.from_pretrained(options["model"])
+    check_block_size(options, model_config)
     max_model_len = options["max_model_len"] or model_config.max_position_embeddings
     names = options["served_model_name"]
     return EngineConfig(
@@ -152,6 +308,7 @@ def build_engine_config(options: dict[str, Any]) -> Any:
         dtype=options["dtype"],
         device=options["device"],
         seed=options["seed"],
+        enforce_eager=options["enforce_eager"],
         served_model_name=names[0] if names else None,
     )
 
@@ -210,8 +367,19 @@ def serve(args: argparse.Namespace) -> int:
     prometheus_client.disable_created_metrics()
     preflight(options, engine_config)
     tokenizer = AutoTokenizer.from_pretrained(options["tokenizer"] or options["model"])
+    if options["chat_template"]:
+        tokenizer.chat_template = load_chat_template(options["chat_template"])
     names = tuple(options["served_model_name"] or [str(options["model"])])
-    metrics = ServerMetrics(names[0])
+    metrics = ServerMetrics(names[0], prefix=options["metrics_prefix"])
+    metrics.set_cache_config_info(
+        block_size=check_block_size(options, engine_config.model_config),
+        gpu_memory_utilization=engine_config.cache.gpu_memory_utilization,
+        kv_cache_memory_bytes=engine_config.cache.kv_cache_memory,
+        enable_prefix_caching=engine_config.cache.enable_prefix_caching,
+        cache_dtype=engine_config.dtype,
+    )
+    # Our own loggers (request log, stats line, ignored fields) print like uvicorn's.
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(message)s")
     outcome = {"engine_dead": False}
     server_box: list[uvicorn.Server] = []
 
@@ -245,6 +413,12 @@ def serve(args: argparse.Namespace) -> int:
             max_tokens_per_request=options["max_tokens_per_request"],
             trust_request_chat_template=bool(options["trust_request_chat_template"]),
         ),
+        auto_tool_parser=options["tool_call_parser"]
+        if options["enable_auto_tool_choice"]
+        else None,
+        max_logprobs=options["max_logprobs"],
+        log_requests=bool(options["enable_log_requests"]),
+        stats_log_interval_s=None if options["disable_log_stats"] else STATS_LOG_INTERVAL_S,
     )
     app = build_app(client, tokenizer, metrics, settings)
     config = uvicorn.Config(

@@ -1,9 +1,10 @@
 """OpenAI request models (pydantic) and the response shapes, with vLLM's extra parameters.
 
-Every request model forbids unknown fields: a parameter we do not implement is a 400 that
-names it, never silently ignored. Parameters that exist in the OpenAI API but that we only
-support in some values (``best_of``, ``tool_choice``, ``response_format``, ...) are
-accepted at the values we honour and refused otherwise, naming the parameter.
+Validation is lenient as vLLM's: an explicit ``null`` means the field's default, and an
+unknown field (``store``, ``metadata``, ``service_tier``, ...; also ``refusal`` or ``audio``
+in an assistant message from ``message.model_dump()``) is accepted and ignored; the API
+logs every ignored field (``ignored_fields``). A value that is wrong, or a known parameter
+at a value we do not honour (``best_of``, ``suffix``, ...), is a 400 naming the parameter.
 
 Responses are built as plain dicts (``*_response``/``*_chunk`` helpers) in the exact
 layout OpenAI and vLLM send; streaming encodes them with msgspec, which is fast enough
@@ -15,10 +16,11 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rackserve.engine.output_processor import TokenLogprob
 from rackserve.request import INT64_MAX, INT64_MIN, MAX_NUM_LOGPROBS, SamplingParams
+from rackserve.server.tools import template_tool_calls
 
 # Integers the engine holds as int64 (seeds, top_k, priorities): a larger value is a 400
 # here, not an overflow in the engine or in msgspec (vLLM bounds seed the same way).
@@ -35,7 +37,28 @@ class ParamError(ValueError):
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # Clients serialise unset optionals as null (pydantic's model_dump, many SDKs).
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+    def ignored_fields(self, prefix: str = "") -> list[str]:
+        """Dotted names of the unknown fields here and in nested models (for the log)."""
+        names = [prefix + name for name in self.model_extra or {}]
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if isinstance(value, OpenAIModel):
+                names += value.ignored_fields(f"{prefix}{name}.")
+            elif isinstance(value, list):
+                for i, item in enumerate(value):
+                    if isinstance(item, OpenAIModel):
+                        names += item.ignored_fields(f"{prefix}{name}.{i}.")
+        return names
 
 
 class StreamOptions(OpenAIModel):
@@ -74,9 +97,16 @@ class SamplingRequest(OpenAIModel):
     cache_salt: str | None = None
     request_id: str | None = None
 
+    def token_logit_bias(self) -> dict[int, float] | None:
+        """``logit_bias`` with token-id keys; ParamError for a key that is not a number."""
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(token_id): value for token_id, value in self.logit_bias.items()}
+        except ValueError:
+            raise ParamError("logit_bias keys must be token ids (integers)", "logit_bias") from None
+
     def check_supported(self) -> None:
-        if self.logit_bias:
-            raise ParamError("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options is only allowed when stream is true", "stream_options")
 
@@ -104,14 +134,25 @@ class SamplingRequest(OpenAIModel):
                 prompt_logprobs=self.prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                logit_bias=self.token_logit_bias(),
             )
         except ValueError as e:
             message = str(e)
             raise ParamError(message, message.split(" ", 1)[0]) from None
 
+    def check_logit_bias(self, vocab_size: int) -> None:
+        for token_id in self.token_logit_bias() or {}:
+            if not 0 <= token_id < vocab_size:
+                raise ParamError(
+                    f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size})",
+                    "logit_bias",
+                )
+
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
+    # 0: score the prompt only (echo + logprobs), as lm-eval's loglikelihood requests do
+    max_tokens: int | None = Field(None, ge=0)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_NUM_LOGPROBS)
     best_of: int | None = None
@@ -124,8 +165,6 @@ class CompletionRequest(SamplingRequest):
             raise ParamError("best_of other than n is not supported", "best_of")
         if self.suffix:
             raise ParamError("suffix is not supported", "suffix")
-        if self.echo and (self.logprobs is not None or self.prompt_logprobs is not None):
-            raise ParamError("echo together with logprobs is not supported", "echo")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ParamError("prompt must not be empty", "prompt")
 
@@ -135,11 +174,44 @@ class ContentPart(OpenAIModel):
     text: str
 
 
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ToolCallFunction(OpenAIModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(OpenAIModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -151,17 +223,14 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise ParamError("tools are not supported by this server", "tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ParamError("tool_choice must be 'none' or 'auto' (no tools)", "tool_choice")
+        self.check_tools()
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise ParamError(
                 "only response_format {'type': 'text'} is supported", "response_format"
@@ -175,6 +244,28 @@ class ChatCompletionRequest(SamplingRequest):
                 "continue_final_message",
             )
 
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: "auto" when tools are given, else "none"."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def check_tools(self) -> None:
+        choice = self.tool_choice
+        if choice is None or choice in ("none", "auto"):
+            return
+        if not self.tools:
+            raise ParamError("tool_choice other than 'none' or 'auto' needs tools", "tool_choice")
+        if isinstance(choice, NamedToolChoice):
+            names = {t.function.name for t in self.tools}
+            if choice.function.name not in names:
+                raise ParamError(
+                    f"tool_choice names the function {choice.function.name!r}, which is "
+                    "not among the tools",
+                    "tool_choice",
+                )
+
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages for the chat template; ``developer`` is the newer name of ``system``."""
         out = []
@@ -182,6 +273,8 @@ class ChatCompletionRequest(SamplingRequest):
             message = m.model_dump(exclude_none=True)
             if message["role"] == "developer":
                 message["role"] = "system"
+            if message.get("tool_calls"):
+                message["tool_calls"] = template_tool_calls(message["tool_calls"])
             out.append(message)
         return out
 
@@ -232,22 +325,37 @@ def chat_logprobs(entries: list[TokenLogprob], num_top: int) -> dict:
     }
 
 
-def completion_logprobs(entries: list[TokenLogprob], num_top: int, text_offset: int) -> dict:
-    """``choice.logprobs`` of a completion; the sampled token is in ``top_logprobs`` too."""
+def completion_logprobs(
+    entries: list[TokenLogprob] | list[TokenLogprob | str], num_top: int, text_offset: int
+) -> dict:
+    """``choice.logprobs`` of a completion; the sampled token is in ``top_logprobs`` too.
+
+    A ``str`` entry is a token without a logprob (the first prompt token when ``echo``
+    scores the prompt): its logprob and top logprobs are null, as in OpenAI and vLLM."""
     offsets, offset = [], text_offset
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict | None] = []
     for e in entries:
         offsets.append(offset)
+        if isinstance(e, str):
+            tokens.append(e)
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            offset += len(e)
+            continue
+        tokens.append(e.token)
+        token_logprobs.append(e.logprob)
+        top = {e.token: e.logprob}
+        if num_top:
+            top.update({text: lp for _, text, lp in e.top[:num_top]})
+        top_logprobs.append(top)
         offset += len(e.token)
     return {
         "text_offset": offsets,
-        "token_logprobs": [e.logprob for e in entries],
-        "tokens": [e.token for e in entries],
-        "top_logprobs": [
-            {e.token: e.logprob, **{text: lp for _, text, lp in e.top[:num_top]}}
-            if num_top
-            else {e.token: e.logprob}
-            for e in entries
-        ],
+        "token_logprobs": token_logprobs,
+        "tokens": tokens,
+        "top_logprobs": top_logprobs,
     }
 
 

@@ -12,14 +12,19 @@ import contextlib
 import logging
 import secrets
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
 from fastapi.responses import JSONResponse
 
-from rackserve.engine.output_processor import RequestOutput, RequestOutputKind
-from rackserve.request import SamplingParams
+from rackserve.engine.output_processor import (
+    CompletionOutput,
+    RequestOutput,
+    RequestOutputKind,
+    TokenLogprob,
+)
+from rackserve.request import MAX_NUM_LOGPROBS, SamplingParams
 from rackserve.server.async_client import (
     AsyncEngineClient,
     EngineDeadError,
@@ -31,6 +36,7 @@ from rackserve.server.limits import RequestLimits
 from rackserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    NamedToolChoice,
     ParamError,
     TokenizeRequest,
     chat_logprobs,
@@ -41,6 +47,7 @@ from rackserve.server.protocol import (
     usage,
 )
 from rackserve.server.tokenization import BoundedTokenizer, check_chat_template_kwargs
+from rackserve.server.tools import TOOL_PARSERS, ToolCallParser, forced_prefix
 
 SSE_DONE = "data: [DONE]\n\n"
 logger = logging.getLogger(__name__)
@@ -101,10 +108,39 @@ class Prepared:
     abort: Callable[[str], None]
     engine_ids: list[str] = field(default_factory=list)
     created: int = field(default_factory=now_s)
+    # Scoring (/v1/completions): echo + logprobs puts the prompt's logprobs first;
+    # max_tokens 0 runs one step for them and drops the generated token.
+    score_prompt: bool = False
+    echo_without_generation: bool = False
+    prompt_logprobs_requested: bool = True
+    # Tools (chat): the parser of the model's tool-call block, the block start forced into
+    # the prompt (tool_choice "required" or named), and whether one function was named.
+    tool_parser: type[ToolCallParser] | None = None
+    tool_prefix: str = ""
+    named_tool: bool = False
+
+    def new_tool_parser(self) -> ToolCallParser | None:
+        if self.tool_parser is None:
+            return None
+        parser = self.tool_parser()
+        parser.feed(self.tool_prefix)  # the prompt's forced start is part of the block
+        return parser
 
     def abort_all(self) -> None:
         for engine_id in self.engine_ids:
             self.abort(engine_id)
+
+
+def scoring_body(body: CompletionRequest) -> CompletionRequest:
+    """What the engine runs for a completion request: echo + logprobs asks for the prompt's
+    logprobs (as many alternatives as ``logprobs``), and max_tokens 0 runs one step (the
+    generated token is dropped from the response)."""
+    update: dict[str, Any] = {}
+    if body.max_tokens == 0:
+        update["max_tokens"] = 1
+    if body.echo and body.logprobs is not None:
+        update["prompt_logprobs"] = max(body.logprobs, body.prompt_logprobs or 0)
+    return body.model_copy(update=update) if update else body
 
 
 class OpenAIServing:
@@ -114,6 +150,8 @@ class OpenAIServing:
         tokenizer: Any,
         served_model_names: tuple[str, ...],
         limits: RequestLimits | None = None,
+        auto_tool_parser: str | None = None,
+        max_logprobs: int = MAX_NUM_LOGPROBS,
     ) -> None:
         self.client = client
         self.tokenizer = tokenizer
@@ -121,6 +159,18 @@ class OpenAIServing:
         self.vocab_size = len(tokenizer)
         self.limits = RequestLimits() if limits is None else limits
         self.bounded = BoundedTokenizer(tokenizer)
+        # set by --enable-auto-tool-choice --tool-call-parser NAME
+        self.auto_tool_parser = auto_tool_parser
+        self.max_logprobs = max_logprobs  # --max-logprobs
+
+    def check_num_logprobs(self, body: Any, logprobs: int | None) -> None:
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", body.prompt_logprobs)):
+            if value is not None and value > self.max_logprobs:
+                raise ParamError(
+                    f"{name} {value} is above this server's --max-logprobs {self.max_logprobs}",
+                    "top_logprobs" if name == "logprobs" and isinstance(body.logprobs, bool)
+                    else name,
+                )  # fmt: skip
 
     # ---- tokenization --------------------------------------------------------------------
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
@@ -161,22 +211,51 @@ class OpenAIServing:
             else:
                 self.check_token_ids(item, "prompt")
                 prompts.append((None, list(item)))
-        return self._prepare(body, request_id, prompts, body.logprobs, chat=False)
+        prepared = self._prepare(scoring_body(body), request_id, prompts, body.logprobs, chat=False)
+        prepared.score_prompt = body.echo and body.logprobs is not None
+        prepared.echo_without_generation = body.max_tokens == 0
+        prepared.prompt_logprobs_requested = body.prompt_logprobs is not None
+        return prepared
 
     def prepare_chat(self, body: ChatCompletionRequest, request_id: str) -> Prepared:
         self.limits.check(body, 1, self.vocab_size)
-        kwargs = body.chat_template_kwargs or {}
+        kwargs = dict(body.chat_template_kwargs or {})
         check_chat_template_kwargs(kwargs, self.limits.trust_request_chat_template)
+        choice = body.effective_tool_choice
+        if body.tools:
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
+        if choice == "auto" and body.tools and self.auto_tool_parser is None:
+            raise ParamError(
+                '"auto" tool choice requires --enable-auto-tool-choice and '
+                "--tool-call-parser to be set",
+                "tool_choice",
+            )
+        named = isinstance(choice, NamedToolChoice)
+        prefix = forced_prefix(choice.model_dump() if named else choice)  # type: ignore[union-attr]
         text = self.render_chat(
             body.template_messages(),
             body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
             **kwargs,
         )
+        text += prefix
         ids = self.encode(text, body.add_special_tokens, "messages", body.truncate_prompt_tokens)
         prompt = (text, ids)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        return self._prepare(body, request_id, [prompt], logprobs, chat=True)
+        parse_tools = bool(body.tools) and choice != "none"
+        if parse_tools:  # a tool-call block may be made of special tokens (V4's are)
+            body = body.model_copy(update={"skip_special_tokens": False})
+        prepared = self._prepare(body, request_id, [prompt], logprobs, chat=True)
+        if parse_tools:
+            prepared.tool_parser = TOOL_PARSERS[self.auto_tool_parser or "deepseek_v4"]
+            prepared.tool_prefix, prepared.named_tool = prefix, named
+        return prepared
+
+    @staticmethod
+    def _finish_reason(prepared: Prepared, c: CompletionOutput, num_calls: int) -> str | None:
+        if num_calls and c.finish_reason == "stop" and not prepared.named_tool:
+            return "tool_calls"
+        return c.finish_reason
 
     def _prepare(
         self,
@@ -186,6 +265,8 @@ class OpenAIServing:
         logprobs: int | None,
         chat: bool,
     ) -> Prepared:
+        self.check_num_logprobs(body, logprobs)
+        body.check_logit_bias(self.vocab_size)
         max_model_len = self.client.max_model_len
         what = "messages" if chat else "prompt"
         requested = body.max_completion_tokens if chat else None
@@ -297,25 +378,41 @@ class OpenAIServing:
             output = finals[i]
             num_cached += output.num_cached_tokens
             for c in output.outputs:
+                if not prepared.chat:
+                    c = self._generated(prepared, c)
                 num_completion += len(c.token_ids)
                 choice: dict[str, Any] = {"index": i * n + c.index}
                 if prepared.chat:
+                    finish_reason = c.finish_reason
                     choice["message"] = {"role": "assistant", "content": c.text}
+                    parser = prepared.new_tool_parser()
+                    if parser is not None:
+                        content, calls = parser.parse(c.text)
+                        choice["message"] = {
+                            "role": "assistant",
+                            "content": content if content or not calls else None,
+                            "tool_calls": calls,
+                        }
+                        finish_reason = self._finish_reason(prepared, c, len(calls))
                     choice["logprobs"] = (
                         None
                         if c.logprobs is None
                         else chat_logprobs(c.logprobs, prepared.num_top_logprobs)
                     )
                 else:
-                    prefix = self._echo(prepared, i)
-                    choice["text"] = prefix + c.text
+                    prompt_entries = self._prompt_entries(prepared, i, output)
+                    choice["text"] = self._echo(prepared, i) + c.text
                     choice["logprobs"] = (
                         None
                         if c.logprobs is None
-                        else completion_logprobs(c.logprobs, prepared.num_top_logprobs, 0)
+                        else completion_logprobs(
+                            prompt_entries + c.logprobs, prepared.num_top_logprobs, 0
+                        )
                     )
-                    choice["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
-                choice.update(finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                    if prepared.prompt_logprobs_requested:
+                        choice["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
+                    finish_reason = c.finish_reason
+                choice.update(finish_reason=finish_reason, stop_reason=c.stop_reason)
                 choices.append(choice)
         num_prompt = sum(len(ids) for _, ids in prepared.prompts)
         response = {
@@ -329,6 +426,32 @@ class OpenAIServing:
         if prepared.chat:
             response["prompt_logprobs"] = prompt_logprobs_json(finals[0].prompt_logprobs)
         return response
+
+    @staticmethod
+    def _generated(prepared: Prepared, c: CompletionOutput) -> CompletionOutput:
+        """The completion as the client sees it: nothing when max_tokens was 0."""
+        if not prepared.echo_without_generation:
+            return c
+        return replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [])
+
+    def _prompt_entries(
+        self, prepared: Prepared, prompt_index: int, output: RequestOutput
+    ) -> list[TokenLogprob | str]:
+        """The prompt's logprob entries when scoring (the first token, which has none, as
+        its text), else nothing."""
+        if not prepared.score_prompt:
+            return []
+        _, ids = prepared.prompts[prompt_index]
+        entries = output.prompt_logprobs
+        if entries is None or len(entries) != len(ids):
+            raise RuntimeError(
+                f"the engine returned {0 if entries is None else len(entries)} prompt "
+                f"logprobs for a prompt of {len(ids)} tokens"
+            )
+        return [
+            self.tokenizer.decode([token_id]) if e is None else e
+            for token_id, e in zip(ids, entries, strict=True)
+        ]
 
     def _echo(self, prepared: Prepared, prompt_index: int) -> str:
         if prepared.chat or not prepared.body.echo:
@@ -351,6 +474,7 @@ class OpenAIServing:
         }
         num_completion, cached = 0, [0] * len(prepared.prompts)
         text_offsets: dict[int, int] = {}
+        tool_parsers: dict[int, ToolCallParser | None] = {}
 
         def chunk(choices: list[dict]) -> str:
             payload = {**head, "choices": choices}
@@ -367,19 +491,37 @@ class OpenAIServing:
         async for i, output in self._outputs(prepared, RequestOutputKind.DELTA):
             cached[i] = output.num_cached_tokens
             for c in output.outputs:
+                if not chat:
+                    c = self._generated(prepared, c)
                 num_completion += len(c.token_ids)
                 index = i * n + c.index
                 text = c.text
+                prompt_entries: list[TokenLogprob | str] = []
                 if not chat and index not in text_offsets:
                     text = self._echo(prepared, i) + text
                     text_offsets[index] = 0
-                wants_logprobs = c.logprobs is not None and bool(c.token_ids)
-                if not text and not c.finished and not wants_logprobs:
+                    prompt_entries = self._prompt_entries(prepared, i, output)
+                tool_calls: list[dict] = []
+                finish_reason = c.finish_reason
+                if index not in tool_parsers:
+                    tool_parsers[index] = prepared.new_tool_parser()
+                parser = tool_parsers[index]
+                if parser is not None:
+                    num_before = len(parser.calls)
+                    text, tool_calls = parser.feed(text)
+                    if c.finished:
+                        text += parser.finish()
+                    tool_calls = [{"index": num_before + k, **t} for k, t in enumerate(tool_calls)]
+                    finish_reason = self._finish_reason(prepared, c, len(parser.calls))
+                wants_logprobs = c.logprobs is not None and bool(c.token_ids or prompt_entries)
+                if not text and not c.finished and not wants_logprobs and not tool_calls:
                     continue  # nothing to say yet (held back, or a partial character)
                 choice: dict[str, Any] = {"index": index}
                 logprobs = None
                 if chat:
                     choice["delta"] = {"content": text} if text or not c.finished else {}
+                    if tool_calls:
+                        choice["delta"]["tool_calls"] = tool_calls
                     if c.logprobs is not None:
                         logprobs = chat_logprobs(c.logprobs, prepared.num_top_logprobs)
                 else:
@@ -387,11 +529,11 @@ class OpenAIServing:
                     if c.logprobs is not None:
                         offset = text_offsets.get(index, 0)
                         logprobs = completion_logprobs(
-                            c.logprobs, prepared.num_top_logprobs, offset
+                            prompt_entries + c.logprobs, prepared.num_top_logprobs, offset
                         )
                     text_offsets[index] = text_offsets.get(index, 0) + len(text)
                 choice.update(
-                    logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason
+                    logprobs=logprobs, finish_reason=finish_reason, stop_reason=c.stop_reason
                 )
                 yield chunk([choice])
         if include_usage:

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from rackserve.request import SamplingParams
-from rackserve.runner.stop import (
+from rackserve.engine.stop import (
     StopDecision,
     check_stop,
     check_stop_strings,
     check_stop_token,
     stream_holdback_chars,
 )
+from rackserve.request import SamplingParams
 
 EOS = [1]
 

@@ -1,0 +1,254 @@
+"""Times the paged indexer top-k and the norm / rope kernels (Triton) against their torch
+references on the GPU, at V4-Flash sizes.
+
+Indexer: Hi=64, Di=128, bf16 keys in columns 512..639 of 640-wide csa_kv rows reached
+through shuffled 64-entry pages, top-k 512, every entry visible; S in {1, 64, 256} and E in
+{1024 (4K context), 16384 (64K)}. Rows: "triton" (logits + torch.topk), "triton:logits"
+(the logits kernel alone), "torch.topk" (the selection alone), "triton:<tiling>" variants,
+"reference". Norm / rope at T in {1, 64, 8192}: attention's q (unweighted norm + rope, [T,
+64, 512]), kv (weighted, [T, 512]), the indexer q rope ([T, 64, 128]), the inverse rope of
+the attention output, the q_lora norm ([T, 1024]).
+
+Each record: op, impl, shape, the compulsory bytes (inputs read once, outputs written once)
+and flops, the median time with ``triton.testing.do_bench`` (L2 flushed, launch included)
+and inside a CUDA graph, the fraction of the H200 roofline (4.8 TB/s, 989 TFLOP/s), and for
+Triton rows whether the answer equals the reference (ids) or its max |error|.
+
+    from benchmarks.indexer_bench import run; records = run()      # the lead's one-call script
+    python benchmarks/indexer_bench.py --output $OUT/indexer_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+from collections.abc import Callable
+
+import torch
+import triton.testing
+
+from rackserve.ops import reference
+from rackserve.ops.triton import indexer, norm_rope
+
+PEAK_HBM, PEAK_FLOPS = 4.8e12, 989e12
+HEADS, DIM, TOPK, KV_DIM, PAGE = 64, 128, 512, 512, 64
+QUERIES, ENTRIES = (1, 64, 256), (1024, 16384)
+TOKENS = (1, 64, 8192)
+EPS = 1e-6
+
+
+def _time(fn: Callable[[], object]) -> tuple[float, float | None]:
+    """(do_bench median, do_bench_cudagraph median) in microseconds."""
+    plain = triton.testing.do_bench(fn, return_mode="median") * 1e3
+    try:
+        graph = triton.testing.do_bench_cudagraph(fn, return_mode="median") * 1e3
+    except Exception:  # not capturable: the plain time only
+        graph = None
+    return plain, graph
+
+
+def _record(op: str, impl: str, shape: dict, nbytes: int, flops: int, fn: Callable) -> dict:
+    plain, graph = _time(fn)
+    best = graph if graph is not None else plain
+    roofline_us = max(nbytes / PEAK_HBM, flops / PEAK_FLOPS) * 1e6
+    return {
+        "kind": "indexer_bench",
+        "op": op,
+        "impl": impl,
+        **shape,
+        "bytes": nbytes,
+        "flops": flops,
+        "time_us": plain,
+        "graph_time_us": graph,
+        "roofline_us": roofline_us,
+        "roofline_fraction": roofline_us / best,
+    }
+
+
+def indexer_case(s: int, e: int, device: str) -> dict:
+    """Inputs of ``paged_indexer_topk``: each query its own request, pages shuffled."""
+    g = torch.Generator(device=device).manual_seed(s * e)
+    pages_per_query = e // PAGE
+    num_pages = s * pages_per_query + 1
+    cache = torch.randn(
+        num_pages * PAGE, KV_DIM + DIM, generator=g, device=device, dtype=torch.bfloat16
+    )
+    pages = torch.randperm(num_pages - 1, generator=g, device=device)[: s * pages_per_query]
+    pages = pages.view(s, pages_per_query) + 1  # page 0: the null block
+    entry = torch.arange(e, device=device)
+    return {
+        "q": torch.randn(s, HEADS, DIM, generator=g, device=device).bfloat16(),
+        "key_cache": cache[:, KV_DIM:],
+        "slots": pages[:, entry // PAGE] * PAGE + entry % PAGE,
+        "weights": torch.randn(s, HEADS, generator=g, device=device) * HEADS**-0.5,
+        "scale": DIM**-0.5,
+        "num_visible": torch.full((s,), e, device=device),
+    }
+
+
+def _indexer_variants(s: int, e: int, device: torch.device) -> dict[str, indexer.IndexerTiling]:
+    """Tilings around the default, to pick the defaults from the first GPU run."""
+    base = indexer.default_tiling(s, e, device)
+    tiles_per_query = -(-e // base.block_e)
+    variants = {
+        "e32": indexer.IndexerTiling(32, base.tiles, 4, 3),
+        "e128_w8": indexer.IndexerTiling(128, max(1, base.tiles // 2), 8, 3),
+        "tiles1": indexer.IndexerTiling(base.block_e, 1, 4, 3),
+        "tiles4x": indexer.IndexerTiling(base.block_e, min(64, 4 * base.tiles), 4, 3),
+        "stages1": indexer.IndexerTiling(base.block_e, base.tiles, 4, 1),
+        "warps8": indexer.IndexerTiling(base.block_e, base.tiles, 8, 3),
+        "select_torch": dataclasses.replace(base, triton_select_max_entries=0),
+        "select_triton": dataclasses.replace(base, triton_select_max_entries=e),
+    }
+    return {k: v for k, v in variants.items() if v.tiles <= max(tiles_per_query, 1)}
+
+
+def run_indexer(device: str = "cuda", sweep: bool = True) -> list[dict]:
+    dev = torch.device(device)
+    records = []
+    for e in ENTRIES:
+        for s in QUERIES:
+            case = indexer_case(s, e, device)
+            k = min(TOPK, e)
+            shape = {"queries": s, "entries": e, "heads": HEADS, "dim": DIM, "k": k}
+            nbytes = s * e * (2 * DIM + 8) + s * HEADS * (2 * DIM + 4) + s * k * 8
+            flops = 2 * s * e * HEADS * DIM
+            expected = reference.paged_indexer_topk(**case, k=k)
+            tilings = {"triton": None}
+            if sweep:
+                tilings |= {f"triton:{n}": t for n, t in _indexer_variants(s, e, dev).items()}
+            for impl, tiling in tilings.items():
+
+                def fast(tiling=tiling, case=case, k=k):
+                    return indexer.paged_indexer_topk(**case, k=k, tiling=tiling)
+
+                rec = _record("paged_indexer_topk", impl, shape, nbytes, flops, fast)
+                rec["tiling"] = str(tiling or indexer.default_tiling(s, e, dev))
+                rec["equal_to_reference"] = bool(torch.equal(fast(), expected))
+                records.append(rec)
+            packed = indexer.indexer_logits(**case, packed=True)
+            records.append(
+                _record(
+                    "paged_indexer_topk",
+                    "triton:logits",
+                    shape,
+                    nbytes - s * k * 8 + s * e * 8,
+                    flops,
+                    lambda case=case: indexer.indexer_logits(**case, packed=True),
+                )
+            )
+            records.append(
+                _record(
+                    "paged_indexer_topk",
+                    "torch.topk",
+                    shape,
+                    s * e * 8 + s * k * 8,
+                    0,
+                    lambda packed=packed, k=k: packed.topk(k, dim=-1),
+                )
+            )
+            records.append(
+                _record(
+                    "paged_indexer_topk",
+                    "reference",
+                    shape,
+                    nbytes,
+                    flops,
+                    lambda case=case, k=k: reference.paged_indexer_topk(**case, k=k),
+                )
+            )
+            del case, packed, expected
+            torch.cuda.empty_cache()
+    return records
+
+
+def _norm_rope_ops(t: int, device: str) -> dict[str, tuple[Callable, Callable, int]]:
+    """op name -> (kernel, reference, bytes) on V4-Flash activations of T tokens."""
+    g = torch.Generator(device=device).manual_seed(t)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device=device).bfloat16()
+
+    positions = torch.randint(0, 65536, (t,), generator=g, device=device)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(32, device=device) / 32))
+    cos, sin = reference.rope_cos_sin(positions, inv_freq, 1.0, torch.bfloat16)
+    neg_sin = -sin
+    q, kv, iq, lora = randn(t, 64, 512), randn(t, 512), randn(t, 64, 128), randn(t, 1024)
+    w512 = torch.rand(512, device=device) + 0.5
+    w1024 = torch.rand(1024, device=device) + 0.5
+    trig = 2 * cos.numel() * 2
+
+    def nbytes(x: torch.Tensor, with_trig: bool = True) -> int:
+        return 2 * x.numel() * x.element_size() + (trig if with_trig else 0)
+
+    return {
+        "q_norm_rope": (
+            lambda: norm_rope.rms_norm_rope(q, None, EPS, cos, sin),
+            lambda: reference.rms_norm_rope(q, None, EPS, cos, sin),
+            nbytes(q),
+        ),
+        "kv_norm_rope": (
+            lambda: norm_rope.rms_norm_rope(kv, w512, EPS, cos, sin),
+            lambda: reference.rms_norm_rope(kv, w512, EPS, cos, sin),
+            nbytes(kv) + 512 * 4,
+        ),
+        "index_q_rope": (
+            lambda: norm_rope.apply_rope(iq, cos, sin),
+            lambda: reference.apply_rope(iq, cos, sin),
+            nbytes(iq),
+        ),
+        "out_inverse_rope": (
+            lambda: norm_rope.apply_rope(q, cos, neg_sin),
+            lambda: reference.apply_rope(q, cos, neg_sin),
+            nbytes(q),
+        ),
+        "q_lora_norm": (
+            lambda: norm_rope.rms_norm(lora, w1024, EPS),
+            lambda: reference.rms_norm(lora, w1024, EPS),
+            nbytes(lora, with_trig=False) + 1024 * 4,
+        ),
+    }
+
+
+def run_norm_rope(device: str = "cuda") -> list[dict]:
+    records = []
+    for t in TOKENS:
+        for op, (kernel, ref, nbytes) in _norm_rope_ops(t, device).items():
+            shape = {"tokens": t}
+            rec = _record(op, "triton", shape, nbytes, 0, kernel)
+            rec["max_abs_err"] = (kernel().float() - ref().float()).abs().max().item()
+            records += [rec, _record(op, "reference", shape, nbytes, 0, ref)]
+    return records
+
+
+def run(device: str = "cuda", sweep: bool = True) -> list[dict]:
+    """Benchmark records of both parts (see the module docstring)."""
+    records = run_indexer(device, sweep) + run_norm_rope(device)
+    dev = torch.device(device)
+    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev)
+    meta = {"gpu": gpu, "date": datetime.date.today().isoformat()}
+    return [r | meta for r in records]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--no-sweep", action="store_true", help="default tilings only")
+    args = parser.parse_args()
+    records = run(sweep=not args.no_sweep)
+    with open(args.output, "w") as f:
+        json.dump(records, f, indent=1)
+    for r in records:
+        shape = f"S={r['queries']} E={r['entries']}" if "queries" in r else f"T={r['tokens']}"
+        graph = r["graph_time_us"]
+        print(
+            f"{r['op']:18s} {shape:16s} {r['impl']:22s} {r['time_us']:9.1f} us "
+            f"graph {graph if graph is None else round(graph, 1)} us "
+            f"{100 * r['roofline_fraction']:5.1f}% of roofline"
+        )
+
+
+if __name__ == "__main__":
+    main()

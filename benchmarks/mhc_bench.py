@@ -1,0 +1,168 @@
+"""Times the fused mHC ops (Triton) against their torch references on the GPU.
+
+V4-Flash sizes (N=4 streams, D=4096, bf16 streams, fp32 mHC weights) at T in {1, 64, 256,
+8192}; ops hc_pre, hc_post, hc_post_pre (the two fused), hc_head. Each record: op, impl
+("triton" | "reference" | "triton:<tiling variant>"), T, the compulsory bytes (every input
+read once, every output written once), the median time with ``triton.testing.do_bench``
+(L2 flushed before each call, launch cost included) and with ``do_bench_cudagraph``
+(inside a CUDA graph: what decode will see), GB/s on the graph time, and for Triton rows
+the max |kernel - reference| of the bf16 output x (or the streams, for hc_post).
+
+    from benchmarks.mhc_bench import run; records = run()      # the lead's one-call script
+    python benchmarks/mhc_bench.py --output $OUT/mhc_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+from collections.abc import Callable
+
+import torch
+import triton.testing
+
+from rackserve.ops import reference
+from rackserve.ops.triton import mhc
+
+N, D = 4, 4096
+SINKHORN_ITERS, HC_EPS, NORM_EPS = 20, 1e-6, 1e-6
+TOKENS = (1, 64, 256, 8192)
+
+
+def _time(fn: Callable[[], object]) -> tuple[float, float | None]:
+    """(do_bench median, do_bench_cudagraph median) in microseconds."""
+    plain = triton.testing.do_bench(fn, return_mode="median") * 1e3
+    try:
+        graph = triton.testing.do_bench_cudagraph(fn, return_mode="median") * 1e3
+    except Exception:  # a reference op that cannot be captured: report the plain time only
+        graph = None
+    return plain, graph
+
+
+def _inputs(t: int, device: str) -> dict[str, torch.Tensor]:
+    g = torch.Generator(device=device).manual_seed(t)
+    cols = N * D
+    mixes = (2 + N) * N
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device=device)
+
+    return {
+        "streams": randn(t, N, D).bfloat16(),
+        "block_out": randn(t, D).bfloat16(),
+        "fn": randn(mixes, cols) * (1.5 / cols**0.5),
+        "base": randn(mixes) * 0.5,
+        "scale": torch.ones(3, device=device),
+        "norm_weight": 1 + 0.2 * randn(D),
+    }
+
+
+def _variants(t: int, device: torch.device) -> dict[str, mhc.Tiling]:
+    """A few tilings around the default, to pick defaults from the first GPU run."""
+    base = mhc.default_tiling(t, N, D, device)
+    rep = dataclasses.replace
+    return {
+        "programs/2": rep(base, gemm_programs=max(1, base.gemm_programs // 2)),
+        "programs*2": rep(base, gemm_programs=base.gemm_programs * 2),
+        "gemm_d/2": rep(base, gemm_block_d=max(1, base.gemm_block_d // 2)),
+        "gemm_d*2": rep(base, gemm_block_d=base.gemm_block_d * 2),
+        "tf32x3": rep(base, gemm_precision="tf32x3"),
+        "finish_d1024": rep(base, finish_block_d=1024, finish_warps=4),
+        "post_d2048_w8": rep(base, post_block_d=2048, post_warps=8),
+    }
+
+
+def _record(op: str, impl: str, t: int, nbytes: int, fn: Callable[[], object]) -> dict:
+    plain, graph = _time(fn)
+    best = graph if graph is not None else plain
+    return {
+        "kind": "mhc_bench",
+        "op": op,
+        "impl": impl,
+        "tokens": t,
+        "streams": N,
+        "hidden": D,
+        "bytes": nbytes,
+        "time_us": plain,
+        "graph_time_us": graph,
+        "gb_per_s": nbytes / best / 1e3,
+    }
+
+
+def run(device: str = "cuda", tokens: tuple[int, ...] = TOKENS, sweep: bool = True) -> list[dict]:
+    """Benchmark records for hc_pre / hc_post / hc_head (see the module docstring)."""
+    dev = torch.device(device)
+    records = []
+    for t in tokens:
+        a = _inputs(t, device)
+        s, fn, base, scale, w = a["streams"], a["fn"], a["base"], a["scale"], a["norm_weight"]
+        head = (fn[:N].contiguous(), base[:N].contiguous(), scale[:1], HC_EPS, NORM_EPS, w)
+        block = (fn, base, scale, w, SINKHORN_ITERS, HC_EPS, NORM_EPS)
+        _, post, comb = reference.hc_pre(s, *block)
+        stream_bytes = s.numel() * s.element_size()
+        x_bytes = t * D * 2
+        ops = {
+            "hc_pre": (
+                stream_bytes + fn.numel() * 4 + x_bytes + t * (N + N * N) * 4,
+                lambda tiling, s=s, block=block: mhc.hc_pre(s, *block, tiling=tiling)[0],
+                lambda s=s, block=block: reference.hc_pre(s, *block)[0],
+            ),
+            "hc_post": (
+                2 * stream_bytes + x_bytes + t * (N + N * N) * 4,
+                lambda tiling, s=s, a=a, p=post, c=comb: mhc.hc_post(
+                    s, a["block_out"], p, c, tiling=tiling
+                ),
+                lambda s=s, a=a, p=post, c=comb: reference.hc_post(s, a["block_out"], p, c),
+            ),
+            "hc_post_pre": (
+                2 * stream_bytes + x_bytes + fn.numel() * 4 + x_bytes + t * (N + N * N) * 8,
+                lambda tiling, s=s, a=a, p=post, c=comb, block=block: mhc.hc_post_pre(
+                    s, a["block_out"], p, c, *block, tiling=tiling
+                )[1],
+                lambda s=s, a=a, p=post, c=comb, block=block: reference.hc_post_pre(
+                    s, a["block_out"], p, c, *block
+                )[1],
+            ),
+            "hc_head": (
+                stream_bytes + N * N * D * 4 + x_bytes,
+                lambda tiling, s=s, head=head: mhc.hc_head(s, *head, tiling=tiling),
+                lambda s=s, head=head: reference.hc_head(s, *head),
+            ),
+        }
+        tilings = {"triton": None}
+        if sweep:
+            tilings |= {f"triton:{k}": v for k, v in _variants(t, dev).items()}
+        for op, (nbytes, kernel, ref) in ops.items():
+            expected = ref().float()
+            for impl, tiling in tilings.items():
+                if (":post" in impl) != (op == "hc_post") and impl != "triton":
+                    continue  # a variant of another kernel's tiling
+                rec = _record(op, impl, t, nbytes, lambda k=kernel, ti=tiling: k(ti))
+                rec["max_abs_err"] = (kernel(tiling).float() - expected).abs().max().item()
+                records.append(rec)
+            records.append(_record(op, "reference", t, nbytes, ref))
+    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev)
+    meta = {"gpu": gpu, "date": datetime.date.today().isoformat()}
+    return [r | meta for r in records]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--no-sweep", action="store_true", help="default tiling only")
+    args = parser.parse_args()
+    records = run(sweep=not args.no_sweep)
+    with open(args.output, "w") as f:
+        json.dump(records, f, indent=1)
+    for r in records:
+        graph = r["graph_time_us"]
+        print(
+            f"{r['op']:8s} T={r['tokens']:5d} {r['impl']:26s} {r['time_us']:9.1f} us "
+            f"graph {graph if graph is None else round(graph, 1)} us {r['gb_per_s']:7.1f} GB/s"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,4 @@
+"""Expert parallelism: placement, load statistics, dispatch/combine, weight rearrangement.
+
+The EPLB policy (a pure algorithm) lives in ``moe.eplb``.
+"""

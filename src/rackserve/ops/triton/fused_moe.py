@@ -1,0 +1,270 @@
+"""Fused routed experts: ``moe_experts``, equal to ``ops.reference.moe_experts``.
+
+Shape legend: T tokens, k experts per token, P = T*k (token, slot) pairs, E experts,
+D hidden, I expert width, BM rows per block.
+
+    align      (1 launch, 2 when P > one segment) -> sorted_ids [R], block_expert [B]
+    gate_up    x[token] @ w13[e]^T, clamped SwiGLU  -> h [R, I] fp32
+    down       h @ w2[e]^T * routed weight          -> slots [P, D] fp32 (h as hi + lo)
+    sum        the k slots of each token, in order  -> out [T, D]
+
+(kernels and the align layout in ``fused_moe_kernels.py``). Every buffer and grid depends
+on T, k, E, D, I and the tiling only: no host syncs, so the op can be captured in a CUDA
+graph, and no float atomics, so a replay is bitwise equal to an eager call. Decode reads
+only the hit experts' weights, each once per n-tile (BM=16 rows hold all of an expert's
+tokens up to 16). Under TRITON_INTERPRET=1 (CPU tests) the same kernels run on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from rackserve.ops.triton.fused_moe_kernels import (
+    moe_align_kernel,
+    moe_count_kernel,
+    moe_down_kernel,
+    moe_gate_up_kernel,
+    moe_sum_kernel,
+)
+
+_ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """Launch shapes of the four kernels (powers of two; see ``default_tiling``)."""
+
+    block_m: int  # rows per block (>= 16: tl.dot's minimum); every expert run pads to it
+    gate_up_block_n: int  # I columns per gate_up program (it computes gate and up: 2x)
+    gate_up_block_k: int
+    gate_up_warps: int
+    gate_up_stages: int
+    down_block_n: int  # D columns per down program
+    down_block_k: int
+    down_warps: int
+    down_stages: int
+    align_segment: int  # pairs per align program; one program (one launch) when P <= it
+    sum_block_d: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "gate_up_block_n", "gate_up_block_k", "down_block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_tiling(
+    num_tokens: int,
+    top_k: int,
+    num_experts: int,
+    inter: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Tiling:
+    """Launch shapes from T, k, E, I and the device (host ints only: graph-safe).
+
+    Decode (few tokens per expert) streams weights: BM=16, narrow n-tiles so the hit
+    experts' tiles make at least ~3 programs per SM, 4 stages of loads in flight. Prefill
+    (T >= 1024, many tokens per expert) is compute-bound: 64-row blocks, wider tiles.
+    On CPU (the interpreter) wide tiles keep the number of interpreted programs small.
+    """
+    if device.type != "cuda":
+        return Tiling(16, 64, 64, 4, 1, 64, 64, 4, 1, 4096, 256)
+    pairs = num_tokens * top_k
+    if pairs >= 16 * num_experts * 4:  # >= 64 rows per expert on average: prefill-like
+        return Tiling(64, 64, 64, 8, 3, 128, 64, 8, 3, 2048, 1024)
+    block_m = 16 if pairs <= 16 * num_experts else 32
+    hit_experts = min(num_experts, pairs)
+    narrow = hit_experts * triton.cdiv(inter, 64) < 3 * _num_sms(device)
+    block_k = 64 if dtype == torch.float32 else 128  # 3 stages of fp32 tiles fill the SMEM
+    return Tiling(
+        block_m=block_m,
+        gate_up_block_n=32 if narrow else 64,
+        gate_up_block_k=block_k,
+        gate_up_warps=4,
+        gate_up_stages=4,
+        down_block_n=64,
+        down_block_k=block_k,
+        down_warps=4,
+        down_stages=4,
+        align_segment=2048,
+        sum_block_d=1024,
+    )
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every output and workspace comes from here (tests fill them with NaN / garbage)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def num_blocks_bound(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Most blocks the padded expert runs can use: sum_e cdiv(count_e, BM) is at most
+    (number of hit experts) + P // BM, and never more than cdiv(P + E*(BM-1), BM)."""
+    worst = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m)
+    return min(worst, min(num_experts, num_pairs) + num_pairs // block_m)
+
+
+def moe_align(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, segment: int = 2048
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort the (token, slot) pairs by expert into blocks of ``block_m`` rows.
+
+    topk_ids: [T, k] int (contiguous). Returns sorted_ids [B * BM] int32 (the pair index
+    t*k + j at each row of each expert's run, P on the padding rows that fill a run to a
+    multiple of BM; rows past the used blocks are not written) and block_expert [B] int32
+    (the expert of each block; E for a block past the used ones). Pairs whose id is
+    outside [0, E) are left out. Stable: one expert's pairs keep their order.
+    """
+    num_pairs = topk_ids.numel()
+    device = topk_ids.device
+    num_blocks = num_blocks_bound(num_pairs, num_experts, block_m)
+    sorted_ids = _empty((num_blocks * block_m,), torch.int32, device)
+    block_expert = _empty((num_blocks,), torch.int32, device)
+    block_e = max(16, triton.next_power_of_2(num_experts))
+    chunk = max(16, min(128, 8192 // block_e))  # [CHUNK, BLOCK_E] one-hot tiles
+    # a segment no longer than the pairs there are: a decode step's few pairs are one chunk
+    segment = max(chunk, triton.cdiv(min(segment, num_pairs), chunk) * chunk)
+    num_segments = max(1, triton.cdiv(num_pairs, segment))
+    ids = topk_ids.view(-1)
+    counts = sorted_ids  # unread when one program counts
+    if num_segments > 1:
+        counts = _empty((num_segments, block_e), torch.int32, device)
+        moe_count_kernel[(num_segments,)](
+            ids, counts, num_pairs, num_experts, segment, BLOCK_E=block_e, CHUNK=chunk
+        )
+    moe_align_kernel[(num_segments,)](
+        ids,
+        counts,
+        sorted_ids,
+        block_expert,
+        num_pairs,
+        num_experts,
+        segment,
+        num_segments,
+        num_blocks,
+        BLOCK_M=block_m,
+        BLOCK_E=block_e,
+        CHUNK=chunk,
+        BLOCK_B=max(16, min(128, 8192 // block_e)),
+        COUNT_HERE=num_segments == 1,
+        num_warps=8 if block_e >= 128 else 4,
+    )
+    return sorted_ids, block_expert
+
+
+def _check(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+) -> None:
+    if x.dim() != 2 or x.dtype not in _ACTIVATION_DTYPES:
+        raise ValueError(f"x must be [T, D] in {_ACTIVATION_DTYPES}, got {x.dtype} {x.shape}")
+    t, d = x.shape
+    id_dtypes = (torch.int32, torch.int64)
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_ids.dtype not in id_dtypes:
+        raise ValueError(
+            f"topk_ids must be [{t}, k] int32/int64, got {topk_ids.dtype} {tuple(topk_ids.shape)}"
+        )
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(
+            f"topk_weights must be {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}"
+        )
+    if w13.dim() != 3 or w13.shape[2] != d or w13.shape[1] % 2:
+        raise ValueError(f"w13 must be [E, 2I, {d}], got {tuple(w13.shape)}")
+    e, two_i, _ = w13.shape
+    if tuple(w2.shape) != (e, d, two_i // 2):
+        raise ValueError(f"w2 must be [{e}, {d}, {two_i // 2}], got {tuple(w2.shape)}")
+    if w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(f"w13 / w2 dtype ({w13.dtype} / {w2.dtype}) must be x's ({x.dtype})")
+    for name, t_ in (
+        ("topk_ids", topk_ids),
+        ("topk_weights", topk_weights),
+        ("w13", w13),
+        ("w2", w2),
+    ):
+        if t_.device != x.device:
+            raise ValueError(f"{name} is on {t_.device}, x on {x.device}")
+
+
+def moe_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    limit: float,
+    *,
+    tiling: Tiling | None = None,
+) -> torch.Tensor:
+    """Fused ``ops.reference.moe_experts``: 4 launches (5 for large batches).
+
+    x: [T, D] (fp32/bf16/fp16); topk_ids: [T, k] int; topk_weights: [T, k]; w13: [E, 2I, D]
+    (gate rows then up rows); w2: [E, D, I], both in x's dtype (any strides). Returns
+    [T, D] in x's dtype. A slot whose id is outside [0, E) contributes nothing (the
+    reference rejects it).
+    """
+    _check(x, topk_ids, topk_weights, w13, w2)
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    out = _empty((num_tokens, hidden), x.dtype, x.device)
+    if num_tokens == 0 or top_k == 0:
+        return out.zero_()
+    tiling = tiling or default_tiling(num_tokens, top_k, num_experts, inter, x.device, x.dtype)
+    x = x.contiguous()
+    topk_ids = topk_ids.contiguous()
+    weights = topk_weights.to(torch.float32).contiguous().view(-1)
+    num_pairs = num_tokens * top_k
+    bm = tiling.block_m
+    sorted_ids, block_expert = moe_align(topk_ids, num_experts, bm, tiling.align_segment)
+    num_blocks = block_expert.shape[0]
+    fp32_dot = x.dtype == torch.float32 or x.device.type == "cpu"
+
+    h = _empty((num_blocks * bm, inter), torch.float32, x.device)
+    grid = (num_blocks, triton.cdiv(inter, tiling.gate_up_block_n))
+    moe_gate_up_kernel[grid](
+        x, w13, h, sorted_ids, block_expert,
+        num_pairs, top_k, hidden, inter, num_experts, float(limit),
+        x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), h.stride(0),
+        BLOCK_M=bm,
+        BLOCK_N=tiling.gate_up_block_n,
+        BLOCK_K=tiling.gate_up_block_k,
+        FP32_DOT=fp32_dot,
+        num_warps=tiling.gate_up_warps,
+        num_stages=tiling.gate_up_stages,
+    )  # fmt: skip
+
+    slots = _empty((num_pairs, hidden), torch.float32, x.device)
+    grid = (num_blocks, triton.cdiv(hidden, tiling.down_block_n))
+    moe_down_kernel[grid](
+        h, w2, weights, slots, sorted_ids, block_expert,
+        num_pairs, hidden, inter, num_experts,
+        h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), slots.stride(0),
+        BLOCK_M=bm,
+        BLOCK_N=tiling.down_block_n,
+        BLOCK_K=tiling.down_block_k,
+        FP32_DOT=fp32_dot,
+        SPLIT_H=x.dtype != torch.float32,
+        num_warps=tiling.down_warps,
+        num_stages=tiling.down_stages,
+    )  # fmt: skip
+
+    block_d = min(tiling.sum_block_d, triton.next_power_of_2(hidden))
+    moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_d))](
+        slots, topk_ids.view(-1), out, top_k, hidden, num_experts, slots.stride(0),
+        out.stride(0),
+        BLOCK_D=block_d,
+        num_warps=4,
+    )  # fmt: skip
+    return out

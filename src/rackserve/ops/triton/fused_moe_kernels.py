@@ -1,0 +1,315 @@
+"""Triton kernels of the fused MoE op; ``fused_moe.py`` validates inputs, tiles and launches.
+
+Shape legend: T tokens, k experts per token, P = T*k (token, slot) pairs (pair p is token
+p // k, slot p % k), E experts, D hidden, I expert width, BM rows per block, R the padded
+row capacity (a multiple of BM), B = R / BM blocks, S align segments.
+
+Align (no host sync, no atomics; stable: pairs of one expert keep their order)
+    ``moe_count_kernel``, grid (S,): segment s of the pairs -> counts[s, e] (only when S > 1).
+    ``moe_align_kernel``, grid (S,): the expert runs, each padded to a multiple of BM:
+
+        rows:  | e0: pairs, pad | e1 (no pairs: empty) | e2: pairs, pad | ... | unused
+        block: |  0  |  1  |                          |  2  |  3  |     ...  | E, E, E
+
+    sorted_ids[r] = the pair at padded row r, or P on a padding row; block_expert[b] = the
+    expert of block b, or E for a block past the used ones (its programs exit at once).
+    Segment s scatters its own pairs after the pairs of earlier segments; segment 0 also
+    writes the padding rows and block_expert. With S == 1 one program counts too.
+``moe_gate_up_kernel``, grid (B, cdiv(I, BN)): the gate and up tiles of x[token] @ w13[e]^T
+    in one program, the clamped SwiGLU in fp32, h [R, I] fp32.
+``moe_down_kernel``, grid (B, cdiv(D, BN)): h @ w2[e]^T times the routed weight, written to
+    the pair's row of slots [P, D] fp32. With 16-bit weights (SPLIT_H) h is split into
+    hi + lo 16-bit parts and both multiply w2 on the tensor cores: rounding h to bf16 once
+    (as the reference does) puts 6-10% of bf16 outputs outside the tolerance of
+    GPU_FASTPATH.md section 5 (twice the reference's own error), since those h errors are
+    uncorrelated with the reference's; the split costs tensor FLOPs, not weight bytes.
+``FP32_DOT``: IEEE fp32 dots (no TF32) for fp32 inputs, and on the interpreter for every
+    dtype (its 16-bit tl.dot is wrong); 16-bit inputs on the GPU use tensor cores.
+``moe_sum_kernel``, grid (T, cdiv(D, BD)): out[t] = sum over slots j = 0..k-1 in that order
+    (deterministic) of slots[t*k + j]; slots whose expert id is outside [0, E) add nothing.
+
+Blocks of the grid's first axis are the fastest-varying, so the programs of one n-tile of
+one expert (its consecutive blocks) run together and share the weight tile through L2.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from rackserve.ops.triton.mhc_kernels import to_output
+
+
+@triton.jit
+def _segment_counts(
+    ids_ptr,
+    seg,
+    num_pairs,
+    num_experts,
+    pairs_per_segment,
+    BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """counts [BLOCK_E] int32 of the pairs of segment seg with expert e (ids outside
+    [0, E) are counted nowhere)."""
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.zeros((BLOCK_E,), tl.int32)
+    first = seg * pairs_per_segment
+    for off in range(0, pairs_per_segment, CHUNK):
+        local = off + tl.arange(0, CHUNK)
+        pair = first + local
+        ok = (pair < num_pairs) & (local < pairs_per_segment)
+        ids = tl.load(ids_ptr + pair, mask=ok, other=-1)
+        hit = (ids[:, None] == experts[None, :]) & (experts[None, :] < num_experts)
+        counts += tl.sum(hit.to(tl.int32), axis=0)
+    return counts
+
+
+@triton.jit
+def moe_count_kernel(
+    ids_ptr,  # [P] int32/int64 expert ids, flattened topk_ids
+    counts_ptr,  # [S, BLOCK_E] int32 out
+    num_pairs,
+    num_experts,
+    pairs_per_segment,
+    BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    seg = tl.program_id(0)
+    counts = _segment_counts(
+        ids_ptr, seg, num_pairs, num_experts, pairs_per_segment, BLOCK_E, CHUNK
+    )
+    tl.store(counts_ptr + seg * BLOCK_E + tl.arange(0, BLOCK_E), counts)
+
+
+@triton.jit
+def moe_align_kernel(
+    ids_ptr,  # [P] expert ids
+    counts_ptr,  # [S, BLOCK_E] int32 from moe_count_kernel (unused when COUNT_HERE)
+    sorted_ptr,  # [R] int32 out: pair index per padded row, P on padding rows
+    block_expert_ptr,  # [B] int32 out: expert per block, E past the used blocks
+    num_pairs,
+    num_experts,
+    pairs_per_segment,
+    num_segments,
+    num_blocks,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    COUNT_HERE: tl.constexpr,
+):
+    seg = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    expert_ok = experts < num_experts
+    if COUNT_HERE:  # one segment: count in this program, nothing before it
+        total = _segment_counts(
+            ids_ptr, seg, num_pairs, num_experts, pairs_per_segment, BLOCK_E, CHUNK
+        )
+        before = tl.zeros((BLOCK_E,), tl.int32)
+    else:
+        total = tl.zeros((BLOCK_E,), tl.int32)
+        before = tl.zeros((BLOCK_E,), tl.int32)
+        for s in range(num_segments):
+            c = tl.load(counts_ptr + s * BLOCK_E + experts)
+            total += c
+            before += tl.where(s < seg, c, 0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)  # [BLOCK_E] end row of each expert's run
+    starts = ends - padded
+
+    # This segment's pairs, in order: row = start[e] + pairs of e before this one.
+    running = starts + before
+    first = seg * pairs_per_segment
+    for off in range(0, pairs_per_segment, CHUNK):
+        local = off + tl.arange(0, CHUNK)
+        pair = first + local
+        ok = (pair < num_pairs) & (local < pairs_per_segment)
+        ids = tl.load(ids_ptr + pair, mask=ok, other=-1)
+        hit = (ids[:, None] == experts[None, :]) & expert_ok[None, :]  # [CHUNK, BLOCK_E]
+        hit_i = hit.to(tl.int32)
+        rank = tl.sum(tl.cumsum(hit_i, axis=0) * hit_i, axis=1) - 1  # earlier same-expert
+        base = tl.sum(running[None, :] * hit_i, axis=1)
+        routed = tl.sum(hit_i, axis=1) > 0  # ids outside [0, E) go nowhere
+        tl.store(sorted_ptr + base + rank, pair.to(tl.int32), mask=routed)
+        running += tl.sum(hit_i, axis=0)
+
+    if seg == 0:
+        # Padding rows of each run: rows start + total .. end - 1 (fewer than BLOCK_M).
+        pad_start = starts + total
+        for j in range(BLOCK_M):
+            row = pad_start + j
+            tl.store(sorted_ptr + row, num_pairs, mask=expert_ok & (row < ends))
+        # Block b belongs to the first expert whose run ends after row b * BLOCK_M: the
+        # number of runs that end at or before it (empty runs included). Past the last
+        # run that number is E, the "no expert" value.
+        for b0 in range(0, num_blocks, BLOCK_B):
+            blocks = b0 + tl.arange(0, BLOCK_B)
+            done = (ends[None, :] <= blocks[:, None] * BLOCK_M) & expert_ok[None, :]
+            expert = tl.sum(done.to(tl.int32), axis=1)
+            tl.store(block_expert_ptr + blocks, expert, mask=blocks < num_blocks)
+
+
+@triton.jit
+def _swiglu(gate, up, limit):
+    """silu(min(gate, limit)) * clamp(up, -limit, limit), in fp32."""
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
+def _dot(a, w, acc, FP32_DOT: tl.constexpr):
+    """acc + a @ w with fp32 accumulation; IEEE fp32 products when FP32_DOT."""
+    if FP32_DOT:
+        acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, w, acc)
+    return acc
+
+
+@triton.jit
+def moe_gate_up_kernel(
+    x_ptr,  # [T, D]
+    w13_ptr,  # [E, 2I, D]: gate rows 0..I-1, up rows I..2I-1
+    h_ptr,  # [R, I] fp32 out
+    sorted_ptr,  # [R] int32
+    block_expert_ptr,  # [B] int32
+    num_pairs,
+    top_k,
+    hidden,
+    inter,
+    num_experts,
+    limit,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_ht,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert >= num_experts:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    row_ok = pair < num_pairs
+    token = tl.where(row_ok, pair // top_k, 0)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + token[:, None].to(tl.int64) * stride_xt + ks[None, :]
+    gate_ptrs = (
+        w13_ptr
+        + expert.to(tl.int64) * stride_we
+        + cols[None, :].to(tl.int64) * stride_wn
+        + ks[:, None] * stride_wk
+    )  # [BLOCK_K, BLOCK_N]: w13[e, cols, k]^T
+    up_ptrs = gate_ptrs + inter * stride_wn
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_ok = (k0 + ks) < hidden
+        a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_ok = k_ok[:, None] & col_ok[None, :]
+        gate_w = tl.load(gate_ptrs, mask=w_ok, other=0.0)
+        up_w = tl.load(up_ptrs, mask=w_ok, other=0.0)
+        acc_gate = _dot(a, gate_w, acc_gate, FP32_DOT)
+        acc_up = _dot(a, up_w, acc_up, FP32_DOT)
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K * stride_wk
+        up_ptrs += BLOCK_K * stride_wk
+    h = _swiglu(acc_gate, acc_up, limit)  # padding rows: swiglu(0, 0) = 0
+    h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_ht + cols[None, :]
+    tl.store(h_ptrs, h, mask=col_ok[None, :])
+
+
+@triton.jit
+def moe_down_kernel(
+    h_ptr,  # [R, I] fp32
+    w2_ptr,  # [E, D, I]
+    weights_ptr,  # [P] fp32 routed weights, flattened topk_weights
+    slots_ptr,  # [P, D] fp32 out
+    sorted_ptr,  # [R] int32
+    block_expert_ptr,  # [B] int32
+    num_pairs,
+    hidden,
+    inter,
+    num_experts,
+    stride_ht,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_slot,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    SPLIT_H: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert >= num_experts:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    row_ok = pair < num_pairs
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    ks = tl.arange(0, BLOCK_K)
+    h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_ht + ks[None, :]
+    w_ptrs = (
+        w2_ptr
+        + expert.to(tl.int64) * stride_we
+        + cols[None, :].to(tl.int64) * stride_wn
+        + ks[:, None] * stride_wk
+    )  # [BLOCK_K, BLOCK_N]: w2[e, cols, k]^T
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k_ok = (k0 + ks) < inter
+        a = tl.load(h_ptrs, mask=k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if SPLIT_H:  # h = hi + lo in w's 16-bit type: two dots keep h's fp32 precision
+            hi = a.to(w.dtype)
+            acc = _dot(hi, w, acc, FP32_DOT)
+            acc = _dot((a - hi.to(tl.float32)).to(w.dtype), w, acc, FP32_DOT)
+        else:
+            acc = _dot(a, w, acc, FP32_DOT)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    weight = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
+    acc = acc * weight[:, None]
+    out_ptrs = slots_ptr + pair[:, None].to(tl.int64) * stride_slot + cols[None, :]
+    tl.store(out_ptrs, acc, mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def moe_sum_kernel(
+    slots_ptr,  # [T*k, D] fp32
+    ids_ptr,  # [T*k] expert ids
+    out_ptr,  # [T, D] out, x's dtype
+    top_k,
+    hidden,
+    num_experts,
+    stride_slot,
+    stride_out,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < hidden
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    for j in range(top_k):
+        pair = token * top_k + j
+        expert = tl.load(ids_ptr + pair)
+        routed = (expert >= 0) & (expert < num_experts)
+        acc += tl.load(
+            slots_ptr + pair.to(tl.int64) * stride_slot + cols, mask=col_ok & routed, other=0.0
+        )
+    tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, to_output(acc, out_ptr), mask=col_ok)

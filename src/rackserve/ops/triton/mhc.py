@@ -1,0 +1,321 @@
+"""Fused mHC (hyper-connection) ops: ``hc_pre``, ``hc_post`` and ``hc_head``.
+
+Each equals its ``ops.reference`` namesake. Shape legend: T tokens, N streams, D hidden.
+
+    hc_pre  = K1 (split-K prenorm GEMM) + K2 (finish) -> x [T, D], post [T, N], comb [T, N, N]
+    hc_head = K1 with N mixes + K2 (HEAD)              -> x [T, D]
+    hc_post = one elementwise kernel                   -> streams [T, N, D]
+    hc_post_pre = K1 with the expand in its prologue + K2 -> hc_post, then hc_pre of the result
+
+(kernels in ``mhc_kernels.py``). Grids and workspaces depend on T and the weights' shapes
+only: no host syncs, so the ops can be captured in CUDA graphs. Under TRITON_INTERPRET=1
+(CPU tests) the same kernels run on CPU tensors, with larger token tiles.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from rackserve.ops.triton.mhc_kernels import (
+    hc_finish_kernel,
+    hc_post_kernel,
+    prenorm_gemm_kernel,
+)
+
+_ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """Launch shapes of the kernels (powers of two; see ``default_tiling``)."""
+
+    gemm_block_t: int  # K1 tokens per program (>= 16: tl.dot's minimum)
+    gemm_block_d: int  # K1 hidden columns per loop step (of all N streams: K = N * this)
+    gemm_programs: int  # K1 target program count: sets the split count S
+    gemm_warps: int
+    gemm_precision: str  # "ieee" (fp32 FMA) or "tf32x3" (tensor cores, ~fp32 accuracy)
+    finish_block_t: int  # K2 tokens per program
+    finish_block_d: int  # K2 hidden chunk; >= next_pow2(D) keeps the row in registers
+    finish_warps: int
+    post_block_t: int
+    post_block_d: int
+    post_warps: int
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_tiling(num_tokens: int, num_streams: int, hidden: int, device: torch.device) -> Tiling:
+    """Launch shapes from T, N, D and the device (host ints only: graph-safe).
+
+    On a GPU, K1 aims at two programs per SM: few tokens -> many splits of D (at T=1 the
+    1.5 MB fn read is the whole cost), many tokens -> few. K2 keeps a token's N x D streams
+    in registers up to 16K values and loops over D beyond. On CPU (the Triton interpreter)
+    larger token tiles keep the number of interpreted programs small.
+    """
+    block_n = triton.next_power_of_2(num_streams)
+    d_pow2 = triton.next_power_of_2(hidden)
+    if device.type != "cuda":
+        return Tiling(
+            gemm_block_t=min(64, max(16, triton.next_power_of_2(num_tokens))),
+            gemm_block_d=32,
+            gemm_programs=4,
+            gemm_warps=4,
+            gemm_precision="ieee",
+            finish_block_t=16,
+            finish_block_d=d_pow2,
+            finish_warps=4,
+            post_block_t=16,
+            post_block_d=d_pow2,
+            post_warps=4,
+        )
+    gemm_block_t = 16 if num_tokens <= 16 else 32 if num_tokens <= 128 else 64
+    finish_block_d = min(d_pow2, max(256, 16384 // block_n))
+    return Tiling(
+        gemm_block_t=gemm_block_t,
+        gemm_block_d=max(1, (128 if gemm_block_t <= 32 else 64) // block_n),
+        gemm_programs=2 * _num_sms(device),
+        gemm_warps=4,
+        gemm_precision="ieee",
+        finish_block_t=1,
+        finish_block_d=finish_block_d,
+        finish_warps=8 if block_n * finish_block_d >= 8192 else 4,
+        post_block_t=1,
+        post_block_d=min(d_pow2, 1024),
+        post_warps=4,
+    )
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every output and workspace comes from here (tests fill them with NaN)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _check_streams(streams: torch.Tensor) -> torch.Tensor:
+    if streams.dim() != 3:
+        raise ValueError(f"streams must be [T, N, D], got shape {tuple(streams.shape)}")
+    if streams.dtype not in _ACTIVATION_DTYPES:
+        raise ValueError(f"streams dtype {streams.dtype} not in {_ACTIVATION_DTYPES}")
+    return streams.contiguous()
+
+
+def _param(name: str, t: torch.Tensor, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A contiguous float32 copy-if-needed of a parameter, after a shape/device check."""
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if t.device != like.device:
+        raise ValueError(f"{name} is on {t.device}, streams on {like.device}")
+    return t.to(torch.float32).contiguous()
+
+
+def _post_inputs(
+    streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Checked block_out [T, D] (the streams' dtype), post [T, N], comb [T, N, N] (fp32)."""
+    num_tokens, n, hidden = streams.shape
+    if tuple(block_out.shape) != (num_tokens, hidden) or block_out.dtype != streams.dtype:
+        raise ValueError(
+            f"block_out must be [{num_tokens}, {hidden}] {streams.dtype}, "
+            f"got {tuple(block_out.shape)} {block_out.dtype}"
+        )
+    if block_out.device != streams.device:
+        raise ValueError(f"block_out is on {block_out.device}, streams on {streams.device}")
+    post = _param("post", post, (num_tokens, n), streams)
+    comb = _param("comb", comb, (num_tokens, n, n), streams)
+    return block_out.contiguous(), post, comb
+
+
+def _block_params(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_weight: torch.Tensor,
+    sinkhorn_iters: int,
+    head: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Checked fn [M, N*D], base [M], scale [3] ([1] for the head), norm_weight [D]."""
+    _, n, hidden = streams.shape
+    if sinkhorn_iters < 1:
+        raise ValueError(f"sinkhorn_iters must be >= 1, got {sinkhorn_iters}")
+    mixes = n if head else (2 + n) * n
+    return (
+        _param("fn", fn, (mixes, n * hidden), streams),
+        _param("base", base, (mixes,), streams),
+        _param("scale", scale, (1 if head else 3,), streams),
+        _param("norm_weight", norm_weight, (hidden,), streams),
+    )
+
+
+def _launch(
+    streams: torch.Tensor,
+    params: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    head: bool,
+    expand: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    tiling: Tiling | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """K1 + K2 on checked inputs -> (streams K2 read, x, post, comb); post/comb None for head.
+
+    expand: (block_out, post, comb) of the previous block: K1 first expands the streams
+    (``hc_post``), writes them and runs on them.
+    """
+    num_tokens, n, hidden = streams.shape
+    fn, base, scale, norm_weight = params
+    device = streams.device
+    tiling = tiling or default_tiling(num_tokens, n, hidden, device)
+    new = streams if expand is None else _empty(streams.shape, streams.dtype, device)
+    x = _empty((num_tokens, hidden), streams.dtype, device)
+    post = None if head else _empty((num_tokens, n), torch.float32, device)
+    comb = None if head else _empty((num_tokens, n, n), torch.float32, device)
+    if num_tokens == 0:
+        return new, x, post, comb
+    block_n = triton.next_power_of_2(n)
+    block_m = max(16, triton.next_power_of_2(fn.shape[0]))
+    block_d = min(tiling.gemm_block_d, triton.next_power_of_2(hidden))
+    t_blocks = triton.cdiv(num_tokens, tiling.gemm_block_t)
+    d_blocks = triton.cdiv(hidden, block_d)
+    splits = max(1, min(d_blocks, triton.cdiv(tiling.gemm_programs, t_blocks)))
+    d_per_split = triton.cdiv(d_blocks, splits) * block_d
+    splits = triton.cdiv(hidden, d_per_split)  # no split without columns
+    mix = _empty((splits, num_tokens, block_m), torch.float32, device)
+    sq = _empty((splits, num_tokens), torch.float32, device)
+    block_out, prev_post, prev_comb = expand if expand is not None else (x, x, x)
+    prenorm_gemm_kernel[(t_blocks, splits)](
+        streams, fn, mix, sq, block_out, prev_post, prev_comb, new,
+        num_tokens, hidden, fn.shape[0], d_per_split,
+        streams.stride(0), streams.stride(1), fn.stride(0),
+        mix.stride(0), mix.stride(1), sq.stride(0), block_out.stride(0),
+        N=n, BLOCK_N=block_n, BLOCK_T=tiling.gemm_block_t, BLOCK_M=block_m, BLOCK_D=block_d,
+        FUSE_POST=expand is not None, PRECISION=tiling.gemm_precision,
+        num_warps=tiling.gemm_warps,
+    )  # fmt: skip
+    finish_block_d = min(tiling.finish_block_d, triton.next_power_of_2(hidden))
+    hc_finish_kernel[(triton.cdiv(num_tokens, tiling.finish_block_t),)](
+        new, mix, sq, base, scale, norm_weight,
+        x, x if head else post, x if head else comb,
+        num_tokens, splits, hidden, 1.0 / (n * hidden), hc_eps, norm_eps, sinkhorn_iters,
+        new.stride(0), new.stride(1), mix.stride(0), mix.stride(1), sq.stride(0), x.stride(0),
+        N=n, BLOCK_N=block_n, BLOCK_T=tiling.finish_block_t,
+        BLOCK_S=min(64, triton.next_power_of_2(splits)), BLOCK_D=finish_block_d,
+        HEAD=head, SINGLE_PASS=finish_block_d >= hidden, num_warps=tiling.finish_warps,
+    )  # fmt: skip
+    return new, x, post, comb
+
+
+def hc_pre(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_weight: torch.Tensor,
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    *,
+    tiling: Tiling | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused ``ops.reference.hc_pre``: two launches.
+
+    streams: [T, N, D] (fp32/bf16/fp16); fn: [(2+N)N, N*D]; base: [(2+N)N]; scale: [3];
+    norm_weight: [D]. Returns x [T, D] in the streams' dtype, post [T, N] and comb [T, N, N]
+    in float32.
+    """
+    streams = _check_streams(streams)
+    params = _block_params(streams, fn, base, scale, norm_weight, sinkhorn_iters, False)
+    _, x, post, comb = _launch(
+        streams, params, sinkhorn_iters, hc_eps, norm_eps, False, None, tiling
+    )
+    assert post is not None and comb is not None
+    return x, post, comb
+
+
+def hc_post_pre(
+    streams: torch.Tensor,
+    block_out: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_weight: torch.Tensor,
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    *,
+    tiling: Tiling | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused ``ops.reference.hc_post_pre``: two launches instead of three.
+
+    streams, block_out, post, comb: as ``hc_post`` (the block just run); fn, base, scale,
+    norm_weight: the next block's, as ``hc_pre``. Returns the new streams [T, N, D] and the
+    next block's x [T, D], post [T, N], comb [T, N, N].
+    """
+    streams = _check_streams(streams)
+    expand = _post_inputs(streams, block_out, post, comb)
+    params = _block_params(streams, fn, base, scale, norm_weight, sinkhorn_iters, False)
+    new, x, post, comb = _launch(
+        streams, params, sinkhorn_iters, hc_eps, norm_eps, False, expand, tiling
+    )
+    assert post is not None and comb is not None
+    return new, x, post, comb
+
+
+def hc_head(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    hc_eps: float,
+    norm_eps: float,
+    norm_weight: torch.Tensor,
+    *,
+    tiling: Tiling | None = None,
+) -> torch.Tensor:
+    """Fused ``ops.reference.hc_head``: two launches.
+
+    streams: [T, N, D]; fn: [N, N*D]; base: [N]; scale: [1]; norm_weight: [D].
+    Returns [T, D] in the streams' dtype.
+    """
+    streams = _check_streams(streams)
+    params = _block_params(streams, fn, base, scale, norm_weight, 1, True)
+    return _launch(streams, params, 1, hc_eps, norm_eps, True, None, tiling)[1]
+
+
+def hc_post(
+    streams: torch.Tensor,
+    block_out: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    *,
+    tiling: Tiling | None = None,
+) -> torch.Tensor:
+    """Fused ``ops.reference.hc_post``: one launch.
+
+    streams: [T, N, D]; block_out: [T, D] (the streams' dtype); post: [T, N]; comb: [T, N, N]
+    (comb[j, k] weighs input stream j into output stream k). Returns [T, N, D].
+    """
+    streams = _check_streams(streams)
+    block_out, post, comb = _post_inputs(streams, block_out, post, comb)
+    num_tokens, n, hidden = streams.shape
+    out = _empty((num_tokens, n, hidden), streams.dtype, streams.device)
+    if num_tokens == 0:
+        return out
+    tiling = tiling or default_tiling(num_tokens, n, hidden, streams.device)
+    block_d = min(tiling.post_block_d, triton.next_power_of_2(hidden))
+    grid = (triton.cdiv(num_tokens, tiling.post_block_t), triton.cdiv(hidden, block_d))
+    hc_post_kernel[grid](
+        streams, block_out, post, comb, out, num_tokens, hidden,
+        streams.stride(0), streams.stride(1), block_out.stride(0), post.stride(0), comb.stride(0),
+        N=n, BLOCK_N=triton.next_power_of_2(n), BLOCK_T=tiling.post_block_t, BLOCK_D=block_d,
+        num_warps=tiling.post_warps,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,266 @@
+"""Paged sparse decode attention: ``paged_sparse_attention``, equal to its
+``ops.reference`` namesake (the row gather, ``sparse_attention`` and the optional inverse
+RoPE of the output) in one or two launches.
+
+Shape legend: S queries, H heads, Dh head dim, Wa window rows, Wb compressed rows,
+M = Wa + Wb, R rope dims, P splits of the M rows::
+
+    rows of query s:  0 ......... Wa-1 | Wa ............. Wa+Wb-1
+                      kv_a[slots_a[s]] | kv_b[slots_b[s]][:, :Dh]
+                      |-- split 0 --|-- split 1 --| ... |-- split P-1 --|   (BLOCK_N tiles)
+
+P == 1: one launch writes the output. P > 1: the attention kernel writes per-split partials
+(max, sum, acc) and a combine kernel merges them (kernels in ``sparse_attn_kernels.py``).
+Grids and workspaces depend on the shapes only: no host syncs, CUDA-graph safe,
+deterministic (the combine sums splits in a fixed order).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from rackserve.ops.triton.sparse_attn_kernels import sparse_attn_combine_kernel, sparse_attn_kernel
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """Launch shapes (powers of two; see ``default_tiling``)."""
+
+    block_h: int  # heads per program: the dots' M (>= 16)
+    block_n: int  # rows per tile (>= 16)
+    num_dv: int  # programs sharing a head block, each owning Dh / num_dv output columns
+    num_splits: int  # target P; lowered so that no split is empty
+    num_warps: int
+    num_stages: int
+    combine_block_h: int
+    combine_warps: int
+    split_p: bool = True  # 16-bit rows: PV with p = hi + lo (exact to ~16 bits; 1.5x FLOPs)
+    prefetch: bool = True  # load row tile i+1 into registers while tile i computes
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_tiling(
+    num_queries: int, num_heads: int, head_dim: int, num_rows: int, device: torch.device
+) -> Tiling:
+    """Launch shapes from S, H, Dh, M and the device (host ints only: graph-safe).
+
+    On a GPU: 16 heads per program (a [16, Dh] fp32 accumulator; 32 once the batch alone
+    fills the SMs twice over, halving the L2 re-reads of the rows by the head blocks) and
+    split the rows until the grid covers the SMs (S = 1, H = 64: 4 head blocks x up to 33
+    splits; S >= 64: no split, no combine launch). On CPU (the Triton interpreter): few,
+    large programs.
+    """
+    tiles = max(1, triton.cdiv(num_rows, 32))
+    if device.type != "cuda":
+        return Tiling(16, 32, 1, 1, 4, 1, 16, 4)
+    sms = _num_sms(device)
+    # Measured on the H200 (benchmarks/results/2026-12-01-h200-m2.md; H 64, Dh 512): 32
+    # heads per program from S = 64 (24.5 vs 33.7 us at 160 rows, 93 vs 137 us at 640) and
+    # 64-row tiles from S = 128 (94 vs 107 us at 160 rows, 265 vs 366 us at 640 for S=256)
+    block_h = 32 if num_queries >= 64 else 16
+    block_n = 64 if num_queries >= 128 else 32
+    tiles = max(1, triton.cdiv(num_rows, block_n))
+    programs = num_queries * triton.cdiv(num_heads, block_h)
+    splits = max(1, min(tiles, triton.cdiv(sms, programs)))
+    # ptxas for sm_90 at Dh 512, BLOCK_N 32, prefetch: 8 warps 155 registers (16 heads) /
+    # 209 (32 heads), no spills; 4 warps spill
+    return Tiling(block_h, block_n, 1, splits, 8, 1, 16, 4)
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every output and workspace comes from here (tests fill them with NaN)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _check(
+    q: torch.Tensor,
+    kv_a: torch.Tensor,
+    slots_a: torch.Tensor,
+    kv_b: torch.Tensor,
+    slots_b: torch.Tensor,
+    valid: torch.Tensor,
+    sinks: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+) -> None:
+    """Raise ValueError naming the first argument that does not fit the op's contract."""
+    if q.dim() != 3 or q.dtype not in _DTYPES:
+        raise ValueError(f"q must be [S, H, Dh] in {_DTYPES}, got {tuple(q.shape)} {q.dtype}")
+    s, h, dh = q.shape
+    for name, kv in (("kv_a", kv_a), ("kv_b", kv_b)):
+        if kv.dim() != 2 or kv.shape[1] < dh or kv.dtype != q.dtype:
+            raise ValueError(
+                f"{name} must be [N, >= {dh}] {q.dtype} (rows by slot), "
+                f"got {tuple(kv.shape)} {kv.dtype}"
+            )
+        if kv.stride(1) != 1 and kv.shape[1] > 1:
+            raise ValueError(f"{name} must have unit column stride, got strides {kv.stride()}")
+    for name, slots in (("slots_a", slots_a), ("slots_b", slots_b)):
+        if slots.dim() != 2 or slots.shape[0] != s or slots.dtype not in _INDEX_DTYPES:
+            raise ValueError(
+                f"{name} must be [{s}, W] int32/int64, got {tuple(slots.shape)} {slots.dtype}"
+            )
+    rows = slots_a.shape[1] + slots_b.shape[1]
+    if tuple(valid.shape) != (s, rows) or valid.dtype != torch.bool:
+        raise ValueError(
+            f"valid must be [{s}, {rows}] bool, got {tuple(valid.shape)} {valid.dtype}"
+        )
+    if tuple(sinks.shape) != (h,):
+        raise ValueError(f"sinks must be [{h}], got {tuple(sinks.shape)}")
+    if (cos is None) != (sin is None):
+        raise ValueError("cos and sin must be given together")
+    if cos is not None:
+        half = cos.shape[-1] if cos.dim() == 2 else -1
+        if cos.dim() != 2 or cos.shape[0] != s or tuple(sin.shape) != tuple(cos.shape):
+            raise ValueError(
+                f"cos, sin must both be [{s}, R/2], got {tuple(cos.shape)}, {tuple(sin.shape)}"
+            )
+        if 2 * half > dh or dh % 2:
+            raise ValueError(f"rope dims {2 * half} do not fit head_dim {dh} (even, >= R)")
+    tensors = (kv_a, slots_a, kv_b, slots_b, valid, sinks) + ((cos, sin) if cos is not None else ())
+    for t in tensors:
+        if t.device != q.device:
+            raise ValueError(f"every input must be on {q.device}, got one on {t.device}")
+
+
+def paged_sparse_attention(
+    q: torch.Tensor,
+    kv_a: torch.Tensor,
+    slots_a: torch.Tensor,
+    kv_b: torch.Tensor,
+    slots_b: torch.Tensor,
+    valid: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    *,
+    tiling: Tiling | None = None,
+) -> torch.Tensor:
+    """Fused ``ops.reference.paged_sparse_attention``: one launch, two with splits.
+
+    q: [S, H, Dh] (fp32/bf16/fp16); kv_a: [Na, >= Dh], kv_b: [Nb, >= Dh] cache views in q's
+    dtype with unit column stride (any row stride; only the first Dh columns are read);
+    slots_a: [S, Wa], slots_b: [S, Wb] int32/int64 (Wb may be 0); valid: [S, Wa + Wb] bool
+    (invalid rows are never read: their slots may hold anything); sinks: [H]; cos, sin:
+    [S, R/2] or None (the inverse RoPE of the output's last R channels). Returns [S, H, Dh]
+    in q's dtype.
+    """
+    _check(q, kv_a, slots_a, kv_b, slots_b, valid, sinks, cos, sin)
+    num_queries, num_heads, head_dim = q.shape
+    width_a, width_b = slots_a.shape[1], slots_b.shape[1]
+    num_rows = width_a + width_b
+    device = q.device
+    out = _empty((num_queries, num_heads, head_dim), q.dtype, device)
+    if num_queries == 0 or num_heads == 0:
+        return out
+    tiling = tiling or default_tiling(num_queries, num_heads, head_dim, num_rows, device)
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    slots_a, slots_b = slots_a.contiguous(), slots_b.contiguous()
+    valid = valid.contiguous().view(torch.uint8)
+    sinks = sinks.to(torch.float32).contiguous()
+    rope = cos is not None
+    if rope:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    rope_start = head_dim - (cos.shape[1] * 2 if rope else 0)
+
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    num_dv = max(1, min(tiling.num_dv, block_d // 16))
+    block_dv = block_d // num_dv
+    tiles = max(1, triton.cdiv(num_rows, tiling.block_n))
+    rows_per_split = triton.cdiv(tiles, max(1, min(tiling.num_splits, tiles))) * tiling.block_n
+    num_splits = max(1, triton.cdiv(num_rows, rows_per_split))
+    single = num_splits == 1
+    if single:
+        part_acc = part_m = part_l = out  # unused
+    else:
+        part_acc = _empty((num_splits, num_queries, num_heads, head_dim), torch.float32, device)
+        part_m = _empty((num_splits, num_queries, num_heads), torch.float32, device)
+        part_l = _empty((num_splits, num_queries, num_heads), torch.float32, device)
+    stride_ps = num_queries * num_heads * head_dim
+    head_blocks = triton.cdiv(num_heads, tiling.block_h)
+    rope_args = (cos, sin) if rope else (out, out)
+    rope_strides = (cos.stride(0), sin.stride(0)) if rope else (0, 0)
+    sparse_attn_kernel[(head_blocks * num_dv, num_queries, num_splits)](
+        q,
+        kv_a,
+        slots_a,
+        kv_b,
+        slots_b,
+        valid,
+        sinks,
+        *rope_args,
+        out,
+        part_acc,
+        part_m,
+        part_l,
+        num_heads,
+        head_dim,
+        width_a,
+        width_b,
+        rows_per_split,
+        rope_start,
+        scale * math.log2(math.e),
+        q.stride(0),
+        q.stride(1),
+        kv_a.stride(0),
+        kv_b.stride(0),
+        slots_a.stride(0),
+        slots_b.stride(0),
+        valid.stride(0),
+        *rope_strides,
+        out.stride(0),
+        out.stride(1),
+        stride_ps,
+        BLOCK_H=tiling.block_h,
+        BLOCK_N=tiling.block_n,
+        BLOCK_D=block_d,
+        BLOCK_DV=block_dv,
+        NUM_DV=num_dv,
+        SINGLE=single,
+        ROPE=rope,
+        NUM_STAGES=tiling.num_stages,
+        PREFETCH=tiling.prefetch,
+        SPLIT_P=tiling.split_p and q.dtype != torch.float32,
+        FP32_DOTS=q.dtype == torch.float32 or device.type != "cuda",
+        num_warps=tiling.num_warps,
+        num_stages=tiling.num_stages,
+    )
+    if single:
+        return out
+    combine_blocks = triton.cdiv(num_heads, tiling.combine_block_h)
+    sparse_attn_combine_kernel[(combine_blocks * num_dv, num_queries)](
+        part_acc,
+        part_m,
+        part_l,
+        sinks,
+        *rope_args,
+        out,
+        num_splits,
+        num_heads,
+        head_dim,
+        rope_start,
+        stride_ps,
+        *rope_strides,
+        out.stride(0),
+        out.stride(1),
+        BLOCK_H=tiling.combine_block_h,
+        BLOCK_DV=block_dv,
+        NUM_DV=num_dv,
+        ROPE=rope,
+        num_warps=tiling.combine_warps,
+    )
+    return out

@@ -1,0 +1,1 @@
+"""torch.distributed process groups (DP attention, EP experts) and launch helpers."""

@@ -1,0 +1,150 @@
+"""CUDA graphs of uniform decode steps (every request adds one token and samples).
+
+One FULL graph per (padded batch size, context bucket), captured largest first into one
+shared memory pool. A graph reads its inputs from static device buffers (token ids,
+positions, block-table rows) and derives everything else inside the graph (slot mappings,
+gathered block tables, closing windows); padded rows point at the null row of the device
+block tables, so they write only into the null block and count no expert load. The
+context bucket fixes the only shapes that depend on context (how many compressed entries
+each query gathers), so one graph serves every step whose longest request fits it.
+
+Prefill and mixed steps run eager on the same code: their launches are amortised over
+many tokens.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from rackserve.kv.spec import CacheGroupSpec
+from rackserve.model.batch import KVCacheTensors, StepMetadata
+from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
+from rackserve.runner.inputs import StepInputs
+from rackserve.runner.step_buffers import StepBuffers
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+CONTEXT_BUCKETS = (4096, 16384, 65536, 262144, 1 << 20)
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Padded batch sizes to capture: the listed sizes up to the first >= max_num_seqs."""
+    sizes = [b for b in BATCH_SIZES if b < max_num_seqs]
+    return [*sizes, next((b for b in BATCH_SIZES if b >= max_num_seqs), BATCH_SIZES[-1])]
+
+
+def context_buckets(max_model_len: int) -> list[int]:
+    """Context buckets: the listed ones below max_model_len, then max_model_len itself."""
+    return [b for b in CONTEXT_BUCKETS if b < max_model_len] + [max_model_len]
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: DeepseekV4ForCausalLM,
+        caches: KVCacheTensors,
+        buffers: StepBuffers,
+        groups: Sequence[CacheGroupSpec],
+        batch_sizes: Sequence[int],
+        buckets: Sequence[int],
+    ) -> None:
+        self.model, self.caches, self.buffers = model, caches, buffers
+        self.groups = list(groups)
+        self.batch_sizes, self.buckets = sorted(batch_sizes), sorted(buckets)
+        device, n = buffers.device, max(batch_sizes)
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.rows = torch.full((n,), buffers.null_row, dtype=torch.int64, device=device)
+        self.token_req = torch.arange(n, device=device)
+        cfg = model.cfg
+        self.expert_counts = torch.zeros(
+            cfg.num_hidden_layers, cfg.n_routed_experts, dtype=torch.int64, device=device
+        )
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+
+    def _forward(self, b: int, bucket: int) -> torch.Tensor:
+        """The captured region: metadata from the static buffers, forward, logits [b, V]."""
+        rows = self.rows[:b]
+        meta = StepMetadata.build(
+            self.groups,
+            self.positions[:b],
+            self.token_req[:b],
+            {name: table[rows] for name, table in self.buffers.tables.items()},
+            bucket,
+            {r: self.token_req[:b] for r in self.buffers.ratios},
+            token_mask=rows != self.buffers.null_row,
+        )
+        self.expert_counts.zero_()
+        hidden, _ = self.model(self.input_ids[:b], meta, self.caches, self.expert_counts)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self, log: bool = True) -> None:
+        """Capture every (size, bucket), largest first, so smaller graphs reuse the pool."""
+        keys = [(b, c) for c in reversed(self.buckets) for b in reversed(self.batch_sizes)]
+        for i, (b, bucket) in enumerate(keys):
+            # warm up on a side stream (kernel selection, autotuning) before capturing
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._forward(b, bucket)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = self._forward(b, bucket)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[(b, bucket)] = (graph, logits)
+            if log:
+                print(f"\rcapturing CUDA graphs {i + 1}/{len(keys)}", end="", flush=True)
+        if log and keys:
+            print(flush=True)
+
+    def key_for(self, inputs: StepInputs) -> tuple[int, int] | None:
+        """The graph that serves this step, or None (not uniform decode, or too large)."""
+        if not inputs.is_uniform_decode:
+            return None
+        i = bisect.bisect_left(self.batch_sizes, len(inputs.rows))
+        j = bisect.bisect_left(self.buckets, inputs.max_seq_len)
+        if i == len(self.batch_sizes) or j == len(self.buckets):
+            return None
+        return self.batch_sizes[i], self.buckets[j]
+
+    def run(
+        self,
+        key: tuple[int, int],
+        inputs: StepInputs,
+        table_writes: tuple[np.ndarray, np.ndarray],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay (or, for a key that was not captured, run the same padded step eagerly:
+        the CPU tests do); returns (logits [R, V] float32, expert_counts [L, E]), valid
+        until the next run."""
+        b = key[0]
+        num_reqs = len(inputs.rows)
+        pad = b - num_reqs
+        rows = np.asarray(inputs.rows, dtype=np.int64)
+        if pad:
+            zeros = np.zeros(pad, dtype=np.int64)
+            ids = np.concatenate([inputs.input_ids, zeros])
+            positions = np.concatenate([inputs.positions, zeros])
+            rows = np.concatenate([rows, np.full(pad, self.buffers.null_row, dtype=np.int64)])
+        else:
+            ids, positions = inputs.input_ids, inputs.positions
+        write_index, write_values = table_writes
+        ids_d, pos_d, rows_d, w_index, w_values = self.buffers.upload(
+            [ids, positions, rows, write_index, write_values]
+        )
+        self.buffers.apply_writes(w_index, w_values)
+        self.input_ids[:b].copy_(ids_d)
+        self.positions[:b].copy_(pos_d)
+        self.rows[:b].copy_(rows_d)
+        if key in self.graphs:
+            graph, logits = self.graphs[key]
+            graph.replay()
+        else:
+            logits = self._forward(*key)
+        return logits[:num_reqs], self.expert_counts

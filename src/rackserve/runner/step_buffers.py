@@ -1,0 +1,110 @@
+"""The runner's device-side step state: block tables that live on the device, updated by
+deltas, and the one host-to-device copy that carries a step's inputs.
+
+On a GPU, every array a step needs (token ids, positions, the request of each token, the
+rows of the requests, logits indices, closing tokens, block-table writes) is packed into
+one pinned int64 staging buffer and copied with a single non-blocking copy; the device
+views are slices of that copy. Two staging buffers alternate so that packing step N+1 never
+overwrites memory whose copy for step N may still be in flight. On the CPU the arrays are
+used in place; everything else is the same path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from rackserve.kv.spec import CacheGroupSpec
+from rackserve.model.batch import StepMetadata
+from rackserve.runner.inputs import BlockTables, StepInputs
+
+
+class StepBuffers:
+    def __init__(
+        self,
+        groups: Sequence[CacheGroupSpec],
+        host_tables: BlockTables,
+        device: torch.device | str,
+    ) -> None:
+        self.groups = list(groups)
+        self.device = torch.device(device)
+        self.on_host = self.device.type == "cpu"
+        # The tables the model reads: every group's [rows + 1, cols] table in one flat buffer
+        # (BlockTables.flat_offsets), kept equal to the host tables by replaying their
+        # writes; the extra row stays all null blocks for the padded rows of a graph.
+        max_num_reqs = host_tables.max_num_reqs
+        self.null_row = max_num_reqs
+        offsets = host_tables.flat_offsets
+        self.flat = torch.zeros(int(offsets[-1]), dtype=torch.int64, device=device)
+        self.tables = {
+            name: self.flat[offsets[g] : offsets[g + 1]].view(max_num_reqs + 1, -1)
+            for g, name in enumerate(host_tables.names)
+        }
+        self._staging: list[torch.Tensor] = []
+        self._next = 0
+        self.ratios = sorted({g.ratio for g in self.groups if g.ratio > 1})
+
+    # ---- the one copy -------------------------------------------------------------------------
+    def upload(self, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
+        """int64 host arrays -> device tensors (views of one copy on a GPU)."""
+        if self.on_host:
+            return [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)) for a in arrays]
+        sizes = [len(a) for a in arrays]
+        total = sum(sizes)
+        staging = self._staging_buffer(total)
+        host = staging.numpy()
+        start = 0
+        for a, n in zip(arrays, sizes, strict=True):
+            host[start : start + n] = a
+            start += n
+        dev = staging[:total].to(self.device, non_blocking=True)
+        return list(dev.split(sizes))
+
+    def _staging_buffer(self, numel: int) -> torch.Tensor:
+        i, self._next = self._next, self._next ^ 1
+        if len(self._staging) <= i:
+            self._staging.append(torch.empty(0, dtype=torch.int64))
+        if self._staging[i].numel() < numel:
+            # the host allocator keeps a replaced buffer alive until its copy has run
+            size = max(2 * numel, 1 << 16)
+            self._staging[i] = torch.empty(size, dtype=torch.int64, pin_memory=True)
+        return self._staging[i]
+
+    def apply_writes(self, index: torch.Tensor, values: torch.Tensor) -> None:
+        """Replay block-table writes (flat indices into :attr:`flat`) on the device copy."""
+        if index.numel():
+            self.flat[index] = values
+
+    # ---- eager steps --------------------------------------------------------------------------
+    def eager_step(
+        self, inputs: StepInputs, table_writes: tuple[np.ndarray, np.ndarray]
+    ) -> tuple[torch.Tensor, StepMetadata, torch.Tensor]:
+        """Upload one step; returns (input_ids [T], metadata, logits_indices [S])."""
+        positions = inputs.positions
+        closing = [np.flatnonzero((positions + 1) % r == 0) for r in self.ratios]
+        write_index, write_values = table_writes
+        arrays = [
+            inputs.input_ids,
+            positions,
+            inputs.token_req,
+            np.asarray(inputs.rows, dtype=np.int64),
+            inputs.logits_indices,
+            write_index,
+            write_values,
+            *closing,
+        ]
+        input_ids, pos, token_req, rows, logits_indices, w_index, w_values, *closing_dev = (
+            self.upload(arrays)
+        )
+        self.apply_writes(w_index, w_values)
+        meta = StepMetadata.build(
+            self.groups,
+            pos,
+            token_req,
+            {name: table[rows] for name, table in self.tables.items()},
+            inputs.max_seq_len,
+            dict(zip(self.ratios, closing_dev, strict=True)),
+        )
+        return input_ids, meta, logits_indices

@@ -1,0 +1,233 @@
+"""The paged indexer logits + top-k kernel (``ops/triton/indexer.py``) against its reference.
+
+CPU runs use the Triton interpreter at small shapes (Hi in {4, 16}, Di in {32, 64}, E up to
+300). Keys live in a column slice of a wider cache, reached through shuffled page-like slot
+lists; num_visible covers 0, below k, page boundaries and all E. Ties are frequent on
+purpose (zero key rows and relu give exact 0.0 scores; negative weights give -0.0): the
+selection must equal the reference's earliest-entry rule. Top-k rule (GPU_FASTPATH.md
+section 5): identical ids except entries within 1e-6 (relative) of the k-th score.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from rackserve.ops import reference
+
+# the interpreter converts the kernel's loaded loop bounds with a numpy call numpy deprecates
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array:DeprecationWarning")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BLOCK = 16  # entries per page of the fake cache
+
+
+@pytest.fixture(scope="module")
+def indexer():
+    module = importlib.import_module("rackserve.ops.triton.indexer")
+    interpreted = type(module.indexer_logits_kernel).__name__ == "InterpretedFunction"
+    if DEVICE == "cpu" and not interpreted:  # imported before TRITON_INTERPRET was set
+        module = importlib.reload(module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(indexer, monkeypatch):
+    """Unwritten logits read NaN; unwritten packed keys read the largest int64 (picked first)."""
+
+    def empty(shape, dtype, device):
+        fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).max
+        return torch.full(shape, fill, dtype=dtype, device=device)
+
+    monkeypatch.setattr(indexer, "_empty", empty)
+
+
+def make_case(
+    s: int, e: int, hi: int, di: int, seed: int, dtype: torch.dtype, zero_frac: float = 0.1
+) -> dict:
+    """Random q / cache / slots; pages of BLOCK entries scattered over a larger cache."""
+    g = torch.Generator().manual_seed(seed)
+    num_pages = 2 * triton_cdiv(e, BLOCK) + 3
+    width = di + 24  # the key slice is columns [8, 8 + di) of wider rows
+    cache = torch.randn(num_pages * BLOCK, width, generator=g)
+    zero_rows = torch.rand(num_pages * BLOCK, generator=g) < zero_frac
+    cache[zero_rows] = 0.0  # exact 0.0 scores: ties resolved by entry order
+    pages = torch.stack([torch.randperm(num_pages, generator=g) for _ in range(s)])
+    entry = torch.arange(e)
+    slots = pages[:, entry // BLOCK] * BLOCK + entry % BLOCK  # [S, E]
+    num_visible = torch.randint(0, e + 1, (s,), generator=g)
+    num_visible[0] = e
+    if s > 2:
+        num_visible[1] = 0
+        num_visible[2] = min(e, BLOCK)
+    weights = torch.randn(s, hi, generator=g)  # both signs: -0.0 sums occur
+    return {
+        "q": torch.randn(s, hi, di, generator=g).to(DEVICE, dtype),
+        "key_cache": cache.to(DEVICE, dtype)[:, 8 : 8 + di],
+        "slots": slots.to(DEVICE),
+        "weights": weights.to(DEVICE),
+        "scale": di**-0.5,
+        "num_visible": num_visible.to(DEVICE),
+    }
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def reference_scores(case: dict) -> torch.Tensor:
+    """The reference's fp32 scores [S, E] (-inf where not visible)."""
+    keys = case["key_cache"][case["slots"]].float()
+    scores = torch.einsum("shd,sed->she", case["q"].float(), keys).relu() * case["scale"]
+    scores = (scores * case["weights"].unsqueeze(-1)).sum(dim=1)
+    entry = torch.arange(keys.shape[1], device=keys.device)
+    return scores.masked_fill(entry[None, :] >= case["num_visible"][:, None], float("-inf"))
+
+
+def assert_same_topk(got: torch.Tensor, ref: torch.Tensor, scores: torch.Tensor) -> None:
+    """Equal ids, except where both picks score within 1e-6 (relative) of the k-th score."""
+    assert got.shape == ref.shape and got.dtype == torch.int64
+    if got.shape[1] == 0:
+        return
+    kth = scores.gather(1, ref[:, -1:])  # [S, 1]
+    near = (scores - kth).abs() <= 1e-6 * kth.abs() + 1e-30
+    near |= scores == kth  # -inf ties
+    for row in range(got.shape[0]):
+        g, r = got[row], ref[row]
+        if torch.equal(g, r):
+            continue
+        differ = g != r
+        assert near[row, g[differ]].all() and near[row, r[differ]].all(), (
+            f"query {row}: ids {g[differ].tolist()} vs reference {r[differ].tolist()}"
+        )
+
+
+CASES = [  # (S, E, Hi, Di, k)
+    (1, 16, 4, 32, 8),
+    (1, 300, 16, 64, 64),
+    (3, 64, 16, 32, 64),
+    (5, 200, 4, 64, 17),
+    (7, 130, 16, 32, 1),
+    (2, 33, 8, 64, 0),
+    (9, 96, 16, 64, 40),
+    (4, 257, 16, 32, 128),
+    (6, 48, 4, 32, 48),
+    (2, 1, 16, 32, 1),
+    (12, 80, 16, 64, 20),
+]
+
+
+@pytest.mark.parametrize("s,e,hi,di,k", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_indexer_topk_matches_reference(indexer, s, e, hi, di, k, dtype):
+    case = make_case(s, e, hi, di, seed=s * 1000 + e + di, dtype=dtype)
+    got = indexer.paged_indexer_topk(**case, k=k)
+    ref = reference.paged_indexer_topk(**case, k=k)
+    assert_same_topk(got, ref, reference_scores(case))
+
+
+@pytest.mark.parametrize("s,e,hi,di", [(3, 150, 16, 64), (1, 40, 4, 32), (6, 77, 8, 32)])
+def test_logits_match_reference_scores(indexer, s, e, hi, di):
+    case = make_case(s, e, hi, di, seed=e, dtype=torch.float32)
+    got = indexer.indexer_logits(**case)
+    ref = reference_scores(case)
+    assert not got.isnan().any(), "unwritten (NaN) logits"
+    assert torch.equal(got.isinf(), ref.isinf())
+    finite = ref.isfinite()
+    floor = ref[finite].pow(2).mean().sqrt()
+    rel = (got[finite] - ref[finite]).abs() / torch.maximum(ref[finite].abs(), floor)
+    assert rel.max().item() <= 1e-4, rel.max().item()
+
+
+def test_packed_keys_equal_topk_earliest_packing(indexer):
+    """The kernel's keys order entries exactly as ``topk_earliest`` orders the logits."""
+    case = make_case(4, 120, 16, 32, seed=11, dtype=torch.float32, zero_frac=0.3)
+    logits = indexer.indexer_logits(**case)
+    packed = indexer.indexer_logits(**case, packed=True)
+    assert torch.equal(packed.topk(120).indices, reference.topk_earliest(logits, 120))
+
+
+@pytest.mark.parametrize("block_e,tiles", [(16, 1), (32, 3), (64, 16)])
+def test_tilings_agree(indexer, block_e, tiles):
+    """GPU-like small programs and long ones give the same bits (deterministic per entry)."""
+    case = make_case(5, 210, 16, 64, seed=block_e, dtype=torch.bfloat16)
+    tiling = indexer.IndexerTiling(block_e, tiles, 4, 2, triton_select_max_entries=0)
+    got = indexer.indexer_logits(**case, tiling=tiling)
+    base = indexer.indexer_logits(**case)
+    assert torch.equal(got, base)
+    ids = indexer.paged_indexer_topk(**case, k=50, tiling=tiling)
+    assert_same_topk(ids, reference.paged_indexer_topk(**case, k=50), reference_scores(case))
+
+
+@pytest.mark.parametrize(
+    "s,e,k,visible",
+    [(3, 100, 37, None), (2, 64, 64, None), (4, 1, 1, None), (2, 130, 1, None), (3, 90, 32, 7)],
+)
+def test_triton_select_matches_reference(indexer, s, e, k, visible):
+    """The bitonic top-k kernel (the GPU default for E <= 2048): non-power-of-2 k and E,
+    k = E, k = 1, fewer visible entries than k; half the keys zero (ties)."""
+    case = make_case(s, e, 16, 32, seed=e + k, dtype=torch.bfloat16, zero_frac=0.5)
+    if visible is not None:
+        case["num_visible"] = torch.full((s,), visible, device=DEVICE)
+    tiling = indexer.IndexerTiling(64, 8, 4, 1, triton_select_max_entries=e)
+    got = indexer.paged_indexer_topk(**case, k=k, tiling=tiling)
+    assert torch.equal(got, reference.paged_indexer_topk(**case, k=k))
+
+
+def test_all_ties_pick_earliest(indexer):
+    """All-zero keys: every visible score is 0.0; the top-k is the first k entries, then
+    the invisible ones in order (the reference's rule when fewer than k are visible)."""
+    case = make_case(3, 64, 16, 32, seed=2, dtype=torch.bfloat16, zero_frac=1.0)
+    case["num_visible"] = torch.tensor([64, 5, 0], device=DEVICE)
+    got = indexer.paged_indexer_topk(**case, k=10)
+    expected = torch.arange(10, device=DEVICE).expand(3, -1)
+    assert torch.equal(got, expected)
+    assert torch.equal(got, reference.paged_indexer_topk(**case, k=10))
+
+
+def test_int32_slots_and_strided_q(indexer):
+    case = make_case(4, 90, 16, 32, seed=4, dtype=torch.float32)
+    ref = reference.paged_indexer_topk(**case, k=30)
+    wide_q = torch.zeros(4, 16, 48, device=DEVICE)
+    wide_q[..., :32] = case["q"]
+    got = indexer.paged_indexer_topk(
+        **(case | {"q": wide_q[..., :32], "slots": case["slots"].int()}), k=30
+    )
+    assert_same_topk(got, ref, reference_scores(case))
+
+
+def test_empty_batch(indexer):
+    case = make_case(1, 32, 4, 32, seed=0, dtype=torch.float32)
+    empty = {name: (v[:0] if isinstance(v, torch.Tensor) and name != "key_cache" else v)
+             for name, v in case.items()}  # fmt: skip
+    assert indexer.paged_indexer_topk(**empty, k=4).shape == (0, 4)
+
+
+def test_bad_input_raises_clear_errors(indexer):
+    case = make_case(2, 32, 4, 32, seed=0, dtype=torch.float32)
+    with pytest.raises(ValueError, match="k=40"):
+        indexer.paged_indexer_topk(**case, k=40)
+    with pytest.raises(ValueError, match="q must be"):
+        indexer.paged_indexer_topk(**(case | {"q": case["q"][0]}), k=4)
+    with pytest.raises(ValueError, match="key_cache must be"):
+        indexer.paged_indexer_topk(**(case | {"key_cache": case["key_cache"][:, :16]}), k=4)
+    with pytest.raises(ValueError, match="weights must be"):
+        indexer.paged_indexer_topk(**(case | {"weights": case["weights"][:, :2]}), k=4)
+    with pytest.raises(ValueError, match="slots must be"):
+        indexer.paged_indexer_topk(**(case | {"slots": case["slots"].float()}), k=4)
+    with pytest.raises(ValueError, match="no common dot type"):
+        indexer.paged_indexer_topk(
+            **(case | {"q": case["q"].half(), "key_cache": case["key_cache"].bfloat16()}), k=4
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("s,e", [(1, 1024), (64, 4096), (256, 1024)])
+def test_v4_flash_sizes_on_gpu(indexer, s, e):
+    case = make_case(s, e, 64, 128, seed=s + e, dtype=torch.bfloat16)
+    got = indexer.paged_indexer_topk(**case, k=512)
+    ref = reference.paged_indexer_topk(**case, k=512)
+    assert_same_topk(got, ref, reference_scores(case))

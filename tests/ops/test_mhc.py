@@ -1,0 +1,313 @@
+"""The fused mHC kernels (``ops/triton/mhc.py``) against their references.
+
+CPU runs use the Triton interpreter at small shapes (N=4, D in {64, 256, 320},
+T in {1, 3, 37, 130}); every output and workspace starts as NaN, so an element a kernel
+fails to write fails the comparison. Tolerances (GPU_FASTPATH.md section 5): fp32 inputs
+within 1e-4 relative; bf16 inputs |kernel - ref_fp32| <= 2 |ref_bf16 - ref_fp32| + 1e-3
+for at least 99.9% of the elements.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+
+import pytest
+import torch
+
+from rackserve.ops import reference
+
+N = 4
+ITERS = 20
+HC_EPS = 1e-6
+NORM_EPS = 1e-6
+SHAPES = list(itertools.product((1, 3, 37, 130), (64, 256, 320)))  # (T, D)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module")
+def mhc():
+    kernels = importlib.import_module("rackserve.ops.triton.mhc_kernels")
+    module = importlib.import_module("rackserve.ops.triton.mhc")
+    interpreted = type(kernels.hc_post_kernel).__name__ == "InterpretedFunction"
+    if DEVICE == "cpu" and not interpreted:  # imported before TRITON_INTERPRET was set
+        importlib.reload(kernels)
+        module = importlib.reload(module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def nan_outputs(mhc, monkeypatch):
+    def empty(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(mhc, "_empty", empty)
+
+
+def make_streams(t: int, d: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """Residual streams of unequal scale with a few outlier channels, as trained ones have."""
+    g = torch.Generator().manual_seed(seed)
+    streams = torch.randn(t, N, d, generator=g) * torch.exp(torch.randn(1, N, 1, generator=g))
+    streams[:, :, torch.randint(0, d, (3,), generator=g)] *= 8.0
+    return streams.to(DEVICE, dtype)
+
+
+def make_block_params(d: int, seed: int, mixes: int) -> tuple[torch.Tensor, ...]:
+    """fn, base, scale, norm_weight with the mixes O(1) (sigmoid/softmax not saturated)."""
+    g = torch.Generator().manual_seed(seed + 1000)
+    cols = N * d
+    fn = torch.randn(mixes, cols, generator=g) * (1.5 / cols**0.5)
+    base = torch.randn(mixes, generator=g) * 0.5
+    scale = 0.5 + torch.rand(3 if mixes > N else 1, generator=g)
+    norm_weight = 1.0 + 0.2 * torch.randn(d, generator=g)
+    return tuple(p.to(DEVICE) for p in (fn, base, scale, norm_weight))
+
+
+def assert_fp32_close(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """Relative error <= 1e-4, relative to max(|ref|, rms(ref)) so zeros don't divide."""
+    assert not got.isnan().any(), "unwritten (NaN) elements"
+    floor = ref.float().pow(2).mean().sqrt().clamp_min(1e-30)
+    rel = (got.float() - ref.float()).abs() / torch.maximum(ref.float().abs(), floor)
+    assert rel.max().item() <= 1e-4, rel.max().item()
+
+
+def assert_bf16_close(got: torch.Tensor, ref_bf16: torch.Tensor, ref_fp32: torch.Tensor) -> None:
+    assert not got.isnan().any(), "unwritten (NaN) elements"
+    err = (got.float() - ref_fp32).abs()
+    allowed = 2 * (ref_bf16.float() - ref_fp32).abs() + 1e-3
+    violations = (err > allowed).float().mean().item()
+    assert violations <= 1e-3, f"{violations:.4%} of elements out of tolerance"
+
+
+def hc_pre_args(t: int, d: int, seed: int, dtype: torch.dtype) -> tuple:
+    fn, base, scale, norm_weight = make_block_params(d, seed, (2 + N) * N)
+    streams = make_streams(t, d, seed, dtype)
+    return streams, fn, base, scale, norm_weight, ITERS, HC_EPS, NORM_EPS
+
+
+@pytest.mark.parametrize("t,d", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_pre_matches_reference(mhc, t, d, dtype):
+    args = hc_pre_args(t, d, seed=t * 1000 + d, dtype=dtype)
+    got = mhc.hc_pre(*args)
+    ref = reference.hc_pre(*args)
+    assert got[0].dtype == dtype and got[0].shape == (t, d)
+    assert got[1].shape == (t, N) and got[2].shape == (t, N, N)
+    assert got[1].dtype == got[2].dtype == torch.float32
+    if dtype == torch.float32:
+        for g, r in zip(got, ref, strict=True):
+            assert_fp32_close(g, r)
+        return
+    ref32 = reference.hc_pre(args[0].float(), *args[1:])
+    for g, rb, rf in zip(got, ref, ref32, strict=True):
+        assert_bf16_close(g, rb, rf)
+
+
+@pytest.mark.parametrize("t,d", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_head_matches_reference(mhc, t, d, dtype):
+    fn, base, scale, norm_weight = make_block_params(d, seed=t + d, mixes=N)
+    streams = make_streams(t, d, seed=t + d, dtype=dtype)
+    args = (fn, base, scale, HC_EPS, NORM_EPS, norm_weight)
+    got = mhc.hc_head(streams, *args)
+    ref = reference.hc_head(streams, *args)
+    assert got.dtype == dtype and got.shape == (t, d)
+    if dtype == torch.float32:
+        assert_fp32_close(got, ref)
+    else:
+        assert_bf16_close(got, ref, reference.hc_head(streams.float(), *args))
+
+
+@pytest.mark.parametrize("t,d", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_post_matches_reference(mhc, t, d, dtype):
+    args = hc_pre_args(t, d, seed=t * 7 + d, dtype=dtype)
+    streams = args[0]
+    _, post, comb = reference.hc_pre(*args)
+    g = torch.Generator().manual_seed(t + d)
+    block_out = torch.randn(t, d, generator=g).to(DEVICE, dtype)
+    got = mhc.hc_post(streams, block_out, post, comb)
+    ref = reference.hc_post(streams, block_out, post, comb)
+    assert got.dtype == dtype and got.shape == (t, N, d)
+    if dtype == torch.float32:
+        assert_fp32_close(got, ref)
+    else:
+        ref32 = reference.hc_post(streams.float(), block_out.float(), post, comb)
+        assert_bf16_close(got, ref, ref32)
+
+
+@pytest.mark.parametrize("t,d", [(1, 64), (3, 320), (37, 256), (130, 64), (130, 320)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_post_pre_matches_reference(mhc, t, d, dtype):
+    """The expand fused into the next pre: new streams, then x, post, comb on them."""
+    args = hc_pre_args(t, d, seed=t * 3 + d, dtype=dtype)
+    streams = args[0]
+    _, post, comb = reference.hc_pre(*args)
+    nxt = make_block_params(d, seed=t * 5 + d, mixes=(2 + N) * N)
+    g = torch.Generator().manual_seed(t + 2 * d)
+    block_out = torch.randn(t, d, generator=g).to(DEVICE, dtype)
+    call = (streams, block_out, post, comb, *nxt, ITERS, HC_EPS, NORM_EPS)
+    got = mhc.hc_post_pre(*call)
+    ref = reference.hc_post_pre(*call)
+    assert [g.shape for g in got] == [r.shape for r in ref]
+    assert [g.dtype for g in got] == [r.dtype for r in ref]
+    if dtype == torch.float32:
+        for g, r in zip(got, ref, strict=True):
+            assert_fp32_close(g, r)
+        return
+    # bf16: the new streams are rounded once (the reference rounds comb, each product and
+    # the sum), so the pre half is checked on the kernel's own streams: two bf16 pipelines
+    # that differ by one rounding of their input cannot be held to 2x each other's error.
+    assert_bf16_close(got[0], ref[0], reference.hc_post(streams.float(), *call[1:4]))
+    pre_bf16 = reference.hc_pre(got[0], *call[4:])
+    pre_fp32 = reference.hc_pre(got[0].float(), *call[4:])
+    for g, rb, rf in zip(got[1:], pre_bf16, pre_fp32, strict=True):
+        assert_bf16_close(g, rb, rf)
+
+
+def gpu_like_tiling(mhc, finish_block_t: int) -> object:
+    """Few tokens per finish/post program (1 on the GPU), many K1 splits (more than one
+    BLOCK_S step of K2's reduction at D=320), D looped in chunks by K2."""
+    return mhc.Tiling(
+        gemm_block_t=16,
+        gemm_block_d=8,
+        gemm_programs=64,
+        gemm_warps=4,
+        gemm_precision="ieee",
+        finish_block_t=finish_block_t,
+        finish_block_d=64,
+        finish_warps=4,
+        post_block_t=finish_block_t,
+        post_block_d=128,
+        post_warps=4,
+    )
+
+
+@pytest.mark.parametrize("t,d,finish_block_t", [(3, 320, 1), (19, 64, 4)])
+def test_gpu_like_tiling_matches_reference(mhc, t, d, finish_block_t):
+    tiling = gpu_like_tiling(mhc, finish_block_t)
+    args = hc_pre_args(t, d, seed=5, dtype=torch.float32)
+    x, post, comb = mhc.hc_pre(*args, tiling=tiling)
+    for g, r in zip((x, post, comb), reference.hc_pre(*args), strict=True):
+        assert_fp32_close(g, r)
+    streams, fn, base, scale, norm_weight = args[:5]
+    head_fn = fn[:N]
+    head = mhc.hc_head(
+        streams, head_fn, base[:N], scale[:1], HC_EPS, NORM_EPS, norm_weight, tiling=tiling
+    )
+    ref = reference.hc_head(streams, head_fn, base[:N], scale[:1], HC_EPS, NORM_EPS, norm_weight)
+    assert_fp32_close(head, ref)
+    block_out = torch.randn(t, d, device=DEVICE)
+    got = mhc.hc_post(streams, block_out, post, comb, tiling=tiling)
+    assert_fp32_close(got, reference.hc_post(streams, block_out, post, comb))
+    call = (streams, block_out, post, comb, fn, base, scale, norm_weight, ITERS, HC_EPS, NORM_EPS)
+    got = mhc.hc_post_pre(*call, tiling=tiling)
+    for g, r in zip(got, reference.hc_post_pre(*call), strict=True):
+        assert_fp32_close(g, r)
+
+
+def test_strided_streams_and_determinism(mhc):
+    """A non-contiguous view gives the contiguous result, and repeated calls are bitwise equal."""
+    args = hc_pre_args(37, 256, seed=3, dtype=torch.bfloat16)
+    wide = torch.zeros(37, N, 300, dtype=torch.bfloat16, device=DEVICE)
+    wide[:, :, :256] = args[0]
+    first = mhc.hc_pre(wide[:, :, :256], *args[1:])
+    second = mhc.hc_pre(*args)
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_empty_batch(mhc):
+    args = hc_pre_args(0, 64, seed=0, dtype=torch.float32)
+    x, post, comb = mhc.hc_pre(*args)
+    assert x.shape == (0, 64) and post.shape == (0, N) and comb.shape == (0, N, N)
+    assert mhc.hc_post(args[0], x, post, comb).shape == (0, N, 64)
+
+
+def test_bad_input_raises_clear_errors(mhc):
+    streams, fn, base, scale, norm_weight = hc_pre_args(3, 64, seed=0, dtype=torch.float32)[:5]
+    with pytest.raises(ValueError, match="fn must have shape"):
+        mhc.hc_pre(streams, fn[:, :-1], base, scale, norm_weight, ITERS, HC_EPS, NORM_EPS)
+    with pytest.raises(ValueError, match="streams must be"):
+        mhc.hc_pre(streams[0], fn, base, scale, norm_weight, ITERS, HC_EPS, NORM_EPS)
+    with pytest.raises(ValueError, match="sinkhorn_iters"):
+        mhc.hc_pre(streams, fn, base, scale, norm_weight, 0, HC_EPS, NORM_EPS)
+    with pytest.raises(ValueError, match="dtype"):
+        mhc.hc_pre(streams.double(), fn, base, scale, norm_weight, ITERS, HC_EPS, NORM_EPS)
+    with pytest.raises(ValueError, match="block_out"):
+        post, comb = torch.ones(3, N), torch.ones(3, N, N)
+        mhc.hc_post(streams, streams[:, 0].bfloat16(), post, comb)
+    with pytest.raises(ValueError, match="comb must have shape"):
+        mhc.hc_post(streams, streams[:, 0], post, comb[:, :, :2])
+    with pytest.raises(ValueError, match="scale must have shape"):
+        mhc.hc_head(streams, fn[:N], base[:N], scale, HC_EPS, NORM_EPS, norm_weight)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("t", [1, 64, 256, 8192])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
+def test_v4_flash_sizes_on_gpu(mhc, t, dtype, precision):
+    """V4-Flash shapes (N=4, D=4096) with the GPU tiling; the same tolerances."""
+    import dataclasses
+
+    d = 4096
+    tiling = mhc.default_tiling(t, N, d, torch.device(DEVICE))
+    tiling = dataclasses.replace(tiling, gemm_precision=precision)
+    args = hc_pre_args(t, d, seed=t, dtype=dtype)
+    streams, fn, base, scale, norm_weight = args[:5]
+    head_args = (fn[:N], base[:N], scale[:1], HC_EPS, NORM_EPS, norm_weight)
+    block_out = torch.randn(t, d, device=DEVICE).to(dtype)
+    got = mhc.hc_pre(*args, tiling=tiling)
+    got_post = mhc.hc_post(streams, block_out, got[1], got[2], tiling=tiling)
+    got_head = mhc.hc_head(streams, *head_args, tiling=tiling)
+    post_pre_args = (streams, block_out, got[1], got[2], *args[1:])
+    got_post_pre = mhc.hc_post_pre(*post_pre_args, tiling=tiling)
+    ref = reference.hc_pre(*args)
+    ref_post = reference.hc_post(streams, block_out, got[1], got[2])
+    ref_head = reference.hc_head(streams, *head_args)
+    if dtype == torch.float32:
+        for g, r in zip((*got, got_post, got_head), (*ref, ref_post, ref_head), strict=True):
+            assert_fp32_close(g, r)
+        for g, r in zip(got_post_pre, reference.hc_post_pre(*post_pre_args), strict=True):
+            assert_fp32_close(g, r)
+        return
+    ref32 = reference.hc_pre(streams.float(), *args[1:])
+    for g, rb, rf in zip(got, ref, ref32, strict=True):
+        assert_bf16_close(g, rb, rf)
+    post32 = reference.hc_post(streams.float(), block_out.float(), got[1], got[2])
+    assert_bf16_close(got_post, ref_post, post32)
+    assert_bf16_close(got_head, ref_head, reference.hc_head(streams.float(), *head_args))
+    assert_bf16_close(got_post_pre[0], ref_post, post32)
+    pre_bf16 = reference.hc_pre(got_post_pre[0], *args[1:])
+    pre_fp32 = reference.hc_pre(got_post_pre[0].float(), *args[1:])
+    for g, rb, rf in zip(got_post_pre[1:], pre_bf16, pre_fp32, strict=True):
+        assert_bf16_close(g, rb, rf)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graph_replay_is_bitwise_equal_to_eager(mhc):
+    """Captured once, replayed on new inputs copied into the static buffers."""
+    t, d = 64, 4096
+    args = hc_pre_args(t, d, seed=1, dtype=torch.bfloat16)
+    streams, params = args[0].clone(), args[1:]
+    block_out = torch.randn(t, d, device=DEVICE).bfloat16()
+
+    def step():
+        x, post, comb = mhc.hc_pre(streams, *params)
+        new, x, post, comb = mhc.hc_post_pre(streams, block_out + x, post, comb, *params)
+        return mhc.hc_post(new, x, post, comb)
+
+    step()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    streams.copy_(make_streams(t, d, seed=2, dtype=torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, step())

@@ -1,0 +1,49 @@
+"""Parallel layout and groups: validation, EP group membership over real processes."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rackserve.parallel.groups import ParallelGroups, ParallelLayout, default_backend, free_port
+from rackserve.parallel.launch import run_ranks
+
+
+def test_layout():
+    layout = ParallelLayout(world_size=8, expert_parallel_size=4)
+    assert layout.num_ep_groups == 2
+    assert layout.ep_ranks(5) == [4, 5, 6, 7]
+    with pytest.raises(ValueError, match="must divide"):
+        ParallelLayout(world_size=6, expert_parallel_size=4)
+    with pytest.raises(ValueError, match=">= 1"):
+        ParallelLayout(world_size=0, expert_parallel_size=1)
+
+
+def test_single_and_backend():
+    single = ParallelGroups.single()
+    assert single.ep_group is None and single.ep_size == 1
+    assert default_backend("cpu") == "gloo"
+    assert default_backend("cuda") == "nccl"
+    assert 0 < free_port() < 65536
+
+
+def _sum_worker(groups) -> tuple[int, int, int]:
+    value = torch.tensor([groups.rank + 1])
+    dist.all_reduce(value, group=groups.ep_group)
+    world = torch.tensor([groups.rank + 1])
+    dist.all_reduce(world, group=groups.dp_group)
+    return groups.ep_rank, int(value), int(world)
+
+
+def test_two_ep_groups_of_one_rank():
+    # World 2, EP size 1: each rank is its own EP group; the DP group spans both.
+    assert run_ranks(_sum_worker, 2, expert_parallel_size=1) == [(0, 1, 3), (0, 2, 3)]
+
+
+def test_failing_rank_reports_its_traceback():
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        run_ranks(_fail_worker, 2)
+
+
+def _fail_worker(groups) -> None:
+    if groups.rank == 1:
+        raise ZeroDivisionError("rank 1 fails on purpose")

@@ -1,0 +1,102 @@
+"""The decode-graph step on the CPU: the padded, graph-shaped step (null rows, every token
+a closing candidate, a context bucket) computes what the eager step computes, and the
+device block tables follow the host tables by deltas."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from rackserve.bench.forward import BatchSpec, synthetic_step
+from rackserve.model.batch import KVCacheTensors
+from rackserve.model.create import create_checkpoint
+from rackserve.model.loader import load_model
+from rackserve.model.presets import tiny_config
+from rackserve.runner.cuda_graph import DecodeGraphs, context_buckets, graph_batch_sizes
+from rackserve.runner.inputs import BlockTables
+from rackserve.runner.step_buffers import StepBuffers
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_model(create_checkpoint(tiny_config(), tmp_path_factory.mktemp("tiny"), seed=0))
+
+
+def _random_caches(synthetic, seed: int) -> KVCacheTensors:
+    caches = synthetic.caches
+    gen = torch.Generator().manual_seed(seed)
+    for per_layer in caches.tensors.values():
+        for t in per_layer.values():
+            t.copy_(torch.randn(t.shape, generator=gen))
+    return caches
+
+
+def test_capture_sizes_and_buckets():
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    assert graph_batch_sizes(100)[-2:] == [96, 128]
+    assert context_buckets(8192) == [4096, 8192]
+    assert context_buckets(4096) == [4096]
+
+
+# context 37: no window closes; 35: CSA windows close; 63 and 143: CSA and HCA windows close
+@pytest.mark.parametrize("num_reqs,context", [(5, 37), (5, 35), (3, 63), (8, 143)])
+@torch.inference_mode()
+def test_padded_graph_step_equals_eager(model, num_reqs, context):
+    """R requests padded to the next graph size and a context bucket: same logits, same
+    cache rows, no expert load from the padding."""
+    spec = BatchSpec("decode", num_reqs, 1, context)
+    eager, padded = (synthetic_step(model, spec, seed=1) for _ in range(2))
+    for s in (eager, padded):
+        _random_caches(s, seed=7)
+    inputs = eager.step.inputs
+    closes = [r for r in (4, 16) if (context + 1) % r == 0]
+    assert closes == {37: [], 35: [4], 63: [4, 16], 143: [4, 16]}[context]
+
+    buffers = StepBuffers(eager.groups, eager.input_batch.block_tables, "cpu")
+    input_ids, meta, logits_indices = buffers.eager_step(inputs, eager.step.table_writes)
+    counts = torch.zeros(model.cfg.num_hidden_layers, model.cfg.n_routed_experts, dtype=torch.int64)
+    hidden, _ = model(input_ids, meta, eager.caches, counts)
+    expected = model.compute_logits(hidden[logits_indices])
+
+    size = graph_batch_sizes(num_reqs)[-1]
+    buffers = StepBuffers(padded.groups, padded.input_batch.block_tables, "cpu")
+    graphs = DecodeGraphs(model, padded.caches, buffers, padded.groups, [size], [context + 40])
+    key = graphs.key_for(inputs)
+    assert key == (size, context + 40)
+    logits, graph_counts = graphs.run(key, inputs, padded.step.table_writes)
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(graph_counts, counts)  # padded tokens route but are not counted
+    for name, per_layer in eager.caches.tensors.items():
+        for layer, t in per_layer.items():  # block 0 (null) takes the padding's writes
+            torch.testing.assert_close(padded.caches.tensors[name][layer][1:], t[1:])
+
+
+def test_device_tables_follow_host_tables_by_deltas():
+    rng = random.Random(0)
+    host = BlockTables({"a": 4, "b": 16}, max_num_reqs=6, max_len=200)
+    dev = StepBuffers([], host, "cpu")
+    live: list[str] = []
+    for step in range(200):
+        if live and rng.random() < 0.2:
+            host.remove(live.pop(rng.randrange(len(live))))
+        elif len(live) < 6 and rng.random() < 0.3:
+            rid = f"r{step}"
+            n = rng.randrange(1, 10)
+            host.add(rid, ([rng.randrange(1, 99) for _ in range(n)], [rng.randrange(1, 99)]))
+            live.append(rid)
+        for rid in live:
+            row = host.row_of[rid]
+            if rng.random() < 0.5 and host.lengths["a"][row] < 50:
+                host.append(rid, ([rng.randrange(1, 99)], []))
+        index, values = host.drain_writes()
+        dev.apply_writes(*dev.upload([index, values]))
+        for rid in live:
+            row = host.row_of[rid]
+            for name in ("a", "b"):
+                n = host.lengths[name][row]
+                assert np.array_equal(dev.tables[name][row, :n], host.tables[name][row, :n])
+        assert not dev.tables["a"][dev.null_row].any()  # the null row stays null
