@@ -106,9 +106,7 @@ class ExpertParallel:
         # parameters' tensors (a dtype cast), and the moves write into the final ones.
         if self.rearranger is None:
             weights = [[m.experts.w13.data, m.experts.w2.data] for m in self.moe_layers]
-            self.rearranger = ExpertRearranger(
-                weights, self.dispatcher, self.groups.ep_move_group
-            )
+            self.rearranger = ExpertRearranger(weights, self.dispatcher, self.groups.ep_move_group)
         return self.rearranger
 
     # ---- per step -------------------------------------------------------------------------

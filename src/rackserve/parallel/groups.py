@@ -54,6 +54,7 @@ class ParallelGroups:
     ep_rank: int
     ep_size: int
     ep_move_group: dist.ProcessGroup | None = None  # EP ranks again: background weight moves
+    dp_cpu_group: dist.ProcessGroup | None = None  # gloo over the world: the per-step DP sync
 
     @classmethod
     def single(cls) -> ParallelGroups:
@@ -112,6 +113,8 @@ def build_groups(rank: int, layout: ParallelLayout) -> ParallelGroups:
         group, move_group = dist.new_group(ranks), dist.new_group(ranks)
         if rank in ranks:
             ep_group, ep_move_group = group, move_group
+    # The per-step DP sync is a few host ints: a gloo group keeps it off the GPU stream.
+    dp_cpu_group = dist.new_group(list(range(layout.world_size)), backend="gloo")
     return ParallelGroups(
         rank=rank,
         world_size=layout.world_size,
@@ -120,6 +123,7 @@ def build_groups(rank: int, layout: ParallelLayout) -> ParallelGroups:
         ep_rank=rank % layout.expert_parallel_size,
         ep_size=layout.expert_parallel_size,
         ep_move_group=ep_move_group,
+        dp_cpu_group=dp_cpu_group,
     )
 
 
