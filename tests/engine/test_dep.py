@@ -3,68 +3,22 @@ run the dummy pass, and the loader holds only each rank's experts."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from rackserve.config import (
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-)
+from rackserve.config import ParallelConfig
 from rackserve.engine.core import EngineCore
 from rackserve.engine.dp import run_until_idle
-from rackserve.engine.outputs import EngineCoreRequest
-from rackserve.model.create import create_checkpoint
-from rackserve.model.presets import tiny_config
 from rackserve.parallel.launch import run_ranks
-from rackserve.request import SamplingParams
 
-KV_BYTES = 24 << 20
-MAX_TOKENS = 6
+from dep_utils import MAX_TOKENS, collect, create_model, engine_config, prompts, single_rank
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    # 2 layers (one hash MoE, one learned), 8 experts: the smallest model with both routers.
-    cfg = tiny_config(num_layers=2, num_experts=8, vocab_size=512)
-    return create_checkpoint(cfg, tmp_path_factory.mktemp("dep"), seed=3, with_mtp=False)
-
-
-def engine_config(model_dir: Path, parallel: ParallelConfig) -> EngineConfig:
-    return EngineConfig(
-        model=str(model_dir),
-        model_config=ModelConfig.from_pretrained(model_dir),
-        cache=CacheConfig(kv_cache_memory=KV_BYTES),
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256),
-        device="cpu",
-        parallel=parallel,
-    )
-
-
-def prompts(num: int) -> dict[str, list[int]]:
-    gen = torch.Generator().manual_seed(0)
-    return {
-        f"r{i}": torch.randint(2, 512, (int(5 + 7 * i),), generator=gen).tolist()
-        for i in range(num)
-    }
-
-
-def collect(core: EngineCore, requests: dict[str, list[int]], run) -> dict:
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
-    for req_id, ids in requests.items():
-        core.add_request(EngineCoreRequest(req_id, ids, params, time.time()))
-    tokens: dict[str, list[int]] = {r: [] for r in requests}
-    logprobs: dict[str, list[list[float]]] = {r: [] for r in requests}
-    for step in run():
-        for out in step.outputs:
-            tokens[out.request_id] += out.new_token_ids
-            logprobs[out.request_id] += [lp.logprobs for lp in out.new_logprobs or []]
-    return {"tokens": tokens, "logprobs": logprobs}
+    return create_model(tmp_path_factory.mktemp("dep"))
 
 
 def dep_worker(groups, model_dir: str, assignment: list[dict[str, list[int]]], kw: dict) -> dict:
@@ -77,16 +31,6 @@ def dep_worker(groups, model_dir: str, assignment: list[dict[str, list[int]]], k
     result["local_slots"] = experts.w13.shape[0]
     result["steps"] = core.ep.num_steps
     return result
-
-
-def single_rank(model_dir: Path, requests: dict[str, list[int]]) -> dict:
-    core = EngineCore(engine_config(model_dir, ParallelConfig()), log_stats=False)
-
-    def run():
-        while core.has_unfinished_requests():
-            yield core.step()
-
-    return collect(core, requests, run)
 
 
 def check_equal(reference: dict, results: list[dict]) -> None:
