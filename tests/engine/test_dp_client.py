@@ -13,9 +13,10 @@ from transformers import AutoTokenizer
 
 from rackserve.config import ParallelConfig
 from rackserve.engine.dp import DPLoadTracker, LeastLoad, RoundRobin, make_policy
-from rackserve.engine.dp_client import DPAsyncEngineClient
+from rackserve.engine.dp_client import DPAsyncEngineClient, merge_stats
 from rackserve.engine.dp_process import run_headless
 from rackserve.engine.output_processor import RequestOutputKind
+from rackserve.engine.outputs import SchedulerStats
 from rackserve.parallel.groups import free_port
 from rackserve.request import SamplingParams
 
@@ -55,6 +56,17 @@ def test_policies_are_pluggable():
 
     with pytest.raises(ValueError, match="rank 7"):
         DPLoadTracker(2, Broken()).assign("x", 1)
+
+
+def test_merge_stats_sums_ranks():
+    a = SchedulerStats(num_running_reqs=2, kv_cache_usage=0.5, prefix_cache_hits=10)
+    b = SchedulerStats(
+        num_running_reqs=1, num_waiting_reqs=3, kv_cache_usage=0.75, expert_balancedness=[0.5]
+    )
+    merged = merge_stats([a, None, b])
+    assert (merged.num_running_reqs, merged.num_waiting_reqs) == (3, 3)
+    assert merged.kv_cache_usage == 0.75 and merged.prefix_cache_hits == 10
+    assert merged.expert_balancedness == [0.5]
 
 
 async def _generate_all(client: DPAsyncEngineClient, requests: dict[str, list[int]]) -> dict:

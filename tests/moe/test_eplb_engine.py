@@ -108,14 +108,18 @@ def decode_worker(groups, model_dir: str, eplb: bool) -> dict:
     add(core, f"r{groups.rank}-", 3, 20 + 9 * groups.rank, seed=groups.rank, max_tokens=10)
     tokens: dict[str, list[int]] = {}
     moved_while_running = 0
+    last = None
     while True:
         step, any_work, _ = dp_step(core, groups)
         if not any_work:
             break
         assert step is not None
+        last = step
         moved_while_running += int(core.ep.rearranging and core.has_unfinished_requests())
         for out in step.outputs:
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert last is not None and last.scheduler_stats is not None
+    exported = last.scheduler_stats.expert_balancedness  # refreshed every window (4 steps)
     default = torch.arange(18) % 16
     changed = int((core.ep.placement.physical_to_logical.cpu() != default).sum())
     return {
@@ -123,6 +127,7 @@ def decode_worker(groups, model_dir: str, eplb: bool) -> dict:
         "rebalances": core.ep.num_rebalances,
         "moving_steps": moved_while_running,
         "changed": changed,
+        "exported": exported,
     }
 
 
@@ -136,3 +141,6 @@ def test_rearrangement_during_decode_changes_no_token(model_dir):
         assert b["rebalances"] >= 2  # every 3 steps while decoding
         assert b["moving_steps"] > 0  # layers landed while requests were running
         assert b["changed"] > 0  # the placement really moved
+        for result in (a, b):  # the metric: one value per MoE layer, in (0, 1]
+            assert len(result["exported"]) == 2
+            assert all(0 < v <= 1 for v in result["exported"])

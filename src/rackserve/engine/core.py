@@ -156,9 +156,11 @@ class EngineCore:
             self.ep.end_step()
         self.last_forward_time_s = result.forward_time_s
         outputs = self.scheduler.update(sched, result)
-        return EngineCoreOutputs(
-            outputs=outputs, scheduler_stats=self.scheduler.stats(), timestamp=time.time()
-        )
+        stats = self.scheduler.stats()
+        if self.ep is not None and self.ep.last_balancedness is not None:
+            real, uniform = self.ep.last_balancedness
+            stats.expert_balancedness, stats.expert_balancedness_uniform = real, uniform
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=time.time())
 
     # ---- KV export / import (P/D transfer, host KV pool) -----------------------------------
     def export_kv(self, request_id: str) -> tuple[tuple[list[int], ...], torch.Tensor]:

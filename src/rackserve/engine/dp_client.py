@@ -23,6 +23,7 @@ import zmq.asyncio
 
 from rackserve.engine.dp import DPLoadTracker, make_policy
 from rackserve.engine.dp_process import dist_port, dp_addresses, spawn_ranks
+from rackserve.engine.outputs import SchedulerStats
 from rackserve.engine.process import MessageType, decode_message, encode_message
 from rackserve.parallel.groups import free_port
 from rackserve.server.async_client import AsyncEngineClient, EngineDeadError
@@ -40,6 +41,8 @@ class DPAsyncEngineClient(AsyncEngineClient):
         self._inputs: list[Any] = []
         self._outputs: list[Any] = []
         self._rank_queue: asyncio.Queue[tuple[int, list[bytes]]] = asyncio.Queue()
+        self._rank_stats: list[SchedulerStats | None] = [None] * self.num_ranks
+        self._speaking_rank = 0  # the rank whose message is being handled
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -156,6 +159,7 @@ class DPAsyncEngineClient(AsyncEngineClient):
         while True:
             frames = await socket.recv_multipart()
             try:
+                self._speaking_rank = rank
                 self._on_message(*decode_message(frames))
             except Exception:
                 import traceback
@@ -169,9 +173,30 @@ class DPAsyncEngineClient(AsyncEngineClient):
                 self.tracker.finish(output.request_id)
             else:
                 self.tracker.on_tokens(output.request_id, len(output.new_token_ids))
+        if outputs.scheduler_stats is not None:
+            # The metrics see the instance: every rank's latest stats, summed.
+            self._rank_stats[self._speaking_rank] = outputs.scheduler_stats
+            outputs.scheduler_stats = merge_stats(self._rank_stats)
         super()._on_outputs(outputs)
 
     def _on_rank_exit(self, process: Any) -> None:
         asyncio.get_running_loop().remove_reader(process.sentinel)
         if not self._shutting_down:
             self._set_dead(f"{process.name} exited unexpectedly (exit code {process.exitcode})")
+
+
+def merge_stats(per_rank: list[SchedulerStats | None]) -> SchedulerStats:
+    """One instance's stats from its ranks': counts and cumulative counters summed, KV usage
+    the fullest rank's, expert balancedness as reported (all-reduced: the same everywhere)."""
+    known = [s for s in per_rank if s is not None]
+    balanced = next((s for s in known if s.expert_balancedness is not None), None)
+    return SchedulerStats(
+        num_running_reqs=sum(s.num_running_reqs for s in known),
+        num_waiting_reqs=sum(s.num_waiting_reqs for s in known),
+        kv_cache_usage=max((s.kv_cache_usage for s in known), default=0.0),
+        prefix_cache_queries=sum(s.prefix_cache_queries for s in known),
+        prefix_cache_hits=sum(s.prefix_cache_hits for s in known),
+        num_preemptions=sum(s.num_preemptions for s in known),
+        expert_balancedness=balanced.expert_balancedness if balanced else None,
+        expert_balancedness_uniform=balanced.expert_balancedness_uniform if balanced else None,
+    )

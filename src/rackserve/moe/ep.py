@@ -72,6 +72,9 @@ class ExpertParallel:
         self.moe_layers: list[nn.Module] = []
         self.num_steps = 0
         self.num_rebalances = 0
+        self.window_size = window_size or config.window_size
+        # (real [L], uniform [L] or None), refreshed once per window and before a rebalance
+        self.last_balancedness: tuple[list[float], list[float] | None] | None = None
 
     # ---- placement ------------------------------------------------------------------------
     @property
@@ -127,7 +130,11 @@ class ExpertParallel:
         if self.rearranger is not None:
             self.rearranger.step()
         self.num_steps += 1
-        if self.eplb is not None and self.num_steps % self.eplb.step_interval == 0:
+        rebalance = self.eplb is not None and self.num_steps % self.eplb.step_interval == 0
+        if rebalance or self.num_steps % self.window_size == 0:
+            # Collective, on every rank at the same step: the metric the front end exports.
+            self.last_balancedness = self.balancedness()
+        if rebalance:
             self.rebalance()
 
     def rebalance(self) -> ExpertPlacement | None:

@@ -81,12 +81,25 @@ class ServerMetrics:
         self.request_generation_tokens = histogram(
             "request_generation_tokens", "Generated tokens of finished requests.", TOKEN_BUCKETS
         )
+        self._expert_balancedness = Gauge(
+            PREFIX + "expert_balancedness",
+            "Expert parallelism: mean / max rank load per MoE layer over the EPLB window; "
+            "routing=uniform is the same batches routed uniformly at random (the ceiling).",
+            ["model_name", "layer", "routing"],
+            registry=registry,
+        )
         self._last = SchedulerStats()
 
     def record_scheduler_stats(self, stats: SchedulerStats) -> None:
         self.num_requests_running.set(stats.num_running_reqs)
         self.num_requests_waiting.set(stats.num_waiting_reqs)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        for routing, values in (
+            ("real", stats.expert_balancedness),
+            ("uniform", stats.expert_balancedness_uniform),
+        ):
+            for layer, value in enumerate(values or ()):
+                self._expert_balancedness.labels(self.model_name, str(layer), routing).set(value)
         last = self._last
         for counter, now, before in (
             (self.prefix_cache_queries, stats.prefix_cache_queries, last.prefix_cache_queries),
