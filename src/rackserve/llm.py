@@ -18,7 +18,14 @@ from typing import Any
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from rackserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from rackserve.config import (
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from rackserve.engine.core import EngineCore
 from rackserve.engine.output_processor import OutputProcessor, RequestOutput
 from rackserve.request import SamplingParams
@@ -40,7 +47,15 @@ class LLM:
         seed: int = 0,
         tokenizer: str | None = None,
         enforce_eager: bool = False,
+        parallel: ParallelConfig | None = None,
     ) -> None:
+        parallel = parallel or ParallelConfig()
+        if parallel.data_parallel_size > 1:
+            # One in-line engine core here; DP ranks are processes with a front end.
+            raise ConfigError(
+                "LLM runs one engine rank; serve DP/EP with `rackserve serve MODEL "
+                "--data-parallel-size N --enable-expert-parallel`"
+            )
         model_config = ModelConfig.from_pretrained(model)
         max_len = max_model_len or min(model_config.max_position_embeddings, 8192)
         self.engine = EngineCore(
@@ -59,6 +74,7 @@ class LLM:
                 device=device,
                 seed=seed,
                 enforce_eager=enforce_eager,
+                parallel=parallel,
             ),
             log_stats=False,
         )
