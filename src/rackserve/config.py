@@ -356,6 +356,7 @@ class EngineConfig:
     served_model_name: str | None = None
     cpu_threads: int = 1  # intra-op threads when running on the CPU (tiny models: 1 is best)
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly (as vLLM names it)
+    tokenizer: str | None = None  # tokenizer directory (None: the model's); structured output
 
     def __post_init__(self) -> None:
         limit = self.model_config.max_position_embeddings

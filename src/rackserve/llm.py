@@ -59,6 +59,7 @@ class LLM:
                 device=device,
                 seed=seed,
                 enforce_eager=enforce_eager,
+                tokenizer=tokenizer,
             ),
             log_stats=False,
         )

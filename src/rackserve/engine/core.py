@@ -29,6 +29,7 @@ from rackserve.model.loader import load_model
 from rackserve.request import Request, RequestStatus
 from rackserve.runner.kv_transfer import export_blocks, import_blocks
 from rackserve.runner.model_runner import ModelRunner
+from rackserve.runner.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,9 @@ class EngineCore:
                 flush=True,
             )
         self.scheduler = Scheduler(sched, kv, cfg.eos_token_id)
+        self.grammar_compiler = GrammarCompiler(
+            config.tokenizer or config.model, cfg.vocab_size, cfg.eos_token_id
+        )
         self.runner = ModelRunner(
             self.model,
             groups,
@@ -107,6 +111,7 @@ class EngineCore:
             config.seed,
             enforce_eager=config.enforce_eager,
             log=log_stats,
+            grammar_compiler=self.grammar_compiler,
         )
         self.last_step: SchedulerOutput | None = None
         self.last_forward_time_s = 0.0
@@ -125,6 +130,9 @@ class EngineCore:
         vocab = self.model.cfg.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        structured = request.sampling_params.structured_outputs
+        if structured is not None:  # ValueError for a bad grammar; compiles while it waits
+            self.grammar_compiler.submit(structured)
         return Request(
             request_id=request.request_id,
             prompt_token_ids=list(request.prompt_token_ids),
@@ -166,6 +174,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.abort_requests(list(self.scheduler.requests))
+        self.grammar_compiler.shutdown()
 
 
 def _round_interval(interval: int | None, groups: list) -> int | None:
