@@ -283,7 +283,7 @@ class StructuredOutputs:
         if self._batch is None:
             import xgrammar as xgr
 
-            # Threads pay off only with cores to spare: measured on 2 shared cores, one
-            # thread was faster (docs/serving.md).
-            self._batch = xgr.BatchGrammarMatcher(max(1, min(8, (os.cpu_count() or 2) // 4)))
+            # xgrammar's own default (half the cores), capped: rows are independent, but
+            # the threads share the host with the step loop and the grammar compiler
+            self._batch = xgr.BatchGrammarMatcher(min(8, max(1, (os.cpu_count() or 2) // 2)))
         return self._batch
