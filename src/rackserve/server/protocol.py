@@ -13,7 +13,9 @@ for many concurrent streams on one core.
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -89,14 +91,6 @@ class StructuredOutputsRequest(OpenAIModel):
     structural_tag: str | None = None
 
 
-# The request fields that each carry one structured-output constraint, in the order their
-# names appear in the "only one of" error.
-STRUCTURED_OUTPUT_FIELDS = (
-    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-    "guided_grammar",
-)  # fmt: skip
-
-
 class SamplingRequest(OpenAIModel):
     """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
 
@@ -136,44 +130,48 @@ class SamplingRequest(OpenAIModel):
     guided_grammar: str | None = None
 
     def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str | None]:
-        """The request's output constraint and the field that gave it; ParamError when two
-        fields give one, or a value cannot be honoured."""
-        found: list[tuple[StructuredOutputsParams, str]] = []
+        """The request's output constraint and the field that gave it; ParamError (naming
+        the field) when two fields give one, or a value cannot be honoured."""
+        sources: list[tuple[str, Callable[[], StructuredOutputsParams]]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text":
+            sources.append(("response_format", lambda: self._response_format_params(fmt)))
+        if self.structured_outputs is not None:
+            sources.append(("structured_outputs", self._structured_outputs_field_params))
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                build = functools.partial(StructuredOutputsParams, **{kind: value})
+                sources.append((f"guided_{kind}", build))
+        if not sources:
+            return None, None
+        if len(sources) > 1:
+            names = ", ".join(name for name, _ in sources)
+            raise ParamError(f"give only one output constraint; got {names}", sources[1][0])
+        name, build = sources[0]
         try:
-            fmt = self.response_format
-            if fmt is not None and fmt.type != "text":
-                found.append((self._response_format_params(fmt), "response_format"))
-            so = self.structured_outputs
-            if so is not None:
-                for name in ("whitespace_pattern", "structural_tag"):
-                    if getattr(so, name) is not None:
-                        raise ParamError(
-                            f"structured_outputs.{name} is not supported", "structured_outputs"
-                        )
-                params = StructuredOutputsParams(
-                    json=so.json_schema,
-                    regex=so.regex,
-                    choice=so.choice,
-                    grammar=so.grammar,
-                    json_object=so.json_object,
-                    disable_any_whitespace=so.disable_any_whitespace,
-                )
-                found.append((params, "structured_outputs"))
-            for name in ("json", "regex", "choice", "grammar"):
-                value = getattr(self, f"guided_{name}")
-                if value is not None:
-                    found.append((StructuredOutputsParams(**{name: value}), f"guided_{name}"))
+            return build(), name
+        except ParamError:
+            raise
         except ValueError as e:
-            if isinstance(e, ParamError):
-                raise
-            names = [n for n in STRUCTURED_OUTPUT_FIELDS if getattr(self, n) is not None]
-            raise ParamError(str(e), names[-1] if names else None) from None
-        if len(found) > 1:
-            raise ParamError(
-                "give only one output constraint; got " + ", ".join(name for _, name in found),
-                found[1][1],
-            )
-        return found[0] if found else (None, None)
+            raise ParamError(str(e), name) from None
+
+    def _structured_outputs_field_params(self) -> StructuredOutputsParams:
+        so = self.structured_outputs
+        assert so is not None
+        for name in ("whitespace_pattern", "structural_tag"):
+            if getattr(so, name) is not None:
+                raise ParamError(
+                    f"structured_outputs.{name} is not supported", "structured_outputs"
+                )
+        return StructuredOutputsParams(
+            json=so.json_schema,
+            regex=so.regex,
+            choice=so.choice,
+            grammar=so.grammar,
+            json_object=so.json_object,
+            disable_any_whitespace=so.disable_any_whitespace,
+        )
 
     @staticmethod
     def _response_format_params(fmt: ResponseFormat) -> StructuredOutputsParams:
