@@ -127,6 +127,14 @@ def test_compiler_caches_by_key(compiler) -> None:
     assert loose is not strict and loose.result() is not None
 
 
+def test_missing_tokenizer_refuses_later_requests(tmp_path) -> None:
+    compiler = GrammarCompiler(str(tmp_path / "nothing"), VOCAB_SIZE, [EOS])
+    with pytest.raises(OSError):  # the first request's compilation fails (runner logs it)
+        compiler.compiled(StructuredOutputsParams(regex="a"))
+    with pytest.raises(ValueError, match="structured output is unavailable: no tokenizer"):
+        compiler.submit(StructuredOutputsParams(regex="b"))  # the next ones get a 400
+
+
 # ---- the runner's matchers ----------------------------------------------------------------
 
 

@@ -131,6 +131,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self._compiler: xgrammar.GrammarCompiler | None = None
+        self._setup_error: str | None = None  # why the vocabulary could not be loaded
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._lock = threading.Lock()  # the cache is touched by the engine thread only,
         # but tests and the offline LLM may submit from others
@@ -139,6 +140,8 @@ class GrammarCompiler:
     def submit(self, params: StructuredOutputsParams) -> Future:
         """Start compiling (or find) ``params``'s grammar; the Future's result is an
         xgrammar CompiledGrammar. ValueError, at once, when the grammar is invalid."""
+        if self._setup_error is not None:
+            raise ValueError(f"structured output is unavailable: {self._setup_error}")
         key = params.key()
         with self._lock:
             future = self._cache.get(key)
@@ -163,10 +166,14 @@ class GrammarCompiler:
         if self._compiler is None:
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
-            info = xgr.TokenizerInfo.from_huggingface(
-                tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids
-            )
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+                info = xgr.TokenizerInfo.from_huggingface(
+                    tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids
+                )
+            except Exception as e:  # later requests are refused with this message
+                self._setup_error = f"no tokenizer at {self.tokenizer_path} ({e})"
+                raise
             # our own cache holds the results; one thread: compilation shares 2-core hosts
             # with the step loop
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
