@@ -484,6 +484,7 @@ class EngineConfig:
     cpu_threads: int = 1  # intra-op threads when running on the CPU (tiny models: 1 is best)
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly (as vLLM names it)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    tokenizer: str | None = None  # tokenizer directory (None: the model's); structured output
 
     def __post_init__(self) -> None:
         self.parallel.num_physical_experts(self.model_config.n_routed_experts)  # validates

@@ -75,6 +75,7 @@ class LLM:
                 seed=seed,
                 enforce_eager=enforce_eager,
                 parallel=parallel,
+                tokenizer=tokenizer,
             ),
             log_stats=False,
         )
@@ -108,12 +109,17 @@ class LLM:
         if len(all_params) != len(prompts):
             raise ValueError("pass one SamplingParams, or one per prompt")
         order = []
-        for prompt, p in zip(prompts, all_params, strict=True):
-            text, ids = self._prompt_ids(prompt)
-            request_id = str(next(self._ids))
-            order.append(request_id)
-            for request in self.processor.add_request(request_id, ids, p, prompt=text):
-                self.engine.add_request(request)
+        try:
+            for prompt, p in zip(prompts, all_params, strict=True):
+                text, ids = self._prompt_ids(prompt)
+                request_id = str(next(self._ids))
+                order.append(request_id)
+                for request in self.processor.add_request(request_id, ids, p, prompt=text):
+                    self.engine.add_request(request)
+        except ValueError:  # a request the engine refuses (e.g. an invalid grammar)
+            for request_id in order:  # takes back this call's requests: none is left waiting
+                self.engine.abort_requests(self.processor.abort_request(request_id))
+            raise
         return self._run(order, use_tqdm)
 
     def chat(

@@ -33,6 +33,7 @@ from rackserve.parallel.groups import ParallelGroups
 from rackserve.request import Request, RequestStatus
 from rackserve.runner.kv_transfer import export_blocks, import_blocks
 from rackserve.runner.model_runner import ModelRunner
+from rackserve.runner.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +127,9 @@ class EngineCore:
                 flush=True,
             )
         self.scheduler = Scheduler(sched, kv, cfg.eos_token_id)
+        self.grammar_compiler = GrammarCompiler(
+            config.tokenizer or config.model, cfg.vocab_size, cfg.eos_token_id
+        )
         self.runner = ModelRunner(
             self.model,
             groups,
@@ -137,6 +141,7 @@ class EngineCore:
             # EP dispatch reads split sizes on the host: no CUDA graphs.
             enforce_eager=config.enforce_eager or self.ep is not None,
             log=log_stats,
+            grammar_compiler=self.grammar_compiler,
         )
         self.last_step: SchedulerOutput | None = None
         self.last_forward_time_s = 0.0
@@ -155,6 +160,9 @@ class EngineCore:
         vocab = self.model.cfg.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        structured = request.sampling_params.structured_outputs
+        if structured is not None:  # ValueError for a bad grammar; compiles while it waits
+            self.grammar_compiler.submit(structured)
         return Request(
             request_id=request.request_id,
             prompt_token_ids=list(request.prompt_token_ids),
@@ -202,6 +210,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.abort_requests(list(self.scheduler.requests))
+        self.grammar_compiler.shutdown()
 
 
 def _expert_parallel(

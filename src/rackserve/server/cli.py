@@ -327,6 +327,7 @@ def build_engine_config(options: dict[str, Any]) -> Any:
         device=options["device"],
         seed=options["seed"],
         enforce_eager=options["enforce_eager"],
+        tokenizer=options["tokenizer"],
         served_model_name=names[0] if names else None,
         parallel=ParallelConfig(
             data_parallel_size=options["data_parallel_size"],
