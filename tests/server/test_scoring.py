@@ -88,11 +88,6 @@ def test_score_matches_generation_logprob(server: Server) -> None:
     assert math.isclose(scored["token_logprobs"][-1], lp_generated, abs_tol=1e-3)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="prompt logprobs after a prefix-cache hit are incomplete until the engine "
-    "branch's runner fix lands (remove this mark then)",
-)
 def test_repeated_scoring_is_identical(server: Server) -> None:
     """A repeat hits the prefix cache; its prompt logprobs must still be complete and equal."""
     ids = tokens_of(server, " ".join(f"tide{i}" for i in range(40)))
