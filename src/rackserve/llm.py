@@ -18,7 +18,14 @@ from typing import Any
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from rackserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from rackserve.config import (
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from rackserve.engine.core import EngineCore
 from rackserve.engine.output_processor import OutputProcessor, RequestOutput
 from rackserve.request import SamplingParams
@@ -40,7 +47,15 @@ class LLM:
         seed: int = 0,
         tokenizer: str | None = None,
         enforce_eager: bool = False,
+        parallel: ParallelConfig | None = None,
     ) -> None:
+        parallel = parallel or ParallelConfig()
+        if parallel.data_parallel_size > 1:
+            # One in-line engine core here; DP ranks are processes with a front end.
+            raise ConfigError(
+                "LLM runs one engine rank; serve DP/EP with `rackserve serve MODEL "
+                "--data-parallel-size N --enable-expert-parallel`"
+            )
         model_config = ModelConfig.from_pretrained(model)
         max_len = max_model_len or min(model_config.max_position_embeddings, 8192)
         self.engine = EngineCore(
@@ -59,6 +74,8 @@ class LLM:
                 device=device,
                 seed=seed,
                 enforce_eager=enforce_eager,
+                parallel=parallel,
+                tokenizer=tokenizer,
             ),
             log_stats=False,
         )
@@ -92,12 +109,17 @@ class LLM:
         if len(all_params) != len(prompts):
             raise ValueError("pass one SamplingParams, or one per prompt")
         order = []
-        for prompt, p in zip(prompts, all_params, strict=True):
-            text, ids = self._prompt_ids(prompt)
-            request_id = str(next(self._ids))
-            order.append(request_id)
-            for request in self.processor.add_request(request_id, ids, p, prompt=text):
-                self.engine.add_request(request)
+        try:
+            for prompt, p in zip(prompts, all_params, strict=True):
+                text, ids = self._prompt_ids(prompt)
+                request_id = str(next(self._ids))
+                order.append(request_id)
+                for request in self.processor.add_request(request_id, ids, p, prompt=text):
+                    self.engine.add_request(request)
+        except ValueError:  # a request the engine refuses (e.g. an invalid grammar)
+            for request_id in order:  # takes back this call's requests: none is left waiting
+                self.engine.abort_requests(self.processor.abort_request(request_id))
+            raise
         return self._run(order, use_tqdm)
 
     def chat(

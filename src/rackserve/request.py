@@ -4,9 +4,11 @@ asks for (`SamplingParams`)."""
 from __future__ import annotations
 
 import enum
+import json
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 # Temperatures below this are treated as greedy: dividing logits by a near-zero temperature
 # overflows to inf and gives the same argmax anyway (vLLM uses the same threshold).
@@ -29,8 +31,68 @@ MAX_ABS_LOGIT_BIAS = 100.0
 
 
 # --------------------------------------------------------------------------------------
-# SamplingParams
+# StructuredOutputsParams, SamplingParams
 # --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A grammar the output must match, shaped like vLLM's: exactly one of ``json`` (a JSON
+    schema, as a dict or its text), ``regex``, ``choice`` (one of these strings),
+    ``grammar`` (EBNF with ``root ::= ...``, or Lark) and ``json_object`` (any JSON object).
+
+    ``disable_any_whitespace``: JSON without free whitespace (else runs of at most a few
+    whitespace characters are allowed between JSON tokens). The runner compiles the grammar
+    (runner/structured_output.py); :meth:`key` is its cache key.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            # Text is the cache key. Keys keep their order: it is the order of the output's
+            # properties.
+            object.__setattr__(self, "json", json.dumps(self.json))
+        if self.choice is not None:
+            object.__setattr__(self, "choice", list(self.choice))
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar and "
+                f"json_object; got {', '.join(kinds) or 'none'}"
+            )
+        if self.choice is not None and (
+            not self.choice or any(not isinstance(c, str) or not c for c in self.choice)
+        ):
+            raise ValueError(
+                f"structured_outputs choice must be a non-empty list of non-empty strings, "
+                f"got {self.choice!r}"
+            )
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value.strip()):
+                raise ValueError(f"structured_outputs {name} must be a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: json, regex, choice, grammar or json_object."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+    def key(self) -> tuple[str, str, bool]:
+        """(kind, text, disable_any_whitespace): what the compiled grammar depends on."""
+        kind = self.kind
+        value = getattr(self, kind)
+        text = json.dumps(value) if kind == "choice" else "" if kind == "json_object" else value
+        return kind, text, self.disable_any_whitespace
 
 
 @dataclass(frozen=True)
@@ -64,6 +126,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # token id -> value added to its logit before sampling (OpenAI's logit_bias)
     logit_bias: dict[int, float] | None = None
+    # a grammar the output must match (structured output: JSON schema, regex, choice, ...)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Normalise the accepted aliases once, so the rest of the engine sees one spelling.

@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+from rackserve import ops
 from rackserve.model.moe import Router
 from rackserve.model.presets import tiny_config
 from rackserve.moe.eplb import rebalance_experts
@@ -88,7 +89,8 @@ def test_zipf_popularity_and_sampling():
 def test_apply_skewed_routing_on_routers():
     cfg = tiny_config(num_experts=32)
     torch.manual_seed(0)
-    routers = nn.ModuleList([Router(cfg, hashed=True), Router(cfg, hashed=False)])
+    k = ops.kernels("reference")
+    routers = nn.ModuleList([Router(cfg, True, k), Router(cfg, False, k)])
     for router in routers:
         nn.init.normal_(router.weight, std=0.1)
     x = torch.randn(512, cfg.hidden_size)

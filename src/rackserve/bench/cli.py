@@ -19,6 +19,7 @@ from typing import Any
 from rackserve.bench.balance import register_balance
 from rackserve.bench.engine_bench import register_scheduler, register_throughput
 from rackserve.bench.forward_cli import register_decode, register_forward
+from rackserve.bench.replay import register_replay
 from rackserve.bench.workloads import AgenticConfig
 
 BenchRegistrar = Callable[[Any], None]  # argument: the `bench` sub-parsers action
@@ -267,6 +268,7 @@ BENCH_REGISTRARS: tuple[BenchRegistrar, ...] = (
     register_forward,
     register_decode,
     register_balance,
+    register_replay,
 )
 
 

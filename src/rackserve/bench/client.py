@@ -165,7 +165,10 @@ class StreamingClient:
         self.session = session
         self.counter: TokenCounter = counter or WordCounter()
 
-    async def generate(self, request: GenerationRequest) -> RequestTimeline:
+    async def generate(
+        self, request: GenerationRequest, headers: Mapping[str, str] | None = None
+    ) -> RequestTimeline:
+        """``headers``: extra HTTP headers of this request (e.g. a DP rank hint)."""
         payload = build_payload(self.endpoint, request)
         send_time = time.perf_counter()
         chunk_times: list[float] = []
@@ -173,7 +176,9 @@ class StreamingClient:
         usage: Mapping[str, Any] | None = None
         error: str | None = None
         try:
-            async with self.session.post(self.endpoint.url, json=payload) as response:
+            async with self.session.post(
+                self.endpoint.url, json=payload, headers=headers
+            ) as response:
                 if response.status != 200:
                     body = (await response.text())[:300]
                     error = f"HTTP {response.status}: {body}"

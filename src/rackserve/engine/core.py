@@ -27,9 +27,13 @@ from rackserve.kv.spec import (
     prefix_alignment,
 )
 from rackserve.model.loader import load_model
+from rackserve.moe.ep import ExpertParallel
+from rackserve.moe.skew import apply_skewed_routing
+from rackserve.parallel.groups import ParallelGroups
 from rackserve.request import INT64_MAX, INT64_MIN, Request, RequestStatus
 from rackserve.runner.kv_transfer import export_blocks, import_blocks
 from rackserve.runner.model_runner import ModelRunner
+from rackserve.runner.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -83,13 +87,23 @@ def plan_kv_cache(
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, log_stats: bool = True) -> None:
+    """One engine core; with DEP, one DP rank (``groups``: this rank's process groups, from
+    ``parallel.init_distributed``). Every rank of a DEP instance must call ``step()``
+    together (``engine/dp.py`` syncs them); a rank with no work runs the dummy pass."""
+
+    def __init__(
+        self, config: EngineConfig, log_stats: bool = True, groups: ParallelGroups | None = None
+    ) -> None:
         self.config = config
         device, dtype = resolve(config.device, config.dtype)
         torch.manual_seed(config.seed)
         if device.type == "cpu":
             torch.set_num_threads(config.cpu_threads)
-        self.model = load_model(config.model, dtype=dtype, device=device)
+        self.groups = groups or ParallelGroups.single()
+        self.ep = _expert_parallel(config, self.groups, device)
+        self.model = load_model(config.model, dtype=dtype, device=device, expert_parallel=self.ep)
+        if config.parallel.skewed_routing > 0:
+            apply_skewed_routing(self.model, config.parallel.skewed_routing, seed=config.seed)
         cfg = self.model.cfg
         self.eos_token_ids = cfg.eos_token_id
         self.max_model_len = config.scheduler.max_model_len
@@ -113,6 +127,9 @@ class EngineCore:
                 flush=True,
             )
         self.scheduler = Scheduler(sched, kv, cfg.eos_token_id)
+        self.grammar_compiler = GrammarCompiler(
+            config.tokenizer or config.model, cfg.vocab_size, cfg.eos_token_id
+        )
         self.runner = ModelRunner(
             self.model,
             groups,
@@ -121,8 +138,10 @@ class EngineCore:
             sched.max_model_len,
             cfg.eos_token_id,
             config.seed,
-            enforce_eager=config.enforce_eager,
+            # EP dispatch reads split sizes on the host: no CUDA graphs.
+            enforce_eager=config.enforce_eager or self.ep is not None,
             log=log_stats,
+            grammar_compiler=self.grammar_compiler,
         )
         self.last_step: SchedulerOutput | None = None
         self.last_forward_time_s = 0.0
@@ -146,6 +165,9 @@ class EngineCore:
         request.sampling_params.check_vocab(vocab)
         if not INT64_MIN <= request.priority <= INT64_MAX:
             raise ValueError(f"priority must fit in a signed 64-bit integer: {request.priority}")
+        structured = request.sampling_params.structured_outputs
+        if structured is not None:  # ValueError for a bad grammar; compiles while it waits
+            self.grammar_compiler.submit(structured)
         return Request(
             request_id=request.request_id,
             prompt_token_ids=list(request.prompt_token_ids),
@@ -167,11 +189,17 @@ class EngineCore:
         sched = self.scheduler.schedule()
         self.last_step = sched
         result = self.runner.execute(sched)  # an empty step still drops finished state
+        if self.ep is not None:
+            if not result.req_ids:
+                self.ep.dummy_pass()  # no forward ran: the other ranks' dispatch needs ours
+            self.ep.end_step()
         self.last_forward_time_s = result.forward_time_s
         outputs = self.scheduler.update(sched, result)
-        return EngineCoreOutputs(
-            outputs=outputs, scheduler_stats=self.scheduler.stats(), timestamp=time.time()
-        )
+        stats = self.scheduler.stats()
+        if self.ep is not None and self.ep.last_balancedness is not None:
+            real, uniform = self.ep.last_balancedness
+            stats.expert_balancedness, stats.expert_balancedness_uniform = real, uniform
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=time.time())
 
     # ---- KV export / import (P/D transfer, host KV pool) -----------------------------------
     def export_kv(self, request_id: str) -> tuple[tuple[list[int], ...], torch.Tensor]:
@@ -187,6 +215,31 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.abort_requests(list(self.scheduler.requests))
+        self.grammar_compiler.shutdown()
+
+
+def _expert_parallel(
+    config: EngineConfig, groups: ParallelGroups, device: torch.device
+) -> ExpertParallel | None:
+    """This rank's share of the routed experts under ``--enable-expert-parallel``."""
+    par = config.parallel
+    if not par.expert_parallel:
+        return None
+    if groups.ep_size != par.expert_parallel_size:
+        raise ValueError(
+            f"expert parallelism over {par.expert_parallel_size} ranks needs process groups of "
+            f"that size (got {groups.ep_size}): launch the ranks with engine/dp.py"
+        )
+    cfg = config.model_config
+    return ExpertParallel(
+        cfg.num_hidden_layers,
+        cfg.n_routed_experts,
+        par.num_physical_experts(cfg.n_routed_experts),
+        groups,
+        device,
+        eplb=par.eplb if par.enable_eplb else None,
+        window_size=par.eplb.window_size,
+    )
 
 
 def _round_interval(interval: int | None, groups: list) -> int | None:

@@ -124,6 +124,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     prefix_cache_queries: int = 0  # tokens looked up (cumulative)
     prefix_cache_hits: int = 0  # tokens found (cumulative)
     num_preemptions: int = 0  # cumulative
+    # Expert parallelism: per MoE layer, mean / max rank load over the EPLB window, and the
+    # same batches routed uniformly at random (the ceiling); absent without EP.
+    expert_balancedness: list[float] | None = None
+    expert_balancedness_uniform: list[float] | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -22,6 +22,7 @@ from rackserve.model.attention import Attention
 from rackserve.model.batch import KVCacheTensors, StepMetadata
 from rackserve.model.layers import FP32_PARAM_SUFFIXES, HyperHead, RMSNorm, Rotary, hc_params
 from rackserve.model.moe import MoE
+from rackserve.moe.ep import ExpertParallel
 
 
 class DecoderLayer(nn.Module):
@@ -33,11 +34,12 @@ class DecoderLayer(nn.Module):
         hashed: bool,
         rotary: Rotary,
         kernels: ops.Kernels,
+        expert_parallel: ExpertParallel | None = None,
     ) -> None:
         super().__init__()
         self.cfg, self.kernels = cfg, kernels
         self.attn = Attention(cfg, layer_id, kind, rotary, kernels)
-        self.ffn = MoE(cfg, hashed, kernels)
+        self.ffn = MoE(cfg, hashed, kernels, layer_id, expert_parallel)
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = hc_params(cfg)
@@ -90,7 +92,12 @@ class MTPLayer(nn.Module):
 
 
 class DeepseekV4Model(nn.Module):
-    def __init__(self, cfg: ModelConfig, kernels: ops.Kernels) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        kernels: ops.Kernels,
+        expert_parallel: ExpertParallel | None = None,
+    ) -> None:
         super().__init__()
         self.cfg, self.kernels = cfg, kernels
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -105,6 +112,7 @@ class DeepseekV4Model(nn.Module):
                 cfg.mlp_layer_types[i] == "hash_moe",
                 self.rotary_main if kind == SLIDING else self.rotary_compress,
                 kernels,
+                expert_parallel,
             )
             for i, kind in enumerate(cfg.layer_types)
         )
@@ -132,13 +140,23 @@ class DeepseekV4Model(nn.Module):
 
 class DeepseekV4ForCausalLM(nn.Module):
     """The causal LM. ``kernels`` picks the op implementations once (see ``rackserve.ops``):
-    "auto" runs the fast ones on a GPU and the references on the CPU."""
+    "auto" runs the fast ones on a GPU and the references on the CPU. ``expert_parallel``:
+    this rank's share of the routed experts (``moe/ep.py``; the MTP layers keep theirs
+    whole), None for one rank."""
 
-    def __init__(self, cfg: ModelConfig, with_mtp: bool = True, kernels: str = "auto") -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        with_mtp: bool = True,
+        kernels: str = "auto",
+        expert_parallel: ExpertParallel | None = None,
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.kernels = ops.kernels(kernels)
-        self.model = DeepseekV4Model(cfg, self.kernels)
+        self.model = DeepseekV4Model(cfg, self.kernels, expert_parallel)
+        if expert_parallel is not None:
+            expert_parallel.bind([layer.ffn for layer in self.model.layers])
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         num_mtp = cfg.num_nextn_predict_layers if with_mtp else 0
         self.mtp = nn.ModuleList(

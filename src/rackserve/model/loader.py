@@ -8,7 +8,9 @@ prefix (``embed.weight``, ``layers.0...``, ``norm.weight``, ``hc_head_fn``).
 
 Tensors are read one at a time straight into the model's parameters, so peak memory is
 one model plus one tensor. Routed experts are stored stacked; each expert's ``w1``/``w3``
-/``w2`` goes into its slice of ``w13``/``w2``.
+/``w2`` goes into its slice of ``w13``/``w2``. With expert parallelism a rank's ``Experts``
+hold only its physical slots: an expert's tensors go into every local slot that holds it,
+and experts no local slot holds are never read.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from tqdm import tqdm
 
 from rackserve.config import ModelConfig
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
+from rackserve.model.moe import Experts
+from rackserve.moe.ep import ExpertParallel
 
 
 class CheckpointError(ValueError):
@@ -96,17 +100,23 @@ def load_model(
     device: str | torch.device = "cpu",
     progress: bool | None = None,
     kernels: str = "auto",
+    expert_parallel: ExpertParallel | None = None,
 ) -> DeepseekV4ForCausalLM:
     """Build the model from ``config.json`` and fill it from the safetensors files.
-    ``kernels``: the op implementations (``rackserve.ops.KERNEL_CHOICES``)."""
+    ``kernels``: the op implementations (``rackserve.ops.KERNEL_CHOICES``);
+    ``expert_parallel``: this rank's share of the routed experts (None: all of them)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_pretrained(model_dir)
     files = checkpoint_files(model_dir)
     names = open_shards(files)
     with torch.device(device):
         with_mtp = any(k.startswith("mtp.") for _, k in names)
-        model = DeepseekV4ForCausalLM(cfg, with_mtp=with_mtp, kernels=kernels)
+        model = DeepseekV4ForCausalLM(
+            cfg, with_mtp=with_mtp, kernels=kernels, expert_parallel=expert_parallel
+        )
     model.cast(dtype)
+    homes = expert_homes(model)
+    names = [(h, k) for h, k in names if _held_here(k, homes, cfg.n_routed_experts)]
     if progress is None:
         progress = sum(f.stat().st_size for f in files) > 1 << 30
     bar = tqdm(names, desc="loading", unit="tensor", disable=not progress)
@@ -133,11 +143,34 @@ def check_checkpoint(model_dir: str | Path) -> None:
     load_weights(model, shapes())
 
 
+def expert_homes(model: DeepseekV4ForCausalLM) -> dict[str, dict[int, list[int]]]:
+    """``"model.layers.3.ffn.experts"`` -> {logical expert: its local slots} of every
+    ``Experts`` module (one rank: expert e in slot e)."""
+    homes: dict[str, dict[int, list[int]]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Experts):
+            slots: dict[int, list[int]] = {}
+            for slot, expert in enumerate(module.slot_experts):
+                slots.setdefault(expert, []).append(slot)
+            homes[name] = slots
+    return homes
+
+
+def _held_here(raw_name: str, homes: dict[str, dict[int, list[int]]], num_experts: int) -> bool:
+    """False for a routed expert's tensor that no local slot holds (skipped unread)."""
+    m = _EXPERT.match(canonical_name(raw_name))
+    if m is None or m.group(1) not in homes or int(m.group(2)) >= num_experts:
+        return True  # not an expert of ours: load_weights judges it
+    return int(m.group(2)) in homes[m.group(1)]
+
+
 def load_weights(model: DeepseekV4ForCausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy checkpoint tensors into the model; every parameter must be filled exactly once."""
+    """Copy checkpoint tensors into the model; every parameter must be filled exactly once
+    (every local expert slot, with expert parallelism)."""
     targets = dict(model.named_parameters())
     targets.update((n, b) for n, b in model.named_buffers() if n.endswith("tid2eid"))
     expected = set(targets)
+    homes = expert_homes(model)
     expert_slices: dict[str, set[int]] = {}
     unexpected, mismatched = [], []
     num_experts = model.cfg.n_routed_experts
@@ -151,13 +184,21 @@ def load_weights(model: DeepseekV4ForCausalLM, tensors: Iterable[tuple[str, torc
             if target_name not in targets or expert >= num_experts:
                 unexpected.append(raw_name)
                 continue
-            dst = targets[target_name].data[expert]
-            if which == "w1":
-                dst = dst[:inter]
-            elif which == "w3":
-                dst = dst[inter:]
             key = {"w1": 0, "w3": 1, "w2": 2}[which]
-            expert_slices.setdefault(target_name, set()).add(expert * 3 + key)
+            for slot in homes[prefix].get(expert, []):
+                dst = targets[target_name].data[slot]
+                if which == "w1":
+                    dst = dst[:inter]
+                elif which == "w3":
+                    dst = dst[inter:]
+                if tuple(dst.shape) != tuple(tensor.shape):
+                    mismatched.append(
+                        f"{raw_name}: checkpoint {tuple(tensor.shape)}, model {tuple(dst.shape)}"
+                    )
+                    break
+                dst.copy_(tensor.to(dst.dtype))
+                expert_slices.setdefault(target_name, set()).add(slot * 3 + key)
+            continue
         elif name in targets:
             dst = targets[name].data
             expected.discard(name)
@@ -172,7 +213,7 @@ def load_weights(model: DeepseekV4ForCausalLM, tensors: Iterable[tuple[str, torc
         dst.copy_(tensor.to(dst.dtype))
     for target_name, seen in expert_slices.items():
         per = 1 if target_name.endswith("w2") else 2
-        if len(seen) == num_experts * per:
+        if len(seen) == targets[target_name].shape[0] * per:
             expected.discard(target_name)
     problems = []
     if mismatched:

@@ -6,15 +6,31 @@ Checkpoint names: ``gate.weight`` [E, D], ``gate.bias`` [E] (score correction, s
 only), ``gate.tid2eid`` [V, k] (hash layers), ``experts.{e}.w1/w3`` [I, D] (gate / up),
 ``experts.{e}.w2`` [D, I], ``shared_experts.w1/w2/w3``. Experts are stored stacked
 (``w13`` [E, 2I, D], ``w2`` [E, D, I]); the loader fills them expert by expert.
+
+Expert parallelism (EP size > 1, ``moe/ep.py``): ``Experts`` holds only this rank's S_r
+physical slots (``w13`` [S_r, 2I, D]; ``slot_experts`` says which logical expert each
+slot starts with, for the loader) and the block sends its tokens through the dispatcher:
+
+    ids, weights = gate(x)                        # [T, k] logical
+    routed = dispatch(layer, x, ids, weights)     # rows for this rank's slots: [N, D]
+    out = combine(experts(routed), routed)        # [T, D]; + shared expert (local)
+
+One rank keeps the plain path (and its CUDA graphs); EP runs eagerly (dispatch syncs).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from rackserve import ops
 from rackserve.config import ModelConfig
+from rackserve.moe.dispatch import run_local_experts
+
+if TYPE_CHECKING:
+    from rackserve.moe.ep import ExpertParallel
 
 
 class Router(nn.Module):
@@ -52,12 +68,20 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    def __init__(self, cfg: ModelConfig, kernels: ops.Kernels) -> None:
+    """Stacked expert weights: every expert (one rank), or this rank's slots (EP), where
+    ``slot_experts[s]`` is the logical expert slot s holds at load time."""
+
+    def __init__(
+        self, cfg: ModelConfig, kernels: ops.Kernels, slot_experts: list[int] | None = None
+    ) -> None:
         super().__init__()
         self.kernels = kernels
-        e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.w13 = nn.Parameter(torch.empty(e, 2 * i, d))
-        self.w2 = nn.Parameter(torch.empty(e, d, i))
+        d, i = cfg.hidden_size, cfg.moe_intermediate_size
+        if slot_experts is None:
+            slot_experts = list(range(cfg.n_routed_experts))
+        self.slot_experts = slot_experts
+        self.w13 = nn.Parameter(torch.empty(len(slot_experts), 2 * i, d))
+        self.w2 = nn.Parameter(torch.empty(len(slot_experts), d, i))
         self.limit = cfg.swiglu_limit
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -78,10 +102,20 @@ class SharedExpert(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, hashed: bool, kernels: ops.Kernels) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        hashed: bool,
+        kernels: ops.Kernels,
+        layer_id: int = 0,
+        expert_parallel: ExpertParallel | None = None,
+    ) -> None:
         super().__init__()
+        self.layer_id = layer_id
+        self.ep = expert_parallel
         self.gate = Router(cfg, hashed, kernels)
-        self.experts = Experts(cfg, kernels)
+        slots = None if expert_parallel is None else expert_parallel.local_experts(layer_id)
+        self.experts = Experts(cfg, kernels, slots)
         self.shared_experts = SharedExpert(cfg) if cfg.n_shared_experts else None
 
     def forward(
@@ -94,6 +128,11 @@ class MoE(nn.Module):
         """x: [T, D]; expert_counts: optional [E] accumulator of routed tokens (for EPLB),
         counting only tokens where ``token_mask`` [T] is True (None: all)."""
         ids, weights = self.gate(x, input_ids)
+        if self.ep is not None:
+            out = self._expert_parallel(x, ids, weights)
+            if self.shared_experts is not None:
+                out = out + self.shared_experts(x)
+            return out
         if expert_counts is not None:  # index_add_, not bincount: no host sync
             ones = torch.ones_like(ids, dtype=expert_counts.dtype)
             if token_mask is not None:
@@ -103,3 +142,17 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+    def _expert_parallel(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        # x: [T, D]; ids, weights: [T, k] -> routed experts' output [T, D]. T may be 0 (an
+        # idle rank's dummy pass): the collectives still run.
+        ep, experts = self.ep, self.experts
+        assert ep is not None
+        routed = ep.dispatcher.dispatch(self.layer_id, x, ids, weights)
+        ep.recorder.record(self.layer_id, ids, routed.slots, ep.placement)
+        y = run_local_experts(
+            routed, experts.w13, experts.w2, experts.limit, experts.kernels.moe_experts
+        )
+        return ep.dispatcher.combine(y, routed)

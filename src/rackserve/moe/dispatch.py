@@ -23,6 +23,7 @@ one replica of its expert: replicas in turn by token index, offset by the EP ran
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +39,8 @@ class DispatchedTokens:
 
     hidden: [N, D]; local_slot: [N] int64 in [0, S_r) (which of this rank's slots);
     order: [T*k] flat (token, choice) index of every sent row, in send order;
-    topk_weights: [T, k]; send_splits / recv_splits: rows per peer rank (host ints).
+    topk_weights: [T, k]; send_splits / recv_splits: rows per peer rank (host ints);
+    slots: [T, k] int64 global physical slot of every (token, choice) (for load statistics).
     """
 
     hidden: torch.Tensor
@@ -47,6 +49,7 @@ class DispatchedTokens:
     topk_weights: torch.Tensor
     send_splits: list[int]
     recv_splits: list[int]
+    slots: torch.Tensor
 
 
 class MoEDispatcher:
@@ -86,12 +89,13 @@ class MoEDispatcher:
                 f"{list(topk_ids.shape)}, {list(topk_weights.shape)}"
             )
         placement = self.placement
-        slots = choose_replicas(
+        chosen = choose_replicas(
             topk_ids,
             placement.logical_to_physical[layer],
             placement.replica_count[layer],
             offset=self.ep_rank,
-        ).flatten()  # [T*k]
+        )  # [T, k]
+        slots = chosen.flatten()  # [T*k]
         destination = slots // placement.slots_per_rank
         order = torch.argsort(destination, stable=True)
         send_counts = torch.bincount(destination, minlength=self.num_ranks)
@@ -103,7 +107,9 @@ class MoEDispatcher:
         local_slot = self._exchange(
             slots[order] % placement.slots_per_rank, send_splits, recv_splits
         )
-        return DispatchedTokens(hidden, local_slot, order, topk_weights, send_splits, recv_splits)
+        return DispatchedTokens(
+            hidden, local_slot, order, topk_weights, send_splits, recv_splits, chosen
+        )
 
     def combine(self, expert_out: torch.Tensor, dispatched: DispatchedTokens) -> torch.Tensor:
         """expert_out: [N, D] unweighted outputs of the received rows -> [T, D]: each token's
@@ -167,12 +173,17 @@ class AllToAllDispatcher(MoEDispatcher):
 
 
 def run_local_experts(
-    dispatched: DispatchedTokens, w13: torch.Tensor, w2: torch.Tensor, limit: float
+    dispatched: DispatchedTokens,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    limit: float,
+    moe_experts: Callable[..., torch.Tensor] = ops.moe_experts,
 ) -> torch.Tensor:
     """This rank's experts on the received rows, unweighted (combine weights them).
 
     w13: [S_r, 2I, D], w2: [S_r, D, I] (this rank's slots, in slot order). Returns [N, D].
+    ``moe_experts``: the op implementation (the model passes its kernels table's).
     """
     ids = dispatched.local_slot[:, None]
     ones = torch.ones(ids.shape, dtype=torch.float32, device=ids.device)
-    return ops.moe_experts(dispatched.hidden, ids, ones, w13, w2, limit)
+    return moe_experts(dispatched.hidden, ids, ones, w13, w2, limit)

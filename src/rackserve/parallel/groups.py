@@ -53,6 +53,8 @@ class ParallelGroups:
     ep_group: dist.ProcessGroup | None
     ep_rank: int
     ep_size: int
+    ep_move_group: dist.ProcessGroup | None = None  # EP ranks again: background weight moves
+    dp_cpu_group: dist.ProcessGroup | None = None  # gloo over the world: the per-step DP sync
 
     @classmethod
     def single(cls) -> ParallelGroups:
@@ -101,14 +103,18 @@ def init_distributed(
 
 def build_groups(rank: int, layout: ParallelLayout) -> ParallelGroups:
     """The groups over an initialised default process group (collective)."""
-    ep_group = None
+    ep_group = ep_move_group = None
     for index in range(layout.num_ep_groups):
         ranks = list(
             range(index * layout.expert_parallel_size, (index + 1) * layout.expert_parallel_size)
         )
-        group = dist.new_group(ranks)
+        # A second group over the same ranks: EPLB's weight moves run asynchronously on it,
+        # so they never queue behind (or block) the dispatch all-to-all.
+        group, move_group = dist.new_group(ranks), dist.new_group(ranks)
         if rank in ranks:
-            ep_group = group
+            ep_group, ep_move_group = group, move_group
+    # The per-step DP sync is a few host ints: a gloo group keeps it off the GPU stream.
+    dp_cpu_group = dist.new_group(list(range(layout.world_size)), backend="gloo")
     return ParallelGroups(
         rank=rank,
         world_size=layout.world_size,
@@ -116,6 +122,8 @@ def build_groups(rank: int, layout: ParallelLayout) -> ParallelGroups:
         ep_group=ep_group,
         ep_rank=rank % layout.expert_parallel_size,
         ep_size=layout.expert_parallel_size,
+        ep_move_group=ep_move_group,
+        dp_cpu_group=dp_cpu_group,
     )
 
 

@@ -58,9 +58,17 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     return logits.masked_fill_(~allowed, float("-inf"))
 
 
-def apply_logits_processors(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+def apply_logits_processors(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    bitmask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The runner's hook: logit_bias of the sampled requests (logits [S, V], one
-    SamplingParams per row)."""
+    SamplingParams per row), then the structured-output bitmask [S, ceil(V / 32)] when a
+    row is constrained (runner/structured_output.py; all ones elsewhere). The mask comes
+    last so no bias can re-allow a token the grammar forbids."""
     if any(p.logit_bias for p in params):
         apply_logit_bias(logits, [p.logit_bias for p in params])
+    if bitmask is not None:
+        apply_token_bitmask(logits, bitmask)
     return logits

@@ -21,6 +21,7 @@ from rackserve.runner.input_batch import InputBatch, RunnerRequest
 from rackserve.runner.logits_processors import apply_logits_processors
 from rackserve.runner.sampler import sample
 from rackserve.runner.step_buffers import StepBuffers
+from rackserve.runner.structured_output import GrammarCompiler, StructuredOutputs
 
 
 class ModelRunner:
@@ -35,7 +36,10 @@ class ModelRunner:
         seed: int = 0,
         enforce_eager: bool = False,
         log: bool = True,
+        grammar_compiler: GrammarCompiler | None = None,
     ) -> None:
+        """``grammar_compiler``: compiles structured-output grammars (None: requests with
+        ``structured_outputs`` are not expected; the engine core refuses them)."""
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = model.head.weight.dtype
@@ -50,6 +54,13 @@ class ModelRunner:
             seed,  # draws the noise seeds of unseeded random requests
         )
         self.buffers = StepBuffers(groups, self.input_batch.block_tables, self.device)
+        self.structured_outputs = (
+            None
+            if grammar_compiler is None
+            else StructuredOutputs(
+                grammar_compiler, max_num_reqs, model.cfg.vocab_size, self.device
+            )
+        )
         cfg = model.cfg
         self.expert_counts = torch.zeros(
             cfg.num_hidden_layers, cfg.n_routed_experts, dtype=torch.int64, device=self.device
@@ -69,6 +80,9 @@ class ModelRunner:
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        structured = self.structured_outputs
+        if structured is not None:
+            structured.update(sched)
         step = self.input_batch.prepare(sched)
         if step is None:
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -88,13 +102,17 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[logits_indices])  # [S, V]
 
         sampled_reqs = step.sampled_reqs
-        # hook (issue 15): logit_bias and structured output, runner/logits_processors.py
-        logits = apply_logits_processors(logits, [r.sampling_params for r in sampled_reqs])
+        # hook (issue 15): logit_bias and structured output, runner/logits_processors.py;
+        # the grammar masks are filled on the host while the device runs the forward
+        bitmask = structured.bitmask(sampled_reqs) if structured is not None else None
+        logits = apply_logits_processors(logits, [r.sampling_params for r in sampled_reqs], bitmask)
         sampled: list[list[int]] = [[] for _ in reqs]
         logprobs: list[list[TokenLogprobs]] | None = None
         if step.sampling is not None:
             out = sample(logits, step.sampling)
             token_ids = out.token_ids.tolist()
+            if structured is not None:
+                structured.advance(sampled_reqs, token_ids)
             rows = iter(range(len(sampled_reqs)))
             if out.logprobs is not None:
                 logprobs = [[] for _ in reqs]

@@ -60,6 +60,19 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "disable_log_stats": False,
     "block_size": None,
     "metrics_prefix": "rackserve",
+    # data parallel + expert parallel (docs/expert_parallel.md)
+    "data_parallel_size": 1,
+    "data_parallel_size_local": None,
+    "data_parallel_start_rank": 0,
+    "data_parallel_address": "127.0.0.1",
+    "data_parallel_rpc_port": None,
+    "headless": False,
+    "enable_expert_parallel": False,
+    "num_redundant_experts": 0,
+    "enable_eplb": False,
+    "eplb_config": None,
+    "skewed_routing": 0.0,
+    "dp_assignment_policy": "least_load",
 }
 # Older spellings still accepted (flags and YAML keys) -> the option they set.
 OPTION_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory"}
@@ -202,6 +215,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "granularity, the common multiple of all groups' blocks: given, it must equal that",
     )
     add("--metrics-prefix", help="metric name prefix: rackserve (default) or vllm (dashboards)")
+    add("--data-parallel-size", "-dp", type=int, help="DP engine ranks (default 1)")
+    add("--data-parallel-size-local", type=int, help="DP ranks on this host (default: all)")
+    add("--data-parallel-start-rank", type=int, help="first DP rank of a --headless host")
+    add("--data-parallel-address", help="the head host's address (default 127.0.0.1)")
+    add("--data-parallel-rpc-port", type=int, help="head port; the next 2 + 2N ports too")
+    add("--headless", action="store_true", default=None, help="engine ranks only, no API")
+    add("--enable-expert-parallel", action="store_true", default=None, help="EP over DP ranks")
+    add("--num-redundant-experts", type=int, help="extra expert slots per layer (default 0)")
+    add("--enable-eplb", action="store_true", default=None, help="expert-parallel balancer")
+    add("--eplb-config", help='JSON, e.g. \'{"window_size":1000,"step_interval":3000}\'')
+    add("--skewed-routing", type=float, help="test models: Zipf exponent of expert popularity")
+    add("--dp-assignment-policy", choices=("least_load", "round_robin"))
     p.set_defaults(func=serve)
 
 
@@ -285,7 +310,14 @@ def check_block_size(options: dict[str, Any], model_config: Any) -> int:
 
 
 def build_engine_config(options: dict[str, Any]) -> Any:
-    from rackserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from rackserve.config import (
+        CacheConfig,
+        EngineConfig,
+        EPLBConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+    )
 
     model_config = ModelConfig.from_pretrained(options["model"])
     check_block_size(options, model_config)
@@ -309,7 +341,21 @@ def build_engine_config(options: dict[str, Any]) -> Any:
         device=options["device"],
         seed=options["seed"],
         enforce_eager=options["enforce_eager"],
+        tokenizer=options["tokenizer"],
         served_model_name=names[0] if names else None,
+        parallel=ParallelConfig(
+            data_parallel_size=options["data_parallel_size"],
+            data_parallel_size_local=options["data_parallel_size_local"],
+            data_parallel_start_rank=options["data_parallel_start_rank"],
+            data_parallel_address=options["data_parallel_address"],
+            data_parallel_rpc_port=options["data_parallel_rpc_port"],
+            headless=options["headless"],
+            enable_expert_parallel=options["enable_expert_parallel"],
+            num_redundant_experts=options["num_redundant_experts"],
+            enable_eplb=options["enable_eplb"],
+            eplb=EPLBConfig.from_json(options["eplb_config"]),
+            skewed_routing=options["skewed_routing"],
+        ),
     )
 
 
@@ -363,6 +409,10 @@ def serve(args: argparse.Namespace) -> int:
 
     options = resolve_options(args)
     engine_config = build_engine_config(options)
+    if engine_config.parallel.headless:
+        from rackserve.engine.dp_process import run_headless
+
+        return run_headless(engine_config)
     # This process only serves: drop the `_created` series, as vLLM's /metrics does.
     prometheus_client.disable_created_metrics()
     preflight(options, engine_config)
@@ -394,6 +444,11 @@ def serve(args: argparse.Namespace) -> int:
 
         asyncio.get_running_loop().call_later(delay, stop)
 
+    client_kwargs: dict[str, Any] = {}
+    if engine_config.parallel.data_parallel_size > 1:
+        from rackserve.engine.dp_client import DPAsyncEngineClient as AsyncEngineClient
+
+        client_kwargs["assignment_policy"] = options["dp_assignment_policy"]
     client = AsyncEngineClient(
         engine_config,
         tokenizer,
@@ -401,6 +456,7 @@ def serve(args: argparse.Namespace) -> int:
         metrics=metrics,
         on_engine_dead=on_engine_dead,
         startup_timeout_s=options["engine_startup_timeout"],
+        **client_kwargs,
     )
     settings = ServerSettings(
         served_model_names=names,

@@ -137,6 +137,13 @@ class ServerMetrics:
             registry=registry,
         )
         self.stats_log = StatsLogLine()
+        self._expert_balancedness = Gauge(
+            self.prefix + "expert_balancedness",
+            "Expert parallelism: mean / max rank load per MoE layer over the EPLB window; "
+            "routing=uniform is the same batches routed uniformly at random (the ceiling).",
+            ["model_name", "layer", "routing"],
+            registry=registry,
+        )
         self._last = SchedulerStats()
         self._request_rejected = Counter(
             self.prefix + "request_rejected",
@@ -168,6 +175,12 @@ class ServerMetrics:
         self._waiting_by_reason.labels(self.model_name, "capacity").set(stats.num_waiting_reqs)
         self.stats_log.record_scheduler_stats(stats)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        for routing, values in (
+            ("real", stats.expert_balancedness),
+            ("uniform", stats.expert_balancedness_uniform),
+        ):
+            for layer, value in enumerate(values or ()):
+                self._expert_balancedness.labels(self.model_name, str(layer), routing).set(value)
         last = self._last
         for counter, now, before in (
             (self.prefix_cache_queries, stats.prefix_cache_queries, last.prefix_cache_queries),

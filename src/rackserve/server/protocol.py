@@ -13,13 +13,21 @@ for many concurrent streams on one core.
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rackserve.engine.output_processor import TokenLogprob
-from rackserve.request import INT64_MAX, INT64_MIN, MAX_NUM_LOGPROBS, SamplingParams
+from rackserve.request import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_NUM_LOGPROBS,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from rackserve.server.tools import template_tool_calls
 
 # Integers the engine holds as int64 (seeds, top_k, priorities): a larger value is a 400
@@ -66,6 +74,34 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(OpenAIModel):
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")  # BaseModel has .schema
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: str  # text, json_object, json_schema (checked where it is read, param named)
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(OpenAIModel):
+    """vLLM's ``structured_outputs`` (exactly one constraint; see StructuredOutputsParams)."""
+
+    json_schema: str | dict[str, Any] | None = Field(None, alias="json")  # BaseModel has .json
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+    # strict schemas (no properties beyond those listed) are what we always compile
+    disable_additional_properties: bool = False
+    disable_fallback: bool = False  # one library, no fallback to disable
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+
 class SamplingRequest(OpenAIModel):
     """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
 
@@ -96,6 +132,73 @@ class SamplingRequest(OpenAIModel):
     priority: Int64 = 0
     cache_salt: str | None = None
     request_id: str | None = None
+    # structured output (runner/structured_output.py): OpenAI's, vLLM's, vLLM's legacy
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The request's output constraint and the field that gave it; ParamError (naming
+        the field) when two fields give one, or a value cannot be honoured."""
+        sources: list[tuple[str, Callable[[], StructuredOutputsParams]]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text":
+            sources.append(("response_format", lambda: self._response_format_params(fmt)))
+        if self.structured_outputs is not None:
+            sources.append(("structured_outputs", self._structured_outputs_field_params))
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                build = functools.partial(StructuredOutputsParams, **{kind: value})
+                sources.append((f"guided_{kind}", build))
+        if not sources:
+            return None, None
+        if len(sources) > 1:
+            names = ", ".join(name for name, _ in sources)
+            raise ParamError(f"give only one output constraint; got {names}", sources[1][0])
+        name, build = sources[0]
+        try:
+            return build(), name
+        except ParamError:
+            raise
+        except ValueError as e:
+            raise ParamError(str(e), name) from None
+
+    def _structured_outputs_field_params(self) -> StructuredOutputsParams:
+        so = self.structured_outputs
+        assert so is not None
+        for name in ("whitespace_pattern", "structural_tag"):
+            if getattr(so, name) is not None:
+                raise ParamError(
+                    f"structured_outputs.{name} is not supported", "structured_outputs"
+                )
+        return StructuredOutputsParams(
+            json=so.json_schema,
+            regex=so.regex,
+            choice=so.choice,
+            grammar=so.grammar,
+            json_object=so.json_object,
+            disable_any_whitespace=so.disable_any_whitespace,
+        )
+
+    @staticmethod
+    def _response_format_params(fmt: ResponseFormat) -> StructuredOutputsParams:
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt.type != "json_schema":
+            raise ParamError(
+                f"response_format type must be text, json_object or json_schema, got {fmt.type!r}",
+                "response_format",
+            )
+        if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+            raise ParamError(
+                'response_format {"type": "json_schema"} needs json_schema.schema',
+                "response_format",
+            )
+        return StructuredOutputsParams(json=fmt.json_schema.json_schema)
 
     def token_logit_bias(self) -> dict[int, float] | None:
         """``logit_bias`` with token-id keys; ParamError for a key that is not a number."""
@@ -112,6 +215,7 @@ class SamplingRequest(OpenAIModel):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """The engine's SamplingParams; raises ParamError naming a bad value."""
+        structured_outputs, _ = self.structured_outputs_params()
         try:
             return SamplingParams(
                 n=self.n,
@@ -135,6 +239,7 @@ class SamplingRequest(OpenAIModel):
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 logit_bias=self.token_logit_bias(),
+                structured_outputs=structured_outputs,
             )
         except ValueError as e:
             message = str(e)
@@ -226,15 +331,10 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         self.check_tools()
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise ParamError(
-                "only response_format {'type': 'text'} is supported", "response_format"
-            )
         if self.top_logprobs is not None and not self.logprobs:
             raise ParamError("top_logprobs requires logprobs to be true", "top_logprobs")
         if self.continue_final_message and self.add_generation_prompt:

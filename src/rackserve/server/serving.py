@@ -25,6 +25,7 @@ from rackserve.engine.output_processor import (
     TokenLogprob,
 )
 from rackserve.request import MAX_NUM_LOGPROBS, SamplingParams
+from rackserve.runner.structured_output import check_structured_outputs
 from rackserve.server.async_client import (
     AsyncEngineClient,
     EngineDeadError,
@@ -298,6 +299,10 @@ class OpenAIServing:
         if body.stop_token_ids:
             self.check_token_ids(body.stop_token_ids, "stop_token_ids")
         params = body.sampling_params(max_tokens, logprobs)
+        try:  # an invalid schema, regex or grammar is the client's 400, not the engine's
+            check_structured_outputs(params.structured_outputs)
+        except ValueError as e:
+            raise ParamError(str(e), body.structured_outputs_params()[1]) from None
         if requested is None and len(prompts) > 1:
             # one SamplingParams for all prompts: bound by the longest prompt's room
             room = max_model_len - max(len(ids) for _, ids in prompts)

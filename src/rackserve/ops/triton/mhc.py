@@ -51,8 +51,20 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def default_tiling(num_tokens: int, num_streams: int, hidden: int, device: torch.device) -> Tiling:
-    """Launch shapes from T, N, D and the device (host ints only: graph-safe).
+def default_tiling(
+    num_tokens: int,
+    num_streams: int,
+    hidden: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+) -> Tiling:
+    """Launch shapes from T, N, D, the streams' dtype and the device (host ints only:
+    graph-safe).
+
+    K1's dot: "tf32x3" (three tf32 passes, about fp32 accuracy) for 16-bit streams, where
+    the H200 measured it 1.3-3x faster than fp32 FMA at the same output error (hc_pre
+    11.7 vs 14.9 us at T=1, 24 vs 55 us at T=256, 478 vs 1500 us at T=8192;
+    benchmarks/results/2026-12-01-h200-m2.md); "ieee" for fp32 streams (the strict gates).
 
     On a GPU, K1 aims at two programs per SM: few tokens -> many splits of D (at T=1 the
     1.5 MB fn read is the whole cost), many tokens -> few. K2 keeps a token's N x D streams
@@ -82,7 +94,7 @@ def default_tiling(num_tokens: int, num_streams: int, hidden: int, device: torch
         gemm_block_d=max(1, (128 if gemm_block_t <= 32 else 64) // block_n),
         gemm_programs=2 * _num_sms(device),
         gemm_warps=4,
-        gemm_precision="ieee",
+        gemm_precision="ieee" if dtype == torch.float32 else "tf32x3",
         finish_block_t=1,
         finish_block_d=finish_block_d,
         finish_warps=8 if block_n * finish_block_d >= 8192 else 4,
@@ -171,7 +183,7 @@ def _launch(
     num_tokens, n, hidden = streams.shape
     fn, base, scale, norm_weight = params
     device = streams.device
-    tiling = tiling or default_tiling(num_tokens, n, hidden, device)
+    tiling = tiling or default_tiling(num_tokens, n, hidden, device, streams.dtype)
     new = streams if expand is None else _empty(streams.shape, streams.dtype, device)
     x = _empty((num_tokens, hidden), streams.dtype, device)
     post = None if head else _empty((num_tokens, n), torch.float32, device)
@@ -309,7 +321,7 @@ def hc_post(
     out = _empty((num_tokens, n, hidden), streams.dtype, streams.device)
     if num_tokens == 0:
         return out
-    tiling = tiling or default_tiling(num_tokens, n, hidden, streams.device)
+    tiling = tiling or default_tiling(num_tokens, n, hidden, streams.device, streams.dtype)
     block_d = min(tiling.post_block_d, triton.next_power_of_2(hidden))
     grid = (triton.cdiv(num_tokens, tiling.post_block_t), triton.cdiv(hidden, block_d))
     hc_post_kernel[grid](
