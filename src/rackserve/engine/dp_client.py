@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import tempfile
 from typing import Any
 
@@ -120,14 +119,7 @@ class DPAsyncEngineClient(AsyncEngineClient):
             if process.is_alive():
                 process.kill()
                 await asyncio.to_thread(process.join, 5)
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._fail_all(EngineDeadError("server is shutting down"))
-        if self._context is not None:
-            self._context.destroy(linger=0)
-        if self._tmpdir is not None:
-            shutil.rmtree(self._tmpdir, ignore_errors=True)
+        await self._release()
 
     # ---- routing -------------------------------------------------------------------------
     def _send(self, kind: MessageType, payload: Any = None) -> None:

@@ -29,7 +29,6 @@ from rackserve.engine.process import (
     EngineCoreProc,
     EngineDead,
     EngineProcessConfig,
-    EngineReady,
     MessageType,
     _watch_parent,
     encode_message,
@@ -80,54 +79,28 @@ class DPEngineCoreProc(EngineCoreProc):
         super().__init__(core, context, config)
         self.groups = groups
 
-    def run(self) -> int:
-        self.input_thread.start()
-        self.output_thread.start()
-        core = self.core
-        self.send(
-            MessageType.READY,
-            EngineReady(core.max_model_len, list(core.eos_token_ids), os.getpid()),
-        )
-        exit_code = 0
-        try:
-            while True:
-                stats_dirty = False
-                try:
-                    if not core.has_unfinished_requests():
-                        # Idle: wait briefly for input, then sync again (the other ranks may
-                        # have work, and they cannot step without us).
-                        stats_dirty |= self._handle(*self.input_queue.get(timeout=IDLE_POLL_S))
-                    while True:
-                        stats_dirty |= self._handle(*self.input_queue.get_nowait())
-                except queue.Empty:
-                    pass
-                outputs, _, shutdown = dp_step(
-                    core, self.groups, want_step=stats_dirty, shutdown=self.shutdown_requested
-                )
-                if shutdown:
-                    break
-                if outputs is not None:
-                    self._send_outputs(outputs)
-        except Exception:
-            exit_code = 1
-            message = traceback.format_exc()
-            print(f"engine core (DP rank {self.groups.rank}) died:\n{message}", flush=True)
-            self.send(MessageType.DEAD, EngineDead(message[-4000:]))
-        finally:
-            try:
-                core.shutdown()
-            finally:
-                self.stop_event.set()
-                self.output_queue.put(None)
-                self.output_thread.join(timeout=5)
-                self.input_thread.join(timeout=1)
-        return exit_code
+    @property
+    def name(self) -> str:
+        return f"engine core (DP rank {self.groups.rank})"
 
-    def _send_outputs(self, outputs) -> None:
-        stats = outputs.scheduler_stats
-        if outputs.outputs or stats != self.last_stats:
-            self.send(MessageType.OUTPUTS, outputs)
-            self.last_stats = stats
+    def _iterate(self) -> bool:
+        core = self.core
+        stats_dirty = False
+        try:
+            if not core.has_unfinished_requests():
+                # Idle: wait briefly for input, then sync again (the other ranks may have
+                # work, and they cannot step without us).
+                stats_dirty |= self._handle(*self.input_queue.get(timeout=IDLE_POLL_S))
+            while True:
+                stats_dirty |= self._handle(*self.input_queue.get_nowait())
+        except queue.Empty:
+            pass
+        outputs, _, shutdown = dp_step(
+            core, self.groups, want_step=stats_dirty, shutdown=self.shutdown_requested
+        )
+        if outputs is not None and not shutdown:
+            self._send_outputs(outputs)
+        return not shutdown
 
 
 def run_dp_engine_core(config: DPRankConfig) -> None:

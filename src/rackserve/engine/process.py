@@ -207,16 +207,43 @@ class EngineCoreProc:
 
     def _step(self) -> None:
         step_start = time.monotonic()
-        outputs = self.core.step()
+        self._send_outputs(self.core.step(), step_start)
+
+    def _send_outputs(self, outputs, step_start: float | None = None) -> None:
+        """Send a step's outputs when there are any or the stats changed."""
         stats = outputs.scheduler_stats
         if outputs.outputs or stats != self.last_stats:
-            # Replaces the core's wall-clock stamp with the step's monotonic start: the
-            # frontend derives queue times from it (CLOCK_MONOTONIC is host-wide).
-            outputs.timestamp = step_start
+            if step_start is not None:
+                # The step's monotonic start replaces the core's wall-clock stamp: the
+                # frontend derives queue times from it (CLOCK_MONOTONIC is host-wide).
+                outputs.timestamp = step_start
             self.send(MessageType.OUTPUTS, outputs)
             self.last_stats = stats
 
+    @property
+    def name(self) -> str:
+        return "engine core"
+
+    def _iterate(self) -> bool:
+        """One turn of the loop: take the input, step when there is work; False stops."""
+        core = self.core
+        stats_dirty = False
+        if not core.has_unfinished_requests():
+            stats_dirty |= self._handle(*self.input_queue.get())  # idle: block
+        while True:
+            try:
+                stats_dirty |= self._handle(*self.input_queue.get_nowait())
+            except queue.Empty:
+                break
+        if self.shutdown_requested:
+            return False
+        # An idle step after an abort refreshes the stats (KV usage drops at once).
+        if core.has_unfinished_requests() or stats_dirty:
+            self._step()
+        return not self.shutdown_requested
+
     def run(self) -> int:
+        """The process's loop around :meth:`_iterate`; a crash is reported as DEAD."""
         self.input_thread.start()
         self.output_thread.start()
         core = self.core
@@ -226,24 +253,12 @@ class EngineCoreProc:
         )
         exit_code = 0
         try:
-            while not self.shutdown_requested:
-                stats_dirty = False
-                if not core.has_unfinished_requests():
-                    stats_dirty |= self._handle(*self.input_queue.get())  # idle: block
-                while True:
-                    try:
-                        stats_dirty |= self._handle(*self.input_queue.get_nowait())
-                    except queue.Empty:
-                        break
-                if self.shutdown_requested:
-                    break
-                # An idle step after an abort refreshes the stats (KV usage drops at once).
-                if core.has_unfinished_requests() or stats_dirty:
-                    self._step()
+            while self._iterate():
+                pass
         except Exception:
             exit_code = 1
             message = traceback.format_exc()
-            print(f"engine core died:\n{message}", flush=True)
+            print(f"{self.name} died:\n{message}", flush=True)
             self.send(MessageType.DEAD, EngineDead(message[-4000:]))
         finally:
             try:

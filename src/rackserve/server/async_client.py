@@ -168,6 +168,11 @@ class AsyncEngineClient:
             if process.is_alive():
                 process.kill()
                 await asyncio.to_thread(process.join, 5)
+        await self._release()
+
+    async def _release(self) -> None:
+        """The end of a shutdown, once the engine processes are gone: stop the IO tasks,
+        fail what is still waiting, drop the sockets and the IPC directory."""
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
