@@ -53,7 +53,6 @@ def test_dep2_equals_one_rank_with_an_idle_rank(model_dir):
     assert results[0]["steps"] == results[1]["steps"] > 0  # the ranks stepped together
 
 
-@pytest.mark.slow
 def test_dep4_with_redundant_experts_equals_one_rank(model_dir):
     requests = prompts(5)
     reference = single_rank(model_dir, requests)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 
 from rackserve.cli import main
@@ -51,7 +50,6 @@ def test_v4_flash_shapes():
     assert "mtp.0.eh_proj.weight" in shapes
 
 
-@pytest.mark.slow
 def test_cli_create_and_generate(tmp_path: Path, capsys):
     out = tmp_path / "tiny"
     assert main(["model", "create", "--preset", "tiny", "--out", str(out)]) == 0

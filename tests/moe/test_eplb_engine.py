@@ -81,7 +81,6 @@ def balance_worker(groups, model_dir: str) -> dict:
     return {"before": before, "after": after, "uniform": uniform, "uniform_after": uniform_after}
 
 
-@pytest.mark.slow
 def test_eplb_recovers_the_gap_to_uniform_routing(model_dir):
     results = run_ranks(balance_worker, 4, str(model_dir))
     first = results[0]
