@@ -35,6 +35,6 @@ def test_docs_state_the_defaults():
     utilization = CacheConfig().gpu_memory_utilization
     assert docs["--gpu-memory-utilization"] == str(utilization)
     kv = docs["--kv-cache-memory"]
-    assert f"{round(utilization * 100)}% of free GPU memory" in kv
+    assert f"{round(utilization * 100)}% of the GPU's total memory" in kv
     assert f"CPU: {CPU_KV_CACHE_MEMORY >> 20} MiB" in kv
     assert "sha256" in DOCS.read_text() and CacheConfig().prefix_caching_hash_algo == "sha256"

@@ -245,7 +245,7 @@ def test_seeded_tokens_are_the_same_alone_and_in_a_batch_of_64():
             repetition_penalty=rng.choice([1.0, 1.2]),
             min_tokens=rng.choice([0, 3]),
             logprobs=rng.choice([None, 2]),
-            seed=rng.choice([None, rng.randrange(2**64)]),
+            seed=rng.choice([None, rng.randrange(-(2**63), 2**63)]),  # SamplingParams: int64
         )
         for _ in range(num_rows)
     ]
