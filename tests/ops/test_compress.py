@@ -10,7 +10,7 @@ import torch
 
 from rackserve.ops import reference
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from kernel_checks import DEVICE
 
 
 def _case(seed: int, ratio: int, overlap: bool, width: int, n: int, dtype: torch.dtype):

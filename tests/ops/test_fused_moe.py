@@ -17,9 +17,10 @@ import torch
 
 from rackserve.ops import reference
 
+from kernel_checks import DEVICE, assert_bf16_close, assert_fp32_close
+
 LIMIT = 7.0
 SHAPES = [(4, 64, 32, 2), (8, 128, 64, 3)]  # (E, D, I, k)
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 POISON_INT = 1 << 29
 
 
@@ -62,22 +63,6 @@ def make_case(t: int, e: int, d: int, i: int, k: int, seed: int, dtype: torch.dt
         w13.to(DEVICE, dtype),
         w2.to(DEVICE, dtype),
     )
-
-
-def assert_fp32_close(got: torch.Tensor, ref: torch.Tensor) -> None:
-    """Relative error <= 1e-4, relative to max(|ref|, rms(ref)) so zeros don't divide."""
-    assert not got.isnan().any(), "unwritten (NaN) elements"
-    floor = ref.float().pow(2).mean().sqrt().clamp_min(1e-30)
-    rel = (got.float() - ref.float()).abs() / torch.maximum(ref.float().abs(), floor)
-    assert rel.max().item() <= 1e-4, rel.max().item()
-
-
-def assert_bf16_close(got: torch.Tensor, ref_bf16: torch.Tensor, ref_fp32: torch.Tensor) -> None:
-    assert not got.isnan().any(), "unwritten (NaN) elements"
-    err = (got.float() - ref_fp32).abs()
-    allowed = 2 * (ref_bf16.float() - ref_fp32).abs() + 1e-3
-    violations = (err > allowed).float().mean().item()
-    assert violations <= 1e-3, f"{violations:.4%} of elements out of tolerance"
 
 
 def check(fm, args: tuple, tiling=None) -> torch.Tensor:

@@ -17,10 +17,11 @@ import torch
 
 from rackserve.ops import reference
 
+from kernel_checks import DEVICE
+
 # the interpreter converts the kernel's loaded loop bounds with a numpy call numpy deprecates
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array:DeprecationWarning")
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK = 16  # entries per page of the fake cache
 
 

@@ -17,12 +17,13 @@ import torch
 
 from rackserve.ops import reference
 
+from kernel_checks import DEVICE, assert_bf16_close, assert_fp32_close
+
 N = 4
 ITERS = 20
 HC_EPS = 1e-6
 NORM_EPS = 1e-6
 SHAPES = list(itertools.product((1, 3, 37, 130), (64, 256, 320)))  # (T, D)
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(scope="module")
@@ -61,22 +62,6 @@ def make_block_params(d: int, seed: int, mixes: int) -> tuple[torch.Tensor, ...]
     scale = 0.5 + torch.rand(3 if mixes > N else 1, generator=g)
     norm_weight = 1.0 + 0.2 * torch.randn(d, generator=g)
     return tuple(p.to(DEVICE) for p in (fn, base, scale, norm_weight))
-
-
-def assert_fp32_close(got: torch.Tensor, ref: torch.Tensor) -> None:
-    """Relative error <= 1e-4, relative to max(|ref|, rms(ref)) so zeros don't divide."""
-    assert not got.isnan().any(), "unwritten (NaN) elements"
-    floor = ref.float().pow(2).mean().sqrt().clamp_min(1e-30)
-    rel = (got.float() - ref.float()).abs() / torch.maximum(ref.float().abs(), floor)
-    assert rel.max().item() <= 1e-4, rel.max().item()
-
-
-def assert_bf16_close(got: torch.Tensor, ref_bf16: torch.Tensor, ref_fp32: torch.Tensor) -> None:
-    assert not got.isnan().any(), "unwritten (NaN) elements"
-    err = (got.float() - ref_fp32).abs()
-    allowed = 2 * (ref_bf16.float() - ref_fp32).abs() + 1e-3
-    violations = (err > allowed).float().mean().item()
-    assert violations <= 1e-3, f"{violations:.4%} of elements out of tolerance"
 
 
 def hc_pre_args(t: int, d: int, seed: int, dtype: torch.dtype) -> tuple:

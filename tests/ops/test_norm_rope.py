@@ -17,7 +17,8 @@ import torch
 
 from rackserve.ops import reference
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from kernel_checks import DEVICE
+
 EPS = 1e-6
 
 

@@ -12,7 +12,8 @@ import torch
 
 from rackserve.ops import reference
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from kernel_checks import DEVICE
+
 CASES = list(
     itertools.product(
         (1, 40),  # T

@@ -19,7 +19,8 @@ import torch
 
 from rackserve.ops import reference
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from kernel_checks import DEVICE, as_fp32, assert_bf16_close, assert_fp32_close
+
 WA = 16
 CASES = list(itertools.product((1, 3, 9), (4, 16), (0, 8, 24)))  # (S, H, Wb)
 
@@ -92,28 +93,6 @@ def make_case(
         angle = torch.rand(s, rope_dim // 2, generator=g) * 6.3
         args += [angle.cos().to(dtype), angle.sin().to(dtype)]
     return tuple(a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args)
-
-
-def as_fp32(args: tuple) -> tuple:
-    return tuple(
-        a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args
-    )
-
-
-def assert_fp32_close(got: torch.Tensor, ref: torch.Tensor) -> None:
-    """Relative error <= 1e-4, relative to max(|ref|, rms(ref)) so zeros don't divide."""
-    assert not got.isnan().any(), "unwritten (NaN) elements"
-    floor = ref.float().pow(2).mean().sqrt().clamp_min(1e-30)
-    rel = (got.float() - ref.float()).abs() / torch.maximum(ref.float().abs(), floor)
-    assert rel.max().item() <= 1e-4, rel.max().item()
-
-
-def assert_bf16_close(got: torch.Tensor, ref_bf16: torch.Tensor, ref_fp32: torch.Tensor) -> None:
-    assert not got.isnan().any(), "unwritten (NaN) elements"
-    err = (got.float() - ref_fp32).abs()
-    allowed = 2 * (ref_bf16.float() - ref_fp32).abs() + 1e-3
-    violations = (err > allowed).float().mean().item()
-    assert violations <= 1e-3, f"{violations:.4%} of elements out of tolerance"
 
 
 def check(attn, args: tuple, tiling=None) -> torch.Tensor:
