@@ -17,32 +17,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 from collections.abc import Callable
 
 import torch
-import triton.testing
 
 from rackserve.ops import reference
 from rackserve.ops.grouped_moe import moe_experts_grouped
 from rackserve.ops.triton import fused_moe
+
+from bench_timing import stamped, time_us
 
 E, K, D, INTER = 64, 6, 4096, 2048  # experts, top-k, hidden, expert width
 LIMIT = 10.0
 TOKENS = (1, 8, 64, 256, 1024)
 HBM_BYTES_PER_S = 4.8e12
 BF16_FLOPS_PER_S = 989e12
-
-
-def _time(fn: Callable[[], object]) -> tuple[float, float | None]:
-    """(do_bench median, do_bench_cudagraph median) in microseconds."""
-    plain = triton.testing.do_bench(fn, return_mode="median") * 1e3
-    try:
-        graph = triton.testing.do_bench_cudagraph(fn, return_mode="median") * 1e3
-    except Exception:  # the reference syncs (.tolist()): report the plain time only
-        graph = None
-    return plain, graph
 
 
 def _weights(device: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,7 +73,7 @@ def _variants(t: int, device: torch.device) -> dict[str, fused_moe.Tiling]:
 
 
 def _record(impl: str, t: int, nbytes: int, flops: int, fn: Callable[[], object]) -> dict:
-    plain, graph = _time(fn)
+    plain, graph = time_us(fn)
     best = graph if graph is not None else plain
     floor_us = max(nbytes / HBM_BYTES_PER_S, flops / BF16_FLOPS_PER_S) * 1e6
     return {
@@ -139,9 +129,7 @@ def run(
             records.append(
                 _record("reference", t, nbytes, flops, lambda a=args: reference.moe_experts(*a))
             )
-    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev)
-    meta = {"gpu": gpu, "date": datetime.date.today().isoformat()}
-    return [r | meta for r in records]
+    return stamped(records, dev)
 
 
 def main() -> None:

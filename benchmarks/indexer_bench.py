@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 from collections.abc import Callable
 
 import torch
-import triton.testing
 
 from rackserve.ops import reference
 from rackserve.ops.triton import indexer, norm_rope
+
+from bench_timing import stamped, time_us
 
 PEAK_HBM, PEAK_FLOPS = 4.8e12, 989e12
 HEADS, DIM, TOPK, KV_DIM, PAGE = 64, 128, 512, 512, 64
@@ -39,18 +39,8 @@ TOKENS = (1, 64, 8192)
 EPS = 1e-6
 
 
-def _time(fn: Callable[[], object]) -> tuple[float, float | None]:
-    """(do_bench median, do_bench_cudagraph median) in microseconds."""
-    plain = triton.testing.do_bench(fn, return_mode="median") * 1e3
-    try:
-        graph = triton.testing.do_bench_cudagraph(fn, return_mode="median") * 1e3
-    except Exception:  # not capturable: the plain time only
-        graph = None
-    return plain, graph
-
-
 def _record(op: str, impl: str, shape: dict, nbytes: int, flops: int, fn: Callable) -> dict:
-    plain, graph = _time(fn)
+    plain, graph = time_us(fn)
     best = graph if graph is not None else plain
     roofline_us = max(nbytes / PEAK_HBM, flops / PEAK_FLOPS) * 1e6
     return {
@@ -227,9 +217,7 @@ def run(device: str = "cuda", sweep: bool = True) -> list[dict]:
     """Benchmark records of both parts (see the module docstring)."""
     records = run_indexer(device, sweep) + run_norm_rope(device)
     dev = torch.device(device)
-    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev)
-    meta = {"gpu": gpu, "date": datetime.date.today().isoformat()}
-    return [r | meta for r in records]
+    return stamped(records, dev)
 
 
 def main() -> None:

@@ -16,29 +16,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 from collections.abc import Callable
 
 import torch
-import triton.testing
 
 from rackserve.ops import reference
 from rackserve.ops.triton import mhc
 
+from bench_timing import stamped, time_us
+
 N, D = 4, 4096
 SINKHORN_ITERS, HC_EPS, NORM_EPS = 20, 1e-6, 1e-6
 TOKENS = (1, 64, 256, 8192)
-
-
-def _time(fn: Callable[[], object]) -> tuple[float, float | None]:
-    """(do_bench median, do_bench_cudagraph median) in microseconds."""
-    plain = triton.testing.do_bench(fn, return_mode="median") * 1e3
-    try:
-        graph = triton.testing.do_bench_cudagraph(fn, return_mode="median") * 1e3
-    except Exception:  # a reference op that cannot be captured: report the plain time only
-        graph = None
-    return plain, graph
 
 
 def _inputs(t: int, device: str) -> dict[str, torch.Tensor]:
@@ -75,7 +65,7 @@ def _variants(t: int, device: torch.device) -> dict[str, mhc.Tiling]:
 
 
 def _record(op: str, impl: str, t: int, nbytes: int, fn: Callable[[], object]) -> dict:
-    plain, graph = _time(fn)
+    plain, graph = time_us(fn)
     best = graph if graph is not None else plain
     return {
         "kind": "mhc_bench",
@@ -143,9 +133,7 @@ def run(device: str = "cuda", tokens: tuple[int, ...] = TOKENS, sweep: bool = Tr
                 rec["max_abs_err"] = (kernel(tiling).float() - expected).abs().max().item()
                 records.append(rec)
             records.append(_record(op, "reference", t, nbytes, ref))
-    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev)
-    meta = {"gpu": gpu, "date": datetime.date.today().isoformat()}
-    return [r | meta for r in records]
+    return stamped(records, dev)
 
 
 def main() -> None:

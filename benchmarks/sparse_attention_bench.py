@@ -17,30 +17,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 from collections.abc import Callable
 
 import torch
-import triton.testing
 
 from rackserve.ops import reference
 from rackserve.ops.triton import sparse_attn
+
+from bench_timing import stamped, time_us
 
 H, DH, ROPE, WA = 64, 512, 64, 128
 QUERIES = (1, 64, 256)
 COMPRESSED = {32: DH, 512: DH + 128}  # Wb -> entry row width (HCA, CSA)
 PEAK_BYTES, PEAK_FLOPS = 4.8e12, 989e12
-
-
-def _time(fn: Callable[[], object]) -> tuple[float, float | None]:
-    """(do_bench median, do_bench_cudagraph median) in microseconds."""
-    plain = triton.testing.do_bench(fn, return_mode="median") * 1e3
-    try:
-        graph = triton.testing.do_bench_cudagraph(fn, return_mode="median") * 1e3
-    except Exception:  # a reference op that cannot be captured: the plain time only
-        graph = None
-    return plain, graph
 
 
 def _inputs(s: int, wb: int, device: str) -> tuple:
@@ -102,7 +92,7 @@ def run(device: str = "cuda", queries: tuple[int, ...] = QUERIES, sweep: bool = 
             for impl, fn in impls.items():
                 try:
                     err = (fn().float() - expected).abs().max().item()
-                    plain, graph = _time(fn)
+                    plain, graph = time_us(fn)
                 except Exception as e:  # a variant that does not compile (smem, registers)
                     records.append({"impl": impl, "queries": s, "wb": wb, "error": repr(e)[:300]})
                     continue
@@ -126,9 +116,7 @@ def run(device: str = "cuda", queries: tuple[int, ...] = QUERIES, sweep: bool = 
                         "max_abs_err": None if impl == "reference" else err,
                     }
                 )
-    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev)
-    meta = {"gpu": gpu, "date": datetime.date.today().isoformat()}
-    return [r | meta for r in records]
+    return stamped(records, dev)
 
 
 def main() -> None:
