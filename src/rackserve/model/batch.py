@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rackserve.kv.spec import CacheGroupSpec
@@ -177,12 +178,15 @@ def _compression(
     return Compression(src, missing, torch.where(valid, dst, 0), entry * r)
 
 
-def closing_tokens(
-    positions: Sequence[int] | torch.Tensor, ratios: Sequence[int], device: torch.device | str
-) -> dict[int, torch.Tensor]:
-    """Exact closing-token lists for an eager step (host positions -> device indices)."""
-    pos = torch.as_tensor(positions, dtype=torch.int64, device="cpu")
-    return {r: torch.nonzero((pos + 1) % r == 0).flatten().to(device) for r in set(ratios)}
+def compressed_ratios(groups: Sequence[CacheGroupSpec]) -> list[int]:
+    """The compression ratios of the model's compressed groups, ascending."""
+    return sorted({g.ratio for g in groups if g.ratio > 1})
+
+
+def closing_tokens(positions: np.ndarray, ratios: Sequence[int]) -> dict[int, np.ndarray]:
+    """Host side of an eager step: per ratio r, the flat indices [n] of the tokens whose
+    position closes a window ((pos + 1) % r == 0). positions: [T] int64."""
+    return {r: np.flatnonzero((positions + 1) % r == 0) for r in ratios}
 
 
 class KVCacheTensors:

@@ -9,7 +9,12 @@ from __future__ import annotations
 import torch
 
 from rackserve.kv.spec import cache_groups_for
-from rackserve.model.batch import KVCacheTensors, StepMetadata, closing_tokens
+from rackserve.model.batch import (
+    KVCacheTensors,
+    StepMetadata,
+    closing_tokens,
+    compressed_ratios,
+)
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 
 
@@ -38,13 +43,14 @@ class ContiguousCache:
         )
         token_req = torch.repeat_interleave(torch.arange(len(reqs)), torch.tensor(num_new))
         rows = torch.tensor(reqs, device=device)
+        closing = closing_tokens(positions.numpy(), compressed_ratios(self.groups))
         return StepMetadata.build(
             self.groups,
             positions.to(device),
             token_req.to(device),
             {name: table[rows] for name, table in self.block_tables.items()},
             max(c + n for c, n in zip(num_computed, num_new, strict=True)),
-            closing_tokens(positions, [g.ratio for g in self.groups if g.ratio > 1], device),
+            {r: torch.from_numpy(tokens).to(device) for r, tokens in closing.items()},
         )
 
 

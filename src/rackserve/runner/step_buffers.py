@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from rackserve.kv.spec import CacheGroupSpec
-from rackserve.model.batch import StepMetadata
+from rackserve.model.batch import StepMetadata, closing_tokens, compressed_ratios
 from rackserve.runner.inputs import BlockTables, StepInputs
 
 
@@ -44,7 +44,7 @@ class StepBuffers:
         }
         self._staging: list[torch.Tensor] = []
         self._next = 0
-        self.ratios = sorted({g.ratio for g in self.groups if g.ratio > 1})
+        self.ratios = compressed_ratios(self.groups)
 
     # ---- the one copy -------------------------------------------------------------------------
     def upload(self, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
@@ -83,7 +83,7 @@ class StepBuffers:
     ) -> tuple[torch.Tensor, StepMetadata, torch.Tensor]:
         """Upload one step; returns (input_ids [T], metadata, logits_indices [S])."""
         positions = inputs.positions
-        closing = [np.flatnonzero((positions + 1) % r == 0) for r in self.ratios]
+        closing = list(closing_tokens(positions, self.ratios).values())
         write_index, write_values = table_writes
         arrays = [
             inputs.input_ids,
