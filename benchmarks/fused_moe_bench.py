@@ -63,6 +63,10 @@ def _variants(t: int, device: torch.device) -> dict[str, fused_moe.Tiling]:
         "down_n128_s3": rep(base, down_block_n=128, down_stages=3),
         "down_n128_s3_w8": rep(base, down_block_n=128, down_stages=3, down_warps=8),
         "down_k64_s5": rep(base, down_block_k=64, down_stages=5),
+        "down_n256_k64_s4_w8": rep(
+            base, down_block_n=256, down_block_k=64, down_stages=4, down_warps=8
+        ),
+        "down_n256_k64_s3": rep(base, down_block_n=256, down_block_k=64, down_stages=3),
         "w8": rep(base, gate_up_warps=8, down_warps=8),
         "seg256": rep(base, align_segment=256),
         "seg512": rep(base, align_segment=512),

@@ -86,17 +86,22 @@ def default_tiling(
     hit_experts = min(num_experts, pairs)
     narrow = hit_experts * triton.cdiv(inter, 64) < 3 * _num_sms(device)
     block_k = 64 if dtype == torch.float32 else 128  # 3 stages of fp32 tiles fill the SMEM
+    # With 32-row blocks each down program re-reads a [32, I] fp32 slab of h per n-tile:
+    # 128-wide n-tiles halve that traffic (H200, 256 tokens: 1127 -> 1003 us per layer,
+    # benchmarks/results/2026-12-01-h200-s3-moe-sweep.json); 3 stages keep it in SMEM.
+    wide_down = block_m >= 32
     return Tiling(
         block_m=block_m,
         gate_up_block_n=32 if narrow else 64,
         gate_up_block_k=block_k,
         gate_up_warps=4,
         gate_up_stages=4,
-        down_block_n=64,
+        down_block_n=128 if wide_down else 64,
         down_block_k=block_k,
         down_warps=4,
-        down_stages=4,
-        align_segment=2048,
+        down_stages=3 if wide_down else 4,
+        # up to 512 pairs one align launch; more: 256-pair segments counted in parallel
+        align_segment=512 if pairs <= 512 else 256,
         sum_block_d=1024,
     )
 
