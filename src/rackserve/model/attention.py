@@ -179,10 +179,17 @@ class Attention(nn.Module):
             )  # fmt: skip
             entries[plan.dst, entry_cols] = new.to(entries.dtype)
 
-    def forward(self, x: torch.Tensor, meta: StepMetadata, caches: KVCacheTensors) -> torch.Tensor:
-        # x: [T, D] (the normed block input) -> [T, D]
+    def forward(
+        self,
+        x: torch.Tensor,
+        meta: StepMetadata,
+        caches: KVCacheTensors,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        # x: [T, D] (the normed block input) -> [T, D]; rope: this step's (cos, sin) of
+        # ``self.rotary`` when the model computed them once for every layer
         t, k = x.shape[0], self.kernels
-        cos, sin = self.rotary(meta.positions, x.dtype)
+        cos, sin = self.rotary(meta.positions, x.dtype) if rope is None else rope
         q_residual = k.rms_norm(self.wq_a(x), self.q_norm.weight, self.eps)
         q = self.wq_b(q_residual).view(t, self.num_heads, self.head_dim)
         q = k.rms_norm_rope(q, None, self.eps, cos, sin)  # unweighted per-head norm
@@ -192,19 +199,23 @@ class Attention(nn.Module):
         if self.ratio:
             self._update_compressed(x, meta, caches)
 
-        out = torch.empty_like(q)
         window = meta.gather["swa"]
         chunk = self._chunk_tokens(t, meta.max_seq_len, x.element_size())
+        out = torch.empty_like(q) if chunk < t else None  # one chunk: no copy into `out`
         for a in range(0, t, chunk):
             rows = slice(a, min(a + chunk, t))
             entries, slots, valid = self._compressed_rows(
                 meta, caches, rows, x[rows], q_residual[rows], cos[rows], sin[rows]
             )
             # K = V carried RoPE into the output's rope slice: the op rotates it back
-            out[rows] = k.paged_sparse_attention(
+            o = k.paged_sparse_attention(
                 q[rows], swa, window.slots[rows], entries, slots, valid, self.attn_sink,
                 self.head_dim**-0.5, cos[rows], sin[rows],
             )  # fmt: skip
+            if out is None:
+                out = o
+            else:
+                out[rows] = o
         return self.wo_b(self.wo_a(out.view(t, self.o_groups, -1)))
 
     def _chunk_tokens(self, num_tokens: int, max_seq_len: int, element_size: int) -> int:

@@ -96,14 +96,15 @@ class Kernels:
     rms_norm_rope: Callable
 
 
-def _on_cuda(module: str, name: str, ref: Callable) -> Callable:
+def _on_cuda(module: str, name: str, ref: Callable, everywhere: bool = False) -> Callable:
     """Call ``module.name`` (a Triton kernel) when the first tensor argument is on a CUDA
-    device, else ``ref``. The kernel module is imported on the first CUDA call only, so a
-    CPU-only run never imports Triton (and tests choose its interpreter first)."""
+    device (``everywhere``: on any device), else ``ref``. The kernel module is imported on
+    the first such call only, so a CPU-only run never imports Triton (and tests choose its
+    interpreter first)."""
     fast: list[Callable] = []
 
     def dispatch(x, *args, **kwargs):
-        if not x.is_cuda:
+        if not (x.is_cuda or everywhere):
             return ref(x, *args, **kwargs)
         if not fast:
             fast.append(getattr(importlib.import_module(module), name))
@@ -118,20 +119,22 @@ def _on_cuda(module: str, name: str, ref: Callable) -> Callable:
 FUSED_MOE_MAX_TOKENS = 256
 
 
-def _moe(x, *args, **kwargs):
-    if x.is_cuda and x.shape[0] <= FUSED_MOE_MAX_TOKENS:
-        return _fused_moe(x, *args, **kwargs)
-    if x.is_cuda and grouped_mm_supported(x):
-        return moe_experts_grouped(x, *args, **kwargs)
-    return reference.moe_experts(x, *args, **kwargs)
+def _moe_for(fused: Callable) -> Callable:
+    def moe(x, *args, **kwargs):
+        if x.shape[0] <= FUSED_MOE_MAX_TOKENS:
+            return fused(x, *args, **kwargs)
+        if x.is_cuda and grouped_mm_supported(x):
+            return moe_experts_grouped(x, *args, **kwargs)
+        return reference.moe_experts(x, *args, **kwargs)
 
-
-_fused_moe = _on_cuda("rackserve.ops.triton.fused_moe", "moe_experts", reference.moe_experts)
+    return moe
 
 
 def kernels(name: str = "auto") -> Kernels:
-    """The op table for ``name`` in :data:`KERNEL_CHOICES`."""
-    if name not in KERNEL_CHOICES:
+    """The op table for ``name`` in :data:`KERNEL_CHOICES`, or "triton": the fast
+    implementations on every device (on CPU only under ``TRITON_INTERPRET=1``: the tests
+    that run the whole fast path, and the launch counts, use it)."""
+    if name not in (*KERNEL_CHOICES, "triton"):
         raise ValueError(f"unknown kernels {name!r}: choose one of {', '.join(KERNEL_CHOICES)}")
     ops = [f.name for f in dataclasses.fields(Kernels) if f.name != "name"]
     ref = Kernels("reference", **{op: getattr(reference, op) for op in ops})
@@ -150,8 +153,12 @@ def kernels(name: str = "auto") -> Kernels:
         "apply_rope": "norm_rope",
         "rms_norm_rope": "norm_rope",
     }
+    everywhere = name == "triton"
     fast = {
-        op: _on_cuda(f"rackserve.ops.triton.{module}", op, getattr(ref, op))
+        op: _on_cuda(f"rackserve.ops.triton.{module}", op, getattr(ref, op), everywhere)
         for op, module in triton_ops.items()
     }
-    return Kernels("auto", moe_experts=_moe, **fast)
+    fused_moe = _on_cuda(
+        "rackserve.ops.triton.fused_moe", "moe_experts", reference.moe_experts, everywhere
+    )
+    return Kernels(name, moe_experts=_moe_for(fused_moe), **fast)
