@@ -24,11 +24,12 @@ over them. Queries are processed in chunks only to bound the gathered bytes.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from rackserve.config import CSA, HCA, SLIDING, ModelConfig
 from rackserve.model.batch import KVCacheTensors, StepMetadata
-from rackserve.model.layers import GroupedLinear, RMSNorm, Rotary
+from rackserve.model.layers import FusedWeights, GroupedLinear, RMSNorm, Rotary
 from rackserve.ops import Kernels
 
 
@@ -77,6 +78,7 @@ class Indexer(nn.Module):
         key_cache: torch.Tensor,
         slots: torch.Tensor,
         num_visible: torch.Tensor,
+        head_logits: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Top-k compressed entries per query.
 
@@ -85,11 +87,14 @@ class Indexer(nn.Module):
         0..E-1 of each query's request; num_visible: [S]. Returns entry ids
         [S, min(topk, E)], best first; ids >= num_visible are not visible (the caller masks).
         Ties (common with few index heads: relu zeroes whole scores) go to the earliest
-        entry, so the choice never depends on how the prompt was chunked.
+        entry, so the choice never depends on how the prompt was chunked. head_logits:
+        ``weights_proj(x)`` [S, index heads] when the caller's fused projection made it.
         """
         s, k = x.shape[0], self.kernels
         q = k.apply_rope(self.wq_b(q_residual).view(s, self.num_heads, self.head_dim), cos, sin)
-        weights = self.weights_proj(x).float() * self.num_heads**-0.5
+        if head_logits is None:
+            head_logits = self.weights_proj(x)
+        weights = head_logits.float() * self.num_heads**-0.5
         num = min(self.topk, slots.shape[1])
         return k.paged_indexer_topk(
             q, key_cache, slots, weights, self.head_dim**-0.5, num_visible, num
@@ -136,6 +141,42 @@ class Attention(nn.Module):
             self.compressor = Compressor(cfg, self.head_dim, self.ratio, overlap=False)
         else:
             assert kind == SLIDING, kind
+        self._x_proj = self._fuse_x_projections()
+
+    def _fuse_x_projections(self) -> FusedWeights:
+        """Every projection of the layer input x as one weight [sum of widths, D], for the
+        fast path's single GEMM: wq_a, wkv, the compressors' wkv + wgate (in the order of
+        the state rows), the indexer's weights_proj."""
+        linears = [self.wq_a, self.wkv]
+        if self.ratio:
+            for comp, _, _ in self._compressors():
+                linears += [comp.wkv, comp.wgate]
+        if self.kind == CSA:
+            linears.append(self.indexer.weights_proj)
+        sizes = [lin.out_features for lin in linears]
+        return FusedWeights(
+            [(lin, "weight") for lin in linears],
+            lambda p: torch.cat(p),
+            lambda f: list(f.split(sizes)),
+        )
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [T, D] -> (wq_a x, wkv x, state rows [T, state width] or None, the indexer's
+        weights_proj x or None): one GEMM on the fast path, column views of its output."""
+        if not self.kernels.fast(x):
+            state = None
+            if self.ratio:
+                state = torch.cat([c.rows(x) for c, _, _ in self._compressors()], dim=-1)
+            head_logits = self.indexer.weights_proj(x) if self.kind == CSA else None
+            return self.wq_a(x), self.wkv(x), state, head_logits
+        y = F.linear(x, self._x_proj.get())
+        q_lora, width = self.wq_a.out_features, self.head_dim
+        state_end = q_lora + width + (self.compressor.wkv.out_features * 2 if self.ratio else 0)
+        if self.kind == CSA:
+            state_end += self.indexer.compressor.wkv.out_features * 2
+        state = y[:, q_lora + width : state_end] if self.ratio else None
+        head_logits = y[:, state_end:] if self.kind == CSA else None
+        return y[:, :q_lora], y[:, q_lora : q_lora + width], state, head_logits
 
     # ---- cache layout of this layer ---------------------------------------------------------
     @property
@@ -159,14 +200,14 @@ class Attention(nn.Module):
         ]
 
     def _update_compressed(
-        self, x: torch.Tensor, meta: StepMetadata, caches: KVCacheTensors
+        self, rows: torch.Tensor, meta: StepMetadata, caches: KVCacheTensors
     ) -> None:
-        """Write this step's raw rows, then emit the entry of every window that closed
-        (``meta.compression``: which windows, from which state rows, into which slots)."""
+        """Write this step's raw rows [T, state width], then emit the entry of every window
+        that closed (``meta.compression``: which windows, from which state rows, into which
+        slots)."""
         state = caches.flat(self.state_group, self.layer_id)
         entries = caches.flat(self.entry_group, self.layer_id)
         parts = self._compressors()
-        rows = torch.cat([c.rows(x) for c, _, _ in parts], dim=-1)  # [T, state width]
         state[meta.slot_mapping[self.state_group]] = rows.to(state.dtype)
         plan = meta.compression[self.entry_group]
         if plan.dst.numel() == 0:
@@ -190,14 +231,15 @@ class Attention(nn.Module):
         # ``self.rotary`` when the model computed them once for every layer
         t, k = x.shape[0], self.kernels
         cos, sin = self.rotary(meta.positions, x.dtype) if rope is None else rope
-        q_residual = k.rms_norm(self.wq_a(x), self.q_norm.weight, self.eps)
+        q_a, kv, state_rows, head_logits = self._project(x)
+        q_residual = k.rms_norm(q_a, self.q_norm.weight, self.eps)
         q = self.wq_b(q_residual).view(t, self.num_heads, self.head_dim)
         q = k.rms_norm_rope(q, None, self.eps, cos, sin)  # unweighted per-head norm
-        kv = k.rms_norm_rope(self.wkv(x), self.norm.weight, self.eps, cos, sin)  # [T, Dh]
+        kv = k.rms_norm_rope(kv, self.norm.weight, self.eps, cos, sin)  # [T, Dh]
         swa = caches.flat("swa", self.layer_id)
         swa[meta.slot_mapping["swa"]] = kv.to(swa.dtype)
-        if self.ratio:
-            self._update_compressed(x, meta, caches)
+        if state_rows is not None:
+            self._update_compressed(state_rows, meta, caches)
 
         window = meta.gather["swa"]
         chunk = self._chunk_tokens(t, meta.max_seq_len, x.element_size())
@@ -205,8 +247,9 @@ class Attention(nn.Module):
         for a in range(0, t, chunk):
             rows = slice(a, min(a + chunk, t))
             entries, slots, valid = self._compressed_rows(
-                meta, caches, rows, x[rows], q_residual[rows], cos[rows], sin[rows]
-            )
+                meta, caches, rows, x[rows], q_residual[rows], cos[rows], sin[rows],
+                None if head_logits is None else head_logits[rows],
+            )  # fmt: skip
             # K = V carried RoPE into the output's rope slice: the op rotates it back
             o = k.paged_sparse_attention(
                 q[rows], swa, window.slots[rows], entries, slots, valid, self.attn_sink,
@@ -236,6 +279,7 @@ class Attention(nn.Module):
         q_residual: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
+        head_logits: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The compressed rows the queries of ``rows`` attend to besides their window.
 
@@ -254,8 +298,9 @@ class Attention(nn.Module):
         if self.kind == CSA:  # entry rows are [kv (Dh) | indexer key (Di)]
             num_visible = plan.num_visible[rows]
             ids = self.indexer.select(
-                x, q_residual, cos, sin, entries[:, self.head_dim :], slots, num_visible
-            )
+                x, q_residual, cos, sin, entries[:, self.head_dim :], slots, num_visible,
+                head_logits,
+            )  # fmt: skip
             slots, picked = slots.gather(1, ids), ids < num_visible[:, None]
         else:
             picked = plan.valid[rows]

@@ -17,6 +17,8 @@ import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from rackserve.ops import reference
 from rackserve.ops.grouped_moe import grouped_mm_supported, moe_experts_grouped
 from rackserve.ops.reference import (
@@ -38,6 +40,7 @@ from rackserve.ops.reference import (
     rms_norm_rope,
     rope_cos_sin,
     route,
+    route_fused,
     router_scores,
     sinkhorn,
     sparse_attention,
@@ -67,6 +70,7 @@ __all__ = [
     "rms_norm_rope",
     "rope_cos_sin",
     "route",
+    "route_fused",
     "router_scores",
     "sinkhorn",
     "sparse_attention",
@@ -91,9 +95,16 @@ class Kernels:
     paged_indexer_topk: Callable
     compress_pool: Callable
     route: Callable
+    route_fused: Callable
     rms_norm: Callable
     apply_rope: Callable
     rms_norm_rope: Callable
+
+    def fast(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` takes the fast implementations (then the model also fuses its
+        weights: one GEMM for the projections of the layer input, the shared expert as
+        one more expert); the reference path keeps the checkpoint's module structure."""
+        return self.name == "triton" or (self.name == "auto" and x.is_cuda)
 
 
 def _on_cuda(module: str, name: str, ref: Callable, everywhere: bool = False) -> Callable:
@@ -149,6 +160,7 @@ def kernels(name: str = "auto") -> Kernels:
         "paged_indexer_topk": "indexer",
         "compress_pool": "compress",
         "route": "route",
+        "route_fused": "route",
         "rms_norm": "norm_rope",
         "apply_rope": "norm_rope",
         "rms_norm_rope": "norm_rope",

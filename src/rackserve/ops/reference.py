@@ -423,3 +423,36 @@ def rms_norm_rope(
     x's dtype, as the unfused ops do (the q and kv paths of attention).
     """
     return apply_rope(rms_norm(x, weight, eps), cos, sin)
+
+
+def route_fused(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    table: torch.Tensor | None,
+    input_ids: torch.Tensor,
+    top_k: int,
+    scoring_func: str,
+    scaling: float,
+    shared_expert: int | None = None,
+    expert_counts: torch.Tensor | None = None,
+    token_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``route``, then the MoE's bookkeeping, so that one kernel can do all of it.
+
+    expert_counts: optional [E] int64 accumulator: += the routed picks of every token where
+    ``token_mask`` [T] bool is True (None: every token). shared_expert: when given, the
+    shared expert's id (E: its weights stacked after the routed ones) is appended to every
+    token's picks with weight 1.0. Returns ids [T, k (+1)] int64, weights [T, k (+1)] f32.
+    """
+    ids, weights = route(x, weight, bias, table, input_ids, top_k, scoring_func, scaling)
+    if expert_counts is not None:
+        ones = torch.ones_like(ids, dtype=expert_counts.dtype)
+        if token_mask is not None:
+            ones = ones * token_mask[:, None]
+        expert_counts.index_add_(0, ids.flatten(), ones.flatten())
+    if shared_expert is not None:
+        shared = torch.full_like(ids[:, :1], shared_expert)
+        ids = torch.cat([ids, shared], dim=1)
+        weights = torch.cat([weights, torch.ones_like(weights[:, :1])], dim=1)
+    return ids, weights
