@@ -14,7 +14,10 @@ from rackserve.model.generate import ContiguousCache
 from rackserve.model.presets import tiny_config
 from rackserve.ops.launches import count_layer_launches
 
-MAX_LAUNCHES_PER_LAYER = 33  # lowered as the fusions land (M2 gate: 20)
+MAX_LAUNCHES_PER_LAYER = 20
+# the CSA layer's extra launches: the indexer (q_b GEMM, q rope, weight scaling, logits,
+# top-k) and the selection (gather, compare, concat)
+MAX_LAUNCHES = {"compressed_sparse_attention": 27}
 
 
 def _models(num_layers: int = 3, num_experts: int = 8):
@@ -56,7 +59,8 @@ def test_decode_layer_launch_count():
     per_layer = {name: counter.total(name) for name in names}
     print(per_layer, "outside:", counter.total("outside"))
     for name in names:
-        assert per_layer[name] <= MAX_LAUNCHES_PER_LAYER, (name, counter.by_scope[name])
+        limit = MAX_LAUNCHES.get(name.split(":")[1], MAX_LAUNCHES_PER_LAYER)
+        assert per_layer[name] <= limit, (name, counter.by_scope[name])
 
 
 @torch.inference_mode()

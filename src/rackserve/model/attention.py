@@ -199,26 +199,22 @@ class Attention(nn.Module):
             (idx, slice(2 * main.row, 2 * main.row + 2 * idx.row), slice(self.head_dim, None)),
         ]
 
-    def _update_compressed(
-        self, rows: torch.Tensor, meta: StepMetadata, caches: KVCacheTensors
-    ) -> None:
-        """Write this step's raw rows [T, state width], then emit the entry of every window
-        that closed (``meta.compression``: which windows, from which state rows, into which
-        slots)."""
-        state = caches.flat(self.state_group, self.layer_id)
-        entries = caches.flat(self.entry_group, self.layer_id)
-        parts = self._compressors()
-        state[meta.slot_mapping[self.state_group]] = rows.to(state.dtype)
+    def _compress(self, meta: StepMetadata, caches: KVCacheTensors) -> None:
+        """Emit the entry of every window that closed this step (``meta.compression``:
+        which windows, from which state rows, into which slots); the state rows of this
+        step are already written."""
         plan = meta.compression[self.entry_group]
         if plan.dst.numel() == 0:
             return
-        rotary = self.rotary
-        for comp, row_cols, entry_cols in parts:
-            new = self.kernels.compress_pool(
-                state, plan.src, plan.missing, row_cols.start, comp.ape, comp.norm.weight,
-                comp.norm.eps, plan.positions, rotary.inv_freq, rotary.scale,
-            )  # fmt: skip
-            entries[plan.dst, entry_cols] = new.to(entries.dtype)
+        parts = [
+            (rows.start, comp.ape, comp.norm.weight, cols.start)
+            for comp, rows, cols in self._compressors()
+        ]
+        self.kernels.compress_entries(
+            caches.flat(self.state_group, self.layer_id), plan.src, plan.missing, plan.dst,
+            caches.flat(self.entry_group, self.layer_id), parts, self.compressor.norm.eps,
+            plan.positions, self.rotary.inv_freq, self.rotary.scale,
+        )  # fmt: skip
 
     def forward(
         self,
@@ -235,11 +231,17 @@ class Attention(nn.Module):
         q_residual = k.rms_norm(q_a, self.q_norm.weight, self.eps)
         q = self.wq_b(q_residual).view(t, self.num_heads, self.head_dim)
         q = k.rms_norm_rope(q, None, self.eps, cos, sin)  # unweighted per-head norm
-        kv = k.rms_norm_rope(kv, self.norm.weight, self.eps, cos, sin)  # [T, Dh]
         swa = caches.flat("swa", self.layer_id)
-        swa[meta.slot_mapping["swa"]] = kv.to(swa.dtype)
-        if state_rows is not None:
-            self._update_compressed(state_rows, meta, caches)
+        state, state_slots = None, None
+        if self.ratio:
+            state = caches.flat(self.state_group, self.layer_id)
+            state_slots = meta.slot_mapping[self.state_group]
+        k.kv_insert(  # kv: normed + roped into the window; the compressor's raw rows
+            kv, self.norm.weight, self.eps, cos, sin, swa, meta.slot_mapping["swa"],
+            state_rows, state, state_slots,
+        )  # fmt: skip
+        if self.ratio:
+            self._compress(meta, caches)
 
         window = meta.gather["swa"]
         chunk = self._chunk_tokens(t, meta.max_seq_len, x.element_size())
@@ -302,6 +304,5 @@ class Attention(nn.Module):
                 head_logits,
             )  # fmt: skip
             slots, picked = slots.gather(1, ids), ids < num_visible[:, None]
-        else:
-            picked = plan.valid[rows]
-        return entries, slots, torch.cat([window_valid, picked], dim=1)
+            return entries, slots, torch.cat([window_valid, picked], dim=1)
+        return entries, slots, meta.window_and_entries_valid(self.entry_group)[rows]

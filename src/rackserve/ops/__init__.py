@@ -23,6 +23,7 @@ from rackserve.ops import reference
 from rackserve.ops.grouped_moe import grouped_mm_supported, moe_experts_grouped
 from rackserve.ops.reference import (
     apply_rope,
+    compress_entries,
     compress_pool,
     compress_windows,
     hc_collapse,
@@ -33,6 +34,7 @@ from rackserve.ops.reference import (
     hc_pre,
     hc_weights,
     indexer_topk,
+    kv_insert,
     moe_experts,
     paged_indexer_topk,
     paged_sparse_attention,
@@ -52,6 +54,7 @@ __all__ = [
     "KERNEL_CHOICES",
     "Kernels",
     "apply_rope",
+    "compress_entries",
     "compress_pool",
     "compress_windows",
     "hc_collapse",
@@ -63,6 +66,7 @@ __all__ = [
     "hc_weights",
     "indexer_topk",
     "kernels",
+    "kv_insert",
     "moe_experts",
     "paged_indexer_topk",
     "paged_sparse_attention",
@@ -99,6 +103,8 @@ class Kernels:
     rms_norm: Callable
     apply_rope: Callable
     rms_norm_rope: Callable
+    kv_insert: Callable
+    compress_entries: Callable
 
     def fast(self, x: torch.Tensor) -> bool:
         """Whether ``x`` takes the fast implementations (then the model also fuses its
@@ -164,6 +170,8 @@ def kernels(name: str = "auto") -> Kernels:
         "rms_norm": "norm_rope",
         "apply_rope": "norm_rope",
         "rms_norm_rope": "norm_rope",
+        "kv_insert": "norm_rope",
+        "compress_entries": "compress",
     }
     everywhere = name == "triton"
     fast = {

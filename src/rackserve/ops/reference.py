@@ -10,6 +10,8 @@ computed in float32 and cast back to the activation dtype once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -456,3 +458,53 @@ def route_fused(
         ids = torch.cat([ids, shared], dim=1)
         weights = torch.cat([weights, torch.ones_like(weights[:, :1])], dim=1)
     return ids, weights
+
+
+def kv_insert(
+    kv: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    swa: torch.Tensor,
+    swa_slots: torch.Tensor,
+    rows: torch.Tensor | None = None,
+    state: torch.Tensor | None = None,
+    state_slots: torch.Tensor | None = None,
+) -> None:
+    """Write one step's rows into a layer's caches (in place; returns nothing).
+
+    kv: [T, C] the raw kv projection: normed (``weight`` [C]) and roped (cos, sin [T, R/2])
+    into ``swa`` [N, C] at ``swa_slots`` [T]; rows: [T, W] the compressor's raw rows, copied
+    into ``state`` [Ns, W] at ``state_slots`` [T] (None on sliding layers). Padded tokens
+    may share a (null-block) slot: which of them lands there is unspecified.
+    """
+    swa[swa_slots] = rms_norm_rope(kv, weight, eps, cos, sin).to(swa.dtype)
+    if rows is not None:
+        assert state is not None and state_slots is not None
+        state[state_slots] = rows.to(state.dtype)
+
+
+def compress_entries(
+    state: torch.Tensor,
+    src: torch.Tensor,
+    missing: torch.Tensor | None,
+    dst: torch.Tensor,
+    entries: torch.Tensor,
+    parts: Sequence[tuple[int, torch.Tensor, torch.Tensor, int]],
+    eps: float,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    rope_scale: float,
+) -> None:
+    """``compress_pool`` for each compressor of a layer, stored into the entry cache.
+
+    dst: [n] entry slots; entries: [N, W] (flat entry cache); parts: (state column, ape,
+    norm_weight, first entry column) per compressor (the CSA kv compressor and the
+    indexer's). Other arguments as ``compress_pool``. Writes in place, returns nothing.
+    """
+    for col, ape, norm_weight, out_col in parts:
+        new = compress_pool(
+            state, src, missing, col, ape, norm_weight, eps, positions, inv_freq, rope_scale
+        )
+        entries[dst, out_col : out_col + norm_weight.shape[0]] = new.to(entries.dtype)
