@@ -17,7 +17,7 @@ from rackserve.ops.launches import count_layer_launches
 MAX_LAUNCHES_PER_LAYER = 20
 # the CSA layer's extra launches: the indexer (q_b GEMM, q rope, weight scaling, logits,
 # top-k) and the selection (gather, compare, concat)
-MAX_LAUNCHES = {"compressed_sparse_attention": 27}
+MAX_LAUNCHES = {"compressed_sparse_attention": 25}
 
 
 def _models(num_layers: int = 3, num_experts: int = 8):
@@ -49,6 +49,7 @@ def _graph_step(cache: ContiguousCache, positions: list[int], max_len: int) -> S
 @torch.inference_mode()
 def test_decode_layer_launch_count():
     fast, _ = _models()
+    fast.cast(torch.bfloat16)  # as the GPU runs it (fp32 would hide the dtype casts)
     cache = ContiguousCache(fast, 3, 128)
     meta = _graph_step(cache, [63, 40, 0], 128)
     ids = torch.tensor([5, 7, 0])

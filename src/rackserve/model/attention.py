@@ -79,6 +79,7 @@ class Indexer(nn.Module):
         slots: torch.Tensor,
         num_visible: torch.Tensor,
         head_logits: torch.Tensor | None = None,
+        q_proj: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Top-k compressed entries per query.
 
@@ -88,10 +89,13 @@ class Indexer(nn.Module):
         [S, min(topk, E)], best first; ids >= num_visible are not visible (the caller masks).
         Ties (common with few index heads: relu zeroes whole scores) go to the earliest
         entry, so the choice never depends on how the prompt was chunked. head_logits:
-        ``weights_proj(x)`` [S, index heads] when the caller's fused projection made it.
+        ``weights_proj(x)`` [S, index heads] and q_proj: ``wq_b(q_residual)`` [S, heads * Di]
+        when the caller's fused projections made them.
         """
         s, k = x.shape[0], self.kernels
-        q = k.apply_rope(self.wq_b(q_residual).view(s, self.num_heads, self.head_dim), cos, sin)
+        if q_proj is None:
+            q_proj = self.wq_b(q_residual)
+        q = k.apply_rope(q_proj.view(s, self.num_heads, self.head_dim), cos, sin)
         if head_logits is None:
             head_logits = self.weights_proj(x)
         weights = head_logits.float() * self.num_heads**-0.5
@@ -142,6 +146,13 @@ class Attention(nn.Module):
         else:
             assert kind == SLIDING, kind
         self._x_proj = self._fuse_x_projections()
+        if kind == CSA:  # the two projections of q_residual: attention q, indexer q
+            sizes = [self.wq_b.out_features, self.indexer.wq_b.out_features]
+            self._q_proj = FusedWeights(
+                [(self.wq_b, "weight"), (self.indexer.wq_b, "weight")],
+                lambda p: torch.cat(p),
+                lambda f: list(f.split(sizes)),
+            )
 
     def _fuse_x_projections(self) -> FusedWeights:
         """Every projection of the layer input x as one weight [sum of widths, D], for the
@@ -229,7 +240,15 @@ class Attention(nn.Module):
         cos, sin = self.rotary(meta.positions, x.dtype) if rope is None else rope
         q_a, kv, state_rows, head_logits = self._project(x)
         q_residual = k.rms_norm(q_a, self.q_norm.weight, self.eps)
-        q = self.wq_b(q_residual).view(t, self.num_heads, self.head_dim)
+        q_index = None
+        if self.kind == CSA and k.fast(x):  # one GEMM for the attention and indexer q
+            q_both = F.linear(q_residual, self._q_proj.get())
+            q, q_index = q_both.split(
+                [self.wq_b.out_features, q_both.shape[1] - self.wq_b.out_features], 1
+            )
+        else:
+            q = self.wq_b(q_residual)
+        q = q.view(t, self.num_heads, self.head_dim)
         q = k.rms_norm_rope(q, None, self.eps, cos, sin)  # unweighted per-head norm
         swa = caches.flat("swa", self.layer_id)
         state, state_slots = None, None
@@ -251,6 +270,7 @@ class Attention(nn.Module):
             entries, slots, valid = self._compressed_rows(
                 meta, caches, rows, x[rows], q_residual[rows], cos[rows], sin[rows],
                 None if head_logits is None else head_logits[rows],
+                None if q_index is None else q_index[rows],
             )  # fmt: skip
             # K = V carried RoPE into the output's rope slice: the op rotates it back
             o = k.paged_sparse_attention(
@@ -282,6 +302,7 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         head_logits: torch.Tensor | None,
+        q_index: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The compressed rows the queries of ``rows`` attend to besides their window.
 
@@ -301,8 +322,8 @@ class Attention(nn.Module):
             num_visible = plan.num_visible[rows]
             ids = self.indexer.select(
                 x, q_residual, cos, sin, entries[:, self.head_dim :], slots, num_visible,
-                head_logits,
+                head_logits, q_index,
             )  # fmt: skip
-            slots, picked = slots.gather(1, ids), ids < num_visible[:, None]
-            return entries, slots, torch.cat([window_valid, picked], dim=1)
+            slots, valid = self.kernels.select_entries(ids, slots, num_visible, window_valid)
+            return entries, slots, valid
         return entries, slots, meta.window_and_entries_valid(self.entry_group)[rows]

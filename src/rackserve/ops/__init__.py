@@ -44,6 +44,7 @@ from rackserve.ops.reference import (
     route,
     route_fused,
     router_scores,
+    select_entries,
     sinkhorn,
     sparse_attention,
     swiglu,
@@ -76,6 +77,7 @@ __all__ = [
     "route",
     "route_fused",
     "router_scores",
+    "select_entries",
     "sinkhorn",
     "sparse_attention",
     "swiglu",
@@ -105,6 +107,7 @@ class Kernels:
     rms_norm_rope: Callable
     kv_insert: Callable
     compress_entries: Callable
+    select_entries: Callable
 
     def fast(self, x: torch.Tensor) -> bool:
         """Whether ``x`` takes the fast implementations (then the model also fuses its
@@ -172,6 +175,7 @@ def kernels(name: str = "auto") -> Kernels:
         "rms_norm_rope": "norm_rope",
         "kv_insert": "norm_rope",
         "compress_entries": "compress",
+        "select_entries": "select",
     }
     everywhere = name == "triton"
     fast = {

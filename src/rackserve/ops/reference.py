@@ -508,3 +508,20 @@ def compress_entries(
             state, src, missing, col, ape, norm_weight, eps, positions, inv_freq, rope_scale
         )
         entries[dst, out_col : out_col + norm_weight.shape[0]] = new.to(entries.dtype)
+
+
+def select_entries(
+    ids: torch.Tensor,
+    slots: torch.Tensor,
+    num_visible: torch.Tensor,
+    window_valid: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compressed rows CSA queries attend to: the slots of the indexer's picks and the
+    validity over [window | picks].
+
+    ids: [S, K] picked entry ids (< E); slots: [S, E] slots of each query's entries;
+    num_visible: [S] entries each query may see; window_valid: [S, W] bool. Returns
+    (slots [S, K], valid [S, W + K] bool: the window's, then pick < num_visible).
+    """
+    picked = ids < num_visible[:, None]
+    return slots.gather(1, ids), torch.cat([window_valid, picked], dim=1)
