@@ -71,36 +71,24 @@ class Indexer(nn.Module):
 
     def select(
         self,
-        x: torch.Tensor,
-        q_residual: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        q: torch.Tensor,
+        weights: torch.Tensor,
         key_cache: torch.Tensor,
         slots: torch.Tensor,
         num_visible: torch.Tensor,
-        head_logits: torch.Tensor | None = None,
-        q_proj: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Top-k compressed entries per query.
 
-        x: [S, D]; q_residual: [S, q_lora]; cos/sin at the query positions; key_cache: the
-        [N, C] rows whose first Di columns are index keys; slots: [S, E] rows of entries
-        0..E-1 of each query's request; num_visible: [S]. Returns entry ids
+        q: [S, heads, Di] the roped index queries (``wq_b(q_residual)``); weights: [S, heads]
+        float32 (``weights_proj(x) * heads**-0.5``), both made by the attention prologue;
+        key_cache: the [N, C] rows whose first Di columns are index keys; slots: [S, E] rows
+        of entries 0..E-1 of each query's request; num_visible: [S]. Returns entry ids
         [S, min(topk, E)], best first; ids >= num_visible are not visible (the caller masks).
         Ties (common with few index heads: relu zeroes whole scores) go to the earliest
-        entry, so the choice never depends on how the prompt was chunked. head_logits:
-        ``weights_proj(x)`` [S, index heads] and q_proj: ``wq_b(q_residual)`` [S, heads * Di]
-        when the caller's fused projections made them.
+        entry, so the choice never depends on how the prompt was chunked.
         """
-        s, k = x.shape[0], self.kernels
-        if q_proj is None:
-            q_proj = self.wq_b(q_residual)
-        q = k.apply_rope(q_proj.view(s, self.num_heads, self.head_dim), cos, sin)
-        if head_logits is None:
-            head_logits = self.weights_proj(x)
-        weights = head_logits.float() * self.num_heads**-0.5
         num = min(self.topk, slots.shape[1])
-        return k.paged_indexer_topk(
+        return self.kernels.paged_indexer_topk(
             q, key_cache, slots, weights, self.head_dim**-0.5, num_visible, num
         )
 
@@ -189,6 +177,17 @@ class Attention(nn.Module):
         head_logits = y[:, state_end:] if self.kind == CSA else None
         return y[:, :q_lora], y[:, q_lora : q_lora + width], state, head_logits
 
+    def _q_projections(self, q_residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """q_residual [T, q_lora] -> (``wq_b`` [T, H * Dh], CSA: the indexer's ``wq_b``
+        [T, heads * Di], else None); one GEMM on the fast path (column views)."""
+        if self.kind != CSA:
+            return self.wq_b(q_residual), None
+        if not self.kernels.fast(q_residual):
+            return self.wq_b(q_residual), self.indexer.wq_b(q_residual)
+        q_both = F.linear(q_residual, self._q_proj.get())
+        width = self.wq_b.out_features
+        return q_both[:, :width], q_both[:, width:]
+
     # ---- cache layout of this layer ---------------------------------------------------------
     @property
     def state_group(self) -> str:
@@ -240,24 +239,20 @@ class Attention(nn.Module):
         cos, sin = self.rotary(meta.positions, x.dtype) if rope is None else rope
         q_a, kv, state_rows, head_logits = self._project(x)
         q_residual = k.rms_norm(q_a, self.q_norm.weight, self.eps)
-        q_index = None
-        if self.kind == CSA and k.fast(x):  # one GEMM for the attention and indexer q
-            q_both = F.linear(q_residual, self._q_proj.get())
-            q, q_index = q_both.split(
-                [self.wq_b.out_features, q_both.shape[1] - self.wq_b.out_features], 1
-            )
-        else:
-            q = self.wq_b(q_residual)
-        q = q.view(t, self.num_heads, self.head_dim)
-        q = k.rms_norm_rope(q, None, self.eps, cos, sin)  # unweighted per-head norm
+        q, q_index = self._q_projections(q_residual)
         swa = caches.flat("swa", self.layer_id)
         state, state_slots = None, None
         if self.ratio:
             state = caches.flat(self.state_group, self.layer_id)
             state_slots = meta.slot_mapping[self.state_group]
-        k.kv_insert(  # kv: normed + roped into the window; the compressor's raw rows
-            kv, self.norm.weight, self.eps, cos, sin, swa, meta.slot_mapping["swa"],
-            state_rows, state, state_slots,
+        index_heads = self.indexer.num_heads if self.kind == CSA else 1
+        # q: per-head norm + RoPE; kv: norm + RoPE into the window, the compressor's raw
+        # rows into the state; CSA: the indexer's q RoPE and head weights
+        q, q_index, index_weights = k.attention_prologue(
+            q.view(t, self.num_heads, self.head_dim), kv, self.norm.weight, self.eps, cos, sin,
+            swa, meta.slot_mapping["swa"], state_rows, state, state_slots,
+            None if q_index is None else q_index.view(t, index_heads, -1), head_logits,
+            index_heads**-0.5,
         )  # fmt: skip
         if self.ratio:
             self._compress(meta, caches)
@@ -268,9 +263,9 @@ class Attention(nn.Module):
         for a in range(0, t, chunk):
             rows = slice(a, min(a + chunk, t))
             entries, slots, valid = self._compressed_rows(
-                meta, caches, rows, x[rows], q_residual[rows], cos[rows], sin[rows],
-                None if head_logits is None else head_logits[rows],
+                meta, caches, rows,
                 None if q_index is None else q_index[rows],
+                None if index_weights is None else index_weights[rows],
             )  # fmt: skip
             # K = V carried RoPE into the output's rope slice: the op rotates it back
             o = k.paged_sparse_attention(
@@ -297,12 +292,8 @@ class Attention(nn.Module):
         meta: StepMetadata,
         caches: KVCacheTensors,
         rows: slice,
-        x: torch.Tensor,
-        q_residual: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        head_logits: torch.Tensor | None,
         q_index: torch.Tensor | None,
+        index_weights: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The compressed rows the queries of ``rows`` attend to besides their window.
 
@@ -320,10 +311,10 @@ class Attention(nn.Module):
         slots = plan.slots[rows]  # [n, E]
         if self.kind == CSA:  # entry rows are [kv (Dh) | indexer key (Di)]
             num_visible = plan.num_visible[rows]
+            assert q_index is not None and index_weights is not None
             ids = self.indexer.select(
-                x, q_residual, cos, sin, entries[:, self.head_dim :], slots, num_visible,
-                head_logits, q_index,
-            )  # fmt: skip
+                q_index, index_weights, entries[:, self.head_dim :], slots, num_visible
+            )
             slots, valid = self.kernels.select_entries(ids, slots, num_visible, window_valid)
             return entries, slots, valid
         return entries, slots, meta.window_and_entries_valid(self.entry_group)[rows]

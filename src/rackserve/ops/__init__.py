@@ -23,6 +23,7 @@ from rackserve.ops import reference
 from rackserve.ops.grouped_moe import grouped_mm_supported, moe_experts_grouped
 from rackserve.ops.reference import (
     apply_rope,
+    attention_prologue,
     compress_entries,
     compress_pool,
     compress_windows,
@@ -55,6 +56,7 @@ __all__ = [
     "KERNEL_CHOICES",
     "Kernels",
     "apply_rope",
+    "attention_prologue",
     "compress_entries",
     "compress_pool",
     "compress_windows",
@@ -108,6 +110,7 @@ class Kernels:
     kv_insert: Callable
     compress_entries: Callable
     select_entries: Callable
+    attention_prologue: Callable
 
     def fast(self, x: torch.Tensor) -> bool:
         """Whether ``x`` takes the fast implementations (then the model also fuses its
@@ -176,6 +179,7 @@ def kernels(name: str = "auto") -> Kernels:
         "kv_insert": "norm_rope",
         "compress_entries": "compress",
         "select_entries": "select",
+        "attention_prologue": "attn_prologue",
     }
     everywhere = name == "triton"
     fast = {

@@ -525,3 +525,34 @@ def select_entries(
     """
     picked = ids < num_visible[:, None]
     return slots.gather(1, ids), torch.cat([window_valid, picked], dim=1)
+
+
+def attention_prologue(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    kv_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    swa: torch.Tensor,
+    swa_slots: torch.Tensor,
+    rows: torch.Tensor | None = None,
+    state: torch.Tensor | None = None,
+    state_slots: torch.Tensor | None = None,
+    index_q: torch.Tensor | None = None,
+    head_logits: torch.Tensor | None = None,
+    head_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Everything attention does to its projections before attending, as one op.
+
+    q: [T, H, Dh] (``wq_b`` output): the unweighted per-head norm + RoPE; kv, rows, the
+    caches and slots: ``kv_insert``; index_q: [T, Hi, Di] the indexer's q (RoPE only) and
+    head_logits: [T, Hi] (``weights_proj`` output, scaled by ``head_scale`` in float32),
+    CSA layers only. Returns (q [T, H, Dh], index q or None, index weights f32 or None).
+    """
+    kv_insert(kv, kv_weight, eps, cos, sin, swa, swa_slots, rows, state, state_slots)
+    q = rms_norm_rope(q, None, eps, cos, sin)
+    if index_q is None:
+        return q, None, None
+    assert head_logits is not None
+    return q, apply_rope(index_q, cos, sin), head_logits.float() * head_scale

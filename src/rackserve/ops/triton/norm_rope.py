@@ -31,7 +31,8 @@ _MAX_CHANNELS = 16384  # one row in registers
 
 
 @triton.jit
-def norm_rope_kernel(
+def norm_rope_rows(
+    pid,  # the program's block of rows
     x_ptr,  # [T, M, C] with unit channel stride
     w_ptr,  # [C] norm weight (unused unless WEIGHTED)
     cos_ptr,  # [T, R/2] (unused unless ROPE)
@@ -63,7 +64,7 @@ def norm_rope_kernel(
     COPY: tl.constexpr = 0,  # columns of the copied rows (0: no copy)
     BLOCK_COPY: tl.constexpr = 16,
 ):
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_ok = rows < num_rows
     token = rows // rows_per_token
     x_row = x_ptr + token.to(tl.int64) * stride_xt + (rows % rows_per_token) * stride_xm
@@ -131,6 +132,74 @@ def norm_rope_kernel(
         sin = sin.to(tl.float32)
         rotated = tl.join(even * cos - odd * sin, odd * cos + even * sin)
         tl.store(out_row[:, None, None] + offs, to_output(rotated, out_ptr), mask=mask)
+
+
+@triton.jit
+def norm_rope_kernel(
+    x_ptr,  # [T, M, C] with unit channel stride
+    w_ptr,  # [C] norm weight (unused unless WEIGHTED)
+    cos_ptr,  # [T, R/2] (unused unless ROPE)
+    sin_ptr,
+    out_ptr,  # [T, M, C] contiguous, x's dtype (SCATTER: cache rows [N, >= C], by slot)
+    out_slots_ptr,  # [T] SCATTER only: the cache row of each token (M = 1)
+    copy_src_ptr,  # [T, COPY] COPY only: rows copied to copy_dst[copy_slots[t]]
+    copy_dst_ptr,
+    copy_slots_ptr,
+    num_rows,  # T * M
+    rows_per_token,  # M
+    eps,
+    stride_xt,
+    stride_xm,
+    stride_ct,
+    stride_st,
+    stride_out,  # SCATTER only: the cache's row stride
+    stride_copy_src,
+    stride_copy_dst,
+    CHANNELS: tl.constexpr,  # C; constexpr so channel masks allow 16-byte vectors
+    HALF: tl.constexpr,  # R/2
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    NORM: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    ROPE: tl.constexpr,
+    SCATTER: tl.constexpr = False,
+    COPY: tl.constexpr = 0,  # columns of the copied rows (0: no copy)
+    BLOCK_COPY: tl.constexpr = 16,
+):
+    norm_rope_rows(
+        tl.program_id(0),
+        x_ptr,
+        w_ptr,
+        cos_ptr,
+        sin_ptr,
+        out_ptr,
+        out_slots_ptr,
+        copy_src_ptr,
+        copy_dst_ptr,
+        copy_slots_ptr,
+        num_rows,
+        rows_per_token,
+        eps,
+        stride_xt,
+        stride_xm,
+        stride_ct,
+        stride_st,
+        stride_out,
+        stride_copy_src,
+        stride_copy_dst,
+        CHANNELS,
+        HALF,
+        BLOCK_ROWS,
+        BLOCK_C,
+        BLOCK_HALF,
+        NORM,
+        WEIGHTED,
+        ROPE,
+        SCATTER,
+        COPY,
+        BLOCK_COPY,
+    )
 
 
 @functools.lru_cache(maxsize=8)
