@@ -126,7 +126,9 @@ def test_fused_weights_keep_the_checkpoint_layout():
     assert attn._x_proj.intact()
     q_lora = attn.wq_a.out_features
     assert (attn._x_proj.get()[q_lora : q_lora + attn.head_dim] == 0).all()
-    fast.cast(torch.bfloat16)
+    fast.cast(torch.bfloat16)  # fuses again at once: loading then copies into the views
+    assert attn._x_proj.intact() and attn._x_proj.get().dtype == torch.bfloat16
+    attn.wkv.weight.data = attn.wkv.weight.data.clone()  # as .to() would: no longer a view
     assert not attn._x_proj.intact()
     cache = ContiguousCache(fast, 3, 64)
     with torch.inference_mode():

@@ -177,6 +177,13 @@ class Attention(nn.Module):
         head_logits = y[:, state_end:] if self.kind == CSA else None
         return y[:, :q_lora], y[:, q_lora : q_lora + width], state, head_logits
 
+    def fuse_weights(self) -> None:
+        """Build the fast path's fused projection weights now (no-op on the reference path)."""
+        if self.kernels.fast(self.wq_a.weight):
+            self._x_proj.get()
+            if self.kind == CSA:
+                self._q_proj.get()
+
     def _q_projections(self, q_residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """q_residual [T, q_lora] -> (``wq_b`` [T, H * Dh], CSA: the indexer's ``wq_b``
         [T, heads * Di], else None); one GEMM on the fast path (column views)."""

@@ -243,8 +243,20 @@ class DeepseekV4ForCausalLM(nn.Module):
         return layer.hc_head(x, layer.norm), x
 
     def cast(self, dtype: torch.dtype) -> DeepseekV4ForCausalLM:
-        """Cast to ``dtype``, keeping the reference's float32 parameters in float32."""
+        """Cast to ``dtype``, keeping the reference's float32 parameters in float32; then
+        (fast path) fuse the weights, so that loading a checkpoint afterwards copies into
+        the fused tensors and no forward has to build them."""
         for name, param in self.named_parameters():
             if not name.endswith(FP32_PARAM_SUFFIXES) and param.is_floating_point():
                 param.data = param.data.to(dtype)
+        return self.fuse_weights()
+
+    def fuse_weights(self) -> DeepseekV4ForCausalLM:
+        """Build every fused weight of the fast path now (one GEMM for the projections of
+        a layer input, the shared expert as one more expert): parameters become views, so
+        checkpoint names and loading are unchanged. A no-op on the reference path; a
+        forward fuses again by itself when parameters were replaced since (``.to()``)."""
+        for module in self.modules():
+            if isinstance(module, (Attention, MoE)):
+                module.fuse_weights()
         return self

@@ -164,6 +164,15 @@ class MoE(nn.Module):
             out = out + self.shared_experts(x)
         return out
 
+    def fuse_weights(self) -> None:
+        """Build the fast path's expert weights with the shared expert now (no-op on the
+        reference path and with expert parallelism)."""
+        if self._with_shared is None or self.ep is not None:
+            return
+        if isinstance(self.experts, Experts) and self.kernels.fast(self.experts.w13):
+            for fused in self._with_shared:
+                fused.get()
+
     def _fast_forward(
         self,
         x: torch.Tensor,
