@@ -176,3 +176,69 @@ def test_v4_flash_sizes_on_gpu(norm_rope, t):
     got = norm_rope.rms_norm_rope(kv, w, EPS, cos, sin)
     ref = reference.rms_norm_rope(kv, w, EPS, cos, sin)
     assert_close(got, ref, reference.rms_norm_rope(kv.float(), w, EPS, cos, sin))
+
+
+# kv_insert: the kv row normed + roped straight into its window slot, the compressor's raw
+# rows (a column slice of a wider projection output) copied into their state slots
+INSERT_CASES = [  # (T, C, rope half, state row width or 0, padded tokens)
+    (1, 64, 8, 0, 0),
+    (1, 64, 8, 96, 0),
+    (5, 320, 32, 640, 2),
+    (33, 96, 48, 0, 3),
+    (2, 64, 16, 2560, 1),
+    (17, 128, 32, 256, 4),
+    (8, 64, 8, 40, 0),
+    (3, 96, 16, 1030, 1),
+    (64, 64, 32, 128, 16),
+    (12, 320, 8, 0, 5),
+]
+
+
+@pytest.mark.parametrize("t,c,half,width,padded", INSERT_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kv_insert_matches_reference(norm_rope, t, c, half, width, padded, dtype):
+    g = torch.Generator().manual_seed(t * 7 + c + width)
+    y = make_x((t, 5 + c + width + 3), seed=t + c, dtype=dtype)  # the fused projection
+    kv, rows = y[:, 5 : 5 + c], (y[:, 5 + c : 5 + c + width] if width else None)
+    weight = (1 + 0.3 * torch.randn(c, generator=g)).to(DEVICE)
+    cos, sin = make_cos_sin(t, half, seed=t, dtype=dtype)
+    num = 2 * t + 3
+    swa = torch.full((num, c), float("nan"), dtype=dtype, device=DEVICE)
+    swa_slots = (1 + torch.randperm(num - 1, generator=g)[:t]).to(DEVICE)
+    state = state_slots = None
+    if width:
+        state = torch.full((num, width), float("nan"), dtype=dtype, device=DEVICE)
+        state_slots = (1 + torch.randperm(num - 1, generator=g)[:t]).to(DEVICE)
+    if padded:  # padded tokens of a graph step all write the null slot 0
+        swa_slots[-padded:] = 0
+        if width:
+            state_slots[-padded:] = 0
+    ref_swa = swa.clone()
+    ref_state = state.clone() if width else None
+    norm_rope.kv_insert(kv, weight, EPS, cos, sin, swa, swa_slots, rows, state, state_slots)
+    reference.kv_insert(kv, weight, EPS, cos, sin, ref_swa, swa_slots, rows, ref_state,
+                        state_slots)  # fmt: skip
+    real = slice(0, t - padded)
+    expected32 = reference.rms_norm_rope(kv.float(), weight, EPS, cos.float(), sin.float())
+    assert_close(swa[swa_slots[real]], ref_swa[swa_slots[real]], expected32[real])
+    untouched = torch.ones(num, dtype=torch.bool, device=DEVICE)
+    untouched[swa_slots] = False
+    assert swa[untouched].isnan().all(), "wrote outside the window slots"
+    if width:
+        got = state[state_slots[real]]
+        assert torch.equal(got, rows[real]), "state rows are copied exactly"
+        untouched = torch.ones(num, dtype=torch.bool, device=DEVICE)
+        untouched[state_slots] = False
+        assert state[untouched].isnan().all(), "wrote outside the state slots"
+
+
+def test_kv_insert_rejects_bad_input(norm_rope):
+    kv = make_x((3, 64), seed=0, dtype=torch.float32)
+    cos, sin = make_cos_sin(3, 8, seed=0, dtype=torch.float32)
+    weight = torch.ones(64, device=DEVICE)
+    swa = torch.zeros(8, 64, dtype=torch.bfloat16, device=DEVICE)
+    slots = torch.arange(3, device=DEVICE)
+    with pytest.raises(ValueError, match="dtype"):
+        norm_rope.kv_insert(kv, weight, EPS, cos, sin, swa, slots)
+    with pytest.raises(ValueError, match="swa_slots"):
+        norm_rope.kv_insert(kv, weight, EPS, cos, sin, swa.float(), slots[:2])

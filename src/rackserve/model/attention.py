@@ -24,11 +24,12 @@ over them. Queries are processed in chunks only to bound the gathered bytes.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from rackserve.config import CSA, HCA, SLIDING, ModelConfig
 from rackserve.model.batch import KVCacheTensors, StepMetadata
-from rackserve.model.layers import GroupedLinear, RMSNorm, Rotary
+from rackserve.model.layers import FusedWeights, GroupedLinear, RMSNorm, Rotary
 from rackserve.ops import Kernels
 
 
@@ -70,28 +71,24 @@ class Indexer(nn.Module):
 
     def select(
         self,
-        x: torch.Tensor,
-        q_residual: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        q: torch.Tensor,
+        weights: torch.Tensor,
         key_cache: torch.Tensor,
         slots: torch.Tensor,
         num_visible: torch.Tensor,
     ) -> torch.Tensor:
         """Top-k compressed entries per query.
 
-        x: [S, D]; q_residual: [S, q_lora]; cos/sin at the query positions; key_cache: the
-        [N, C] rows whose first Di columns are index keys; slots: [S, E] rows of entries
-        0..E-1 of each query's request; num_visible: [S]. Returns entry ids
+        q: [S, heads, Di] the roped index queries (``wq_b(q_residual)``); weights: [S, heads]
+        float32 (``weights_proj(x) * heads**-0.5``), both made by the attention prologue;
+        key_cache: the [N, C] rows whose first Di columns are index keys; slots: [S, E] rows
+        of entries 0..E-1 of each query's request; num_visible: [S]. Returns entry ids
         [S, min(topk, E)], best first; ids >= num_visible are not visible (the caller masks).
         Ties (common with few index heads: relu zeroes whole scores) go to the earliest
         entry, so the choice never depends on how the prompt was chunked.
         """
-        s, k = x.shape[0], self.kernels
-        q = k.apply_rope(self.wq_b(q_residual).view(s, self.num_heads, self.head_dim), cos, sin)
-        weights = self.weights_proj(x).float() * self.num_heads**-0.5
         num = min(self.topk, slots.shape[1])
-        return k.paged_indexer_topk(
+        return self.kernels.paged_indexer_topk(
             q, key_cache, slots, weights, self.head_dim**-0.5, num_visible, num
         )
 
@@ -136,6 +133,67 @@ class Attention(nn.Module):
             self.compressor = Compressor(cfg, self.head_dim, self.ratio, overlap=False)
         else:
             assert kind == SLIDING, kind
+        self._x_proj = self._fuse_x_projections()
+        if kind == CSA:  # the two projections of q_residual: attention q, indexer q
+            sizes = [self.wq_b.out_features, self.indexer.wq_b.out_features]
+            self._q_proj = FusedWeights(
+                [(self.wq_b, "weight"), (self.indexer.wq_b, "weight")],
+                lambda p: torch.cat(p),
+                lambda f: list(f.split(sizes)),
+            )
+
+    def _fuse_x_projections(self) -> FusedWeights:
+        """Every projection of the layer input x as one weight [sum of widths, D], for the
+        fast path's single GEMM: wq_a, wkv, the compressors' wkv + wgate (in the order of
+        the state rows), the indexer's weights_proj."""
+        linears = [self.wq_a, self.wkv]
+        if self.ratio:
+            for comp, _, _ in self._compressors():
+                linears += [comp.wkv, comp.wgate]
+        if self.kind == CSA:
+            linears.append(self.indexer.weights_proj)
+        sizes = [lin.out_features for lin in linears]
+        return FusedWeights(
+            [(lin, "weight") for lin in linears],
+            lambda p: torch.cat(p),
+            lambda f: list(f.split(sizes)),
+        )
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [T, D] -> (wq_a x, wkv x, state rows [T, state width] or None, the indexer's
+        weights_proj x or None): one GEMM on the fast path, column views of its output."""
+        if not self.kernels.fast(x):
+            state = None
+            if self.ratio:
+                state = torch.cat([c.rows(x) for c, _, _ in self._compressors()], dim=-1)
+            head_logits = self.indexer.weights_proj(x) if self.kind == CSA else None
+            return self.wq_a(x), self.wkv(x), state, head_logits
+        y = F.linear(x, self._x_proj.get())
+        q_lora, width = self.wq_a.out_features, self.head_dim
+        state_end = q_lora + width + (self.compressor.wkv.out_features * 2 if self.ratio else 0)
+        if self.kind == CSA:
+            state_end += self.indexer.compressor.wkv.out_features * 2
+        state = y[:, q_lora + width : state_end] if self.ratio else None
+        head_logits = y[:, state_end:] if self.kind == CSA else None
+        return y[:, :q_lora], y[:, q_lora : q_lora + width], state, head_logits
+
+    def fuse_weights(self) -> None:
+        """Build the fast path's fused projection weights now (no-op on the reference path)."""
+        if self.kernels.fast(self.wq_a.weight):
+            self._x_proj.get()
+            if self.kind == CSA:
+                self._q_proj.get()
+
+    def _q_projections(self, q_residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """q_residual [T, q_lora] -> (``wq_b`` [T, H * Dh], CSA: the indexer's ``wq_b``
+        [T, heads * Di], else None); one GEMM on the fast path (column views)."""
+        if self.kind != CSA:
+            return self.wq_b(q_residual), None
+        if not self.kernels.fast(q_residual):
+            return self.wq_b(q_residual), self.indexer.wq_b(q_residual)
+        q_both = F.linear(q_residual, self._q_proj.get())
+        width = self.wq_b.out_features
+        return q_both[:, :width], q_both[:, width:]
 
     # ---- cache layout of this layer ---------------------------------------------------------
     @property
@@ -158,53 +216,73 @@ class Attention(nn.Module):
             (idx, slice(2 * main.row, 2 * main.row + 2 * idx.row), slice(self.head_dim, None)),
         ]
 
-    def _update_compressed(
-        self, x: torch.Tensor, meta: StepMetadata, caches: KVCacheTensors
-    ) -> None:
-        """Write this step's raw rows, then emit the entry of every window that closed
-        (``meta.compression``: which windows, from which state rows, into which slots)."""
-        state = caches.flat(self.state_group, self.layer_id)
-        entries = caches.flat(self.entry_group, self.layer_id)
-        parts = self._compressors()
-        rows = torch.cat([c.rows(x) for c, _, _ in parts], dim=-1)  # [T, state width]
-        state[meta.slot_mapping[self.state_group]] = rows.to(state.dtype)
+    def _compress(self, meta: StepMetadata, caches: KVCacheTensors) -> None:
+        """Emit the entry of every window that closed this step (``meta.compression``:
+        which windows, from which state rows, into which slots); the state rows of this
+        step are already written."""
         plan = meta.compression[self.entry_group]
         if plan.dst.numel() == 0:
             return
-        rotary = self.rotary
-        for comp, row_cols, entry_cols in parts:
-            new = self.kernels.compress_pool(
-                state, plan.src, plan.missing, row_cols.start, comp.ape, comp.norm.weight,
-                comp.norm.eps, plan.positions, rotary.inv_freq, rotary.scale,
-            )  # fmt: skip
-            entries[plan.dst, entry_cols] = new.to(entries.dtype)
+        parts = [
+            (rows.start, comp.ape, comp.norm.weight, cols.start)
+            for comp, rows, cols in self._compressors()
+        ]
+        self.kernels.compress_entries(
+            caches.flat(self.state_group, self.layer_id), plan.src, plan.missing, plan.dst,
+            caches.flat(self.entry_group, self.layer_id), parts, self.compressor.norm.eps,
+            plan.positions, self.rotary.inv_freq, self.rotary.scale,
+        )  # fmt: skip
 
-    def forward(self, x: torch.Tensor, meta: StepMetadata, caches: KVCacheTensors) -> torch.Tensor:
-        # x: [T, D] (the normed block input) -> [T, D]
+    def forward(
+        self,
+        x: torch.Tensor,
+        meta: StepMetadata,
+        caches: KVCacheTensors,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        # x: [T, D] (the normed block input) -> [T, D]; rope: this step's (cos, sin) of
+        # ``self.rotary`` when the model computed them once for every layer
         t, k = x.shape[0], self.kernels
-        cos, sin = self.rotary(meta.positions, x.dtype)
-        q_residual = k.rms_norm(self.wq_a(x), self.q_norm.weight, self.eps)
-        q = self.wq_b(q_residual).view(t, self.num_heads, self.head_dim)
-        q = k.rms_norm_rope(q, None, self.eps, cos, sin)  # unweighted per-head norm
-        kv = k.rms_norm_rope(self.wkv(x), self.norm.weight, self.eps, cos, sin)  # [T, Dh]
+        cos, sin = self.rotary(meta.positions, x.dtype) if rope is None else rope
+        q_a, kv, state_rows, head_logits = self._project(x)
+        q_residual = k.rms_norm(q_a, self.q_norm.weight, self.eps)
+        q, q_index = self._q_projections(q_residual)
         swa = caches.flat("swa", self.layer_id)
-        swa[meta.slot_mapping["swa"]] = kv.to(swa.dtype)
+        state, state_slots = None, None
         if self.ratio:
-            self._update_compressed(x, meta, caches)
+            state = caches.flat(self.state_group, self.layer_id)
+            state_slots = meta.slot_mapping[self.state_group]
+        index_heads = self.indexer.num_heads if self.kind == CSA else 1
+        # q: per-head norm + RoPE; kv: norm + RoPE into the window, the compressor's raw
+        # rows into the state; CSA: the indexer's q RoPE and head weights
+        q, q_index, index_weights = k.attention_prologue(
+            q.view(t, self.num_heads, self.head_dim), kv, self.norm.weight, self.eps, cos, sin,
+            swa, meta.slot_mapping["swa"], state_rows, state, state_slots,
+            None if q_index is None else q_index.view(t, index_heads, -1), head_logits,
+            index_heads**-0.5,
+        )  # fmt: skip
+        if self.ratio:
+            self._compress(meta, caches)
 
-        out = torch.empty_like(q)
         window = meta.gather["swa"]
         chunk = self._chunk_tokens(t, meta.max_seq_len, x.element_size())
+        out = torch.empty_like(q) if chunk < t else None  # one chunk: no copy into `out`
         for a in range(0, t, chunk):
             rows = slice(a, min(a + chunk, t))
             entries, slots, valid = self._compressed_rows(
-                meta, caches, rows, x[rows], q_residual[rows], cos[rows], sin[rows]
-            )
+                meta, caches, rows,
+                None if q_index is None else q_index[rows],
+                None if index_weights is None else index_weights[rows],
+            )  # fmt: skip
             # K = V carried RoPE into the output's rope slice: the op rotates it back
-            out[rows] = k.paged_sparse_attention(
+            o = k.paged_sparse_attention(
                 q[rows], swa, window.slots[rows], entries, slots, valid, self.attn_sink,
                 self.head_dim**-0.5, cos[rows], sin[rows],
             )  # fmt: skip
+            if out is None:
+                out = o
+            else:
+                out[rows] = o
         return self.wo_b(self.wo_a(out.view(t, self.o_groups, -1)))
 
     def _chunk_tokens(self, num_tokens: int, max_seq_len: int, element_size: int) -> int:
@@ -221,10 +299,8 @@ class Attention(nn.Module):
         meta: StepMetadata,
         caches: KVCacheTensors,
         rows: slice,
-        x: torch.Tensor,
-        q_residual: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        q_index: torch.Tensor | None,
+        index_weights: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The compressed rows the queries of ``rows`` attend to besides their window.
 
@@ -242,10 +318,10 @@ class Attention(nn.Module):
         slots = plan.slots[rows]  # [n, E]
         if self.kind == CSA:  # entry rows are [kv (Dh) | indexer key (Di)]
             num_visible = plan.num_visible[rows]
+            assert q_index is not None and index_weights is not None
             ids = self.indexer.select(
-                x, q_residual, cos, sin, entries[:, self.head_dim :], slots, num_visible
+                q_index, index_weights, entries[:, self.head_dim :], slots, num_visible
             )
-            slots, picked = slots.gather(1, ids), ids < num_visible[:, None]
-        else:
-            picked = plan.valid[rows]
-        return entries, slots, torch.cat([window_valid, picked], dim=1)
+            slots, valid = self.kernels.select_entries(ids, slots, num_visible, window_valid)
+            return entries, slots, valid
+        return entries, slots, meta.window_and_entries_valid(self.entry_group)[rows]

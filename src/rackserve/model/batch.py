@@ -16,7 +16,7 @@ in the forward reads a device value back to the host.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -99,10 +99,20 @@ class StepMetadata:
     compression: Mapping[str, Compression]  # compressed group -> its closing windows
     max_seq_len: int
     token_mask: torch.Tensor | None = None  # [T] bool
+    # per-step values derived on first use and shared by every layer of the step
+    _derived: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
         return self.positions.shape[0]
+
+    def window_and_entries_valid(self, group: str) -> torch.Tensor:
+        """[T, W + E] bool: the sliding window's ``valid`` then compressed ``group``'s (the
+        rows an HCA query reads), built once per step rather than once per layer."""
+        key = ("valid", group)
+        if key not in self._derived:
+            self._derived[key] = torch.cat([self.gather["swa"].valid, self.gather[group].valid], 1)
+        return self._derived[key]
 
     @classmethod
     def build(

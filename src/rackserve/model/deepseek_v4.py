@@ -24,6 +24,9 @@ from rackserve.model.layers import FP32_PARAM_SUFFIXES, HyperHead, RMSNorm, Rota
 from rackserve.model.moe import MoE
 from rackserve.moe.ep import ExpertParallel
 
+# the input of a block as mHC prepares it: (x [T, D], post [T, N], comb [T, N, N])
+HcInput = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
 
 class DecoderLayer(nn.Module):
     def __init__(
@@ -55,18 +58,50 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         # streams: [T, N, D] -> [T, N, D]; each sub-layer: mHC weights + collapse + norm,
         # the block, then mix the block output back into the streams.
+        streams, _ = self.run(streams, input_ids, meta, caches, expert_counts)
+        return streams
+
+    def attn_pre(self, streams: torch.Tensor) -> HcInput:
+        """``hc_pre`` of the attention: (x [T, D], post [T, N], comb [T, N, N])."""
+        c = self.cfg
+        return self.kernels.hc_pre(
+            streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
+            self.attn_norm.weight, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps,
+        )  # fmt: skip
+
+    def run(
+        self,
+        streams: torch.Tensor,
+        input_ids: torch.Tensor,
+        meta: StepMetadata,
+        caches: KVCacheTensors,
+        expert_counts: torch.Tensor | None = None,
+        attn_in: HcInput | None = None,
+        next_layer: DecoderLayer | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, HcInput | None]:
+        """The layer, with the mHC of its neighbours fused in: ``attn_in`` is this layer's
+        attention input when the previous layer computed it (else ``hc_pre`` runs here);
+        with ``next_layer`` the FFN's post runs fused with that layer's attention pre
+        (one ``hc_post_pre``), whose result is returned for it. ``rope``: the cos/sin of
+        this step's positions for this layer's rotary (computed here when None).
+        Returns (streams [T, N, D], the next layer's input or None)."""
         c, k = self.cfg, self.kernels
         hc = (c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
-        x, post, comb = k.hc_pre(
-            streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
-            self.attn_norm.weight, *hc,
-        )  # fmt: skip
+        x, post, comb = self.attn_pre(streams) if attn_in is None else attn_in
         streams, x, post, comb = k.hc_post_pre(  # the attention's post + the FFN's pre
-            streams, self.attn(x, meta, caches), post, comb,
+            streams, self.attn(x, meta, caches, rope), post, comb,
             self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.ffn_norm.weight, *hc,
         )  # fmt: skip
         x = self.ffn(x, input_ids, expert_counts, meta.token_mask)
-        return k.hc_post(streams, x, post, comb)
+        if next_layer is None:
+            return k.hc_post(streams, x, post, comb), None
+        n = next_layer
+        streams, *next_in = k.hc_post_pre(  # the FFN's post + the next attention's pre
+            streams, x, post, comb, n.hc_attn_fn, n.hc_attn_base, n.hc_attn_scale,
+            n.attn_norm.weight, *hc,
+        )  # fmt: skip
+        return streams, tuple(next_in)
 
 
 class MTPLayer(nn.Module):
@@ -132,9 +167,18 @@ class DeepseekV4Model(nn.Module):
         """
         x = self.embed_tokens(input_ids)
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
-        for i, layer in enumerate(self.layers):
+        # cos/sin once per step for each rotary (the layers share two), not once per layer
+        rope: dict[Rotary, tuple[torch.Tensor, torch.Tensor]] = {}
+        for rotary in (self.rotary_main, self.rotary_compress):
+            if any(layer.attn.rotary is rotary for layer in self.layers):
+                rope[rotary] = rotary(meta.positions, streams.dtype)
+        layers, attn_in = list(self.layers), None
+        for i, layer in enumerate(layers):
             counts = None if expert_counts is None else expert_counts[i]
-            streams = layer(streams, input_ids, meta, caches, counts)
+            nxt = layers[i + 1] if i + 1 < len(layers) else None
+            streams, attn_in = layer.run(
+                streams, input_ids, meta, caches, counts, attn_in, nxt, rope[layer.attn.rotary]
+            )
         return self.hc_head(streams, self.norm), streams
 
 
@@ -199,8 +243,20 @@ class DeepseekV4ForCausalLM(nn.Module):
         return layer.hc_head(x, layer.norm), x
 
     def cast(self, dtype: torch.dtype) -> DeepseekV4ForCausalLM:
-        """Cast to ``dtype``, keeping the reference's float32 parameters in float32."""
+        """Cast to ``dtype``, keeping the reference's float32 parameters in float32; then
+        (fast path) fuse the weights, so that loading a checkpoint afterwards copies into
+        the fused tensors and no forward has to build them."""
         for name, param in self.named_parameters():
             if not name.endswith(FP32_PARAM_SUFFIXES) and param.is_floating_point():
                 param.data = param.data.to(dtype)
+        return self.fuse_weights()
+
+    def fuse_weights(self) -> DeepseekV4ForCausalLM:
+        """Build every fused weight of the fast path now (one GEMM for the projections of
+        a layer input, the shared expert as one more expert): parameters become views, so
+        checkpoint names and loading are unchanged. A no-op on the reference path; a
+        forward fuses again by itself when parameters were replaced since (``.to()``)."""
+        for module in self.modules():
+            if isinstance(module, (Attention, MoE)):
+                module.fuse_weights()
         return self

@@ -8,6 +8,7 @@ are created float32 and stay so when the model is cast (see ``FP32_PARAM_SUFFIXE
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -131,6 +132,63 @@ class GroupedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(groups * out_per_group, in_per_group))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, G, in] -> [T, G * out]
+        # x: [T, G, in] -> [T, G * out]: one batched GEMM over the groups that writes its
+        # [G, T, out] result straight into the [T, G, out] layout (strided rows: no copy)
         w = self.weight.view(self.groups, -1, x.shape[-1])  # [G, out, in]
-        return torch.einsum("tgi,goi->tgo", x, w).flatten(1)
+        out = x.new_empty(x.shape[0], self.groups, w.shape[1])
+        torch.bmm(x.transpose(0, 1), w.transpose(1, 2), out=out.transpose(0, 1))
+        return out.flatten(1)
+
+
+class FusedWeights:
+    """One tensor built from several Parameters, which then become views into it, so the
+    fast path runs one GEMM (or one MoE launch) where the checkpoint has several weights.
+
+    Checkpoint names, ``state_dict`` and ``load_state_dict`` are unchanged (loading copies
+    into the views). ``build`` makes the fused tensor from the parameters' tensors, ``split``
+    the views of a fused tensor, one per parameter (same shapes). The fusion is made on the
+    first :meth:`get` and again whenever a parameter stopped being its view (``.to()``,
+    ``cast`` and assigning loads replace ``.data``); never inside a CUDA-graph capture.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[tuple[nn.Module, str]],
+        build: Callable[[list[torch.Tensor]], torch.Tensor],
+        split: Callable[[torch.Tensor], list[torch.Tensor]],
+    ) -> None:
+        self.params, self.build, self.split = list(params), build, split
+        self.fused: torch.Tensor | None = None
+        self.views: list[torch.Tensor] = []
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [getattr(m, name) for m, name in self.params]
+
+    def intact(self) -> bool:
+        """Whether every parameter still is its view of the fused tensor."""
+        if self.fused is None:
+            return False
+        return all(
+            p.data_ptr() == v.data_ptr()
+            and p.shape == v.shape
+            and p.stride() == v.stride()
+            and p.dtype == v.dtype
+            and p.device == v.device
+            for p, v in zip(self._tensors(), self.views, strict=True)
+        )
+
+    def get(self) -> torch.Tensor:
+        if not self.intact():
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("weights are fused on the first eager step, not in a capture")
+            with torch.inference_mode(False), torch.no_grad():
+                params = self._tensors()
+                fused = self.build([p.detach() for p in params])
+                views = self.split(fused)
+                for p, v in zip(params, views, strict=True):
+                    if v.shape != p.shape:
+                        raise ValueError(f"fused view {tuple(v.shape)} != {tuple(p.shape)}")
+                    p.data = v
+            self.fused, self.views = fused, views
+        assert self.fused is not None
+        return self.fused

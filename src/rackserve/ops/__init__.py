@@ -17,10 +17,14 @@ import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from rackserve.ops import reference
 from rackserve.ops.grouped_moe import grouped_mm_supported, moe_experts_grouped
 from rackserve.ops.reference import (
     apply_rope,
+    attention_prologue,
+    compress_entries,
     compress_pool,
     compress_windows,
     hc_collapse,
@@ -31,6 +35,7 @@ from rackserve.ops.reference import (
     hc_pre,
     hc_weights,
     indexer_topk,
+    kv_insert,
     moe_experts,
     paged_indexer_topk,
     paged_sparse_attention,
@@ -38,7 +43,9 @@ from rackserve.ops.reference import (
     rms_norm_rope,
     rope_cos_sin,
     route,
+    route_fused,
     router_scores,
+    select_entries,
     sinkhorn,
     sparse_attention,
     swiglu,
@@ -49,6 +56,8 @@ __all__ = [
     "KERNEL_CHOICES",
     "Kernels",
     "apply_rope",
+    "attention_prologue",
+    "compress_entries",
     "compress_pool",
     "compress_windows",
     "hc_collapse",
@@ -60,6 +69,7 @@ __all__ = [
     "hc_weights",
     "indexer_topk",
     "kernels",
+    "kv_insert",
     "moe_experts",
     "paged_indexer_topk",
     "paged_sparse_attention",
@@ -67,7 +77,9 @@ __all__ = [
     "rms_norm_rope",
     "rope_cos_sin",
     "route",
+    "route_fused",
     "router_scores",
+    "select_entries",
     "sinkhorn",
     "sparse_attention",
     "swiglu",
@@ -91,19 +103,31 @@ class Kernels:
     paged_indexer_topk: Callable
     compress_pool: Callable
     route: Callable
+    route_fused: Callable
     rms_norm: Callable
     apply_rope: Callable
     rms_norm_rope: Callable
+    kv_insert: Callable
+    compress_entries: Callable
+    select_entries: Callable
+    attention_prologue: Callable
+
+    def fast(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` takes the fast implementations (then the model also fuses its
+        weights: one GEMM for the projections of the layer input, the shared expert as
+        one more expert); the reference path keeps the checkpoint's module structure."""
+        return self.name == "triton" or (self.name == "auto" and x.is_cuda)
 
 
-def _on_cuda(module: str, name: str, ref: Callable) -> Callable:
+def _on_cuda(module: str, name: str, ref: Callable, everywhere: bool = False) -> Callable:
     """Call ``module.name`` (a Triton kernel) when the first tensor argument is on a CUDA
-    device, else ``ref``. The kernel module is imported on the first CUDA call only, so a
-    CPU-only run never imports Triton (and tests choose its interpreter first)."""
+    device (``everywhere``: on any device), else ``ref``. The kernel module is imported on
+    the first such call only, so a CPU-only run never imports Triton (and tests choose its
+    interpreter first)."""
     fast: list[Callable] = []
 
     def dispatch(x, *args, **kwargs):
-        if not x.is_cuda:
+        if not (x.is_cuda or everywhere):
             return ref(x, *args, **kwargs)
         if not fast:
             fast.append(getattr(importlib.import_module(module), name))
@@ -118,20 +142,22 @@ def _on_cuda(module: str, name: str, ref: Callable) -> Callable:
 FUSED_MOE_MAX_TOKENS = 256
 
 
-def _moe(x, *args, **kwargs):
-    if x.is_cuda and x.shape[0] <= FUSED_MOE_MAX_TOKENS:
-        return _fused_moe(x, *args, **kwargs)
-    if x.is_cuda and grouped_mm_supported(x):
-        return moe_experts_grouped(x, *args, **kwargs)
-    return reference.moe_experts(x, *args, **kwargs)
+def _moe_for(fused: Callable) -> Callable:
+    def moe(x, *args, **kwargs):
+        if x.shape[0] <= FUSED_MOE_MAX_TOKENS:
+            return fused(x, *args, **kwargs)
+        if x.is_cuda and grouped_mm_supported(x):
+            return moe_experts_grouped(x, *args, **kwargs)
+        return reference.moe_experts(x, *args, **kwargs)
 
-
-_fused_moe = _on_cuda("rackserve.ops.triton.fused_moe", "moe_experts", reference.moe_experts)
+    return moe
 
 
 def kernels(name: str = "auto") -> Kernels:
-    """The op table for ``name`` in :data:`KERNEL_CHOICES`."""
-    if name not in KERNEL_CHOICES:
+    """The op table for ``name`` in :data:`KERNEL_CHOICES`, or "triton": the fast
+    implementations on every device (on CPU only under ``TRITON_INTERPRET=1``: the tests
+    that run the whole fast path, and the launch counts, use it)."""
+    if name not in (*KERNEL_CHOICES, "triton"):
         raise ValueError(f"unknown kernels {name!r}: choose one of {', '.join(KERNEL_CHOICES)}")
     ops = [f.name for f in dataclasses.fields(Kernels) if f.name != "name"]
     ref = Kernels("reference", **{op: getattr(reference, op) for op in ops})
@@ -146,12 +172,21 @@ def kernels(name: str = "auto") -> Kernels:
         "paged_indexer_topk": "indexer",
         "compress_pool": "compress",
         "route": "route",
+        "route_fused": "route",
         "rms_norm": "norm_rope",
         "apply_rope": "norm_rope",
         "rms_norm_rope": "norm_rope",
+        "kv_insert": "norm_rope",
+        "compress_entries": "compress",
+        "select_entries": "select",
+        "attention_prologue": "attn_prologue",
     }
+    everywhere = name == "triton"
     fast = {
-        op: _on_cuda(f"rackserve.ops.triton.{module}", op, getattr(ref, op))
+        op: _on_cuda(f"rackserve.ops.triton.{module}", op, getattr(ref, op), everywhere)
         for op, module in triton_ops.items()
     }
-    return Kernels("auto", moe_experts=_moe, **fast)
+    fused_moe = _on_cuda(
+        "rackserve.ops.triton.fused_moe", "moe_experts", reference.moe_experts, everywhere
+    )
+    return Kernels(name, moe_experts=_moe_for(fused_moe), **fast)

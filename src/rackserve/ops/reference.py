@@ -10,6 +10,8 @@ computed in float32 and cast back to the activation dtype once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -423,3 +425,134 @@ def rms_norm_rope(
     x's dtype, as the unfused ops do (the q and kv paths of attention).
     """
     return apply_rope(rms_norm(x, weight, eps), cos, sin)
+
+
+def route_fused(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    table: torch.Tensor | None,
+    input_ids: torch.Tensor,
+    top_k: int,
+    scoring_func: str,
+    scaling: float,
+    shared_expert: int | None = None,
+    expert_counts: torch.Tensor | None = None,
+    token_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``route``, then the MoE's bookkeeping, so that one kernel can do all of it.
+
+    expert_counts: optional [E] int64 accumulator: += the routed picks of every token where
+    ``token_mask`` [T] bool is True (None: every token). shared_expert: when given, the
+    shared expert's id (E: its weights stacked after the routed ones) is appended to every
+    token's picks with weight 1.0. Returns ids [T, k (+1)] int64, weights [T, k (+1)] f32.
+    """
+    ids, weights = route(x, weight, bias, table, input_ids, top_k, scoring_func, scaling)
+    if expert_counts is not None:
+        ones = torch.ones_like(ids, dtype=expert_counts.dtype)
+        if token_mask is not None:
+            ones = ones * token_mask[:, None]
+        expert_counts.index_add_(0, ids.flatten(), ones.flatten())
+    if shared_expert is not None:
+        shared = torch.full_like(ids[:, :1], shared_expert)
+        ids = torch.cat([ids, shared], dim=1)
+        weights = torch.cat([weights, torch.ones_like(weights[:, :1])], dim=1)
+    return ids, weights
+
+
+def kv_insert(
+    kv: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    swa: torch.Tensor,
+    swa_slots: torch.Tensor,
+    rows: torch.Tensor | None = None,
+    state: torch.Tensor | None = None,
+    state_slots: torch.Tensor | None = None,
+) -> None:
+    """Write one step's rows into a layer's caches (in place; returns nothing).
+
+    kv: [T, C] the raw kv projection: normed (``weight`` [C]) and roped (cos, sin [T, R/2])
+    into ``swa`` [N, C] at ``swa_slots`` [T]; rows: [T, W] the compressor's raw rows, copied
+    into ``state`` [Ns, W] at ``state_slots`` [T] (None on sliding layers). Padded tokens
+    may share a (null-block) slot: which of them lands there is unspecified.
+    """
+    swa[swa_slots] = rms_norm_rope(kv, weight, eps, cos, sin).to(swa.dtype)
+    if rows is not None:
+        assert state is not None and state_slots is not None
+        state[state_slots] = rows.to(state.dtype)
+
+
+def compress_entries(
+    state: torch.Tensor,
+    src: torch.Tensor,
+    missing: torch.Tensor | None,
+    dst: torch.Tensor,
+    entries: torch.Tensor,
+    parts: Sequence[tuple[int, torch.Tensor, torch.Tensor, int]],
+    eps: float,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    rope_scale: float,
+) -> None:
+    """``compress_pool`` for each compressor of a layer, stored into the entry cache.
+
+    dst: [n] entry slots; entries: [N, W] (flat entry cache); parts: (state column, ape,
+    norm_weight, first entry column) per compressor (the CSA kv compressor and the
+    indexer's). Other arguments as ``compress_pool``. Writes in place, returns nothing.
+    """
+    for col, ape, norm_weight, out_col in parts:
+        new = compress_pool(
+            state, src, missing, col, ape, norm_weight, eps, positions, inv_freq, rope_scale
+        )
+        entries[dst, out_col : out_col + norm_weight.shape[0]] = new.to(entries.dtype)
+
+
+def select_entries(
+    ids: torch.Tensor,
+    slots: torch.Tensor,
+    num_visible: torch.Tensor,
+    window_valid: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compressed rows CSA queries attend to: the slots of the indexer's picks and the
+    validity over [window | picks].
+
+    ids: [S, K] picked entry ids (< E); slots: [S, E] slots of each query's entries;
+    num_visible: [S] entries each query may see; window_valid: [S, W] bool. Returns
+    (slots [S, K], valid [S, W + K] bool: the window's, then pick < num_visible).
+    """
+    picked = ids < num_visible[:, None]
+    return slots.gather(1, ids), torch.cat([window_valid, picked], dim=1)
+
+
+def attention_prologue(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    kv_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    swa: torch.Tensor,
+    swa_slots: torch.Tensor,
+    rows: torch.Tensor | None = None,
+    state: torch.Tensor | None = None,
+    state_slots: torch.Tensor | None = None,
+    index_q: torch.Tensor | None = None,
+    head_logits: torch.Tensor | None = None,
+    head_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Everything attention does to its projections before attending, as one op.
+
+    q: [T, H, Dh] (``wq_b`` output): the unweighted per-head norm + RoPE; kv, rows, the
+    caches and slots: ``kv_insert``; index_q: [T, Hi, Di] the indexer's q (RoPE only) and
+    head_logits: [T, Hi] (``weights_proj`` output, scaled by ``head_scale`` in float32),
+    CSA layers only. Returns (q [T, H, Dh], index q or None, index weights f32 or None).
+    """
+    kv_insert(kv, kv_weight, eps, cos, sin, swa, swa_slots, rows, state, state_slots)
+    q = rms_norm_rope(q, None, eps, cos, sin)
+    if index_q is None:
+        return q, None, None
+    assert head_logits is not None
+    return q, apply_rope(index_q, cos, sin), head_logits.float() * head_scale

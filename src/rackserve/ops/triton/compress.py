@@ -1,5 +1,6 @@
 """Fused window compression: ``compress_pool`` in one launch (equals its ``ops.reference``
-namesake).
+namesake), and ``compress_entries``: every compressor of a layer (CSA: the kv and the
+indexer's) in one launch (grid axis 1), written straight into the entry cache.
 
 One program per closing window: it walks the window's raw rows straight out of the paged
 state cache (through ``src`` slots), keeps an online softmax per channel over
@@ -13,6 +14,8 @@ Shape legend: n windows, span rows per window (r, or 2r with CSA's overlap), C e
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -22,31 +25,47 @@ from rackserve.ops.triton.common import round_as
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-@triton.jit
-def _compress_pool_kernel(
+# the parts' scalars stay runtime ints (no ==1 specialisation), so both branches that pick
+# a part yield the same types
+@triton.jit(do_not_specialize=["col0", "width0", "out_col0", "col1", "width1", "out_col1"])
+def _compress_kernel(
     state_ptr,
     state_stride,
     src_ptr,
     missing_ptr,
-    ape_ptr,
-    norm_ptr,
     pos_ptr,
     inv_freq_ptr,
-    out_ptr,
-    col,
+    out_ptr,  # DST: the entry cache [N, >= entry columns]; else [n, C] rows
+    out_stride,
+    dst_ptr,  # DST only: [n] entry slots
     eps,
     rope_scale,
-    C: tl.constexpr,
-    ROW: tl.constexpr,
+    # part 0 / part 1 (grid axis 1): the compressors of one layer (CSA: kv and indexer)
+    ape0_ptr,
+    norm0_ptr,
+    col0,  # first state column of the part's [kv | gate] rows
+    width0,  # C: entry width (even)
+    out_col0,  # first entry column written
+    ape1_ptr,
+    norm1_ptr,
+    col1,
+    width1,
+    out_col1,
     SPAN: tl.constexpr,
     RATIO: tl.constexpr,
     ROPE_HALF: tl.constexpr,
     HAS_MISSING: tl.constexpr,
+    DST: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
     w = tl.program_id(0)
+    if tl.program_id(1) == 0:
+        ape_ptr, norm_ptr, col, C, out_col = ape0_ptr, norm0_ptr, col0, width0, out_col0
+    else:
+        ape_ptr, norm_ptr, col, C, out_col = ape1_ptr, norm1_ptr, col1, width1, out_col1
+    ROW = C * (SPAN // RATIO)  # the part's row width: C, or 2C with the overlap
     h = tl.arange(0, BLOCK_H)  # channel pair h: channels 2h (even) and 2h + 1 (odd)
     h_ok = h < C // 2
     even = 2 * h
@@ -108,8 +127,11 @@ def _compress_pool_kernel(
     sin = round_as(tl.sin(angle) * rope_scale, OUT_DTYPE)
     o_e = tl.where(is_rope, n_e * cos - n_o * sin, n_e)
     o_o = tl.where(is_rope, n_o * cos + n_e * sin, n_o)
-    tl.store(out_ptr + w * C + even, round_as(o_e, OUT_DTYPE).to(OUT_DTYPE), mask=h_ok)
-    tl.store(out_ptr + w * C + even + 1, round_as(o_o, OUT_DTYPE).to(OUT_DTYPE), mask=h_ok)
+    # DST: straight into the entry cache
+    row = tl.load(dst_ptr + w).to(tl.int64) if DST else w.to(tl.int64)
+    out = out_ptr + row * out_stride + out_col + even
+    tl.store(out, round_as(o_e, OUT_DTYPE).to(OUT_DTYPE), mask=h_ok)
+    tl.store(out + 1, round_as(o_o, OUT_DTYPE).to(OUT_DTYPE), mask=h_ok)
 
 
 def compress_pool(
@@ -125,40 +147,94 @@ def compress_pool(
     rope_scale: float,
 ) -> torch.Tensor:
     """See ``reference.compress_pool``; returns [n, C] in the state's dtype."""
-    n, span = src.shape
-    ratio, row = ape.shape
+    n = src.shape[0]
     width = norm_weight.shape[0]
+    out = torch.empty(n, width, dtype=state.dtype, device=state.device)
+    _launch(state, src, missing, None, out, [(col, ape, norm_weight, 0)], eps, positions,
+            inv_freq, rope_scale)  # fmt: skip
+    return out
+
+
+def compress_entries(
+    state: torch.Tensor,
+    src: torch.Tensor,
+    missing: torch.Tensor | None,
+    dst: torch.Tensor,
+    entries: torch.Tensor,
+    parts: Sequence[tuple[int, torch.Tensor, torch.Tensor, int]],
+    eps: float,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    rope_scale: float,
+) -> None:
+    """See ``reference.compress_entries``: every part (at most 2) in one launch, written
+    straight into the entry cache."""
+    if entries.dtype != state.dtype or entries.dim() != 2 or entries.stride(1) != 1:
+        raise ValueError("compress_entries: entries must be [N, W] rows in the state's dtype")
+    if tuple(dst.shape) != (src.shape[0],):
+        raise ValueError(f"compress_entries: dst must be [{src.shape[0]}], got {dst.shape}")
+    for _, _, norm_weight, out_col in parts:
+        if out_col + norm_weight.shape[0] > entries.shape[1]:
+            raise ValueError("compress_entries: a part's columns run past the entry width")
+    _launch(state, src, missing, dst, entries, parts, eps, positions, inv_freq, rope_scale)
+
+
+def _launch(
+    state: torch.Tensor,
+    src: torch.Tensor,
+    missing: torch.Tensor | None,
+    dst: torch.Tensor | None,
+    out: torch.Tensor,
+    parts: Sequence[tuple[int, torch.Tensor, torch.Tensor, int]],
+    eps: float,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    rope_scale: float,
+) -> None:
+    n, span = src.shape
+    if not 1 <= len(parts) <= 2:
+        raise ValueError(f"compress: 1 or 2 parts, got {len(parts)}")
     if state.stride(1) != 1 or state.dtype not in _TL_DTYPE:
         raise ValueError("compress_pool: the state cache must be row-contiguous fp32/bf16/fp16")
-    if width % 2 or 2 * inv_freq.shape[0] > width:
-        raise ValueError("compress_pool: the entry width must be even and hold the rope dims")
-    out = torch.empty(n, width, dtype=state.dtype, device=state.device)
+    ratio = parts[0][1].shape[0]
+    args = []
+    for col, ape, norm_weight, out_col in parts:
+        width = norm_weight.shape[0]
+        if width % 2 or 2 * inv_freq.shape[0] > width:
+            raise ValueError("compress_pool: the entry width must be even and hold the rope dims")
+        if ape.shape != (ratio, width * (span // ratio)) or span not in (ratio, 2 * ratio):
+            raise ValueError(
+                f"compress_pool: ape must be [r, C * span / r] with span r or 2r, got "
+                f"{tuple(ape.shape)} for C={width}, span={span}"
+            )
+        args += [ape.contiguous(), norm_weight.contiguous(), col, width, out_col]
+    if len(parts) == 1:
+        args += args
     if n == 0:
-        return out
+        return
     src = src.contiguous()
     gone = missing.contiguous().view(torch.uint8) if missing is not None else src
-    _compress_pool_kernel[(n,)](
+    widest = max(p[2].shape[0] for p in parts)
+    _compress_kernel[(n, len(parts))](
         state,
         state.stride(0),
         src,
         gone,
-        ape.contiguous(),
-        norm_weight.contiguous(),
         positions.contiguous(),
         inv_freq.to(torch.float32).contiguous(),
         out,
-        col,
+        out.stride(0),
+        dst.contiguous() if dst is not None else src,
         eps,
         rope_scale,
-        C=width,
-        ROW=row,
+        *args,
         SPAN=span,
         RATIO=ratio,
         ROPE_HALF=inv_freq.shape[0],
         HAS_MISSING=missing is not None,
+        DST=dst is not None,
         OUT_DTYPE=_TL_DTYPE[state.dtype],
-        BLOCK_H=triton.next_power_of_2(width // 2),
+        BLOCK_H=triton.next_power_of_2(widest // 2),
         BLOCK_R=min(triton.next_power_of_2(span), 16),
         num_warps=4,
     )
-    return out

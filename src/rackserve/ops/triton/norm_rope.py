@@ -31,12 +31,17 @@ _MAX_CHANNELS = 16384  # one row in registers
 
 
 @triton.jit
-def norm_rope_kernel(
+def norm_rope_rows(
+    pid,  # the program's block of rows
     x_ptr,  # [T, M, C] with unit channel stride
     w_ptr,  # [C] norm weight (unused unless WEIGHTED)
     cos_ptr,  # [T, R/2] (unused unless ROPE)
     sin_ptr,
-    out_ptr,  # [T, M, C] contiguous, x's dtype
+    out_ptr,  # [T, M, C] contiguous, x's dtype (SCATTER: cache rows [N, >= C], by slot)
+    out_slots_ptr,  # [T] SCATTER only: the cache row of each token (M = 1)
+    copy_src_ptr,  # [T, COPY] COPY only: rows copied to copy_dst[copy_slots[t]]
+    copy_dst_ptr,
+    copy_slots_ptr,
     num_rows,  # T * M
     rows_per_token,  # M
     eps,
@@ -44,6 +49,9 @@ def norm_rope_kernel(
     stride_xm,
     stride_ct,
     stride_st,
+    stride_out,  # SCATTER only: the cache's row stride
+    stride_copy_src,
+    stride_copy_dst,
     CHANNELS: tl.constexpr,  # C; constexpr so channel masks allow 16-byte vectors
     HALF: tl.constexpr,  # R/2
     BLOCK_ROWS: tl.constexpr,
@@ -52,12 +60,28 @@ def norm_rope_kernel(
     NORM: tl.constexpr,
     WEIGHTED: tl.constexpr,
     ROPE: tl.constexpr,
+    SCATTER: tl.constexpr = False,
+    COPY: tl.constexpr = 0,  # columns of the copied rows (0: no copy)
+    BLOCK_COPY: tl.constexpr = 16,
 ):
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_ok = rows < num_rows
     token = rows // rows_per_token
     x_row = x_ptr + token.to(tl.int64) * stride_xt + (rows % rows_per_token) * stride_xm
-    out_row = out_ptr + rows.to(tl.int64) * CHANNELS
+    if SCATTER:  # straight into the cache: the row's slot
+        slot = tl.load(out_slots_ptr + rows, mask=row_ok, other=0)
+        out_row = out_ptr + slot.to(tl.int64) * stride_out
+    else:
+        out_row = out_ptr + rows.to(tl.int64) * CHANNELS
+    if COPY:  # the compressor's raw rows into the state cache, same tokens
+        dst = tl.load(copy_slots_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        src_row = copy_src_ptr + rows.to(tl.int64) * stride_copy_src
+        dst_row = copy_dst_ptr + dst * stride_copy_dst
+        for c0 in range(0, COPY, BLOCK_COPY):
+            c = c0 + tl.arange(0, BLOCK_COPY)
+            m = row_ok[:, None] & (c < COPY)[None, :]
+            v = tl.load(src_row[:, None] + c[None, :], mask=m, other=0.0)
+            tl.store(dst_row[:, None] + c[None, :], v, mask=m)
     nope = CHANNELS - 2 * HALF if ROPE else CHANNELS
     cols = tl.arange(0, BLOCK_C)
     # the norm needs every channel; a plain rope only copies the nope ones
@@ -108,6 +132,74 @@ def norm_rope_kernel(
         sin = sin.to(tl.float32)
         rotated = tl.join(even * cos - odd * sin, odd * cos + even * sin)
         tl.store(out_row[:, None, None] + offs, to_output(rotated, out_ptr), mask=mask)
+
+
+@triton.jit
+def norm_rope_kernel(
+    x_ptr,  # [T, M, C] with unit channel stride
+    w_ptr,  # [C] norm weight (unused unless WEIGHTED)
+    cos_ptr,  # [T, R/2] (unused unless ROPE)
+    sin_ptr,
+    out_ptr,  # [T, M, C] contiguous, x's dtype (SCATTER: cache rows [N, >= C], by slot)
+    out_slots_ptr,  # [T] SCATTER only: the cache row of each token (M = 1)
+    copy_src_ptr,  # [T, COPY] COPY only: rows copied to copy_dst[copy_slots[t]]
+    copy_dst_ptr,
+    copy_slots_ptr,
+    num_rows,  # T * M
+    rows_per_token,  # M
+    eps,
+    stride_xt,
+    stride_xm,
+    stride_ct,
+    stride_st,
+    stride_out,  # SCATTER only: the cache's row stride
+    stride_copy_src,
+    stride_copy_dst,
+    CHANNELS: tl.constexpr,  # C; constexpr so channel masks allow 16-byte vectors
+    HALF: tl.constexpr,  # R/2
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    NORM: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    ROPE: tl.constexpr,
+    SCATTER: tl.constexpr = False,
+    COPY: tl.constexpr = 0,  # columns of the copied rows (0: no copy)
+    BLOCK_COPY: tl.constexpr = 16,
+):
+    norm_rope_rows(
+        tl.program_id(0),
+        x_ptr,
+        w_ptr,
+        cos_ptr,
+        sin_ptr,
+        out_ptr,
+        out_slots_ptr,
+        copy_src_ptr,
+        copy_dst_ptr,
+        copy_slots_ptr,
+        num_rows,
+        rows_per_token,
+        eps,
+        stride_xt,
+        stride_xm,
+        stride_ct,
+        stride_st,
+        stride_out,
+        stride_copy_src,
+        stride_copy_dst,
+        CHANNELS,
+        HALF,
+        BLOCK_ROWS,
+        BLOCK_C,
+        BLOCK_HALF,
+        NORM,
+        WEIGHTED,
+        ROPE,
+        SCATTER,
+        COPY,
+        BLOCK_COPY,
+    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -187,6 +279,10 @@ def _launch(
         cos if rope else x3,
         sin if rope else x3,
         out,
+        x3,
+        x3,
+        x3,
+        x3,
         num_rows,
         x3.shape[1],
         eps,
@@ -194,6 +290,9 @@ def _launch(
         x3.stride(1),
         cos.stride(0) if rope else 0,
         sin.stride(0) if rope else 0,
+        0,
+        0,
+        0,
         CHANNELS=channels,
         HALF=half,
         BLOCK_ROWS=block_rows,
@@ -227,3 +326,81 @@ def rms_norm_rope(
     """``ops.reference.rms_norm_rope`` (apply_rope(rms_norm(x, weight, eps), cos, sin)):
     x [T, ..., C]; weight [C] float32 or None; cos, sin [T, R/2]. One launch."""
     return _launch(x, weight, eps, cos, sin, norm=True)
+
+
+def kv_insert(
+    kv: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    swa: torch.Tensor,
+    swa_slots: torch.Tensor,
+    rows: torch.Tensor | None = None,
+    state: torch.Tensor | None = None,
+    state_slots: torch.Tensor | None = None,
+) -> None:
+    """``reference.kv_insert`` in one launch: the kv row normed and roped straight into
+    its window slot, and the compressor's raw rows copied into their state slots."""
+    t, channels = kv.shape
+    half = cos.shape[-1]
+    if swa.dtype != kv.dtype or (rows is not None and (state is None or state.dtype != rows.dtype)):
+        raise ValueError("kv_insert: the caches must have the dtype of the rows written")
+    if swa.dim() != 2 or swa.shape[1] < channels or swa.stride(1) != 1:
+        raise ValueError(f"kv_insert: swa must be [N, >= {channels}] rows, got {swa.shape}")
+    if tuple(cos.shape) != (t, half) or tuple(sin.shape) != (t, half) or 2 * half > channels:
+        raise ValueError(f"kv_insert: cos, sin must be [{t}, R/2], got {tuple(cos.shape)}")
+    if tuple(weight.shape) != (channels,) or tuple(swa_slots.shape) != (t,):
+        raise ValueError("kv_insert: weight must be [C] and swa_slots [T]")
+    copy = 0
+    if rows is not None:
+        assert state is not None and state_slots is not None
+        if rows.dim() != 2 or rows.shape[0] != t or rows.stride(1) != 1:
+            raise ValueError(f"kv_insert: rows must be [{t}, W] with unit column stride")
+        if state.dim() != 2 or state.shape[1] < rows.shape[1] or state.stride(1) != 1:
+            raise ValueError(f"kv_insert: state must be [N, >= {rows.shape[1]}] rows")
+        if tuple(state_slots.shape) != (t,):
+            raise ValueError(f"kv_insert: state_slots must be [{t}]")
+        copy = rows.shape[1]
+    if t == 0:
+        return
+    if kv.stride(1) != 1:
+        kv = kv.contiguous()
+    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
+    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    block_c = triton.next_power_of_2(channels)
+    block_rows, warps = _block_rows(t, block_c, kv.device)
+    swa_slots = swa_slots.contiguous()
+    norm_rope_kernel[(triton.cdiv(t, block_rows),)](
+        kv,
+        weight.contiguous(),
+        cos,
+        sin,
+        swa,
+        swa_slots,
+        rows if rows is not None else kv,
+        state if state is not None else kv,
+        state_slots.contiguous() if state_slots is not None else swa_slots,
+        t,
+        1,
+        eps,
+        kv.stride(0),
+        0,
+        cos.stride(0),
+        sin.stride(0),
+        swa.stride(0),
+        rows.stride(0) if rows is not None else 0,
+        state.stride(0) if state is not None else 0,
+        CHANNELS=channels,
+        HALF=half,
+        BLOCK_ROWS=block_rows,
+        BLOCK_C=block_c,
+        BLOCK_HALF=max(1, triton.next_power_of_2(half)),
+        NORM=True,
+        WEIGHTED=True,
+        ROPE=half > 0,
+        SCATTER=True,
+        COPY=copy,
+        BLOCK_COPY=min(1024, triton.next_power_of_2(max(copy, 1))),
+        num_warps=warps,
+    )

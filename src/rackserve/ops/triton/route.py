@@ -4,7 +4,9 @@ A program takes BLOCK_T tokens: their logits against every expert (a [BLOCK_T, D
 fp32 dot over D chunks, rounded to the activation dtype as ``F.linear``
 rounds), the scores (sqrt-softplus, sigmoid or softmax), the k experts (hash layers: the
 token's row of the table; learned: k rounds of argmax over score + bias), and the
-normalised, scaled weights of the chosen experts. The grid is ceil(T / BLOCK_T): fixed for a
+normalised, scaled weights of the chosen experts; optionally (``route_fused``) the shared
+expert as one more pick with weight 1 and the per-expert counts of the picks (EPLB) by
+integer atomics. The grid is ceil(T / BLOCK_T): fixed for a
 batch, so the op can be captured in a CUDA graph.
 
 Shape legend: T tokens, D hidden, E experts, k experts per token.
@@ -28,12 +30,17 @@ def _route_kernel(
     ids_ptr,
     out_ids_ptr,
     out_w_ptr,
+    counts_ptr,
+    mask_ptr,
     num_tokens,
     scaling,
+    shared_id,
     E: tl.constexpr,
     K: tl.constexpr,
     SCORING: tl.constexpr,
     HASHED: tl.constexpr,
+    SHARED: tl.constexpr,  # 1: column K is the shared expert (id shared_id, weight 1)
+    COUNT: tl.constexpr,  # 0: no counts; 1: count every token; 2: tokens where mask
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
@@ -59,6 +66,10 @@ def _route_kernel(
         bias = tl.load(bias_ptr + e, e_ok, other=0.0)
         pick = tl.where(e_ok[None, :], scores + bias[None, :], neg_inf)
     total = tl.zeros([BLOCK_T], tl.float32)
+    KO: tl.constexpr = K + SHARED  # columns of the outputs
+    counted = t_ok
+    if COUNT == 2:
+        counted = t_ok & (tl.load(mask_ptr + t, t_ok, other=0) != 0)
     for k in tl.static_range(K):
         if HASHED:
             token = tl.load(ids_ptr + t, t_ok, other=0)
@@ -68,13 +79,18 @@ def _route_kernel(
             pick = tl.where(e[None, :] == chosen[:, None], neg_inf, pick)
         weight = tl.sum(tl.where(e[None, :] == chosen[:, None], scores, 0.0), 1)
         total += weight
-        tl.store(out_ids_ptr + t * K + k, chosen.to(tl.int64), t_ok)
-        tl.store(out_w_ptr + t * K + k, weight, t_ok)
+        tl.store(out_ids_ptr + t * KO + k, chosen.to(tl.int64), t_ok)
+        tl.store(out_w_ptr + t * KO + k, weight, t_ok)
+        if COUNT:  # integer atomics: the counts are exact whatever the order
+            tl.atomic_add(counts_ptr + chosen, tl.full([BLOCK_T], 1, tl.int64), counted)
     # normalise in a second pass over the k just written (same program, same addresses)
     norm = scaling / (total + 1e-20)
     for k in tl.static_range(K):
-        weight = tl.load(out_w_ptr + t * K + k, t_ok, other=0.0)
-        tl.store(out_w_ptr + t * K + k, weight * norm, t_ok)
+        weight = tl.load(out_w_ptr + t * KO + k, t_ok, other=0.0)
+        tl.store(out_w_ptr + t * KO + k, weight * norm, t_ok)
+    if SHARED:
+        tl.store(out_ids_ptr + t * KO + K, tl.full([BLOCK_T], 0, tl.int64) + shared_id, t_ok)
+        tl.store(out_w_ptr + t * KO + K, tl.full([BLOCK_T], 1.0, tl.float32), t_ok)
 
 
 def route(
@@ -88,17 +104,47 @@ def route(
     scaling: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See ``reference.route``."""
+    return route_fused(x, weight, bias, table, input_ids, top_k, scoring_func, scaling)
+
+
+def route_fused(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    table: torch.Tensor | None,
+    input_ids: torch.Tensor,
+    top_k: int,
+    scoring_func: str,
+    scaling: float,
+    shared_expert: int | None = None,
+    expert_counts: torch.Tensor | None = None,
+    token_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See ``reference.route_fused``: the router, the shared expert as pick k and the
+    expert counts (integer atomics) in one kernel after the logits GEMM."""
     num_tokens = x.shape[0]
     num_experts = weight.shape[0]
     if (table is None) == (bias is None):
         raise ValueError("route: give the bias (learned routing) or the table (hash routing)")
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=x.device)
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
+    if expert_counts is not None and (
+        expert_counts.dtype != torch.int64 or expert_counts.shape != (num_experts,)
+    ):
+        raise ValueError(
+            f"expert_counts must be [{num_experts}] int64, got "
+            f"{expert_counts.dtype} {tuple(expert_counts.shape)}"
+        )
+    if token_mask is not None and token_mask.shape != (num_tokens,):
+        raise ValueError(f"token_mask must be [{num_tokens}], got {tuple(token_mask.shape)}")
+    shared = shared_expert is not None
+    cols = top_k + int(shared)
+    ids = torch.empty(num_tokens, cols, dtype=torch.int64, device=x.device)
+    weights = torch.empty(num_tokens, cols, dtype=torch.float32, device=x.device)
     if num_tokens == 0:
         return ids, weights
     logits = F.linear(x, weight).contiguous()  # [T, E] in the activation dtype
     block_t = 16
     hashed = table is not None
+    count = 0 if expert_counts is None else (1 if token_mask is None else 2)
     _route_kernel[(triton.cdiv(num_tokens, block_t),)](
         logits,
         bias if bias is not None else weights,
@@ -106,12 +152,17 @@ def route(
         input_ids.contiguous(),
         ids,
         weights,
+        expert_counts if expert_counts is not None else ids,
+        token_mask.contiguous() if token_mask is not None else ids,
         num_tokens,
         scaling,
+        shared_expert if shared else 0,
         E=num_experts,
         K=top_k,
         SCORING=_SCORING[scoring_func],
         HASHED=hashed,
+        SHARED=int(shared),
+        COUNT=count,
         BLOCK_T=block_t,
         BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
         num_warps=4,

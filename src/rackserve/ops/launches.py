@@ -1,0 +1,149 @@
+"""Counting the kernel launches of a forward on the CPU (the M2 gate: <= 20 per decode layer).
+
+A :class:`LaunchCounter` is a ``TorchDispatchMode`` that counts every aten op that launches
+a kernel on a GPU (views, allocations and metadata ops launch none), plus every Triton
+kernel launch (under ``TRITON_INTERPRET=1``: the interpreter's ``run``; the torch ops the
+interpreter itself runs to copy arguments are not counted). Launches are attributed to the
+innermost scope entered with :meth:`LaunchCounter.scope` (e.g. one per decoder layer).
+
+Known gap against the GPU profiler: a cuBLAS GEMM may add a split-K reduce kernel on the
+GPU (one aten ``mm`` here); a CUDA-graph step counts the same ops as this eager one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# aten ops that allocate or describe tensors without launching a kernel
+_NO_LAUNCH = {
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "new_empty",
+    "new_empty_strided",
+    "lift_fresh",
+    "detach",
+    "alias",
+    "_unsafe_view",
+    "_local_scalar_dense",  # a host sync, not a launch (a test asserts there is none)
+    "resize_",
+    "set_",
+    "is_same_size",
+    "sym_size",
+    "sym_stride",
+    "sym_numel",
+    "sym_storage_offset",
+}
+
+
+def launches_kernel(func: torch._ops.OpOverload) -> bool:
+    """Whether ``func`` launches a GPU kernel (not a view, an allocation or metadata)."""
+    if func.is_view:
+        return False
+    return func.overloadpacket.__name__ not in _NO_LAUNCH
+
+
+class LaunchCounter(TorchDispatchMode):
+    """``with LaunchCounter() as c: model(...)``; then ``c.by_scope[name]``: a Counter of
+    op name -> launches in that scope (Triton kernels as ``triton:<kernel>``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_scope: dict[str, Counter] = {}
+        self._scopes = ["outside"]
+        self._in_kernel = 0
+        self._patched: list[tuple[type, object]] = []
+        self.host_syncs = 0
+
+    def total(self, scope: str) -> int:
+        return sum(self.by_scope.get(scope, Counter()).values())
+
+    def _add(self, name: str) -> None:
+        self.by_scope.setdefault(self._scopes[-1], Counter())[name] += 1
+
+    @contextlib.contextmanager
+    def scope(self, name: str) -> Iterator[None]:
+        self._scopes.append(name)
+        try:
+            yield
+        finally:
+            self._scopes.pop()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd):
+            # what the GPU runs: the ops it decomposes into (einsum -> permutes + bmm + copy)
+            with self:  # the mode is off inside its own handler: count the parts
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        if not self._in_kernel:
+            name = func.overloadpacket.__name__
+            if name == "_local_scalar_dense":
+                self.host_syncs += 1
+            if launches_kernel(func):
+                self._add(name)
+        return func(*args, **kwargs)
+
+    def __enter__(self):
+        self._patch_triton()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for cls, run in self._patched:
+            cls.run = run
+        self._patched.clear()
+        return super().__exit__(*exc)
+
+    def _patch_triton(self) -> None:
+        try:
+            from triton.runtime.interpreter import InterpretedFunction
+        except ImportError:  # no Triton: nothing to count there
+            return
+        original = InterpretedFunction.run
+        counter = self
+
+        def run(fn, *args, **kwargs):
+            if kwargs.get("warmup") or counter._in_kernel:
+                return original(fn, *args, **kwargs)
+            counter._add(f"triton:{fn.__name__}")
+            counter._in_kernel += 1
+            try:
+                return original(fn, *args, **kwargs)
+            finally:
+                counter._in_kernel -= 1
+
+        InterpretedFunction.run = run
+        self._patched.append((InterpretedFunction, original))
+
+
+def count_layer_launches(model: torch.nn.Module, run) -> tuple[LaunchCounter, list[str]]:
+    """Run ``run()`` under a :class:`LaunchCounter` with one scope per decoder layer of
+    ``model`` (a ``DeepseekV4ForCausalLM``; a layer's ``run``), named ``"<i>:<kind>"``.
+    Returns the counter and the layer scope names in order; launches outside the layers
+    land in "outside". (A layer's scope holds the next layer's fused mHC pre.)"""
+    counter = LaunchCounter()
+    layers = list(model.model.layers)
+    names = [f"{i}:{layer.attn.kind}" for i, layer in enumerate(layers)]
+
+    def scoped(fn, name):
+        def call(*args, **kwargs):
+            with counter.scope(name):
+                return fn(*args, **kwargs)
+
+        return call
+
+    for layer, name in zip(layers, names, strict=True):
+        layer.run = scoped(layer.run, name)
+    try:
+        with counter:
+            run()
+    finally:
+        for layer in layers:
+            del layer.run
+    return counter, names

@@ -1,0 +1,137 @@
+"""The whole fast path (every Triton kernel, the fused projections and mHC, the shared
+expert folded into the MoE) on CPU under Triton's interpreter: it matches the reference
+kernels in fp32 (1e-4), and a decode layer dispatches at most ``MAX_LAUNCHES_PER_LAYER``
+kernels (the M2 gate; counted by ``ops.launches``)."""
+
+from __future__ import annotations
+
+import torch
+
+from rackserve.model.batch import StepMetadata
+from rackserve.model.create import init_model_
+from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
+from rackserve.model.generate import ContiguousCache
+from rackserve.model.presets import tiny_config
+from rackserve.ops.launches import count_layer_launches
+
+MAX_LAUNCHES_PER_LAYER = 20
+# the CSA layer's extra launches: the indexer's logits and top-k, the selection of its picks
+MAX_LAUNCHES = {"compressed_sparse_attention": 21}
+
+
+def _models(num_layers: int = 3, num_experts: int = 8):
+    cfg = tiny_config(num_layers, num_experts)
+    fast = DeepseekV4ForCausalLM(cfg, with_mtp=False, kernels="triton")
+    init_model_(fast, seed=0)
+    ref = DeepseekV4ForCausalLM(cfg, with_mtp=False, kernels="reference")
+    ref.load_state_dict(fast.state_dict())
+    return fast.eval(), ref.eval()
+
+
+def _graph_step(cache: ContiguousCache, positions: list[int], max_len: int) -> StepMetadata:
+    """Decode metadata as a CUDA graph builds it: every token a closing candidate, the last
+    row a padded one (null block tables, masked)."""
+    n = len(positions)
+    req = torch.arange(n)
+    tables = {name: t[:n].clone() for name, t in cache.block_tables.items()}
+    for t in tables.values():
+        t[-1] = 0
+    mask = torch.ones(n, dtype=torch.bool)
+    mask[-1] = False
+    ratios = sorted({g.ratio for g in cache.groups if g.ratio > 1})
+    return StepMetadata.build(
+        cache.groups, torch.tensor(positions), req, tables, max_len, {r: req for r in ratios},
+        token_mask=mask,
+    )  # fmt: skip
+
+
+@torch.inference_mode()
+def test_decode_layer_launch_count():
+    fast, _ = _models()
+    fast.cast(torch.bfloat16)  # as the GPU runs it (fp32 would hide the dtype casts)
+    cache = ContiguousCache(fast, 3, 128)
+    meta = _graph_step(cache, [63, 40, 0], 128)
+    ids = torch.tensor([5, 7, 0])
+    counts = torch.zeros(3, 8, dtype=torch.int64)
+    fast(ids, meta, cache.tensors, counts)  # the first step fuses the weights
+    counter, names = count_layer_launches(fast, lambda: fast(ids, meta, cache.tensors, counts))
+    assert counter.host_syncs == 0
+    per_layer = {name: counter.total(name) for name in names}
+    print(per_layer, "outside:", counter.total("outside"))
+    for name in names:
+        limit = MAX_LAUNCHES.get(name.split(":")[1], MAX_LAUNCHES_PER_LAYER)
+        assert per_layer[name] <= limit, (name, counter.by_scope[name])
+
+
+@torch.inference_mode()
+def test_fp32_fast_path_matches_reference():
+    fast, ref = _models()
+    models = {"fast": fast, "ref": ref}
+    caches = {m: ContiguousCache(model, 3, 96) for m, model in models.items()}
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 4096, (n,), generator=gen) for n in (37, 20)]
+    steps = [
+        ([0, 0], [37, 20], torch.cat(prompts)),  # ragged prefill
+        ([37, 20], [1, 1], torch.tensor([9, 11])),  # eager decode
+        ([38, 21], [1, 1], torch.tensor([3, 4])),
+    ]
+    for computed, new, ids in steps:
+        logits = {}
+        for m, model in models.items():
+            meta = caches[m].batch(computed, new, [0, 1])
+            hidden, _ = model(ids, meta, caches[m].tensors)
+            logits[m] = model.compute_logits(hidden)
+        _assert_close(logits["fast"], logits["ref"])
+    # a graph-style decode step (padded row, every token a closing candidate)
+    logits = {}
+    for m, model in models.items():
+        meta = _graph_step(caches[m], [39, 22, 0], 96)
+        counts = torch.zeros(3, 8, dtype=torch.int64)
+        hidden, _ = model(torch.tensor([6, 8, 0]), meta, caches[m].tensors, counts)
+        logits[m] = (model.compute_logits(hidden)[:2], counts)
+    _assert_close(logits["fast"][0], logits["ref"][0])
+    assert torch.equal(logits["fast"][1], logits["ref"][1])
+    for group, per_layer in caches["ref"].tensors.tensors.items():
+        for layer, expected in per_layer.items():
+            got = caches["fast"].tensors.tensors[group][layer]
+            _assert_close(got, expected, (group, layer))
+
+
+def _assert_close(got: torch.Tensor, ref: torch.Tensor, what=None) -> None:
+    scale = ref.abs().max().clamp_min(1e-6)
+    rel = ((got - ref).abs().max() / scale).item()
+    assert rel <= 1e-4, (what, rel)
+
+
+def test_fused_weights_keep_the_checkpoint_layout():
+    """The fast path's fused weights are views: state_dict, loading and casting work as
+    before, and a cast model fuses again."""
+    fast, ref = _models()
+    before = {k: v.clone() for k, v in fast.state_dict().items()}
+    cache = ContiguousCache(fast, 3, 64)
+    step = _graph_step(cache, [15, 3, 0], 64)
+    with torch.inference_mode():
+        fast(torch.tensor([5, 7, 0]), step, cache.tensors)
+    after = fast.state_dict()
+    assert before.keys() == after.keys()
+    for k, v in before.items():
+        assert after[k].shape == v.shape and torch.equal(after[k], v), k
+    attn, moe = fast.model.layers[1].attn, fast.model.layers[1].ffn
+    fused = attn._x_proj.fused
+    assert fused is not None and attn.wq_a.weight.data_ptr() == fused.data_ptr()
+    assert moe.shared_experts.w2.weight.data_ptr() == moe._with_shared[1].fused[-1].data_ptr()
+    state = ref.state_dict()
+    state["model.layers.1.attn.wkv.weight"] = torch.zeros_like(attn.wkv.weight)
+    fast.load_state_dict(state)  # copies into the views
+    assert attn._x_proj.intact()
+    q_lora = attn.wq_a.out_features
+    assert (attn._x_proj.get()[q_lora : q_lora + attn.head_dim] == 0).all()
+    fast.cast(torch.bfloat16)  # fuses again at once: loading then copies into the views
+    assert attn._x_proj.intact() and attn._x_proj.get().dtype == torch.bfloat16
+    attn.wkv.weight.data = attn.wkv.weight.data.clone()  # as .to() would: no longer a view
+    assert not attn._x_proj.intact()
+    cache = ContiguousCache(fast, 3, 64)
+    with torch.inference_mode():
+        hidden, _ = fast(torch.tensor([5, 7, 0]), step, cache.tensors)
+    assert attn._x_proj.intact() and attn._x_proj.get().dtype == torch.bfloat16
+    assert not hidden.isnan().any()
