@@ -79,7 +79,7 @@ def _wide_variants(s: int, wb: int, device: torch.device) -> dict[str, sparse_at
         "wide": wide,
         "wide_bn16_st3": rep(wide, block_n=16, num_stages=3),  # 98 KB smem: 2 CTAs per SM
         "wide_bn64": rep(wide, block_n=64),
-        "wide_st3": rep(wide, num_stages=3),
+        "wide_st2": rep(wide, num_stages=2),
         "wide_bf16_p": rep(wide, split_p=False),
         "wide_splits*2": rep(wide, num_splits=wide.num_splits * 2),
         "wide_splits/2": rep(wide, num_splits=max(1, wide.num_splits // 2)),

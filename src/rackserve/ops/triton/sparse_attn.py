@@ -98,9 +98,9 @@ def wide_tiling(
 
     On a GPU: two programs per (query, split), one per half of the head dim, 4 warps (one
     warpgroup: at H = 64 the dots' M is 64, and with 8 warps Triton 3.6 lays a chained dot
-    out as [8, 1] warps, computing every row twice; ptxas for sm_90 at Dh 512: 254
-    registers, no spills, for the [64, 256] fp32 accumulator), 32-row tiles pipelined
-    through shared memory (2 stages: q 64 KB + 2 x 2 x 16 KB of rows = 131 KB). The rows are
+    out as [8, 1] warps, computing every row twice), 32-row tiles pipelined through shared
+    memory (ptxas for sm_90 at H 64, Dh 512: 3 stages 239 registers, no spills, 132 KB of
+    shared memory; 2 stages spill 64 B in the epilogue; 64-row tiles spill). The rows are
     split until S x 2 x splits covers the SMs twice (S = 64: 3 splits, S >= 132: none, no
     combine launch). On CPU: one program per query.
     """
@@ -110,7 +110,7 @@ def wide_tiling(
     block_n, num_dv = 32, 2
     tiles = max(1, triton.cdiv(num_rows, block_n))
     splits = max(1, min(tiles, triton.cdiv(2 * sms, num_queries * num_dv)))
-    return Tiling(64, block_n, num_dv, splits, 4, 2, 16, 4, prefetch=False, kernel="wide")
+    return Tiling(64, block_n, num_dv, splits, 4, 3, 16, 4, prefetch=False, kernel="wide")
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
