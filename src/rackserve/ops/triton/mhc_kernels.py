@@ -208,12 +208,15 @@ def hc_finish_kernel(
         comb = prob / tl.sum(prob, axis=2)[:, :, None] + hc_eps
         comb = tl.where(jk_ok[None, :, :], comb, 0.0)
         # Sinkhorn as ops.sinkhorn: columns (sum over j) first, then rows / columns.
-        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
-        for _ in range(sinkhorn_iters - 1):
-            comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
+        if N == 4:  # the 16 entries as separate [BT] tensors: no cross-thread sums
+            _sinkhorn4(comb, comb_ptr + tok * 16, tok_ok, hc_eps, sinkhorn_iters, BLOCK_T)
+        else:
             comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
-        comb_out = comb_ptr + tok[:, None, None] * (N * N) + jk[None, :, :]
-        tl.store(comb_out, comb, mask=tjk_ok)
+            for _ in range(sinkhorn_iters - 1):
+                comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
+                comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+            comb_out = comb_ptr + tok[:, None, None] * (N * N) + jk[None, :, :]
+            tl.store(comb_out, comb, mask=tjk_ok)
 
     # Collapse the streams with pre, then RMSNorm over D with the block's weight (fp32).
     s_rows = (
@@ -305,3 +308,65 @@ def hc_post_kernel(
     )
     mask = tk_ok[:, :, None] & d_ok[None, None, :]
     tl.store(out, to_output(acc, out_ptr), mask=mask)
+
+
+@triton.jit
+def _quarters(x, BLOCK_T: tl.constexpr):
+    """x [BT, 4] -> its columns (x_0, x_1, x_2, x_3), each [BT]."""
+    even, odd = tl.split(tl.reshape(x, (BLOCK_T, 2, 2)))  # columns 0, 2 | 1, 3
+    x0, x2 = tl.split(even)
+    x1, x3 = tl.split(odd)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _norm4(a, b, c, d, eps):
+    """(a, b, c, d) / (a + b + c + d + eps), summed in index order like torch's 4-sum."""
+    total = a + b + c + d + eps
+    return a / total, b / total, c / total, d / total
+
+
+@triton.jit
+def _sinkhorn4(comb, out_ptrs, tok_ok, eps, iters, BLOCK_T: tl.constexpr):
+    """``ops.reference.sinkhorn`` of comb [BT, 4, 4] (columns first), stored to out_ptrs [BT]
+    + j * 4 + k. Sums over a [BT, 4, 4] tensor cross threads (shuffles, or shared memory and
+    barriers across warps) and the iterations are a serial chain: at T = 1 the 20 of them
+    were most of the finish kernel. Here entry (j, k) is its own [BT] tensor, c{j}{k}."""
+    flat = tl.reshape(comb, (BLOCK_T, 16))  # j * 4 + k
+    even, odd = tl.split(tl.reshape(flat, (BLOCK_T, 8, 2)))  # k even | odd, by 2j + k // 2
+    col0, col2 = tl.split(tl.reshape(even, (BLOCK_T, 4, 2)))  # [BT, 4] over j
+    col1, col3 = tl.split(tl.reshape(odd, (BLOCK_T, 4, 2)))
+    c00, c10, c20, c30 = _quarters(col0, BLOCK_T)
+    c01, c11, c21, c31 = _quarters(col1, BLOCK_T)
+    c02, c12, c22, c32 = _quarters(col2, BLOCK_T)
+    c03, c13, c23, c33 = _quarters(col3, BLOCK_T)
+    # columns (sum over j) first, then (iters - 1) x (rows, columns)
+    c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, eps)
+    c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, eps)
+    c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, eps)
+    c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, eps)
+    for _ in range(iters - 1):
+        c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, eps)
+        c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, eps)
+        c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, eps)
+        c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, eps)
+        c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, eps)
+        c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, eps)
+        c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, eps)
+        c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, eps)
+    tl.store(out_ptrs + 0, c00, mask=tok_ok)
+    tl.store(out_ptrs + 1, c01, mask=tok_ok)
+    tl.store(out_ptrs + 2, c02, mask=tok_ok)
+    tl.store(out_ptrs + 3, c03, mask=tok_ok)
+    tl.store(out_ptrs + 4, c10, mask=tok_ok)
+    tl.store(out_ptrs + 5, c11, mask=tok_ok)
+    tl.store(out_ptrs + 6, c12, mask=tok_ok)
+    tl.store(out_ptrs + 7, c13, mask=tok_ok)
+    tl.store(out_ptrs + 8, c20, mask=tok_ok)
+    tl.store(out_ptrs + 9, c21, mask=tok_ok)
+    tl.store(out_ptrs + 10, c22, mask=tok_ok)
+    tl.store(out_ptrs + 11, c23, mask=tok_ok)
+    tl.store(out_ptrs + 12, c30, mask=tok_ok)
+    tl.store(out_ptrs + 13, c31, mask=tok_ok)
+    tl.store(out_ptrs + 14, c32, mask=tok_ok)
+    tl.store(out_ptrs + 15, c33, mask=tok_ok)
