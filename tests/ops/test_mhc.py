@@ -17,7 +17,7 @@ import torch
 
 from rackserve.ops import reference
 
-from kernel_checks import DEVICE, assert_bf16_close, assert_fp32_close
+from kernel_checks import DEVICE, as_fp32, assert_bf16_close, assert_fp32_close
 
 N = 4
 ITERS = 20
@@ -145,9 +145,10 @@ def test_hc_post_pre_matches_reference(mhc, t, d, dtype):
         assert_bf16_close(g, rb, rf)
 
 
-def gpu_like_tiling(mhc, finish_block_t: int) -> object:
+def gpu_like_tiling(mhc, finish_block_t: int, gemv: bool = False) -> object:
     """Few tokens per finish/post program (1 on the GPU), many K1 splits (more than one
-    BLOCK_S step of K2's reduction at D=320), D looped in chunks by K2."""
+    BLOCK_S step of K2's reduction at D=320), D looped in chunks by K2; gemv: K1 with one
+    token per program and FMA row sums (the GPU default for T <= 4)."""
     return mhc.Tiling(
         gemm_block_t=16,
         gemm_block_d=8,
@@ -160,12 +161,15 @@ def gpu_like_tiling(mhc, finish_block_t: int) -> object:
         post_block_t=finish_block_t,
         post_block_d=128,
         post_warps=4,
+        gemm_gemv=gemv,
     )
 
 
-@pytest.mark.parametrize("t,d,finish_block_t", [(3, 320, 1), (19, 64, 4)])
-def test_gpu_like_tiling_matches_reference(mhc, t, d, finish_block_t):
-    tiling = gpu_like_tiling(mhc, finish_block_t)
+@pytest.mark.parametrize(
+    "t,d,finish_block_t,gemv", [(3, 320, 1, False), (19, 64, 4, False), (3, 320, 1, True)]
+)
+def test_gpu_like_tiling_matches_reference(mhc, t, d, finish_block_t, gemv):
+    tiling = gpu_like_tiling(mhc, finish_block_t, gemv)
     args = hc_pre_args(t, d, seed=5, dtype=torch.float32)
     x, post, comb = mhc.hc_pre(*args, tiling=tiling)
     for g, r in zip((x, post, comb), reference.hc_pre(*args), strict=True):
@@ -184,6 +188,23 @@ def test_gpu_like_tiling_matches_reference(mhc, t, d, finish_block_t):
     got = mhc.hc_post_pre(*call, tiling=tiling)
     for g, r in zip(got, reference.hc_post_pre(*call), strict=True):
         assert_fp32_close(g, r)
+
+
+@pytest.mark.parametrize("t", [1, 2])
+def test_gemv_k1_bf16_matches_reference(mhc, t):
+    """The T <= 4 GPU path (one token per K1 program) on bf16 streams, hc_pre and the fused
+    hc_post_pre, with the bf16 rule."""
+    tiling = gpu_like_tiling(mhc, 1, gemv=True)
+    args = hc_pre_args(t, 256, seed=40 + t, dtype=torch.bfloat16)
+    got = mhc.hc_pre(*args, tiling=tiling)
+    refs = reference.hc_pre(*args), reference.hc_pre(*as_fp32(args))
+    for g, rb, rf in zip(got, *refs, strict=True):
+        assert_bf16_close(g, rb, rf)
+    streams = args[0]
+    block_out = torch.randn(t, 256, device=DEVICE).bfloat16()
+    call = (streams, block_out, got[1], got[2], *args[1:])
+    new = mhc.hc_post_pre(*call, tiling=tiling)
+    assert_bf16_close(new[0], reference.hc_post(*call[:4]), reference.hc_post(*as_fp32(call[:4])))
 
 
 def test_strided_streams_and_determinism(mhc):
@@ -219,8 +240,15 @@ def test_bad_input_raises_clear_errors(mhc):
         mhc.hc_post(streams, streams[:, 0].bfloat16(), post, comb)
     with pytest.raises(ValueError, match="comb must have shape"):
         mhc.hc_post(streams, streams[:, 0], post, comb[:, :, :2])
+    with pytest.raises(ValueError, match="post must have shape"):  # post, comb on the CPU
+        mhc.hc_post_pre(streams, streams[:, 0], post[:2], comb, *args_tail(fn, base, scale))
     with pytest.raises(ValueError, match="scale must have shape"):
         mhc.hc_head(streams, fn[:N], base[:N], scale, HC_EPS, NORM_EPS, norm_weight)
+
+
+def args_tail(fn, base, scale) -> tuple:
+    """fn, base, scale, norm_weight, iters, eps of a block whose shapes are right for D=64."""
+    return fn, base, scale, torch.ones(64, device=DEVICE), ITERS, HC_EPS, NORM_EPS
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -44,6 +44,7 @@ class Tiling:
     post_block_t: int
     post_block_d: int
     post_warps: int
+    gemm_gemv: bool = False  # K1 with one token per program, FMA row sums (no tl.dot)
 
 
 @functools.lru_cache(maxsize=8)
@@ -67,7 +68,9 @@ def default_tiling(
     benchmarks/results/2026-12-01-h200-m2.md); "ieee" for fp32 streams (the strict gates).
 
     On a GPU, K1 aims at two programs per SM: few tokens -> many splits of D (at T=1 the
-    1.5 MB fn read is the whole cost), many tokens -> few. K2 keeps a token's N x D streams
+    1.5 MB fn read is the whole cost), many tokens -> few; T <= 4: one token per K1
+    program with FMA row sums (``gemm_gemv``: a 16-row dot tile would be mostly padding,
+    and the fp32 FMA dot cost 3 us more than tf32x3 at T = 1). K2 keeps a token's N x D streams
     in registers up to 16K values and loops over D beyond. On CPU (the Triton interpreter)
     larger token tiles keep the number of interpreted programs small.
     """
@@ -101,6 +104,7 @@ def default_tiling(
         post_block_t=1,
         post_block_d=min(d_pow2, 1024),
         post_warps=4,
+        gemm_gemv=num_tokens <= 4,
     )
 
 
@@ -117,10 +121,14 @@ def _check_streams(streams: torch.Tensor) -> torch.Tensor:
     return streams.contiguous()
 
 
-def _param(name: str, t: torch.Tensor, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-    """A contiguous float32 copy-if-needed of a parameter, after a shape/device check."""
+def _check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
     if tuple(t.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+
+
+def _param(name: str, t: torch.Tensor, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A contiguous float32 copy-if-needed of a parameter, after a shape/device check."""
+    _check_shape(name, t, shape)
     if t.device != like.device:
         raise ValueError(f"{name} is on {t.device}, streams on {like.device}")
     return t.to(torch.float32).contiguous()
@@ -129,13 +137,16 @@ def _param(name: str, t: torch.Tensor, shape: tuple[int, ...], like: torch.Tenso
 def _post_inputs(
     streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Checked block_out [T, D] (the streams' dtype), post [T, N], comb [T, N, N] (fp32)."""
+    """Checked block_out [T, D] (the streams' dtype), post [T, N], comb [T, N, N] (fp32).
+    Shapes and dtypes first, devices last: a call gets the same message on every device."""
     num_tokens, n, hidden = streams.shape
     if tuple(block_out.shape) != (num_tokens, hidden) or block_out.dtype != streams.dtype:
         raise ValueError(
             f"block_out must be [{num_tokens}, {hidden}] {streams.dtype}, "
             f"got {tuple(block_out.shape)} {block_out.dtype}"
         )
+    _check_shape("post", post, (num_tokens, n))
+    _check_shape("comb", comb, (num_tokens, n, n))
     if block_out.device != streams.device:
         raise ValueError(f"block_out is on {block_out.device}, streams on {streams.device}")
     post = _param("post", post, (num_tokens, n), streams)
@@ -157,12 +168,16 @@ def _block_params(
     if sinkhorn_iters < 1:
         raise ValueError(f"sinkhorn_iters must be >= 1, got {sinkhorn_iters}")
     mixes = n if head else (2 + n) * n
-    return (
-        _param("fn", fn, (mixes, n * hidden), streams),
-        _param("base", base, (mixes,), streams),
-        _param("scale", scale, (1 if head else 3,), streams),
-        _param("norm_weight", norm_weight, (hidden,), streams),
-    )
+    shapes = {
+        "fn": (fn, (mixes, n * hidden)),
+        "base": (base, (mixes,)),
+        "scale": (scale, (1 if head else 3,)),
+        "norm_weight": (norm_weight, (hidden,)),
+    }
+    for name, (t, shape) in shapes.items():  # every shape before any device
+        _check_shape(name, t, shape)
+    fn, base, scale, norm_weight = (_param(k, t, sh, streams) for k, (t, sh) in shapes.items())
+    return fn, base, scale, norm_weight
 
 
 def _launch(
@@ -193,7 +208,8 @@ def _launch(
     block_n = triton.next_power_of_2(n)
     block_m = max(16, triton.next_power_of_2(fn.shape[0]))
     block_d = min(tiling.gemm_block_d, triton.next_power_of_2(hidden))
-    t_blocks = triton.cdiv(num_tokens, tiling.gemm_block_t)
+    gemm_block_t = 1 if tiling.gemm_gemv else tiling.gemm_block_t
+    t_blocks = triton.cdiv(num_tokens, gemm_block_t)
     d_blocks = triton.cdiv(hidden, block_d)
     splits = max(1, min(d_blocks, triton.cdiv(tiling.gemm_programs, t_blocks)))
     d_per_split = triton.cdiv(d_blocks, splits) * block_d
@@ -206,8 +222,8 @@ def _launch(
         num_tokens, hidden, fn.shape[0], d_per_split,
         streams.stride(0), streams.stride(1), fn.stride(0),
         mix.stride(0), mix.stride(1), sq.stride(0), block_out.stride(0),
-        N=n, BLOCK_N=block_n, BLOCK_T=tiling.gemm_block_t, BLOCK_M=block_m, BLOCK_D=block_d,
-        FUSE_POST=expand is not None, PRECISION=tiling.gemm_precision,
+        N=n, BLOCK_N=block_n, BLOCK_T=gemm_block_t, BLOCK_M=block_m, BLOCK_D=block_d,
+        FUSE_POST=expand is not None, PRECISION=tiling.gemm_precision, GEMV=tiling.gemm_gemv,
         num_warps=tiling.gemm_warps,
     )  # fmt: skip
     finish_block_d = min(tiling.finish_block_d, triton.next_power_of_2(hidden))
@@ -217,7 +233,7 @@ def _launch(
         num_tokens, splits, hidden, 1.0 / (n * hidden), hc_eps, norm_eps, sinkhorn_iters,
         new.stride(0), new.stride(1), mix.stride(0), mix.stride(1), sq.stride(0), x.stride(0),
         N=n, BLOCK_N=block_n, BLOCK_T=tiling.finish_block_t,
-        BLOCK_S=min(64, triton.next_power_of_2(splits)), BLOCK_D=finish_block_d,
+        BLOCK_S=min(128, triton.next_power_of_2(splits)), BLOCK_D=finish_block_d,
         HEAD=head, SINGLE_PASS=finish_block_d >= hidden, num_warps=tiling.finish_warps,
     )  # fmt: skip
     return new, x, post, comb

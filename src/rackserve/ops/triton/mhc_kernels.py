@@ -6,7 +6,9 @@ Shape legend: T tokens, N streams, D hidden, K = N*D input columns, M mixes per 
 K1 ``prenorm_gemm_kernel``, grid (cdiv(T, BLOCK_T), S): split s of the K columns writes
     mix[s, t, m] = sum_k streams[t, k] * fn[m, k] and sq[s, t] = sum_k streams[t, k]^2.
     The dot runs in fp32 with input_precision "ieee" (FMA, no TF32: the mixes feed a softmax
-    and 20 Sinkhorn steps, and the spec is fp32). Dividing by the rms after the GEMM equals
+    and 20 Sinkhorn steps, and the spec is fp32) or "tf32x3"; GEMV (one token per program,
+    for T <= 4): fp32 products summed per mix, without a 16-row dot tile of which 15 rows
+    would be padding. Dividing by the rms after the GEMM equals
     the reference's GEMM of the normalized rows, so the streams are read once.
 K2 ``hc_finish_kernel``, grid (cdiv(T, BLOCK_T),): sums the S partials in a fixed order
     (deterministic, no atomics), sigmoid / softmax, the Sinkhorn iterations on [N, N] in
@@ -57,6 +59,7 @@ def prenorm_gemm_kernel(
     BLOCK_D: tl.constexpr,
     FUSE_POST: tl.constexpr,
     PRECISION: tl.constexpr,
+    GEMV: tl.constexpr,  # BLOCK_T = 1: elementwise FMA + row sums instead of tl.dot
 ):
     # A split owns hidden columns [d_start, d_start + d_per_split) of all N streams, so the
     # FUSE_POST prologue (which mixes the streams per column) has everything it needs.
@@ -110,7 +113,10 @@ def prenorm_gemm_kernel(
         # [BT, BN, BD] . [BM, BN, BD] over (n, d): one dot with K = BN * BD
         x2 = tl.reshape(x, (BLOCK_T, BLOCK_N * BLOCK_D))
         w2 = tl.reshape(w, (BLOCK_M, BLOCK_N * BLOCK_D))
-        acc = tl.dot(x2, tl.trans(w2), acc, input_precision=PRECISION)
+        if GEMV:  # few tokens: fp32 FMA products summed per mix, no dot tile of 16 rows
+            acc += tl.sum(x2[:, None, :] * w2[None, :, :], axis=2)
+        else:
+            acc = tl.dot(x2, tl.trans(w2), acc, input_precision=PRECISION)
         sq += tl.sum(tl.sum(x * x, axis=2), axis=1)
     mix_out = mix_ptr + pid_s * stride_mix_s + tok[:, None] * stride_mix_t + m[None, :]
     tl.store(mix_out, acc, mask=tok_ok[:, None])
@@ -159,6 +165,16 @@ def hc_finish_kernel(
     tjk_ok = tok_ok[:, None, None] & jk_ok[None, :, :]  # [BT, BN, BN]
     mix_tok = mix_ptr + tok * stride_mix_t  # [BT]
     jk = n[:, None] * N + n[None, :]  # comb mix m = 2N + j*N + k
+    s_rows = (
+        streams_ptr + tok[:, None, None].to(tl.int64) * stride_st + n[None, :, None] * stride_sn
+    )
+    if SINGLE_PASS:  # issue the row loads first: they arrive while the mixes are reduced
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < hidden
+        s_all = tl.load(
+            s_rows + d[None, None, :], mask=tn_ok[:, :, None] & d_ok[None, None, :], other=0.0
+        )
+        w_all = tl.load(norm_w_ptr + d, mask=d_ok, other=0.0)
 
     # Reduce the split partials, BLOCK_S splits per step (one step when S <= BLOCK_S):
     # a fixed order, so results are deterministic.
@@ -219,21 +235,12 @@ def hc_finish_kernel(
             tl.store(comb_out, comb, mask=tjk_ok)
 
     # Collapse the streams with pre, then RMSNorm over D with the block's weight (fp32).
-    s_rows = (
-        streams_ptr + tok[:, None, None].to(tl.int64) * stride_st + n[None, :, None] * stride_sn
-    )
     x_rows = x_ptr + tok[:, None].to(tl.int64) * stride_xt
     pre3 = pre[:, :, None]
     if SINGLE_PASS:
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < hidden
-        s = tl.load(
-            s_rows + d[None, None, :], mask=tn_ok[:, :, None] & d_ok[None, None, :], other=0.0
-        )
-        c = tl.sum(pre3 * s.to(tl.float32), axis=1)  # [BT, BD]; masked lanes are 0
+        c = tl.sum(pre3 * s_all.to(tl.float32), axis=1)  # [BT, BD]; masked lanes are 0
         inv = tl.rsqrt(tl.sum(c * c, axis=1) / hidden + norm_eps)
-        w = tl.load(norm_w_ptr + d, mask=d_ok, other=0.0)
-        y = c * inv[:, None] * w[None, :]
+        y = c * inv[:, None] * w_all[None, :]
         tl.store(x_rows + d[None, :], to_output(y, x_ptr), mask=tok_ok[:, None] & d_ok)
     else:
         ssq = tl.zeros((BLOCK_T,), tl.float32)
