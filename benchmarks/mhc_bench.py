@@ -63,8 +63,11 @@ def _variants(t: int, device: torch.device) -> dict[str, mhc.Tiling]:
         "post_d2048_w8": rep(base, post_block_d=2048, post_warps=8),
     }
     if base.gemm_gemv:  # T <= 4: K1 one token per program, FMA row sums; the M2 K1 instead
-        variants["gemv_off"] = rep(base, gemm_gemv=False)
-        variants["gemv_off_tf32x3"] = rep(base, gemm_gemv=False, gemm_precision="tf32x3")
+        variants["fused" if not base.fused else "unfused"] = rep(base, fused=not base.fused)
+        variants["gemv_off"] = rep(base, gemm_gemv=False, fused=False)
+        variants["gemv_off_tf32x3"] = rep(
+            base, gemm_gemv=False, fused=False, gemm_precision="tf32x3"
+        )
     elif t <= 64:
         variants["gemv_on"] = rep(base, gemm_gemv=True)
     return variants

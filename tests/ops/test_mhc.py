@@ -145,10 +145,11 @@ def test_hc_post_pre_matches_reference(mhc, t, d, dtype):
         assert_bf16_close(g, rb, rf)
 
 
-def gpu_like_tiling(mhc, finish_block_t: int, gemv: bool = False) -> object:
+def gpu_like_tiling(mhc, finish_block_t: int, gemv: bool = False, fused: bool = False) -> object:
     """Few tokens per finish/post program (1 on the GPU), many K1 splits (more than one
     BLOCK_S step of K2's reduction at D=320), D looped in chunks by K2; gemv: K1 with one
-    token per program and FMA row sums (the GPU default for T <= 4)."""
+    token per program and FMA row sums (the GPU default for T <= 4); fused: with gemv, K1 and
+    K2 in one launch."""
     return mhc.Tiling(
         gemm_block_t=16,
         gemm_block_d=8,
@@ -162,14 +163,22 @@ def gpu_like_tiling(mhc, finish_block_t: int, gemv: bool = False) -> object:
         post_block_d=128,
         post_warps=4,
         gemm_gemv=gemv,
+        fused=fused,
     )
 
 
 @pytest.mark.parametrize(
-    "t,d,finish_block_t,gemv", [(3, 320, 1, False), (19, 64, 4, False), (3, 320, 1, True)]
+    "t,d,finish_block_t,gemv,fused",
+    [
+        (3, 320, 1, False, False),
+        (19, 64, 4, False, False),
+        (3, 320, 1, True, False),
+        (3, 320, 1, True, True),
+        (1, 64, 1, True, True),
+    ],
 )
-def test_gpu_like_tiling_matches_reference(mhc, t, d, finish_block_t, gemv):
-    tiling = gpu_like_tiling(mhc, finish_block_t, gemv)
+def test_gpu_like_tiling_matches_reference(mhc, t, d, finish_block_t, gemv, fused):
+    tiling = gpu_like_tiling(mhc, finish_block_t, gemv, fused)
     args = hc_pre_args(t, d, seed=5, dtype=torch.float32)
     x, post, comb = mhc.hc_pre(*args, tiling=tiling)
     for g, r in zip((x, post, comb), reference.hc_pre(*args), strict=True):
@@ -190,11 +199,12 @@ def test_gpu_like_tiling_matches_reference(mhc, t, d, finish_block_t, gemv):
         assert_fp32_close(g, r)
 
 
-@pytest.mark.parametrize("t", [1, 2])
-def test_gemv_k1_bf16_matches_reference(mhc, t):
-    """The T <= 4 GPU path (one token per K1 program) on bf16 streams, hc_pre and the fused
-    hc_post_pre, with the bf16 rule."""
-    tiling = gpu_like_tiling(mhc, 1, gemv=True)
+@pytest.mark.parametrize("t,fused", [(1, False), (2, False), (1, True), (3, True)])
+def test_gemv_k1_bf16_matches_reference(mhc, t, fused):
+    """The T <= 4 GPU path (one token per K1 program; fused: K1 + K2 in one launch) on bf16
+    streams, hc_pre and the fused hc_post_pre, with the bf16 rule; the fused launch leaves
+    its arrival counters at zero (the next call, or graph replay, starts from them)."""
+    tiling = gpu_like_tiling(mhc, 1, gemv=True, fused=fused)
     args = hc_pre_args(t, 256, seed=40 + t, dtype=torch.bfloat16)
     got = mhc.hc_pre(*args, tiling=tiling)
     refs = reference.hc_pre(*args), reference.hc_pre(*as_fp32(args))
@@ -205,6 +215,11 @@ def test_gemv_k1_bf16_matches_reference(mhc, t):
     call = (streams, block_out, got[1], got[2], *args[1:])
     new = mhc.hc_post_pre(*call, tiling=tiling)
     assert_bf16_close(new[0], reference.hc_post(*call[:4]), reference.hc_post(*as_fp32(call[:4])))
+    refs = reference.hc_pre(new[0], *args[1:]), reference.hc_pre(new[0].float(), *args[1:])
+    for g, rb, rf in zip(new[1:], *refs, strict=True):
+        assert_bf16_close(g, rb, rf)
+    if fused:
+        assert not mhc._COUNTERS[torch.device(DEVICE)].any()
 
 
 def test_strided_streams_and_determinism(mhc):
@@ -319,3 +334,45 @@ def test_cuda_graph_replay_is_bitwise_equal_to_eager(mhc):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, step())
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("t", [1, 3, 4])
+def test_fused_launch_on_gpu(mhc, t):
+    """The one-launch K1 + K2 (its counters and release / acquire ordering only run for real
+    on a GPU): bf16 rule against the reference, counters back at zero, and CUDA-graph replay
+    (twice: the counters must be reset by the first) bitwise equal to eager."""
+    import dataclasses
+
+    d = 4096
+    tiling = dataclasses.replace(mhc.default_tiling(t, N, d, torch.device(DEVICE)), fused=True)
+    assert tiling.gemm_gemv
+    args = hc_pre_args(t, d, seed=t, dtype=torch.bfloat16)
+    streams, params = args[0].clone(), args[1:]
+    block_out = torch.randn(t, d, device=DEVICE).bfloat16()
+    got = mhc.hc_pre(*args, tiling=tiling)
+    refs = reference.hc_pre(*args), reference.hc_pre(*as_fp32(args))
+    for g, rb, rf in zip(got, *refs, strict=True):
+        assert_bf16_close(g, rb, rf)
+    assert not mhc._COUNTERS[streams.device].any()
+
+    def step():
+        x, post, comb = mhc.hc_pre(streams, *params, tiling=tiling)
+        new, x, post, comb = mhc.hc_post_pre(
+            streams, block_out + x, post, comb, *params, tiling=tiling
+        )
+        head = mhc.hc_head(new, params[0][:N], params[1][:N], params[2][:1], HC_EPS, NORM_EPS,
+                           params[3], tiling=tiling)  # fmt: skip
+        return x + head
+
+    step()  # compile and allocate the counters outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed in (2, 3):
+        streams.copy_(make_streams(t, d, seed=seed, dtype=torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, step())
+    assert not mhc._COUNTERS[streams.device].any()

@@ -15,18 +15,17 @@ only: no host syncs, so the ops can be captured in CUDA graphs. Under TRITON_INT
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
 import triton
 
-from rackserve.ops.triton.mhc_kernels import (
-    hc_finish_kernel,
-    hc_post_kernel,
-    prenorm_gemm_kernel,
-)
+from rackserve.ops.triton.mhc_finish_kernels import hc_finish_kernel, hc_fused_kernel
+from rackserve.ops.triton.mhc_kernels import hc_post_kernel, prenorm_gemm_kernel
 
 _ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FUSED_ENV = "RACKSERVE_MHC_FUSED"  # "1": default_tiling fuses K1 + K2 for T <= 4 (GPU)
 
 
 @dataclass(frozen=True)
@@ -45,6 +44,9 @@ class Tiling:
     post_block_d: int
     post_warps: int
     gemm_gemv: bool = False  # K1 with one token per program, FMA row sums (no tl.dot)
+    # with gemm_gemv: K1 + K2 in one launch (``hc_fused_kernel``: the last split of a token
+    # finishes it, through an int32 counter per token)
+    fused: bool = False
 
 
 @functools.lru_cache(maxsize=8)
@@ -70,7 +72,8 @@ def default_tiling(
     On a GPU, K1 aims at two programs per SM: few tokens -> many splits of D (at T=1 the
     1.5 MB fn read is the whole cost), many tokens -> few; T <= 4: one token per K1
     program with FMA row sums (``gemm_gemv``: a 16-row dot tile would be mostly padding,
-    and the fp32 FMA dot cost 3 us more than tf32x3 at T = 1). K2 keeps a token's N x D streams
+    and the fp32 FMA dot cost 3 us more than tf32x3 at T = 1), in one launch with K2 when
+    ``$RACKSERVE_MHC_FUSED`` is "1" (opt-in until measured). K2 keeps a token's N x D streams
     in registers up to 16K values and loops over D beyond. On CPU (the Triton interpreter)
     larger token tiles keep the number of interpreted programs small.
     """
@@ -105,7 +108,26 @@ def default_tiling(
         post_block_d=min(d_pow2, 1024),
         post_warps=4,
         gemm_gemv=num_tokens <= 4,
+        fused=num_tokens <= 4 and os.environ.get(FUSED_ENV, "0") == "1",
     )
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, num_tokens: int) -> torch.Tensor | None:
+    """The fused launch's per-token arrival counters: int32 zeros, kept per device and left
+    at zero by every launch (the finishing program resets its token's). None while a CUDA
+    graph is being captured and no buffer is large enough: allocating inside a capture would
+    tie the buffer to the graph's pool, so that call takes the two-launch path. The ops of
+    one device must run on one stream at a time (they do: the model's main stream)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < num_tokens:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = torch.zeros(max(256, num_tokens), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -217,6 +239,24 @@ def _launch(
     mix = _empty((splits, num_tokens, block_m), torch.float32, device)
     sq = _empty((splits, num_tokens), torch.float32, device)
     block_out, prev_post, prev_comb = expand if expand is not None else (x, x, x)
+    finish_block_d = min(tiling.finish_block_d, triton.next_power_of_2(hidden))
+    block_s = min(128, triton.next_power_of_2(splits))
+    counters = _counters(device, num_tokens) if tiling.fused and tiling.gemm_gemv else None
+    if counters is not None:  # one launch: the last split of a token runs K2 for it
+        hc_fused_kernel[(num_tokens, splits)](
+            streams, fn, mix, sq, block_out, prev_post, prev_comb, new,
+            base, scale, norm_weight, x, x if head else post, x if head else comb, counters,
+            num_tokens, hidden, fn.shape[0], d_per_split,
+            1.0 / (n * hidden), hc_eps, norm_eps, sinkhorn_iters,
+            streams.stride(0), streams.stride(1), fn.stride(0),
+            mix.stride(0), mix.stride(1), sq.stride(0), block_out.stride(0),
+            new.stride(0), new.stride(1), x.stride(0),
+            N=n, BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_D=block_d,
+            FINISH_BLOCK_D=finish_block_d, BLOCK_S=block_s, FUSE_POST=expand is not None,
+            HEAD=head, SINGLE_PASS=finish_block_d >= hidden,
+            num_warps=max(tiling.gemm_warps, tiling.finish_warps),
+        )  # fmt: skip
+        return new, x, post, comb
     prenorm_gemm_kernel[(t_blocks, splits)](
         streams, fn, mix, sq, block_out, prev_post, prev_comb, new,
         num_tokens, hidden, fn.shape[0], d_per_split,
@@ -226,14 +266,13 @@ def _launch(
         FUSE_POST=expand is not None, PRECISION=tiling.gemm_precision, GEMV=tiling.gemm_gemv,
         num_warps=tiling.gemm_warps,
     )  # fmt: skip
-    finish_block_d = min(tiling.finish_block_d, triton.next_power_of_2(hidden))
     hc_finish_kernel[(triton.cdiv(num_tokens, tiling.finish_block_t),)](
         new, mix, sq, base, scale, norm_weight,
         x, x if head else post, x if head else comb,
         num_tokens, splits, hidden, 1.0 / (n * hidden), hc_eps, norm_eps, sinkhorn_iters,
         new.stride(0), new.stride(1), mix.stride(0), mix.stride(1), sq.stride(0), x.stride(0),
         N=n, BLOCK_N=block_n, BLOCK_T=tiling.finish_block_t,
-        BLOCK_S=min(128, triton.next_power_of_2(splits)), BLOCK_D=finish_block_d,
+        BLOCK_S=block_s, BLOCK_D=finish_block_d,
         HEAD=head, SINGLE_PASS=finish_block_d >= hidden, num_warps=tiling.finish_warps,
     )  # fmt: skip
     return new, x, post, comb
