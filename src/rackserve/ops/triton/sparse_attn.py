@@ -60,19 +60,28 @@ KERNEL_ENV = "RACKSERVE_SPARSE_ATTN"  # "heads" (the default) or "wide": default
 
 
 def default_tiling(
-    num_queries: int, num_heads: int, head_dim: int, num_rows: int, device: torch.device
+    num_queries: int,
+    num_heads: int,
+    head_dim: int,
+    num_rows: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> Tiling:
     """Launch shapes from S, H, Dh, M and the device (host ints only: graph-safe).
 
     The kernel comes from ``$RACKSERVE_SPARSE_ATTN`` ("heads" unless set; see
-    ``wide_tiling`` for "wide"), read at each call (a captured graph keeps its choice).
+    ``wide_tiling`` for "wide", taken for 16-bit rows and H <= 128), read at each call (a
+    captured graph keeps its choice).
     "heads" on a GPU: 16 heads per program (a [16, Dh] fp32 accumulator; 32 once the batch
     alone fills the SMs twice over, halving the L2 re-reads of the rows by the head blocks)
     and split the rows until the grid covers the SMs (S = 1, H = 64: 4 head blocks x up to
     33 splits; S >= 64: no split, no combine launch). On CPU (the Triton interpreter): few,
     large programs.
     """
-    if os.environ.get(KERNEL_ENV, "heads") == "wide":
+    # fp32 rows on a GPU stay on "heads": the wide kernel's fp32 FMA dots spill (q alone is
+    # 128 KB at H 64, Dh 512); fp32 is the tests' strict path, not a serving dtype
+    fp32_gpu = dtype == torch.float32 and device.type == "cuda"
+    if os.environ.get(KERNEL_ENV, "heads") == "wide" and num_heads <= 128 and not fp32_gpu:
         return wide_tiling(num_queries, num_heads, head_dim, num_rows, device)
     if device.type != "cuda":
         return Tiling(16, 32, 1, 1, 4, 1, 16, 4)
@@ -200,7 +209,7 @@ def paged_sparse_attention(
     out = _empty((num_queries, num_heads, head_dim), q.dtype, device)
     if num_queries == 0 or num_heads == 0:
         return out
-    tiling = tiling or default_tiling(num_queries, num_heads, head_dim, num_rows, device)
+    tiling = tiling or default_tiling(num_queries, num_heads, head_dim, num_rows, device, q.dtype)
     if q.stride(2) != 1:
         q = q.contiguous()
     slots_a, slots_b = slots_a.contiguous(), slots_b.contiguous()
