@@ -7,7 +7,8 @@ Each equals its ``ops.reference`` namesake. Shape legend: T tokens, N streams, D
     hc_post = one elementwise kernel                   -> streams [T, N, D]
     hc_post_pre = K1 with the expand in its prologue + K2 -> hc_post, then hc_pre of the result
 
-(kernels in ``mhc_kernels.py``). Grids and workspaces depend on T and the weights' shapes
+(kernels in ``mhc_kernels.py`` and ``mhc_finish_kernels.py``; with ``Tiling.fused`` and
+T <= 4, K1 + K2 are one launch). Grids and workspaces depend on T and the weights' shapes
 only: no host syncs, so the ops can be captured in CUDA graphs. Under TRITON_INTERPRET=1
 (CPU tests) the same kernels run on CPU tensors, with larger token tiles.
 """
