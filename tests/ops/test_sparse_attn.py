@@ -121,10 +121,12 @@ def tilings(attn) -> dict[str, object]:
         "wide": t(16, 16, 1, 1, 4, 2, 16, 4, prefetch=False, kernel="wide"),
         "wide_dv2_split3": t(16, 16, 2, 3, 4, 2, 16, 4, prefetch=False, kernel="wide"),
         "wide_split_every_tile": t(16, 16, 1, 64, 4, 2, 16, 4, prefetch=False, kernel="wide"),
+        "wide_t": t(16, 16, 1, 1, 4, 2, 16, 4, prefetch=False, kernel="wide_t"),
+        "wide_t_split3": t(16, 16, 1, 3, 4, 2, 16, 4, prefetch=False, kernel="wide_t"),
     }
 
 
-WIDE = ["wide", "wide_dv2_split3", "wide_split_every_tile"]
+WIDE = ["wide", "wide_dv2_split3", "wide_split_every_tile", "wide_t", "wide_t_split3"]
 
 
 @pytest.mark.parametrize(
@@ -136,7 +138,9 @@ def test_tilings_match_reference(attn, name, dtype):
     check(attn, make_case(9, 16, 24, dtype, seed=7), tilings(attn)[name])
 
 
-@pytest.mark.parametrize("name", [None, "split3", "dv2_split2", "wide", "wide_dv2_split3"])
+@pytest.mark.parametrize(
+    "name", [None, "split3", "dv2_split2", "wide", "wide_dv2_split3", "wide_t_split3"]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inverse_rope_epilogue(attn, name, dtype):
     tiling = tilings(attn)[name] if name else None
@@ -150,6 +154,7 @@ def test_odd_head_dim_and_many_rows(attn):
     check(attn, args, tilings(attn)["split3"])
     check(attn, args, tilings(attn)["wide"])
     check(attn, args, tilings(attn)["wide_dv2_split3"])
+    check(attn, args, tilings(attn)["wide_t_split3"])
 
 
 @pytest.mark.parametrize("s,h,wb", [(1, 4, 8), (3, 16, 0), (9, 16, 24)])

@@ -26,7 +26,10 @@ import torch
 import triton
 
 from rackserve.ops.triton.sparse_attn_kernels import sparse_attn_combine_kernel, sparse_attn_kernel
-from rackserve.ops.triton.sparse_attn_wide_kernels import sparse_attn_wide_kernel
+from rackserve.ops.triton.sparse_attn_wide_kernels import (
+    sparse_attn_wide_kernel,
+    sparse_attn_wide_t_kernel,
+)
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -47,7 +50,9 @@ class Tiling:
     split_p: bool = True  # 16-bit rows: PV with p = hi + lo (exact to ~16 bits; 1.5x FLOPs)
     prefetch: bool = True  # load row tile i+1 into registers while tile i computes
     # "heads": ``sparse_attn_kernel`` (BLOCK_H heads per program); "wide": every head in one
-    # program (``sparse_attn_wide_kernel``; block_h and prefetch unused there, num_dv 1 or 2)
+    # program (``sparse_attn_wide_kernel``; block_h and prefetch unused there, num_dv 1 or 2);
+    # "wide_t": the transposed one-program form (``sparse_attn_wide_t_kernel``; experimental:
+    # ptxas sm_90 at 64 rows, 8 warps: 205 KB shared memory, 255 registers, small spills)
     kernel: str = "heads"
 
 
@@ -221,9 +226,11 @@ def paged_sparse_attention(
     rope_start = head_dim - (cos.shape[1] * 2 if rope else 0)
 
     block_d = max(16, triton.next_power_of_2(head_dim))
-    wide = tiling.kernel == "wide"
-    if tiling.kernel not in ("heads", "wide"):
-        raise ValueError(f"tiling.kernel must be 'heads' or 'wide', got {tiling.kernel!r}")
+    wide = tiling.kernel in ("wide", "wide_t")
+    if tiling.kernel not in ("heads", "wide", "wide_t"):
+        raise ValueError(
+            f"tiling.kernel must be 'heads', 'wide' or 'wide_t', got {tiling.kernel!r}"
+        )
     if wide and num_heads > 128:
         raise ValueError(f"the wide kernel holds every head in one program: H={num_heads} > 128")
     num_dv = max(1, min(tiling.num_dv, 2 if wide else block_d // 16))
@@ -266,7 +273,15 @@ def paged_sparse_attention(
         stride_ps,
     )
     qk_scale = scale * math.log2(math.e)
-    if wide:
+    if tiling.kernel == "wide_t":
+        sparse_attn_wide_t_kernel[(1, num_queries, num_splits)](
+            *tensors, *partials, num_heads, width_a, width_b, rows_per_split, rope_start,
+            qk_scale, *strides, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_N=tiling.block_n,
+            **common,
+        )  # fmt: skip
+        num_dv, block_dv = 1, block_d
+    elif wide:
         sparse_attn_wide_kernel[(num_dv, num_queries, num_splits)](
             *tensors, *partials, num_heads, width_a, width_b, rows_per_split, rope_start,
             qk_scale, *strides, HEAD_DIM=head_dim, HALF=block_d // 2,
