@@ -92,6 +92,15 @@ def _indexer_variants(s: int, e: int, device: torch.device) -> dict[str, indexer
         "select_torch": dataclasses.replace(base, triton_select_max_entries=0),
         "select_triton": dataclasses.replace(base, triton_select_max_entries=e),
     }
+    if e > base.triton_select_max_entries:
+        # rows over the one-program limit: chunk-wise top-k levels (the default) vs the
+        # first M2 path (torch.topk), other chunk sizes and limits
+        variants |= {
+            "select_long_torch": dataclasses.replace(base, select_chunk=0),
+            "select_chunk1024": dataclasses.replace(base, select_chunk=1024),
+            "select_chunk4096": dataclasses.replace(base, select_chunk=4096),
+            "select_max4096": dataclasses.replace(base, triton_select_max_entries=4096),
+        }
     return {k: v for k, v in variants.items() if v.tiles <= max(tiles_per_query, 1)}
 
 

@@ -1,7 +1,7 @@
 """Times the fused mHC ops (Triton) against their torch references on the GPU.
 
-V4-Flash sizes (N=4 streams, D=4096, bf16 streams, fp32 mHC weights) at T in {1, 64, 256,
-8192}; ops hc_pre, hc_post, hc_post_pre (the two fused), hc_head. Each record: op, impl
+V4-Flash sizes (N=4 streams, D=4096, bf16 streams, fp32 mHC weights) at T in {1, 4, 16,
+64, 256, 8192}; ops hc_pre, hc_post, hc_post_pre (the two fused), hc_head. Each record: op, impl
 ("triton" | "reference" | "triton:<tiling variant>"), T, the compulsory bytes (every input
 read once, every output written once), the median time with ``triton.testing.do_bench``
 (L2 flushed before each call, launch cost included) and with ``do_bench_cudagraph``
@@ -28,7 +28,7 @@ from bench_timing import stamped, time_us
 
 N, D = 4, 4096
 SINKHORN_ITERS, HC_EPS, NORM_EPS = 20, 1e-6, 1e-6
-TOKENS = (1, 64, 256, 8192)
+TOKENS = (1, 4, 16, 64, 256, 8192)
 
 
 def _inputs(t: int, device: str) -> dict[str, torch.Tensor]:
@@ -53,7 +53,7 @@ def _variants(t: int, device: torch.device) -> dict[str, mhc.Tiling]:
     """A few tilings around the default, to pick defaults from the first GPU run."""
     base = mhc.default_tiling(t, N, D, device)
     rep = dataclasses.replace
-    return {
+    variants = {
         "programs/2": rep(base, gemm_programs=max(1, base.gemm_programs // 2)),
         "programs*2": rep(base, gemm_programs=base.gemm_programs * 2),
         "gemm_d/2": rep(base, gemm_block_d=max(1, base.gemm_block_d // 2)),
@@ -62,6 +62,15 @@ def _variants(t: int, device: torch.device) -> dict[str, mhc.Tiling]:
         "finish_d1024": rep(base, finish_block_d=1024, finish_warps=4),
         "post_d2048_w8": rep(base, post_block_d=2048, post_warps=8),
     }
+    if base.gemm_gemv:  # T <= 4: K1 one token per program, FMA row sums; the M2 K1 instead
+        variants["fused" if not base.fused else "unfused"] = rep(base, fused=not base.fused)
+        variants["gemv_off"] = rep(base, gemm_gemv=False, fused=False)
+        variants["gemv_off_tf32x3"] = rep(
+            base, gemm_gemv=False, fused=False, gemm_precision="tf32x3"
+        )
+    elif t <= 64:
+        variants["gemv_on"] = rep(base, gemm_gemv=True)
+    return variants
 
 
 def _record(op: str, impl: str, t: int, nbytes: int, fn: Callable[[], object]) -> dict:

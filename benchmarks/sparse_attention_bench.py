@@ -67,6 +67,32 @@ def _variants(s: int, wb: int, device: torch.device) -> dict[str, sparse_attn.Ti
         "splits*2": rep(base, num_splits=base.num_splits * 2),
         "splits/2": rep(base, num_splits=max(1, base.num_splits // 2)),
         "bh64_dv2": rep(base, block_h=64, num_dv=2, num_warps=8),
+    } | _wide_variants(s, wb, device)
+
+
+def _wide_variants(s: int, wb: int, device: torch.device) -> dict[str, sparse_attn.Tiling]:
+    """The "wide" kernel (every head per program; $RACKSERVE_SPARSE_ATTN=wide makes it the
+    default) around ``wide_tiling``: tile rows, pipeline stages, splits, bf16 p."""
+    wide = sparse_attn.wide_tiling(s, H, DH, WA + wb, device)
+    rep = dataclasses.replace
+    return {
+        "wide": wide,
+        "wide_bn16_st3": rep(wide, block_n=16, num_stages=3),  # 98 KB smem: 2 CTAs per SM
+        "wide_bn64": rep(wide, block_n=64),
+        "wide_st2": rep(wide, num_stages=2),
+        "wide_bf16_p": rep(wide, split_p=False),
+        "wide_splits*2": rep(wide, num_splits=wide.num_splits * 2),
+        "wide_splits/2": rep(wide, num_splits=max(1, wide.num_splits // 2)),
+        # one program per (query, split), transposed dots (out^T = rows^T . p^T): experimental
+        "wide_t": rep(
+            wide,
+            kernel="wide_t",
+            block_n=64,
+            num_dv=1,
+            num_warps=8,
+            num_stages=2,
+            num_splits=max(1, wide.num_splits * 2),
+        ),
     }
 
 

@@ -17,7 +17,7 @@ import torch
 
 from rackserve.ops import reference
 
-from kernel_checks import DEVICE, assert_bf16_close, assert_fp32_close
+from kernel_checks import DEVICE, as_fp32, assert_bf16_close, assert_fp32_close
 
 N = 4
 ITERS = 20
@@ -145,9 +145,11 @@ def test_hc_post_pre_matches_reference(mhc, t, d, dtype):
         assert_bf16_close(g, rb, rf)
 
 
-def gpu_like_tiling(mhc, finish_block_t: int) -> object:
+def gpu_like_tiling(mhc, finish_block_t: int, gemv: bool = False, fused: bool = False) -> object:
     """Few tokens per finish/post program (1 on the GPU), many K1 splits (more than one
-    BLOCK_S step of K2's reduction at D=320), D looped in chunks by K2."""
+    BLOCK_S step of K2's reduction at D=320), D looped in chunks by K2; gemv: K1 with one
+    token per program and FMA row sums (the GPU default for T <= 4); fused: with gemv, K1 and
+    K2 in one launch."""
     return mhc.Tiling(
         gemm_block_t=16,
         gemm_block_d=8,
@@ -160,12 +162,23 @@ def gpu_like_tiling(mhc, finish_block_t: int) -> object:
         post_block_t=finish_block_t,
         post_block_d=128,
         post_warps=4,
+        gemm_gemv=gemv,
+        fused=fused,
     )
 
 
-@pytest.mark.parametrize("t,d,finish_block_t", [(3, 320, 1), (19, 64, 4)])
-def test_gpu_like_tiling_matches_reference(mhc, t, d, finish_block_t):
-    tiling = gpu_like_tiling(mhc, finish_block_t)
+@pytest.mark.parametrize(
+    "t,d,finish_block_t,gemv,fused",
+    [
+        (3, 320, 1, False, False),
+        (19, 64, 4, False, False),
+        (3, 320, 1, True, False),
+        (3, 320, 1, True, True),
+        (1, 64, 1, True, True),
+    ],
+)
+def test_gpu_like_tiling_matches_reference(mhc, t, d, finish_block_t, gemv, fused):
+    tiling = gpu_like_tiling(mhc, finish_block_t, gemv, fused)
     args = hc_pre_args(t, d, seed=5, dtype=torch.float32)
     x, post, comb = mhc.hc_pre(*args, tiling=tiling)
     for g, r in zip((x, post, comb), reference.hc_pre(*args), strict=True):
@@ -184,6 +197,29 @@ def test_gpu_like_tiling_matches_reference(mhc, t, d, finish_block_t):
     got = mhc.hc_post_pre(*call, tiling=tiling)
     for g, r in zip(got, reference.hc_post_pre(*call), strict=True):
         assert_fp32_close(g, r)
+
+
+@pytest.mark.parametrize("t,fused", [(1, False), (2, False), (1, True), (3, True)])
+def test_gemv_k1_bf16_matches_reference(mhc, t, fused):
+    """The T <= 4 GPU path (one token per K1 program; fused: K1 + K2 in one launch) on bf16
+    streams, hc_pre and the fused hc_post_pre, with the bf16 rule; the fused launch leaves
+    its arrival counters at zero (the next call, or graph replay, starts from them)."""
+    tiling = gpu_like_tiling(mhc, 1, gemv=True, fused=fused)
+    args = hc_pre_args(t, 256, seed=40 + t, dtype=torch.bfloat16)
+    got = mhc.hc_pre(*args, tiling=tiling)
+    refs = reference.hc_pre(*args), reference.hc_pre(*as_fp32(args))
+    for g, rb, rf in zip(got, *refs, strict=True):
+        assert_bf16_close(g, rb, rf)
+    streams = args[0]
+    block_out = torch.randn(t, 256, device=DEVICE).bfloat16()
+    call = (streams, block_out, got[1], got[2], *args[1:])
+    new = mhc.hc_post_pre(*call, tiling=tiling)
+    assert_bf16_close(new[0], reference.hc_post(*call[:4]), reference.hc_post(*as_fp32(call[:4])))
+    refs = reference.hc_pre(new[0], *args[1:]), reference.hc_pre(new[0].float(), *args[1:])
+    for g, rb, rf in zip(new[1:], *refs, strict=True):
+        assert_bf16_close(g, rb, rf)
+    if fused:
+        assert not mhc._COUNTERS[torch.device(DEVICE)].any()
 
 
 def test_strided_streams_and_determinism(mhc):
@@ -219,8 +255,15 @@ def test_bad_input_raises_clear_errors(mhc):
         mhc.hc_post(streams, streams[:, 0].bfloat16(), post, comb)
     with pytest.raises(ValueError, match="comb must have shape"):
         mhc.hc_post(streams, streams[:, 0], post, comb[:, :, :2])
+    with pytest.raises(ValueError, match="post must have shape"):  # post, comb on the CPU
+        mhc.hc_post_pre(streams, streams[:, 0], post[:2], comb, *args_tail(fn, base, scale))
     with pytest.raises(ValueError, match="scale must have shape"):
         mhc.hc_head(streams, fn[:N], base[:N], scale, HC_EPS, NORM_EPS, norm_weight)
+
+
+def args_tail(fn, base, scale) -> tuple:
+    """fn, base, scale, norm_weight, iters, eps of a block whose shapes are right for D=64."""
+    return fn, base, scale, torch.ones(64, device=DEVICE), ITERS, HC_EPS, NORM_EPS
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -291,3 +334,45 @@ def test_cuda_graph_replay_is_bitwise_equal_to_eager(mhc):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, step())
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("t", [1, 3, 4])
+def test_fused_launch_on_gpu(mhc, t):
+    """The one-launch K1 + K2 (its counters and release / acquire ordering only run for real
+    on a GPU): bf16 rule against the reference, counters back at zero, and CUDA-graph replay
+    (twice: the counters must be reset by the first) bitwise equal to eager."""
+    import dataclasses
+
+    d = 4096
+    tiling = dataclasses.replace(mhc.default_tiling(t, N, d, torch.device(DEVICE)), fused=True)
+    assert tiling.gemm_gemv
+    args = hc_pre_args(t, d, seed=t, dtype=torch.bfloat16)
+    streams, params = args[0].clone(), args[1:]
+    block_out = torch.randn(t, d, device=DEVICE).bfloat16()
+    got = mhc.hc_pre(*args, tiling=tiling)
+    refs = reference.hc_pre(*args), reference.hc_pre(*as_fp32(args))
+    for g, rb, rf in zip(got, *refs, strict=True):
+        assert_bf16_close(g, rb, rf)
+    assert not mhc._COUNTERS[streams.device].any()
+
+    def step():
+        x, post, comb = mhc.hc_pre(streams, *params, tiling=tiling)
+        new, x, post, comb = mhc.hc_post_pre(
+            streams, block_out + x, post, comb, *params, tiling=tiling
+        )
+        head = mhc.hc_head(new, params[0][:N], params[1][:N], params[2][:1], HC_EPS, NORM_EPS,
+                           params[3], tiling=tiling)  # fmt: skip
+        return x + head
+
+    step()  # compile and allocate the counters outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed in (2, 3):
+        streams.copy_(make_streams(t, d, seed=seed, dtype=torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, step())
+    assert not mhc._COUNTERS[streams.device].any()

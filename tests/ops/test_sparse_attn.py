@@ -117,18 +117,30 @@ def tilings(attn) -> dict[str, object]:
         "dv4_single": t(16, 32, 4, 1, 4, 2, 16, 4),
         "heads32": t(32, 16, 1, 2, 8, 2, 32, 4),
         "no_prefetch": t(16, 16, 1, 2, 4, 3, 16, 4, prefetch=False),
+        # every head in one program (H 16 here; 4 heads pad to 16)
+        "wide": t(16, 16, 1, 1, 4, 2, 16, 4, prefetch=False, kernel="wide"),
+        "wide_dv2_split3": t(16, 16, 2, 3, 4, 2, 16, 4, prefetch=False, kernel="wide"),
+        "wide_split_every_tile": t(16, 16, 1, 64, 4, 2, 16, 4, prefetch=False, kernel="wide"),
+        "wide_t": t(16, 16, 1, 1, 4, 2, 16, 4, prefetch=False, kernel="wide_t"),
+        "wide_t_split3": t(16, 16, 1, 3, 4, 2, 16, 4, prefetch=False, kernel="wide_t"),
     }
 
 
+WIDE = ["wide", "wide_dv2_split3", "wide_split_every_tile", "wide_t", "wide_t_split3"]
+
+
 @pytest.mark.parametrize(
-    "name", ["split3", "split_every_tile", "dv2_split2", "dv4_single", "heads32", "no_prefetch"]
+    "name",
+    ["split3", "split_every_tile", "dv2_split2", "dv4_single", "heads32", "no_prefetch", *WIDE],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tilings_match_reference(attn, name, dtype):
     check(attn, make_case(9, 16, 24, dtype, seed=7), tilings(attn)[name])
 
 
-@pytest.mark.parametrize("name", [None, "split3", "dv2_split2"])
+@pytest.mark.parametrize(
+    "name", [None, "split3", "dv2_split2", "wide", "wide_dv2_split3", "wide_t_split3"]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inverse_rope_epilogue(attn, name, dtype):
     tiling = tilings(attn)[name] if name else None
@@ -140,6 +152,30 @@ def test_odd_head_dim_and_many_rows(attn):
     args = make_case(3, 4, 40, torch.float32, seed=3, dh=48, wa=20, rope_dim=16)
     check(attn, args)
     check(attn, args, tilings(attn)["split3"])
+    check(attn, args, tilings(attn)["wide"])
+    check(attn, args, tilings(attn)["wide_dv2_split3"])
+    check(attn, args, tilings(attn)["wide_t_split3"])
+
+
+@pytest.mark.parametrize("s,h,wb", [(1, 4, 8), (3, 16, 0), (9, 16, 24)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wide_kernel_from_the_environment(attn, monkeypatch, s, h, wb, dtype):
+    """$RACKSERVE_SPARSE_ATTN=wide makes the default tiling pick the wide kernel (not for
+    fp32 rows on a GPU, nor for more than 128 heads)."""
+    monkeypatch.setenv(attn.KERNEL_ENV, "wide")
+    device = torch.device(DEVICE)
+    expected = "heads" if dtype == torch.float32 and device.type == "cuda" else "wide"
+    assert attn.default_tiling(s, h, 64, WA + wb, device, dtype).kernel == expected
+    assert attn.default_tiling(s, 132, 64, WA + wb, device, dtype).kernel == "heads"
+    check(attn, make_case(s, h, wb, dtype, seed=300 + 100 * s + 10 * h + wb))
+
+
+def test_wide_kernel_refuses_too_many_heads(attn):
+    args = make_case(1, 4, 8, torch.float32, seed=0)
+    q = args[0].repeat(1, 33, 1)  # 132 heads
+    sinks = args[6].repeat(33)
+    with pytest.raises(ValueError, match="every head"):
+        attn.paged_sparse_attention(q, *args[1:6], sinks, args[7], tiling=tilings(attn)["wide"])
 
 
 def test_reference_matches_gather_then_attention():
@@ -215,6 +251,10 @@ def test_v4_flash_sizes_on_gpu(attn, s, wb, dtype):
     args = make_case(s, 64, wb, dtype, seed=s + wb, dh=512, wa=128, rope_dim=64)
     check(attn, args)
     check(attn, args[:8])
+    if dtype == torch.bfloat16:  # fp32 stays on "heads" (default_tiling)
+        wide = attn.wide_tiling(s, 64, 512, 128 + wb, args[0].device)
+        check(attn, args, wide)
+        check(attn, args[:8], wide)
 
 
 @pytest.mark.gpu
@@ -223,11 +263,12 @@ def test_cuda_graph_replay_is_bitwise_equal_to_eager(attn):
     """Captured once (split rows: two launches), replayed on new queries."""
     args = make_case(4, 64, 512, torch.bfloat16, seed=1, dh=512, wa=128, rope_dim=64)
     q, rest = args[0].clone(), args[1:]
-    attn.paged_sparse_attention(q, *rest)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = attn.paged_sparse_attention(q, *rest)
-    q.copy_(torch.randn_like(q))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, attn.paged_sparse_attention(q, *rest))
+    for tiling in (None, attn.wide_tiling(4, 64, 512, 640, q.device)):
+        attn.paged_sparse_attention(q, *rest, tiling=tiling)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = attn.paged_sparse_attention(q, *rest, tiling=tiling)
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, attn.paged_sparse_attention(q, *rest, tiling=tiling))

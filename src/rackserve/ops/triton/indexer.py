@@ -14,9 +14,12 @@ For a tile it gathers key rows through ``slots`` (int64 row ids into the 2-D key
 ``tl.dot`` [BLOCK_E, Di] x [Di, Hi] with fp32 accumulation (IEEE fp32 when an input is
 fp32), relu, the weighted sum over heads. It stores either fp32 logits or, by default, the
 packed int64 keys of ``reference.topk_earliest`` ((order-preserving fp32 bits << 32) |
-(2^31 - 1 - e)), so the selection is one ``torch.topk`` whose answer is unique: the same
-ids, in the same order, as the reference's stable sort. Grids and workspaces depend on S, E
-and the device only: no host sync, CUDA-graph safe.
+(2^31 - 1 - e)), so every top-k of them is unique: the same ids, in the same order, as the
+reference's stable sort. The selection: one bitonic top-k program per query (rows up to
+``triton_select_max_entries``); longer rows first go through levels of chunk-wise top-k
+programs (grid S x P, each writes its chunk's best keys), which split the work of one
+query over many SMs (S = 1 at E = 16384 took 92 us in ``torch.topk``). Grids and
+workspaces depend on S, E and the device only: no host sync, CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -38,8 +41,11 @@ class IndexerTiling:
     num_warps: int
     num_stages: int
     # select with the Triton bitonic top-k kernel (one program per query, the packed row in
-    # registers) up to this many entries; torch.topk beyond (and for 0 / k > E)
+    # registers) up to this many entries; beyond, chunk-wise top-k levels first (below)
     triton_select_max_entries: int = 2048
+    # entries per program of a chunk-wise level (raised to 2 next_pow2(k)); 0: torch.topk
+    # for rows over the limit (the first M2 path)
+    select_chunk: int = 2048
 
 
 @functools.lru_cache(maxsize=8)
@@ -151,25 +157,35 @@ def _store_logits(out_row, e, logit, num_entries, PACKED: tl.constexpr):
 
 @triton.jit
 def select_topk_kernel(
-    packed_ptr,  # [S, E] int64 keys of ``_store_logits``
-    ids_ptr,  # [S, k] int64 entry ids, best first
+    packed_ptr,  # [S, E] int64 keys of ``_store_logits`` (or a previous level's picks)
+    out_ptr,  # [S, k] int64 entry ids, best first; OUT_KEYS: [S, P * BLOCK_K] keys
     num_entries,
     k,
+    chunk,  # entries per program along axis 1 (E when one program holds the row)
     stride_ps,
-    stride_is,
-    BLOCK_N: tl.constexpr,  # next_pow2(E)
+    stride_os,
+    BLOCK_N: tl.constexpr,  # next_pow2(chunk)
     BLOCK_K: tl.constexpr,  # next_pow2(k) <= BLOCK_N
+    OUT_KEYS: tl.constexpr,
 ):
-    """Bitonic top-BLOCK_K of one query's packed row; the keys are distinct, so the sorted
-    answer is ``torch.topk``'s, and the entry id is recovered from the low 32 bits."""
+    """Bitonic top-BLOCK_K of entries [p * chunk, (p + 1) * chunk) of one query's packed
+    row; the keys are distinct, so the sorted answer is ``torch.topk``'s, and the entry id
+    is recovered from the low 32 bits. OUT_KEYS: write the BLOCK_K best keys (padding
+    included: it sorts after every real key) to slot p of a candidate row, for a merge
+    level: the top k of the union of the chunks' top k is the top k of the row."""
     s = tl.program_id(0).to(tl.int64)
-    e = tl.arange(0, BLOCK_N)
+    part = tl.program_id(1)
+    e = part * chunk + tl.arange(0, BLOCK_N)
+    ok = (e < num_entries) & (tl.arange(0, BLOCK_N) < chunk)
     lowest = -9223372036854775807 - 1  # padding sorts after every real key
-    keys = tl.load(packed_ptr + s * stride_ps + e, mask=e < num_entries, other=lowest)
+    keys = tl.load(packed_ptr + s * stride_ps + e, mask=ok, other=lowest)
     best = tl.topk(keys, BLOCK_K)  # [BLOCK_K] descending
-    ids = 0x7FFFFFFF - (best & 0xFFFFFFFF)
     pick = tl.arange(0, BLOCK_K)
-    tl.store(ids_ptr + s * stride_is + pick, ids, mask=pick < k)
+    if OUT_KEYS:
+        tl.store(out_ptr + s * stride_os + part * BLOCK_K + pick, best)
+    else:
+        ids = 0x7FFFFFFF - (best & 0xFFFFFFFF)
+        tl.store(out_ptr + s * stride_os + pick, ids, mask=pick < k)
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -298,19 +314,49 @@ def paged_indexer_topk(
         q, key_cache, slots, weights, scale, num_visible, packed=True, tiling=tiling
     )
     num_queries, num_entries = packed.shape
-    if k == 0 or num_queries == 0 or num_entries > tiling.triton_select_max_entries:
+    limit = tiling.triton_select_max_entries
+    if k == 0 or num_queries == 0 or (num_entries > limit and tiling.select_chunk <= 0):
         return packed.topk(k, dim=-1).indices
+    if limit < max(2, triton.next_power_of_2(k)):  # one program must hold k candidates
+        return packed.topk(k, dim=-1).indices
+    block_k = max(2, triton.next_power_of_2(k))  # tl.topk needs k >= 2
+    # rows longer than the limit: a level of chunk-wise top-k programs (grid S x P) writes
+    # the P x BLOCK_K best keys, until one program can hold what is left
+    chunk = max(2 * block_k, triton.next_power_of_2(tiling.select_chunk))  # each level halves
+    while num_entries > tiling.triton_select_max_entries:
+        parts = triton.cdiv(num_entries, chunk)
+        picks = _empty((num_queries, parts * block_k), torch.int64, q.device)
+        _select(packed, picks, num_entries, k, chunk, block_k, (num_queries, parts), True)
+        packed, num_entries = picks, parts * block_k
+        if parts == 1:
+            break
     ids = _empty((num_queries, k), torch.int64, q.device)
-    block_n = max(2, triton.next_power_of_2(num_entries))  # tl.topk needs k >= 2
-    select_topk_kernel[(num_queries,)](
+    _select(packed, ids, num_entries, k, num_entries, block_k, (num_queries, 1), False)
+    return ids
+
+
+def _select(
+    packed: torch.Tensor,
+    out: torch.Tensor,
+    num_entries: int,
+    k: int,
+    chunk: int,
+    block_k: int,
+    grid: tuple[int, int],
+    out_keys: bool,
+) -> None:
+    """One ``select_topk_kernel`` launch over chunks of ``chunk`` entries."""
+    block_n = max(block_k, triton.next_power_of_2(chunk))
+    select_topk_kernel[grid](
         packed,
-        ids,
+        out,
         num_entries,
         k,
+        chunk,
         packed.stride(0),
-        ids.stride(0),
+        out.stride(0),
         BLOCK_N=block_n,
-        BLOCK_K=max(2, triton.next_power_of_2(k)),
+        BLOCK_K=block_k,
+        OUT_KEYS=out_keys,
         num_warps=4 if block_n <= 1024 else 8 if block_n <= 4096 else 16,
     )
-    return ids

@@ -7,7 +7,8 @@ Each equals its ``ops.reference`` namesake. Shape legend: T tokens, N streams, D
     hc_post = one elementwise kernel                   -> streams [T, N, D]
     hc_post_pre = K1 with the expand in its prologue + K2 -> hc_post, then hc_pre of the result
 
-(kernels in ``mhc_kernels.py``). Grids and workspaces depend on T and the weights' shapes
+(kernels in ``mhc_kernels.py`` and ``mhc_finish_kernels.py``; with ``Tiling.fused`` and
+T <= 4, K1 + K2 are one launch). Grids and workspaces depend on T and the weights' shapes
 only: no host syncs, so the ops can be captured in CUDA graphs. Under TRITON_INTERPRET=1
 (CPU tests) the same kernels run on CPU tensors, with larger token tiles.
 """
@@ -15,18 +16,17 @@ only: no host syncs, so the ops can be captured in CUDA graphs. Under TRITON_INT
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
 import triton
 
-from rackserve.ops.triton.mhc_kernels import (
-    hc_finish_kernel,
-    hc_post_kernel,
-    prenorm_gemm_kernel,
-)
+from rackserve.ops.triton.mhc_finish_kernels import hc_finish_kernel, hc_fused_kernel
+from rackserve.ops.triton.mhc_kernels import hc_post_kernel, prenorm_gemm_kernel
 
 _ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FUSED_ENV = "RACKSERVE_MHC_FUSED"  # "1": default_tiling fuses K1 + K2 for T <= 4 (GPU)
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,10 @@ class Tiling:
     post_block_t: int
     post_block_d: int
     post_warps: int
+    gemm_gemv: bool = False  # K1 with one token per program, FMA row sums (no tl.dot)
+    # with gemm_gemv: K1 + K2 in one launch (``hc_fused_kernel``: the last split of a token
+    # finishes it, through an int32 counter per token)
+    fused: bool = False
 
 
 @functools.lru_cache(maxsize=8)
@@ -67,7 +71,10 @@ def default_tiling(
     benchmarks/results/2026-12-01-h200-m2.md); "ieee" for fp32 streams (the strict gates).
 
     On a GPU, K1 aims at two programs per SM: few tokens -> many splits of D (at T=1 the
-    1.5 MB fn read is the whole cost), many tokens -> few. K2 keeps a token's N x D streams
+    1.5 MB fn read is the whole cost), many tokens -> few; T <= 4: one token per K1
+    program with FMA row sums (``gemm_gemv``: a 16-row dot tile would be mostly padding,
+    and the fp32 FMA dot cost 3 us more than tf32x3 at T = 1), in one launch with K2 when
+    ``$RACKSERVE_MHC_FUSED`` is "1" (opt-in until measured). K2 keeps a token's N x D streams
     in registers up to 16K values and loops over D beyond. On CPU (the Triton interpreter)
     larger token tiles keep the number of interpreted programs small.
     """
@@ -101,7 +108,27 @@ def default_tiling(
         post_block_t=1,
         post_block_d=min(d_pow2, 1024),
         post_warps=4,
+        gemm_gemv=num_tokens <= 4,
+        fused=num_tokens <= 4 and os.environ.get(FUSED_ENV, "0") == "1",
     )
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, num_tokens: int) -> torch.Tensor | None:
+    """The fused launch's per-token arrival counters: int32 zeros, kept per device and left
+    at zero by every launch (the finishing program resets its token's). None while a CUDA
+    graph is being captured and no buffer is large enough: allocating inside a capture would
+    tie the buffer to the graph's pool, so that call takes the two-launch path. The ops of
+    one device must run on one stream at a time (they do: the model's main stream)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < num_tokens:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = torch.zeros(max(256, num_tokens), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -117,10 +144,14 @@ def _check_streams(streams: torch.Tensor) -> torch.Tensor:
     return streams.contiguous()
 
 
-def _param(name: str, t: torch.Tensor, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-    """A contiguous float32 copy-if-needed of a parameter, after a shape/device check."""
+def _check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
     if tuple(t.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+
+
+def _param(name: str, t: torch.Tensor, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A contiguous float32 copy-if-needed of a parameter, after a shape/device check."""
+    _check_shape(name, t, shape)
     if t.device != like.device:
         raise ValueError(f"{name} is on {t.device}, streams on {like.device}")
     return t.to(torch.float32).contiguous()
@@ -129,13 +160,16 @@ def _param(name: str, t: torch.Tensor, shape: tuple[int, ...], like: torch.Tenso
 def _post_inputs(
     streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Checked block_out [T, D] (the streams' dtype), post [T, N], comb [T, N, N] (fp32)."""
+    """Checked block_out [T, D] (the streams' dtype), post [T, N], comb [T, N, N] (fp32).
+    Shapes and dtypes first, devices last: a call gets the same message on every device."""
     num_tokens, n, hidden = streams.shape
     if tuple(block_out.shape) != (num_tokens, hidden) or block_out.dtype != streams.dtype:
         raise ValueError(
             f"block_out must be [{num_tokens}, {hidden}] {streams.dtype}, "
             f"got {tuple(block_out.shape)} {block_out.dtype}"
         )
+    _check_shape("post", post, (num_tokens, n))
+    _check_shape("comb", comb, (num_tokens, n, n))
     if block_out.device != streams.device:
         raise ValueError(f"block_out is on {block_out.device}, streams on {streams.device}")
     post = _param("post", post, (num_tokens, n), streams)
@@ -157,12 +191,16 @@ def _block_params(
     if sinkhorn_iters < 1:
         raise ValueError(f"sinkhorn_iters must be >= 1, got {sinkhorn_iters}")
     mixes = n if head else (2 + n) * n
-    return (
-        _param("fn", fn, (mixes, n * hidden), streams),
-        _param("base", base, (mixes,), streams),
-        _param("scale", scale, (1 if head else 3,), streams),
-        _param("norm_weight", norm_weight, (hidden,), streams),
-    )
+    shapes = {
+        "fn": (fn, (mixes, n * hidden)),
+        "base": (base, (mixes,)),
+        "scale": (scale, (1 if head else 3,)),
+        "norm_weight": (norm_weight, (hidden,)),
+    }
+    for name, (t, shape) in shapes.items():  # every shape before any device
+        _check_shape(name, t, shape)
+    fn, base, scale, norm_weight = (_param(k, t, sh, streams) for k, (t, sh) in shapes.items())
+    return fn, base, scale, norm_weight
 
 
 def _launch(
@@ -193,7 +231,8 @@ def _launch(
     block_n = triton.next_power_of_2(n)
     block_m = max(16, triton.next_power_of_2(fn.shape[0]))
     block_d = min(tiling.gemm_block_d, triton.next_power_of_2(hidden))
-    t_blocks = triton.cdiv(num_tokens, tiling.gemm_block_t)
+    gemm_block_t = 1 if tiling.gemm_gemv else tiling.gemm_block_t
+    t_blocks = triton.cdiv(num_tokens, gemm_block_t)
     d_blocks = triton.cdiv(hidden, block_d)
     splits = max(1, min(d_blocks, triton.cdiv(tiling.gemm_programs, t_blocks)))
     d_per_split = triton.cdiv(d_blocks, splits) * block_d
@@ -201,23 +240,40 @@ def _launch(
     mix = _empty((splits, num_tokens, block_m), torch.float32, device)
     sq = _empty((splits, num_tokens), torch.float32, device)
     block_out, prev_post, prev_comb = expand if expand is not None else (x, x, x)
+    finish_block_d = min(tiling.finish_block_d, triton.next_power_of_2(hidden))
+    block_s = min(128, triton.next_power_of_2(splits))
+    counters = _counters(device, num_tokens) if tiling.fused and tiling.gemm_gemv else None
+    if counters is not None:  # one launch: the last split of a token runs K2 for it
+        hc_fused_kernel[(num_tokens, splits)](
+            streams, fn, mix, sq, block_out, prev_post, prev_comb, new,
+            base, scale, norm_weight, x, x if head else post, x if head else comb, counters,
+            num_tokens, hidden, fn.shape[0], d_per_split,
+            1.0 / (n * hidden), hc_eps, norm_eps, sinkhorn_iters,
+            streams.stride(0), streams.stride(1), fn.stride(0),
+            mix.stride(0), mix.stride(1), sq.stride(0), block_out.stride(0),
+            new.stride(0), new.stride(1), x.stride(0),
+            N=n, BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_D=block_d,
+            FINISH_BLOCK_D=finish_block_d, BLOCK_S=block_s, FUSE_POST=expand is not None,
+            HEAD=head, SINGLE_PASS=finish_block_d >= hidden,
+            num_warps=max(tiling.gemm_warps, tiling.finish_warps),
+        )  # fmt: skip
+        return new, x, post, comb
     prenorm_gemm_kernel[(t_blocks, splits)](
         streams, fn, mix, sq, block_out, prev_post, prev_comb, new,
         num_tokens, hidden, fn.shape[0], d_per_split,
         streams.stride(0), streams.stride(1), fn.stride(0),
         mix.stride(0), mix.stride(1), sq.stride(0), block_out.stride(0),
-        N=n, BLOCK_N=block_n, BLOCK_T=tiling.gemm_block_t, BLOCK_M=block_m, BLOCK_D=block_d,
-        FUSE_POST=expand is not None, PRECISION=tiling.gemm_precision,
+        N=n, BLOCK_N=block_n, BLOCK_T=gemm_block_t, BLOCK_M=block_m, BLOCK_D=block_d,
+        FUSE_POST=expand is not None, PRECISION=tiling.gemm_precision, GEMV=tiling.gemm_gemv,
         num_warps=tiling.gemm_warps,
     )  # fmt: skip
-    finish_block_d = min(tiling.finish_block_d, triton.next_power_of_2(hidden))
     hc_finish_kernel[(triton.cdiv(num_tokens, tiling.finish_block_t),)](
         new, mix, sq, base, scale, norm_weight,
         x, x if head else post, x if head else comb,
         num_tokens, splits, hidden, 1.0 / (n * hidden), hc_eps, norm_eps, sinkhorn_iters,
         new.stride(0), new.stride(1), mix.stride(0), mix.stride(1), sq.stride(0), x.stride(0),
         N=n, BLOCK_N=block_n, BLOCK_T=tiling.finish_block_t,
-        BLOCK_S=min(64, triton.next_power_of_2(splits)), BLOCK_D=finish_block_d,
+        BLOCK_S=block_s, BLOCK_D=finish_block_d,
         HEAD=head, SINGLE_PASS=finish_block_d >= hidden, num_warps=tiling.finish_warps,
     )  # fmt: skip
     return new, x, post, comb

@@ -6,12 +6,11 @@ Shape legend: T tokens, N streams, D hidden, K = N*D input columns, M mixes per 
 K1 ``prenorm_gemm_kernel``, grid (cdiv(T, BLOCK_T), S): split s of the K columns writes
     mix[s, t, m] = sum_k streams[t, k] * fn[m, k] and sq[s, t] = sum_k streams[t, k]^2.
     The dot runs in fp32 with input_precision "ieee" (FMA, no TF32: the mixes feed a softmax
-    and 20 Sinkhorn steps, and the spec is fp32). Dividing by the rms after the GEMM equals
+    and 20 Sinkhorn steps, and the spec is fp32) or "tf32x3"; GEMV (one token per program,
+    for T <= 4): fp32 products summed per mix, without a 16-row dot tile of which 15 rows
+    would be padding. Dividing by the rms after the GEMM equals
     the reference's GEMM of the normalized rows, so the streams are read once.
-K2 ``hc_finish_kernel``, grid (cdiv(T, BLOCK_T),): sums the S partials in a fixed order
-    (deterministic, no atomics), sigmoid / softmax, the Sinkhorn iterations on [N, N] in
-    registers, collapses the streams with ``pre`` and applies the block RMSNorm in fp32,
-    rounding x once. HEAD=True: the hyper head (pre only, no post / comb / Sinkhorn).
+K2 ``hc_finish_kernel`` and the one-launch ``hc_fused_kernel``: ``mhc_finish_kernels.py``.
 ``hc_post_kernel``, grid (cdiv(T, BLOCK_T), cdiv(D, BLOCK_D)): the elementwise expand.
 """
 
@@ -57,11 +56,75 @@ def prenorm_gemm_kernel(
     BLOCK_D: tl.constexpr,
     FUSE_POST: tl.constexpr,
     PRECISION: tl.constexpr,
+    GEMV: tl.constexpr,  # BLOCK_T = 1: elementwise FMA + row sums instead of tl.dot
+):
+    _prenorm_partials(
+        tl.program_id(0),
+        tl.program_id(1),
+        x_ptr,
+        w_ptr,
+        mix_ptr,
+        sq_ptr,
+        block_out_ptr,
+        post_ptr,
+        comb_ptr,
+        new_ptr,
+        num_tokens,
+        hidden,
+        num_mixes,
+        d_per_split,
+        stride_xt,
+        stride_xn,
+        stride_wm,
+        stride_mix_s,
+        stride_mix_t,
+        stride_sq_s,
+        stride_bt,
+        N,
+        BLOCK_N,
+        BLOCK_T,
+        BLOCK_M,
+        BLOCK_D,
+        FUSE_POST,
+        PRECISION,
+        GEMV,
+    )
+
+
+@triton.jit
+def _prenorm_partials(
+    pid_t,
+    pid_s,
+    x_ptr,  # [T, N, D] streams (FUSE_POST: the streams before the expand)
+    w_ptr,  # [M, N*D] fp32
+    mix_ptr,  # [S, T, BLOCK_M] fp32 out: partial mixes
+    sq_ptr,  # [S, T] fp32 out: partial sums of squares
+    block_out_ptr,  # [T, D]     FUSE_POST only
+    post_ptr,  # [T, N] fp32     FUSE_POST only
+    comb_ptr,  # [T, N, N] fp32  FUSE_POST only
+    new_ptr,  # [T, N, D] out    FUSE_POST only: the expanded streams
+    num_tokens,
+    hidden,
+    num_mixes,
+    d_per_split,
+    stride_xt,
+    stride_xn,
+    stride_wm,
+    stride_mix_s,
+    stride_mix_t,
+    stride_sq_s,
+    stride_bt,
+    N: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FUSE_POST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    GEMV: tl.constexpr,  # BLOCK_T = 1: elementwise FMA + row sums instead of tl.dot
 ):
     # A split owns hidden columns [d_start, d_start + d_per_split) of all N streams, so the
     # FUSE_POST prologue (which mixes the streams per column) has everything it needs.
-    pid_t = tl.program_id(0)
-    pid_s = tl.program_id(1)
     tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = tok < num_tokens
     tok64 = tok.to(tl.int64)
@@ -110,150 +173,14 @@ def prenorm_gemm_kernel(
         # [BT, BN, BD] . [BM, BN, BD] over (n, d): one dot with K = BN * BD
         x2 = tl.reshape(x, (BLOCK_T, BLOCK_N * BLOCK_D))
         w2 = tl.reshape(w, (BLOCK_M, BLOCK_N * BLOCK_D))
-        acc = tl.dot(x2, tl.trans(w2), acc, input_precision=PRECISION)
+        if GEMV:  # few tokens: fp32 FMA products summed per mix, no dot tile of 16 rows
+            acc += tl.sum(x2[:, None, :] * w2[None, :, :], axis=2)
+        else:
+            acc = tl.dot(x2, tl.trans(w2), acc, input_precision=PRECISION)
         sq += tl.sum(tl.sum(x * x, axis=2), axis=1)
     mix_out = mix_ptr + pid_s * stride_mix_s + tok[:, None] * stride_mix_t + m[None, :]
     tl.store(mix_out, acc, mask=tok_ok[:, None])
     tl.store(sq_ptr + pid_s * stride_sq_s + tok, sq, mask=tok_ok)
-
-
-@triton.jit
-def hc_finish_kernel(
-    streams_ptr,  # [T, N, D]
-    mix_ptr,  # [S, T, BLOCK_M] fp32 from K1
-    sq_ptr,  # [S, T] fp32 from K1
-    base_ptr,  # [M] fp32
-    scale_ptr,  # [3] (block) or [1] (head) fp32
-    norm_w_ptr,  # [D] fp32
-    x_ptr,  # [T, D] out, the streams' dtype
-    post_ptr,  # [T, N] fp32 out (unused when HEAD)
-    comb_ptr,  # [T, N, N] fp32 out (unused when HEAD)
-    num_tokens,
-    num_splits,
-    hidden,
-    inv_num_cols,
-    hc_eps,
-    norm_eps,
-    sinkhorn_iters,
-    stride_st,
-    stride_sn,
-    stride_mix_s,
-    stride_mix_t,
-    stride_sq_s,
-    stride_xt,
-    N: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HEAD: tl.constexpr,
-    SINGLE_PASS: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    tok = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    tok_ok = tok < num_tokens
-    n = tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    tn_ok = tok_ok[:, None] & n_ok[None, :]  # [BT, BN]
-    jk_ok = n_ok[:, None] & n_ok[None, :]  # [BN, BN]
-    tjk_ok = tok_ok[:, None, None] & jk_ok[None, :, :]  # [BT, BN, BN]
-    mix_tok = mix_ptr + tok * stride_mix_t  # [BT]
-    jk = n[:, None] * N + n[None, :]  # comb mix m = 2N + j*N + k
-
-    # Reduce the split partials, BLOCK_S splits per step (one step when S <= BLOCK_S):
-    # a fixed order, so results are deterministic.
-    pre_acc = tl.zeros((BLOCK_T, BLOCK_N), tl.float32)
-    post_acc = tl.zeros((BLOCK_T, BLOCK_N), tl.float32)
-    comb_acc = tl.zeros((BLOCK_T, BLOCK_N * BLOCK_N), tl.float32)
-    sq = tl.zeros((BLOCK_T,), tl.float32)
-    jk_flat = tl.arange(0, BLOCK_N * BLOCK_N)
-    jk_flat_ok = (jk_flat // BLOCK_N < N) & (jk_flat % BLOCK_N < N)
-    jk_flat_m = 2 * N + (jk_flat // BLOCK_N) * N + jk_flat % BLOCK_N
-    for s0 in range(0, num_splits, BLOCK_S):
-        split = s0 + tl.arange(0, BLOCK_S)
-        ts_ok = tok_ok[:, None] & (split < num_splits)[None, :]  # [BT, BS]
-        mix_ts = mix_tok[:, None] + split[None, :] * stride_mix_s  # [BT, BS]
-        tsn_ok = ts_ok[:, :, None] & n_ok[None, None, :]
-        pre_acc += tl.sum(tl.load(mix_ts[:, :, None] + n[None, None, :], mask=tsn_ok, other=0.0), 1)
-        if not HEAD:
-            part = tl.load(mix_ts[:, :, None] + N + n[None, None, :], mask=tsn_ok, other=0.0)
-            post_acc += tl.sum(part, axis=1)
-            part = tl.load(
-                mix_ts[:, :, None] + jk_flat_m[None, None, :],
-                mask=ts_ok[:, :, None] & jk_flat_ok[None, None, :],
-                other=0.0,
-            )
-            comb_acc += tl.sum(part, axis=1)
-        sq_ts = sq_ptr + tok[:, None] + split[None, :] * stride_sq_s
-        sq += tl.sum(tl.load(sq_ts, mask=ts_ok, other=0.0), axis=1)
-    comb_acc3 = tl.reshape(comb_acc, (BLOCK_T, BLOCK_N, BLOCK_N))
-    rms = tl.rsqrt(sq * inv_num_cols + norm_eps)  # [BT]: 1 / rms of the K columns
-
-    scale_pre = tl.load(scale_ptr)
-    base_pre = tl.load(base_ptr + n, mask=n_ok, other=0.0)
-    pre = tl.sigmoid(pre_acc * rms[:, None] * scale_pre + base_pre[None, :]) + hc_eps
-    pre = tl.where(n_ok[None, :], pre, 0.0)  # padded streams contribute nothing
-
-    if not HEAD:
-        scale_post = tl.load(scale_ptr + 1)
-        scale_comb = tl.load(scale_ptr + 2)
-        base_post = tl.load(base_ptr + N + n, mask=n_ok, other=0.0)
-        post = 2.0 * tl.sigmoid(post_acc * rms[:, None] * scale_post + base_post[None, :])
-        tl.store(post_ptr + tok[:, None] * N + n[None, :], post, mask=tn_ok)
-
-        base_comb = tl.load(base_ptr + 2 * N + jk, mask=jk_ok, other=0.0)
-        logits = comb_acc3 * rms[:, None, None] * scale_comb + base_comb[None, :, :]
-        logits = tl.where(jk_ok[None, :, :], logits, -1e30)
-        prob = tl.exp(logits - tl.max(logits, axis=2)[:, :, None])
-        comb = prob / tl.sum(prob, axis=2)[:, :, None] + hc_eps
-        comb = tl.where(jk_ok[None, :, :], comb, 0.0)
-        # Sinkhorn as ops.sinkhorn: columns (sum over j) first, then rows / columns.
-        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
-        for _ in range(sinkhorn_iters - 1):
-            comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
-            comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
-        comb_out = comb_ptr + tok[:, None, None] * (N * N) + jk[None, :, :]
-        tl.store(comb_out, comb, mask=tjk_ok)
-
-    # Collapse the streams with pre, then RMSNorm over D with the block's weight (fp32).
-    s_rows = (
-        streams_ptr + tok[:, None, None].to(tl.int64) * stride_st + n[None, :, None] * stride_sn
-    )
-    x_rows = x_ptr + tok[:, None].to(tl.int64) * stride_xt
-    pre3 = pre[:, :, None]
-    if SINGLE_PASS:
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < hidden
-        s = tl.load(
-            s_rows + d[None, None, :], mask=tn_ok[:, :, None] & d_ok[None, None, :], other=0.0
-        )
-        c = tl.sum(pre3 * s.to(tl.float32), axis=1)  # [BT, BD]; masked lanes are 0
-        inv = tl.rsqrt(tl.sum(c * c, axis=1) / hidden + norm_eps)
-        w = tl.load(norm_w_ptr + d, mask=d_ok, other=0.0)
-        y = c * inv[:, None] * w[None, :]
-        tl.store(x_rows + d[None, :], to_output(y, x_ptr), mask=tok_ok[:, None] & d_ok)
-    else:
-        ssq = tl.zeros((BLOCK_T,), tl.float32)
-        for d0 in range(0, hidden, BLOCK_D):
-            d = d0 + tl.arange(0, BLOCK_D)
-            d_ok = d < hidden
-            s = tl.load(
-                s_rows + d[None, None, :], mask=tn_ok[:, :, None] & d_ok[None, None, :], other=0.0
-            )
-            c = tl.sum(pre3 * s.to(tl.float32), axis=1)
-            ssq += tl.sum(c * c, axis=1)
-        inv = tl.rsqrt(ssq / hidden + norm_eps)
-        # Second pass: the program's own rows were just read, so they come from cache.
-        for d0 in range(0, hidden, BLOCK_D):
-            d = d0 + tl.arange(0, BLOCK_D)
-            d_ok = d < hidden
-            s = tl.load(
-                s_rows + d[None, None, :], mask=tn_ok[:, :, None] & d_ok[None, None, :], other=0.0
-            )
-            c = tl.sum(pre3 * s.to(tl.float32), axis=1)
-            w = tl.load(norm_w_ptr + d, mask=d_ok, other=0.0)
-            y = c * inv[:, None] * w[None, :]
-            tl.store(x_rows + d[None, :], to_output(y, x_ptr), mask=tok_ok[:, None] & d_ok)
 
 
 @triton.jit

@@ -19,12 +19,17 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 import triton
 
 from rackserve.ops.triton.sparse_attn_kernels import sparse_attn_combine_kernel, sparse_attn_kernel
+from rackserve.ops.triton.sparse_attn_wide_kernels import (
+    sparse_attn_wide_kernel,
+    sparse_attn_wide_t_kernel,
+)
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -44,6 +49,11 @@ class Tiling:
     combine_warps: int
     split_p: bool = True  # 16-bit rows: PV with p = hi + lo (exact to ~16 bits; 1.5x FLOPs)
     prefetch: bool = True  # load row tile i+1 into registers while tile i computes
+    # "heads": ``sparse_attn_kernel`` (BLOCK_H heads per program); "wide": every head in one
+    # program (``sparse_attn_wide_kernel``; block_h and prefetch unused there, num_dv 1 or 2);
+    # "wide_t": the transposed one-program form (``sparse_attn_wide_t_kernel``; experimental:
+    # ptxas sm_90 at 64 rows, 8 warps: 205 KB shared memory, 255 registers, small spills)
+    kernel: str = "heads"
 
 
 @functools.lru_cache(maxsize=8)
@@ -51,18 +61,33 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+KERNEL_ENV = "RACKSERVE_SPARSE_ATTN"  # "heads" (the default) or "wide": default_tiling's kernel
+
+
 def default_tiling(
-    num_queries: int, num_heads: int, head_dim: int, num_rows: int, device: torch.device
+    num_queries: int,
+    num_heads: int,
+    head_dim: int,
+    num_rows: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> Tiling:
     """Launch shapes from S, H, Dh, M and the device (host ints only: graph-safe).
 
-    On a GPU: 16 heads per program (a [16, Dh] fp32 accumulator; 32 once the batch alone
-    fills the SMs twice over, halving the L2 re-reads of the rows by the head blocks) and
-    split the rows until the grid covers the SMs (S = 1, H = 64: 4 head blocks x up to 33
-    splits; S >= 64: no split, no combine launch). On CPU (the Triton interpreter): few,
+    The kernel comes from ``$RACKSERVE_SPARSE_ATTN`` ("heads" unless set; see
+    ``wide_tiling`` for "wide", taken for 16-bit rows and H <= 128), read at each call (a
+    captured graph keeps its choice).
+    "heads" on a GPU: 16 heads per program (a [16, Dh] fp32 accumulator; 32 once the batch
+    alone fills the SMs twice over, halving the L2 re-reads of the rows by the head blocks)
+    and split the rows until the grid covers the SMs (S = 1, H = 64: 4 head blocks x up to
+    33 splits; S >= 64: no split, no combine launch). On CPU (the Triton interpreter): few,
     large programs.
     """
-    tiles = max(1, triton.cdiv(num_rows, 32))
+    # fp32 rows on a GPU stay on "heads": the wide kernel's fp32 FMA dots spill (q alone is
+    # 128 KB at H 64, Dh 512); fp32 is the tests' strict path, not a serving dtype
+    fp32_gpu = dtype == torch.float32 and device.type == "cuda"
+    if os.environ.get(KERNEL_ENV, "heads") == "wide" and num_heads <= 128 and not fp32_gpu:
+        return wide_tiling(num_queries, num_heads, head_dim, num_rows, device)
     if device.type != "cuda":
         return Tiling(16, 32, 1, 1, 4, 1, 16, 4)
     sms = _num_sms(device)
@@ -77,6 +102,29 @@ def default_tiling(
     # ptxas for sm_90 at Dh 512, BLOCK_N 32, prefetch: 8 warps 155 registers (16 heads) /
     # 209 (32 heads), no spills; 4 warps spill
     return Tiling(block_h, block_n, 1, splits, 8, 1, 16, 4)
+
+
+def wide_tiling(
+    num_queries: int, num_heads: int, head_dim: int, num_rows: int, device: torch.device
+) -> Tiling:
+    """Launch shapes of the "wide" kernel (every head in one program; each row tile read
+    once from HBM for all heads, and once more from L2 by the program of the other half).
+
+    On a GPU: two programs per (query, split), one per half of the head dim, 4 warps (one
+    warpgroup: at H = 64 the dots' M is 64, and with 8 warps Triton 3.6 lays a chained dot
+    out as [8, 1] warps, computing every row twice), 32-row tiles pipelined through shared
+    memory (ptxas for sm_90 at H 64, Dh 512: 3 stages 239 registers, no spills, 132 KB of
+    shared memory; 2 stages spill 64 B in the epilogue; 64-row tiles spill). The rows are
+    split until S x 2 x splits covers the SMs twice (S = 64: 3 splits, S >= 132: none, no
+    combine launch). On CPU: one program per query.
+    """
+    if device.type != "cuda":
+        return Tiling(16, 32, 1, 1, 4, 1, 16, 4, kernel="wide")
+    sms = _num_sms(device)
+    block_n, num_dv = 32, 2
+    tiles = max(1, triton.cdiv(num_rows, block_n))
+    splits = max(1, min(tiles, triton.cdiv(2 * sms, num_queries * num_dv)))
+    return Tiling(64, block_n, num_dv, splits, 4, 3, 16, 4, prefetch=False, kernel="wide")
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -166,7 +214,7 @@ def paged_sparse_attention(
     out = _empty((num_queries, num_heads, head_dim), q.dtype, device)
     if num_queries == 0 or num_heads == 0:
         return out
-    tiling = tiling or default_tiling(num_queries, num_heads, head_dim, num_rows, device)
+    tiling = tiling or default_tiling(num_queries, num_heads, head_dim, num_rows, device, q.dtype)
     if q.stride(2) != 1:
         q = q.contiguous()
     slots_a, slots_b = slots_a.contiguous(), slots_b.contiguous()
@@ -178,7 +226,14 @@ def paged_sparse_attention(
     rope_start = head_dim - (cos.shape[1] * 2 if rope else 0)
 
     block_d = max(16, triton.next_power_of_2(head_dim))
-    num_dv = max(1, min(tiling.num_dv, block_d // 16))
+    wide = tiling.kernel in ("wide", "wide_t")
+    if tiling.kernel not in ("heads", "wide", "wide_t"):
+        raise ValueError(
+            f"tiling.kernel must be 'heads', 'wide' or 'wide_t', got {tiling.kernel!r}"
+        )
+    if wide and num_heads > 128:
+        raise ValueError(f"the wide kernel holds every head in one program: H={num_heads} > 128")
+    num_dv = max(1, min(tiling.num_dv, 2 if wide else block_d // 16))
     block_dv = block_d // num_dv
     tiles = max(1, triton.cdiv(num_rows, tiling.block_n))
     rows_per_split = triton.cdiv(tiles, max(1, min(tiling.num_splits, tiles))) * tiling.block_n
@@ -191,29 +246,20 @@ def paged_sparse_attention(
         part_m = _empty((num_splits, num_queries, num_heads), torch.float32, device)
         part_l = _empty((num_splits, num_queries, num_heads), torch.float32, device)
     stride_ps = num_queries * num_heads * head_dim
-    head_blocks = triton.cdiv(num_heads, tiling.block_h)
     rope_args = (cos, sin) if rope else (out, out)
     rope_strides = (cos.stride(0), sin.stride(0)) if rope else (0, 0)
-    sparse_attn_kernel[(head_blocks * num_dv, num_queries, num_splits)](
-        q,
-        kv_a,
-        slots_a,
-        kv_b,
-        slots_b,
-        valid,
-        sinks,
-        *rope_args,
-        out,
-        part_acc,
-        part_m,
-        part_l,
-        num_heads,
-        head_dim,
-        width_a,
-        width_b,
-        rows_per_split,
-        rope_start,
-        scale * math.log2(math.e),
+    common = dict(
+        SINGLE=single,
+        ROPE=rope,
+        NUM_STAGES=tiling.num_stages,
+        SPLIT_P=tiling.split_p and q.dtype != torch.float32,
+        FP32_DOTS=q.dtype == torch.float32 or device.type != "cuda",
+        num_warps=tiling.num_warps,
+        num_stages=tiling.num_stages,
+    )
+    tensors = (q, kv_a, slots_a, kv_b, slots_b, valid, sinks, *rope_args, out)
+    partials = (part_acc, part_m, part_l)
+    strides = (
         q.stride(0),
         q.stride(1),
         kv_a.stride(0),
@@ -225,20 +271,32 @@ def paged_sparse_attention(
         out.stride(0),
         out.stride(1),
         stride_ps,
-        BLOCK_H=tiling.block_h,
-        BLOCK_N=tiling.block_n,
-        BLOCK_D=block_d,
-        BLOCK_DV=block_dv,
-        NUM_DV=num_dv,
-        SINGLE=single,
-        ROPE=rope,
-        NUM_STAGES=tiling.num_stages,
-        PREFETCH=tiling.prefetch,
-        SPLIT_P=tiling.split_p and q.dtype != torch.float32,
-        FP32_DOTS=q.dtype == torch.float32 or device.type != "cuda",
-        num_warps=tiling.num_warps,
-        num_stages=tiling.num_stages,
     )
+    qk_scale = scale * math.log2(math.e)
+    if tiling.kernel == "wide_t":
+        sparse_attn_wide_t_kernel[(1, num_queries, num_splits)](
+            *tensors, *partials, num_heads, width_a, width_b, rows_per_split, rope_start,
+            qk_scale, *strides, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_N=tiling.block_n,
+            **common,
+        )  # fmt: skip
+        num_dv, block_dv = 1, block_d
+    elif wide:
+        sparse_attn_wide_kernel[(num_dv, num_queries, num_splits)](
+            *tensors, *partials, num_heads, width_a, width_b, rows_per_split, rope_start,
+            qk_scale, *strides, HEAD_DIM=head_dim, HALF=block_d // 2,
+            BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_N=tiling.block_n,
+            NUM_DV=num_dv, **common,
+        )  # fmt: skip
+        num_dv, block_dv = 1, block_d  # the combine's own column split
+    else:
+        head_blocks = triton.cdiv(num_heads, tiling.block_h)
+        sparse_attn_kernel[(head_blocks * num_dv, num_queries, num_splits)](
+            *tensors, *partials, num_heads, head_dim, width_a, width_b, rows_per_split,
+            rope_start, qk_scale, *strides, BLOCK_H=tiling.block_h, BLOCK_N=tiling.block_n,
+            BLOCK_D=block_d, BLOCK_DV=block_dv, NUM_DV=num_dv, PREFETCH=tiling.prefetch,
+            **common,
+        )  # fmt: skip
     if single:
         return out
     combine_blocks = triton.cdiv(num_heads, tiling.combine_block_h)
