@@ -128,6 +128,22 @@ def _moe(x, *args, **kwargs):
 
 _fused_moe = _on_cuda("rackserve.ops.triton.fused_moe", "moe_experts", reference.moe_experts)
 
+# Attention over at least this many queries (prefill and mixed steps) takes the prefill
+# kernel: one program per query holding every head, no split-KV. Smaller (decode) batches
+# keep the decode kernel, whose splits fill the SMs when queries are few.
+PREFILL_ATTN_MIN_TOKENS = 512
+
+
+def _by_num_tokens(small: Callable, large: Callable, min_tokens: int) -> Callable:
+    """``large`` for a first argument of at least ``min_tokens`` rows, else ``small``."""
+
+    def dispatch(x, *args, **kwargs):
+        fn = large if x.shape[0] >= min_tokens else small
+        return fn(x, *args, **kwargs)
+
+    dispatch.__name__ = small.__name__
+    return dispatch
+
 
 def kernels(name: str = "auto") -> Kernels:
     """The op table for ``name`` in :data:`KERNEL_CHOICES`."""
@@ -154,4 +170,10 @@ def kernels(name: str = "auto") -> Kernels:
         op: _on_cuda(f"rackserve.ops.triton.{module}", op, getattr(ref, op))
         for op, module in triton_ops.items()
     }
+    prefill_attn = _on_cuda(
+        "rackserve.ops.triton.prefill_attn", "paged_sparse_attention", ref.paged_sparse_attention
+    )
+    fast["paged_sparse_attention"] = _by_num_tokens(
+        fast["paged_sparse_attention"], prefill_attn, PREFILL_ATTN_MIN_TOKENS
+    )
     return Kernels("auto", moe_experts=_moe, **fast)

@@ -1,0 +1,152 @@
+"""Times the sparse prefill attention kernel (``ops/triton/prefill_attn.py``) against the
+decode kernel (``sparse_attn.py``) on prefill-shaped inputs, on the GPU.
+
+V4-Flash sizes: H = 64 heads, Dh = 512 (64 rope dims), Wa = 128 window rows, bf16. One
+request of S new tokens after C cached ones (S, C) in {(2048, 0), (8192, 0), (8192, 65536)}:
+query at position p sees window positions max(0, p-127)..p and, per layer kind,
+- HCA: entries 0..(p+1)//128 - 1 of the request (Wb = (C + S) / 128, a valid prefix);
+- CSA: the indexer's top-512 of the (p+1)//4 visible entries (Wb = 512, a valid prefix).
+Rows are scattered over the caches (paged slots). Each record: impl ("prefill" |
+"prefill:<variant>" | "decode"), case, S, C, kind, the useful FLOPs (4 H Dh x valid rows,
+QK and PV), the gathered bytes (valid rows x Dh x 2 + q + out), the do_bench median time,
+the fraction of 989 TFLOP/s, and max |out - decode kernel's out|.
+
+    from benchmarks.prefill_bench import run; records = run()   # one-call GPU script
+    python benchmarks/prefill_bench.py --output $OUT/prefill_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from collections.abc import Callable
+
+import torch
+import triton.testing
+
+from rackserve.ops.triton import prefill_attn, sparse_attn
+
+from bench_timing import stamped
+
+H, DH, ROPE, WA, TOPK = 64, 512, 64, 128, 512
+CASES = ((2048, 0), (8192, 0), (8192, 65536))  # (new tokens S, cached tokens C)
+PEAK_FLOPS = 989e12
+
+
+def _inputs(s: int, cached: int, kind: str, device: str) -> tuple:
+    """``paged_sparse_attention`` arguments of one request's S queries (module docstring)."""
+    g = torch.Generator(device=device).manual_seed(s + cached + len(kind))
+    total = cached + s
+    pos = torch.arange(cached, total, device=device)
+    window = pos[:, None] - torch.arange(WA - 1, -1, -1, device=device)  # [S, Wa]
+    page_a = torch.randperm(total, generator=g, device=device)  # position -> swa slot
+    slots_a = page_a[window.clamp(min=0)]
+    visible = (pos + 1) // (128 if kind == "hca" else 4)
+    if kind == "hca":
+        wb = total // 128
+        slots_b = torch.randperm(wb, generator=g, device=device).expand(s, wb)
+        picked = torch.arange(wb, device=device)[None, :] < visible[:, None]
+    else:  # top-512 of the visible entries: random distinct entries, a valid prefix
+        num_entries = total // 4
+        wb = min(TOPK, num_entries)
+        keys = torch.rand(s, num_entries, generator=g, device=device)
+        slots_b = keys.topk(wb, dim=1).indices  # any distinct entries (rows by slot)
+        picked = torch.arange(wb, device=device)[None, :] < visible[:, None].clamp(max=wb)
+    width_b = DH + (128 if kind == "csa" else 0)
+    kv_a = torch.randn(total, DH, generator=g, device=device).bfloat16()
+    kv_b = torch.randn(max(total // 4, 1), width_b, generator=g, device=device).bfloat16()
+    valid = torch.cat([window >= 0, picked], dim=1)
+    q = (2 * torch.randn(s, H, DH, generator=g, device=device)).bfloat16()
+    sinks = torch.randn(H, generator=g, device=device)
+    angle = torch.rand(s, ROPE // 2, generator=g, device=device) * 6.3
+    cos, sin = angle.cos().bfloat16(), angle.sin().bfloat16()
+    return q, kv_a, slots_a, kv_b, slots_b.contiguous(), valid, sinks, DH**-0.5, cos, sin
+
+
+def variants(device: torch.device) -> dict[str, prefill_attn.PrefillTiling]:
+    """Tilings around the default, to pick the heuristic from the first GPU run."""
+    base = prefill_attn.default_tiling(H, DH, device)
+    rep = dataclasses.replace
+    return {
+        "bf16_p": rep(base, split_p=False),
+        "stages3": rep(base, num_stages=3),
+        "bn16_stages4": rep(base, block_n=16, num_stages=4),
+        "bn64": rep(base, block_n=64),
+        "bn64_stages1": rep(base, block_n=64, num_stages=1),
+        "dv2": rep(base, num_dv=2),
+        "dv2_bn64": rep(base, num_dv=2, block_n=64),
+        "bh32": rep(base, block_h=32),
+        "bh32_w4": rep(base, block_h=32, num_warps=4),
+    }
+
+
+def run(device: str = "cuda", cases=CASES, sweep: bool = True) -> list[dict]:
+    """Benchmark records (see the module docstring)."""
+    dev = torch.device(device)
+    records = []
+    for s, cached in cases:
+        for kind in ("hca", "csa"):
+            args = _inputs(s, cached, kind, device)
+            rows = int(args[5].sum())
+            flops = 4 * H * DH * rows
+            nbytes = rows * DH * 2 + 2 * s * H * DH * 2
+            expected = sparse_attn.paged_sparse_attention(*args).float()
+            tilings = {"prefill": None}
+            if sweep:
+                tilings |= {f"prefill:{k}": v for k, v in variants(dev).items()}
+            impls: dict[str, Callable[[], torch.Tensor]] = {
+                name: lambda t=t, a=args: prefill_attn.paged_sparse_attention(*a, tiling=t)
+                for name, t in tilings.items()
+            }
+            impls["decode"] = lambda a=args: sparse_attn.paged_sparse_attention(*a)
+            base = {"kind": "prefill_bench", "layer": kind, "queries": s, "cached": cached}
+            for impl, fn in impls.items():
+                try:
+                    err = (fn().float() - expected).abs().max().item()
+                    plain = _plain_us(fn)
+                except Exception as e:  # a variant that does not compile (smem, registers)
+                    records.append(base | {"impl": impl, "error": repr(e)[:300]})
+                    continue
+                records.append(
+                    base
+                    | {
+                        "impl": impl,
+                        "valid_rows": rows,
+                        "bytes": nbytes,
+                        "flops": flops,
+                        "time_us": plain,
+                        "tflop_per_s": flops / plain / 1e6,
+                        "peak_fraction": flops / PEAK_FLOPS / (plain * 1e-6),
+                        "max_abs_err_vs_decode": err,
+                    }
+                )
+    return stamped(records, dev)
+
+
+def _plain_us(fn: Callable[[], object]) -> float:
+    """do_bench median in microseconds (prefill runs eager: no graph timing)."""
+    return triton.testing.do_bench(fn, return_mode="median") * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--no-sweep", action="store_true", help="default tiling only")
+    args = parser.parse_args()
+    records = run(sweep=not args.no_sweep)
+    with open(args.output, "w") as f:
+        json.dump(records, f, indent=1)
+    for r in records:
+        head = f"{r['layer']} S={r['queries']:5d} C={r['cached']:6d} {r['impl']:22s}"
+        if "error" in r:
+            print(head, r["error"])
+            continue
+        print(
+            f"{head} {r['time_us']:9.1f} us {r['tflop_per_s']:6.1f} TFLOP/s "
+            f"{100 * r['peak_fraction']:5.1f}% err {r['max_abs_err_vs_decode']:.3g}"
+        )
+
+
+if __name__ == "__main__":
+    main()
