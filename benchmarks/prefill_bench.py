@@ -11,6 +11,10 @@ Rows are scattered over the caches (paged slots). Each record: impl ("prefill" |
 QK and PV), the gathered bytes (valid rows x Dh x 2 + q + out), the do_bench median time,
 the fraction of 989 TFLOP/s, and max |out - decode kernel's out|.
 
+``run_moe`` times the grouped-GEMM MoE (``ops/grouped_moe.py``: T tokens, 64 experts, top-6,
+D 4096, I 2048) whole, and its two elementwise steps (Triton ``swiglu_rows`` and
+``moe_unpermute``) against the torch chains they replaced.
+
     from benchmarks.prefill_bench import run; records = run()   # one-call GPU script
     python benchmarks/prefill_bench.py --output $OUT/prefill_bench.json
 """
@@ -25,7 +29,9 @@ from collections.abc import Callable
 import torch
 import triton.testing
 
-from rackserve.ops.triton import prefill_attn, sparse_attn
+from rackserve.ops import reference
+from rackserve.ops.grouped_moe import moe_experts_grouped
+from rackserve.ops.triton import prefill_attn, prefill_moe, sparse_attn
 
 from bench_timing import stamped
 
@@ -124,6 +130,52 @@ def run(device: str = "cuda", cases=CASES, sweep: bool = True) -> list[dict]:
     return stamped(records, dev)
 
 
+def run_moe(device: str = "cuda", tokens: tuple[int, ...] = (2048, 8192)) -> list[dict]:
+    """Grouped MoE records (see the module docstring): impl, tokens, time_us, and for the
+    whole MoE its FLOPs and fraction of 989 TFLOP/s."""
+    dev = torch.device(device)
+    e, k, d, inter = 64, 6, 4096, 2048
+    g = torch.Generator(device=device).manual_seed(0)
+    w13 = (torch.randn(e, 2 * inter, d, generator=g, device=device) / d**0.5).bfloat16()
+    w2 = (torch.randn(e, d, inter, generator=g, device=device) / inter**0.5).bfloat16()
+    records = []
+    for t in tokens:
+        x = torch.randn(t, d, generator=g, device=device).bfloat16()
+        ids = torch.rand(t, e, generator=g, device=device).topk(k, dim=1).indices
+        weights = torch.rand(t, k, generator=g, device=device)
+        h = torch.randn(t * k, 2 * inter, generator=g, device=device).bfloat16()
+        y = torch.randn(t * k, d, generator=g, device=device).bfloat16()
+        order = torch.randperm(t * k, generator=g, device=device)
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(t * k, device=device))
+        inverse = inverse.view(t, k)
+
+        def old_unpermute(y=y, order=order, weights=weights, t=t):
+            y = (y * weights.flatten()[order, None]).to(torch.bfloat16)
+            unsorted = torch.empty_like(y)
+            unsorted[order] = y
+            return unsorted.view(t, k, -1).sum(dim=1)
+
+        impls = {
+            "grouped_moe": lambda x=x, i=ids, w=weights: moe_experts_grouped(
+                x, i, w, w13, w2, 10.0
+            ),
+            "swiglu_rows:triton": lambda h=h: prefill_moe.swiglu_rows(h, 10.0),
+            "swiglu_rows:torch_chain": lambda h=h: reference.swiglu(*h.chunk(2, dim=-1), 10.0),
+            "moe_unpermute:triton": lambda y=y, i=inverse, w=weights: prefill_moe.moe_unpermute(
+                y, i, w
+            ),
+            "moe_unpermute:torch_chain": old_unpermute,
+        }
+        flops = 2 * t * k * 3 * d * inter
+        for impl, fn in impls.items():
+            us = _plain_us(fn)
+            rec = {"kind": "prefill_bench_moe", "impl": impl, "tokens": t, "time_us": us}
+            if impl == "grouped_moe":
+                rec |= {"flops": flops, "peak_fraction": flops / PEAK_FLOPS / (us * 1e-6)}
+            records.append(rec)
+    return stamped(records, dev)
+
+
 def _plain_us(fn: Callable[[], object]) -> float:
     """do_bench median in microseconds (prefill runs eager: no graph timing)."""
     return triton.testing.do_bench(fn, return_mode="median") * 1e3
@@ -135,8 +187,11 @@ def main() -> None:
     parser.add_argument("--no-sweep", action="store_true", help="default tiling only")
     args = parser.parse_args()
     records = run(sweep=not args.no_sweep)
+    moe = run_moe()
     with open(args.output, "w") as f:
-        json.dump(records, f, indent=1)
+        json.dump(records + moe, f, indent=1)
+    for r in moe:
+        print(f"moe T={r['tokens']:5d} {r['impl']:26s} {r['time_us']:9.1f} us")
     for r in records:
         head = f"{r['layer']} S={r['queries']:5d} C={r['cached']:6d} {r['impl']:22s}"
         if "error" in r:
