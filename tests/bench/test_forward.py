@@ -53,7 +53,7 @@ def test_mixed_step_inputs_and_counts(tiny):
     spec = BatchSpec.parse("mixed:30@16+3@40")
     synthetic = synthetic_step(model, spec, seed=1)
     positions = synthetic.step.inputs.positions.tolist()
-    assert positions == list(range(16, 46)) + [40, 40, 40]
+    assert positions == [*range(16, 46), 40, 40, 40]
     assert len(time_forward(model, synthetic, iters=1, warmup=0)) == 1
     mixed = roofline(model, spec, "h200")
     prefill = roofline(model, BatchSpec("prefill", 1, 30, 16), "h200")
