@@ -137,18 +137,19 @@ def test_any_mask_matches_reference(attn, s, wb, dtype):
 
 
 def tilings(attn) -> dict[str, object]:
-    """GPU-like shapes: small tiles, deeper pipelines, a dv split, 32 heads, bf16 p."""
+    """GPU-like shapes: small tiles, deeper pipelines, a dv split, 32 heads, the PV modes."""
     t = attn.PrefillTiling
     return {
         "bn16_stages3": t(16, 16, 1, 4, 3),
         "dv2": t(16, 16, 2, 4, 2),
         "dv4": t(16, 32, 4, 4, 2),
         "heads32": t(32, 16, 1, 8, 2),
-        "bf16_p": t(16, 16, 1, 4, 2, split_p=False),
+        "split_p": t(16, 16, 1, 4, 2, pv="split"),
+        "bf16_p": t(16, 16, 1, 4, 2, pv="rows"),
     }
 
 
-@pytest.mark.parametrize("name", ["bn16_stages3", "dv2", "dv4", "heads32", "bf16_p"])
+@pytest.mark.parametrize("name", ["bn16_stages3", "dv2", "dv4", "heads32", "split_p", "bf16_p"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tilings_match_reference(attn, name, dtype):
     valid = prefill_mask([(3, 9), (0, 6)], WA, 24, 2)

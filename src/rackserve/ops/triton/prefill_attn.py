@@ -24,9 +24,13 @@ the output is written once. No splits, no combine, no workspace: a prefill has e
 queries to fill the GPU (S x cdiv(H, BLOCK_H) programs). Grids depend on the shapes only:
 no host syncs, CUDA-graph safe, deterministic.
 
-Numerics as the decode kernel: FP32_DOTS (fp32 inputs, and the interpreter, whose tl.dot
-mishandles bf16) uses IEEE fp32 dots; SPLIT_P (16-bit rows) runs PV with p = hi + lo, two
-16-bit operands carrying ~16 bits of p.
+Numerics: FP32_DOTS (fp32 inputs, and the interpreter, whose tl.dot mishandles bf16) uses
+IEEE fp32 dots, rounding p (and v) as the tensor-core path would. The PV product of 16-bit
+rows (``PV``): 0 "rows": p in the rows' dtype (bf16 p: 8 bits; about 0.13% of outputs fall
+outside the bf16 rule of the tests); 1 "split": p = hi + lo, two dots carrying ~16 bits of
+p, as the decode kernel does (on sm_90 the chained dots take a warp layout that spills the
+[64, 512] accumulator); 2 "fp16": p and the row tile in fp16 (11 bits of p; bf16 -> fp16 is
+exact for normalised rows), one dot.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from rackserve.ops.triton.common import round_as
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
+_PV_MODES = {"rows": 0, "split": 1, "fp16": 2}
 
 
 @dataclass(frozen=True)
@@ -53,22 +58,30 @@ class PrefillTiling:
     num_dv: int  # programs per head block, each owning Dh / num_dv output columns
     num_warps: int
     num_stages: int  # software-pipelining depth of the row gathers
-    split_p: bool = True  # 16-bit rows: PV with p = hi + lo (1.5x PV FLOPs)
+    pv: str = "fp16"  # 16-bit rows: the PV operands, "fp16" | "split" | "rows" (docstring)
 
 
-def default_tiling(num_heads: int, head_dim: int, device: torch.device) -> PrefillTiling:
-    """Launch shape from H, Dh and the device (host ints only).
+def default_tiling(
+    num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> PrefillTiling:
+    """Launch shape from H, Dh, the dtype and the device (host ints only).
 
-    On a GPU every head of a query in one program (64 heads: the M of one wgmma warpgroup;
-    the [64, 512] fp32 accumulator is 128 registers a thread at 8 warps), 32-row tiles (32 KB
-    of bf16 rows a stage at Dh 512, two stages plus the 64 KB q fit the 227 KB of shared
-    memory). Not yet measured: ``benchmarks/prefill_bench.py`` sweeps the alternatives.
-    On CPU (the interpreter): small programs.
+    16-bit on a GPU: every head of a query in a program (64 heads: the M of one wgmma
+    warpgroup), the output columns in two halves (two programs per query: a [64, 512] fp32
+    accumulator spills at 8 warps on sm_90, a [64, 256] one does not; the QK dot is
+    repeated, 1.5x the minimal FLOPs), 32-row tiles, 3 stages (the slot loads and the row
+    gathers both pipelined: 165 KB of shared memory), PV in fp16. ptxas for sm_90 at Dh 512:
+    231 registers, no spills; every head and the whole Dh in one program with a bf16 p
+    (``pv="rows"``) also runs spill-free, but falls outside the bf16 test rule. fp32 (IEEE
+    dots, no tensor cores): 32 heads, 16-row tiles, 2 stages (117 KB). On CPU (the
+    interpreter): small programs. ``benchmarks/prefill_bench.py`` sweeps the alternatives.
     """
     block_h = min(64, max(16, triton.next_power_of_2(max(num_heads, 1))))
     if device.type != "cuda":
         return PrefillTiling(block_h, 32, 1, 4, 1)
-    return PrefillTiling(block_h, 32, 1, 8, 2)
+    if dtype == torch.float32:
+        return PrefillTiling(min(block_h, 32), 16, 2, 8, 2)
+    return PrefillTiling(block_h, 32, 2, 8, 3)
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -144,7 +157,7 @@ def paged_sparse_attention(
     out = _empty((num_queries, num_heads, head_dim), q.dtype, q.device)
     if num_queries == 0 or num_heads == 0:
         return out
-    tiling = tiling or default_tiling(num_heads, head_dim, q.device)
+    tiling = tiling or default_tiling(num_heads, head_dim, q.dtype, q.device)
     if q.stride(2) != 1:
         q = q.contiguous()
     slots_a, slots_b = slots_a.contiguous(), slots_b.contiguous()
@@ -172,7 +185,7 @@ def paged_sparse_attention(
         BLOCK_V=min(1024, max(16, triton.next_power_of_2(max(width, 1)))),
         ROPE=rope,
         NUM_STAGES=tiling.num_stages,
-        SPLIT_P=tiling.split_p and q.dtype != torch.float32,
+        PV=_PV_MODES[tiling.pv] if q.dtype != torch.float32 else 0,
         FP32_DOTS=q.dtype == torch.float32 or q.device.type != "cuda",
         num_warps=tiling.num_warps,
     )  # fmt: skip
@@ -232,7 +245,7 @@ def prefill_attn_kernel(
     BLOCK_V: tl.constexpr,  # valid flags scanned at a time for the row span
     ROPE: tl.constexpr,
     NUM_STAGES: tl.constexpr,
-    SPLIT_P: tl.constexpr,
+    PV: tl.constexpr,  # 0 p in the rows' dtype, 1 p = hi + lo, 2 p and rows in fp16
     FP32_DOTS: tl.constexpr,
 ):
     pid_h = tl.program_id(0)
@@ -296,16 +309,22 @@ def prefill_attn_kernel(
             v_mask = ok[:, None] & dv_ok[None, :]
             v = tl.load(row_ptr[:, None] + dv_cols[None, :], mask=v_mask, other=0.0)
         acc = acc * alpha[:, None]
-        if FP32_DOTS:  # p rounded to the rows' dtype as on the tensor-core path
-            v32 = v.to(tl.float32)
-            p_hi = round_as(p, v.dtype)
-            acc = tl.dot(p_hi, v32, acc, input_precision="ieee")
-            if SPLIT_P:
-                acc = tl.dot(round_as(p - p_hi, v.dtype), v32, acc, input_precision="ieee")
+        if FP32_DOTS:  # p (and v) rounded as on the tensor-core path
+            if PV == 2:
+                v32 = round_as(v.to(tl.float32), tl.float16)
+                acc = tl.dot(round_as(p, tl.float16), v32, acc, input_precision="ieee")
+            else:
+                v32 = v.to(tl.float32)
+                p_hi = round_as(p, v.dtype)
+                acc = tl.dot(p_hi, v32, acc, input_precision="ieee")
+                if PV == 1:
+                    acc = tl.dot(round_as(p - p_hi, v.dtype), v32, acc, input_precision="ieee")
+        elif PV == 2:
+            acc = tl.dot(p.to(tl.float16), v.to(tl.float16), acc)
         else:
             p_hi = p.to(v.dtype)
             acc = tl.dot(p_hi, v, acc)
-            if SPLIT_P:  # the rounding error of p as a second 16-bit operand
+            if PV == 1:  # the rounding error of p as a second 16-bit operand
                 acc = tl.dot((p - p_hi.to(tl.float32)).to(v.dtype), v, acc)
         m = m_new
 
