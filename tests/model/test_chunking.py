@@ -1,7 +1,8 @@
 """Chunked prefill is invisible: the tiny model (fp32, CPU) gives the same logits and writes
 the same caches whether a prompt runs whole, in 512-token or in 97-token chunks, after a
 prefix hit at a 256-aligned boundary, or on the fast kernels (the Triton prefill and decode
-attention under the interpreter, the grouped-GEMM MoE) instead of the references.
+attention and indexer under the interpreter, the grouped-GEMM MoE) instead of the
+references.
 
 Positions of the 600-token prompt, chunked::
 
@@ -48,18 +49,22 @@ def use_kernels(model: DeepseekV4ForCausalLM, table: ops.Kernels) -> DeepseekV4F
 
 
 def fast_table(min_prefill_tokens: int = 8) -> ops.Kernels:
-    """The references, with the Triton attention (prefill kernel from ``min_prefill_tokens``
-    queries, decode kernel below) and the grouped MoE: the fast path as far as the CPU
-    runs it (the interpreter runs the kernels on CPU tensors)."""
-    prefill = importlib.import_module("rackserve.ops.triton.prefill_attn")
-    decode = importlib.import_module("rackserve.ops.triton.sparse_attn")
-    attention = ops._by_num_tokens(
-        decode.paged_sparse_attention, prefill.paged_sparse_attention, min_prefill_tokens
-    )
+    """The references, with the Triton attention and indexer (prefill kernels from
+    ``min_prefill_tokens`` queries, decode kernels below) and the grouped MoE: the fast
+    path as far as the CPU runs it (the interpreter runs the kernels on CPU tensors)."""
+
+    def triton_op(name: str, prefill: str, decode: str):
+        return ops._by_num_tokens(
+            getattr(importlib.import_module(f"rackserve.ops.triton.{decode}"), name),
+            getattr(importlib.import_module(f"rackserve.ops.triton.{prefill}"), name),
+            min_prefill_tokens,
+        )
+
     return dataclasses.replace(
         ops.kernels("reference"),
         name="auto",
-        paged_sparse_attention=attention,
+        paged_sparse_attention=triton_op("paged_sparse_attention", "prefill_attn", "sparse_attn"),
+        paged_indexer_topk=triton_op("paged_indexer_topk", "prefill_indexer", "indexer"),
         moe_experts=moe_experts_grouped,
     )
 

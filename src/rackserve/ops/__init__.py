@@ -128,9 +128,10 @@ def _moe(x, *args, **kwargs):
 
 _fused_moe = _on_cuda("rackserve.ops.triton.fused_moe", "moe_experts", reference.moe_experts)
 
-# Attention over at least this many queries (prefill and mixed steps) takes the prefill
-# kernel: one program per query holding every head, no split-KV. Smaller (decode) batches
-# keep the decode kernel, whose splits fill the SMs when queries are few.
+# Attention and the indexer over at least this many queries (prefill and mixed steps) take
+# the prefill kernels: attention with one program per query holding every head, no
+# split-KV; the indexer with query tiles sharing key tiles. Smaller (decode) batches keep
+# the decode kernels, whose splits fill the SMs when queries are few.
 PREFILL_ATTN_MIN_TOKENS = 512
 
 
@@ -175,5 +176,11 @@ def kernels(name: str = "auto") -> Kernels:
     )
     fast["paged_sparse_attention"] = _by_num_tokens(
         fast["paged_sparse_attention"], prefill_attn, PREFILL_ATTN_MIN_TOKENS
+    )
+    prefill_indexer = _on_cuda(
+        "rackserve.ops.triton.prefill_indexer", "paged_indexer_topk", ref.paged_indexer_topk
+    )
+    fast["paged_indexer_topk"] = _by_num_tokens(
+        fast["paged_indexer_topk"], prefill_indexer, PREFILL_ATTN_MIN_TOKENS
     )
     return Kernels("auto", moe_experts=_moe, **fast)
