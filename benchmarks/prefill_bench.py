@@ -11,6 +11,10 @@ Rows are scattered over the caches (paged slots). Each record: impl ("prefill" |
 QK and PV), the gathered bytes (valid rows x Dh x 2 + q + out), the do_bench median time,
 the fraction of 989 TFLOP/s, and max |out - decode kernel's out|.
 
+``run_indexer`` times the prefill indexer (``prefill_indexer.py``, query tiles sharing key
+tiles) against the decode indexer (``indexer.py``) on one request's S queries over its
+(C + S) / 4 CSA entries (64 heads x 128, top-512, bf16).
+
 ``run_moe`` times the grouped-GEMM MoE (``ops/grouped_moe.py``: T tokens, 64 experts, top-6,
 D 4096, I 2048) whole, and its two elementwise steps (Triton ``swiglu_rows`` and
 ``moe_unpermute``) against the torch chains they replaced.
@@ -31,7 +35,13 @@ import triton.testing
 
 from rackserve.ops import reference
 from rackserve.ops.grouped_moe import moe_experts_grouped
-from rackserve.ops.triton import prefill_attn, prefill_moe, sparse_attn
+from rackserve.ops.triton import (
+    indexer,
+    prefill_attn,
+    prefill_indexer,
+    prefill_moe,
+    sparse_attn,
+)
 
 from bench_timing import stamped
 
@@ -131,6 +141,53 @@ def run(device: str = "cuda", cases=CASES, sweep: bool = True) -> list[dict]:
     return stamped(records, dev)
 
 
+def run_indexer(device: str = "cuda", cases=CASES) -> list[dict]:
+    """Indexer records: impl ("prefill" | "decode"), S, C, entries, time_us, the FLOPs of
+    the visible logits (2 x 64 x 128 per visible (query, entry)), agreement of the picks."""
+    dev = torch.device(device)
+    hi, di = 64, 128
+    records = []
+    for s, cached in cases:
+        g = torch.Generator(device=device).manual_seed(s + cached)
+        total = cached + s
+        num_entries = total // 4
+        pos = torch.arange(cached, total, device=device)
+        num_visible = (pos + 1) // 4
+        rows = torch.randperm(2 * num_entries, generator=g, device=device)[:num_entries]
+        args = (
+            torch.randn(s, hi, di, generator=g, device=device).bfloat16(),
+            torch.randn(2 * num_entries, 640, generator=g, device=device).bfloat16()[:, 512:],
+            rows.expand(s, num_entries).contiguous(),
+            torch.randn(s, hi, generator=g, device=device),
+            di**-0.5,
+            num_visible,
+            min(TOPK, num_entries),
+        )
+        flops = 2 * hi * di * int(num_visible.clamp(max=num_entries).sum())
+        expected = indexer.paged_indexer_topk(*args)
+        impls = {
+            "prefill": lambda a=args: prefill_indexer.paged_indexer_topk(*a),
+            "decode": lambda a=args: indexer.paged_indexer_topk(*a),
+        }
+        for impl, fn in impls.items():
+            same = (fn().sort(dim=1).values == expected.sort(dim=1).values).float().mean()
+            us = _plain_us(fn)
+            records.append(
+                {
+                    "kind": "prefill_bench_indexer",
+                    "impl": impl,
+                    "queries": s,
+                    "cached": cached,
+                    "entries": num_entries,
+                    "time_us": us,
+                    "flops": flops,
+                    "peak_fraction": flops / PEAK_FLOPS / (us * 1e-6),
+                    "same_picks": same.item(),
+                }
+            )
+    return stamped(records, dev)
+
+
 def run_moe(device: str = "cuda", tokens: tuple[int, ...] = (2048, 8192)) -> list[dict]:
     """Grouped MoE records (see the module docstring): impl, tokens, time_us, and for the
     whole MoE its FLOPs and fraction of 989 TFLOP/s."""
@@ -189,10 +246,17 @@ def main() -> None:
     args = parser.parse_args()
     records = run(sweep=not args.no_sweep)
     moe = run_moe()
+    index = run_indexer()
     with open(args.output, "w") as f:
-        json.dump(records + moe, f, indent=1)
+        json.dump(records + moe + index, f, indent=1)
     for r in moe:
         print(f"moe T={r['tokens']:5d} {r['impl']:26s} {r['time_us']:9.1f} us")
+    for r in index:
+        print(
+            f"indexer S={r['queries']:5d} C={r['cached']:6d} E={r['entries']:6d} "
+            f"{r['impl']:8s} {r['time_us']:9.1f} us {100 * r['peak_fraction']:5.1f}% "
+            f"same picks {r['same_picks']:.4f}"
+        )
     for r in records:
         head = f"{r['layer']} S={r['queries']:5d} C={r['cached']:6d} {r['impl']:22s}"
         if "error" in r:
