@@ -150,3 +150,14 @@ def test_bad_input_raises_clear_errors(indexer):
         indexer.paged_indexer_topk(**(case | {"slots": case["slots"].float()}), k=2)
     with pytest.raises(ValueError, match="q must be"):
         indexer.paged_indexer_topk(**(case | {"q": case["q"][0]}), k=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cached,new", [(0, 4096), (16384, 1024)])
+def test_v4_flash_sizes_on_gpu(indexer, cached, new):
+    """64 heads x 128, top-512 over (cached + new) / 4 entries, bf16, the default tiling."""
+    if DEVICE != "cuda":
+        pytest.skip("needs a GPU")
+    e = (cached + new) // 4
+    case = make_case([(cached, new)], 0, e, 64, 128, seed=5, dtype=torch.bfloat16)
+    check(indexer, case, 512)

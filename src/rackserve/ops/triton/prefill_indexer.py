@@ -220,13 +220,13 @@ def prefill_indexer_logits_kernel(
     TILES: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
-    s0 = tl.program_id(0) * BLOCK_Q
+    s0 = tl.program_id(0).to(tl.int64) * BLOCK_Q  # row offsets past 2^31 at long contexts
     first_tile = tl.program_id(1) * TILES
     # the dot's N: column r is head r % BLOCK_H of query s0 + r // BLOCK_H
     r = tl.arange(0, BLOCK_Q * BLOCK_H)
     col_query = r // BLOCK_H
     col_head = r % BLOCK_H
-    col_s = (s0 + col_query).to(tl.int64)
+    col_s = s0 + col_query
     col_ok = (col_s < num_queries) & (col_head < HEADS)
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
@@ -247,13 +247,13 @@ def prefill_indexer_logits_kernel(
     num_tiles = (num_entries + BLOCK_E - 1) // BLOCK_E
     last_tile = tl.minimum(first_tile + TILES, num_tiles)
     scored_end = tl.minimum(last_tile, (max_visible + BLOCK_E - 1) // BLOCK_E)
-    out_rows = out_ptr + queries.to(tl.int64)[None, :] * stride_os  # [1, BLOCK_Q]
+    out_rows = out_ptr + queries[None, :] * stride_os  # [1, BLOCK_Q]
     for tile in range(first_tile, scored_end):
         e = tile * BLOCK_E + tl.arange(0, BLOCK_E)
         seen = e[:, None] < nv[None, :]  # [BLOCK_E, BLOCK_Q] causal visibility
         lead = tl.load(slots_ptr + s0 * stride_ss + e, mask=e < max_visible, other=0)
         own = tl.load(
-            slots_ptr + queries.to(tl.int64)[None, :] * stride_ss + e[:, None],
+            slots_ptr + queries[None, :] * stride_ss + e[:, None],
             mask=seen,
             other=0,
         )
