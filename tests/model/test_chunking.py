@@ -179,3 +179,25 @@ def test_fast_kernels_match_reference_and_are_chunking_invariant(num_layers, len
         assert relative(out["fast"], out["ref"]) <= 1e-3, f"decode step {step}"
         assert torch.equal(out["fast"].argmax(-1), out["ref"].argmax(-1))
         tokens.append(int(out["ref"][-1].argmax()))
+
+
+@torch.inference_mode()
+def test_mixed_step_fast_matches_reference():
+    """One step holding a 23-token prefill chunk of request 0 and a decode of request 1 (40
+    tokens cached): the indexer's 4-query tile of tokens 20..23 straddles the two requests
+    (its per-query fallback); logits and caches match the references."""
+    ref = tiny_model(3)
+    fast = use_kernels(tiny_model(3), fast_table())
+    ids0 = prompt(23)
+    ids1 = torch.randint(2, 1024, (41,), generator=torch.Generator().manual_seed(1))
+    out, caches = {}, {}
+    for name, m in (("ref", ref), ("fast", fast)):
+        cache = ContiguousCache(m, 2, 64)
+        m(ids1[:40], cache.batch([0], [40], [1]), cache.tensors)
+        step = cache.batch([0, 40], [23, 1], [0, 1])
+        hidden, _ = m(torch.cat([ids0, ids1[40:]]), step, cache.tensors)
+        out[name], caches[name] = m.compute_logits(hidden), cache
+    assert relative(out["fast"], out["ref"]) <= 1e-3
+    assert torch.equal(out["fast"].argmax(-1), out["ref"].argmax(-1))
+    for req in (0, 1):
+        assert_same_caches(caches["fast"], caches["ref"], req, req)
