@@ -23,7 +23,9 @@ def test_batch_spec_parsing():
     assert BatchSpec.parse("prefill:512@4096") == BatchSpec("prefill", 1, 512, 4096)
     assert BatchSpec.parse("decode:64@2048") == BatchSpec("decode", 64, 1, 2048)
     assert BatchSpec.parse("decode:64@2048x4") == BatchSpec("decode", 64, 4, 2048)
-    for bad in ("decode:64", "prefill:5x2", "train:3@4"):
+    assert BatchSpec.parse("mixed:512@1024+8@4096") == BatchSpec("mixed", 1, 512, 1024, 8, 4096)
+    assert BatchSpec.parse("mixed:97+2@64").requests() == [(97, 0), (1, 64), (1, 64)]
+    for bad in ("decode:64", "prefill:5x2", "train:3@4", "mixed:5+2", "mixed:5@3"):
         with pytest.raises(ValueError, match=r"--batch|context|suffix"):
             BatchSpec.parse(bad)
 
@@ -42,6 +44,23 @@ def test_synthetic_step_inputs_and_counts(tiny):
     # the sliding groups' tables start with null blocks below the window
     swa = synthetic.input_batch.block_tables.tables["swa"][0]
     assert swa[0] == 0 and swa[40 // 8] != 0
+
+
+def test_mixed_step_inputs_and_counts(tiny):
+    """A 30-token prefill chunk after 16 cached tokens plus 3 decodes at context 40: one
+    eager step; its FLOPs are the sum of both parts, its bytes at most their sum."""
+    model = load_model(tiny)
+    spec = BatchSpec.parse("mixed:30@16+3@40")
+    synthetic = synthetic_step(model, spec, seed=1)
+    positions = synthetic.step.inputs.positions.tolist()
+    assert positions == [*range(16, 46), 40, 40, 40]
+    assert len(time_forward(model, synthetic, iters=1, warmup=0)) == 1
+    mixed = roofline(model, spec, "h200")
+    prefill = roofline(model, BatchSpec("prefill", 1, 30, 16), "h200")
+    decode = roofline(model, BatchSpec("decode", 3, 1, 40), "h200")
+    assert mixed["flops"] == pytest.approx(prefill["flops"] + decode["flops"])
+    assert max(prefill["bytes"], decode["bytes"]) <= mixed["bytes"]
+    assert mixed["bytes"] < prefill["bytes"] + decode["bytes"]  # weights read once
 
 
 def test_cli_forward_writes_calibration_records(tiny, tmp_path, capsys):

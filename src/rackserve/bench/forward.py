@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -23,31 +23,41 @@ from rackserve.planner.cost import roofline_time
 from rackserve.planner.counting import BatchShape, step_ops
 from rackserve.planner.hardware import get_hardware
 from rackserve.planner.models import Formats
+from rackserve.planner.opcost import OpCost
 from rackserve.request import SamplingParams
 from rackserve.runner.cuda_graph import DecodeGraphs
 from rackserve.runner.input_batch import InputBatch, PreparedStep
 from rackserve.runner.step_buffers import StepBuffers
 
 _BATCH = re.compile(r"^(prefill|decode):(\d+)(?:@(\d+))?(?:x(\d+))?$")
+_MIXED = re.compile(r"^mixed:(\d+)(?:@(\d+))?\+(\d+)@(\d+)$")
+_FORMS = (
+    "prefill:TOKENS[@CONTEXT], decode:REQS@CONTEXT[xTOKENS] or mixed:TOKENS[@CONTEXT]+REQS@CONTEXT"
+)
 
 
 @dataclass(frozen=True)
 class BatchSpec:
-    """``prefill:TOKENS[@CONTEXT]`` (one request) or ``decode:REQS@CONTEXT[xTOKENS]``."""
+    """``prefill:TOKENS[@CONTEXT]`` (one request), ``decode:REQS@CONTEXT[xTOKENS]``, or
+    ``mixed:TOKENS[@CONTEXT]+REQS@CONTEXT``: one prefill chunk of TOKENS after CONTEXT
+    cached tokens and REQS one-token decodes at their CONTEXT, in one step (eager)."""
 
     phase: str
     num_requests: int
     new_tokens: int
     context: int
+    decode_requests: int = 0  # mixed only: the decodes riding along
+    decode_context: int = 0
 
     @classmethod
     def parse(cls, text: str) -> BatchSpec:
+        mixed = _MIXED.match(text.strip())
+        if mixed:
+            tokens, context, reqs, decode_context = mixed.groups()
+            return cls("mixed", 1, int(tokens), int(context or 0), int(reqs), int(decode_context))
         m = _BATCH.match(text.strip())
         if not m:
-            raise ValueError(
-                f"bad --batch {text!r}: use prefill:TOKENS[@CONTEXT] or "
-                "decode:REQS@CONTEXT[xTOKENS]"
-            )
+            raise ValueError(f"bad --batch {text!r}: use {_FORMS}")
         phase, a, b, c = m.group(1), int(m.group(2)), m.group(3), m.group(4)
         if phase == "prefill":
             if c is not None:
@@ -56,6 +66,11 @@ class BatchSpec:
         if b is None:
             raise ValueError("decode batches need a context: decode:REQS@CONTEXT")
         return cls("decode", a, int(c or 1), int(b))
+
+    def requests(self) -> list[tuple[int, int]]:
+        """(new tokens, cached context) of every request of the step, in step order."""
+        main = [(self.new_tokens, self.context)] * self.num_requests
+        return main + [(1, self.decode_context)] * self.decode_requests
 
 
 @dataclass
@@ -72,15 +87,15 @@ def synthetic_step(model: DeepseekV4ForCausalLM, batch: BatchSpec, seed: int = 0
     device = next(model.parameters()).device
     dtype = model.head.weight.dtype
     groups = cache_groups_for(cfg, dtype_bytes=torch.tensor([], dtype=dtype).element_size())
-    total = batch.context + batch.new_tokens
+    shapes = batch.requests()
     next_id = {g.name: 1 for g in groups}  # block 0 is the null block
     tables: list[tuple[list[int], ...]] = []
-    for _ in range(batch.num_requests):
+    for new_tokens, context in shapes:
         per_group = []
         for g in groups:
-            num = -(-total // g.block_tokens)
+            num = -(-(context + new_tokens) // g.block_tokens)
             # sliding groups: only the window rows are ever read (the manager's rule)
-            first_live = g.first_live_slot(batch.context) if g.window is not None else 0
+            first_live = g.first_live_slot(context) if g.window is not None else 0
             ids = [0] * first_live + list(
                 range(next_id[g.name], next_id[g.name] + num - first_live)
             )
@@ -93,24 +108,24 @@ def synthetic_step(model: DeepseekV4ForCausalLM, batch: BatchSpec, seed: int = 0
     new_reqs = [
         NewRequestData(
             f"r{i}",
-            torch.randint(0, cfg.vocab_size, (total,), generator=gen).tolist(),
-            total,
+            torch.randint(0, cfg.vocab_size, (context + new_tokens,), generator=gen).tolist(),
+            context + new_tokens,
             params,
             tables[i],
-            batch.context,
+            context,
         )
-        for i in range(batch.num_requests)
+        for i, (new_tokens, context) in enumerate(shapes)
     ]
     sched = SchedulerOutput(
         new_reqs=new_reqs,
         cached_reqs=CachedRequestData(),
-        num_scheduled_tokens={r.req_id: batch.new_tokens for r in new_reqs},
-        total_num_scheduled_tokens=batch.num_requests * batch.new_tokens,
+        num_scheduled_tokens={r.req_id: n for r, (n, _) in zip(new_reqs, shapes, strict=True)},
+        total_num_scheduled_tokens=sum(n for n, _ in shapes),
     )
     input_batch = InputBatch(
         {g.name: g.block_tokens for g in groups},
-        batch.num_requests,
-        total,
+        len(shapes),
+        max(n + c for n, c in shapes),
         cfg.vocab_size,
         cfg.eos_token_id,
         device,
@@ -196,6 +211,11 @@ def roofline(model: DeepseekV4ForCausalLM, batch: BatchSpec, hardware: str | Non
     )
     shape = BatchShape(batch.num_requests, batch.new_tokens, batch.context)
     ops = step_ops(model.cfg, shape, formats, ep_size=1, logits_tokens=batch.num_requests)
+    if batch.decode_requests:
+        decode = BatchShape(batch.decode_requests, 1, batch.decode_context)
+        ops = _merge_ops(
+            ops, step_ops(model.cfg, decode, formats, 1, logits_tokens=batch.decode_requests)
+        )
     out = {
         "flops": sum(o.flops for o in ops),
         "bytes": sum(o.bytes for o in ops),
@@ -206,3 +226,25 @@ def roofline(model: DeepseekV4ForCausalLM, batch: BatchSpec, hardware: str | Non
         out["hardware"] = gpu.name
         out["roofline_s"] = roofline_time(ops, gpu)
     return out
+
+
+def _merge_ops(a: list[OpCost], b: list[OpCost]) -> list[OpCost]:
+    """The ops of one step holding both batches: FLOPs add; bytes are each op's larger
+    count (the weights, most of the bytes, are read once for both): a lower bound of the
+    bytes, so the roofline fraction of a mixed step is not flattered."""
+    merged = {op.name: op for op in a}
+    for op in b:
+        prev = merged.get(op.name)
+        if prev is None:
+            merged[op.name] = op
+            continue
+        read = max(prev.bytes_read, op.bytes_read)
+        written = max(prev.bytes_written, op.bytes_written)
+        merged[op.name] = replace(
+            prev,
+            flops=prev.flops + op.flops,
+            bytes_read=read,
+            bytes_written=written,
+            launches=max(prev.launches, op.launches),
+        )
+    return list(merged.values())

@@ -103,6 +103,11 @@ def _forward(args: argparse.Namespace) -> int:
             "num_requests": spec.num_requests,
             "new_tokens": spec.new_tokens,
             "context": spec.context,
+            **(
+                {"decode_requests": spec.decode_requests, "decode_context": spec.decode_context}
+                if spec.phase == "mixed"
+                else {}
+            ),
             "model": model_name,
             "dtype": str(model.head.weight.dtype).removeprefix("torch."),
             "device": torch_device_name(device),
@@ -224,7 +229,9 @@ def register_forward(bench_subparsers: Any) -> None:
         "--batch",
         action="append",
         required=True,
-        help="prefill:TOKENS[@CONTEXT] or decode:REQS@CONTEXT[xTOKENS]; repeatable",
+        help="prefill:TOKENS[@CONTEXT], decode:REQS@CONTEXT[xTOKENS] or "
+        "mixed:TOKENS[@CONTEXT]+REQS@CONTEXT (a prefill chunk and decodes in one step); "
+        "repeatable",
     )
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)

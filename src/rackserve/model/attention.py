@@ -265,7 +265,8 @@ class Attention(nn.Module):
             self._compress(meta, caches)
 
         window = meta.gather["swa"]
-        chunk = self._chunk_tokens(t, meta.max_seq_len, x.element_size())
+        in_place = x.is_cuda and k.name != "reference"  # the kernels read rows in place
+        chunk = self._chunk_tokens(t, meta.max_seq_len, x.element_size(), in_place)
         out = torch.empty_like(q) if chunk < t else None  # one chunk: no copy into `out`
         for a in range(0, t, chunk):
             rows = slice(a, min(a + chunk, t))
@@ -285,9 +286,15 @@ class Attention(nn.Module):
                 out[rows] = o
         return self.wo_b(self.wo_a(out.view(t, self.o_groups, -1)))
 
-    def _chunk_tokens(self, num_tokens: int, max_seq_len: int, element_size: int) -> int:
-        """Queries per chunk so that one chunk's gathered rows and scores stay bounded."""
+    def _chunk_tokens(
+        self, num_tokens: int, max_seq_len: int, element_size: int, in_place: bool
+    ) -> int:
+        """Queries per chunk so that one chunk's gathered rows and scores stay bounded
+        (``in_place``: kernels that gather nothing, only the indexer's [n, E] int64 keys)."""
         entries = max_seq_len // self.ratio if self.ratio else 0
+        if in_place:
+            per_token = 16 * entries if self.kind == CSA else 1
+            return max(1, min(num_tokens, _CHUNK_BYTES // per_token))
         rows = self.window + (min(entries, self.indexer.topk) if self.kind == CSA else entries)
         per_token = rows * (self.head_dim * element_size + 4 * self.num_heads)
         if self.kind == CSA:  # the indexer's fp32 keys and per-head scores

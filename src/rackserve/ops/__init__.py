@@ -152,6 +152,23 @@ def _moe_for(fused: Callable) -> Callable:
 
     return moe
 
+# Attention and the indexer over at least this many queries (prefill and mixed steps) take
+# the prefill kernels: attention with one program per query holding every head, no
+# split-KV; the indexer with query tiles sharing key tiles. Smaller (decode) batches keep
+# the decode kernels, whose splits fill the SMs when queries are few.
+PREFILL_ATTN_MIN_TOKENS = 512
+
+
+def _by_num_tokens(small: Callable, large: Callable, min_tokens: int) -> Callable:
+    """``large`` for a first argument of at least ``min_tokens`` rows, else ``small``."""
+
+    def dispatch(x, *args, **kwargs):
+        fn = large if x.shape[0] >= min_tokens else small
+        return fn(x, *args, **kwargs)
+
+    dispatch.__name__ = small.__name__
+    return dispatch
+
 
 def kernels(name: str = "auto") -> Kernels:
     """The op table for ``name`` in :data:`KERNEL_CHOICES`, or "triton": the fast
@@ -186,6 +203,24 @@ def kernels(name: str = "auto") -> Kernels:
         op: _on_cuda(f"rackserve.ops.triton.{module}", op, getattr(ref, op), everywhere)
         for op, module in triton_ops.items()
     }
+    prefill_attn = _on_cuda(
+        "rackserve.ops.triton.prefill_attn",
+        "paged_sparse_attention",
+        ref.paged_sparse_attention,
+        everywhere,
+    )
+    fast["paged_sparse_attention"] = _by_num_tokens(
+        fast["paged_sparse_attention"], prefill_attn, PREFILL_ATTN_MIN_TOKENS
+    )
+    prefill_indexer = _on_cuda(
+        "rackserve.ops.triton.prefill_indexer",
+        "paged_indexer_topk",
+        ref.paged_indexer_topk,
+        everywhere,
+    )
+    fast["paged_indexer_topk"] = _by_num_tokens(
+        fast["paged_indexer_topk"], prefill_indexer, PREFILL_ATTN_MIN_TOKENS
+    )
     fused_moe = _on_cuda(
         "rackserve.ops.triton.fused_moe", "moe_experts", reference.moe_experts, everywhere
     )

@@ -4,17 +4,37 @@ Shape legend: T tokens, k experts per token, E experts, D hidden, I expert width
 
 The (token, expert) pairs are sorted by expert; ``F.grouped_mm`` multiplies each expert's
 contiguous run of rows by that expert's weights, with run ends (``offs``) computed on the
-device. Results go back to their (token, slot) place and the k slots are summed in a fixed
-order, so the output is deterministic (no float atomics): a CUDA-graph replay is
-bit-identical to the eager call.
+device. The activation (``swiglu_rows``) and the combine (``moe_unpermute``: each token's k
+expert outputs gathered back, weighted and summed in a fixed order, no float atomics, so
+the output is deterministic) are one pass each: Triton kernels on a GPU
+(``ops/triton/prefill_moe.py``, imported on the first CUDA call), their references on CPU.
 """
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
-from rackserve.ops.reference import swiglu
+from rackserve.ops import reference
+
+
+def _fast(name: str) -> Callable:
+    """``name`` from the Triton module for CUDA tensors, from the references otherwise (a
+    CPU-only run never imports Triton)."""
+
+    def dispatch(x: torch.Tensor, *args):
+        if not x.is_cuda:
+            return getattr(reference, name)(x, *args)
+        return getattr(importlib.import_module("rackserve.ops.triton.prefill_moe"), name)(x, *args)
+
+    return dispatch
+
+
+_swiglu_rows = _fast("swiglu_rows")
+_moe_unpermute = _fast("moe_unpermute")
 
 
 def moe_experts_grouped(
@@ -31,17 +51,16 @@ def moe_experts_grouped(
     """
     t, k = topk_ids.shape
     flat_ids = topk_ids.flatten()  # [T*k]
-    order = torch.argsort(flat_ids, stable=True)
+    order = torch.argsort(flat_ids, stable=True)  # sorted position -> (token, slot)
+    pairs = torch.arange(t * k, device=x.device)
+    inverse = torch.empty_like(order).scatter_(0, order, pairs)  # (token, slot) -> position
     counts = torch.zeros(w13.shape[0], dtype=torch.int32, device=x.device)
     counts.index_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
     offs = counts.cumsum(0, dtype=torch.int32)  # [E] end of each expert's run
-    rows = x[order // k]  # [T*k, D] sorted by expert
-    gate, up = F.grouped_mm(rows, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-    y = F.grouped_mm(swiglu(gate, up, limit), w2.transpose(1, 2), offs=offs)  # [T*k, D]
-    y = (y * topk_weights.flatten()[order, None]).to(x.dtype)
-    unsorted = torch.empty_like(y)
-    unsorted[order] = y
-    return unsorted.view(t, k, -1).sum(dim=1)
+    rows = x.index_select(0, order // k)  # [T*k, D] sorted by expert
+    h = F.grouped_mm(rows, w13.transpose(1, 2), offs=offs)  # [T*k, 2I]
+    y = F.grouped_mm(_swiglu_rows(h, limit), w2.transpose(1, 2), offs=offs)  # [T*k, D]
+    return _moe_unpermute(y, inverse.view(t, k), topk_weights)
 
 
 def grouped_mm_supported(x: torch.Tensor) -> bool:

@@ -556,3 +556,17 @@ def attention_prologue(
         return q, None, None
     assert head_logits is not None
     return q, apply_rope(index_q, cos, sin), head_logits.float() * head_scale
+
+
+def swiglu_rows(h: torch.Tensor, limit: float) -> torch.Tensor:
+    """``swiglu`` of concatenated rows: h [N, 2I] = [gate | up] -> [N, I] in h's dtype,
+    computed in float32 and rounded once (the grouped MoE's activation)."""
+    gate, up = h.float().chunk(2, dim=-1)
+    return swiglu(gate, up, limit).to(h.dtype)
+
+
+def moe_unpermute(y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The grouped MoE's combine: y [N, D] expert outputs in expert order; inverse [T, k]
+    the row of y of each (token, slot); weights [T, k]. Returns [T, D] in y's dtype:
+    sum_j weights[t, j] * y[inverse[t, j]], summed in slot order in float32."""
+    return (y[inverse].float() * weights.float().unsqueeze(-1)).sum(dim=1).to(y.dtype)

@@ -1,0 +1,272 @@
+"""Times the sparse prefill attention kernel (``ops/triton/prefill_attn.py``) against the
+decode kernel (``sparse_attn.py``) on prefill-shaped inputs, on the GPU.
+
+V4-Flash sizes: H = 64 heads, Dh = 512 (64 rope dims), Wa = 128 window rows, bf16. One
+request of S new tokens after C cached ones (S, C) in {(2048, 0), (8192, 0), (8192, 65536)}:
+query at position p sees window positions max(0, p-127)..p and, per layer kind,
+- HCA: entries 0..(p+1)//128 - 1 of the request (Wb = (C + S) / 128, a valid prefix);
+- CSA: the indexer's top-512 of the (p+1)//4 visible entries (Wb = 512, a valid prefix).
+Rows are scattered over the caches (paged slots). Each record: impl ("prefill" |
+"prefill:<variant>" | "decode"), case, S, C, kind, the useful FLOPs (4 H Dh x valid rows,
+QK and PV), the gathered bytes (valid rows x Dh x 2 + q + out), the do_bench median time,
+the fraction of 989 TFLOP/s, and max |out - decode kernel's out|.
+
+``run_indexer`` times the prefill indexer (``prefill_indexer.py``, query tiles sharing key
+tiles) against the decode indexer (``indexer.py``) on one request's S queries over its
+(C + S) / 4 CSA entries (64 heads x 128, top-512, bf16).
+
+``run_moe`` times the grouped-GEMM MoE (``ops/grouped_moe.py``: T tokens, 64 experts, top-6,
+D 4096, I 2048) whole, and its two elementwise steps (Triton ``swiglu_rows`` and
+``moe_unpermute``) against the torch chains they replaced.
+
+    from benchmarks.prefill_bench import run; records = run()   # one-call GPU script
+    python benchmarks/prefill_bench.py --output $OUT/prefill_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from collections.abc import Callable
+
+import torch
+import triton.testing
+
+from rackserve.ops import reference
+from rackserve.ops.grouped_moe import moe_experts_grouped
+from rackserve.ops.triton import (
+    indexer,
+    prefill_attn,
+    prefill_indexer,
+    prefill_moe,
+    sparse_attn,
+)
+
+from bench_timing import stamped
+
+H, DH, ROPE, WA, TOPK = 64, 512, 64, 128, 512
+CASES = ((2048, 0), (8192, 0), (8192, 65536))  # (new tokens S, cached tokens C)
+PEAK_FLOPS = 989e12
+
+
+def _inputs(s: int, cached: int, kind: str, device: str) -> tuple:
+    """``paged_sparse_attention`` arguments of one request's S queries (module docstring)."""
+    g = torch.Generator(device=device).manual_seed(s + cached + len(kind))
+    total = cached + s
+    pos = torch.arange(cached, total, device=device)
+    window = pos[:, None] - torch.arange(WA - 1, -1, -1, device=device)  # [S, Wa]
+    page_a = torch.randperm(total, generator=g, device=device)  # position -> swa slot
+    slots_a = page_a[window.clamp(min=0)]
+    visible = (pos + 1) // (128 if kind == "hca" else 4)
+    if kind == "hca":
+        wb = total // 128
+        slots_b = torch.randperm(wb, generator=g, device=device).expand(s, wb)
+        picked = torch.arange(wb, device=device)[None, :] < visible[:, None]
+    else:  # top-512 of the visible entries: random distinct entries, a valid prefix
+        num_entries = total // 4
+        wb = min(TOPK, num_entries)
+        keys = torch.rand(s, num_entries, generator=g, device=device)
+        slots_b = keys.topk(wb, dim=1).indices  # any distinct entries (rows by slot)
+        picked = torch.arange(wb, device=device)[None, :] < visible[:, None].clamp(max=wb)
+    width_b = DH + (128 if kind == "csa" else 0)
+    kv_a = torch.randn(total, DH, generator=g, device=device).bfloat16()
+    kv_b = torch.randn(max(total // 4, 1), width_b, generator=g, device=device).bfloat16()
+    valid = torch.cat([window >= 0, picked], dim=1)
+    q = (2 * torch.randn(s, H, DH, generator=g, device=device)).bfloat16()
+    sinks = torch.randn(H, generator=g, device=device)
+    angle = torch.rand(s, ROPE // 2, generator=g, device=device) * 6.3
+    cos, sin = angle.cos().bfloat16(), angle.sin().bfloat16()
+    return q, kv_a, slots_a, kv_b, slots_b.contiguous(), valid, sinks, DH**-0.5, cos, sin
+
+
+def variants(device: torch.device) -> dict[str, prefill_attn.PrefillTiling]:
+    """Tilings around the default, to pick the heuristic from the first GPU run (ptxas
+    spills noted where sm_90 has them at Dh 512)."""
+    base = prefill_attn.default_tiling(H, DH, torch.bfloat16, device)
+    rep = dataclasses.replace
+    return {
+        "dv1_rows": rep(base, num_dv=1, pv="rows"),  # 1x FLOPs, bf16 p, no spills
+        "dv1_fp16": rep(base, num_dv=1),  # spills
+        "dv1_split": rep(base, num_dv=1, pv="split"),  # spills
+        "pv_split": rep(base, pv="split"),
+        "pv_rows": rep(base, pv="rows"),
+        "stages2": rep(base, num_stages=2),
+        "bn16_stages4": rep(base, block_n=16, num_stages=4),
+        "bh32": rep(base, block_h=32),
+        "dv4": rep(base, num_dv=4),
+    }
+
+
+def run(device: str = "cuda", cases=CASES, sweep: bool = True) -> list[dict]:
+    """Benchmark records (see the module docstring)."""
+    dev = torch.device(device)
+    records = []
+    for s, cached in cases:
+        for kind in ("hca", "csa"):
+            args = _inputs(s, cached, kind, device)
+            rows = int(args[5].sum())
+            flops = 4 * H * DH * rows
+            nbytes = rows * DH * 2 + 2 * s * H * DH * 2
+            expected = sparse_attn.paged_sparse_attention(*args).float()
+            tilings = {"prefill": None}
+            if sweep:
+                tilings |= {f"prefill:{k}": v for k, v in variants(dev).items()}
+            impls: dict[str, Callable[[], torch.Tensor]] = {
+                name: lambda t=t, a=args: prefill_attn.paged_sparse_attention(*a, tiling=t)
+                for name, t in tilings.items()
+            }
+            impls["decode"] = lambda a=args: sparse_attn.paged_sparse_attention(*a)
+            base = {"kind": "prefill_bench", "layer": kind, "queries": s, "cached": cached}
+            for impl, fn in impls.items():
+                try:
+                    err = (fn().float() - expected).abs().max().item()
+                    plain = _plain_us(fn)
+                except Exception as e:  # a variant that does not compile (smem, registers)
+                    records.append(base | {"impl": impl, "error": repr(e)[:300]})
+                    continue
+                records.append(
+                    base
+                    | {
+                        "impl": impl,
+                        "valid_rows": rows,
+                        "bytes": nbytes,
+                        "flops": flops,
+                        "time_us": plain,
+                        "tflop_per_s": flops / plain / 1e6,
+                        "peak_fraction": flops / PEAK_FLOPS / (plain * 1e-6),
+                        "max_abs_err_vs_decode": err,
+                    }
+                )
+    return stamped(records, dev)
+
+
+def run_indexer(device: str = "cuda", cases=CASES) -> list[dict]:
+    """Indexer records: impl ("prefill" | "decode"), S, C, entries, time_us, the FLOPs of
+    the visible logits (2 x 64 x 128 per visible (query, entry)), agreement of the picks."""
+    dev = torch.device(device)
+    hi, di = 64, 128
+    records = []
+    for s, cached in cases:
+        g = torch.Generator(device=device).manual_seed(s + cached)
+        total = cached + s
+        num_entries = total // 4
+        pos = torch.arange(cached, total, device=device)
+        num_visible = (pos + 1) // 4
+        rows = torch.randperm(2 * num_entries, generator=g, device=device)[:num_entries]
+        args = (
+            torch.randn(s, hi, di, generator=g, device=device).bfloat16(),
+            torch.randn(2 * num_entries, 640, generator=g, device=device).bfloat16()[:, 512:],
+            rows.expand(s, num_entries).contiguous(),
+            torch.randn(s, hi, generator=g, device=device),
+            di**-0.5,
+            num_visible,
+            min(TOPK, num_entries),
+        )
+        flops = 2 * hi * di * int(num_visible.clamp(max=num_entries).sum())
+        expected = indexer.paged_indexer_topk(*args)
+        impls = {
+            "prefill": lambda a=args: prefill_indexer.paged_indexer_topk(*a),
+            "decode": lambda a=args: indexer.paged_indexer_topk(*a),
+        }
+        for impl, fn in impls.items():
+            same = (fn().sort(dim=1).values == expected.sort(dim=1).values).float().mean()
+            us = _plain_us(fn)
+            records.append(
+                {
+                    "kind": "prefill_bench_indexer",
+                    "impl": impl,
+                    "queries": s,
+                    "cached": cached,
+                    "entries": num_entries,
+                    "time_us": us,
+                    "flops": flops,
+                    "peak_fraction": flops / PEAK_FLOPS / (us * 1e-6),
+                    "same_picks": same.item(),
+                }
+            )
+    return stamped(records, dev)
+
+
+def run_moe(device: str = "cuda", tokens: tuple[int, ...] = (2048, 8192)) -> list[dict]:
+    """Grouped MoE records (see the module docstring): impl, tokens, time_us, and for the
+    whole MoE its FLOPs and fraction of 989 TFLOP/s."""
+    dev = torch.device(device)
+    e, k, d, inter = 64, 6, 4096, 2048
+    g = torch.Generator(device=device).manual_seed(0)
+    w13 = (torch.randn(e, 2 * inter, d, generator=g, device=device) / d**0.5).bfloat16()
+    w2 = (torch.randn(e, d, inter, generator=g, device=device) / inter**0.5).bfloat16()
+    records = []
+    for t in tokens:
+        x = torch.randn(t, d, generator=g, device=device).bfloat16()
+        ids = torch.rand(t, e, generator=g, device=device).topk(k, dim=1).indices
+        weights = torch.rand(t, k, generator=g, device=device)
+        h = torch.randn(t * k, 2 * inter, generator=g, device=device).bfloat16()
+        y = torch.randn(t * k, d, generator=g, device=device).bfloat16()
+        order = torch.randperm(t * k, generator=g, device=device)
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(t * k, device=device))
+        inverse = inverse.view(t, k)
+
+        def old_unpermute(y=y, order=order, weights=weights, t=t):
+            y = (y * weights.flatten()[order, None]).to(torch.bfloat16)
+            unsorted = torch.empty_like(y)
+            unsorted[order] = y
+            return unsorted.view(t, k, -1).sum(dim=1)
+
+        impls = {
+            "grouped_moe": lambda x=x, i=ids, w=weights: moe_experts_grouped(
+                x, i, w, w13, w2, 10.0
+            ),
+            "swiglu_rows:triton": lambda h=h: prefill_moe.swiglu_rows(h, 10.0),
+            "swiglu_rows:torch_chain": lambda h=h: reference.swiglu(*h.chunk(2, dim=-1), 10.0),
+            "moe_unpermute:triton": lambda y=y, i=inverse, w=weights: prefill_moe.moe_unpermute(
+                y, i, w
+            ),
+            "moe_unpermute:torch_chain": old_unpermute,
+        }
+        flops = 2 * t * k * 3 * d * inter
+        for impl, fn in impls.items():
+            us = _plain_us(fn)
+            rec = {"kind": "prefill_bench_moe", "impl": impl, "tokens": t, "time_us": us}
+            if impl == "grouped_moe":
+                rec |= {"flops": flops, "peak_fraction": flops / PEAK_FLOPS / (us * 1e-6)}
+            records.append(rec)
+    return stamped(records, dev)
+
+
+def _plain_us(fn: Callable[[], object]) -> float:
+    """do_bench median in microseconds (prefill runs eager: no graph timing)."""
+    return triton.testing.do_bench(fn, return_mode="median") * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--no-sweep", action="store_true", help="default tiling only")
+    args = parser.parse_args()
+    records = run(sweep=not args.no_sweep)
+    moe = run_moe()
+    index = run_indexer()
+    with open(args.output, "w") as f:
+        json.dump(records + moe + index, f, indent=1)
+    for r in moe:
+        print(f"moe T={r['tokens']:5d} {r['impl']:26s} {r['time_us']:9.1f} us")
+    for r in index:
+        print(
+            f"indexer S={r['queries']:5d} C={r['cached']:6d} E={r['entries']:6d} "
+            f"{r['impl']:8s} {r['time_us']:9.1f} us {100 * r['peak_fraction']:5.1f}% "
+            f"same picks {r['same_picks']:.4f}"
+        )
+    for r in records:
+        head = f"{r['layer']} S={r['queries']:5d} C={r['cached']:6d} {r['impl']:22s}"
+        if "error" in r:
+            print(head, r["error"])
+            continue
+        print(
+            f"{head} {r['time_us']:9.1f} us {r['tflop_per_s']:6.1f} TFLOP/s "
+            f"{100 * r['peak_fraction']:5.1f}% err {r['max_abs_err_vs_decode']:.3g}"
+        )
+
+
+if __name__ == "__main__":
+    main()

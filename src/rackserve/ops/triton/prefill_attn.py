@@ -1,0 +1,340 @@
+"""Sparse prefill attention: ``paged_sparse_attention`` for many queries (prefill and mixed
+steps), the same contract as ``ops.reference.paged_sparse_attention`` and the decode kernel
+(``sparse_attn.py``), tiled for throughput instead of latency.
+
+Shape legend: S queries (the flat varlen batch: every request's new tokens back to back),
+H heads, Dh head dim, Wa window rows and Wb compressed rows per query (M = Wa + Wb),
+R rope dims (the trailing slice of a head).
+
+Each query has its own index lists (``slots_a``: its window, oldest first; ``slots_b``: the
+visible HCA entries or the indexer's top-k CSA entries) and ``valid`` [S, M] over
+[window | compressed]. The visible rows of a prefill query are one contiguous run: the
+window is valid from max(0, W - 1 - p) on (a suffix), the compressed rows up to the number
+visible or picked (a prefix). So a program first scans its query's ``valid`` row for the
+first and last valid row and walks only that span: early queries of a long prompt skip the
+window rows before position 0 and the entries not yet closed, with no tile wasted on them.
+
+``prefill_attn_kernel``, grid (cdiv(H, BLOCK_H) * NUM_DV, S): program (hb, dv, s) holds the
+query's BLOCK_H heads (the dots' M: with H = 64 one program holds every head, so each
+gathered row tile feeds all heads of the query once: MQA, K = V) and walks row tiles of
+BLOCK_N through the slots, software-pipelined (``NUM_STAGES``: the gathers of later tiles
+are in flight while a tile computes). Online softmax in fp32, log2 domain; the sink joins
+the denominator at the end; the optional inverse RoPE rotates the output's rope slice back;
+the output is written once. No splits, no combine, no workspace: a prefill has enough
+queries to fill the GPU (S x cdiv(H, BLOCK_H) programs). Grids depend on the shapes only:
+no host syncs, CUDA-graph safe, deterministic.
+
+Numerics: FP32_DOTS (fp32 inputs, and the interpreter, whose tl.dot mishandles bf16) uses
+IEEE fp32 dots, rounding p (and v) as the tensor-core path would. The PV product of 16-bit
+rows (``PV``): 0 "rows": p in the rows' dtype (bf16 p: 8 bits; about 0.13% of outputs fall
+outside the bf16 rule of the tests); 1 "split": p = hi + lo, two dots carrying ~16 bits of
+p, as the decode kernel does (on sm_90 the chained dots take a warp layout that spills the
+[64, 512] accumulator); 2 "fp16": p and the row tile in fp16 (11 bits of p; bf16 -> fp16 is
+exact for normalised rows), one dot.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from rackserve.ops.triton.common import round_as
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_PV_MODES = {"rows": 0, "split": 1, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class PrefillTiling:
+    """Launch shape (powers of two; see ``default_tiling``)."""
+
+    block_h: int  # heads per program: the dots' M (>= 16)
+    block_n: int  # rows per tile (>= 16)
+    num_dv: int  # programs per head block, each owning Dh / num_dv output columns
+    num_warps: int
+    num_stages: int  # software-pipelining depth of the row gathers
+    pv: str = "fp16"  # 16-bit rows: the PV operands, "fp16" | "split" | "rows" (docstring)
+
+
+def default_tiling(
+    num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> PrefillTiling:
+    """Launch shape from H, Dh, the dtype and the device (host ints only).
+
+    16-bit on a GPU: every head of a query in a program (64 heads: the M of one wgmma
+    warpgroup), the output columns in two halves (two programs per query: a [64, 512] fp32
+    accumulator spills at 8 warps on sm_90, a [64, 256] one does not; the QK dot is
+    repeated, 1.5x the minimal FLOPs), 32-row tiles, 3 stages (the slot loads and the row
+    gathers both pipelined: 165 KB of shared memory), PV in fp16. ptxas for sm_90 at Dh 512:
+    231 registers, no spills; every head and the whole Dh in one program with a bf16 p
+    (``pv="rows"``) also runs spill-free, but falls outside the bf16 test rule. fp32 (IEEE
+    dots, no tensor cores): 32 heads, 16-row tiles, 2 stages (117 KB). On CPU (the
+    interpreter): small programs. ``benchmarks/prefill_bench.py`` sweeps the alternatives.
+    """
+    block_h = min(64, max(16, triton.next_power_of_2(max(num_heads, 1))))
+    if device.type != "cuda":
+        return PrefillTiling(block_h, 32, 1, 4, 1)
+    if dtype == torch.float32:
+        return PrefillTiling(min(block_h, 32), 16, 2, 8, 2)
+    return PrefillTiling(block_h, 32, 2, 8, 3)
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The output comes from here (tests fill it with NaN)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _check(q, kv_a, slots_a, kv_b, slots_b, valid, sinks, cos, sin) -> None:
+    """Raise ValueError naming the first argument that does not fit the op's contract."""
+    if q.dim() != 3 or q.dtype not in _DTYPES:
+        raise ValueError(f"q must be [S, H, Dh] in {_DTYPES}, got {tuple(q.shape)} {q.dtype}")
+    s, h, dh = q.shape
+    for name, kv in (("kv_a", kv_a), ("kv_b", kv_b)):
+        if kv.dim() != 2 or kv.shape[1] < dh or kv.dtype != q.dtype:
+            raise ValueError(
+                f"{name} must be [N, >= {dh}] {q.dtype} (rows by slot), "
+                f"got {tuple(kv.shape)} {kv.dtype}"
+            )
+        if kv.stride(1) != 1 and kv.shape[1] > 1:
+            raise ValueError(f"{name} must have unit column stride, got strides {kv.stride()}")
+    for name, slots in (("slots_a", slots_a), ("slots_b", slots_b)):
+        if slots.dim() != 2 or slots.shape[0] != s or slots.dtype not in _INDEX_DTYPES:
+            raise ValueError(
+                f"{name} must be [{s}, W] int32/int64, got {tuple(slots.shape)} {slots.dtype}"
+            )
+    rows = slots_a.shape[1] + slots_b.shape[1]
+    if tuple(valid.shape) != (s, rows) or valid.dtype != torch.bool:
+        raise ValueError(
+            f"valid must be [{s}, {rows}] bool, got {tuple(valid.shape)} {valid.dtype}"
+        )
+    if tuple(sinks.shape) != (h,):
+        raise ValueError(f"sinks must be [{h}], got {tuple(sinks.shape)}")
+    if (cos is None) != (sin is None):
+        raise ValueError("cos and sin must be given together")
+    if cos is not None:
+        if cos.dim() != 2 or cos.shape[0] != s or tuple(sin.shape) != tuple(cos.shape):
+            raise ValueError(
+                f"cos, sin must both be [{s}, R/2], got {tuple(cos.shape)}, {tuple(sin.shape)}"
+            )
+        if 2 * cos.shape[1] > dh or dh % 2:
+            raise ValueError(f"rope dims {2 * cos.shape[1]} do not fit head_dim {dh}")
+    tensors = (kv_a, slots_a, kv_b, slots_b, valid, sinks) + ((cos, sin) if cos is not None else ())
+    for t in tensors:
+        if t.device != q.device:
+            raise ValueError(f"every input must be on {q.device}, got one on {t.device}")
+
+
+def paged_sparse_attention(
+    q: torch.Tensor,
+    kv_a: torch.Tensor,
+    slots_a: torch.Tensor,
+    kv_b: torch.Tensor,
+    slots_b: torch.Tensor,
+    valid: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    *,
+    tiling: PrefillTiling | None = None,
+) -> torch.Tensor:
+    """``ops.reference.paged_sparse_attention`` in one launch, tiled for many queries.
+
+    q: [S, H, Dh] (fp32/bf16/fp16); kv_a: [Na, >= Dh], kv_b: [Nb, >= Dh] cache views in
+    q's dtype with unit column stride; slots_a: [S, Wa], slots_b: [S, Wb] int32/int64 (Wb
+    may be 0); valid: [S, Wa + Wb] bool (invalid rows are never read); sinks: [H]; cos,
+    sin: [S, R/2] or None (the inverse RoPE of the output's last R channels). Fastest when
+    each query's valid rows form one run (a prefill's always do); any mask is correct.
+    Returns [S, H, Dh] in q's dtype.
+    """
+    _check(q, kv_a, slots_a, kv_b, slots_b, valid, sinks, cos, sin)
+    num_queries, num_heads, head_dim = q.shape
+    out = _empty((num_queries, num_heads, head_dim), q.dtype, q.device)
+    if num_queries == 0 or num_heads == 0:
+        return out
+    tiling = tiling or default_tiling(num_heads, head_dim, q.dtype, q.device)
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    slots_a, slots_b = slots_a.contiguous(), slots_b.contiguous()
+    valid = valid.contiguous().view(torch.uint8)
+    sinks = sinks.to(torch.float32).contiguous()
+    rope = cos is not None
+    if rope:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    rope_start = head_dim - (cos.shape[1] * 2 if rope else 0)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    num_dv = max(1, min(tiling.num_dv, block_d // 16))
+    width = slots_a.shape[1] + slots_b.shape[1]
+    rope_args = (cos, sin, cos.stride(0), sin.stride(0)) if rope else (out, out, 0, 0)
+    grid = (triton.cdiv(num_heads, tiling.block_h) * num_dv, num_queries)
+    prefill_attn_kernel[grid](
+        q, kv_a, slots_a, kv_b, slots_b, valid, sinks, out,
+        num_heads, head_dim, slots_a.shape[1], width, rope_start, scale * math.log2(math.e),
+        q.stride(0), q.stride(1), kv_a.stride(0), kv_b.stride(0), slots_a.stride(0),
+        slots_b.stride(0), valid.stride(0), out.stride(0), out.stride(1), *rope_args,
+        BLOCK_H=tiling.block_h,
+        BLOCK_N=tiling.block_n,
+        BLOCK_D=block_d,
+        BLOCK_DV=block_d // num_dv,
+        NUM_DV=num_dv,
+        BLOCK_V=min(1024, max(16, triton.next_power_of_2(max(width, 1)))),
+        ROPE=rope,
+        NUM_STAGES=tiling.num_stages,
+        PV=_PV_MODES[tiling.pv] if q.dtype != torch.float32 else 0,
+        FP32_DOTS=q.dtype == torch.float32 or q.device.type != "cuda",
+        num_warps=tiling.num_warps,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _inverse_rope(o, cos_row, sin_row, col0, rope_start, head_dim,
+                  BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr):  # fmt: skip
+    """``apply_rope(o, cos, -sin)`` on o [BLOCK_H, BLOCK_DV] fp32, the head's columns
+    col0 + 0..BLOCK_DV-1 (col0 even): pairs (2i, 2i+1) at or past rope_start rotate back."""
+    even, odd = tl.split(tl.reshape(o, (BLOCK_H, BLOCK_DV // 2, 2)))
+    even_col = col0 + 2 * tl.arange(0, BLOCK_DV // 2)
+    is_rope = (even_col >= rope_start) & (even_col < head_dim)
+    half = (even_col - rope_start) // 2
+    c = tl.load(cos_row + half, mask=is_rope, other=1.0).to(tl.float32)  # nope: identity
+    sn = tl.load(sin_row + half, mask=is_rope, other=0.0).to(tl.float32)
+    new_even = even * c[None, :] + odd * sn[None, :]
+    new_odd = odd * c[None, :] - even * sn[None, :]
+    return tl.reshape(tl.join(new_even, new_odd), (BLOCK_H, BLOCK_DV))
+
+
+@triton.jit
+def prefill_attn_kernel(
+    q_ptr,  # [S, H, Dh]
+    kv_a_ptr,  # [Na, >= Dh] window rows by slot (unit column stride)
+    slots_a_ptr,  # [S, Wa] int
+    kv_b_ptr,  # [Nb, >= Dh] compressed entries by slot
+    slots_b_ptr,  # [S, Wb] int
+    valid_ptr,  # [S, Wa + Wb] uint8 (bool viewed)
+    sinks_ptr,  # [H] fp32
+    out_ptr,  # [S, H, Dh]
+    num_heads,
+    head_dim,
+    width_a,
+    width,  # Wa + Wb
+    rope_start,
+    qk_scale,  # scale * log2(e)
+    stride_qs,
+    stride_qh,
+    stride_a,
+    stride_b,
+    stride_sa,
+    stride_sb,
+    stride_vs,
+    stride_os,
+    stride_oh,
+    cos_ptr,  # [S, R/2] (ROPE only)
+    sin_ptr,
+    stride_cs,
+    stride_ss,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # >= Dh, power of two
+    BLOCK_DV: tl.constexpr,  # output columns per program (BLOCK_D / NUM_DV)
+    NUM_DV: tl.constexpr,
+    BLOCK_V: tl.constexpr,  # valid flags scanned at a time for the row span
+    ROPE: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    PV: tl.constexpr,  # 0 p in the rows' dtype, 1 p = hi + lo, 2 p and rows in fp16
+    FP32_DOTS: tl.constexpr,
+):
+    pid_h = tl.program_id(0)
+    s = tl.program_id(1).to(tl.int64)
+    dv = pid_h % NUM_DV
+    heads = (pid_h // NUM_DV) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < num_heads
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < head_dim
+    dv_cols = dv * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    dv_ok = dv_cols < head_dim
+    valid_row = valid_ptr + s * stride_vs
+
+    # the span [first, last] of valid rows: tiles outside it hold no valid row
+    first = tl.full((), 0, tl.int32) + width  # int32 scalars (loop-carried)
+    last = tl.full((), -1, tl.int32)
+    for v0 in range(0, width, BLOCK_V):
+        idx = v0 + tl.arange(0, BLOCK_V)
+        ok = tl.load(valid_row + idx, mask=idx < width, other=0) != 0
+        first = tl.minimum(first, tl.min(tl.where(ok, idx, width), axis=0))
+        last = tl.maximum(last, tl.max(tl.where(ok, idx, -1), axis=0))
+
+    q_rows = q_ptr + s * stride_qs + heads[:, None] * stride_qh
+    q = tl.load(q_rows + cols[None, :], mask=head_ok[:, None] & col_ok[None, :], other=0.0)
+    if FP32_DOTS:
+        q = q.to(tl.float32)
+    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_sum = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_DV), tl.float32)
+    for n0 in tl.range(first, last + 1, BLOCK_N, num_stages=NUM_STAGES):
+        rows = n0 + tl.arange(0, BLOCK_N)
+        in_span = rows <= last
+        ok = tl.load(valid_row + rows, mask=in_span, other=0) != 0
+        in_a = rows < width_a
+        # slots load alongside ``valid``; invalid rows are masked before the row load, so
+        # whatever their slot holds (garbage, -1, NaN rows) never reaches a dot
+        slot_a = tl.load(slots_a_ptr + s * stride_sa + rows, mask=in_a & in_span, other=0)
+        slot_b = tl.load(
+            slots_b_ptr + s * stride_sb + (rows - width_a), mask=~in_a & in_span, other=0
+        )
+        row_ptr = tl.where(
+            in_a,
+            kv_a_ptr + slot_a.to(tl.int64) * stride_a,
+            kv_b_ptr + slot_b.to(tl.int64) * stride_b,
+        )
+        kv_mask = ok[:, None] & col_ok[None, :]
+        kv = tl.load(row_ptr[:, None] + cols[None, :], mask=kv_mask, other=0.0)
+        if FP32_DOTS:
+            scores = tl.dot(q, tl.trans(kv.to(tl.float32)), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(kv))
+        scores = tl.where(ok[None, :], scores * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid row yet: no NaN
+        alpha = tl.exp2(m - m_ref)
+        p = tl.exp2(scores - m_ref[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        if NUM_DV == 1:
+            v = kv
+        else:  # this program's output columns of the same rows (L2 hits)
+            v_mask = ok[:, None] & dv_ok[None, :]
+            v = tl.load(row_ptr[:, None] + dv_cols[None, :], mask=v_mask, other=0.0)
+        acc = acc * alpha[:, None]
+        if FP32_DOTS:  # p (and v) rounded as on the tensor-core path
+            if PV == 2:
+                v32 = round_as(v.to(tl.float32), tl.float16)
+                acc = tl.dot(round_as(p, tl.float16), v32, acc, input_precision="ieee")
+            else:
+                v32 = v.to(tl.float32)
+                p_hi = round_as(p, v.dtype)
+                acc = tl.dot(p_hi, v32, acc, input_precision="ieee")
+                if PV == 1:
+                    acc = tl.dot(round_as(p - p_hi, v.dtype), v32, acc, input_precision="ieee")
+        elif PV == 2:
+            acc = tl.dot(p.to(tl.float16), v.to(tl.float16), acc)
+        else:
+            p_hi = p.to(v.dtype)
+            acc = tl.dot(p_hi, v, acc)
+            if PV == 1:  # the rounding error of p as a second 16-bit operand
+                acc = tl.dot((p - p_hi.to(tl.float32)).to(v.dtype), v, acc)
+        m = m_new
+
+    sink = tl.load(sinks_ptr + heads, mask=head_ok, other=0.0) * 1.4426950408889634
+    m_all = tl.maximum(m, sink)
+    alpha = tl.exp2(m - m_all)
+    o = acc * (alpha / (l_sum * alpha + tl.exp2(sink - m_all)))[:, None]
+    if ROPE:
+        o = _inverse_rope(o, cos_ptr + s * stride_cs, sin_ptr + s * stride_ss, dv * BLOCK_DV,
+                          rope_start, head_dim, BLOCK_H, BLOCK_DV)  # fmt: skip
+    out_ty = out_ptr.dtype.element_ty
+    out_ptrs = out_ptr + s * stride_os + heads[:, None] * stride_oh + dv_cols[None, :]
+    tl.store(out_ptrs, round_as(o, out_ty).to(out_ty), mask=head_ok[:, None] & dv_ok[None, :])

@@ -1,0 +1,112 @@
+"""The elementwise steps of the grouped-GEMM MoE (``ops/grouped_moe.py``, the prefill path)
+as one pass each, instead of chains of torch ops over strided views.
+
+Shape legend: T tokens, k experts per token, N = T * k (token, slot) pairs sorted by
+expert, D hidden, I expert width.
+
+- ``swiglu_rows``: h [N, 2I] = [gate | up] (the w13 grouped GEMM's output) -> [N, I],
+  silu(min(gate, limit)) * clamp(up, -limit, limit) in fp32, rounded once.
+  Grid (cdiv(N, BLOCK_M), cdiv(I, BLOCK_I)).
+- ``moe_unpermute``: y [N, D] (the w2 grouped GEMM's output, expert order), inverse [T, k]
+  (the row of y of each (token, slot)), weights [T, k] -> out [T, D] =
+  sum_j weights[t, j] * y[inverse[t, j]], the k slots summed in order in fp32 (no atomics:
+  deterministic), rounded once. Grid (T, cdiv(D, BLOCK_D)).
+
+Both equal their ``ops.reference`` namesakes up to the final rounding; grids depend on the
+shapes only (no host sync).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rackserve.ops.triton.common import round_as
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every output comes from here (tests fill them with NaN)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def swiglu_rows(h: torch.Tensor, limit: float) -> torch.Tensor:
+    """h: [N, 2I] (gate columns, then up columns) -> [N, I] in h's dtype."""
+    if h.dim() != 2 or h.shape[1] % 2 or h.dtype not in _DTYPES:
+        raise ValueError(f"h must be [N, 2I] in {_DTYPES}, got {tuple(h.shape)} {h.dtype}")
+    if h.stride(1) != 1:
+        h = h.contiguous()
+    num_rows, inter = h.shape[0], h.shape[1] // 2
+    out = _empty((num_rows, inter), h.dtype, h.device)
+    if out.numel() == 0:
+        return out
+    block_i = min(1024, triton.next_power_of_2(inter))
+    block_m = max(1, 4096 // block_i)
+    grid = (triton.cdiv(num_rows, block_m), triton.cdiv(inter, block_i))
+    swiglu_kernel[grid](
+        h, out, num_rows, inter, float(limit), h.stride(0), out.stride(0),
+        BLOCK_M=block_m, BLOCK_I=block_i, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def moe_unpermute(y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """y: [N, D]; inverse: [T, k] int (rows of y); weights: [T, k] float -> [T, D] y.dtype."""
+    if y.dim() != 2 or y.dtype not in _DTYPES:
+        raise ValueError(f"y must be [N, D] in {_DTYPES}, got {tuple(y.shape)} {y.dtype}")
+    if inverse.dim() != 2 or inverse.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"inverse must be [T, k] int, got {tuple(inverse.shape)} {inverse.dtype}")
+    if tuple(weights.shape) != tuple(inverse.shape) or not weights.is_floating_point():
+        raise ValueError(
+            f"weights must be float {tuple(inverse.shape)}, got {tuple(weights.shape)} "
+            f"{weights.dtype}"
+        )
+    if y.stride(1) != 1:
+        y = y.contiguous()
+    inverse, weights = inverse.contiguous(), weights.to(torch.float32).contiguous()
+    num_tokens, k = inverse.shape
+    dim = y.shape[1]
+    out = _empty((num_tokens, dim), y.dtype, y.device)
+    if out.numel() == 0:
+        return out
+    block_d = min(2048, triton.next_power_of_2(dim))
+    grid = (num_tokens, triton.cdiv(dim, block_d))
+    unpermute_kernel[grid](
+        y, inverse, weights, out, dim, k, y.stride(0), out.stride(0),
+        BLOCK_D=block_d, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def swiglu_kernel(h_ptr, out_ptr, num_rows, inter, limit, stride_h, stride_o,
+                  BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask = (rows < num_rows)[:, None] & (cols < inter)[None, :]
+    h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h + cols[None, :]
+    gate = tl.load(h_rows, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(h_rows + inter, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    y = gate / (1.0 + tl.exp(-gate)) * up
+    out_ty = out_ptr.dtype.element_ty
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :]
+    tl.store(out_ptrs, round_as(y, out_ty).to(out_ty), mask=mask)
+
+
+@triton.jit
+def unpermute_kernel(y_ptr, inverse_ptr, w_ptr, out_ptr, dim, k, stride_y, stride_o,
+                     BLOCK_D: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < dim
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    for j in range(k):  # the slots in order: deterministic
+        row = tl.load(inverse_ptr + t * k + j).to(tl.int64)
+        w = tl.load(w_ptr + t * k + j)
+        acc += w * tl.load(y_ptr + row * stride_y + cols, mask=col_ok, other=0.0).to(tl.float32)
+    out_ty = out_ptr.dtype.element_ty
+    tl.store(out_ptr + t * stride_o + cols, round_as(acc, out_ty).to(out_ty), mask=col_ok)

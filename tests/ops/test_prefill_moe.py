@@ -1,0 +1,94 @@
+"""The grouped MoE's elementwise kernels (``ops/triton/prefill_moe.py``: ``swiglu_rows``,
+``moe_unpermute``) against their references, under the Triton interpreter on CPU.
+
+Outputs start as NaN (an unwritten element fails). Shapes: ragged row counts (1, 7, 33,
+130), widths that are not powers of two, k in {1, 2, 6}, gates beyond the clamp limit.
+Tolerances (GPU_FASTPATH.md section 5): fp32 within 1e-4 relative; bf16 |kernel -
+ref_fp32| <= 2 |ref_bf16 - ref_fp32| + 1e-3 for >= 99.9%.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+
+import pytest
+import torch
+
+from rackserve.ops import reference
+
+from kernel_checks import DEVICE, assert_bf16_close, assert_fp32_close
+
+
+@pytest.fixture(scope="module")
+def moe():
+    return importlib.import_module("rackserve.ops.triton.prefill_moe")
+
+
+@pytest.fixture(autouse=True)
+def nan_outputs(moe, monkeypatch):
+    def empty(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(moe, "_empty", empty)
+
+
+def check(got: torch.Tensor, fn, *args) -> None:
+    """``got`` against ``fn`` on the same inputs (fp32 rule) or on bf16 and fp32 copies."""
+    ref = fn(*args)
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    if got.dtype == torch.float32:
+        assert_fp32_close(got, ref)
+    else:
+        as32 = [
+            a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args
+        ]
+        assert_bf16_close(got, ref, fn(*as32).float())
+
+
+@pytest.mark.parametrize("n,inter", list(itertools.product((1, 7, 33, 130), (24, 96, 1100))))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_rows(moe, n, inter, dtype):
+    g = torch.Generator().manual_seed(n * inter)
+    h = (6 * torch.randn(n, 2 * inter, generator=g)).to(dtype).to(DEVICE)  # past the limit
+    check(moe.swiglu_rows(h, 7.0), reference.swiglu_rows, h, 7.0)
+
+
+def test_swiglu_rows_strided_input_and_matches_swiglu(moe):
+    """A row-strided h; in fp32 the result equals ``reference.swiglu`` of the halves."""
+    wide = torch.randn(5, 80, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    h = wide[:, :64]
+    got = moe.swiglu_rows(h, 3.0)
+    assert_fp32_close(got, reference.swiglu(h[:, :32], h[:, 32:], 3.0))
+
+
+@pytest.mark.parametrize("t,k,dim", [(1, 1, 64), (7, 2, 96), (33, 6, 200), (130, 6, 2100)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_unpermute(moe, t, k, dim, dtype):
+    g = torch.Generator().manual_seed(t * k + dim)
+    y = torch.randn(t * k, dim, generator=g).to(dtype).to(DEVICE)
+    inverse = torch.randperm(t * k, generator=g).view(t, k).to(DEVICE)
+    weights = torch.rand(t, k, generator=g).to(DEVICE)
+    check(moe.moe_unpermute(y, inverse, weights), reference.moe_unpermute, y, inverse, weights)
+
+
+def test_moe_unpermute_int32_inverse_and_bad_input(moe):
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(12, 32, generator=g).to(DEVICE)
+    inverse = torch.randperm(12, generator=g).view(4, 3).to(DEVICE)
+    weights = torch.rand(4, 3, generator=g).to(DEVICE)
+    expected = reference.moe_unpermute(y, inverse, weights)
+    assert_fp32_close(moe.moe_unpermute(y, inverse.int(), weights), expected)
+    with pytest.raises(ValueError, match="weights must be"):
+        moe.moe_unpermute(y, inverse, weights[:, :2])
+    with pytest.raises(ValueError, match="inverse must be"):
+        moe.moe_unpermute(y, inverse.float(), weights)
+    with pytest.raises(ValueError, match="h must be"):
+        moe.swiglu_rows(y[:, :31], 7.0)
+
+
+def test_empty(moe):
+    assert moe.swiglu_rows(torch.zeros(0, 8, device=DEVICE), 7.0).shape == (0, 4)
+    empty = torch.zeros(0, 2, dtype=torch.long, device=DEVICE)
+    out = moe.moe_unpermute(torch.zeros(0, 8, device=DEVICE), empty, empty.float())
+    assert out.shape == (0, 8)
