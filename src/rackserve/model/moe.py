@@ -80,11 +80,28 @@ class Experts(nn.Module):
         if slot_experts is None:
             slot_experts = list(range(cfg.n_routed_experts))
         self.slot_experts = slot_experts
-        self.w13 = nn.Parameter(torch.empty(len(slot_experts), 2 * i, d))
-        self.w2 = nn.Parameter(torch.empty(len(slot_experts), d, i))
         self.limit = cfg.swiglu_limit
+        s, q = len(slot_experts), cfg.quantization
+        self.fp4 = q is not None and q.expert_dtype == "fp4"
+        if not self.fp4:
+            self.w13 = nn.Parameter(torch.empty(s, 2 * i, d))
+            self.w2 = nn.Parameter(torch.empty(s, d, i))
+            return
+        # FP4 (ops/quant.py): packed e2m1 bytes + one scale per 32 inputs (ue8m0 as bytes);
+        # never a full-precision copy
+        assert q is not None
+        sdt = torch.uint8 if q.scale_fmt == "ue8m0" else torch.float32
+        for name, n, k in (("w13", 2 * i, d), ("w2", d, i)):
+            packed = torch.empty(s, n, k // 2, dtype=torch.uint8)
+            setattr(self, name, nn.Parameter(packed, requires_grad=False))
+            scale = torch.empty(s, n, k // 32, dtype=sdt)
+            setattr(self, f"{name}_scale", nn.Parameter(scale, requires_grad=False))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.fp4:
+            return self.kernels.moe_experts_fp4(
+                x, ids, weights, self.w13, self.w13_scale, self.w2, self.w2_scale, self.limit
+            )
         return self.kernels.moe_experts(x, ids, weights, self.w13, self.w2, self.limit)
 
 

@@ -17,7 +17,7 @@ import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rackserve.ops import reference
+from rackserve.ops import quant, reference
 from rackserve.ops.grouped_moe import grouped_mm_supported, moe_experts_grouped
 from rackserve.ops.reference import (
     apply_rope,
@@ -94,6 +94,8 @@ class Kernels:
     rms_norm: Callable
     apply_rope: Callable
     rms_norm_rope: Callable
+    fp8_linear: Callable
+    moe_experts_fp4: Callable
 
 
 def _on_cuda(module: str, name: str, ref: Callable) -> Callable:
@@ -129,12 +131,17 @@ def _moe(x, *args, **kwargs):
 _fused_moe = _on_cuda("rackserve.ops.triton.fused_moe", "moe_experts", reference.moe_experts)
 
 
+# ops on quantized weights (``ops/quant.py``), each with its Triton kernel
+_QUANT_OPS = {"fp8_linear": "fp8_gemm", "moe_experts_fp4": "fused_moe_fp4"}
+
+
 def kernels(name: str = "auto") -> Kernels:
     """The op table for ``name`` in :data:`KERNEL_CHOICES`."""
     if name not in KERNEL_CHOICES:
         raise ValueError(f"unknown kernels {name!r}: choose one of {', '.join(KERNEL_CHOICES)}")
     ops = [f.name for f in dataclasses.fields(Kernels) if f.name != "name"]
-    ref = Kernels("reference", **{op: getattr(reference, op) for op in ops})
+    refs = {op: getattr(quant if op in _QUANT_OPS else reference, op) for op in ops}
+    ref = Kernels("reference", **refs)
     if name == "reference" or importlib.util.find_spec("triton") is None:
         return ref
     triton_ops = {  # op -> the module of its Triton kernel
@@ -149,6 +156,7 @@ def kernels(name: str = "auto") -> Kernels:
         "rms_norm": "norm_rope",
         "apply_rope": "norm_rope",
         "rms_norm_rope": "norm_rope",
+        **_QUANT_OPS,
     }
     fast = {
         op: _on_cuda(f"rackserve.ops.triton.{module}", op, getattr(ref, op))
