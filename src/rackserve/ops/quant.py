@@ -80,11 +80,11 @@ def quantize_fp8(
 
 
 def dequantize_fp8(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """w: float8 [..., N, K]; scale: [..., cdiv(N, bn), cdiv(K, bk)] (any stored kind) ->
+    """w: float8 [..., N, K]; scale: [..., cdiv(N, 128), cdiv(K, 128)] (any stored kind) ->
     [..., N, K] in ``dtype``; each block is scaled in fp32, then rounded once."""
     n, k = w.shape[-2:]
     s = scale_to_float(scale)
-    bn, bk = -(-n // s.shape[-2]), -(-k // s.shape[-1])
+    bn, bk = FP8_BLOCK
     s = s.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
     return (w.to(torch.float32) * s).to(dtype)
 
