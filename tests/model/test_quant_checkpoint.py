@@ -217,3 +217,20 @@ def test_fp8_experts_are_dequantized_once(tmp_path):
     assert model.model.layers[1].ffn.experts.w13.dtype == torch.float32
     ids = torch.randint(2, 512, (20,), generator=torch.Generator().manual_seed(7))
     assert torch.isfinite(logits(model, ids)).all()
+
+
+def test_cli_create_and_flags(tmp_path, capsys):
+    from rackserve.cli import main
+    from rackserve.model.cli import quant_config
+
+    out = tmp_path / "cli"
+    args = ["model", "create", "--preset", "tiny", "--layers", "2", "--no-mtp"]
+    assert main([*args, "--quantization", "fp8", "--scale-fmt", "float", "--out", str(out)]) == 0
+    assert "fp8 linears, fp4 experts, float scales" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["weight_block_size"] == [128, 128] and config["expert_dtype"] == "fp4"
+    model = load_model(out)
+    assert model.model.layers[1].ffn.experts.w2_scale.dtype == torch.float32
+    assert quant_config(None) is None
+    with pytest.raises(ConfigError, match="need --quantization fp8"):
+        quant_config("none", expert_dtype="fp4")
