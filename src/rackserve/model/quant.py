@@ -81,3 +81,18 @@ def quantize_linears_(model: nn.Module, names: set[str] | list[str], kernels: op
         wanted.discard(name)
     if wanted:
         raise KeyError(f"no linear named {sorted(wanted)[:5]} in the model")
+
+
+def weight_memory(model: nn.Module) -> dict[str, int]:
+    """Bytes of the weights as held (works on the meta device): routed experts, FP8
+    linears (weights + scales) and the rest (embeddings, head, norms, bf16 linears)."""
+    out = {"experts": 0, "fp8_linears": 0, "other": 0}
+    for name, p in model.named_parameters():
+        kind = "other"
+        if ".experts." in name:
+            kind = "experts"
+        elif p.dtype == FP8_DTYPE or name.endswith("weight_scale_inv"):
+            kind = "fp8_linears"
+        out[kind] += p.numel() * p.element_size()
+    out["total"] = sum(out.values())
+    return out
