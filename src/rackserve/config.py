@@ -387,6 +387,7 @@ class ModelConfig:
 # ---- engine ------------------------------------------------------------------------------
 
 
+KV_CACHE_DTYPES = ("auto", "fp8")
 # The KV cache budget on a CPU when none is given (docs/serving.md states it; a test checks).
 CPU_KV_CACHE_MEMORY = 512 << 20
 
@@ -403,8 +404,13 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"  # or "xxhash" (faster; trusted tenants only)
     checkpoint_interval: int | None = 8192  # state checkpoints every N tokens of a long prefill
+    # "fp8": the KV caches (window rows, compressed entries, indexer keys) in float8 e4m3,
+    # unscaled as vLLM's default; compressor state rows stay in the model dtype
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ConfigError("--kv-cache-memory must be a positive number of bytes")
         if not 0 < self.gpu_memory_utilization <= 1:
