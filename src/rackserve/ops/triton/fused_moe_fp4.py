@@ -69,14 +69,18 @@ def _e2m1(code):
 
 
 @triton.jit
-def _fp4_tile(w_ptrs, s_ptrs, mask, SCALE_E8M0: tl.constexpr):
-    """One [BK / 2, BN] tile of packed bytes -> (even inputs, odd inputs), scaled, fp32."""
-    packed = tl.load(w_ptrs, mask=mask, other=0).to(tl.int32)
+def _fp4_tile(w_ptrs, w_mask, s_ptrs, s_mask, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+              SCALE_E8M0: tl.constexpr):  # fmt: skip
+    """A [BK / 2, BN] tile of packed bytes and its [BK / 32, BN] scales -> (even inputs,
+    odd inputs) [BK / 2, BN], scaled, fp32. Each scale row covers 16 bytes (32 inputs)."""
+    packed = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.int32)
     if SCALE_E8M0:  # 2 ** (byte - 127) exactly: the byte is the float's exponent field
-        raw = tl.load(s_ptrs, mask=mask, other=127).to(tl.int32)
+        raw = tl.load(s_ptrs, mask=s_mask, other=127).to(tl.int32)
         scale = (raw << 23).to(tl.float32, bitcast=True)
     else:
-        scale = tl.load(s_ptrs, mask=mask, other=0.0)
+        scale = tl.load(s_ptrs, mask=s_mask, other=0.0)
+    scale = tl.broadcast_to(scale[:, None, :], (BLOCK_K // 32, 16, BLOCK_N))
+    scale = tl.reshape(scale, (BLOCK_K // 2, BLOCK_N))
     return _e2m1(packed & 15) * scale, _e2m1(packed >> 4) * scale
 
 
@@ -129,6 +133,7 @@ def moe_gate_up_fp4_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     jj = tl.arange(0, BLOCK_K // 2)  # byte j of a step holds inputs 2j, 2j+1
+    gg = tl.arange(0, BLOCK_K // 32)  # the step's scale groups
     x_row = x_ptr + token[:, None].to(tl.int64) * stride_xt
     w_gate = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn
     s_gate = s_ptr + expert.to(tl.int64) * stride_se + cols[None, :].to(tl.int64) * stride_sn
@@ -141,12 +146,15 @@ def moe_gate_up_fp4_kernel(
         a_even = tl.load(x_row + 2 * byte[None, :], mask=a_mask, other=0.0)
         a_odd = tl.load(x_row + 2 * byte[None, :] + 1, mask=a_mask, other=0.0)
         w_mask = k_ok[:, None] & col_ok[None, :]
-        w_off = byte[:, None]
-        s_off = (2 * byte // 32)[:, None]
-        even, odd = _fp4_tile(w_gate + w_off, s_gate + s_off, w_mask, SCALE_E8M0)
+        group = k0 // 32 + gg
+        s_mask = (group < hidden // 32)[:, None] & col_ok[None, :]
+        w_off, s_off = byte[:, None], group[:, None]
+        even, odd = _fp4_tile(w_gate + w_off, w_mask, s_gate + s_off, s_mask,
+                              BLOCK_K, BLOCK_N, SCALE_E8M0)  # fmt: skip
         acc_gate = _dot2(a_even, a_odd, even, odd, acc_gate, IEEE)
-        up_w = w_gate + inter * stride_wn + w_off
-        even, odd = _fp4_tile(up_w, s_gate + inter * stride_sn + s_off, w_mask, SCALE_E8M0)
+        even, odd = _fp4_tile(w_gate + inter * stride_wn + w_off, w_mask,
+                              s_gate + inter * stride_sn + s_off, s_mask,
+                              BLOCK_K, BLOCK_N, SCALE_E8M0)  # fmt: skip
         acc_up = _dot2(a_even, a_odd, even, odd, acc_up, IEEE)
     h = _swiglu(acc_gate, acc_up, limit)  # padding rows: swiglu(0, 0) = 0
     h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_ht + cols[None, :]
@@ -190,6 +198,7 @@ def moe_down_fp4_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
     jj = tl.arange(0, BLOCK_K // 2)
+    gg = tl.arange(0, BLOCK_K // 32)
     h_row = h_ptr + rows[:, None].to(tl.int64) * stride_ht
     w_base = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn
     s_base = s_ptr + expert.to(tl.int64) * stride_se + cols[None, :].to(tl.int64) * stride_sn
@@ -200,9 +209,10 @@ def moe_down_fp4_kernel(
         a_even = tl.load(h_row + 2 * byte[None, :], mask=k_ok[None, :], other=0.0)
         a_odd = tl.load(h_row + 2 * byte[None, :] + 1, mask=k_ok[None, :], other=0.0)
         w_mask = k_ok[:, None] & col_ok[None, :]
-        even, odd = _fp4_tile(
-            w_base + byte[:, None], s_base + (2 * byte // 32)[:, None], w_mask, SCALE_E8M0
-        )
+        group = k0 // 32 + gg
+        s_mask = (group < inter // 32)[:, None] & col_ok[None, :]
+        even, odd = _fp4_tile(w_base + byte[:, None], w_mask, s_base + group[:, None], s_mask,
+                              BLOCK_K, BLOCK_N, SCALE_E8M0)  # fmt: skip
         if IEEE:
             acc = _dot2(a_even, a_odd, even, odd, acc, IEEE)
         else:  # h = hi + lo in the 16-bit type: two dots keep h's fp32 precision
