@@ -135,6 +135,7 @@ def test_float_scales_and_bf16(tmp_path):
     bf16 = load_model(path, dtype=torch.bfloat16)
     assert bf16.model.layers[1].attn.wq_a.weight_scale_inv.dtype == torch.float32
     assert bf16.model.layers[1].ffn.experts.w13.dtype == torch.uint8
+    assert bf16.cast(torch.bfloat16).model.layers[1].attn.wq_a.weight.dtype == FP8_DTYPE
     ids = torch.randint(2, 512, (30,), generator=torch.Generator().manual_seed(5))
     ref = logits(model, ids)
     assert rel_error(logits(bf16, ids), ref) < 0.05  # bf16 activations, same weights
