@@ -4,9 +4,9 @@ Shape legend: M rows (tokens), K inputs, N outputs, G groups (the grouped ``wo_a
 
     y[m, g*N + n] = sum_k x[m, g, k] * w[g*N + n, k] * scale[(g*N + n) // 128, k // 128]
 
-The weight stays float8 e4m3 in memory and is widened in registers (exactly: every e4m3
-value is a bf16 value); one fp32 dot per K step of at most 128 inputs, so each step sits in
-one scale block and its partial sum is scaled once per output column. Activations stay in
+The weight stays float8 e4m3 in memory and is widened and scaled in registers: a K step
+of at most 128 inputs sits in one scale block, so each weight column of a step takes one
+scale, and the dot accumulates in fp32. Activations stay in
 their dtype (bf16 on a GPU; no activation quantization). Decode (few rows) streams the
 weight: narrow N tiles and a split over K fill the SMs; the split's partial sums land in a
 [S, M, N] fp32 buffer summed in a fixed order (no atomics, CUDA-graph safe: every shape is
@@ -104,15 +104,15 @@ def fp8_gemm_kernel(
         k_ok = (k0 + ks) < k_size
         a = tl.load(x_base + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_base + (k0 + ks)[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        # exact: e4m3 values are bf16 / fp32 values (through fp32: the interpreter's direct
-        # fp8 -> bf16 cast is wrong; on sm_90 this is one more cvt per weight element)
-        w = w.to(tl.float32)
-        if IEEE:  # fp32 activations, or the interpreter (whose bf16 dot is not usable)
-            part = tl.dot(a.to(tl.float32), w, input_precision="ieee")
-        else:
-            part = tl.dot(a, w.to(a.dtype))
+        # widened through fp32 (the interpreter's direct fp8 -> bf16 cast is wrong) and
+        # scaled per output column before the dot: w * s rounds to the activations' type as
+        # the reference's dequantized weight does (exactly, for ue8m0 scales)
         scale = tl.load(s_base + k0 // 128, mask=col_ok, other=0.0)
-        acc += part * scale[None, :]
+        w = w.to(tl.float32) * scale[None, :]
+        if IEEE:  # fp32 activations, or the interpreter (whose bf16 dot is not usable)
+            acc = tl.dot(a.to(tl.float32), w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w.to(a.dtype), acc)
     out = out_ptr + split * stride_os + rows[:, None].to(tl.int64) * stride_om + wrow[None, :]
     tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
 
