@@ -59,9 +59,12 @@ def rewrite(src: Path, dst: Path, edit) -> Path:
 
 
 def original_spelling(state: dict) -> dict:
-    """DeepSeek's names: no ``model.`` prefix, ``embed``, block scales as ``.scale``."""
+    """DeepSeek's names: no ``model.`` prefix, ``embed``, block scales as ``.scale``; its
+    FP4 experts as float4_e2m1fn_x2 (safetensors ``F4``)."""
     out = {}
     for name, t in state.items():
+        if t.dtype == torch.int8:
+            t = t.view(torch.float4_e2m1fn_x2)
         name = name.removeprefix("model.")
         name = {"embed_tokens.weight": "embed.weight"}.get(name, name)
         name = name.replace("hc_head.hc_", "hc_head_") if name.startswith("hc_head.") else name

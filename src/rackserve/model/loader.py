@@ -170,8 +170,11 @@ def check_checkpoint(model_dir: str | Path) -> None:
         if name not in handles:
             return None
         info = handles[name].get_slice(name)  # type: ignore[attr-defined]
-        dtype = _SAFETENSORS_DTYPES.get(info.get_dtype(), torch.float32)
-        return torch.empty(info.get_shape(), device="meta", dtype=dtype)
+        shape, kind = list(info.get_shape()), info.get_dtype()
+        if kind == "F4":  # the header counts e2m1 values; torch holds two per element
+            shape[-1] //= 2
+        dtype = _SAFETENSORS_DTYPES.get(kind, torch.float32)
+        return torch.empty(shape, device="meta", dtype=dtype)
 
     load_weights(model, ((name, meta(name)) for _, name in names), meta)  # type: ignore[misc]
 
@@ -200,6 +203,7 @@ def _held_here(raw_name: str, homes: dict[str, dict[int, list[int]]], num_expert
 _SAFETENSORS_DTYPES = {
     "F8_E4M3": FP8_DTYPE,
     "F8_E8M0": torch.float8_e8m0fnu,
+    "F4": torch.float4_e2m1fn_x2,
     "I8": torch.int8,
     "U8": torch.uint8,
     "BF16": torch.bfloat16,
