@@ -19,7 +19,7 @@ from rackserve.model.generate import ContiguousCache, generate_tokens
 from rackserve.model.loader import CheckpointError, check_checkpoint, load_model
 from rackserve.model.presets import tiny_config
 from rackserve.model.quant import Fp8Linear
-from rackserve.ops.quant import FP8_DTYPE
+from rackserve.ops.quant import FP8_DTYPE, dequantize_fp8
 
 TOL = 1e-4  # max |ours - reference| relative to the reference's logit scale
 
@@ -229,7 +229,7 @@ def test_float_scales_where_ue8m0_is_declared(tmp_path):
         load_model(path)
 
 
-def test_fp8_experts_are_dequantized_once(tmp_path):
+def test_fp8_experts_are_dequantized_once_and_shards(tmp_path):
     cfg = tiny_config(num_layers=2, vocab_size=512)
     cfg = dataclasses.replace(cfg, quantization=QuantConfig(expert_dtype="fp8"))
     path = create_checkpoint(cfg, tmp_path / "e", seed=6)
@@ -237,9 +237,23 @@ def test_fp8_experts_are_dequantized_once(tmp_path):
     state = load_file(str(path / "model.safetensors"))
     w = state["model.layers.1.ffn.experts.2.w1.weight"]
     assert w.dtype == FP8_DTYPE
-    assert model.model.layers[1].ffn.experts.w13.dtype == torch.float32
+    experts = model.model.layers[1].ffn.experts
+    assert experts.w13.dtype == torch.float32
+    scale = state["model.layers.1.ffn.experts.2.w1.weight_scale_inv"]
+    assert torch.equal(experts.w13[2, :64], dequantize_fp8(w, scale, torch.float32))
+    # sharded, every scale in another shard than its weight: read lazily by name
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    shutil.copy(path / "config.json", sharded)
+    scales = {k for k in state if k.endswith("_scale_inv")}
+    weight_map = {}
+    for fname, names in (("a.safetensors", set(state) - scales), ("b.safetensors", scales)):
+        save_file({k: state[k] for k in names}, str(sharded / fname))
+        weight_map.update(dict.fromkeys(names, fname))
+    index = {"weight_map": weight_map}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
     ids = torch.randint(2, 512, (20,), generator=torch.Generator().manual_seed(7))
-    assert torch.isfinite(logits(model, ids)).all()
+    assert torch.equal(logits(load_model(sharded), ids), logits(model, ids))
 
 
 def test_cli_create_and_flags(tmp_path, capsys):
