@@ -283,7 +283,7 @@ def _scale_shape_error(raw_name: str, tensor: torch.Tensor, dst: torch.Tensor) -
     return f"{raw_name}: checkpoint {tuple(tensor.shape)}, model {tuple(dst.shape)}"
 
 
-def _expert_target(name: str, fused: bool, which: str, scale: bool) -> str:
+def _expert_target(name: str, which: str, scale: bool) -> str:
     base = "w2" if which in ("w2", "down_proj") else "w13"
     return f"{name}.{base}_scale" if scale else f"{name}.{base}"
 
@@ -310,7 +310,7 @@ def load_weights(
             prefix = (m or fused).group(1)  # type: ignore[union-attr]
             which = m.group(3) if m else fused.group(2)  # type: ignore[union-attr]
             is_scale = (m.group(4) if m else fused.group(3) or "").endswith("scale_inv")  # type: ignore[union-attr]
-            target_name = _expert_target(prefix, fused is not None, which, is_scale)
+            target_name = _expert_target(prefix, which, is_scale)
             if target_name not in targets:
                 if is_scale and f"{prefix}.w13" in targets:
                     continue  # FP8 experts: the scale was read with its weight
