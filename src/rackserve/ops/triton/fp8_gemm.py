@@ -10,7 +10,7 @@ scale, and the dot accumulates in fp32. Activations stay in
 their dtype (bf16 on a GPU; no activation quantization). Decode (few rows) streams the
 weight: narrow N tiles and a split over K fill the SMs; the split's partial sums land in a
 [S, M, N] fp32 buffer summed in a fixed order (no atomics, CUDA-graph safe: every shape is
-a function of the input shapes).
+a function of the input shapes). Without a split the kernel writes the output (one launch).
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from rackserve.ops.triton.common import round_as
 
 BLOCK = 128  # the scale block (ops.quant.FP8_BLOCK)
 _ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -67,7 +69,7 @@ def fp8_gemm_kernel(
     x_ptr,  # [M, G, K] (any strides over M and G; K contiguous)
     w_ptr,  # [G * N, K] float8 e4m3, contiguous
     s_ptr,  # [cdiv(G * N, 128), cdiv(K, 128)] fp32
-    out_ptr,  # [S, M, G * N] fp32 partial sums (S = split_k)
+    out_ptr,  # [S, M, G * N] fp32 partial sums (S = split_k > 1), else [1, M, G * N] out
     m_size,
     n_size,  # N per group
     k_size,
@@ -114,7 +116,8 @@ def fp8_gemm_kernel(
         else:
             acc = tl.dot(a, w.to(a.dtype), acc)
     out = out_ptr + split * stride_os + rows[:, None].to(tl.int64) * stride_om + wrow[None, :]
-    tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
+    dtype = out_ptr.dtype.element_ty
+    tl.store(out, round_as(acc, dtype).to(dtype), mask=row_ok[:, None] & col_ok[None, :])
 
 
 def fp8_linear(
@@ -154,7 +157,9 @@ def fp8_linear(
         raise ValueError(f"block_k {t.block_k} must divide {BLOCK}")
     k_per_split = triton.cdiv(triton.cdiv(k, t.split_k), t.block_k) * t.block_k
     num_splits = triton.cdiv(k, k_per_split)
-    parts = _empty((num_splits, m, total_n), torch.float32, x.device)
+    # one split writes the output itself; partial sums are summed in fp32, in order
+    parts_dtype = x.dtype if num_splits == 1 else torch.float32
+    parts = _empty((num_splits, m, total_n), parts_dtype, x.device)
     if m:
         grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), g * num_splits)
         fp8_gemm_kernel[grid](
@@ -165,5 +170,5 @@ def fp8_linear(
             IEEE=x.dtype == torch.float32 or x.device.type == "cpu",
             num_warps=t.num_warps, num_stages=t.num_stages,
         )  # fmt: skip
-    out = parts[0] if num_splits == 1 else parts.sum(0)
-    return out.to(x.dtype).view(*lead, total_n)
+    out = parts[0] if num_splits == 1 else parts.sum(0).to(x.dtype)
+    return out.view(*lead, total_n)
