@@ -202,25 +202,34 @@ def run(device: str = "cuda", tokens: tuple[int, ...] = TOKENS) -> list[dict]:
     return stamped(records, torch.device(device))
 
 
+def _print(r: dict) -> None:
+    if r["kind"] == "quant_memory":
+        gb = {k: f"{v / 1e9:.2f} GB" for k, v in r["computed"].items()}
+        print(r["model"], gb, "measured:", r.get("measured_allocated"), flush=True)
+        return
+    err = f"  err {r['rel_error']:.1e}" if "rel_error" in r else ""
+    graph = r["graph_time_us"] or r["time_us"]
+    print(
+        f"{r['op']:>11} {r['impl']:>15} T={r['tokens']:>5}: {graph:9.1f} us  "
+        f"{r['gb_per_s']:7.0f} GB/s  {r['roofline_fraction']:.2f} of roofline{err}",
+        flush=True,
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--output", default=None)
     args = p.parse_args()
-    records = run()
-    for r in records:
-        if r["kind"] == "quant_memory":
-            gb = {k: f"{v / 1e9:.2f} GB" for k, v in r["computed"].items()}
-            print(r["model"], gb, "measured:", r.get("measured_allocated"))
-            continue
-        err = f"  err {r['rel_error']:.1e}" if "rel_error" in r else ""
-        graph = r["graph_time_us"] or r["time_us"]
-        print(
-            f"{r['op']:>11} {r['impl']:>15} T={r['tokens']:>5}: {graph:9.1f} us  "
-            f"{r['gb_per_s']:7.0f} GB/s  {r['roofline_fraction']:.2f} of roofline{err}"
-        )
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(records, f, indent=1)
+    device = torch.device("cuda")
+    records: list[dict] = []
+    for part in (memory, run_linears, run_moe):  # written after each: a timeout keeps some
+        new = stamped(part("cuda"), device)
+        for r in new:
+            _print(r)
+        records += new
+        if args.output:
+            with open(args.output, "w") as f:
+                json.dump(records, f, indent=1)
 
 
 if __name__ == "__main__":
