@@ -82,6 +82,7 @@ def _scaled_mm(x: torch.Tensor, w8: torch.Tensor, s: torch.Tensor) -> Callable |
             xs = x.float().unflatten(-1, (-1, 128))
             xscale = (xs.abs().amax(-1) / 448.0).clamp_min(1e-12)
             x8 = (xs / xscale[..., None]).to(torch.float8_e4m3fn).flatten(-2)
+            xscale = xscale.t().contiguous().t()  # cuBLAS wants 1x128 scales M-major
             return scaled_mm(
                 x8, w8.t(), xscale, ScalingType.BlockWise1x128, s, ScalingType.BlockWise128x128,
                 swizzle_a=SwizzleType.NO_SWIZZLE, swizzle_b=SwizzleType.NO_SWIZZLE,
@@ -90,7 +91,8 @@ def _scaled_mm(x: torch.Tensor, w8: torch.Tensor, s: torch.Tensor) -> Callable |
 
         run()
         return run
-    except Exception:
+    except Exception as e:  # no block-wise scaled_mm on this torch / GPU: say why once
+        print(f"torch scaled_mm (block-wise) unavailable: {str(e).splitlines()[0][:160]}")
         return None
 
 
