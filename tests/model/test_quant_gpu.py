@@ -30,7 +30,7 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-3), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-3), (torch.bfloat16, 5e-2)])
 @torch.inference_mode()
 def test_kernels_match_reference_kernels(tmp_path, dtype, tol):
     cfg = dataclasses.replace(tiny_config(), quantization=QuantConfig())
