@@ -348,8 +348,6 @@ def load_weights(
                 filled.setdefault(target_name, set()).update((slot, p) for p in parts)
             continue
         if name not in targets:
-            if name.endswith("scale_inv") and name.removesuffix("_scale_inv") in targets:
-                continue  # an FP8 weight's scale, read with it (its module is not FP8 here)
             unexpected.append(raw_name)
             continue
         dst = targets[name].data
