@@ -85,6 +85,14 @@ def _fp4_tile(w_ptrs, w_mask, s_ptrs, s_mask, BLOCK_K: tl.constexpr, BLOCK_N: tl
 
 
 @triton.jit
+def _even_odd(ptrs, mask, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A contiguous [BM, BK] activation tile (one load the pipeliner can stage) split into
+    its even and odd inputs, [BM, BK / 2] each."""
+    a = tl.load(ptrs, mask=mask, other=0.0)
+    return tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
+
+
+@triton.jit
 def _dot2(a_even, a_odd, w_even, w_odd, acc, IEEE: tl.constexpr):
     if IEEE:
         acc = tl.dot(a_even.to(tl.float32), w_even, acc, input_precision="ieee")
@@ -134,6 +142,7 @@ def moe_gate_up_fp4_kernel(
     col_ok = cols < inter
     jj = tl.arange(0, BLOCK_K // 2)  # byte j of a step holds inputs 2j, 2j+1
     gg = tl.arange(0, BLOCK_K // 32)  # the step's scale groups
+    kk = tl.arange(0, BLOCK_K)
     x_row = x_ptr + token[:, None].to(tl.int64) * stride_xt
     w_gate = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn
     s_gate = s_ptr + expert.to(tl.int64) * stride_se + cols[None, :].to(tl.int64) * stride_sn
@@ -142,9 +151,12 @@ def moe_gate_up_fp4_kernel(
     for k0 in range(0, hidden, BLOCK_K):
         byte = k0 // 2 + jj
         k_ok = 2 * byte < hidden
-        a_mask = row_ok[:, None] & k_ok[None, :]
-        a_even = tl.load(x_row + 2 * byte[None, :], mask=a_mask, other=0.0)
-        a_odd = tl.load(x_row + 2 * byte[None, :] + 1, mask=a_mask, other=0.0)
+        a_even, a_odd = _even_odd(
+            x_row + k0 + kk[None, :],
+            row_ok[:, None] & (k0 + kk < hidden)[None, :],
+            BLOCK_M,
+            BLOCK_K,
+        )
         w_mask = k_ok[:, None] & col_ok[None, :]
         group = k0 // 32 + gg
         s_mask = (group < hidden // 32)[:, None] & col_ok[None, :]
@@ -199,6 +211,7 @@ def moe_down_fp4_kernel(
     col_ok = cols < hidden
     jj = tl.arange(0, BLOCK_K // 2)
     gg = tl.arange(0, BLOCK_K // 32)
+    kk = tl.arange(0, BLOCK_K)
     h_row = h_ptr + rows[:, None].to(tl.int64) * stride_ht
     w_base = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn
     s_base = s_ptr + expert.to(tl.int64) * stride_se + cols[None, :].to(tl.int64) * stride_sn
@@ -206,8 +219,9 @@ def moe_down_fp4_kernel(
     for k0 in range(0, inter, BLOCK_K):
         byte = k0 // 2 + jj
         k_ok = 2 * byte < inter
-        a_even = tl.load(h_row + 2 * byte[None, :], mask=k_ok[None, :], other=0.0)
-        a_odd = tl.load(h_row + 2 * byte[None, :] + 1, mask=k_ok[None, :], other=0.0)
+        a_even, a_odd = _even_odd(
+            h_row + k0 + kk[None, :], (k0 + kk < inter)[None, :], BLOCK_M, BLOCK_K
+        )
         w_mask = k_ok[:, None] & col_ok[None, :]
         group = k0 // 32 + gg
         s_mask = (group < inter // 32)[:, None] & col_ok[None, :]
