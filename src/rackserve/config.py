@@ -80,6 +80,80 @@ def _yarn_mscale(factor: float, mscale: float | None, mscale_all_dim: float | No
     return get(factor)
 
 
+# The block scaling DeepSeek-V4 checkpoints use, and the only one our kernels tile for.
+FP8_BLOCK = (128, 128)
+EXPERT_DTYPES = ("fp8", "fp4")
+SCALE_FORMATS = ("float", "ue8m0")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """Weights stored quantized (``quantization_config`` of ``config.json``, as transformers'
+    finegrained FP8 integration reads it): linear weights in float8 e4m3 with one scale per
+    ``weight_block_size`` block, routed experts in ``expert_dtype`` (``fp4``: e2m1, two per
+    byte, one scale per 32 inputs of a row). ``scale_fmt`` is how new checkpoints store their
+    scales (``ue8m0``: powers of two in one byte); either kind loads."""
+
+    quant_method: str = "fp8"
+    weight_block_size: tuple[int, int] = FP8_BLOCK
+    expert_dtype: str = "fp4"
+    scale_fmt: str = "ue8m0"
+    activation_scheme: str = "dynamic"
+
+    def __post_init__(self) -> None:
+        if self.quant_method != "fp8":
+            raise ConfigError(
+                f"unsupported quant_method {self.quant_method!r}: rackserve loads 'fp8' "
+                "(block-scaled e4m3 linears, DeepSeek-V4's own format); dequantize others first"
+            )
+        if tuple(self.weight_block_size) != FP8_BLOCK:
+            raise ConfigError(
+                f"weight_block_size {list(self.weight_block_size)} is not supported: "
+                f"FP8 checkpoints must use {list(FP8_BLOCK)} blocks"
+            )
+        if self.expert_dtype not in EXPERT_DTYPES:
+            raise ConfigError(
+                f"expert_dtype must be one of {EXPERT_DTYPES}, got {self.expert_dtype!r}"
+            )
+        if self.scale_fmt not in SCALE_FORMATS:
+            raise ConfigError(f"scale_fmt must be one of {SCALE_FORMATS}, got {self.scale_fmt!r}")
+        if self.activation_scheme != "dynamic":
+            raise ConfigError(
+                f"activation_scheme {self.activation_scheme!r} is not supported: use 'dynamic'"
+            )
+
+    @classmethod
+    def from_hf(cls, raw: Any, expert_dtype: Any = None) -> QuantConfig | None:
+        """From ``quantization_config`` (None: unquantized); V4 configs may give
+        ``expert_dtype`` at the top level instead."""
+        if raw is None:
+            return None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"quantization_config must be a JSON object, got {raw!r}")
+        block = raw.get("weight_block_size")
+        if block is None or not isinstance(block, (list, tuple)) or len(block) != 2:
+            raise ConfigError(
+                f"quantization_config.weight_block_size must be [128, 128], got {block!r}"
+            )
+        return cls(
+            quant_method=str(raw.get("quant_method")),
+            weight_block_size=(int(block[0]), int(block[1])),
+            expert_dtype=str(raw.get("expert_dtype") or expert_dtype or "fp8"),
+            scale_fmt=str(raw.get("scale_fmt") or "float"),
+            activation_scheme=str(raw.get("activation_scheme") or "dynamic"),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        return {
+            "quant_method": self.quant_method,
+            "fmt": "e4m3",
+            "weight_block_size": list(self.weight_block_size),
+            "expert_dtype": self.expert_dtype,
+            "scale_fmt": self.scale_fmt,
+            "activation_scheme": self.activation_scheme,
+        }
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The DeepSeek-V4 architecture hyper-parameters (names as in the HF ``config.json``)."""
@@ -121,6 +195,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     rope_main: RopeConfig = field(default_factory=lambda: RopeConfig(theta=10000.0))
     rope_compress: RopeConfig = field(default_factory=lambda: RopeConfig(theta=160000.0))
+    quantization: QuantConfig | None = None  # None: weights in the model dtype
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -186,8 +261,10 @@ class ModelConfig:
             return d
 
         d = asdict(self)
-        for k in ("rope_main", "rope_compress", "csa_ratio", "hca_ratio"):
+        for k in ("rope_main", "rope_compress", "csa_ratio", "hca_ratio", "quantization"):
             d.pop(k)
+        if self.quantization is not None:
+            d["quantization_config"] = self.quantization.to_hf()
         d.update(
             architectures=["DeepseekV4ForCausalLM"],
             model_type="deepseek_v4",
@@ -284,6 +361,7 @@ class ModelConfig:
             eos_token_id=eos_ids,
             rope_main=main,
             rope_compress=compress,
+            quantization=QuantConfig.from_hf(d.get("quantization_config"), d.get("expert_dtype")),
         )
         return cls(**kwargs)
 
@@ -309,6 +387,7 @@ class ModelConfig:
 # ---- engine ------------------------------------------------------------------------------
 
 
+KV_CACHE_DTYPES = ("auto", "fp8")
 # The KV cache budget on a CPU when none is given (docs/serving.md states it; a test checks).
 CPU_KV_CACHE_MEMORY = 512 << 20
 
@@ -325,8 +404,13 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"  # or "xxhash" (faster; trusted tenants only)
     checkpoint_interval: int | None = 8192  # state checkpoints every N tokens of a long prefill
+    # "fp8": the KV caches (window rows, compressed entries, indexer keys) in float8 e4m3,
+    # unscaled as vLLM's default; compressor state rows stay in the model dtype
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ConfigError("--kv-cache-memory must be a positive number of bytes")
         if not 0 < self.gpu_memory_utilization <= 1:

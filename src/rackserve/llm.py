@@ -48,6 +48,7 @@ class LLM:
         tokenizer: str | None = None,
         enforce_eager: bool = False,
         parallel: ParallelConfig | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         parallel = parallel or ParallelConfig()
         if parallel.data_parallel_size > 1:
@@ -63,7 +64,9 @@ class LLM:
                 model=str(model),
                 model_config=model_config,
                 cache=CacheConfig(
-                    kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching
+                    kv_cache_memory=kv_cache_memory,
+                    enable_prefix_caching=enable_prefix_caching,
+                    kv_cache_dtype=kv_cache_dtype,
                 ),
                 scheduler=SchedulerConfig(
                     max_num_seqs=max_num_seqs,

@@ -198,9 +198,17 @@ def roofline(model: DeepseekV4ForCausalLM, batch: BatchSpec, hardware: str | Non
     """Bytes, FLOPs and the roofline time of the step (planner counting, this dtype)."""
     element = model.head.weight.element_size()
     precision = {2: "bf16", 4: "fp32"}.get(element, "bf16")
+    # quantized weights: the bytes stored (FP8 + block scales; FP4 + a scale per 32 values);
+    # the matmuls still run at the activations' precision (weights widened in registers)
+    q = model.cfg.quantization
+    weight_bytes, expert_bytes = float(element), float(element)
+    if q is not None:
+        scale = 1 if q.scale_fmt == "ue8m0" else 4
+        weight_bytes = 1 + 4 / (128 * 128)
+        expert_bytes = 0.5 + scale / 32 if q.expert_dtype == "fp4" else 1 + scale / (128 * 128)
     formats = Formats(
-        weight_bytes=element,
-        expert_bytes=element,
+        weight_bytes=weight_bytes,
+        expert_bytes=expert_bytes,
         kv_bytes=element,
         act_bytes=element,
         dispatch_bytes=element,

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from rackserve.bench.report import write_json
+from rackserve.model.cli import add_quantization_args, quant_config
 
 
 def _git_commit() -> str:
@@ -39,17 +40,22 @@ def _load(args: argparse.Namespace):
 
         model = load_model(args.model, dtype=dtype, device=device, kernels=_kernels(args))
         return model, str(args.model)
+    import dataclasses
+
     from rackserve.model.create import init_model_
     from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
     from rackserve.model.presets import preset_config
 
     cfg = preset_config(args.preset, args.layers, args.experts)
+    quantization = quant_config(args.quantization, args.expert_dtype, args.scale_fmt)
+    cfg = dataclasses.replace(cfg, quantization=quantization)
     with torch.device(device):
         model = DeepseekV4ForCausalLM(cfg, with_mtp=False, kernels=_kernels(args))
     init_model_(model.cast(dtype), seed=0)
+    stored = "" if quantization is None else f", fp8 + {quantization.expert_dtype} experts"
     return (
         model.eval(),
-        f"{args.preset} ({cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts)",
+        f"{args.preset} ({cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts{stored})",
     )
 
 
@@ -215,6 +221,7 @@ def _model_args(p: argparse.ArgumentParser, allow_preset: bool) -> None:
         p.add_argument("--preset", default="v4-flash", help="random weights when no --model")
         p.add_argument("--layers", type=int, default=None)
         p.add_argument("--experts", type=int, default=None)
+        add_quantization_args(p)  # random weights made quantized on the device
     p.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on GPU")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--output", default=None, help="JSON result file")

@@ -58,13 +58,29 @@ def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
     return budget
 
 
+def kv_cache_dtype(name: str, device: torch.device) -> torch.dtype | None:
+    """The KV groups' storage for ``--kv-cache-dtype`` (None: the model dtype). FP8 caches
+    are read by the reference attention ops only: the Triton attention and indexer kernels
+    take caches in the activations' dtype."""
+    if name != "fp8":
+        return None
+    if device.type == "cuda":
+        raise ValueError(
+            "--kv-cache-dtype fp8 is not supported by the GPU attention kernels yet: use auto"
+        )
+    return torch.float8_e4m3fn
+
+
 def plan_kv_cache(
     config: EngineConfig, dtype: torch.dtype, budget_bytes: int
 ) -> tuple[list[CacheGroupSpec], dict[str, int]]:
     """Cache groups of the model and blocks per group for a budget; ValueError naming the
     fix when the budget is too small (cheap: no weights are loaded)."""
     element = torch.tensor([], dtype=dtype).element_size()
-    groups = cache_groups_for(config.model_config, dtype_bytes=element)
+    kv_element = 1 if config.cache.kv_cache_dtype == "fp8" else element
+    groups = cache_groups_for(
+        config.model_config, dtype_bytes=kv_element, state_dtype_bytes=element
+    )
     sched = config.scheduler
     num_blocks = plan_num_blocks(
         groups, budget_bytes, sched.max_num_seqs, sched.max_num_batched_tokens
@@ -142,6 +158,7 @@ class EngineCore:
             enforce_eager=config.enforce_eager or self.ep is not None,
             log=log_stats,
             grammar_compiler=self.grammar_compiler,
+            kv_cache_dtype=kv_cache_dtype(config.cache.kv_cache_dtype, device),
         )
         self.last_step: SchedulerOutput | None = None
         self.last_forward_time_s = 0.0

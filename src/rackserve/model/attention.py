@@ -133,42 +133,52 @@ class Attention(nn.Module):
             self.compressor = Compressor(cfg, self.head_dim, self.ratio, overlap=False)
         else:
             assert kind == SLIDING, kind
-        self._x_proj = self._fuse_x_projections()
-        if kind == CSA:  # the two projections of q_residual: attention q, indexer q
-            sizes = [self.wq_b.out_features, self.indexer.wq_b.out_features]
-            self._q_proj = FusedWeights(
-                [(self.wq_b, "weight"), (self.indexer.wq_b, "weight")],
-                lambda p: torch.cat(p),
-                lambda f: list(f.split(sizes)),
-            )
+        self._fusions: dict[str, FusedWeights] = {}
 
-    def _fuse_x_projections(self) -> FusedWeights:
-        """Every projection of the layer input x as one weight [sum of widths, D], for the
-        fast path's single GEMM: wq_a, wkv, the compressors' wkv + wgate (in the order of
-        the state rows), the indexer's weights_proj."""
+    def _x_linears(self) -> list[nn.Module]:
+        """Every projection of the layer input x, in the order of the fused weight's rows:
+        wq_a, wkv, the compressors' wkv + wgate (in the order of the state rows), the
+        indexer's weights_proj."""
         linears = [self.wq_a, self.wkv]
         if self.ratio:
             for comp, _, _ in self._compressors():
                 linears += [comp.wkv, comp.wgate]
         if self.kind == CSA:
             linears.append(self.indexer.weights_proj)
-        sizes = [lin.out_features for lin in linears]
-        return FusedWeights(
-            [(lin, "weight") for lin in linears],
-            lambda p: torch.cat(p),
-            lambda f: list(f.split(sizes)),
-        )
+        return linears
+
+    def _fusion(self, key: str, linears: list[nn.Module]) -> FusedWeights | None:
+        """One weight [sum of widths, in] for ``linears``, for the fast path's single GEMM;
+        None when one of them is not a plain ``nn.Linear`` (FP8 linears run one block-scaled
+        GEMM each). Rebuilt when the loader swapped modules since."""
+        if not all(type(lin) is nn.Linear for lin in linears):
+            return None
+        fused = self._fusions.get(key)
+        if fused is None or any(m is not lin for (m, _), lin in zip(fused.params, linears)):
+            sizes = [lin.out_features for lin in linears]
+            fused = FusedWeights(
+                [(lin, "weight") for lin in linears],
+                torch.cat,
+                lambda f: list(f.split(sizes)),
+            )
+            self._fusions[key] = fused
+        return fused
+
+    def _q_linears(self) -> list[nn.Module]:
+        """The two projections of q_residual on a CSA layer: attention q, indexer q."""
+        return [self.wq_b, self.indexer.wq_b]
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [T, D] -> (wq_a x, wkv x, state rows [T, state width] or None, the indexer's
         weights_proj x or None): one GEMM on the fast path, column views of its output."""
-        if not self.kernels.fast(x):
+        fused = self._fusion("x", self._x_linears()) if self.kernels.fast(x) else None
+        if fused is None:
             state = None
             if self.ratio:
                 state = torch.cat([c.rows(x) for c, _, _ in self._compressors()], dim=-1)
             head_logits = self.indexer.weights_proj(x) if self.kind == CSA else None
             return self.wq_a(x), self.wkv(x), state, head_logits
-        y = F.linear(x, self._x_proj.get())
+        y = F.linear(x, fused.get())
         q_lora, width = self.wq_a.out_features, self.head_dim
         state_end = q_lora + width + (self.compressor.wkv.out_features * 2 if self.ratio else 0)
         if self.kind == CSA:
@@ -180,18 +190,24 @@ class Attention(nn.Module):
     def fuse_weights(self) -> None:
         """Build the fast path's fused projection weights now (no-op on the reference path)."""
         if self.kernels.fast(self.wq_a.weight):
-            self._x_proj.get()
-            if self.kind == CSA:
-                self._q_proj.get()
+            for key, linears in self._fused_groups():
+                fused = self._fusion(key, linears)
+                if fused is not None:
+                    fused.get()
+
+    def _fused_groups(self) -> list[tuple[str, list[nn.Module]]]:
+        groups = [("x", self._x_linears())]
+        return groups + [("q", self._q_linears())] if self.kind == CSA else groups
 
     def _q_projections(self, q_residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """q_residual [T, q_lora] -> (``wq_b`` [T, H * Dh], CSA: the indexer's ``wq_b``
         [T, heads * Di], else None); one GEMM on the fast path (column views)."""
         if self.kind != CSA:
             return self.wq_b(q_residual), None
-        if not self.kernels.fast(q_residual):
+        fused = self._fusion("q", self._q_linears()) if self.kernels.fast(q_residual) else None
+        if fused is None:
             return self.wq_b(q_residual), self.indexer.wq_b(q_residual)
-        q_both = F.linear(q_residual, self._q_proj.get())
+        q_both = F.linear(q_residual, fused.get())
         width = self.wq_b.out_features
         return q_both[:, :width], q_both[:, width:]
 

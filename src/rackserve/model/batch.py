@@ -208,7 +208,10 @@ class KVCacheTensors:
         num_blocks: dict[str, int],
         dtype: torch.dtype,
         device: torch.device | str,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
+        """``kv_dtype``: the KV groups' storage (e.g. float8 e4m3; None: ``dtype``); the
+        compressor state groups (``*_state``) always hold ``dtype``."""
         self.groups = {g.name: g for g in groups}
         self.tensors: dict[str, dict[int, torch.Tensor]] = {
             g.name: {
@@ -216,7 +219,7 @@ class KVCacheTensors:
                     num_blocks[g.name],
                     g.block_tokens // g.ratio,
                     g.entry_width,
-                    dtype=dtype,
+                    dtype=dtype if kv_dtype is None or g.name.endswith("_state") else kv_dtype,
                     device=device,
                 )
                 for layer in g.layer_ids

@@ -5,19 +5,64 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from rackserve.config import EXPERT_DTYPES, SCALE_FORMATS, ConfigError, QuantConfig
 from rackserve.model.presets import PRESETS, preset_config
+
+QUANTIZATION_CHOICES = ("none", "fp8")
+
+
+def quant_config(
+    quantization: str | None, expert_dtype: str | None = None, scale_fmt: str | None = None
+) -> QuantConfig | None:
+    """The ``--quantization / --expert-dtype / --scale-fmt`` flags as a QuantConfig (None:
+    full precision). fp8 defaults to DeepSeek-V4-Flash's own format: FP4 experts, ue8m0."""
+    if quantization in (None, "none"):
+        if expert_dtype or scale_fmt:
+            raise ConfigError("--expert-dtype / --scale-fmt need --quantization fp8")
+        return None
+    if quantization != "fp8":
+        raise ConfigError(f"--quantization must be one of {QUANTIZATION_CHOICES}")
+    return QuantConfig(expert_dtype=expert_dtype or "fp4", scale_fmt=scale_fmt or "ue8m0")
+
+
+def add_quantization_args(parser) -> None:
+    """The flags of ``quant_config`` (``model create``, ``bench forward``)."""
+    parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATION_CHOICES,
+        default=None,
+        help="fp8: linears in FP8 with 128x128 block scales (DeepSeek-V4's format)",
+    )
+    parser.add_argument(
+        "--expert-dtype",
+        choices=EXPERT_DTYPES,
+        default=None,
+        help="routed experts with --quantization fp8 (default fp4: e2m1, a scale per 32)",
+    )
+    parser.add_argument(
+        "--scale-fmt", choices=SCALE_FORMATS, default=None, help="block scales (default ue8m0)"
+    )
 
 
 def _create(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from rackserve.device import parse_dtype
     from rackserve.model.create import create_checkpoint
 
     cfg = preset_config(args.preset, args.layers, args.experts)
+    quantization = quant_config(args.quantization, args.expert_dtype, args.scale_fmt)
+    cfg = dataclasses.replace(cfg, quantization=quantization)
     dtype = parse_dtype(args.dtype or ("float32" if args.preset == "tiny" else "bfloat16"), "cpu")
     out = create_checkpoint(cfg, args.out, seed=args.seed, dtype=dtype, with_mtp=not args.no_mtp)
+    stored = str(dtype).removeprefix("torch.")
+    if quantization is not None:
+        stored = (
+            f"fp8 linears, {quantization.expert_dtype} experts, {quantization.scale_fmt} scales"
+        )
     print(
         f"wrote {args.preset} checkpoint ({cfg.num_hidden_layers} layers, "
-        f"{cfg.n_routed_experts} experts, {dtype}) to {out}"
+        f"{cfg.n_routed_experts} experts, {stored}) to {out}"
     )
     return 0
 
@@ -52,6 +97,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     create.add_argument("--seed", type=int, default=0)
     create.add_argument("--dtype", default=None, help="float32 (tiny default) or bfloat16")
     create.add_argument("--no-mtp", action="store_true", help="leave out the MTP layer(s)")
+    add_quantization_args(create)
     create.add_argument("--out", type=Path, required=True)
     create.set_defaults(func=_create)
 

@@ -34,6 +34,10 @@ FP32_PARAM_SUFFIXES = (
     "attn_sink",
     "ape",
     "gate.bias",
+    # block scales of quantized weights (model/quant.py, model/moe.py)
+    "weight_scale_inv",
+    "w13_scale",
+    "w2_scale",
 )
 
 

@@ -81,11 +81,28 @@ class Experts(nn.Module):
         if slot_experts is None:
             slot_experts = list(range(cfg.n_routed_experts))
         self.slot_experts = slot_experts
-        self.w13 = nn.Parameter(torch.empty(len(slot_experts), 2 * i, d))
-        self.w2 = nn.Parameter(torch.empty(len(slot_experts), d, i))
         self.limit = cfg.swiglu_limit
+        s, q = len(slot_experts), cfg.quantization
+        self.fp4 = q is not None and q.expert_dtype == "fp4"
+        if not self.fp4:
+            self.w13 = nn.Parameter(torch.empty(s, 2 * i, d))
+            self.w2 = nn.Parameter(torch.empty(s, d, i))
+            return
+        # FP4 (ops/quant.py): packed e2m1 bytes + one scale per 32 inputs (ue8m0 as bytes);
+        # never a full-precision copy
+        assert q is not None
+        sdt = torch.uint8 if q.scale_fmt == "ue8m0" else torch.float32
+        for name, n, k in (("w13", 2 * i, d), ("w2", d, i)):
+            packed = torch.empty(s, n, k // 2, dtype=torch.uint8)
+            setattr(self, name, nn.Parameter(packed, requires_grad=False))
+            scale = torch.empty(s, n, k // 32, dtype=sdt)
+            setattr(self, f"{name}_scale", nn.Parameter(scale, requires_grad=False))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.fp4:
+            return self.kernels.moe_experts_fp4(
+                x, ids, weights, self.w13, self.w13_scale, self.w2, self.w2_scale, self.limit
+            )
         return self.kernels.moe_experts(x, ids, weights, self.w13, self.w2, self.limit)
 
 
@@ -117,8 +134,34 @@ class MoE(nn.Module):
         self.gate = Router(cfg, hashed, kernels)
         slots = None if expert_parallel is None else expert_parallel.local_experts(layer_id)
         self.experts = Experts(cfg, kernels, slots)
+        if expert_parallel is not None and self.experts.fp4:
+            # dispatch and EPLB's weight moves know w13 / w2 only, not the FP4 scales
+            raise ValueError("expert parallelism with FP4 experts is not supported yet")
         self.shared_experts = SharedExpert(cfg) if cfg.n_shared_experts else None
-        self._with_shared = self._fold_shared() if self.shared_experts is not None else None
+        self._folded: tuple[FusedWeights, FusedWeights] | None = None
+
+    def _fast_experts(self, x: torch.Tensor) -> bool:
+        """Whether the fast path runs the router and experts fused (one rank, 16/32-bit
+        experts; FP4 / FP8 experts take their own kernels through ``Experts``)."""
+        ex = self.experts
+        return (
+            self.ep is None
+            and self.kernels.fast(x)
+            and isinstance(ex, Experts)
+            and not ex.fp4
+            and ex.w13.element_size() > 1
+        )
+
+    def _with_shared(self) -> tuple[FusedWeights, FusedWeights] | None:
+        """The shared expert folded in as expert E, or None when there is none or its
+        linears are not plain ``nn.Linear`` (FP8); rebuilt when the loader swapped them."""
+        sh = self.shared_experts
+        if sh is None or not all(type(m) is nn.Linear for m in (sh.w1, sh.w2, sh.w3)):
+            return None
+        folded = self._folded
+        if folded is None or folded[0].params[1][0] is not sh.w1 or folded[1].params[1][0] is not sh.w2:
+            folded = self._folded = self._fold_shared()
+        return folded
 
     def _fold_shared(self) -> tuple[FusedWeights, FusedWeights]:
         """The fast path's expert weights with the shared expert as expert E (one more
@@ -146,7 +189,7 @@ class MoE(nn.Module):
     ) -> torch.Tensor:
         """x: [T, D]; expert_counts: optional [E] accumulator of routed tokens (for EPLB),
         counting only tokens where ``token_mask`` [T] is True (None: all)."""
-        if self.ep is None and self.kernels.fast(x) and isinstance(self.experts, Experts):
+        if self._fast_experts(x):
             return self._fast_forward(x, input_ids, expert_counts, token_mask)
         ids, weights = self.gate(x, input_ids)
         if self.ep is not None:
@@ -167,10 +210,9 @@ class MoE(nn.Module):
     def fuse_weights(self) -> None:
         """Build the fast path's expert weights with the shared expert now (no-op on the
         reference path and with expert parallelism)."""
-        if self._with_shared is None or self.ep is not None:
-            return
-        if isinstance(self.experts, Experts) and self.kernels.fast(self.experts.w13):
-            for fused in self._with_shared:
+        folded = self._with_shared()
+        if folded is not None and self._fast_experts(self.experts.w13):
+            for fused in folded:
                 fused.get()
 
     def _fast_forward(
@@ -184,8 +226,9 @@ class MoE(nn.Module):
         one fused MoE: 2 + 4 launches where the reference path takes ~20."""
         gate, experts = self.gate, self.experts
         w13, w2, shared = experts.w13, experts.w2, None
-        if self._with_shared is not None:
-            w13, w2 = (f.get() for f in self._with_shared)
+        folded = self._with_shared()
+        if folded is not None:
+            w13, w2 = (f.get() for f in folded)
             shared = w13.shape[0] - 1
         ids, weights = self.kernels.route_fused(
             x,
@@ -200,7 +243,10 @@ class MoE(nn.Module):
             expert_counts,
             token_mask,
         )
-        return self.kernels.moe_experts(x, ids, weights, w13, w2, experts.limit)
+        out = self.kernels.moe_experts(x, ids, weights, w13, w2, experts.limit)
+        if folded is None and self.shared_experts is not None:  # FP8 shared expert
+            out = out + self.shared_experts(x)
+        return out
 
     def _expert_parallel(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rackserve.ops import reference
+from rackserve.ops import quant, reference
 from rackserve.ops.grouped_moe import grouped_mm_supported, moe_experts_grouped
 from rackserve.ops.reference import (
     apply_rope,
@@ -111,6 +111,8 @@ class Kernels:
     compress_entries: Callable
     select_entries: Callable
     attention_prologue: Callable
+    fp8_linear: Callable
+    moe_experts_fp4: Callable
 
     def fast(self, x: torch.Tensor) -> bool:
         """Whether ``x`` takes the fast implementations (then the model also fuses its
@@ -152,6 +154,7 @@ def _moe_for(fused: Callable) -> Callable:
 
     return moe
 
+
 # Attention and the indexer over at least this many queries (prefill and mixed steps) take
 # the prefill kernels: attention with one program per query holding every head, no
 # split-KV; the indexer with query tiles sharing key tiles. Smaller (decode) batches keep
@@ -170,6 +173,10 @@ def _by_num_tokens(small: Callable, large: Callable, min_tokens: int) -> Callabl
     return dispatch
 
 
+# ops on quantized weights (``ops/quant.py``), each with its Triton kernel
+_QUANT_OPS = {"fp8_linear": "fp8_gemm", "moe_experts_fp4": "fused_moe_fp4"}
+
+
 def kernels(name: str = "auto") -> Kernels:
     """The op table for ``name`` in :data:`KERNEL_CHOICES`, or "triton": the fast
     implementations on every device (on CPU only under ``TRITON_INTERPRET=1``: the tests
@@ -177,7 +184,8 @@ def kernels(name: str = "auto") -> Kernels:
     if name not in (*KERNEL_CHOICES, "triton"):
         raise ValueError(f"unknown kernels {name!r}: choose one of {', '.join(KERNEL_CHOICES)}")
     ops = [f.name for f in dataclasses.fields(Kernels) if f.name != "name"]
-    ref = Kernels("reference", **{op: getattr(reference, op) for op in ops})
+    refs = {op: getattr(quant if op in _QUANT_OPS else reference, op) for op in ops}
+    ref = Kernels("reference", **refs)
     if name == "reference" or importlib.util.find_spec("triton") is None:
         return ref
     triton_ops = {  # op -> the module of its Triton kernel
@@ -197,6 +205,7 @@ def kernels(name: str = "auto") -> Kernels:
         "compress_entries": "compress",
         "select_entries": "select",
         "attention_prologue": "attn_prologue",
+        **_QUANT_OPS,
     }
     everywhere = name == "triton"
     fast = {

@@ -384,7 +384,8 @@ def paged_sparse_attention(
     output's rope slice). Returns [S, H, Dh].
     """
     dh = q.shape[-1]
-    kv = torch.cat([kv_a[:, :dh][slots_a], kv_b[:, :dh][slots_b].to(kv_a.dtype)], dim=1)
+    # rows of a narrower cache (kv_cache_dtype fp8) are widened to q's dtype once gathered
+    kv = torch.cat([kv_a[:, :dh][slots_a].to(q.dtype), kv_b[:, :dh][slots_b].to(q.dtype)], 1)
     kv = kv.masked_fill(~valid[..., None], 0.0)  # [S, Wa + Wb, Dh]
     out = sparse_attention(q, kv, valid, sinks, scale)
     if cos is None:

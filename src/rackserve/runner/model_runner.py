@@ -37,13 +37,15 @@ class ModelRunner:
         enforce_eager: bool = False,
         log: bool = True,
         grammar_compiler: GrammarCompiler | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         """``grammar_compiler``: compiles structured-output grammars (None: requests with
-        ``structured_outputs`` are not expected; the engine core refuses them)."""
+        ``structured_outputs`` are not expected; the engine core refuses them).
+        ``kv_cache_dtype``: the KV groups' storage (None: the model dtype)."""
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = model.head.weight.dtype
-        self.caches = KVCacheTensors(groups, num_blocks, self.dtype, self.device)
+        self.caches = KVCacheTensors(groups, num_blocks, self.dtype, self.device, kv_cache_dtype)
         self.input_batch = InputBatch(
             {g.name: g.block_tokens for g in groups},
             max_num_reqs,

@@ -32,6 +32,7 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "max_num_seqs": 256,
     "max_num_batched_tokens": 8192,
     "kv_cache_memory": None,
+    "kv_cache_dtype": "auto",
     "gpu_memory_utilization": 0.9,
     "enable_prefix_caching": True,
     "scheduling_policy": "fcfs",
@@ -164,6 +165,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--gpu-memory-utilization", type=float,
         help="fraction of the GPU's total memory this instance may use: weights, "
         "activations and KV cache together (default 0.9)",
+    )  # fmt: skip
+    add(
+        "--kv-cache-dtype", choices=("auto", "fp8"),
+        help="auto: the model dtype; fp8: KV rows and indexer keys in e4m3 (CPU only for now)",
     )  # fmt: skip
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     add("--scheduling-policy", choices=("fcfs", "priority"))
@@ -330,6 +335,7 @@ def build_engine_config(options: dict[str, Any]) -> Any:
             kv_cache_memory=options["kv_cache_memory"],
             gpu_memory_utilization=options["gpu_memory_utilization"],
             enable_prefix_caching=options["enable_prefix_caching"],
+            kv_cache_dtype=options["kv_cache_dtype"],
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=options["max_num_seqs"],

@@ -1,0 +1,337 @@
+"""Fused routed experts on FP4 weights: ``moe_experts_fp4``, equal to
+``ops.quant.moe_experts_fp4`` (dequantize the hit experts, then ``moe_experts``).
+
+Shape legend: T tokens, k experts per token, P = T*k pairs, E experts, D hidden, I expert
+width, BM rows per block, BK inputs per K step.
+
+    align      (fused_moe.moe_align)  -> sorted_ids [R], block_expert [B]
+    gate_up    x[token] @ dq(w13[e])^T, clamped SwiGLU  -> h [R, I] fp32
+    down       h @ dq(w2[e])^T * routed weight          -> slots [P, D] fp32
+    sum        (fused_moe's kernel) the k slots of each token, in order -> out [T, D]
+
+Weights are read packed: [E, N, K / 2] bytes, input 2j in the low nibble and 2j+1 in the
+high one, and one scale per 32 inputs of a row ([E, N, K / 32], fp32 or ue8m0 bytes).
+Each K step loads BK / 2 bytes per row, decodes both nibbles to values in registers
+(e2m1 by arithmetic, the ue8m0 scale by building the float's exponent bits), scales them
+and runs two dots: even inputs against the low nibbles, odd ones against the high nibbles
+(so no interleaving shuffle is needed). An FP4 decode step moves a quarter of the bf16
+bytes. No host syncs, no float atomics: CUDA-graph safe and replay-deterministic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from rackserve.ops.triton.fused_moe import moe_align
+from rackserve.ops.triton.fused_moe_kernels import _swiglu, moe_sum_kernel
+
+_ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Fp4Tiling:
+    block_m: int  # >= 16 (tl.dot)
+    gate_up_block_n: int
+    down_block_n: int
+    block_k: int  # inputs per step: a multiple of 32, >= 32
+    num_warps: int
+    num_stages: int
+
+
+def default_tiling(num_tokens: int, top_k: int, num_experts: int, device: torch.device):
+    """Host ints only. Decode: 16-row blocks (an expert's few tokens in one), narrow N
+    tiles so the hit experts' tiles fill the SMs; prefill-sized batches: 64-row blocks."""
+    if device.type != "cuda":
+        return Fp4Tiling(16, 64, 64, 128, 4, 1)
+    pairs = num_tokens * top_k
+    if pairs >= 64 * num_experts:
+        return Fp4Tiling(64, 64, 128, 128, 8, 3)
+    block_m = 16 if pairs <= 16 * num_experts else 32
+    return Fp4Tiling(block_m, 32, 64, 128, 4, 4)
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every output and workspace comes from here (tests fill them with NaN / garbage)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+@triton.jit
+def _e2m1(code):
+    """4-bit e2m1 codes (int32) -> fp32: sign, 2 exponent bits, 1 mantissa bit."""
+    e = (code >> 1) & 3
+    m = code & 1
+    magnitude = tl.where(e == 0, m.to(tl.float32) * 0.5, ((2 + m) << e).to(tl.float32) * 0.25)
+    return tl.where((code & 8) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def _fp4_tile(w_ptrs, w_mask, s_ptrs, s_mask, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+              SCALE_E8M0: tl.constexpr):  # fmt: skip
+    """A [BK / 2, BN] tile of packed bytes and its [BK / 32, BN] scales -> (even inputs,
+    odd inputs) [BK / 2, BN], scaled, fp32. Each scale row covers 16 bytes (32 inputs)."""
+    packed = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.int32)
+    if SCALE_E8M0:  # 2 ** (byte - 127) exactly: the byte is the float's exponent field
+        raw = tl.load(s_ptrs, mask=s_mask, other=127).to(tl.int32)
+        scale = (raw << 23).to(tl.float32, bitcast=True)
+    else:
+        scale = tl.load(s_ptrs, mask=s_mask, other=0.0)
+    scale = tl.broadcast_to(scale[:, None, :], (BLOCK_K // 32, 16, BLOCK_N))
+    scale = tl.reshape(scale, (BLOCK_K // 2, BLOCK_N))
+    return _e2m1(packed & 15) * scale, _e2m1(packed >> 4) * scale
+
+
+@triton.jit
+def _even_odd(ptrs, mask, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A contiguous [BM, BK] activation tile (one load the pipeliner can stage) split into
+    its even and odd inputs, [BM, BK / 2] each."""
+    a = tl.load(ptrs, mask=mask, other=0.0)
+    return tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
+
+
+@triton.jit
+def _dot2(a_even, a_odd, w_even, w_odd, acc, IEEE: tl.constexpr):
+    if IEEE:
+        acc = tl.dot(a_even.to(tl.float32), w_even, acc, input_precision="ieee")
+        acc = tl.dot(a_odd.to(tl.float32), w_odd, acc, input_precision="ieee")
+    else:  # the dequantized weight rounded to the activations' type, as the reference does
+        acc = tl.dot(a_even, w_even.to(a_even.dtype), acc)
+        acc = tl.dot(a_odd, w_odd.to(a_odd.dtype), acc)
+    return acc
+
+
+@triton.jit
+def moe_gate_up_fp4_kernel(
+    x_ptr,  # [T, D]
+    w_ptr,  # [E, 2I, D / 2] uint8: gate rows 0..I-1, up rows I..2I-1
+    s_ptr,  # [E, 2I, D / 32] fp32 or uint8 (ue8m0)
+    h_ptr,  # [R, I] fp32 out
+    sorted_ptr,  # [R] int32
+    block_expert_ptr,  # [B] int32
+    num_pairs,
+    top_k,
+    hidden,
+    inter,
+    num_experts,
+    limit,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_ht,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SCALE_E8M0: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert >= num_experts:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    row_ok = pair < num_pairs
+    token = tl.where(row_ok, pair // top_k, 0)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    jj = tl.arange(0, BLOCK_K // 2)  # byte j of a step holds inputs 2j, 2j+1
+    gg = tl.arange(0, BLOCK_K // 32)  # the step's scale groups
+    kk = tl.arange(0, BLOCK_K)
+    x_row = x_ptr + token[:, None].to(tl.int64) * stride_xt
+    w_gate = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn
+    s_gate = s_ptr + expert.to(tl.int64) * stride_se + cols[None, :].to(tl.int64) * stride_sn
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        byte = k0 // 2 + jj
+        k_ok = 2 * byte < hidden
+        a_even, a_odd = _even_odd(
+            x_row + k0 + kk[None, :],
+            row_ok[:, None] & (k0 + kk < hidden)[None, :],
+            BLOCK_M,
+            BLOCK_K,
+        )
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        group = k0 // 32 + gg
+        s_mask = (group < hidden // 32)[:, None] & col_ok[None, :]
+        w_off, s_off = byte[:, None], group[:, None]
+        even, odd = _fp4_tile(w_gate + w_off, w_mask, s_gate + s_off, s_mask,
+                              BLOCK_K, BLOCK_N, SCALE_E8M0)  # fmt: skip
+        acc_gate = _dot2(a_even, a_odd, even, odd, acc_gate, IEEE)
+        even, odd = _fp4_tile(w_gate + inter * stride_wn + w_off, w_mask,
+                              s_gate + inter * stride_sn + s_off, s_mask,
+                              BLOCK_K, BLOCK_N, SCALE_E8M0)  # fmt: skip
+        acc_up = _dot2(a_even, a_odd, even, odd, acc_up, IEEE)
+    h = _swiglu(acc_gate, acc_up, limit)  # padding rows: swiglu(0, 0) = 0
+    h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_ht + cols[None, :]
+    tl.store(h_ptrs, h, mask=col_ok[None, :])
+
+
+@triton.jit
+def moe_down_fp4_kernel(
+    h_ptr,  # [R, I] fp32
+    w_ptr,  # [E, D, I / 2] uint8
+    s_ptr,  # [E, D, I / 32]
+    weights_ptr,  # [P] fp32 routed weights
+    slots_ptr,  # [P, D] fp32 out
+    sorted_ptr,
+    block_expert_ptr,
+    num_pairs,
+    hidden,
+    inter,
+    num_experts,
+    stride_ht,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_slot,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SCALE_E8M0: tl.constexpr,
+    IEEE: tl.constexpr,
+    ACT_DTYPE: tl.constexpr,  # the dots' input type (bf16 / fp16 on a GPU)
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert >= num_experts:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    row_ok = pair < num_pairs
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    jj = tl.arange(0, BLOCK_K // 2)
+    gg = tl.arange(0, BLOCK_K // 32)
+    kk = tl.arange(0, BLOCK_K)
+    h_row = h_ptr + rows[:, None].to(tl.int64) * stride_ht
+    w_base = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn
+    s_base = s_ptr + expert.to(tl.int64) * stride_se + cols[None, :].to(tl.int64) * stride_sn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        byte = k0 // 2 + jj
+        k_ok = 2 * byte < inter
+        a_even, a_odd = _even_odd(
+            h_row + k0 + kk[None, :], (k0 + kk < inter)[None, :], BLOCK_M, BLOCK_K
+        )
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        group = k0 // 32 + gg
+        s_mask = (group < inter // 32)[:, None] & col_ok[None, :]
+        even, odd = _fp4_tile(w_base + byte[:, None], w_mask, s_base + group[:, None], s_mask,
+                              BLOCK_K, BLOCK_N, SCALE_E8M0)  # fmt: skip
+        if IEEE:
+            acc = _dot2(a_even, a_odd, even, odd, acc, IEEE)
+        else:  # h = hi + lo in the 16-bit type: two dots keep h's fp32 precision
+            hi_even, hi_odd = a_even.to(ACT_DTYPE), a_odd.to(ACT_DTYPE)
+            acc = _dot2(hi_even, hi_odd, even, odd, acc, IEEE)
+            lo_even = (a_even - hi_even.to(tl.float32)).to(ACT_DTYPE)
+            lo_odd = (a_odd - hi_odd.to(tl.float32)).to(ACT_DTYPE)
+            acc = _dot2(lo_even, lo_odd, even, odd, acc, IEEE)
+    weight = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
+    acc = acc * weight[:, None]
+    out_ptrs = slots_ptr + pair[:, None].to(tl.int64) * stride_slot + cols[None, :]
+    tl.store(out_ptrs, acc, mask=row_ok[:, None] & col_ok[None, :])
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _shape(t: torch.Tensor) -> str:
+    return f"{t.dtype} {tuple(t.shape)}"
+
+
+def _check(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale) -> None:
+    if x.dim() != 2 or x.dtype not in _ACTIVATION_DTYPES:
+        raise ValueError(f"x must be [T, D] in {_ACTIVATION_DTYPES}, got {_shape(x)}")
+    t, d = x.shape
+    ids_ok = topk_ids.dtype in (torch.int32, torch.int64)
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or not ids_ok:
+        raise ValueError(f"topk_ids must be [{t}, k] int32/int64, got {_shape(topk_ids)}")
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"topk_weights must be shaped as topk_ids, got {_shape(topk_weights)}")
+    if w13.dtype != torch.uint8 or w13.dim() != 3 or w13.shape[2] * 2 != d or w13.shape[1] % 2:
+        raise ValueError(f"w13 must be packed uint8 [E, 2I, {d // 2}], got {_shape(w13)}")
+    e, two_i, _ = w13.shape
+    i = two_i // 2
+    if d % 32 or i % 32:
+        raise ValueError(f"D ({d}) and I ({i}) must be multiples of 32 for FP4 experts")
+    if w2.dtype != torch.uint8 or tuple(w2.shape) != (e, d, i // 2):
+        raise ValueError(f"w2 must be packed uint8 [{e}, {d}, {i // 2}], got {_shape(w2)}")
+    scales = (
+        ("w13_scale", w13_scale, (e, two_i, d // 32)),
+        ("w2_scale", w2_scale, (e, d, i // 32)),
+    )
+    for name, scale, want in scales:
+        if tuple(scale.shape) != want or scale.dtype not in (torch.float32, torch.uint8):
+            raise ValueError(f"{name} must be fp32 or ue8m0 uint8 {want}, got {_shape(scale)}")
+    if w13_scale.dtype != w2_scale.dtype:
+        raise ValueError("w13_scale and w2_scale must have one dtype")
+
+
+def moe_experts_fp4(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    limit: float,
+    *,
+    tiling: Fp4Tiling | None = None,
+) -> torch.Tensor:
+    """x: [T, D]; topk_ids/topk_weights: [T, k]; w13: uint8 [E, 2I, D / 2], w13_scale:
+    [E, 2I, D / 32]; w2: uint8 [E, D, I / 2], w2_scale: [E, D, I / 32] (scales fp32, or
+    uint8 ue8m0). Returns [T, D] in x's dtype; a slot whose id is outside [0, E) adds 0."""
+    _check(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale)
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    out = _empty((num_tokens, hidden), x.dtype, x.device)
+    if num_tokens == 0 or top_k == 0:
+        return out.zero_()
+    t = tiling or default_tiling(num_tokens, top_k, num_experts, x.device)
+    x, topk_ids = x.contiguous(), topk_ids.contiguous()
+    w13, w2 = w13.contiguous(), w2.contiguous()
+    w13_scale, w2_scale = w13_scale.contiguous(), w2_scale.contiguous()
+    weights = topk_weights.to(torch.float32).contiguous().view(-1)
+    num_pairs = num_tokens * top_k
+    bm = t.block_m
+    sorted_ids, block_expert = moe_align(topk_ids, num_experts, bm)
+    num_blocks = block_expert.shape[0]
+    ieee = x.dtype == torch.float32 or x.device.type == "cpu"
+    e8m0 = w13_scale.dtype == torch.uint8
+
+    h = _empty((num_blocks * bm, inter), torch.float32, x.device)
+    moe_gate_up_fp4_kernel[(num_blocks, triton.cdiv(inter, t.gate_up_block_n))](
+        x, w13, w13_scale, h, sorted_ids, block_expert,
+        num_pairs, top_k, hidden, inter, num_experts, float(limit),
+        x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
+        h.stride(0),
+        BLOCK_M=bm, BLOCK_N=t.gate_up_block_n, BLOCK_K=t.block_k, SCALE_E8M0=e8m0, IEEE=ieee,
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )  # fmt: skip
+    slots = _empty((num_pairs, hidden), torch.float32, x.device)
+    moe_down_fp4_kernel[(num_blocks, triton.cdiv(hidden, t.down_block_n))](
+        h, w2, w2_scale, weights, slots, sorted_ids, block_expert,
+        num_pairs, hidden, inter, num_experts,
+        h.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+        slots.stride(0),
+        BLOCK_M=bm, BLOCK_N=t.down_block_n, BLOCK_K=t.block_k, SCALE_E8M0=e8m0, IEEE=ieee,
+        ACT_DTYPE=_TL_DTYPES[x.dtype],
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )  # fmt: skip
+    block_d = min(1024, triton.next_power_of_2(hidden))
+    moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_d))](
+        slots, topk_ids.view(-1), out, top_k, hidden, num_experts, slots.stride(0),
+        out.stride(0), BLOCK_D=block_d, num_warps=4,
+    )  # fmt: skip
+    return out
