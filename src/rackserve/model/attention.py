@@ -154,7 +154,9 @@ class Attention(nn.Module):
         if not all(type(lin) is nn.Linear for lin in linears):
             return None
         fused = self._fusions.get(key)
-        if fused is None or any(m is not lin for (m, _), lin in zip(fused.params, linears)):
+        if fused is None or any(
+            m is not lin for (m, _), lin in zip(fused.params, linears, strict=True)
+        ):
             sizes = [lin.out_features for lin in linears]
             fused = FusedWeights(
                 [(lin, "weight") for lin in linears],
@@ -197,7 +199,7 @@ class Attention(nn.Module):
 
     def _fused_groups(self) -> list[tuple[str, list[nn.Module]]]:
         groups = [("x", self._x_linears())]
-        return groups + [("q", self._q_linears())] if self.kind == CSA else groups
+        return [*groups, ("q", self._q_linears())] if self.kind == CSA else groups
 
     def _q_projections(self, q_residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """q_residual [T, q_lora] -> (``wq_b`` [T, H * Dh], CSA: the indexer's ``wq_b``

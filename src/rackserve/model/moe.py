@@ -159,7 +159,10 @@ class MoE(nn.Module):
         if sh is None or not all(type(m) is nn.Linear for m in (sh.w1, sh.w2, sh.w3)):
             return None
         folded = self._folded
-        if folded is None or folded[0].params[1][0] is not sh.w1 or folded[1].params[1][0] is not sh.w2:
+        stale = folded is not None and (
+            folded[0].params[1][0] is not sh.w1 or folded[1].params[1][0] is not sh.w2
+        )
+        if folded is None or stale:
             folded = self._folded = self._fold_shared()
         return folded
 
