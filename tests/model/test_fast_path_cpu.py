@@ -117,21 +117,27 @@ def test_fused_weights_keep_the_checkpoint_layout():
     for k, v in before.items():
         assert after[k].shape == v.shape and torch.equal(after[k], v), k
     attn, moe = fast.model.layers[1].attn, fast.model.layers[1].ffn
-    fused = attn._x_proj.fused
+    fused = attn._fusion("x", attn._x_linears()).fused
     assert fused is not None and attn.wq_a.weight.data_ptr() == fused.data_ptr()
-    assert moe.shared_experts.w2.weight.data_ptr() == moe._with_shared[1].fused[-1].data_ptr()
+    assert moe.shared_experts.w2.weight.data_ptr() == moe._with_shared()[1].fused[-1].data_ptr()
     state = ref.state_dict()
     state["model.layers.1.attn.wkv.weight"] = torch.zeros_like(attn.wkv.weight)
     fast.load_state_dict(state)  # copies into the views
-    assert attn._x_proj.intact()
+    assert attn._fusion("x", attn._x_linears()).intact()
     q_lora = attn.wq_a.out_features
-    assert (attn._x_proj.get()[q_lora : q_lora + attn.head_dim] == 0).all()
+    assert (attn._fusion("x", attn._x_linears()).get()[q_lora : q_lora + attn.head_dim] == 0).all()
     fast.cast(torch.bfloat16)  # fuses again at once: loading then copies into the views
-    assert attn._x_proj.intact() and attn._x_proj.get().dtype == torch.bfloat16
+    assert (
+        attn._fusion("x", attn._x_linears()).intact()
+        and attn._fusion("x", attn._x_linears()).get().dtype == torch.bfloat16
+    )
     attn.wkv.weight.data = attn.wkv.weight.data.clone()  # as .to() would: no longer a view
-    assert not attn._x_proj.intact()
+    assert not attn._fusion("x", attn._x_linears()).intact()
     cache = ContiguousCache(fast, 3, 64)
     with torch.inference_mode():
         hidden, _ = fast(torch.tensor([5, 7, 0]), step, cache.tensors)
-    assert attn._x_proj.intact() and attn._x_proj.get().dtype == torch.bfloat16
+    assert (
+        attn._fusion("x", attn._x_linears()).intact()
+        and attn._fusion("x", attn._x_linears()).get().dtype == torch.bfloat16
+    )
     assert not hidden.isnan().any()
