@@ -313,7 +313,15 @@ def paged_indexer_topk(
     packed = indexer_logits(
         q, key_cache, slots, weights, scale, num_visible, packed=True, tiling=tiling
     )
+    return topk_packed(packed, k, tiling)
+
+
+def topk_packed(packed: torch.Tensor, k: int, tiling: IndexerTiling | None = None) -> torch.Tensor:
+    """The ``k`` largest packed earliest-tie keys of each row, best first, as entry ids:
+    one bitonic top-k launch (E <= ``tiling.triton_select_max_entries``), chunk-wise levels
+    for longer rows, or ``torch.topk``. packed: [S, E] int64 -> [S, k] int64."""
     num_queries, num_entries = packed.shape
+    tiling = tiling or default_tiling(num_queries, num_entries, packed.device)
     limit = tiling.triton_select_max_entries
     if k == 0 or num_queries == 0 or (num_entries > limit and tiling.select_chunk <= 0):
         return packed.topk(k, dim=-1).indices
@@ -325,12 +333,12 @@ def paged_indexer_topk(
     chunk = max(2 * block_k, triton.next_power_of_2(tiling.select_chunk))  # each level halves
     while num_entries > tiling.triton_select_max_entries:
         parts = triton.cdiv(num_entries, chunk)
-        picks = _empty((num_queries, parts * block_k), torch.int64, q.device)
+        picks = _empty((num_queries, parts * block_k), torch.int64, packed.device)
         _select(packed, picks, num_entries, k, chunk, block_k, (num_queries, parts), True)
         packed, num_entries = picks, parts * block_k
         if parts == 1:
             break
-    ids = _empty((num_queries, k), torch.int64, q.device)
+    ids = _empty((num_queries, k), torch.int64, packed.device)
     _select(packed, ids, num_entries, k, num_entries, block_k, (num_queries, 1), False)
     return ids
 

@@ -17,8 +17,9 @@ instead of once per query, which is what bounds the decode kernel at long cached
 A tile whose queries disagree on a visible entry's slot (it straddles two requests) takes
 the exact fallback: each query's own keys, one dot per query, the other columns discarded.
 Logits are stored as the packed int64 keys of ``reference.topk_earliest`` (ties to the
-earliest entry), then selected: Triton's bitonic top-k of ``indexer.py`` up to 2048
-entries on a GPU, ``torch.topk`` otherwise. Grids depend on shapes only: no host sync.
+earliest entry), then selected by ``indexer.topk_packed`` on a GPU (bitonic top-k, in
+chunk-wise levels for long rows), ``torch.topk`` on the CPU. Grids depend on shapes only:
+no host sync.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import triton
 import triton.language as tl
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_TRITON_SELECT_MAX_ENTRIES = 2048
 
 
 @dataclass(frozen=True)
@@ -164,24 +164,10 @@ def paged_indexer_topk(
     fewer than k are visible: the caller masks them)."""
     _check(q, key_cache, slots, weights, num_visible, k)
     packed = indexer_logits(q, key_cache, slots, weights, scale, num_visible, tiling=tiling)
-    num_queries, num_entries = packed.shape
-    if (
-        k == 0
-        or num_queries == 0
-        or num_entries > _TRITON_SELECT_MAX_ENTRIES
-        or q.device.type != "cuda"  # the interpreted bitonic sort is slow
-    ):
+    if q.device.type != "cuda":  # the interpreted bitonic sort is slow
         return packed.topk(k, dim=-1).indices
-    select = importlib.import_module("rackserve.ops.triton.indexer").select_topk_kernel
-    ids = _empty((num_queries, k), torch.int64, q.device)
-    block_n = max(2, triton.next_power_of_2(num_entries))  # tl.topk needs k >= 2
-    select[(num_queries,)](
-        packed, ids, num_entries, k, packed.stride(0), ids.stride(0),
-        BLOCK_N=block_n,
-        BLOCK_K=max(2, triton.next_power_of_2(k)),
-        num_warps=4 if block_n <= 1024 else 8,
-    )  # fmt: skip
-    return ids
+    topk_packed = importlib.import_module("rackserve.ops.triton.indexer").topk_packed
+    return topk_packed(packed, k)
 
 
 @triton.jit
