@@ -124,7 +124,12 @@ class DPAsyncEngineClient(AsyncEngineClient):
     # ---- routing -------------------------------------------------------------------------
     def _send(self, kind: MessageType, payload: Any = None) -> None:
         if kind == MessageType.ADD:
-            rank = self.tracker.assign(payload.request_id, len(payload.prompt_token_ids))
+            # X-data-parallel-rank pins a client request and its n > 1 children alike
+            parent = self.processor.parent_id(payload.request_id)
+            pinned = self._pinned_ranks.get(parent) if parent is not None else None
+            rank = self.tracker.assign(
+                payload.request_id, len(payload.prompt_token_ids), rank=pinned
+            )
             self._rank_queue.put_nowait((rank, encode_message(kind, payload)))
         elif kind == MessageType.ABORT:
             by_rank: dict[int, list[str]] = {}
