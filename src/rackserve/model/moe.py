@@ -111,10 +111,13 @@ class MoE(nn.Module):
         expert_parallel: ExpertParallel | None = None,
     ) -> None:
         super().__init__()
-        self.layer_id = layer_id
+        # its layer among the EP model's (MTP layers: 0.. of the "mtp" EP model)
+        self.layer_id = (
+            layer_id if expert_parallel is None else expert_parallel.layer_index(layer_id)
+        )
         self.ep = expert_parallel
         self.gate = Router(cfg, hashed, kernels)
-        slots = None if expert_parallel is None else expert_parallel.local_experts(layer_id)
+        slots = None if expert_parallel is None else expert_parallel.local_experts(self.layer_id)
         self.experts = Experts(cfg, kernels, slots)
         self.shared_experts = SharedExpert(cfg) if cfg.n_shared_experts else None
 
