@@ -15,9 +15,10 @@ Each group's efficiency in a case is its ops' roofline time (the planner's count
 the recorded model and batch, bf16) over its measured time. A record without a profile
 takes the group split of the nearest profiled case of its phase, all groups scaled by one
 factor so that its own step time is reproduced (or its whole-step efficiency for every
-group, when no case of the phase is profiled). Only the newest record of each (model, case) counts (by date, then
-the faster: the fast path only gets faster between dated re-runs), and a record whose
-roofline the current counting no longer reproduces is skipped (its bytes were others).
+group, when no case of the phase is profiled). Only the newest record of each (model,
+case) counts (by date, then the faster: the fast path only gets faster between dated
+re-runs), and a record whose roofline the current counting no longer reproduces is
+skipped (its bytes were others).
 
 At planning time an op's efficiency is the one of the nearest calibration point of its
 group and phase in (tokens, context) -- rows per expert instead of tokens for the routed
