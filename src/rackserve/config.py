@@ -583,9 +583,14 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly (as vLLM names it)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     tokenizer: str | None = None  # tokenizer directory (None: the model's); structured output
+    # a structured-output grammar still compiling after this fails its request alone
+    structured_output_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         self.parallel.num_physical_experts(self.model_config.n_routed_experts)  # validates
+        if not self.structured_output_timeout_s > 0:
+            timeout = self.structured_output_timeout_s
+            raise ConfigError(f"--structured-output-timeout-s must be > 0, got {timeout}")
         limit = self.model_config.max_position_embeddings
         if self.scheduler.max_model_len > limit:
             raise ConfigError(

@@ -26,6 +26,9 @@ def test_serve_defaults_are_the_config_defaults():
     assert SERVE_DEFAULTS["max_num_batched_tokens"] == scheduler.max_num_batched_tokens
     assert SERVE_DEFAULTS["scheduling_policy"] == scheduler.policy
     assert SERVE_DEFAULTS["seed"] == engine["seed"].default
+    timeout = engine["structured_output_timeout_s"].default
+    assert SERVE_DEFAULTS["structured_output_timeout_s"] == timeout
+    assert flag_defaults()["--structured-output-timeout-s"] == f"{timeout:g}"
 
 
 def test_docs_state_the_defaults():

@@ -69,21 +69,38 @@ def test_merge_stats_sums_ranks():
     assert merged.expert_balancedness == [0.5]
 
 
-async def _generate_all(client: DPAsyncEngineClient, requests: dict[str, list[int]]) -> dict:
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+async def _generate_all(
+    client: DPAsyncEngineClient,
+    requests: dict[str, list[int]],
+    rank: int | None = None,
+    n: int = 1,
+) -> dict:
+    """Greedy tokens of every request (of every one of its ``n`` outputs when n > 1), all
+    pinned to ``rank`` when given (as the X-data-parallel-rank header does)."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=n)
 
-    async def one(req_id: str, ids: list[int]) -> list[int]:
+    async def one(req_id: str, ids: list[int]) -> list[int] | list[list[int]]:
         outputs = [
             out
-            async for out in client.generate(req_id, ids, params, kind=RequestOutputKind.FINAL_ONLY)
+            async for out in client.generate(
+                req_id, ids, params, kind=RequestOutputKind.FINAL_ONLY, data_parallel_rank=rank
+            )
         ]
+        if n > 1:
+            return [c.token_ids for c in outputs[-1].outputs]
         return outputs[-1].outputs[0].token_ids
 
     results = await asyncio.gather(*(one(r, ids) for r, ids in requests.items()))
     return dict(zip(requests, results, strict=True))
 
 
-def _run_client(model_dir: Path, parallel: ParallelConfig, requests: dict) -> tuple[dict, list]:
+def _run_client(
+    model_dir: Path, parallel: ParallelConfig, requests: dict, mirror: bool = False
+) -> tuple[dict, list]:
+    """Tokens of ``requests`` through a DP client; ``mirror``: then the same set again once
+    per rank, each copy pinned to its rank, all at once (``bench replay --mode mirror``):
+    returns also each copy's tokens and the rank every pinned engine request went to."""
+
     async def main():
         config = engine_config(model_dir, parallel)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -91,11 +108,32 @@ def _run_client(model_dir: Path, parallel: ParallelConfig, requests: dict) -> tu
         await client.start()
         try:
             tokens = await _generate_all(client, requests)
+            mirrored: dict = {}
+            if mirror:
+                ranks_of: dict[str, int] = {}
+                assign = client.tracker.assign
+
+                def spy(request_id: str, num_tokens: int, rank: int | None = None) -> int:
+                    ranks_of[request_id] = assign(request_id, num_tokens, rank)
+                    return ranks_of[request_id]
+
+                client.tracker.assign = spy  # type: ignore[method-assign]
+                copies = [
+                    {f"c{r}-{k}": ids for k, ids in requests.items()}
+                    for r in range(client.num_ranks)
+                ]
+                results = await asyncio.gather(
+                    *(_generate_all(client, c, rank=r) for r, c in enumerate(copies)),
+                    _generate_all(client, {"fan": next(iter(requests.values()))}, rank=1, n=2),
+                )
+                mirrored = {"copies": results[:-1], "fan": results[-1], "ranks": ranks_of}
+                with pytest.raises(ValueError, match="out of range"):
+                    await _generate_all(client, {"bad": [5, 6]}, rank=client.num_ranks)
             await client.check_health(timeout_s=30)
             assigned = sorted(client.tracker.rank_of.values())  # finished: forgotten
         finally:
             await client.shutdown()
-        return tokens, assigned
+        return (tokens, mirrored) if mirror else tokens, assigned
 
     return asyncio.run(main())
 
@@ -109,9 +147,18 @@ def test_dp2_front_end_equals_one_rank(model_dir):
     requests = prompts(4)
     reference = single_rank(model_dir, requests)
     parallel = ParallelConfig(data_parallel_size=2, enable_expert_parallel=True)
-    tokens, assigned = _run_client(model_dir, parallel, requests)
+    (tokens, mirrored), assigned = _run_client(model_dir, parallel, requests, mirror=True)
     _assert_equal(reference, tokens)
     assert assigned == []  # every finished request left the load tracker
+    # X-data-parallel-rank: each mirrored copy ran whole on its own rank, with the same tokens
+    ranks = mirrored["ranks"]
+    for rank, copy in enumerate(mirrored["copies"]):
+        assert {ranks[f"c{rank}-{k}"] for k in requests} == {rank}
+        assert {k: copy[f"c{rank}-{k}"] for k in requests} == reference["tokens"]
+    fan_children = [r for r in ranks if r not in {f"c{c}-{k}" for c in (0, 1) for k in requests}]
+    assert len(fan_children) == 2 and {ranks[c] for c in fan_children} == {1}  # n=2: both
+    first = next(iter(requests))
+    assert mirrored["fan"]["fan"] == [reference["tokens"][first]] * 2
 
 
 def _two_hosts(model_dir: Path, world: int, requests: dict) -> dict:

@@ -123,3 +123,19 @@ def test_engine_unharmed_by_bad_requests(server: Server) -> None:
     body = {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 2}
     response = post(server, "/v1/chat/completions", body)
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.parametrize("value", ["1", "-1", "zero", "", "0.5"])
+def test_bad_data_parallel_rank_header(server: Server, value: str) -> None:
+    # one engine rank: only 0 pins; anything else is the client's mistake, said as such
+    body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 1}
+    response = post(server, "/v1/completions", body, {**AUTH, "X-data-parallel-rank": value})
+    error = assert_error(response, 400, param="X-data-parallel-rank")
+    assert "[0, 1)" in error["message"]
+
+
+def test_data_parallel_rank_header_pins(server: Server) -> None:
+    body = {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 2}
+    response = post(server, "/v1/chat/completions", body, {**AUTH, "X-data-parallel-rank": "0"})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] is not None

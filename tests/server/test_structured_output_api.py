@@ -15,7 +15,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import API_KEY, MODEL_NAME, Server
+from conftest import API_KEY, MODEL_NAME, Server, run_server
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CHAT = [{"role": "user", "content": "Describe a person as JSON."}]
@@ -158,3 +158,16 @@ def test_text_response_format_is_unconstrained(server: Server) -> None:
     }  # fmt: skip
     response = post(server, "/v1/chat/completions", body)
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5
+
+
+def test_grammar_compile_past_the_deadline_is_a_400(tiny_model: Path, tmp_path: Path) -> None:
+    # 1 ms: the first compile (which loads the vocabulary) cannot make it
+    with run_server(tiny_model, tmp_path, "--structured-output-timeout-s", "0.001") as server:
+        body = {"model": MODEL_NAME, "messages": CHAT, "response_format": RESPONSE_FORMAT}
+        response = post(server, "/v1/chat/completions", {**body, "max_tokens": 20})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert "did not compile within 0.001 s" in error["message"], error
+        assert error["type"] == "invalid_request_error"
+        plain = post(server, "/v1/chat/completions", {**body, "response_format": None})
+        assert plain.status_code == 200, plain.text  # the engine is unharmed

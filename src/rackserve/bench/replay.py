@@ -3,9 +3,9 @@
 One request set (random prompts of ``--input-len`` tokens, ``--output-len`` each) is
 replayed once per DP rank: all copies at once (``mirror``), or copy r delayed by r x
 ``--lag-s`` (``lag``). Copy r carries the header ``X-data-parallel-rank: r`` (vLLM's
-spelling) for servers that pin by it; ours assigns by least load, so identical copies sent
-together spread evenly and a lagged copy lands on whichever ranks are free. The throughput
-difference between the modes is the cost of imbalance::
+spelling), which our server (like vLLM's) honours: copy r runs whole on rank r, so every
+rank holds the same request set. The throughput difference between the modes is the
+cost of imbalance::
 
     mirror:  rank 0 |=====copy 0=====|          lag:  rank 0 |==copy 0==|
              rank 1 |=====copy 1=====|                rank 1      |==copy 1==|

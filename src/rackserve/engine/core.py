@@ -27,7 +27,7 @@ from rackserve.kv.spec import (
     prefix_alignment,
 )
 from rackserve.model.loader import load_model
-from rackserve.moe.ep import ExpertParallel
+from rackserve.moe.ep import expert_parallel_models
 from rackserve.moe.skew import apply_skewed_routing
 from rackserve.parallel.groups import ParallelGroups
 from rackserve.request import INT64_MAX, INT64_MIN, Request, RequestStatus
@@ -36,6 +36,8 @@ from rackserve.runner.model_runner import ModelRunner
 from rackserve.runner.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
+# How long an engine with nothing to run but compiling grammars waits per (empty) step
+GRAMMAR_POLL_S = 0.01
 
 
 def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
@@ -116,8 +118,16 @@ class EngineCore:
         if device.type == "cpu":
             torch.set_num_threads(config.cpu_threads)
         self.groups = groups or ParallelGroups.single()
-        self.ep = _expert_parallel(config, self.groups, device)
-        self.model = load_model(config.model, dtype=dtype, device=device, expert_parallel=self.ep)
+        # EP state per model (moe/ep.py): "main" (self.ep) and the MTP layers' "mtp"
+        self.ep_models = expert_parallel_models(config, self.groups, device)
+        self.ep = self.ep_models.get("main")
+        self.model = load_model(
+            config.model,
+            dtype=dtype,
+            device=device,
+            expert_parallel=self.ep,
+            mtp_expert_parallel=self.ep_models.get("mtp"),
+        )
         if config.parallel.skewed_routing > 0:
             apply_skewed_routing(self.model, config.parallel.skewed_routing, seed=config.seed)
         cfg = self.model.cfg
@@ -165,8 +175,13 @@ class EngineCore:
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a request; ValueError (the client's fault) leaves the engine untouched."""
-        self.scheduler.add_request(self._request(request))
+        """Queue a request; ValueError (the client's fault) leaves the engine untouched.
+        A structured-output request waits in the scheduler until its grammar compiles."""
+        req = self._request(request)
+        structured = request.sampling_params.structured_outputs
+        # the compile _request started (the compiler's cache finds it)
+        grammar = self.grammar_compiler.submit(structured) if structured is not None else None
+        self.scheduler.add_request(req, grammar, self.config.structured_output_timeout_s)
 
     def add_request_with_kv(self, request: EngineCoreRequest, num_computed_tokens: int) -> bool:
         """Admit a request whose first tokens' KV lands straight in its blocks (P/D decode
@@ -205,11 +220,14 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         sched = self.scheduler.schedule()
         self.last_step = sched
+        if not sched.total_num_scheduled_tokens and self.scheduler.waiting_for_grammar:
+            # only grammars are compiling: wait a little for one instead of spinning
+            self.scheduler.waiting_for_grammar.wait(GRAMMAR_POLL_S)
         result = self.runner.execute(sched)  # an empty step still drops finished state
         if self.ep is not None:
             if not result.req_ids:
                 self.ep.dummy_pass()  # no forward ran: the other ranks' dispatch needs ours
-            self.ep.end_step()
+            self.ep_models.end_step(("main",))  # the MTP layers run in no step yet
         self.last_forward_time_s = result.forward_time_s
         outputs = self.scheduler.update(sched, result)
         stats = self.scheduler.stats()
@@ -233,30 +251,6 @@ class EngineCore:
     def shutdown(self) -> None:
         self.abort_requests(list(self.scheduler.requests))
         self.grammar_compiler.shutdown()
-
-
-def _expert_parallel(
-    config: EngineConfig, groups: ParallelGroups, device: torch.device
-) -> ExpertParallel | None:
-    """This rank's share of the routed experts under ``--enable-expert-parallel``."""
-    par = config.parallel
-    if not par.expert_parallel:
-        return None
-    if groups.ep_size != par.expert_parallel_size:
-        raise ValueError(
-            f"expert parallelism over {par.expert_parallel_size} ranks needs process groups of "
-            f"that size (got {groups.ep_size}): launch the ranks with engine/dp.py"
-        )
-    cfg = config.model_config
-    return ExpertParallel(
-        cfg.num_hidden_layers,
-        cfg.n_routed_experts,
-        par.num_physical_experts(cfg.n_routed_experts),
-        groups,
-        device,
-        eplb=par.eplb if par.enable_eplb else None,
-        window_size=par.eplb.window_size,
-    )
 
 
 def _round_interval(interval: int | None, groups: list) -> int | None:

@@ -129,12 +129,17 @@ class DPLoadTracker:
         self.policy = policy or LeastLoad()
         self.rank_of: dict[str, int] = {}
 
-    def assign(self, request_id: str, num_prompt_tokens: int) -> int:
+    def assign(self, request_id: str, num_prompt_tokens: int, rank: int | None = None) -> int:
+        """The rank for a new request: ``rank`` when the client pinned one (vLLM's
+        ``X-data-parallel-rank``), else the policy's choice."""
         if request_id in self.rank_of:
             raise ValueError(f"request {request_id} is already assigned")
-        rank = self.policy.choose(self.loads, num_prompt_tokens)
-        if not 0 <= rank < len(self.loads):
-            raise ValueError(f"the assignment policy chose rank {rank} of {len(self.loads)}")
+        if rank is None:
+            rank = self.policy.choose(self.loads, num_prompt_tokens)
+            if not 0 <= rank < len(self.loads):
+                raise ValueError(f"the assignment policy chose rank {rank} of {len(self.loads)}")
+        elif not 0 <= rank < len(self.loads):
+            raise ValueError(f"data_parallel_rank {rank} is out of range [0, {len(self.loads)})")
         load = self.loads[rank]
         load.num_requests += 1
         load.num_tokens += num_prompt_tokens

@@ -2,8 +2,9 @@
 
 The same interface as ``AsyncEngineClient`` (the API layer cannot tell them apart): one
 output processor, one queue per request. Differences: each rank has its own socket pair
-(``engine/dp_process.py``); a new request goes to the rank the assignment policy picks
-(``engine/dp.py``; least load by default), aborts go to the request's rank, pings and
+(``engine/dp_process.py``); a new request goes to the rank its ``X-data-parallel-rank``
+header pins it to, else to the rank the assignment policy picks (``engine/dp.py``; least
+load by default), aborts go to the request's rank, pings and
 SHUTDOWN to every rank, and every rank's outputs are merged into the one processor. With
 several hosts the head binds TCP sockets for every rank and spawns only its own ranks;
 the others come from ``serve --headless`` on their hosts.
@@ -124,7 +125,12 @@ class DPAsyncEngineClient(AsyncEngineClient):
     # ---- routing -------------------------------------------------------------------------
     def _send(self, kind: MessageType, payload: Any = None) -> None:
         if kind == MessageType.ADD:
-            rank = self.tracker.assign(payload.request_id, len(payload.prompt_token_ids))
+            # X-data-parallel-rank pins a client request and its n > 1 children alike
+            parent = self.processor.parent_id(payload.request_id)
+            pinned = self._pinned_ranks.get(parent) if parent is not None else None
+            rank = self.tracker.assign(
+                payload.request_id, len(payload.prompt_token_ids), rank=pinned
+            )
             self._rank_queue.put_nowait((rank, encode_message(kind, payload)))
         elif kind == MessageType.ABORT:
             by_rank: dict[int, list[str]] = {}

@@ -32,6 +32,7 @@ from rackserve.engine.process import (
     MessageType,
     _watch_parent,
     encode_message,
+    ipc_directory,
 )
 from rackserve.parallel.groups import (
     ParallelGroups,
@@ -111,8 +112,10 @@ def run_dp_engine_core(config: DPRankConfig) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: dump stacks
     if config.watch_parent:
+        # a killed API process leaves its ipc:// directory: the ranks remove it
+        ipc_dir = ipc_directory(config.process.input_address)
         threading.Thread(
-            target=_watch_parent, args=(config.process.parent_pid,), daemon=True
+            target=_watch_parent, args=(config.process.parent_pid, ipc_dir), daemon=True
         ).start()
     engine_config = config.process.engine_config
     parallel = engine_config.parallel

@@ -115,6 +115,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # time.monotonic() (host-wide) when first scheduled; sent with the first token only,
     # so the frontend's queue time is exact even when the prefill took several steps
     first_scheduled_time: float | None = None
+    # why the engine failed this request alone (finish_reason "abort"; the API answers 400),
+    # e.g. its structured-output grammar did not compile in time
+    error: str | None = None
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):

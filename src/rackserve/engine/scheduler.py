@@ -13,6 +13,7 @@ import bisect
 import logging
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future
 
 from rackserve.config import SchedulerConfig
 from rackserve.engine.outputs import (
@@ -28,6 +29,7 @@ from rackserve.engine.request_queue import WaitingQueue
 from rackserve.engine.stop import check_stop_token
 from rackserve.kv.manager import KVCacheManager
 from rackserve.request import Request, RequestStatus
+from rackserve.runner.structured_output import GrammarWait
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +58,41 @@ class Scheduler:
         # Finished by schedule() (they can never fit): reported by the next update().
         self._finished_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
+        self.waiting_for_grammar = GrammarWait()  # WAITING_FOR_FSM: not in `waiting` yet
 
     # ---- requests in and out ----------------------------------------------------------------
-    def add_request(self, req: Request) -> None:
+    def add_request(
+        self, req: Request, grammar: Future | None = None, grammar_timeout_s: float = 30.0
+    ) -> None:
+        """Queue a request. One whose structured-output ``grammar`` is still compiling
+        waits outside the queue (WAITING_FOR_FSM) until it compiles, or fails alone after
+        ``grammar_timeout_s``: other requests keep stepping meanwhile."""
         self._check_new(req)
         self.requests[req.request_id] = req
-        self.waiting.add(req)
+        if grammar is not None and not grammar.done():
+            req.status = RequestStatus.WAITING_FOR_FSM
+            self.waiting_for_grammar.add(req, grammar, grammar_timeout_s)
+        else:
+            self.waiting.add(req)
+
+    def _admit_compiled(self) -> None:
+        """Queue the requests whose grammar compiled; fail those whose compile failed or
+        timed out (reported, with the reason, by the next update())."""
+        ready, failed = self.waiting_for_grammar.poll()
+        for req in ready:
+            req.status = RequestStatus.WAITING
+            self.waiting.add(req)
+        for req, message in failed:
+            logger.warning("request %s: %s", req.request_id, message)
+            self._free(req, RequestStatus.FINISHED_ABORTED)
+            self._finished_outputs.append(
+                EngineCoreOutput(
+                    request_id=req.request_id,
+                    new_token_ids=[],
+                    finish_reason=RequestStatus.FINISHED_ABORTED.finish_reason.value,
+                    error=message,
+                )
+            )
 
     def _check_new(self, req: Request) -> None:
         """Bad input (the client's fault) raises ValueError and changes nothing."""
@@ -107,6 +138,8 @@ class Scheduler:
             return []
         ids = {r.request_id for r in reqs}
         self.waiting.remove(ids)
+        for req_id in ids:
+            self.waiting_for_grammar.discard(req_id)
         self.running = [r for r in self.running if r.request_id not in ids]
         for req in reqs:
             self._free(req, status)
@@ -125,6 +158,8 @@ class Scheduler:
 
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self.waiting_for_grammar:
+            self._admit_compiled()
         budget = self.config.max_num_batched_tokens
         max_model_len = self.config.max_model_len
         new_reqs: list[NewRequestData] = []
@@ -400,7 +435,7 @@ class Scheduler:
         kv_stats = self.kv.stats
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + len(self.waiting_for_grammar),
             kv_cache_usage=self.kv.usage,
             prefix_cache_queries=kv_stats.num_queried_tokens,
             prefix_cache_hits=kv_stats.num_hit_tokens,

@@ -115,13 +115,21 @@ class MTPLayer(nn.Module):
     Its cache layer id is ``num_hidden_layers + k`` (sliding-window group only).
     """
 
-    def __init__(self, cfg: ModelConfig, k: int, rotary: Rotary, kernels: ops.Kernels) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        k: int,
+        rotary: Rotary,
+        kernels: ops.Kernels,
+        expert_parallel: ExpertParallel | None = None,
+    ) -> None:
         super().__init__()
         d = cfg.hidden_size
         self.enorm = RMSNorm(d, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(d, cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * d, d, bias=False)
-        self.block = DecoderLayer(cfg, cfg.num_hidden_layers + k, SLIDING, False, rotary, kernels)
+        layer_id = cfg.num_hidden_layers + k
+        self.block = DecoderLayer(cfg, layer_id, SLIDING, False, rotary, kernels, expert_parallel)
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.hc_head = HyperHead(cfg, kernels)
 
@@ -185,8 +193,9 @@ class DeepseekV4Model(nn.Module):
 class DeepseekV4ForCausalLM(nn.Module):
     """The causal LM. ``kernels`` picks the op implementations once (see ``rackserve.ops``):
     "auto" runs the fast ones on a GPU and the references on the CPU. ``expert_parallel``:
-    this rank's share of the routed experts (``moe/ep.py``; the MTP layers keep theirs
-    whole), None for one rank."""
+    this rank's share of the decoder layers' routed experts (``moe/ep.py``), None for one
+    rank; ``mtp_expert_parallel``: the MTP layers' (their own EP model, balanced apart,
+    first layer ``num_hidden_layers``; None: every MTP expert on every rank)."""
 
     def __init__(
         self,
@@ -194,6 +203,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         with_mtp: bool = True,
         kernels: str = "auto",
         expert_parallel: ExpertParallel | None = None,
+        mtp_expert_parallel: ExpertParallel | None = None,
     ) -> None:
         super().__init__()
         self.cfg = cfg
@@ -204,8 +214,11 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         num_mtp = cfg.num_nextn_predict_layers if with_mtp else 0
         self.mtp = nn.ModuleList(
-            MTPLayer(cfg, k, self.model.rotary_main, self.kernels) for k in range(num_mtp)
+            MTPLayer(cfg, k, self.model.rotary_main, self.kernels, mtp_expert_parallel)
+            for k in range(num_mtp)
         )
+        if mtp_expert_parallel is not None and num_mtp:
+            mtp_expert_parallel.bind([layer.block.ffn for layer in self.mtp])
 
     @property
     def has_mtp(self) -> bool:

@@ -124,10 +124,12 @@ def load_model(
     progress: bool | None = None,
     kernels: str = "auto",
     expert_parallel: ExpertParallel | None = None,
+    mtp_expert_parallel: ExpertParallel | None = None,
 ) -> DeepseekV4ForCausalLM:
     """Build the model from ``config.json`` and fill it from the safetensors files.
     ``kernels``: the op implementations (``rackserve.ops.KERNEL_CHOICES``);
-    ``expert_parallel``: this rank's share of the routed experts (None: all of them)."""
+    ``expert_parallel``: this rank's share of the routed experts (None: all of them);
+    ``mtp_expert_parallel``: the MTP layers' share (their own EP model)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_pretrained(model_dir)
     files = checkpoint_files(model_dir)
@@ -135,7 +137,11 @@ def load_model(
     with torch.device(device):
         with_mtp = any(k.startswith("mtp.") for _, k in names)
         model = DeepseekV4ForCausalLM(
-            cfg, with_mtp=with_mtp, kernels=kernels, expert_parallel=expert_parallel
+            cfg,
+            with_mtp=with_mtp,
+            kernels=kernels,
+            expert_parallel=expert_parallel,
+            mtp_expert_parallel=mtp_expert_parallel,
         )
     model.cast(dtype)
     quantize_linears_(model, fp8_linears(model, [k for _, k in names]), model.kernels)

@@ -129,10 +129,14 @@ class MoE(nn.Module):
         expert_parallel: ExpertParallel | None = None,
     ) -> None:
         super().__init__()
-        self.layer_id, self.kernels = layer_id, kernels
+        self.kernels = kernels
+        # its layer among the EP model's (MTP layers: 0.. of the "mtp" EP model)
+        self.layer_id = (
+            layer_id if expert_parallel is None else expert_parallel.layer_index(layer_id)
+        )
         self.ep = expert_parallel
         self.gate = Router(cfg, hashed, kernels)
-        slots = None if expert_parallel is None else expert_parallel.local_experts(layer_id)
+        slots = None if expert_parallel is None else expert_parallel.local_experts(self.layer_id)
         self.experts = Experts(cfg, kernels, slots)
         if expert_parallel is not None and self.experts.fp4:
             # dispatch and EPLB's weight moves know w13 / w2 only, not the FP4 scales

@@ -13,6 +13,18 @@ rebalance::
     step s:  forward (dispatch / combine, record)  -> end_step: recorder.next_step()
                                                       rearranger.step()   (one layer)
                                                       s % interval == 0: rebalance()
+
+EPLB state is per model (``ExpertParallelModels``, keyed by name): the target's decoder
+layers ("main"), its MTP layers ("mtp"), a separate draft model with its own expert count.
+Each has its own placement, loads, EPLB schedule and dummy pass, and steps only when its
+layers ran, so one model's traffic never skews another's placement.
+
+Why the MTP layers' experts are sharded too (not whole on every rank): a draft step at
+64 requests x top-k touches nearly every expert, so a replicated MTP layer reads all E
+experts per rank per draft step (V4-Flash: ~3 GB in FP4, ~0.8 ms at 4 TB/s) and holds them
+in every rank's memory, where a sharded one reads E / R and pays one dispatch/combine. The
+cost is that a draft step becomes collective, like a target step: every rank runs it (an
+idle rank, the MTP model's dummy pass) in the same order.
 """
 
 from __future__ import annotations
@@ -21,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rackserve.config import EPLBConfig
+from rackserve.config import EngineConfig, EPLBConfig
 from rackserve.moe.dispatch import AllToAllDispatcher, LocalDispatcher, MoEDispatcher
 from rackserve.moe.eplb import rebalance_experts, rebalance_with_move_cap
 from rackserve.moe.placement import ExpertPlacement
@@ -35,6 +47,8 @@ class ExpertParallel:
 
     ``eplb`` None: the placement never changes (statistics are still recorded, for the
     balancedness metric). A draft model with its own expert count gets its own object.
+    ``first_layer``: the model layer id of this object's layer 0 (the MTP layers' ids
+    continue the decoder's: ``num_hidden_layers + k``); ``name`` keys it per model.
     """
 
     def __init__(
@@ -46,7 +60,11 @@ class ExpertParallel:
         device: torch.device | str = "cpu",
         eplb: EPLBConfig | None = None,
         window_size: int | None = None,
+        first_layer: int = 0,
+        name: str = "main",
     ) -> None:
+        self.name = name
+        self.first_layer = first_layer
         num_ranks = groups.ep_size
         placement = ExpertPlacement.default(num_layers, num_experts, num_ranks, num_slots)
         placement = placement.to(device)
@@ -88,6 +106,16 @@ class ExpertParallel:
     @property
     def num_ranks(self) -> int:
         return self.dispatcher.num_ranks
+
+    def layer_index(self, model_layer_id: int) -> int:
+        """This object's index of the MoE layer the model numbers ``model_layer_id``."""
+        index = model_layer_id - self.first_layer
+        if not 0 <= index < self.placement.num_layers:
+            raise ValueError(
+                f"layer {model_layer_id} is not one of EP model {self.name!r}'s layers "
+                f"[{self.first_layer}, {self.first_layer + self.placement.num_layers})"
+            )
+        return index
 
     def local_experts(self, layer: int) -> list[int]:
         """Logical expert held by each of this rank's slots in ``layer``: [S_r] as a list."""
@@ -171,6 +199,85 @@ class ExpertParallel:
             return real, None
         uniform = self.recorder.step_balancedness(self.num_ranks, group, uniform=True)
         return real, uniform.tolist()
+
+
+class ExpertParallelModels:
+    """Every model's EP state on this rank, keyed by name ("main", "mtp", a draft's).
+
+    Each model is balanced on its own: its loads, placement and rebalance schedule never
+    mix with another's, so a draft model with a different expert count (or MTP layers that
+    run only on draft steps) is balanced separately. ``end_step(ran)`` closes the step of
+    the models whose layers ran (every rank passes the same names: the step is collective).
+    """
+
+    def __init__(self, models: list[ExpertParallel] | None = None) -> None:
+        self.models: dict[str, ExpertParallel] = {}
+        for model in models or []:
+            self.add(model)
+
+    def add(self, model: ExpertParallel) -> None:
+        if model.name in self.models:
+            raise ValueError(f"an EP model named {model.name!r} is already registered")
+        self.models[model.name] = model
+
+    def get(self, name: str) -> ExpertParallel | None:
+        return self.models.get(name)
+
+    def __getitem__(self, name: str) -> ExpertParallel:
+        if name not in self.models:
+            raise KeyError(f"no EP model {name!r}; registered: {sorted(self.models)}")
+        return self.models[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.models
+
+    def __len__(self) -> int:
+        return len(self.models)
+
+    def end_step(self, ran: tuple[str, ...] = ("main",)) -> None:
+        """At a step boundary, on every rank: close the step of the models that ran."""
+        for name in ran:
+            self[name].end_step()
+
+    def balancedness(self) -> dict[str, tuple[list[float], list[float] | None]]:
+        """Per model: (real [L], uniform [L] or None). Collective over the EP group."""
+        return {name: model.balancedness() for name, model in self.models.items()}
+
+
+def expert_parallel_models(
+    config: EngineConfig, groups: ParallelGroups, device: torch.device | str
+) -> ExpertParallelModels:
+    """This rank's EP models under ``--enable-expert-parallel`` (none without it): "main",
+    the decoder layers, and "mtp", the MTP layers (when the config declares them; used
+    only when the checkpoint has them), each with the same slots and EPLB settings."""
+    par = config.parallel
+    if not par.expert_parallel:
+        return ExpertParallelModels()
+    if groups.ep_size != par.expert_parallel_size:
+        raise ValueError(
+            f"expert parallelism over {par.expert_parallel_size} ranks needs process groups of "
+            f"that size (got {groups.ep_size}): launch the ranks with engine/dp.py"
+        )
+    cfg = config.model_config
+    common = {
+        "num_experts": cfg.n_routed_experts,
+        "num_slots": par.num_physical_experts(cfg.n_routed_experts),
+        "groups": groups,
+        "device": device,
+        "eplb": par.eplb if par.enable_eplb else None,
+        "window_size": par.eplb.window_size,
+    }
+    models = [ExpertParallel(cfg.num_hidden_layers, **common)]
+    if cfg.num_nextn_predict_layers > 0:
+        models.append(
+            ExpertParallel(
+                cfg.num_nextn_predict_layers,
+                first_layer=cfg.num_hidden_layers,
+                name="mtp",
+                **common,
+            )
+        )
+    return ExpertParallelModels(models)
 
 
 def ep_barrier(groups: ParallelGroups) -> None:

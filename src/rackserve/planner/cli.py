@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
+from rackserve.planner.calibration import load_op_calibration_points
 from rackserve.planner.cost import (
     Efficiency,
     load_calibration,
@@ -73,15 +74,21 @@ def build_workload(args: argparse.Namespace) -> Workload:
 
 
 def calibrated(model: PlannerModel, gpu_name: str, results_dir: str) -> dict[str, Efficiency]:
-    """Efficiency per phase: op factors measured on the H200 (``load_op_calibration``),
-    then scaled by measured H200 forward results of optimised kernels when there are any."""
+    """Efficiency per phase: op factors measured on the H200 (``load_op_calibration``), then
+    the per-op efficiencies of the fast path's forward records (``planner/calibration.py``)
+    where there are any; without them, the older whole-phase scaling of the kind factors
+    by forward records (``load_calibration``)."""
     h200, base = get_hardware("h200"), load_op_calibration(results_dir)
+    ops = load_op_calibration_points(results_dir, "H200")
+    if ops:
+        with_ops = replace(base, ops=ops)
+        return {"prefill": with_ops, "decode": with_ops}
     out = {}
     for phase, batch in (("prefill", BatchShape(2, 8192, 0)), ("decode", BatchShape(64, 1, 8192))):
-        ops = step_ops(model.cfg, batch, model.formats)
-        modelled = sum(op_time(op, h200, base) for op in ops)
+        step = step_ops(model.cfg, batch, model.formats)
+        modelled = sum(op_time(op, h200, base) for op in step)
         out[phase] = load_calibration(
-            results_dir, phase, roofline_time(ops, h200) / modelled, gpu="H200", base=base
+            results_dir, phase, roofline_time(step, h200) / modelled, gpu="H200", base=base
         )
     return out
 
@@ -97,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
             model, gpu, workload, SystemConfig.parse(args.explain), eff, args.gpu_hour_usd
         )
         print(explain(result))
+        print(explain_calibration(model, result, eff))
         return 0
     results = search(model, gpu, workload, eff, args.gpu_hour_usd, max_gpus)
     if not results:
@@ -181,6 +189,18 @@ def explain(r: SystemResult) -> str:
         f"tok/step)",
         r.decode.step,
     )
+    return "\n".join(lines)
+
+
+def explain_calibration(model: PlannerModel, r: SystemResult, eff: Efficiency) -> str:
+    """Which measured records calibrated each op group at this configuration's prefill and
+    decode steps, and the efficiency each gives."""
+    if eff.ops is None:
+        return "calibration: none (no fast-path forward records): the default efficiencies"
+    lines = []
+    for step in (r.prefill.step, r.decode.step):
+        if step.site is not None:
+            lines += eff.ops.explain(step.site)
     return "\n".join(lines)
 
 

@@ -22,11 +22,15 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rackserve.planner.counting import ATTENTION, GEMM, INDEXER, MEMORY, MOE, OpCost
 from rackserve.planner.hardware import GpuSpec
+
+if TYPE_CHECKING:
+    from rackserve.planner.calibration import OpCalibration, OpSite
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,9 @@ class Efficiency:
     kernel_launch_s: float = 2e-6  # per kernel under CUDA graphs
     overlap: float = 0.4  # fraction of the shorter of compute / all-to-all hidden by TBO
     cpu_step_s: float = 2e-3  # scheduling + input prep + DP sync per engine step
+    # per-op efficiencies measured by the fast path (planner/calibration.py); where one
+    # applies it replaces the kind factors above and the launch cost (both measured)
+    ops: OpCalibration | None = field(default=None, compare=False, repr=False)
 
     def compute(self, kind: str) -> float:
         return {
@@ -74,8 +81,13 @@ _COMPUTE_RANGE = (0.2, 0.85)
 _BANDWIDTH_RANGE = (0.4, 0.95)
 
 
-def op_time(op: OpCost, gpu: GpuSpec, eff: Efficiency) -> float:
-    """Seconds for one op on one GPU (roofline with efficiencies, plus launches)."""
+def op_time(op: OpCost, gpu: GpuSpec, eff: Efficiency, site: OpSite | None = None) -> float:
+    """Seconds for one op on one GPU (roofline with efficiencies, plus launches); at a
+    ``site`` that ``eff.ops`` calibrates, roofline / the measured efficiency there."""
+    if eff.ops is not None and site is not None:
+        calibrated = eff.ops.op_time(op, gpu, site)
+        if calibrated is not None:
+            return calibrated
     t_flops = op.flops / (gpu.peak_flops(op.precision) * eff.compute(op.kind))
     t_bytes = op.bytes / (gpu.hbm_bw * eff.hbm)
     return max(t_flops, t_bytes) + op.launches * eff.kernel_launch_s

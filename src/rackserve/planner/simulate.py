@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from rackserve.planner.calibration import OpSite
 from rackserve.planner.comm import (
     A2AShape,
     all_to_all_time,
@@ -89,6 +90,7 @@ class StepBreakdown:
     total_s: float
     dp_imbalance: float
     ep_balancedness: float
+    site: OpSite | None = None  # the target step's batch, as calibration looks it up
 
 
 @dataclass(frozen=True)
@@ -147,7 +149,10 @@ def _step(
     ops = step_ops(cfg, batch, model.formats, ep_size=dep)
     pairs = batch.num_tokens * cfg.num_experts_per_tok
     balance = ep_balancedness(pairs, dep, routing_eff)
-    times = [(op.name, op_time(op, gpu, eff) / (balance if op.kind == MOE else 1.0)) for op in ops]
+    site = OpSite.of(batch, cfg.n_routed_experts, cfg.num_experts_per_tok, dep)
+    times = [
+        (op.name, op_time(op, gpu, eff, site) / (balance if op.kind == MOE else 1.0)) for op in ops
+    ]
     kinds = {op.name: op.kind for op in ops}
     moe = sum(t for name, t in times if kinds[name] == MOE)
     attn = sum(t for name, t in times if kinds[name] in (ATTENTION, INDEXER))
@@ -170,6 +175,7 @@ def _step(
         overlapped + cpu,
         slowest_dp / dp_side if dp_side else 1.0,
         balance,
+        site,
     )
 
 
@@ -259,7 +265,14 @@ def decode_perf(
         a = draft.acceptance if acceptance is None else acceptance
         accepted = (1 - a ** (draft_depth + 1)) / (1 - a) if a < 1 else draft_depth + 1.0
     step = StepBreakdown(
-        step.op_times, compute, a2a, step.cpu_s, total, step.dp_imbalance, step.ep_balancedness
+        step.op_times,
+        compute,
+        a2a,
+        step.cpu_s,
+        total,
+        step.dp_imbalance,
+        step.ep_balancedness,
+        step.site,
     )
     per_user = accepted / total
     kv = kv_bytes_per_token(model.cfg, model.formats) * (

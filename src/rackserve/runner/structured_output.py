@@ -5,11 +5,15 @@ Three parts, from request to token:
 - ``build_grammar`` turns a request's ``StructuredOutputsParams`` into an xgrammar
   ``Grammar`` (no tokenizer needed). The API process calls it through
   ``check_structured_outputs`` to answer an invalid schema, regex or grammar with a 400.
-- ``GrammarCompiler`` compiles grammars against the model's vocabulary on one background
-  thread, cached by ``StructuredOutputsParams.key()``: the engine core submits a request's
+- ``GrammarCompiler`` compiles grammars against the model's vocabulary on background
+  threads, cached by ``StructuredOutputsParams.key()``: the engine core submits a request's
   grammar when the request arrives (an invalid one is refused there, at once), so
-  compilation (tens to hundreds of ms for a large
-  schema) runs while the request waits and earlier steps run.
+  compilation (tens to hundreds of ms for a large schema; unbounded for a pathological
+  one) runs while other requests step.
+- ``GrammarWait`` holds the scheduler's requests whose grammar is still compiling (vLLM's
+  WAITING_FOR_FSM): they join the waiting queue once compiled, and fail alone, freeing
+  everything, when compilation fails or outlives ``--structured-output-timeout-s``. So the
+  runner, which builds a request's matcher when it first runs, never waits for a compile.
 - ``StructuredOutputs`` is the runner's per-request state: a matcher created when a request
   joins the runner (replaying the tokens it already has, so a request resumed after
   preemption recomputes to the same grammar state), the [S, ceil(V / 32)] bitmask of the
@@ -24,11 +28,13 @@ Shapes: S sampled rows this step, V vocabulary size, W = ceil(V / 32) bitmask wo
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import os
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rackserve.engine.outputs import SchedulerOutput
-from rackserve.request import StructuredOutputsParams
+from rackserve.request import Request, StructuredOutputsParams
 
 if TYPE_CHECKING:  # xgrammar is imported on first use: an engine without such requests
     import xgrammar  # never pays its import (about a second)
@@ -49,6 +55,10 @@ logger = logging.getLogger(__name__)
 # Free whitespace in JSON is bounded: a model (or a random test model) that keeps choosing
 # whitespace would otherwise never finish. 16 still allows pretty-printing a few levels deep.
 MAX_JSON_WHITESPACE = 16
+# Compile threads: more than one, so one slow grammar (its thread cannot be stopped: the
+# compile runs in C++) does not hold every later grammar behind it; few, as the threads
+# share the host with the step loop.
+COMPILE_THREADS = 2
 # Compiled grammars kept (each holds a per-vocabulary token-mask cache, often ~1 MB).
 GRAMMAR_CACHE_SIZE = 128
 # xgrammar prefixes its errors with "[time] file.cc:line: " and assertion text; clients
@@ -126,7 +136,13 @@ class GrammarCompiler:
     may exceed the tokenizer's: padded embeddings); ``eos_token_ids`` are the stop tokens.
     """
 
-    def __init__(self, tokenizer_path: str, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self,
+        tokenizer_path: str,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        max_workers: int = COMPILE_THREADS,
+    ) -> None:
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
@@ -135,7 +151,8 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._lock = threading.Lock()  # the cache is touched by the engine thread only,
         # but tests and the offline LLM may submit from others
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        self._setup_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar-compile")
 
     def submit(self, params: StructuredOutputsParams) -> Future:
         """Start compiling (or find) ``params``'s grammar; the Future's result is an
@@ -163,24 +180,86 @@ class GrammarCompiler:
     def _compile(self, grammar: xgrammar.Grammar) -> Any:
         import xgrammar as xgr
 
-        if self._compiler is None:
-            from transformers import AutoTokenizer
-
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
-                info = xgr.TokenizerInfo.from_huggingface(
-                    tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids
-                )
-            except Exception as e:  # later requests are refused with this message
-                self._setup_error = f"no tokenizer at {self.tokenizer_path} ({e})"
-                raise
-            # our own cache holds the results; one thread: compilation shares 2-core hosts
-            # with the step loop
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        with self._setup_lock:  # several compile threads: the vocabulary is loaded once
+            if self._compiler is None:
+                self._compiler = self._load_compiler(xgr)
         return self._compiler.compile_grammar(grammar)
+
+    def _load_compiler(self, xgr: Any) -> Any:
+        """xgrammar's compiler over our vocabulary (the tokenizer loads here)."""
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+            info = xgr.TokenizerInfo.from_huggingface(
+                tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids
+            )
+        except Exception as e:  # later requests are refused with this message
+            self._setup_error = f"no tokenizer at {self.tokenizer_path} ({e})"
+            raise
+        # our own cache holds the results; one thread: compilation shares 2-core hosts
+        # with the step loop
+        return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class GrammarWait:
+    """Requests whose grammar is still compiling (the scheduler's WAITING_FOR_FSM state).
+
+    The scheduler ``add``s a request with its compile Future and deadline (time.monotonic)
+    instead of queueing it, and ``poll``s once per step: compiled requests go to the
+    waiting queue; a failed or late compile fails that request alone. Insertion order is
+    kept, so requests compiled by the same poll queue in arrival order.
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[str, tuple[Request, Future, float, float]] = {}
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def add(self, req: Request, grammar: Future, timeout_s: float) -> None:
+        self._pending[req.request_id] = (req, grammar, time.monotonic() + timeout_s, timeout_s)
+
+    def discard(self, request_id: str) -> None:
+        self._pending.pop(request_id, None)
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until a pending compile ends or ``timeout_s`` passes: an engine with
+        nothing else to run waits here rather than spinning empty steps against the
+        compile threads."""
+        futures = [grammar for _, grammar, _, _ in self._pending.values()]
+        if futures:
+            concurrent.futures.wait(futures, timeout_s, concurrent.futures.FIRST_COMPLETED)
+
+    def poll(self) -> tuple[list[Request], list[tuple[Request, str]]]:
+        """(requests now compiled, [(request, why it failed)]), both removed from here."""
+        if not self._pending:
+            return [], []
+        ready: list[Request] = []
+        failed: list[tuple[Request, str]] = []
+        now = time.monotonic()
+        for req_id, (req, grammar, deadline, timeout_s) in list(self._pending.items()):
+            if grammar.done():
+                error = grammar.exception()
+                if error is None:
+                    ready.append(req)
+                else:
+                    failed.append((req, f"structured output grammar failed to compile: {error}"))
+            elif now >= deadline:
+                failed.append(
+                    (
+                        req,
+                        f"structured output grammar did not compile within {timeout_s:g} s "
+                        "(--structured-output-timeout-s): simplify the schema or raise the limit",
+                    )
+                )
+            else:
+                continue
+            del self._pending[req_id]
+        return ready, failed
 
 
 class StructuredOutputs:

@@ -77,6 +77,29 @@ def param_error(error: ParamError) -> ApiError:
     return ApiError(400, str(error), param=error.param, code=error.code)
 
 
+DATA_PARALLEL_RANK_HEADER = "X-data-parallel-rank"
+
+
+def data_parallel_rank(request: Request, data_parallel_size: int) -> int | None:
+    """The DP rank the ``X-data-parallel-rank`` header pins the request to (vLLM's header;
+    ``bench replay`` sends it), None without the header; 400 for a bad value."""
+    value = request.headers.get(DATA_PARALLEL_RANK_HEADER)
+    if value is None:
+        return None
+    try:
+        rank = int(value.strip())
+    except ValueError:
+        rank = None
+    if rank is None or not 0 <= rank < data_parallel_size:
+        raise ApiError(
+            400,
+            f"Invalid {DATA_PARALLEL_RANK_HEADER} header {value!r}: "
+            f"a data-parallel rank in [0, {data_parallel_size})",
+            param=DATA_PARALLEL_RANK_HEADER,
+        )
+    return rank
+
+
 async def until_disconnect(request: Request) -> None:
     """Returns when the client has gone (the body is already read, so only
     ``http.disconnect`` can arrive)."""
@@ -188,8 +211,10 @@ def build_app(
     ) -> Response:
         if client.is_dead:
             raise ApiError(503, "The engine is not running.")
+        rank = data_parallel_rank(request, client.data_parallel_size)
         # Off the event loop: a long prompt or template must not stall other clients.
         prepared = await off_loop(prepare, body, request.state.request_id)
+        prepared.data_parallel_rank = rank
         for _ in prepared.prompts:
             metrics.record_request_params(prepared.params.n, prepared.params.max_tokens)
         if settings.log_requests:

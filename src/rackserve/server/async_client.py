@@ -91,10 +91,17 @@ class AsyncEngineClient:
         self._shutting_down = False
         self._tmpdir: str | None = None
         self._context: zmq.asyncio.Context | None = None
+        # request id -> the DP rank its X-data-parallel-rank header pins it to
+        self._pinned_ranks: dict[str, int] = {}
         self._input_socket: Any = None
         self._output_socket: Any = None
 
     # ---- lifecycle -----------------------------------------------------------------------
+    @property
+    def data_parallel_size(self) -> int:
+        """Engine ranks behind this client (``X-data-parallel-rank`` takes 0 .. size - 1)."""
+        return self.engine_config.parallel.data_parallel_size
+
     @property
     def max_model_len(self) -> int:
         assert self.ready is not None, "start() first"
@@ -194,11 +201,18 @@ class AsyncEngineClient:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        data_parallel_rank: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes. Closing the iterator early (client
-        disconnect, cancellation) aborts the request in the engine."""
+        disconnect, cancellation) aborts the request in the engine. ``data_parallel_rank``
+        pins the request (and its ``n > 1`` children) to one DP rank, as vLLM's header does."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
+        if data_parallel_rank is not None and not 0 <= data_parallel_rank < self.data_parallel_size:
+            raise ValueError(
+                f"data_parallel_rank {data_parallel_rank} is out of range "
+                f"[0, {self.data_parallel_size})"
+            )
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         requests = self.processor.add_request(
             request_id,
@@ -215,6 +229,8 @@ class AsyncEngineClient:
             # Inside the try: whatever fails from here on (even encoding the message) frees
             # the request's frontend state and engine state alike.
             self._queues[request_id] = queue
+            if data_parallel_rank is not None:
+                self._pinned_ranks[request_id] = data_parallel_rank
             for request in requests:
                 self._send(MessageType.ADD, request)
             while not finished:
@@ -225,6 +241,7 @@ class AsyncEngineClient:
                 yield item
         finally:
             self._queues.pop(request_id, None)
+            self._pinned_ranks.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
 
@@ -289,6 +306,9 @@ class AsyncEngineClient:
             self._set_dead(f"engine core died: {_last_line(payload)}")
 
     def _on_outputs(self, outputs: Any) -> None:
+        for output in outputs.outputs:
+            if output.error is not None:  # failed alone in the engine (freed there): a 400
+                self._on_request_error(RequestError(output.request_id, output.error))
         # The engine process stamps each batch with its step's monotonic start time.
         processed = self.processor.process_outputs(outputs, step_start=outputs.timestamp or None)
         for output in processed.request_outputs:

@@ -61,6 +61,7 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "disable_log_stats": False,
     "block_size": None,
     "metrics_prefix": "rackserve",
+    "structured_output_timeout_s": 30.0,
     # data parallel + expert parallel (docs/expert_parallel.md)
     "data_parallel_size": 1,
     "data_parallel_size_local": None,
@@ -150,6 +151,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     add("--config", help="YAML file of options (keys as flag names); CLI flags win")
     add("--tokenizer", help="tokenizer directory (default: the model directory)")
+    add(
+        "--structured-output-timeout-s", type=float,
+        help="fail a request whose grammar is still compiling after this (default 30)",
+    )  # fmt: skip
     add("--served-model-name", nargs="+", help="name(s) clients use (default: the model path)")
     add("--host", help="bind address (default 127.0.0.1: loopback only)")
     add("--port", type=int, help="port (default 8000)")
@@ -348,6 +353,7 @@ def build_engine_config(options: dict[str, Any]) -> Any:
         seed=options["seed"],
         enforce_eager=options["enforce_eager"],
         tokenizer=options["tokenizer"],
+        structured_output_timeout_s=options["structured_output_timeout_s"],
         served_model_name=names[0] if names else None,
         parallel=ParallelConfig(
             data_parallel_size=options["data_parallel_size"],

@@ -119,6 +119,8 @@ class Prepared:
     tool_parser: type[ToolCallParser] | None = None
     tool_prefix: str = ""
     named_tool: bool = False
+    # X-data-parallel-rank: the DP rank every prompt of this request runs on (None: assigned)
+    data_parallel_rank: int | None = None
 
     def new_tool_parser(self) -> ToolCallParser | None:
         if self.tool_parser is None:
@@ -342,6 +344,7 @@ class OpenAIServing:
                 kind=kind,
                 priority=body.priority,
                 cache_salt=body.cache_salt,
+                data_parallel_rank=prepared.data_parallel_rank,
             )
             for engine_id, (text, ids) in zip(prepared.engine_ids, prepared.prompts, strict=True)
         ]
