@@ -27,6 +27,7 @@ from rackserve.engine.outputs import (
 from rackserve.engine.request_queue import WaitingQueue
 from rackserve.engine.stop import check_stop_token
 from rackserve.kv.manager import KVCacheManager
+from rackserve.kv.offload import KVOffloader
 from rackserve.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -42,9 +43,13 @@ class Scheduler:
         config: SchedulerConfig,
         kv_manager: KVCacheManager,
         eos_token_ids: tuple[int, ...],
+        offload: KVOffloader | None = None,
     ) -> None:
         self.config = config
         self.kv = kv_manager
+        # The host KV pool: a request whose prefix hit grows with it waits outside the queue
+        # (WAITING_FOR_POOL_KV) while its blocks load.
+        self.offload = offload
         self.eos_token_ids = eos_token_ids
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(config.policy)
@@ -125,6 +130,9 @@ class Scheduler:
 
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self.offload is not None:
+            for req in reversed(self.offload.take_loaded()):  # their KV is in place now
+                self.waiting.add(req, front=True)
         budget = self.config.max_num_batched_tokens
         max_model_len = self.config.max_model_len
         new_reqs: list[NewRequestData] = []
@@ -216,13 +224,17 @@ class Scheduler:
                 num_hit, hit = 0, None
             else:
                 num_hit, hit = self.kv.get_computed_blocks(req)
+                if self.offload is not None and self.offload.start_load(req, num_hit):
+                    self.waiting.pop()  # parked until take_loaded() returns it
+                    continue
             num_new = req.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
             new_blocks = self.kv.allocate_slots(req, num_new, num_hit, hit)
             if new_blocks is None:
-                if not self.running:  # the cache is all free or evictable: it never fits
+                loading = self.offload is not None and self.offload.num_loading
+                if not self.running and not loading:  # all free or evictable: never fits
                     self.waiting.pop()
                     self._finish_unfittable(req)
                     continue
@@ -400,7 +412,7 @@ class Scheduler:
         kv_stats = self.kv.stats
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + (self.offload.num_loading if self.offload else 0),
             kv_cache_usage=self.kv.usage,
             prefix_cache_queries=kv_stats.num_queried_tokens,
             prefix_cache_hits=kv_stats.num_hit_tokens,
