@@ -168,7 +168,7 @@ class KVEvents:
     def drain(self, publish: bool = False) -> None:
         per_group = [pool.take_events() for pool in self.kv.pools]
         if self.offload is not None:
-            self.offload.offload_evicted(per_group)
+            self.offload.offload(per_group)
             if any(e.kind is BlockEventKind.CLEARED for e in per_group[self._anchor_index]):
                 self.offload.clear()
         if self.publisher is None:

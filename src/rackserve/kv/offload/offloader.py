@@ -1,9 +1,10 @@
 """The engine side of the host KV pool: evicted blocks out, pool hits back in.
 
-Offload: when the device cache hands out a free cached block (an eviction, recorded by the
-block pool), the engine core calls :meth:`KVOffloader.offload_evicted` after scheduling and
-before the forward that overwrites it: its rows are gathered into a fresh host tensor
-(pinned, copied asynchronously on a GPU) and a worker thread stores them in the pool.
+Offload: when the device cache hands out a free cached block of a full-history group (an
+eviction, recorded by the block pool), the engine core calls :meth:`KVOffloader.offload`
+after scheduling and before the forward that overwrites it: its rows are gathered into a
+fresh host tensor (pinned, copied asynchronously on a GPU) and a worker thread stores them
+in the pool. State checkpoint pages (sliding groups) are copied when keyed (write-through).
 
 Load: a waiting request whose hit grows with the pool (plan.py) is parked
 (``WAITING_FOR_POOL_KV``) by :meth:`start_load`: the device blocks of the hit are held, new
@@ -12,7 +13,7 @@ blocks are taken for the missing ones and the worker fetches their bytes. A late
 them into the new blocks, keys them and hands the request back to the waiting queue,
 whose next lookup finds the whole hit on the device::
 
-    engine thread:  schedule [take_loaded | start_load] -> offload_evicted -> forward
+    engine thread:  schedule [take_loaded | start_load] -> offload -> forward
     worker thread:                 fetch ------------->      store -------->
 """
 
@@ -99,13 +100,18 @@ class KVOffloader:
         self.error: BaseException | None = None  # the worker's last failure (logged by core)
 
     # ---- offload -------------------------------------------------------------------------
-    def offload_evicted(self, events_per_group: Sequence[Sequence[BlockEvent]]) -> None:
-        """Copy the blocks evicted since the last call (their rows are intact until the next
-        forward) and store them in the pool in the background."""
+    def offload(self, events_per_group: Sequence[Sequence[BlockEvent]]) -> None:
+        """Copy blocks to the pool, in the background, given the block pools' events since
+        the last call: full-history blocks when the device evicts them (their rows are
+        intact until the next forward), state checkpoint pages (sliding groups) when they
+        are keyed. A checkpoint is a few pages at chosen boundaries, and sliding groups
+        rarely evict, so written through, the pool holds the checkpoint that makes its
+        history usable (and another engine sharing the pool can use it)."""
         entries: list[tuple[bytes, torch.Tensor]] = []
         done: list[torch.cuda.Event] = []
         for spec, events in zip(self.kv.specs, events_per_group, strict=True):
-            evicted = [e for e in events if e.kind is BlockEventKind.EVICTED]
+            kind = BlockEventKind.STORED if spec.is_sliding else BlockEventKind.EVICTED
+            evicted = [e for e in events if e.kind is kind]
             if not evicted:
                 continue
             rows = gather_blocks(self.caches, spec.name, [e.block_id for e in evicted])
@@ -291,6 +297,10 @@ class KVOffloader:
         with self._lock:
             events, self._events = self._events, []
         return events
+
+    def flush(self) -> None:
+        """Wait until every store and fetch submitted so far is done (tests, shutdown)."""
+        self._worker.submit(lambda: None).result()
 
     def clear(self) -> None:
         """The device prefix cache was reset: this engine's pool entries are stale too."""
