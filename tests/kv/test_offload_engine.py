@@ -10,10 +10,12 @@ import time
 
 import pytest
 import torch
+import zmq
 
 from rackserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from rackserve.engine.core import EngineCore
 from rackserve.engine.outputs import EngineCoreRequest
+from rackserve.kv.events import decode_batch
 from rackserve.kv.offload.server import KVPoolServer
 from rackserve.kv.spec import cache_groups_for, plan_num_blocks
 from rackserve.model.create import create_checkpoint
@@ -45,6 +47,14 @@ def engine(model_dir, kv_tokens: int, **cache) -> EngineCore:
         dtype="float32",
     )
     return EngineCore(config, log_stats=False)
+
+
+def subscribe(endpoint: str) -> zmq.Socket:
+    socket = zmq.Context.instance().socket(zmq.SUB)
+    socket.setsockopt(zmq.SUBSCRIBE, b"")
+    socket.connect(endpoint)
+    time.sleep(0.3)  # PUB drops messages until the subscription has arrived
+    return socket
 
 
 def sessions(num_sessions: int, seed: int = 0) -> tuple[dict[str, list[int]], torch.Generator]:
@@ -115,10 +125,24 @@ def test_shared_pool_server_serves_another_engine(tiny):
     server = KVPoolServer(64 << 20, "tcp://127.0.0.1:*")
     server.start()
     try:
-        first = engine(tiny, kv_tokens=520, kv_offload_server=server.endpoint)
+        first = engine(
+            tiny,
+            kv_tokens=520,
+            kv_offload_server=server.endpoint,
+            kv_events_endpoint="tcp://127.0.0.1:*",
+        )
+        events = subscribe(first.kv_events.publisher.endpoint)
         prompts, _ = sessions(6, seed=1)
         run_turn(first, prompts, 0)
         run_turn(first, sessions(12, seed=2)[0], 0)  # other users: evicts (spills) the first
+        first.offload.flush()
+        first.step()  # publishes the pool-tier events of the last stores
+        kinds = set()
+        while events.poll(200):
+            for event in decode_batch(events.recv()).events:
+                kinds.add((type(event).__name__, getattr(event, "medium", None)))
+        assert {("BlockStored", "device"), ("BlockRemoved", "device")} <= kinds
+        assert ("BlockStored", "pool") in kinds
 
         first.offload.flush()
         first.shutdown()
