@@ -334,11 +334,11 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.kv_offload_memory is not None and self.kv_offload_memory <= 0:
             raise ConfigError("--kv-offload-memory must be a positive number of bytes")
-        for flag, url in (
-            ("--kv-offload-server", self.kv_offload_server),
-            ("--kv-events-endpoint", self.kv_events_endpoint),
+        for flag, url, schemes in (
+            ("--kv-offload-server", self.kv_offload_server, ("mooncake://",)),
+            ("--kv-events-endpoint", self.kv_events_endpoint, ()),
         ):
-            if url is not None and not url.startswith(("tcp://", "ipc://", "inproc://")):
+            if url is not None and not url.startswith(("tcp://", "ipc://", "inproc://", *schemes)):
                 raise ConfigError(f"{flag} must be a ZMQ address like tcp://127.0.0.1:5600")
         if self.kv_offload_memory is not None and self.kv_offload_server is not None:
             raise ConfigError(

@@ -198,10 +198,43 @@ async def run_agentic_async(
     next_session = 0
     async with open_client(endpoint, counter) as client:
         for concurrency in run.concurrency:
+            before = await server_hits_by_tier(endpoint.base_url)
             level = await run_level(client, workload, concurrency, run, next_session, counter)
             next_session = level.next_session
             levels.append(level_result(level, run.num_gpus))
+            after = await server_hits_by_tier(endpoint.base_url)
+            if before is not None and after is not None:
+                # the whole level (warmup included), as the server counts it
+                levels[-1]["server_prefix_hits_by_tier"] = {
+                    tier: after[tier] - before.get(tier, 0) for tier in after
+                }
     return levels
+
+
+async def server_hits_by_tier(base_url: str, timeout_s: float = 10.0) -> dict[str, int] | None:
+    """The server's cumulative prefix-cache hit tokens per tier (device, host KV pool) from
+    its Prometheus ``prefix_cache_hits_by_tier`` series; None from a server without it."""
+    import aiohttp
+    from prometheus_client.parser import text_string_to_metric_families
+
+    root = base_url.rstrip("/").removesuffix("/v1")
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session,
+            session.get(f"{root}/metrics") as response,
+        ):
+            if response.status != 200:
+                return None
+            text = await response.text()
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+    tiers = {}
+    for family in text_string_to_metric_families(text):
+        if family.name.endswith("prefix_cache_hits_by_tier"):
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    tiers[sample.labels["tier"]] = int(sample.value)
+    return tiers or None
 
 
 def run_agentic(

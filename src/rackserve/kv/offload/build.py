@@ -27,7 +27,11 @@ def build_offloader(
     """The engine's offloader (None without ``--kv-offload-memory`` / ``--kv-offload-server``);
     pool-tier KV events are kept for the anchor group when events are on."""
     pool: KVPool
-    if cache.kv_offload_server is not None:
+    if cache.kv_offload_server is not None and cache.kv_offload_server.startswith("mooncake://"):
+        from rackserve.kv.offload.mooncake import MooncakeKVPool
+
+        pool = MooncakeKVPool(cache.kv_offload_server)
+    elif cache.kv_offload_server is not None:
         from rackserve.kv.offload.server import RemoteKVPool
 
         pool = RemoteKVPool(cache.kv_offload_server)

@@ -59,6 +59,7 @@ class _Load:
     # per group: (new device block, its key), in slot order
     blocks: list[list[tuple[KVCacheBlock, BlockKey]]]
     result: Future = field(default_factory=Future)
+    landed: bool = False
 
 
 class KVOffloader:
@@ -95,7 +96,7 @@ class KVOffloader:
         self._loads: dict[str, _Load] = {}
         # Landed loads: (device hit before, tokens loaded) per request, until its next lookup,
         # which counts the pool tier's hit and loads nothing (one load per admission).
-        self._just_loaded: dict[str, tuple[int, int]] = {}
+        self._just_loaded: dict[str, _Load] = {}
         self._stats = OffloadStats(pool_capacity_bytes=getattr(pool, "capacity_bytes", 0))
         self.error: BaseException | None = None  # the worker's last failure (logged by core)
 
@@ -177,8 +178,8 @@ class KVOffloader:
         the device lacks free blocks for them."""
         landed = self._just_loaded.pop(req.request_id, None)
         if landed is not None:
-            before, num_loaded = landed
-            self._bump(pool_hit_tokens=max(0, min(device_hit, before + num_loaded) - before))
+            before, after = landed.device_hit, landed.num_tokens if landed.landed else 0
+            self._bump(pool_hit_tokens=max(0, min(device_hit, after) - before))
             return False
         chain = self.kv.lookup_chain(req)
         if chain is None or req.request_id in self._loads:
@@ -234,6 +235,10 @@ class KVOffloader:
         thread, before the next forward): back to the waiting queue. A failed load (a key
         gone from the pool) returns its request too, for a shorter hit or recompute."""
         ready = [load for load in self._loads.values() if load.result.done()]
+        if ready:  # forget requests aborted between landing and their next lookup
+            gone = [k for k, v in self._just_loaded.items() if v.req.status.is_finished]
+            for req_id in gone:
+                del self._just_loaded[req_id]
         requests = []
         for load in ready:
             req = load.req
@@ -243,12 +248,8 @@ class KVOffloader:
             values = load.result.result()
             if values is not None and all(v is not None for v in values):
                 self._land(load, values)
-                self._just_loaded[req.request_id] = (
-                    load.device_hit,
-                    load.num_tokens - load.device_hit,
-                )
-            else:
-                self._just_loaded[req.request_id] = (load.device_hit, 0)
+                load.landed = True
+            self._just_loaded[req.request_id] = load
             # Keyed now, the blocks wait in the free queue's most recently used end: the
             # request is admitted first thing in this schedule(). Holding them until then
             # could leave the cache full of blocks for requests that cannot run yet.
