@@ -14,7 +14,7 @@ from kv_sim import decode, make_request, prefill, start
 
 from rackserve.kv.block_pool import BlockEventKind
 from rackserve.kv.manager import KVCacheManager
-from rackserve.kv.offload import KVOffloader, LocalKVPool
+from rackserve.kv.offload import KVOffloader, LoadStart, LocalKVPool
 from rackserve.kv.offload.plan import plan_pool_hit
 from rackserve.kv.records import slot_key
 from rackserve.kv.spec import CacheGroupSpec
@@ -112,14 +112,15 @@ def test_evicted_rows_come_back_byte_for_byte():
     b = Waiting("b", [*tokens, 900, 901, 902], 29)
     num_hit, _ = m.get_computed_blocks(b)
     assert num_hit == 0
-    assert offload.start_load(b, num_hit)
+    assert offload.start_load(b, num_hit) is LoadStart.STARTED
     assert b.status is RequestStatus.WAITING_FOR_POOL_KV and offload.num_loading == 1
     offload.flush()
     assert offload.take_loaded() == [b]
     assert b.status is RequestStatus.WAITING and offload.num_loading == 0
     num_hit, hit = m.get_computed_blocks(b)
     assert num_hit == 24
-    assert not offload.start_load(b, num_hit)  # the lookup after a load counts, loads nothing
+    # the lookup after a load counts the pool's tokens and loads nothing
+    assert offload.start_load(b, num_hit) is LoadStart.NONE
     assert offload.stats.pool_hit_tokens == 24
     for spec, blocks in zip(SPECS, hit.blocks, strict=True):
         for block in blocks:
@@ -142,7 +143,7 @@ def test_an_aborted_load_writes_nothing_and_frees_its_blocks():
     offload.flush()
     free_before = [pool.num_free_blocks for pool in m.pools]
     b = Waiting("b", [*tokens, 900], 27)
-    assert offload.start_load(b, m.get_computed_blocks(b)[0])
+    assert offload.start_load(b, m.get_computed_blocks(b)[0]) is LoadStart.STARTED
     assert [pool.num_free_blocks for pool in m.pools] < free_before
     b.status = RequestStatus.FINISHED_ABORTED  # as Scheduler.finish_requests does
     m.free(b)
@@ -150,4 +151,20 @@ def test_an_aborted_load_writes_nothing_and_frees_its_blocks():
     offload.flush()
     assert offload.take_loaded() == []
     assert all(not t.any() for g in caches.tensors.values() for t in g.values())
+    offload.close()
+
+
+def test_no_room_on_the_device_is_reported_not_recomputed():
+    m = KVCacheManager(SPECS, NUM_BLOCKS, record_events=True)
+    caches = KVCacheTensors(SPECS, NUM_BLOCKS, torch.float32, "cpu")
+    tokens = finished_turn(m)
+    offload = KVOffloader(m, caches, LocalKVPool(1 << 20), b"ns")
+    offload.offload(evict_all(m))
+    offload.flush()
+    taken = m.pools[1].get_new_blocks(m.pools[1].num_free_blocks - 2)  # a busy cache
+    b = Waiting("b", [*tokens, 900], 27)
+    assert offload.start_load(b, m.get_computed_blocks(b)[0]) is LoadStart.NO_ROOM
+    assert b.status is RequestStatus.WAITING and offload.num_loading == 0
+    m.pools[1].free(taken)
+    assert offload.start_load(b, m.get_computed_blocks(b)[0]) is LoadStart.STARTED
     offload.close()

@@ -203,7 +203,7 @@ async def run_agentic_async(
             next_session = level.next_session
             levels.append(level_result(level, run.num_gpus))
             after = await server_hits_by_tier(endpoint.base_url)
-            if before is not None and after is not None:
+            if before is not None and after:
                 # the whole level (warmup included), as the server counts it
                 levels[-1]["server_prefix_hits_by_tier"] = {
                     tier: after[tier] - before.get(tier, 0) for tier in after
@@ -213,7 +213,8 @@ async def run_agentic_async(
 
 async def server_hits_by_tier(base_url: str, timeout_s: float = 10.0) -> dict[str, int] | None:
     """The server's cumulative prefix-cache hit tokens per tier (device, host KV pool) from
-    its Prometheus ``prefix_cache_hits_by_tier`` series; None from a server without it."""
+    its Prometheus ``prefix_cache_hits_by_tier`` series ({} before any was counted); None
+    when /metrics cannot be read."""
     import aiohttp
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -234,7 +235,7 @@ async def server_hits_by_tier(base_url: str, timeout_s: float = 10.0) -> dict[st
             for sample in family.samples:
                 if sample.name.endswith("_total"):
                     tiers[sample.labels["tier"]] = int(sample.value)
-    return tiers or None
+    return tiers
 
 
 def run_agentic(

@@ -27,7 +27,7 @@ from rackserve.engine.outputs import (
 from rackserve.engine.request_queue import WaitingQueue
 from rackserve.engine.stop import check_stop_token
 from rackserve.kv.manager import KVCacheManager
-from rackserve.kv.offload import KVOffloader
+from rackserve.kv.offload import KVOffloader, LoadStart
 from rackserve.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -224,9 +224,13 @@ class Scheduler:
                 num_hit, hit = 0, None
             else:
                 num_hit, hit = self.kv.get_computed_blocks(req)
-                if self.offload is not None and self.offload.start_load(req, num_hit):
-                    self.waiting.pop()  # parked until take_loaded() returns it
-                    continue
+                if self.offload is not None:
+                    start = self.offload.start_load(req, num_hit)
+                    if start is LoadStart.STARTED:
+                        self.waiting.pop()  # parked until take_loaded() returns it
+                        continue
+                    if start is LoadStart.NO_ROOM and (self.running or self.offload.num_loading):
+                        break  # loading beats recomputing: wait for blocks to free up
             num_new = req.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break

@@ -8,7 +8,15 @@ come back on a later prefix hit, exactly as if recomputed (shared/KV_CACHE.md's 
 - offloader.py: the engine side (evictions out, hits back in, asynchronously).
 """
 
-from rackserve.kv.offload.offloader import KVOffloader, OffloadStats
+from rackserve.kv.offload.offloader import KVOffloader, LoadStart, OffloadStats
 from rackserve.kv.offload.pool import KVPool, LocalKVPool, PoolUsage, pool_key
 
-__all__ = ["KVOffloader", "KVPool", "LocalKVPool", "OffloadStats", "PoolUsage", "pool_key"]
+__all__ = [
+    "KVOffloader",
+    "KVPool",
+    "LoadStart",
+    "LocalKVPool",
+    "OffloadStats",
+    "PoolUsage",
+    "pool_key",
+]

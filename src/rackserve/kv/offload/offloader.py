@@ -19,6 +19,7 @@ whose next lookup finds the whole hit on the device::
 
 from __future__ import annotations
 
+import enum
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,6 +36,16 @@ from rackserve.kv.offload.plan import plan_pool_hit
 from rackserve.kv.offload.pool import KVPool, pool_key
 from rackserve.model.batch import KVCacheTensors
 from rackserve.request import Request, RequestStatus
+
+# Loads of one request before it falls back to recompute (landed blocks can be evicted by
+# other requests' allocations before its admission when the cache is full).
+MAX_LOAD_ATTEMPTS = 3
+
+
+class LoadStart(enum.Enum):
+    NONE = "none"  # nothing to load: admit with the device hit
+    STARTED = "started"  # parked while blocks load
+    NO_ROOM = "no_room"  # the pool has more, the device no free blocks for it yet
 
 
 @dataclass(frozen=True)
@@ -60,6 +71,7 @@ class _Load:
     blocks: list[list[tuple[KVCacheBlock, BlockKey]]]
     result: Future = field(default_factory=Future)
     landed: bool = False
+    attempt: int = 0  # loads of this request before this one (since its last admission)
 
 
 class KVOffloader:
@@ -172,28 +184,34 @@ class KVOffloader:
         answers = iter(self.pool.contains(ask) if ask else [])
         return [s or next(answers) for s in staged]
 
-    def start_load(self, req: Request, device_hit: int) -> bool:
+    def start_load(self, req: Request, device_hit: int) -> LoadStart:
         """Park ``req`` (just looked up, device hit ``device_hit``) while the pool blocks
-        that lengthen its hit load; False (nothing changed) when the pool adds nothing or
-        the device lacks free blocks for them."""
+        that lengthen its hit load (STARTED). NONE (nothing changed): the pool adds
+        nothing, or this is the lookup right after a load that still finds what it loaded.
+        NO_ROOM: the pool would add, but the device lacks free blocks for it now."""
+        attempt = 0
         landed = self._just_loaded.pop(req.request_id, None)
         if landed is not None:
             before, after = landed.device_hit, landed.num_tokens if landed.landed else 0
             self._bump(pool_hit_tokens=max(0, min(device_hit, after) - before))
-            return False
+            # Landed blocks evicted before this lookup (a full cache): load again, a few
+            # times at most, so that a thrashing cache ends in recompute, not a loop.
+            if device_hit >= after or landed.attempt + 1 >= MAX_LOAD_ATTEMPTS:
+                return LoadStart.NONE
+            attempt = landed.attempt + 1
         chain = self.kv.lookup_chain(req)
         if chain is None or req.request_id in self._loads:
-            return False
+            return LoadStart.NONE
         hit = plan_pool_hit(
             self.kv.prefix_cache, chain, len(req.all_token_ids), device_hit, self._in_pool
         )
         if hit is None or not hit.num_missing:
-            return False
+            return LoadStart.NONE
         pools = self.kv.pools
         for pool, present, missing in zip(pools, hit.present, hit.missing, strict=True):
             # Touching a free present block takes it out of the free queue too.
             if len(missing) + sum(b.ref_cnt == 0 for b in present) > pool.free_queue.num_free:
-                return False
+                return LoadStart.NO_ROOM
         new: list[list[KVCacheBlock]] = []
         for pool, present in zip(pools, hit.present, strict=True):
             pool.touch(present)  # first: the allocations below must not evict them
@@ -213,11 +231,12 @@ class KVOffloader:
                 for blocks, missing in zip(new, hit.missing, strict=True)
             ],
         )
+        load.attempt = attempt
         self._loads[req.request_id] = load
         req.status = RequestStatus.WAITING_FOR_POOL_KV
         keys = [pool_key(self.namespace, key) for group in load.blocks for _, key in group]
         self._worker.submit(self._fetch, keys, load.result)
-        return True
+        return LoadStart.STARTED
 
     def _fetch(self, keys: list[bytes], result: Future) -> None:
         try:
