@@ -168,3 +168,21 @@ def test_no_room_on_the_device_is_reported_not_recomputed():
     m.pools[1].free(taken)
     assert offload.start_load(b, m.get_computed_blocks(b)[0]) is LoadStart.STARTED
     offload.close()
+
+
+class DeadPool(LocalKVPool):
+    def contains(self, keys):
+        raise ConnectionError("pool server gone")
+
+
+def test_a_dead_pool_makes_lookups_miss_not_fail():
+    m = KVCacheManager(SPECS, NUM_BLOCKS, record_events=True)
+    caches = KVCacheTensors(SPECS, NUM_BLOCKS, torch.float32, "cpu")
+    tokens = finished_turn(m)
+    offload = KVOffloader(m, caches, DeadPool(1 << 20), b"ns")
+    offload.offload(evict_all(m))
+    offload.flush()
+    b = Waiting("b", [*tokens, 900], 27)
+    assert offload.start_load(b, m.get_computed_blocks(b)[0]) is LoadStart.NONE
+    assert isinstance(offload.error, ConnectionError)
+    offload.close()

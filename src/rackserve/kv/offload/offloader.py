@@ -20,7 +20,9 @@ whose next lookup finds the whole hit on the device::
 from __future__ import annotations
 
 import enum
+import logging
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -37,9 +39,12 @@ from rackserve.kv.offload.pool import KVPool, pool_key
 from rackserve.model.batch import KVCacheTensors
 from rackserve.request import Request, RequestStatus
 
+logger = logging.getLogger(__name__)
+
 # Loads of one request before it falls back to recompute (landed blocks can be evicted by
 # other requests' allocations before its admission when the cache is full).
 MAX_LOAD_ATTEMPTS = 3
+POOL_RETRY_S = 5  # after a failed lookup (a pool server gone), lookups skip the pool this long
 
 
 class LoadStart(enum.Enum):
@@ -106,11 +111,12 @@ class KVOffloader:
         self._events: list[KVEvent] = []  # pool-tier events of anchor blocks (worker side)
         self._pool_used = 0
         self._loads: dict[str, _Load] = {}
-        # Landed loads: (device hit before, tokens loaded) per request, until its next lookup,
-        # which counts the pool tier's hit and loads nothing (one load per admission).
+        # Landed loads per request, until its next lookup, which counts the pool tier's hit
+        # (and loads again only if other allocations evicted the landed blocks meanwhile).
         self._just_loaded: dict[str, _Load] = {}
         self._stats = OffloadStats(pool_capacity_bytes=getattr(pool, "capacity_bytes", 0))
-        self.error: BaseException | None = None  # the worker's last failure (logged by core)
+        self.error: BaseException | None = None  # the last failure (also logged)
+        self._pool_down_until = 0.0  # monotonic time before which lookups skip the pool
 
     # ---- offload -------------------------------------------------------------------------
     def offload(self, events_per_group: Sequence[Sequence[BlockEvent]]) -> None:
@@ -154,7 +160,8 @@ class KVOffloader:
                 event.synchronize()
             evicted = self.pool.put(entries)
             used = self.pool.usage().used_bytes
-        except BaseException as e:  # a pool server gone: the blocks are lost, not the engine
+        except Exception as e:  # a pool server gone: the blocks are lost, not the engine
+            logger.warning("KV pool: storing %d blocks failed: %s", len(entries), e)
             self.error, evicted, used = e, [], self._pool_used
         with self._lock:
             for key, _ in entries:
@@ -181,7 +188,14 @@ class KVOffloader:
         with self._lock:
             staged = [n in self._staged for n in names]
         ask = [n for n, s in zip(names, staged, strict=True) if not s]
-        answers = iter(self.pool.contains(ask) if ask else [])
+        found = [False] * len(ask)
+        if ask and time.monotonic() >= self._pool_down_until:
+            try:
+                found = self.pool.contains(ask)
+            except Exception as e:  # the engine loop goes on: these requests recompute
+                logger.warning("KV pool: lookup failed, pool skipped for %d s: %s", POOL_RETRY_S, e)
+                self.error, self._pool_down_until = e, time.monotonic() + POOL_RETRY_S
+        answers = iter(found)
         return [s or next(answers) for s in staged]
 
     def start_load(self, req: Request, device_hit: int) -> LoadStart:
@@ -245,7 +259,8 @@ class KVOffloader:
             ask = [k for k, v in zip(keys, values, strict=True) if v is None]
             fetched = iter(self.pool.get(ask) if ask else [])
             result.set_result([v if v is not None else next(fetched) for v in values])
-        except BaseException as e:
+        except Exception as e:  # the request recomputes: slower, never wrong
+            logger.warning("KV pool: loading %d blocks failed: %s", len(keys), e)
             self.error = e
             result.set_result(None)
 
