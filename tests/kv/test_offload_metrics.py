@@ -45,3 +45,22 @@ def test_dp_ranks_sum_pool_counters():
     merged = merge_stats([stats(10, 4, 100, 40, 0.2), None, stats(20, 6, 50, 10, 0.7)])
     assert (merged.prefix_cache_pool_hits, merged.kv_offload_bytes) == (10, 150)
     assert (merged.kv_load_bytes, merged.kv_pool_usage) == (50, 0.7)
+
+
+def test_theoretical_rate_of_the_measured_requests():
+    """The pool's figure compares a window's hit rate with the infinite-cache rate of the
+    same requests (bench agentic), not of whole sessions."""
+    from rackserve.bench.agentic import measured_requests_hit_rate
+    from rackserve.bench.workloads import AgenticConfig
+
+    workload = AgenticConfig(
+        system_prompt_tokens=100, user_context_tokens=50, first_message_tokens=10,
+        tool_output_tokens=20, output_tokens=10, turns=3, subagent_probability=0.0,
+        length_jitter=0.0,
+    )  # fmt: skip
+    # session s0 alone: turn 0 (162 tokens: 100 + 52 + 10) hits nothing, turn 1 reuses
+    # them and the reply (172 of 192)
+    assert measured_requests_hit_rate(workload, range(1), ["s0.t0"]) == 0.0
+    assert measured_requests_hit_rate(workload, range(1), ["s0.t1"]) == 172 / 192
+    assert measured_requests_hit_rate(workload, range(1), ["s0.t0", "s0.t1"]) == 172 / 354
+    assert measured_requests_hit_rate(workload, range(1), ["unknown"]) is None
