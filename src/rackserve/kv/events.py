@@ -166,6 +166,8 @@ class KVEvents:
         self._pending: list[KVEvent] = []
 
     def drain(self, publish: bool = False) -> None:
+        if self.offload is None and self.publisher is None:
+            return  # nothing records events (most engines): one branch per step
         per_group = [pool.take_events() for pool in self.kv.pools]
         if self.offload is not None:
             self.offload.offload(per_group)
