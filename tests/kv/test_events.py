@@ -23,6 +23,7 @@ from rackserve.kv.events import (
     decode_batch,
     device_events,
     encode_batch,
+    rank_endpoint,
 )
 from rackserve.kv.hashing import BlockHashChain
 from rackserve.model.create import create_checkpoint
@@ -65,6 +66,12 @@ def test_block_pool_key_changes_become_device_events():
         BlockRemoved([b"A"], "device"),
         AllBlocksCleared(),
     ]
+
+
+def test_dp_ranks_publish_on_their_own_port():
+    assert rank_endpoint("tcp://127.0.0.1:5557", 0) == "tcp://127.0.0.1:5557"
+    assert rank_endpoint("tcp://127.0.0.1:5557", 2) == "tcp://127.0.0.1:5559"
+    assert rank_endpoint("ipc:///tmp/kv", 1) == "ipc:///tmp/kv-1"
 
 
 def test_publisher_refuses_a_bad_endpoint():

@@ -148,7 +148,7 @@ class EngineCore:
             grammar_compiler=self.grammar_compiler,
         )
         self.offload = build_offloader(cache, kv, self.runner.caches, dtype)
-        self.kv_events = KVEvents(kv, cache.kv_events_endpoint, self.offload)
+        self.kv_events = KVEvents(kv, cache.kv_events_endpoint, self.offload, self.groups.rank)
         self.scheduler = Scheduler(sched, kv, cfg.eos_token_id, self.offload)
         self.last_step: SchedulerOutput | None = None
         self.last_forward_time_s = 0.0

@@ -126,6 +126,17 @@ class KVEventPublisher:
         self._context.term()
 
 
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """DP rank r of an engine publishes on ``tcp://host:(port + r)`` (ranks of one host
+    cannot share a port); other addresses get a ``-r`` suffix for r > 0."""
+    if rank == 0:
+        return endpoint
+    head, _, port = endpoint.rpartition(":")
+    if endpoint.startswith("tcp://") and port.isdigit():
+        return f"{head}:{int(port) + rank}"
+    return f"{endpoint}-{rank}"
+
+
 def anchor_group(specs: Sequence[CacheGroupSpec]) -> CacheGroupSpec:
     """The group whose block hashes are published: the first full-history group (every
     hit needs all of its blocks), or the first group of a model without one."""
@@ -154,7 +165,11 @@ class KVEvents:
     after scheduling (before the forward overwrites evicted blocks) and after each step."""
 
     def __init__(
-        self, kv: KVCacheManager, endpoint: str | None, offload: KVOffloader | None
+        self,
+        kv: KVCacheManager,
+        endpoint: str | None,
+        offload: KVOffloader | None,
+        rank: int = 0,
     ) -> None:
         self.kv, self.offload = kv, offload
         self._anchor = anchor_group(kv.specs)
@@ -162,7 +177,7 @@ class KVEvents:
         self.publisher: KVEventPublisher | None = None
         if endpoint is not None:
             engine_id = f"{socket.gethostname()}:{os.getpid()}"
-            self.publisher = KVEventPublisher(endpoint, engine_id)
+            self.publisher = KVEventPublisher(rank_endpoint(endpoint, rank), engine_id)
         self._pending: list[KVEvent] = []
 
     def drain(self, publish: bool = False) -> None:
