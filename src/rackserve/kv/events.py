@@ -179,6 +179,8 @@ class KVEvents:
             engine_id = f"{socket.gethostname()}:{os.getpid()}"
             self.publisher = KVEventPublisher(rank_endpoint(endpoint, rank), engine_id)
         self._pending: list[KVEvent] = []
+        if offload is not None:
+            offload.before_lookup = self.drain
 
     def drain(self, publish: bool = False) -> None:
         if self.offload is None and self.publisher is None:

@@ -23,7 +23,7 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -117,6 +117,9 @@ class KVOffloader:
         self._stats = OffloadStats(pool_capacity_bytes=getattr(pool, "capacity_bytes", 0))
         self.error: BaseException | None = None  # the last failure (also logged)
         self._pool_down_until = 0.0  # monotonic time before which lookups skip the pool
+        # Hands the block pools' events since the last call to offload() (KVEvents.drain):
+        # a block evicted earlier in this schedule() is copied before a lookup asks for it.
+        self.before_lookup: Callable[[], None] = lambda: None
 
     # ---- offload -------------------------------------------------------------------------
     def offload(self, events_per_group: Sequence[Sequence[BlockEvent]]) -> None:
@@ -216,6 +219,7 @@ class KVOffloader:
         chain = self.kv.lookup_chain(req)
         if chain is None or req.request_id in self._loads:
             return LoadStart.NONE
+        self.before_lookup()
         hit = plan_pool_hit(
             self.kv.prefix_cache, chain, len(req.all_token_ids), device_hit, self._in_pool
         )
