@@ -112,7 +112,9 @@ def test_pool_outputs_equal_recomputation_and_hit(tiny):
             (("reference", reference), ("small", small), ("pooled", pooled))}  # fmt: skip
     # 6 sessions of ~100-300 tokens do not fit in 600 tokens: without the pool they miss
     assert hits["small"] < hits["reference"] / 2
-    assert hits["pooled"] >= 0.75 * hits["reference"]
+    # with the pool nearly all of it comes back (loads landing at other steps can reorder
+    # admissions, so not always exactly the same)
+    assert hits["pooled"] >= 0.9 * hits["reference"]
     stats = core.step().scheduler_stats
     assert stats.prefix_cache_pool_hits > 0
     assert stats.prefix_cache_hits >= hits["pooled"]  # + re-admissions after preemption
