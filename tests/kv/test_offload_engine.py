@@ -152,7 +152,7 @@ def test_shared_pool_server_serves_another_engine(tiny):
         repeat = {"s0": prompts["s0"] + [7, 8, 9]}
         (result,) = run_turn(second, repeat, 1).values()
         assert result[2] == 96  # the whole prompt came back from the pool
-        assert second.offload.stats.pool_hit_tokens == 96
+        assert second.scheduler.kv.stats.num_pool_hit_tokens == 96
         fresh = run_turn(engine(tiny, kv_tokens=520), repeat, 1)
         assert result[0] == next(iter(fresh.values()))[0]
         second.shutdown()

@@ -209,7 +209,7 @@ class EngineCore:
         stats = self.scheduler.stats()
         if self.offload is not None:
             pool = self.offload.stats
-            stats.prefix_cache_pool_hits = pool.pool_hit_tokens
+            stats.prefix_cache_pool_hits = self.scheduler.kv.stats.num_pool_hit_tokens
             stats.kv_offload_bytes, stats.kv_load_bytes = pool.bytes_offloaded, pool.bytes_loaded
             stats.kv_pool_usage = pool.pool_used_bytes / max(1, pool.pool_capacity_bytes)
         if self.ep is not None and self.ep.last_balancedness is not None:

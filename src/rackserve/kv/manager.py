@@ -96,6 +96,10 @@ class KVCacheManager:
         # once its first allocation has touched them, or when it is freed.
         self._held: dict[str, list[tuple[BlockPool, list[KVCacheBlock]]]] = {}
         self._num_queries = self._num_queried_tokens = self._num_hit_tokens = 0
+        # Tokens of a request's next hit that the host KV pool loaded (kv/offload), counted
+        # when it is admitted.
+        self._pool_hit_tokens: dict[str, int] = {}
+        self._num_pool_hit_tokens = 0
 
     # ---- admission -----------------------------------------------------------------------
     def get_computed_blocks(self, req: KVRequest) -> tuple[int, HitBlocks]:
@@ -273,6 +277,9 @@ class KVCacheManager:
             self._num_queries += 1
             self._num_queried_tokens += len(req.all_token_ids)
             self._num_hit_tokens += num_computed_tokens
+            noted = self._pool_hit_tokens.get(req.request_id, 0)
+            self._num_pool_hit_tokens += min(noted, num_computed_tokens)
+        self._pool_hit_tokens.pop(req.request_id, None)
 
     def _no_new_blocks(self, state: RequestState) -> NewBlocks:
         state.no_new_blocks = NewBlocks(tuple(map(len, state.block_tables)), self._no_block_ids)
@@ -372,6 +379,7 @@ class KVCacheManager:
         gets the table in reverse: the request's last blocks are evicted first.
         """
         self.release_held(req)
+        self._pool_hit_tokens.pop(req.request_id, None)
         state = self._states.pop(req.request_id, None)
         self.idle_until.pop(req.request_id, None)
         if state is None or not state.allocated:
@@ -391,6 +399,12 @@ class KVCacheManager:
         them (host KV pool loads). Released by its admission or by :meth:`free`."""
         held = self._held.setdefault(req.request_id, [])
         held += [(pool, list(b)) for pool, b in zip(self.pools, blocks, strict=True) if b]
+
+    def note_pool_hit(self, req: KVRequest, num_tokens: int) -> None:
+        """``num_tokens`` of ``req``'s next hit came from the host KV pool (stats only)."""
+        self._pool_hit_tokens[req.request_id] = (
+            self._pool_hit_tokens.get(req.request_id, 0) + num_tokens
+        )
 
     def release_held(self, req: KVRequest) -> None:
         for pool, blocks in self._held.pop(req.request_id, ()):
@@ -422,7 +436,12 @@ class KVCacheManager:
 
     @property
     def stats(self) -> PrefixCacheStats:
-        return PrefixCacheStats(self._num_queries, self._num_queried_tokens, self._num_hit_tokens)
+        return PrefixCacheStats(
+            self._num_queries,
+            self._num_queried_tokens,
+            self._num_hit_tokens,
+            self._num_pool_hit_tokens,
+        )
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (e.g. after a weight update); held blocks stay valid."""

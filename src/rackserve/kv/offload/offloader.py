@@ -55,9 +55,9 @@ class LoadStart(enum.Enum):
 
 @dataclass(frozen=True)
 class OffloadStats:
-    """Cumulative counts (tokens, blocks, bytes) and the pool's fill."""
+    """Cumulative counts (blocks, bytes) and the pool's fill; the pool tier's hit tokens
+    are the KV manager's (PrefixCacheStats.num_pool_hit_tokens, counted at admission)."""
 
-    pool_hit_tokens: int = 0  # prompt tokens whose KV came back from the pool
     num_blocks_offloaded: int = 0
     num_blocks_loaded: int = 0
     bytes_offloaded: int = 0
@@ -210,7 +210,7 @@ class KVOffloader:
         landed = self._just_loaded.pop(req.request_id, None)
         if landed is not None:
             before, after = landed.device_hit, landed.num_tokens if landed.landed else 0
-            self._bump(pool_hit_tokens=max(0, min(device_hit, after) - before))
+            self.kv.note_pool_hit(req, max(0, min(device_hit, after) - before))
             # Landed blocks evicted before this lookup (a full cache): load again, a few
             # times at most, so that a thrashing cache ends in recompute, not a loop.
             if device_hit >= after or landed.attempt + 1 >= MAX_LOAD_ATTEMPTS:
