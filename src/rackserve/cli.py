@@ -15,6 +15,7 @@ COMMAND_MODULES = (
     "rackserve.bench.cli",
     "rackserve.planner.cli",
     "rackserve.server.cli",
+    "rackserve.kv.offload.server",  # kv-pool: the host KV pool shared by a host's engines
 )
 
 

@@ -408,7 +408,28 @@ class CacheConfig:
     # unscaled as vLLM's default; compressor state rows stay in the model dtype
     kv_cache_dtype: str = "auto"
 
+    # Host KV pool (kv/offload): bytes of host memory for blocks the device cache evicts
+    # (None: no pool), or the address of a pool server shared by the engines of a host.
+    kv_offload_memory: int | None = None
+    kv_offload_server: str | None = None
+    kv_events_endpoint: str | None = None  # ZMQ PUB address of this engine's KV events
+
     def __post_init__(self) -> None:
+        if self.kv_offload_memory is not None and self.kv_offload_memory <= 0:
+            raise ConfigError("--kv-offload-memory must be a positive number of bytes")
+        for flag, url, schemes in (
+            ("--kv-offload-server", self.kv_offload_server, ("mooncake://",)),
+            ("--kv-events-endpoint", self.kv_events_endpoint, ()),
+        ):
+            if url is not None and not url.startswith(("tcp://", "ipc://", "inproc://", *schemes)):
+                raise ConfigError(f"{flag} must be a ZMQ address like tcp://127.0.0.1:5600")
+        if self.kv_offload_memory is not None and self.kv_offload_server is not None:
+            raise ConfigError(
+                "give --kv-offload-memory (a pool in this process) or --kv-offload-server (a "
+                "shared pool server, sized by its own --memory), not both"
+            )
+        if self.uses_kv_pool and not self.enable_prefix_caching:
+            raise ConfigError("the host KV pool keeps prefix-cache blocks: enable prefix caching")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
@@ -417,6 +438,10 @@ class CacheConfig:
             raise ConfigError("--gpu-memory-utilization must be in (0, 1]")
         if self.prefix_caching_hash_algo not in ("xxhash", "sha256"):
             raise ConfigError("--prefix-caching-hash-algo must be 'xxhash' or 'sha256'")
+
+    @property
+    def uses_kv_pool(self) -> bool:
+        return self.kv_offload_memory is not None or self.kv_offload_server is not None
 
 
 @dataclass(frozen=True)

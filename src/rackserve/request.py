@@ -240,6 +240,7 @@ class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     WAITING_FOR_REMOTE_KV = enum.auto()  # P/D decode side: pushed KV not yet arrived
     WAITING_FOR_FSM = enum.auto()  # structured output: its grammar is still compiling
+    WAITING_FOR_POOL_KV = enum.auto()  # prefix blocks loading from the host KV pool
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()

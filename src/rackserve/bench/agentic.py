@@ -27,8 +27,14 @@ from rackserve.bench.client import (
     open_client,
     resolve_endpoint,
 )
-from rackserve.bench.metrics import agentic_metrics, trace_stats
-from rackserve.bench.workloads import AgenticConfig, Session, TokenCounter, generate_session
+from rackserve.bench.metrics import agentic_metrics, ended_in_window, prefix_hits, trace_stats
+from rackserve.bench.workloads import (
+    AgenticConfig,
+    Session,
+    TokenCounter,
+    generate_session,
+    plan_requests,
+)
 from rackserve.config import ConfigError
 
 RESULT_VERSION = 1
@@ -178,13 +184,50 @@ def _progress_bar(run: AgenticRunConfig, concurrency: int) -> Any:
     return tqdm(total=total, desc=f"concurrency {concurrency}", unit="s", leave=False)
 
 
-def level_result(level: LevelRun, num_gpus: int) -> dict[str, Any]:
-    """The JSON entry of one concurrency level."""
-    return {
+def level_result(
+    level: LevelRun,
+    num_gpus: int,
+    workload: AgenticConfig | None = None,
+    first_session: int = 0,
+    counter: TokenCounter | None = None,
+) -> dict[str, Any]:
+    """The JSON entry of one concurrency level. With ``workload``: also the theoretical
+    hit rate of the very requests measured (the trace's rate weighs every turn of whole
+    sessions; a short window holds more early turns, whose rate is lower)."""
+    result = {
         "concurrency": level.concurrency,
         "num_sessions_started": level.num_sessions_started,
         **agentic_metrics(level.timelines, level.window_start, level.window_end, num_gpus),
     }
+    if workload is not None:
+        measured = [
+            t.tag
+            for t in ended_in_window(level.timelines, level.window_start, level.window_end)
+            if t.success
+        ]
+        sessions = range(first_session, level.next_session)
+        result["theoretical_prefix_hit_rate_measured"] = measured_requests_hit_rate(
+            workload, sessions, measured, counter
+        )
+    return result
+
+
+def measured_requests_hit_rate(
+    workload: AgenticConfig,
+    sessions: range,
+    tags: Sequence[str],
+    counter: TokenCounter | None = None,
+) -> float | None:
+    """Infinite-cache hit rate of the requests ``tags`` (``session_id.tK``) of ``sessions``,
+    in planned tokens; None when none of them is known."""
+    requests = [r for i in sessions for r in plan_requests(generate_session(workload, i, counter))]
+    by_tag = {
+        f"{r.session_id}.t{r.turn}": (hit, sum(n for _, n in r.prompt))
+        for r, hit in zip(requests, prefix_hits(requests), strict=True)
+    }
+    known = [by_tag[tag] for tag in tags if tag in by_tag]
+    total = sum(n for _, n in known)
+    return sum(hit for hit, _ in known) / total if total else None
 
 
 async def run_agentic_async(
@@ -198,10 +241,45 @@ async def run_agentic_async(
     next_session = 0
     async with open_client(endpoint, counter) as client:
         for concurrency in run.concurrency:
-            level = await run_level(client, workload, concurrency, run, next_session, counter)
+            before = await server_hits_by_tier(endpoint.base_url)
+            first = next_session
+            level = await run_level(client, workload, concurrency, run, first, counter)
             next_session = level.next_session
-            levels.append(level_result(level, run.num_gpus))
+            levels.append(level_result(level, run.num_gpus, workload, first, counter))
+            after = await server_hits_by_tier(endpoint.base_url)
+            if before is not None and after:
+                # the whole level (warmup included), as the server counts it
+                levels[-1]["server_prefix_hits_by_tier"] = {
+                    tier: after[tier] - before.get(tier, 0) for tier in after
+                }
     return levels
+
+
+async def server_hits_by_tier(base_url: str, timeout_s: float = 10.0) -> dict[str, int] | None:
+    """The server's cumulative prefix-cache hit tokens per tier (device, host KV pool) from
+    its Prometheus ``prefix_cache_hits_by_tier`` series ({} before any was counted); None
+    when /metrics cannot be read."""
+    import aiohttp
+    from prometheus_client.parser import text_string_to_metric_families
+
+    root = base_url.rstrip("/").removesuffix("/v1")
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session,
+            session.get(f"{root}/metrics") as response,
+        ):
+            if response.status != 200:
+                return None
+            text = await response.text()
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+    tiers = {}
+    for family in text_string_to_metric_families(text):
+        if family.name.endswith("prefix_cache_hits_by_tier"):
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    tiers[sample.labels["tier"]] = int(sample.value)
+    return tiers
 
 
 def run_agentic(

@@ -17,7 +17,9 @@ from rackserve.config import CPU_KV_CACHE_MEMORY, EngineConfig
 from rackserve.device import resolve
 from rackserve.engine.outputs import EngineCoreOutputs, EngineCoreRequest, SchedulerOutput
 from rackserve.engine.scheduler import Scheduler
+from rackserve.kv.events import KVEvents
 from rackserve.kv.manager import KVCacheManager
+from rackserve.kv.offload.build import build_offloader
 from rackserve.kv.spec import (
     CacheGroupSpec,
     bytes_per_token,
@@ -136,12 +138,15 @@ class EngineCore:
         sched = config.scheduler
         groups, num_blocks = plan_kv_cache(config, dtype, kv_budget_bytes(config, device))
         interval = config.cache.checkpoint_interval
+        cache = config.cache
         kv = KVCacheManager(
             groups,
             num_blocks,
-            enable_prefix_caching=config.cache.enable_prefix_caching,
-            hash_algo=config.cache.prefix_caching_hash_algo,
+            enable_prefix_caching=cache.enable_prefix_caching,
+            hash_algo=cache.prefix_caching_hash_algo,
             checkpoint_interval=_round_interval(interval, groups),
+            # the host KV pool copies evicted blocks; KV events publish key changes
+            record_events=cache.uses_kv_pool or cache.kv_events_endpoint is not None,
         )
         self.kv_capacity_tokens = capacity_tokens(groups, num_blocks)
         self.kv_bytes_per_token = bytes_per_token(groups)
@@ -152,7 +157,6 @@ class EngineCore:
                 f"prefix alignment {kv.alignment} tokens",
                 flush=True,
             )
-        self.scheduler = Scheduler(sched, kv, cfg.eos_token_id)
         self.grammar_compiler = GrammarCompiler(
             config.tokenizer or config.model, cfg.vocab_size, cfg.eos_token_id
         )
@@ -170,6 +174,9 @@ class EngineCore:
             grammar_compiler=self.grammar_compiler,
             kv_cache_dtype=kv_cache_dtype(config.cache.kv_cache_dtype, device),
         )
+        self.offload = build_offloader(cache, kv, self.runner.caches, dtype)
+        self.kv_events = KVEvents(kv, cache.kv_events_endpoint, self.offload, self.groups.rank)
+        self.scheduler = Scheduler(sched, kv, cfg.eos_token_id, self.offload)
         self.last_step: SchedulerOutput | None = None
         self.last_forward_time_s = 0.0
 
@@ -186,7 +193,9 @@ class EngineCore:
     def add_request_with_kv(self, request: EngineCoreRequest, num_computed_tokens: int) -> bool:
         """Admit a request whose first tokens' KV lands straight in its blocks (P/D decode
         side, ``bench decode``'s synthetic contexts); False when there is no room now."""
-        return self.scheduler.add_request_with_kv(self._request(request), num_computed_tokens)
+        added = self.scheduler.add_request_with_kv(self._request(request), num_computed_tokens)
+        self.kv_events.drain()  # blocks it evicted are copied before its KV overwrites them
+        return added
 
     def _request(self, request: EngineCoreRequest) -> Request:
         vocab = self.model.cfg.vocab_size
@@ -223,6 +232,7 @@ class EngineCore:
         if not sched.total_num_scheduled_tokens and self.scheduler.waiting_for_grammar:
             # only grammars are compiling: wait a little for one instead of spinning
             self.scheduler.waiting_for_grammar.wait(GRAMMAR_POLL_S)
+        self.kv_events.drain()  # evicted blocks go to the host pool before the forward
         result = self.runner.execute(sched)  # an empty step still drops finished state
         if self.ep is not None:
             if not result.req_ids:
@@ -230,7 +240,13 @@ class EngineCore:
             self.ep_models.end_step(("main",))  # the MTP layers run in no step yet
         self.last_forward_time_s = result.forward_time_s
         outputs = self.scheduler.update(sched, result)
+        self.kv_events.drain(publish=True)
         stats = self.scheduler.stats()
+        if self.offload is not None:
+            pool = self.offload.stats
+            stats.prefix_cache_pool_hits = self.scheduler.kv.stats.num_pool_hit_tokens
+            stats.kv_offload_bytes, stats.kv_load_bytes = pool.bytes_offloaded, pool.bytes_loaded
+            stats.kv_pool_usage = pool.pool_used_bytes / max(1, pool.pool_capacity_bytes)
         if self.ep is not None and self.ep.last_balancedness is not None:
             real, uniform = self.ep.last_balancedness
             stats.expert_balancedness, stats.expert_balancedness_uniform = real, uniform
@@ -246,11 +262,15 @@ class EngineCore:
     def import_kv(self, request_id: str, packed: torch.Tensor) -> None:
         """Fill a running request's blocks from a packed region."""
         req = self.scheduler.requests[request_id]
+        self.kv_events.drain()
         import_blocks(self.runner.caches, self.scheduler.kv.get_block_ids(req), packed)
 
     def shutdown(self) -> None:
         self.abort_requests(list(self.scheduler.requests))
         self.grammar_compiler.shutdown()
+        self.kv_events.close()
+        if self.offload is not None:
+            self.offload.close()
 
 
 def _round_interval(interval: int | None, groups: list) -> int | None:

@@ -197,4 +197,8 @@ def merge_stats(per_rank: list[SchedulerStats | None]) -> SchedulerStats:
         num_preemptions=sum(s.num_preemptions for s in known),
         expert_balancedness=balanced.expert_balancedness if balanced else None,
         expert_balancedness_uniform=balanced.expert_balancedness_uniform if balanced else None,
+        prefix_cache_pool_hits=sum(s.prefix_cache_pool_hits for s in known),
+        kv_offload_bytes=sum(s.kv_offload_bytes for s in known),
+        kv_load_bytes=sum(s.kv_load_bytes for s in known),
+        kv_pool_usage=max((s.kv_pool_usage for s in known), default=0.0),
     )

@@ -131,6 +131,12 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     # same batches routed uniformly at random (the ceiling); absent without EP.
     expert_balancedness: list[float] | None = None
     expert_balancedness_uniform: list[float] | None = None
+    # Host KV pool (kv/offload; zero without one): prompt tokens served from the pool tier
+    # (also counted in prefix_cache_hits), bytes moved each way (cumulative), its fill.
+    prefix_cache_pool_hits: int = 0
+    kv_offload_bytes: int = 0
+    kv_load_bytes: int = 0
+    kv_pool_usage: float = 0.0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -28,6 +28,7 @@ from rackserve.engine.outputs import (
 from rackserve.engine.request_queue import WaitingQueue
 from rackserve.engine.stop import check_stop_token
 from rackserve.kv.manager import KVCacheManager
+from rackserve.kv.offload import KVOffloader, LoadStart
 from rackserve.request import Request, RequestStatus
 from rackserve.runner.structured_output import GrammarWait
 
@@ -44,9 +45,13 @@ class Scheduler:
         config: SchedulerConfig,
         kv_manager: KVCacheManager,
         eos_token_ids: tuple[int, ...],
+        offload: KVOffloader | None = None,
     ) -> None:
         self.config = config
         self.kv = kv_manager
+        # The host KV pool: a request whose prefix hit grows with it waits outside the queue
+        # (WAITING_FOR_POOL_KV) while its blocks load.
+        self.offload = offload
         self.eos_token_ids = eos_token_ids
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(config.policy)
@@ -160,6 +165,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         if self.waiting_for_grammar:
             self._admit_compiled()
+        if self.offload is not None:
+            for req in reversed(self.offload.take_loaded()):  # their KV is in place now
+                self.waiting.add(req, front=True)
         budget = self.config.max_num_batched_tokens
         max_model_len = self.config.max_model_len
         new_reqs: list[NewRequestData] = []
@@ -251,13 +259,21 @@ class Scheduler:
                 num_hit, hit = 0, None
             else:
                 num_hit, hit = self.kv.get_computed_blocks(req)
+                if self.offload is not None:
+                    start = self.offload.start_load(req, num_hit)
+                    if start is LoadStart.STARTED:
+                        self.waiting.pop()  # parked until take_loaded() returns it
+                        continue
+                    if start is LoadStart.NO_ROOM and (self.running or self.offload.num_loading):
+                        break  # loading beats recomputing: wait for blocks to free up
             num_new = req.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
             new_blocks = self.kv.allocate_slots(req, num_new, num_hit, hit)
             if new_blocks is None:
-                if not self.running:  # the cache is all free or evictable: it never fits
+                loading = self.offload is not None and self.offload.num_loading
+                if not self.running and not loading:  # all free or evictable: never fits
                     self.waiting.pop()
                     self._finish_unfittable(req)
                     continue
@@ -435,7 +451,9 @@ class Scheduler:
         kv_stats = self.kv.stats
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting) + len(self.waiting_for_grammar),
+            num_waiting_reqs=len(self.waiting)
+            + len(self.waiting_for_grammar)
+            + (self.offload.num_loading if self.offload else 0),
             kv_cache_usage=self.kv.usage,
             prefix_cache_queries=kv_stats.num_queried_tokens,
             prefix_cache_hits=kv_stats.num_hit_tokens,

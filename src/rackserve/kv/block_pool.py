@@ -15,8 +15,26 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from enum import Enum
+from typing import NamedTuple
 
 from rackserve.kv.hashing import BlockKey
+
+
+class BlockEventKind(Enum):
+    STORED = "stored"  # a block got a key: findable
+    EVICTED = "evicted"  # a free cached block was handed out: its rows stay intact until
+    #                      the next forward writes to it (the host KV pool copies them first)
+    REMOVED = "removed"  # a free cached block was demoted to transient (rows superseded)
+    CLEARED = "cleared"  # every key dropped (reset)
+
+
+class BlockEvent(NamedTuple):
+    """What happened to a key of this pool (recorded only with ``record_events``)."""
+
+    kind: BlockEventKind
+    key: BlockKey | None = None
+    block_id: int = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -108,7 +126,7 @@ class BlockPool:
     sliding-window pages it has released.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, record_events: bool = False) -> None:
         if num_blocks < 2:
             raise ValueError(
                 f"a block pool needs >= 2 blocks (one is the null block), got {num_blocks}"
@@ -119,6 +137,8 @@ class BlockPool:
         self.null_block.ref_cnt = 1  # held forever, so it never enters the free queue
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self._cached: dict[BlockKey, KVCacheBlock] = {}
+        # Key changes in order, drained by take_events() (KV events, host KV pool).
+        self.events: list[BlockEvent] | None = [] if record_events else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -142,6 +162,10 @@ class BlockPool:
             block = self.free_queue.popleft()
             if block.block_hash is not None:  # evict: its content is about to be overwritten
                 del self._cached[block.block_hash]
+                if self.events is not None:
+                    self.events.append(
+                        BlockEvent(BlockEventKind.EVICTED, block.block_hash, block.block_id)
+                    )
                 block.block_hash = None
             block.ref_cnt = 1
             blocks.append(block)
@@ -182,6 +206,8 @@ class BlockPool:
             return False
         self._cached[key] = block
         block.block_hash = key
+        if self.events is not None:
+            self.events.append(BlockEvent(BlockEventKind.STORED, key, block.block_id))
         return True
 
     def get_cached_block(self, key: BlockKey) -> KVCacheBlock | None:
@@ -193,6 +219,8 @@ class BlockPool:
         if block.ref_cnt != 0 or block.block_hash is None:
             return False
         del self._cached[block.block_hash]
+        if self.events is not None:
+            self.events.append(BlockEvent(BlockEventKind.REMOVED, block.block_hash, block.block_id))
         block.block_hash = None
         self.free_queue.remove(block)
         self.free_queue.appendleft(block)
@@ -204,4 +232,13 @@ class BlockPool:
             block.block_hash = None
         num_dropped = len(self._cached)
         self._cached.clear()
+        if self.events is not None:
+            self.events.append(BlockEvent(BlockEventKind.CLEARED))
         return num_dropped
+
+    def take_events(self) -> list[BlockEvent]:
+        """The events recorded since the last call, oldest first (empty when not recording)."""
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events

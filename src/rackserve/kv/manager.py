@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from rackserve.kv.block_pool import BlockPool
+from rackserve.kv.block_pool import BlockPool, KVCacheBlock
 from rackserve.kv.hashing import BlockHashChain, check_hash_algo
 from rackserve.kv.prefix_cache import Group, PrefixCache
 from rackserve.kv.records import (
@@ -69,6 +69,7 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         hash_algo: str = "sha256",
         checkpoint_interval: int | None = None,
+        record_events: bool = False,
     ) -> None:
         self.specs = tuple(specs)
         names = [s.name for s in self.specs]
@@ -79,7 +80,7 @@ class KVCacheManager:
                 f"num_blocks must have exactly the groups {names}, got {list(num_blocks)}"
             )
         check_hash_algo(hash_algo)
-        self.pools = tuple(BlockPool(num_blocks[name]) for name in names)
+        self.pools = tuple(BlockPool(num_blocks[name], record_events) for name in names)
         self.prefix_cache = PrefixCache(self.specs, self.pools, checkpoint_interval)
         self.alignment = self.prefix_cache.alignment  # A
         self.granularity = hash_granularity(self.specs)  # G
@@ -91,7 +92,14 @@ class KVCacheManager:
         self._group_index = {name: g for g, name in enumerate(names)}
         self._states: dict[str, RequestState] = {}
         self.idle_until: dict[str, int] = {}
+        # Blocks taken for a request before its admission (host KV pool loads): released
+        # once its first allocation has touched them, or when it is freed.
+        self._held: dict[str, list[tuple[BlockPool, list[KVCacheBlock]]]] = {}
         self._num_queries = self._num_queried_tokens = self._num_hit_tokens = 0
+        # Tokens of a request's next hit that the host KV pool loaded (kv/offload), counted
+        # when it is admitted.
+        self._pool_hit_tokens: dict[str, int] = {}
+        self._num_pool_hit_tokens = 0
 
     # ---- admission -----------------------------------------------------------------------
     def get_computed_blocks(self, req: KVRequest) -> tuple[int, HitBlocks]:
@@ -263,11 +271,15 @@ class KVCacheManager:
             for s, t in zip(self.specs, tables, strict=True)
         ]
         state.group_events = [0] * len(tables)
+        self.release_held(req)  # touched above: the request holds them now
         self.prefix_cache.set_tentative(state, self.prefix_cache.floor_align(num_computed_tokens))
         if self.enable_prefix_caching and not state.kv_pending:  # once admitted, not per lookup
             self._num_queries += 1
             self._num_queried_tokens += len(req.all_token_ids)
             self._num_hit_tokens += num_computed_tokens
+            noted = self._pool_hit_tokens.get(req.request_id, 0)
+            self._num_pool_hit_tokens += min(noted, num_computed_tokens)
+        self._pool_hit_tokens.pop(req.request_id, None)
 
     def _no_new_blocks(self, state: RequestState) -> NewBlocks:
         state.no_new_blocks = NewBlocks(tuple(map(len, state.block_tables)), self._no_block_ids)
@@ -366,6 +378,8 @@ class KVCacheManager:
         cached, so the next turn (or the preempted request itself) can hit them. Each pool
         gets the table in reverse: the request's last blocks are evicted first.
         """
+        self.release_held(req)
+        self._pool_hit_tokens.pop(req.request_id, None)
         state = self._states.pop(req.request_id, None)
         self.idle_until.pop(req.request_id, None)
         if state is None or not state.allocated:
@@ -378,6 +392,28 @@ class KVCacheManager:
             self.prefix_cache.cache_checkpoint(state, finish)
         for pool, table in zip(self.pools, state.block_tables, strict=True):
             pool.free([b for b in reversed(table) if b is not pool.null_block])
+
+    def hold(self, req: KVRequest, blocks: Sequence[Sequence[KVCacheBlock]]) -> None:
+        """Record that ``req`` owns one reference (taken by the caller: ``get_new_blocks`` or
+        ``touch``) on these blocks (per group, spec order), so that its next lookup finds
+        them (host KV pool loads). Released by its admission or by :meth:`free`."""
+        held = self._held.setdefault(req.request_id, [])
+        held += [(pool, list(b)) for pool, b in zip(self.pools, blocks, strict=True) if b]
+
+    def note_pool_hit(self, req: KVRequest, num_tokens: int) -> None:
+        """``num_tokens`` of ``req``'s next hit came from the host KV pool (stats only)."""
+        self._pool_hit_tokens[req.request_id] = (
+            self._pool_hit_tokens.get(req.request_id, 0) + num_tokens
+        )
+
+    def release_held(self, req: KVRequest) -> None:
+        for pool, blocks in self._held.pop(req.request_id, ()):
+            pool.free(blocks)
+
+    def lookup_chain(self, req: KVRequest) -> BlockHashChain | None:
+        """The hash chain of a request looked up (get_computed_blocks) and not yet freed."""
+        state = self._states.get(req.request_id)
+        return None if state is None else state.chain
 
     # ---- queries -------------------------------------------------------------------------
     def _new_state(self, req: KVRequest) -> RequestState:
@@ -400,7 +436,12 @@ class KVCacheManager:
 
     @property
     def stats(self) -> PrefixCacheStats:
-        return PrefixCacheStats(self._num_queries, self._num_queried_tokens, self._num_hit_tokens)
+        return PrefixCacheStats(
+            self._num_queries,
+            self._num_queried_tokens,
+            self._num_hit_tokens,
+            self._num_pool_hit_tokens,
+        )
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (e.g. after a weight update); held blocks stay valid."""

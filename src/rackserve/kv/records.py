@@ -54,6 +54,7 @@ class PrefixCacheStats:
     num_queries: int  # admitted requests (a preempted one counts again on re-admission)
     num_queried_tokens: int
     num_hit_tokens: int
+    num_pool_hit_tokens: int = 0  # of num_hit_tokens, loaded back from the host KV pool
 
     @property
     def hit_rate(self) -> float:

@@ -16,7 +16,9 @@ NULL_BLOCK_ID = 0
 
 
 def _live(block_ids: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor([b for b in block_ids if b != NULL_BLOCK_ID], device=device)
+    return torch.tensor(
+        [b for b in block_ids if b != NULL_BLOCK_ID], dtype=torch.long, device=device
+    )
 
 
 def packed_numel(caches: KVCacheTensors, block_ids: tuple[list[int], ...]) -> int:

@@ -35,6 +35,10 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "kv_cache_dtype": "auto",
     "gpu_memory_utilization": 0.9,
     "enable_prefix_caching": True,
+    # the host KV pool and KV events (kv/offload, kv/events.py)
+    "kv_offload_memory": None,
+    "kv_offload_server": None,
+    "kv_events_endpoint": None,
     "scheduling_policy": "fcfs",
     "dtype": "auto",
     "device": "auto",
@@ -176,6 +180,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="auto: the model dtype; fp8: KV rows and indexer keys in e4m3 (CPU only for now)",
     )  # fmt: skip
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    add(
+        "--kv-offload-memory", type=parse_bytes,
+        help="host KV pool bytes, e.g. 8G: blocks the KV cache evicts are kept there and "
+        "loaded back on a prefix hit (default: no pool)",
+    )  # fmt: skip
+    add(
+        "--kv-offload-server",
+        help="share the host KV pool of `rackserve kv-pool` at this ZMQ address instead",
+    )
+    add("--kv-events-endpoint", help="publish KV events on this ZMQ address (tcp://HOST:PORT)")
     add("--scheduling-policy", choices=("fcfs", "priority"))
     add(
         "--dtype", type=parse_dtype_name, metavar="{" + ",".join(DTYPE_CHOICES) + "}",
@@ -252,7 +266,8 @@ def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
             name = OPTION_ALIASES.get(name, name)
             if name not in options:
                 raise ValueError(f"{args.config}: unknown option {key!r}")
-            if name in ("kv_cache_memory", "max_request_body_bytes") and value is not None:
+            bytes_options = ("kv_cache_memory", "kv_offload_memory", "max_request_body_bytes")
+            if name in bytes_options and value is not None:
                 value = parse_bytes(value)
             if name in ("max_model_len", "max_num_batched_tokens") and value is not None:
                 value = parse_count(value)
@@ -341,6 +356,9 @@ def build_engine_config(options: dict[str, Any]) -> Any:
             gpu_memory_utilization=options["gpu_memory_utilization"],
             enable_prefix_caching=options["enable_prefix_caching"],
             kv_cache_dtype=options["kv_cache_dtype"],
+            kv_offload_memory=options["kv_offload_memory"],
+            kv_offload_server=options["kv_offload_server"],
+            kv_events_endpoint=options["kv_events_endpoint"],
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=options["max_num_seqs"],

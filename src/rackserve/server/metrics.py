@@ -65,6 +65,23 @@ class ServerMetrics:
         )
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the cache.")
         self.num_preemptions = counter("num_preemptions", "Cumulative preemptions.")
+        # The host KV pool (kv/offload): zero without one.
+        self._hits_by_tier = Counter(
+            self.prefix + "prefix_cache_hits_by_tier",
+            "Prompt tokens found in the prefix cache, by tier: device (the KV cache) or pool "
+            "(loaded back from the host KV pool); they sum to prefix_cache_hits.",
+            ["model_name", "tier"],
+            registry=registry,
+        )
+        self.kv_offload_bytes = counter(
+            "kv_offload_bytes", "Bytes copied from the KV cache to the host KV pool."
+        )
+        self.kv_load_bytes = counter(
+            "kv_load_bytes", "Bytes loaded from the host KV pool into the KV cache."
+        )
+        self.kv_pool_usage_perc = gauge(
+            "kv_pool_usage_perc", "Host KV pool usage (fraction of its bytes in use, 1 = full)."
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens (cached included).")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self._request_success = Counter(
@@ -175,6 +192,7 @@ class ServerMetrics:
         self._waiting_by_reason.labels(self.model_name, "capacity").set(stats.num_waiting_reqs)
         self.stats_log.record_scheduler_stats(stats)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        self.kv_pool_usage_perc.set(stats.kv_pool_usage)
         for routing, values in (
             ("real", stats.expert_balancedness),
             ("uniform", stats.expert_balancedness_uniform),
@@ -182,10 +200,24 @@ class ServerMetrics:
             for layer, value in enumerate(values or ()):
                 self._expert_balancedness.labels(self.model_name, str(layer), routing).set(value)
         last = self._last
+        device_hits = stats.prefix_cache_hits - stats.prefix_cache_pool_hits
+        tier = self._hits_by_tier
         for counter, now, before in (
             (self.prefix_cache_queries, stats.prefix_cache_queries, last.prefix_cache_queries),
             (self.prefix_cache_hits, stats.prefix_cache_hits, last.prefix_cache_hits),
             (self.num_preemptions, stats.num_preemptions, last.num_preemptions),
+            (
+                tier.labels(self.model_name, "device"),
+                device_hits,
+                last.prefix_cache_hits - last.prefix_cache_pool_hits,
+            ),
+            (
+                tier.labels(self.model_name, "pool"),
+                stats.prefix_cache_pool_hits,
+                last.prefix_cache_pool_hits,
+            ),
+            (self.kv_offload_bytes, stats.kv_offload_bytes, last.kv_offload_bytes),
+            (self.kv_load_bytes, stats.kv_load_bytes, last.kv_load_bytes),
         ):
             if now > before:  # a smaller value would be a restarted engine: nothing to add
                 counter.inc(now - before)
