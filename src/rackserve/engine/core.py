@@ -145,10 +145,27 @@ class EngineCore:
         )
         self.last_step: SchedulerOutput | None = None
         self.last_forward_time_s = 0.0
+        self.kv_connector = None
+        if config.kv_transfer is not None:  # P/D disaggregation (disagg/connector.py)
+            from rackserve.disagg.connector import KVConnector
+
+            self.kv_connector = KVConnector(
+                config.kv_transfer, self.scheduler, self.runner.caches, dtype, device
+            )
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request; ValueError (the client's fault) leaves the engine untouched."""
+        if request.sampling_params.kv_transfer_params is not None:
+            if self.kv_connector is None:
+                raise ValueError(
+                    "kv_transfer_params given, but this engine has no --kv-transfer-config"
+                )
+            prepared = self.kv_connector.prepare(request)
+            if prepared is None:  # decode side: held until its KV lands
+                self.kv_connector.add_remote(self._request(request))
+                return
+            request = prepared
         self.scheduler.add_request(self._request(request))
 
     def add_request_with_kv(self, request: EngineCoreRequest, num_computed_tokens: int) -> bool:
@@ -186,6 +203,10 @@ class EngineCore:
 
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
+        connector = self.kv_connector
+        if connector is not None:
+            connector.wait()  # naps only when nothing but remote-KV requests exist
+            connector.step()
         sched = self.scheduler.schedule()
         self.last_step = sched
         result = self.runner.execute(sched)  # an empty step still drops finished state
@@ -196,6 +217,9 @@ class EngineCore:
         self.last_forward_time_s = result.forward_time_s
         outputs = self.scheduler.update(sched, result)
         stats = self.scheduler.stats()
+        if connector is not None:
+            stats.num_waiting_for_remote_kv = connector.num_waiting
+            stats.kv_bytes_received = connector.num_bytes_received
         if self.ep is not None and self.ep.last_balancedness is not None:
             real, uniform = self.ep.last_balancedness
             stats.expert_balancedness, stats.expert_balancedness_uniform = real, uniform
@@ -213,7 +237,14 @@ class EngineCore:
         req = self.scheduler.requests[request_id]
         import_blocks(self.runner.caches, self.scheduler.kv.get_block_ids(req), packed)
 
+    def take_request_errors(self) -> list[tuple[str, str]]:
+        """(request id, message) of requests ended by an error since the last call (a
+        failed KV transfer under kv_load_failure_policy "fail")."""
+        return [] if self.kv_connector is None else self.kv_connector.take_errors()
+
     def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.close()
         self.abort_requests(list(self.scheduler.requests))
         self.grammar_compiler.shutdown()
 

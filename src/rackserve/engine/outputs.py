@@ -128,6 +128,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     # same batches routed uniformly at random (the ceiling); absent without EP.
     expert_balancedness: list[float] | None = None
     expert_balancedness_uniform: list[float] | None = None
+    # P/D decode side: requests whose prompt KV has not landed yet; KV bytes received
+    num_waiting_for_remote_kv: int = 0
+    kv_bytes_received: int = 0  # cumulative
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
