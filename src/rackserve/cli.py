@@ -15,6 +15,7 @@ COMMAND_MODULES = (
     "rackserve.bench.cli",
     "rackserve.planner.cli",
     "rackserve.server.cli",
+    "rackserve.router.cli",
 )
 
 

@@ -503,7 +503,7 @@ class DisaggConfig:
     kv_role: str
     kv_connector: str = "tcp"
     kv_ip: str = "127.0.0.1"
-    kv_port: int = 0  # producer: 0 picks a free port (reported in the prefill response)
+    kv_port: int = 0  # where a producer serves its KV (required for producers)
     engine_id: str = ""  # empty: "ip:port" once bound
     kv_load_failure_policy: str = "recompute"
     lease_s: float = 30.0
@@ -528,6 +528,10 @@ class DisaggConfig:
             )
         if not 0 <= self.kv_port <= 65535:
             raise ConfigError("--kv-transfer-config: kv_port must be in [0, 65535]")
+        if self.is_producer and self.kv_port == 0:
+            raise ConfigError(
+                "--kv-transfer-config: a kv_producer needs kv_port (the decode side pulls there)"
+            )
         if not (math.isfinite(self.lease_s) and self.lease_s > 0):
             raise ConfigError("--kv-transfer-config: lease_s must be a positive number of seconds")
         if self.max_kv_loads_per_step < 0:

@@ -65,6 +65,13 @@ class ServerMetrics:
         )
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the cache.")
         self.num_preemptions = counter("num_preemptions", "Cumulative preemptions.")
+        # P/D decode side (disagg/): requests whose prompt KV is on its way, bytes received
+        self.num_requests_waiting_for_kv = gauge(
+            "num_requests_waiting_for_remote_kv", "Requests waiting for KV from a prefill engine."
+        )
+        self.kv_transfer_bytes_received = counter(
+            "kv_transfer_bytes_received", "KV bytes received from prefill engines."
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens (cached included).")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self._request_success = Counter(
@@ -175,6 +182,7 @@ class ServerMetrics:
         self._waiting_by_reason.labels(self.model_name, "capacity").set(stats.num_waiting_reqs)
         self.stats_log.record_scheduler_stats(stats)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        self.num_requests_waiting_for_kv.set(stats.num_waiting_for_remote_kv)
         for routing, values in (
             ("real", stats.expert_balancedness),
             ("uniform", stats.expert_balancedness_uniform),
@@ -186,6 +194,7 @@ class ServerMetrics:
             (self.prefix_cache_queries, stats.prefix_cache_queries, last.prefix_cache_queries),
             (self.prefix_cache_hits, stats.prefix_cache_hits, last.prefix_cache_hits),
             (self.num_preemptions, stats.num_preemptions, last.num_preemptions),
+            (self.kv_transfer_bytes_received, stats.kv_bytes_received, last.kv_bytes_received),
         ):
             if now > before:  # a smaller value would be a restarted engine: nothing to add
                 counter.inc(now - before)
