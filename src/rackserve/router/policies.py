@@ -7,7 +7,7 @@
 
 where ``load`` is the prompt tokens the router has in flight there (it knows them at once,
 unlike a polled /metrics). Ties go to the session's previous engine, then the least loaded,
-then the lowest index. ``round-robin``, ``least-load`` and ``session`` (header
+then in rotation. ``round-robin``, ``least-load`` and ``session`` (header
 ``X-Session-Id`` or the OpenAI ``user`` field, else least-load) are the baselines.
 """
 
@@ -61,7 +61,9 @@ def pick(
         uncached = prompt_tokens - c.device_hit_tokens - (1 - pool_cost) * c.pool_hit_tokens
         return max(0.0, uncached) + load_weight * c.load_tokens
 
-    def kv_key(c: Candidate) -> tuple[float, int, int, int, int]:
-        return (cost(c), c.index != session_engine, *least_load_key(c))
+    def kv_key(c: Candidate) -> tuple[float, bool, int, int, int]:
+        # last: rotate among equals, so new sessions spread even when requests come singly
+        rotation = (c.index - turn) % (1 + max(x.index for x in candidates))
+        return (cost(c), c.index != session_engine, c.load_tokens, c.num_inflight, rotation)
 
     return min(candidates, key=kv_key).index
