@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "rackserve.planner.cli",
     "rackserve.server.cli",
     "rackserve.router.cli",
+    "rackserve.disagg.demo",  # demo (--pd: P/D with the router)
 )
 
 
