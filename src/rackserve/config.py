@@ -555,6 +555,8 @@ class DisaggConfig:
         vLLM's keys ``kv_rank``, ``kv_parallel_size`` and ``kv_buffer_size`` are accepted
         and unused (the handshake names peers per request)."""
         if text is None:
+            if max_kv_loads_per_step is not None:
+                raise ConfigError("--max-kv-loads-per-step needs --kv-transfer-config (a consumer)")
             return None
         try:
             raw = json.loads(text) if isinstance(text, str) else dict(text)

@@ -213,7 +213,53 @@ def test_config_errors():
         DisaggConfig.from_json('{"kv_role": "kv_consumer", "kv_load_failure_policy": "x"}')
     with pytest.raises(ConfigError, match="kv_connector must be one of"):
         DisaggConfig.from_json('{"kv_role": "kv_consumer", "kv_connector": "rdma"}')
+    with pytest.raises(ConfigError, match="needs kv_port"):
+        DisaggConfig.from_json('{"kv_role": "kv_producer"}')
+    with pytest.raises(ConfigError, match="needs --kv-transfer-config"):
+        DisaggConfig.from_json(None, max_kv_loads_per_step=2)
+    with pytest.raises(ConfigError, match="kv_port must be"):
+        DisaggConfig.from_json('{"kv_role": "kv_consumer", "kv_port": 70000}')
     config = DisaggConfig.from_json(
-        '{"kv_role": "kv_both", "kv_connector": "tcp", "kv_rank": 0}', max_kv_loads_per_step=8
+        '{"kv_role": "kv_both", "kv_port": 5, "kv_rank": 0}', max_kv_loads_per_step=8
     )
     assert config.is_producer and config.is_consumer and config.max_kv_loads_per_step == 8
+
+
+def test_serve_flags_build_the_config(tiny):
+    from rackserve.cli import build_parser
+    from rackserve.server.cli import build_engine_config, resolve_options
+
+    args = build_parser().parse_args(
+        ["serve", str(tiny), "--kv-transfer-config", '{"kv_role": "kv_consumer"}',
+         "--max-kv-loads-per-step", "2"]
+    )  # fmt: skip
+    config = build_engine_config(resolve_options(args))
+    assert config.kv_transfer.is_consumer and config.kv_transfer.max_kv_loads_per_step == 2
+    args = build_parser().parse_args(["serve", str(tiny), "--kv-transfer-config", "{"])
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        build_engine_config(resolve_options(args))
+
+
+def test_request_params_are_checked():
+    from rackserve.request import KVTransferParams
+
+    with pytest.raises(ValueError, match="transfer_id is required"):
+        KVTransferParams.from_dict({"do_remote_decode": True})
+    with pytest.raises(ValueError, match="remote_host"):
+        KVTransferParams.from_dict({"do_remote_prefill": True, "transfer_id": "x"})
+    with pytest.raises(ValueError, match="must be a int"):
+        KVTransferParams.from_dict({"remote_port": "80"})
+    params = KVTransferParams.from_dict({"do_remote_decode": True, "transfer_id": "t", "x": 1})
+    assert params.do_remote_decode and params.num_consumers == 1
+
+
+def test_engine_without_config_refuses_kv_params(tiny):
+    from dataclasses import replace
+
+    from rackserve.request import KVTransferParams
+
+    core = make_core(tiny)
+    params = replace(PARAMS, kv_transfer_params=KVTransferParams(True, transfer_id="t"))
+    with pytest.raises(ValueError, match="no --kv-transfer-config"):
+        core.add_request(EngineCoreRequest("a", [1, 2, 3], params, time.time()))
+    assert not core.has_unfinished_requests()

@@ -158,6 +158,7 @@ class KVServer:
 
     def _serve(self, conn: socket.socket) -> None:
         with contextlib.closing(conn):
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small control frames
             conn.settimeout(self.store.lease_s)
             try:
                 message = recv_message(conn)
@@ -288,6 +289,7 @@ class KVClient:
             conn = socket.create_connection((host, port), timeout=self.lease_s)
         except OSError as e:
             raise TransferError(f"cannot reach the prefill engine at {host}:{port}: {e}") from None
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small control frames
         conn.settimeout(self.lease_s)  # no progress for a lease: the producer is gone
         return conn
 
