@@ -99,63 +99,46 @@ def strip_usage(results: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "usage"} for r in results]
 
 
-def check_pd_equals_aggregated(tiny, tmp_path, num: int) -> None:
+@pytest.fixture(scope="module")
+def pd(tiny, tmp_path_factory):
+    """A prefill and a decode engine shared by the module (the kill test runs last)."""
+    tmp = tmp_path_factory.mktemp("pd")
+    prefill = start_engine(tiny, tmp, "--kv-transfer-config", kv_config("kv_producer"))
+    decode = start_engine(tiny, tmp, "--kv-transfer-config", kv_config("kv_consumer"))
+    with running(prefill, decode):
+        yield prefill, decode
+
+
+def check_pd_equals_aggregated(tiny, tmp_path, pd, num: int) -> None:
+    prefill, decode = pd
     aggregated = start_engine(tiny, tmp_path)
-    prefill = start_engine(tiny, tmp_path, "--kv-transfer-config", kv_config("kv_producer"))
-    decode = start_engine(tiny, tmp_path, "--kv-transfer-config", kv_config("kv_consumer"))
-    with running(aggregated, prefill, decode):
-        router = start_router(tmp_path, "--prefill", prefill.url, "--decode", decode.url)
-        with running(router):
-            requests = mixed_requests(num)
-            want = run_all(aggregated.url, requests)
-            got = run_all(router.url, requests)
-            assert strip_usage(got) == strip_usage(want)
-            # non-streamed: the same cached_tokens as the aggregated server reports
-            metrics = httpx.get(f"{router.url}/metrics").text
-            assert 'rackserve_router_kv_source_total{source="prefill=' in metrics
-            received = [
-                line for line in httpx.get(f"{decode.url}/metrics").text.splitlines()
-                if line.startswith("rackserve:kv_transfer_bytes_received_total")
-            ]  # fmt: skip
-            assert received and float(received[0].split()[-1]) > 0
+    router = start_router(tmp_path, "--prefill", prefill.url, "--decode", decode.url)
+    with running(aggregated, router):
+        requests = mixed_requests(num)
+        want = run_all(aggregated.url, requests)
+        got = run_all(router.url, requests)
+        assert strip_usage(got) == strip_usage(want)
+        metrics = httpx.get(f"{router.url}/metrics").text
+        assert 'rackserve_router_kv_source_total{source="prefill=' in metrics
+        received = [
+            line for line in httpx.get(f"{decode.url}/metrics").text.splitlines()
+            if line.startswith("rackserve:kv_transfer_bytes_received_total")
+        ]  # fmt: skip
+        assert received and float(received[0].split()[-1]) > 0
 
 
-def test_pd_equals_aggregated(tiny, tmp_path):
-    check_pd_equals_aggregated(tiny, tmp_path, 16)
+def test_pd_equals_aggregated(tiny, tmp_path, pd):
+    check_pd_equals_aggregated(tiny, tmp_path, pd, 16)
 
 
 @pytest.mark.slow
-def test_pd_equals_aggregated_64(tiny, tmp_path):
-    check_pd_equals_aggregated(tiny, tmp_path, 64)
-
-
-def test_prefill_killed_requests_recompute(tiny, tmp_path):
-    """The prefill engine dies: the router marks it down, the decode side computes the
-    prompts itself; outputs unchanged; the decode engine's KV returns to idle."""
-    prefill = start_engine(tiny, tmp_path, "--kv-transfer-config", kv_config("kv_producer"))
-    decode = start_engine(tiny, tmp_path, "--kv-transfer-config", kv_config("kv_consumer"))
-    with running(prefill, decode):
-        router = start_router(tmp_path, "--prefill", prefill.url, "--decode", decode.url)
-        with running(router):
-            requests = mixed_requests(4)
-            want = run_all(router.url, requests)
-            prefill.kill()
-            start = time.monotonic()
-            got = run_all(router.url, requests)
-            assert time.monotonic() - start < 60
-            assert strip_usage(got) == strip_usage(want)
-            health = httpx.get(f"{router.url}/health")
-            assert health.status_code == 503 and "prefill" in health.json()["error"]["message"]
-            usage = [
-                line for line in httpx.get(f"{decode.url}/metrics").text.splitlines()
-                if line.startswith("rackserve:kv_cache_usage_perc")
-            ]  # fmt: skip
-            assert float(usage[0].split()[-1]) == 0.0
+def test_pd_equals_aggregated_64(tiny, tmp_path, pd):
+    check_pd_equals_aggregated(tiny, tmp_path, pd, 64)
 
 
 def test_router_errors(tmp_path):
     router = start_router(tmp_path, "--engines", "http://127.0.0.1:9")  # nothing listens
-    with running(router) if False else _no_wait(router):
+    with _no_wait(router):
         r = httpx.post(f"{router.url}/v1/completions", content=b"{bad", timeout=10)
         assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
         r = httpx.post(f"{router.url}/v1/completions", json={"prompt": "x"}, timeout=10)
@@ -180,3 +163,25 @@ class _no_wait:
 
     def __exit__(self, *exc):
         self.proc.stop()
+
+
+def test_prefill_killed_requests_recompute(tmp_path, pd):
+    """The prefill engine dies: the router marks it down, the decode side computes the
+    prompts itself; outputs unchanged; the decode engine's KV returns to idle."""
+    prefill, decode = pd
+    router = start_router(tmp_path, "--prefill", prefill.url, "--decode", decode.url)
+    with running(router):
+        requests = mixed_requests(4)
+        want = run_all(router.url, requests)
+        prefill.kill()
+        start = time.monotonic()
+        got = run_all(router.url, requests)
+        assert time.monotonic() - start < 60
+        assert strip_usage(got) == strip_usage(want)
+        health = httpx.get(f"{router.url}/health")
+        assert health.status_code == 503 and "prefill" in health.json()["error"]["message"]
+        usage = [
+            line for line in httpx.get(f"{decode.url}/metrics").text.splitlines()
+            if line.startswith("rackserve:kv_cache_usage_perc")
+        ]  # fmt: skip
+        assert float(usage[0].split()[-1]) == 0.0
