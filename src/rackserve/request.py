@@ -121,6 +121,8 @@ class KVTransferParams:
             raise ValueError("kv_transfer_params: do_remote_prefill needs remote_host/remote_port")
         if not 1 <= self.num_consumers <= 1024:
             raise ValueError("kv_transfer_params: num_consumers must be in [1, 1024]")
+        if not 0 <= self.num_cached_tokens <= INT64_MAX:
+            raise ValueError("kv_transfer_params: num_cached_tokens must be >= 0")
         if self.remote_port is not None and not 0 < self.remote_port <= 65535:
             raise ValueError("kv_transfer_params: remote_port must be in [1, 65535]")
 

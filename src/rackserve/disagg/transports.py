@@ -115,7 +115,12 @@ class PairGroups:
             self._stores[peer] = store
         store = dist.PrefixStore("kv", self._stores[peer])
         if self.backend == "nccl":
-            group = dist.ProcessGroupNCCL(store, rank, 2, timeout=self.timeout)
+            # as torch.distributed builds one (two ranks on one GPU is refused by NCCL:
+            # benchmarks/gpu_pd.sh uses tcp when only one GPU is lent)
+            options = dist.ProcessGroupNCCL.Options()
+            options.is_high_priority_stream = False
+            options._timeout = self.timeout
+            group = dist.ProcessGroupNCCL(store, rank, 2, options)
         else:
             group = dist.ProcessGroupGloo(store, rank, 2, self.timeout)
         self._groups[peer] = group

@@ -177,7 +177,7 @@ class Router:
         if body.get("prompt_logprobs") is not None or body.get("echo"):
             return "decode", body
         transfer_id = uuid.uuid4().hex
-        first = dict(body, stream=False, max_tokens=1, n=1)
+        first = dict(body, stream=False, max_tokens=1, n=1, min_tokens=0)
         first.pop("stream_options", None)
         if "max_completion_tokens" in first:
             first["max_completion_tokens"] = 1
