@@ -16,6 +16,8 @@ COMMAND_MODULES = (
     "rackserve.planner.cli",
     "rackserve.server.cli",
     "rackserve.kv.offload.server",  # kv-pool: the host KV pool shared by a host's engines
+    "rackserve.router.cli",
+    "rackserve.disagg.demo",  # demo (--pd: P/D with the router)
 )
 
 

@@ -96,6 +96,51 @@ class StructuredOutputsParams:
 
 
 @dataclass(frozen=True)
+class KVTransferParams:
+    """The P/D handshake (vLLM's ``kv_transfer_params``). To a prefill engine:
+    ``do_remote_decode`` (run the prompt, keep its KV for ``num_consumers`` pulls). To a
+    decode engine: ``do_remote_prefill`` and where the KV waits (``remote_host:remote_port``,
+    ``transfer_id``). The router copies the prefill response's params into the decode
+    request; ``num_cached_tokens`` is the prefill side's prefix hit, reported by decode."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    transfer_id: str = ""
+    remote_host: str | None = None
+    remote_port: int | None = None
+    remote_engine_id: str | None = None
+    num_consumers: int = 1
+    num_cached_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.do_remote_decode and self.do_remote_prefill:
+            raise ValueError("kv_transfer_params: do_remote_decode and do_remote_prefill exclude")
+        if (self.do_remote_decode or self.do_remote_prefill) and not self.transfer_id:
+            raise ValueError("kv_transfer_params: transfer_id is required")
+        if self.do_remote_prefill and (not self.remote_host or self.remote_port is None):
+            raise ValueError("kv_transfer_params: do_remote_prefill needs remote_host/remote_port")
+        if not 1 <= self.num_consumers <= 1024:
+            raise ValueError("kv_transfer_params: num_consumers must be in [1, 1024]")
+        if not 0 <= self.num_cached_tokens <= INT64_MAX:
+            raise ValueError("kv_transfer_params: num_cached_tokens must be >= 0")
+        if self.remote_port is not None and not 0 < self.remote_port <= 65535:
+            raise ValueError("kv_transfer_params: remote_port must be in [1, 65535]")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> KVTransferParams:
+        """A request's JSON object; unknown keys are ignored (vLLM adds its own)."""
+        if not isinstance(raw, dict):
+            raise ValueError("kv_transfer_params must be an object")
+        known = {k: raw[k] for k in cls.__dataclass_fields__ if raw.get(k) is not None}
+        types = {"transfer_id": str, "remote_host": str, "remote_engine_id": str}
+        for name, value in known.items():
+            want = types.get(name, bool if name.startswith("do_") else int)
+            if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+                raise ValueError(f"kv_transfer_params.{name} must be a {want.__name__}")
+        return cls(**known)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling and stopping parameters, shaped like vLLM's.
 
@@ -128,6 +173,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # a grammar the output must match (structured output: JSON schema, regex, choice, ...)
     structured_outputs: StructuredOutputsParams | None = None
+    # P/D disaggregation handshake (disagg/): None for an aggregated request
+    kv_transfer_params: KVTransferParams | None = None
 
     def __post_init__(self) -> None:
         # Normalise the accepted aliases once, so the rest of the engine sees one spelling.

@@ -179,11 +179,29 @@ class EngineCore:
         self.scheduler = Scheduler(sched, kv, cfg.eos_token_id, self.offload)
         self.last_step: SchedulerOutput | None = None
         self.last_forward_time_s = 0.0
+        self.kv_connector = None
+        if config.kv_transfer is not None:  # P/D disaggregation (disagg/connector.py)
+            from rackserve.disagg.connector import KVConnector
+
+            self.kv_connector = KVConnector(
+                config.kv_transfer, self.scheduler, self.runner.caches, dtype, device
+            )
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request; ValueError (the client's fault) leaves the engine untouched.
-        A structured-output request waits in the scheduler until its grammar compiles."""
+        A structured-output request waits in the scheduler until its grammar compiles; a
+        P/D decode-side request (``kv_transfer_params``) until its KV lands."""
+        if request.sampling_params.kv_transfer_params is not None:
+            if self.kv_connector is None:
+                raise ValueError(
+                    "kv_transfer_params given, but this engine has no --kv-transfer-config"
+                )
+            prepared = self.kv_connector.prepare(request)
+            if prepared is None:  # decode side: held until its KV lands
+                self.kv_connector.add_remote(self._request(request))
+                return
+            request = prepared
         req = self._request(request)
         structured = request.sampling_params.structured_outputs
         # the compile _request started (the compiler's cache finds it)
@@ -227,6 +245,10 @@ class EngineCore:
 
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
+        connector = self.kv_connector
+        if connector is not None:
+            connector.wait()  # naps only when nothing but remote-KV requests exist
+            connector.step()
         sched = self.scheduler.schedule()
         self.last_step = sched
         if not sched.total_num_scheduled_tokens and self.scheduler.waiting_for_grammar:
@@ -247,6 +269,9 @@ class EngineCore:
             stats.prefix_cache_pool_hits = self.scheduler.kv.stats.num_pool_hit_tokens
             stats.kv_offload_bytes, stats.kv_load_bytes = pool.bytes_offloaded, pool.bytes_loaded
             stats.kv_pool_usage = pool.pool_used_bytes / max(1, pool.pool_capacity_bytes)
+        if connector is not None:
+            stats.num_waiting_for_remote_kv = connector.num_waiting
+            stats.kv_bytes_received = connector.num_bytes_received
         if self.ep is not None and self.ep.last_balancedness is not None:
             real, uniform = self.ep.last_balancedness
             stats.expert_balancedness, stats.expert_balancedness_uniform = real, uniform
@@ -265,7 +290,14 @@ class EngineCore:
         self.kv_events.drain()
         import_blocks(self.runner.caches, self.scheduler.kv.get_block_ids(req), packed)
 
+    def take_request_errors(self) -> list[tuple[str, str]]:
+        """(request id, message) of requests ended by an error since the last call (a
+        failed KV transfer under kv_load_failure_policy "fail")."""
+        return [] if self.kv_connector is None else self.kv_connector.take_errors()
+
     def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.close()
         self.abort_requests(list(self.scheduler.requests))
         self.grammar_compiler.shutdown()
         self.kv_events.close()

@@ -137,6 +137,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     kv_offload_bytes: int = 0
     kv_load_bytes: int = 0
     kv_pool_usage: float = 0.0
+    # P/D decode side: requests whose prompt KV has not landed yet; KV bytes received
+    num_waiting_for_remote_kv: int = 0
+    kv_bytes_received: int = 0  # cumulative
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -208,6 +208,9 @@ class EngineCoreProc:
     def _step(self) -> None:
         step_start = time.monotonic()
         self._send_outputs(self.core.step(), step_start)
+        take_errors = getattr(self.core, "take_request_errors", None)  # P/D: failed loads
+        for request_id, message in take_errors() if take_errors is not None else ():
+            self.send(MessageType.REQUEST_ERROR, RequestError(request_id, message))
 
     def _send_outputs(self, outputs, step_start: float | None = None) -> None:
         """Send a step's outputs when there are any or the stats changed."""

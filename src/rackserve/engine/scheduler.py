@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
 from rackserve.config import SchedulerConfig
@@ -64,6 +64,9 @@ class Scheduler:
         self._finished_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
         self.waiting_for_grammar = GrammarWait()  # WAITING_FOR_FSM: not in `waiting` yet
+        # P/D prefill side (disagg/connector.py): sees a finished request's block tables
+        # before they are freed, to copy its KV out for the decode side.
+        self.on_finish: Callable[[Request, tuple[list[int], ...]], None] | None = None
 
     # ---- requests in and out ----------------------------------------------------------------
     def add_request(
@@ -129,12 +132,33 @@ class Scheduler:
         if not self.kv.reserve(req, num_computed_tokens, budget):
             return False
         self.requests[req.request_id] = req
+        self.run_with_kv(req, num_computed_tokens)
+        return True
+
+    # ---- P/D decode side (disagg/connector.py holds the request meanwhile) -----------------
+    def add_waiting_for_kv(self, req: Request) -> None:
+        """Register a request whose prompt KV will be pulled; the connector reserves its
+        blocks (``kv.reserve``) and calls :meth:`run_with_kv` once the KV has landed."""
+        self._check_new(req)
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.requests[req.request_id] = req
+
+    def run_with_kv(self, req: Request, num_computed_tokens: int) -> None:
+        """Its blocks hold the KV of its first ``num_computed_tokens`` tokens: run it."""
         req.num_computed_tokens = num_computed_tokens
         req.first_scheduled_time = time.monotonic()
         req.status = RequestStatus.RUNNING
         self._add_running(req)
         self._unannounced.add(req.request_id)
-        return True
+
+    def requeue(self, req: Request) -> None:
+        """Compute it here after all (its KV transfer failed, or its prefix is cached):
+        blocks reserved for the transfer are freed, unkeyed; it waits like a new request."""
+        self.kv.free(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        self.requests[req.request_id] = req
+        self.waiting.add(req)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Finish (e.g. abort) requests wherever they are; frees their blocks at once."""
@@ -152,6 +176,8 @@ class Scheduler:
 
     def _free(self, req: Request, status: RequestStatus) -> None:
         req.status = status
+        if self.on_finish is not None:
+            self.on_finish(req, self.kv.get_block_ids(req))
         self._unannounced.discard(req.request_id)
         self.kv.free(req)
         self.finished_req_ids.add(req.request_id)

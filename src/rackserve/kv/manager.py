@@ -125,10 +125,14 @@ class KVCacheManager:
         hit, state.divergence_boundary = self.prefix_cache.find(state.chain, len(req.all_token_ids))
         return hit.num_tokens, hit
 
-    def reserve(self, req: KVRequest, num_tokens: int, max_chunk: int) -> bool:
+    def reserve(
+        self, req: KVRequest, num_tokens: int, max_chunk: int, hit: HitBlocks | None = None
+    ) -> bool:
         """Blocks for a request whose first ``num_tokens`` tokens get their KV written from
         outside (P/D transfer, synthetic contexts), allocated ``max_chunk`` tokens at a time
         with window pages released as a prefill would; all or nothing (False: no room).
+        ``hit`` (from :meth:`get_computed_blocks`) starts the table with cached blocks: only
+        the blocks after it need writing (the P/D decode side asks for those only).
 
         Nothing of the request is keyed, so no other request can hit it, until its first
         :meth:`commit`: the scheduler commits only after a step has run on the KV, which the
@@ -140,12 +144,16 @@ class KVCacheManager:
         state = self._states.get(req.request_id)
         if state is not None and state.allocated:
             raise ValueError(f"request {req.request_id} already holds blocks; free it first")
-        state = self._states[req.request_id] = self._new_state(req)
+        done = hit.num_tokens if hit is not None else 0
+        if done >= num_tokens:
+            raise ValueError(f"the hit ({done} tokens) leaves nothing of {num_tokens} to reserve")
+        if not done or state is None:  # a hit keeps the lookup's chain (verified on use)
+            state = self._states[req.request_id] = self._new_state(req)
         state.kv_pending = True
-        done = 0
         while done < num_tokens:
             num_new = min(max_chunk, num_tokens - done)
-            if self.allocate_slots(req, num_new, done) is None:
+            first = hit if not state.allocated else None
+            if self.allocate_slots(req, num_new, done, first) is None:
                 self.free(req)
                 return False
             done += num_new

@@ -54,3 +54,45 @@ def import_blocks(
             n = live.numel() * t[0].numel()
             t[live] = packed[offset : offset + n].view(len(live), *t.shape[1:]).to(t.dtype)
             offset += n
+
+
+class ExportedRows:
+    """A request's KV copied out of the cache (P/D prefill side), addressable by table slot,
+    so that its blocks can be freed at once and any subset of slots sent later.
+
+    ``slots[g]``: the live slot indices of group g's table; ``rows[g][k]``: the k-th tensor
+    (layer) of group g as [len(slots[g]), entries_per_block, entry_width].
+    """
+
+    def __init__(self, caches: KVCacheTensors, block_ids: tuple[list[int], ...]) -> None:
+        self.slots: list[list[int]] = []
+        self.rows: list[list[torch.Tensor]] = []
+        for name, ids in zip(caches.groups, block_ids, strict=True):
+            live = [i for i, b in enumerate(ids) if b != NULL_BLOCK_ID]
+            self.slots.append(live)
+            tensors = caches.tensors[name].values()
+            index = [ids[i] for i in live]
+            self.rows.append([t[torch.tensor(index, device=t.device)].clone() for t in tensors])
+        self._position = [{slot: i for i, slot in enumerate(s)} for s in self.slots]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for group in self.rows for t in group)
+
+    def pack(self, group_slots: list[list[int]]) -> torch.Tensor:
+        """The rows of these slots (per group, in order) as one region, laid out as
+        ``export_blocks`` lays out blocks: ``import_blocks`` writes it into the receiver's
+        blocks for the same slots. KeyError names a slot this copy lacks."""
+        if len(group_slots) != len(self.slots):
+            raise KeyError(f"{len(group_slots)} groups asked, {len(self.slots)} held")
+        parts = []
+        for g, wanted in enumerate(group_slots):
+            missing = [s for s in wanted if s not in self._position[g]]
+            if missing:
+                raise KeyError(f"group {g} has no rows for slots {missing[:4]}")
+            index = [self._position[g][s] for s in wanted]
+            for t in self.rows[g]:
+                parts.append(t[torch.tensor(index, dtype=torch.long, device=t.device)].flatten())
+        if not parts:
+            return torch.empty(0)
+        return torch.cat(parts)

@@ -64,6 +64,9 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "enable_log_requests": False,
     "disable_log_stats": False,
     "block_size": None,
+    # P/D disaggregation (disagg/, docs/disaggregation.md)
+    "kv_transfer_config": None,
+    "max_kv_loads_per_step": None,
     "metrics_prefix": "rackserve",
     "structured_output_timeout_s": 30.0,
     # data parallel + expert parallel (docs/expert_parallel.md)
@@ -251,6 +254,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--eplb-config", help='JSON, e.g. \'{"window_size":1000,"step_interval":3000}\'')
     add("--skewed-routing", type=float, help="test models: Zipf exponent of expert popularity")
     add("--dp-assignment-policy", choices=("least_load", "round_robin"))
+    add(
+        "--kv-transfer-config",
+        help='P/D role, JSON as vLLM\'s: \'{"kv_role": "kv_producer", "kv_connector": "tcp", '
+        '"kv_port": 14579}\' (kv_consumer / kv_both; kv_load_failure_policy recompute|fail)',
+    )
+    add(
+        "--max-kv-loads-per-step",
+        type=int,
+        help="decode side: requests admitted with remote KV per step (default 4; 0 = no cap)",
+    )
     p.set_defaults(func=serve)
 
 
@@ -337,6 +350,7 @@ def check_block_size(options: dict[str, Any], model_config: Any) -> int:
 def build_engine_config(options: dict[str, Any]) -> Any:
     from rackserve.config import (
         CacheConfig,
+        DisaggConfig,
         EngineConfig,
         EPLBConfig,
         ModelConfig,
@@ -385,6 +399,9 @@ def build_engine_config(options: dict[str, Any]) -> Any:
             enable_eplb=options["enable_eplb"],
             eplb=EPLBConfig.from_json(options["eplb_config"]),
             skewed_routing=options["skewed_routing"],
+        ),
+        kv_transfer=DisaggConfig.from_json(
+            options["kv_transfer_config"], options["max_kv_loads_per_step"]
         ),
     )
 

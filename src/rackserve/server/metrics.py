@@ -82,6 +82,13 @@ class ServerMetrics:
         self.kv_pool_usage_perc = gauge(
             "kv_pool_usage_perc", "Host KV pool usage (fraction of its bytes in use, 1 = full)."
         )
+        # P/D decode side (disagg/): requests whose prompt KV is on its way, bytes received
+        self.num_requests_waiting_for_kv = gauge(
+            "num_requests_waiting_for_remote_kv", "Requests waiting for KV from a prefill engine."
+        )
+        self.kv_transfer_bytes_received = counter(
+            "kv_transfer_bytes_received", "KV bytes received from prefill engines."
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens (cached included).")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self._request_success = Counter(
@@ -193,6 +200,7 @@ class ServerMetrics:
         self.stats_log.record_scheduler_stats(stats)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
         self.kv_pool_usage_perc.set(stats.kv_pool_usage)
+        self.num_requests_waiting_for_kv.set(stats.num_waiting_for_remote_kv)
         for routing, values in (
             ("real", stats.expert_balancedness),
             ("uniform", stats.expert_balancedness_uniform),
@@ -218,6 +226,7 @@ class ServerMetrics:
             ),
             (self.kv_offload_bytes, stats.kv_offload_bytes, last.kv_offload_bytes),
             (self.kv_load_bytes, stats.kv_load_bytes, last.kv_load_bytes),
+            (self.kv_transfer_bytes_received, stats.kv_bytes_received, last.kv_bytes_received),
         ):
             if now > before:  # a smaller value would be a restarted engine: nothing to add
                 counter.inc(now - before)

@@ -25,6 +25,7 @@ from rackserve.request import (
     INT64_MAX,
     INT64_MIN,
     MAX_NUM_LOGPROBS,
+    KVTransferParams,
     SamplingParams,
     StructuredOutputsParams,
 )
@@ -132,6 +133,8 @@ class SamplingRequest(OpenAIModel):
     priority: Int64 = 0
     cache_salt: str | None = None
     request_id: str | None = None
+    # P/D disaggregation handshake, as vLLM's disaggregated proxy sends it (disagg/)
+    kv_transfer_params: dict[str, Any] | None = None
     # structured output (runner/structured_output.py): OpenAI's, vLLM's, vLLM's legacy
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -217,6 +220,14 @@ class SamplingRequest(OpenAIModel):
         """The engine's SamplingParams; raises ParamError naming a bad value."""
         structured_outputs, _ = self.structured_outputs_params()
         try:
+            kv_transfer_params = (
+                None
+                if self.kv_transfer_params is None
+                else KVTransferParams.from_dict(self.kv_transfer_params)
+            )
+        except ValueError as e:
+            raise ParamError(str(e), "kv_transfer_params") from None
+        try:
             return SamplingParams(
                 n=self.n,
                 temperature=1.0 if self.temperature is None else self.temperature,
@@ -240,6 +251,7 @@ class SamplingRequest(OpenAIModel):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 logit_bias=self.token_logit_bias(),
                 structured_outputs=structured_outputs,
+                kv_transfer_params=kv_transfer_params,
             )
         except ValueError as e:
             message = str(e)

@@ -1,0 +1,213 @@
+"""P/D serving figures: TTFT of disaggregation against one aggregated engine at low load,
+and the inter-token latency of running streams when a burst of requests arrives, with and
+without the decode side's admission cap.
+
+    python benchmarks/pd_serving_bench.py --model DIR --out pd_serving.json
+
+Engines: aggregated on GPU 0; prefill on GPU 0 and decode on GPU 1 (both on GPU 0, with
+half the memory each, when one GPU is visible); NCCL transport; the router in front.
+CPU smoke run: ``--device cpu --lengths 64,256 --burst 8 --transport tcp``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def proc(cmd: list[str], url: str, log: Path, env: dict | None = None):
+    with open(log, "wb") as f:
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env or dict(os.environ))
+    try:
+        deadline = time.monotonic() + 900
+        while True:
+            if p.poll() is not None:
+                raise RuntimeError(f"{cmd[3]} exited; see {log}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not healthy in time; see {log}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def engine(args, gpu: str, role: str | None, log: Path, cap: int | None = None, share=1.0):
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "rackserve.cli", "serve", args.model, "--port", str(port),
+        "--served-model-name", "m", "--max-model-len", str(max(args.lengths) + 512),
+        "--disable-uvicorn-access-log", "--disable-log-stats", "--device", args.device,
+    ]  # fmt: skip
+    if args.device == "cuda":
+        cmd += ["--gpu-memory-utilization", f"{0.85 * share:.2f}"]
+    else:
+        cmd += ["--kv-cache-memory", "256M"]
+    if role is not None:
+        config = {"kv_role": role, "kv_connector": args.transport}
+        if role == "kv_producer":
+            config["kv_port"] = free_port()
+        cmd += ["--kv-transfer-config", json.dumps(config)]
+    if cap is not None:
+        cmd += ["--max-kv-loads-per-step", str(cap)]
+    env = dict(os.environ)
+    if args.device == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = gpu
+    return proc(cmd, f"http://127.0.0.1:{port}", log, env)
+
+
+def router(prefill: str, decode: str, log: Path):
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "rackserve.cli", "router", "--port", str(port),
+        "--prefill", prefill, "--decode", decode,
+    ]  # fmt: skip
+    return proc(cmd, f"http://127.0.0.1:{port}", log)
+
+
+def stream(base: str, prompt: list[int], max_tokens: int) -> list[float]:
+    """Arrival times (perf_counter) of each streamed chunk; [0] is the request's start."""
+    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    times = [time.perf_counter()]
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                times.append(time.perf_counter())
+    return times
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 4000 + 10 for i in range(length)]
+
+
+def ttft(base: str, lengths: list[int], repeats: int, seed: int) -> dict[int, float]:
+    out = {}
+    for length in lengths:
+        values = []
+        for r in range(repeats):
+            times = stream(base, prompt_of(length, seed + r), 4)  # new prompts: no cache hits
+            values.append(times[1] - times[0])
+        out[length] = statistics.median(values)
+    return out
+
+
+def burst_itl(base: str, args) -> dict:
+    """8 streams decoding; then ``args.burst`` requests at once; ITL of the 8 during it."""
+    burst_window: list[float] = []
+    gaps_at: list[tuple[float, float]] = []  # (arrival, gap since the previous chunk)
+
+    def runner(i: int) -> None:
+        times = stream(base, prompt_of(128, 1000 + i), args.running_tokens)
+        gaps_at.extend((b, b - a) for a, b in itertools.pairwise(times[1:]))
+
+    threads = [threading.Thread(target=runner, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(args.burst_delay_s)
+    burst_window.append(time.perf_counter())
+    length = args.burst_length
+    with httpx.Client(timeout=600) as client:
+
+        def one(i: int) -> None:
+            client.post(f"{base}/v1/completions", json={
+                "model": "m", "prompt": prompt_of(length, 5000 + i), "max_tokens": 4,
+                "temperature": 0})  # fmt: skip
+
+        burst = [threading.Thread(target=one, args=(i,)) for i in range(args.burst)]
+        for t in burst:
+            t.start()
+        for t in burst:
+            t.join()
+    burst_window.append(time.perf_counter())
+    for t in threads:
+        t.join()
+    during = [g for at, g in gaps_at if burst_window[0] <= at <= burst_window[1] + 0.5]
+    before = [g for at, g in gaps_at if at < burst_window[0]]
+
+    def stats(values: list[float]) -> dict:
+        if not values:
+            return {}
+        values = sorted(values)
+        return {"p50_ms": 1e3 * values[len(values) // 2],
+                "p99_ms": 1e3 * values[min(len(values) - 1, int(0.99 * len(values)))],
+                "max_ms": 1e3 * values[-1], "count": len(values)}  # fmt: skip
+
+    return {"before_burst": stats(before), "during_burst": stats(during),
+            "burst_s": burst_window[1] - burst_window[0]}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--transport", default="nccl")
+    p.add_argument("--gpus", type=int, default=2)
+    p.add_argument("--lengths", default="1024,4096,16384")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--burst", type=int, default=32)
+    p.add_argument("--burst-length", type=int, default=4096)
+    p.add_argument("--burst-delay-s", type=float, default=3.0)
+    p.add_argument("--running-tokens", type=int, default=400)
+    p.add_argument("--logs", type=Path, default=Path("."))
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    args.lengths = [int(x) for x in args.lengths.split(",")]
+    args.logs.mkdir(parents=True, exist_ok=True)
+    decode_gpu, share = ("1", 1.0) if args.gpus > 1 else ("0", 0.5)
+    result: dict = {"lengths": args.lengths, "gpus": args.gpus, "transport": args.transport}
+    with engine(args, "0", None, args.logs / "aggregated.log") as agg:
+        ttft(agg, args.lengths[:1], 1, seed=1)  # warm-up (graphs, allocator)
+        result["ttft_aggregated_s"] = ttft(agg, args.lengths, args.repeats, seed=10)
+    print("aggregated TTFT", result["ttft_aggregated_s"], flush=True)
+    for cap in (4, 0):
+        with (
+            engine(args, "0", "kv_producer", args.logs / f"prefill{cap}.log", share=share) as pre,
+            engine(
+                args, decode_gpu, "kv_consumer", args.logs / f"decode{cap}.log", cap, share
+            ) as dec,
+            router(pre, dec, args.logs / f"router{cap}.log") as base,
+        ):
+            ttft(base, args.lengths[:1], 1, seed=2)
+            if cap:
+                pd = ttft(base, args.lengths, args.repeats, seed=10)
+                result["ttft_pd_s"] = pd
+                result["ttft_overhead"] = {
+                    n: pd[n] / result["ttft_aggregated_s"][n] - 1 for n in args.lengths
+                }
+                print("P/D TTFT", pd, "overhead", result["ttft_overhead"], flush=True)
+            result[f"burst_itl_cap{cap}"] = burst_itl(base, args)
+            print(f"ITL under a burst, cap {cap}:", result[f"burst_itl_cap{cap}"], flush=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""The KV transfer control protocol: length-prefixed msgpack frames over a stream socket.
+
+    consumer (decode)                              producer (prefill)
+    Pull(key, slots per group, numel, dtype) -->
+                                       <-- PullReply(ok, message, num_chunks)
+                                       <-- Chunk(index, nbytes, crc32) + bytes (x num_chunks)
+    Ack(ok) -->                            (the producer drops its copy after the last pull)
+
+    Heartbeat(keys) -->                      <-- HeartbeatReply(missing keys)   (extends leases)
+
+The data transports (tcp, shm, nccl) share this control path; only where the bytes travel
+differs (the stream itself, a shared-memory segment, a NCCL/gloo send). Every chunk carries a
+CRC32 so a corrupt byte fails the request's transfer instead of its output.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import struct
+import zlib
+
+import msgspec
+
+MAX_FRAME_BYTES = 64 << 20  # control frames are small; a larger length is a broken peer
+CHUNK_BYTES = 4 << 20  # data chunk size on the stream (each checksummed)
+_LENGTH = struct.Struct("!I")
+
+
+class TransferError(Exception):
+    """A transfer failed (peer gone, lease over, bad checksum, unknown key): the decode side
+    applies ``kv_load_failure_policy``."""
+
+
+class Pull(msgspec.Struct, tag="pull"):
+    key: str
+    group_slots: list[list[int]]
+    numel: int  # elements the consumer expects (its own layout): a mismatch fails early
+    dtype: str
+    transport: str = "tcp"  # where the bytes go: "tcp" (this stream), "shm", "nccl"
+    rendezvous: str = ""  # nccl: "host:port" of the consumer's store for the pair group
+
+
+class PullReply(msgspec.Struct, tag="reply"):
+    ok: bool
+    message: str = ""
+    num_chunks: int = 0
+    shm_name: str = ""  # shm: the segment holding the region
+    crc32: int = 0  # shm / nccl: the checksum of the whole region
+
+
+class Chunk(msgspec.Struct, tag="chunk"):
+    index: int
+    nbytes: int
+    crc32: int
+
+
+class Ack(msgspec.Struct, tag="ack"):
+    ok: bool
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat"):
+    keys: list[str]
+
+
+class HeartbeatReply(msgspec.Struct, tag="heartbeat_reply"):
+    missing: list[str]
+
+
+Message = Pull | PullReply | Chunk | Ack | Heartbeat | HeartbeatReply
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def transfer_key(transfer_id: str, token_ids: list[int]) -> str:
+    """The producer's copy is found by the router's transfer id and the tokens it covers:
+    a decode side that tokenized differently asks for a key that does not exist (and
+    recomputes) rather than receiving KV of other tokens."""
+    digest = hashlib.sha256(struct.pack(f"<{len(token_ids)}q", *token_ids)).hexdigest()[:24]
+    return f"{transfer_id}:{len(token_ids)}:{digest}"
+
+
+def send_message(sock: socket.socket, message: Message) -> None:
+    payload = _encoder.encode(message)
+    sock.sendall(_LENGTH.pack(len(payload)) + payload)
+
+
+def recv_exact(sock: socket.socket, nbytes: int) -> bytearray:
+    """Exactly ``nbytes`` (TransferError when the peer closes first)."""
+    buffer = bytearray(nbytes)
+    view = memoryview(buffer)
+    got = 0
+    while got < nbytes:
+        n = sock.recv_into(view[got:], nbytes - got)
+        if n == 0:
+            raise TransferError(f"the peer closed the connection ({got} of {nbytes} bytes)")
+        got += n
+    return buffer
+
+
+def recv_message(sock: socket.socket) -> Message:
+    (length,) = _LENGTH.unpack(recv_exact(sock, _LENGTH.size))
+    if length > MAX_FRAME_BYTES:
+        raise TransferError(f"a control frame of {length} bytes: not a KV transfer peer")
+    try:
+        return _decoder.decode(recv_exact(sock, length))
+    except msgspec.DecodeError as e:
+        raise TransferError(f"malformed control frame: {e}") from None
+
+
+def crc32(data: bytes | bytearray | memoryview) -> int:
+    return zlib.crc32(data) & 0xFFFFFFFF

@@ -1,0 +1,2 @@
+"""The router in front of engines: P/D two-step (app.py), policies (policies.py), the KV
+index fed by engine KV events or its own record (kv_index.py), engine health (engines.py)."""

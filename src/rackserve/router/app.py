@@ -1,0 +1,304 @@
+"""`rackserve router`: an OpenAI-compatible proxy over engines (aiohttp).
+
+Plain mode (``--engines``): each request goes to one aggregated engine picked by the policy.
+P/D mode (``--prefill`` + ``--decode``), the two steps of vLLM's disaggregated proxy::
+
+    client --> router --(max_tokens 1, kv_transfer_params {do_remote_decode})--> prefill
+                      <--(response with kv_transfer_params {do_remote_prefill, where})--
+               router --(the request + those kv_transfer_params, streamed)--> decode
+    client <-- the decode side's response, streamed through (X-KV-Source says where the
+               prompt's KV came from)
+
+Fault tolerance: an engine that cannot be reached (or answers 503) before a response has
+started is marked down and the request is retried on another; a prefill side that is all
+down leaves the decode side to compute the prompt. Once bytes have been streamed, a
+failure ends the stream with an error event. Errors use the server's envelope.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from rackserve.router.engines import Choice, EnginePool
+from rackserve.server.protocol import error_body
+
+logger = logging.getLogger(__name__)
+RETRY_STATUSES = (502, 503)  # the engine is going away: nothing of the request ran
+
+
+class NotStarted(Exception):
+    """The engine could not take the request (unreachable, or 502/503): retry elsewhere."""
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 2.0
+    request_timeout_s: float = 600.0
+    max_retries: int = 3
+
+
+def error_response(
+    status: int, message: str, type_: str = "ServiceUnavailableError"
+) -> web.Response:
+    return web.json_response(error_body(message, type_, None, status), status=status)
+
+
+class Router:
+    def __init__(
+        self,
+        engines: EnginePool | None = None,
+        prefill: EnginePool | None = None,
+        decode: EnginePool | None = None,
+        settings: RouterSettings | None = None,
+    ) -> None:
+        if engines is None and (prefill is None or decode is None):
+            raise ValueError("give --engines, or both --prefill and --decode")
+        self.engines, self.prefill, self.decode = engines, prefill, decode
+        self.settings = settings or RouterSettings()
+        self.pools = [p for p in (engines, prefill, decode) if p is not None]
+        self.session: aiohttp.ClientSession | None = None
+        self._health_task: asyncio.Task | None = None
+        registry = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "rackserve_router_requests", "Requests sent, by engine.", ["engine", "role"],
+            registry=registry,
+        )  # fmt: skip
+        self.retries = Counter("rackserve_router_retries", "Requests retried.", registry=registry)
+        self.failures = Counter(
+            "rackserve_router_failures", "Requests failed after all retries.", registry=registry
+        )
+        self.kv_sources = Counter(
+            "rackserve_router_kv_source", "Where each P/D request's KV came from.", ["source"],
+            registry=registry,
+        )  # fmt: skip
+        self.hit_units = Counter(
+            "rackserve_router_expected_hit_units", "Prompt units expected cached.",
+            registry=registry,
+        )  # fmt: skip
+        self.prompt_units = Counter(
+            "rackserve_router_prompt_units", "Prompt units routed.", registry=registry
+        )
+        self.up = Gauge(
+            "rackserve_router_engine_up", "1 when the engine is healthy.", ["engine", "role"],
+            registry=registry,
+        )  # fmt: skip
+
+    # ---- app ------------------------------------------------------------------------------
+    def build_app(self) -> web.Application:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.completions)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/v1/models", self.models)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, app: web.Application) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.settings.request_timeout_s, sock_connect=5)
+        self.session = aiohttp.ClientSession(timeout=timeout)
+        self._health_task = asyncio.create_task(self._health_loop())
+
+    async def _stop(self, app: web.Application) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        if self.session is not None:
+            await self.session.close()
+
+    async def _health_loop(self) -> None:
+        assert self.session is not None
+        while True:
+            for pool in self.pools:
+                await pool.check_health(self.session, self.settings.health_timeout_s)
+                for engine in pool.engines:
+                    self.up.labels(engine.url, pool.role).set(1 if engine.up else 0)
+            await asyncio.sleep(self.settings.health_interval_s)
+
+    async def health(self, request: web.Request) -> web.Response:
+        down = [p.role for p in self.pools if not p.any_up]
+        if down:
+            return error_response(503, f"no healthy {' / '.join(down)} engine")
+        return web.json_response({"status": "ok"})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.registry), content_type="text/plain")
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        pool = self.engines or self.decode
+        assert pool is not None and self.session is not None
+        for engine in pool.engines:
+            if engine.up:
+                with contextlib.suppress(aiohttp.ClientError, OSError):
+                    async with self.session.get(f"{engine.url}/v1/models") as upstream:
+                        return web.json_response(await upstream.json(), status=upstream.status)
+        return error_response(503, "no healthy engine")
+
+    # ---- requests -------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return error_response(400, "the request body is not valid JSON", "BadRequestError")
+        if not isinstance(body, dict):
+            return error_response(400, "the request body must be a JSON object", "BadRequestError")
+        path = request.path
+        session = request.headers.get("X-Session-Id") or body.get("user")
+        session = session if isinstance(session, str) else None
+        headers = _forward_headers(request)
+        if self.engines is not None:
+            return await self._proxy(request, self.engines, path, body, session, headers, {})
+        source, body = await self._prefill(path, body, session, headers)
+        self.kv_sources.labels(source).inc()
+        extra = {"X-KV-Source": source}
+        assert self.decode is not None
+        return await self._proxy(request, self.decode, path, body, session, headers, extra)
+
+    async def _prefill(
+        self, path: str, body: dict[str, Any], session: str | None, headers: dict[str, str]
+    ) -> tuple[str, dict[str, Any]]:
+        """Step 1 of P/D: the prompt on a prefill engine; returns (where the KV comes from,
+        the decode request). Requests that need every prompt position's logits, and a
+        prefill side that is all down, are computed by the decode side alone."""
+        assert self.prefill is not None and self.session is not None
+        if body.get("prompt_logprobs") is not None or body.get("echo"):
+            return "decode", body
+        transfer_id = uuid.uuid4().hex
+        first = dict(body, stream=False, max_tokens=1, n=1, min_tokens=0)
+        first.pop("stream_options", None)
+        if "max_completion_tokens" in first:
+            first["max_completion_tokens"] = 1
+        n = body.get("n") if isinstance(body.get("n"), int) else 1
+        first["kv_transfer_params"] = {
+            "do_remote_decode": True, "transfer_id": transfer_id, "num_consumers": max(1, n),
+        }  # fmt: skip
+        tried: set[int] = set()
+        for _ in range(len(self.prefill.engines)):
+            try:
+                choice = self.prefill.choose(first, session, tried)
+            except ValueError:
+                break
+            tried.add(choice.index)
+            self.prefill.start(choice, session)
+            self.requests.labels(choice.engine.url, "prefill").inc()
+            try:
+                url = f"{choice.engine.url}{path}"
+                async with self.session.post(url, json=first, headers=headers) as upstream:
+                    if upstream.status in RETRY_STATUSES:
+                        raise NotStarted(f"HTTP {upstream.status}")
+                    payload = await upstream.json(content_type=None)
+                    if upstream.status != 200:  # the client's error: decode says it too
+                        return "decode", body
+            except (TimeoutError, aiohttp.ClientError, OSError, NotStarted) as e:
+                self.prefill.mark_down(choice.index, str(e) or type(e).__name__)
+                self.retries.inc()
+                continue
+            finally:
+                self.prefill.finish(choice)
+            params = payload.get("kv_transfer_params") if isinstance(payload, dict) else None
+            if not isinstance(params, dict):
+                return "decode", body
+            return f"prefill={choice.engine.url}", dict(body, kv_transfer_params=params)
+        return "decode (prefill down)", body
+
+    async def _proxy(
+        self,
+        request: web.Request,
+        pool: EnginePool,
+        path: str,
+        body: dict[str, Any],
+        session: str | None,
+        headers: dict[str, str],
+        extra_headers: dict[str, str],
+    ) -> web.StreamResponse:
+        """Send ``body`` to an engine of ``pool`` and pass its response through; retried
+        on another engine while nothing has been returned."""
+        assert self.session is not None
+        tried: set[int] = set()
+        last_error = "no healthy engine"
+        for _ in range(self.settings.max_retries + 1):
+            try:
+                choice = pool.choose(body, session, tried)
+            except ValueError as e:
+                last_error = str(e)
+                break
+            tried.add(choice.index)
+            pool.start(choice, session)
+            self.requests.labels(choice.engine.url, pool.role).inc()
+            self.prompt_units.inc(choice.units)
+            self.hit_units.inc(choice.hit_units)
+            try:
+                return await self._relay(request, choice, path, body, headers, extra_headers)
+            except NotStarted as e:
+                last_error = f"{choice.engine.url}: {e}"
+                pool.mark_down(choice.index, str(e))
+                self.retries.inc()
+            finally:
+                pool.finish(choice)
+        self.failures.inc()
+        return error_response(503, f"no engine could take the request ({last_error})")
+
+    async def _relay(
+        self,
+        request: web.Request,
+        choice: Choice,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        extra_headers: dict[str, str],
+    ) -> web.StreamResponse:
+        assert self.session is not None
+        url = f"{choice.engine.url}{path}"
+        try:
+            upstream_cm = self.session.post(url, json=body, headers=headers)
+            upstream = await upstream_cm.__aenter__()
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            raise NotStarted(str(e) or type(e).__name__) from None
+        try:
+            if upstream.status in RETRY_STATUSES:
+                raise NotStarted(f"HTTP {upstream.status}")
+            response_headers = {"X-Routed-To": choice.engine.url, **extra_headers}
+            if not body.get("stream"):
+                try:
+                    data = await upstream.read()
+                except (TimeoutError, aiohttp.ClientError, OSError) as e:
+                    raise NotStarted(f"lost before the response: {e}") from None
+                return web.Response(
+                    body=data,
+                    status=upstream.status,
+                    content_type=upstream.content_type,
+                    headers=response_headers,
+                )
+            response = web.StreamResponse(status=upstream.status, headers=response_headers)
+            response.content_type = upstream.content_type
+            await response.prepare(request)
+            try:
+                async for data in upstream.content.iter_any():
+                    await response.write(data)
+            except (TimeoutError, aiohttp.ClientError, OSError) as e:
+                # Started: the client has tokens already, so no retry; an error event ends it.
+                error = error_body(f"the engine failed mid-stream: {e}", "InternalServerError")
+                await response.write(f"data: {json.dumps(error)}\n\n".encode())
+                self.failures.inc()
+            await response.write_eof()
+            return response
+        finally:
+            await upstream_cm.__aexit__(None, None, None)
+
+
+def _forward_headers(request: web.Request) -> dict[str, str]:
+    keep = ("Authorization", "X-Request-Id", "X-Session-Id")
+    return {k: v for k, v in request.headers.items() if k in keep}

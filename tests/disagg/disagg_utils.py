@@ -1,0 +1,88 @@
+"""Two engine cores in one process (prefill + decode) and a driver of the P/D handshake."""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from rackserve.config import CacheConfig, DisaggConfig, EngineConfig, ModelConfig, SchedulerConfig
+from rackserve.engine.core import EngineCore
+from rackserve.engine.outputs import EngineCoreRequest
+from rackserve.request import KVTransferParams, SamplingParams
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_core(
+    model_dir: Path,
+    kv_transfer: DisaggConfig | None = None,
+    max_num_seqs: int = 48,
+    max_num_batched_tokens: int = 512,
+    kv_cache_memory: int | None = 32 << 20,
+) -> EngineCore:
+    config = EngineConfig(
+        model=str(model_dir),
+        model_config=ModelConfig.from_pretrained(model_dir),
+        cache=CacheConfig(kv_cache_memory=kv_cache_memory),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=1024,
+        ),
+        device="cpu",
+        kv_transfer=kv_transfer,
+    )
+    return EngineCore(config, log_stats=False)
+
+
+def producer_config(transport: str = "tcp", **kwargs) -> DisaggConfig:
+    return DisaggConfig(
+        kv_role="kv_producer", kv_connector=transport, kv_port=free_port(), **kwargs
+    )
+
+
+def consumer_config(transport: str = "tcp", **kwargs) -> DisaggConfig:
+    return DisaggConfig(kv_role="kv_consumer", kv_connector=transport, **kwargs)
+
+
+def drain(core: EngineCore, outputs: dict[str, list[int]], timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while core.has_unfinished_requests():
+        assert time.monotonic() < deadline, "the engine did not finish in time"
+        for out in core.step().outputs:
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+
+
+def prefill(core: EngineCore, prompts: dict[str, list[int]], params: SamplingParams) -> None:
+    """The router's first step: every prompt through the prefill engine (max_tokens 1)."""
+    for req_id, ids in prompts.items():
+        kv = KVTransferParams(do_remote_decode=True, transfer_id=req_id)
+        p = replace(params, kv_transfer_params=kv)
+        core.add_request(EngineCoreRequest(req_id, ids, p, time.time()))
+    drain(core, {})
+
+
+def decode(
+    core: EngineCore,
+    producer: EngineCore,
+    prompts: dict[str, list[int]],
+    params: SamplingParams,
+    outputs: dict[str, list[int]] | None = None,
+) -> dict[str, list[int]]:
+    """The router's second step: the decode engine pulls each prompt's KV and generates."""
+    host, port = producer.kv_connector.server.address
+    outputs = {} if outputs is None else outputs
+    for req_id, ids in prompts.items():
+        kv = KVTransferParams(
+            do_remote_prefill=True, transfer_id=req_id, remote_host=host, remote_port=port
+        )
+        p = replace(params, kv_transfer_params=kv)
+        core.add_request(EngineCoreRequest(req_id, ids, p, time.time()))
+    drain(core, outputs)
+    return outputs

@@ -1,0 +1,265 @@
+"""P/D in one process: a prefill core and a decode core over each transport, against one
+aggregated core at temperature 0; prefix hits on the decode side; the admission cap;
+failures with both policies; no leaked blocks."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from rackserve.config import ConfigError, DisaggConfig
+from rackserve.engine.outputs import EngineCoreRequest
+from rackserve.model.create import create_checkpoint
+from rackserve.model.presets import tiny_config
+from rackserve.request import SamplingParams
+
+from disagg_utils import consumer_config, decode, drain, make_core, prefill, producer_config
+
+PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return create_checkpoint(tiny_config(), tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randint(10, 4000, (70,), generator=g).tolist()
+    out = {}
+    for i in range(8):
+        n = int(torch.randint(1, 150, (1,), generator=g))
+        tail = torch.randint(10, 4000, (n,), generator=g).tolist()
+        out[f"r{i}"] = (shared + tail) if i % 2 else tail
+    out["one"] = [42]  # nothing to transfer: decode computes it
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected(tiny, prompts):
+    core = make_core(tiny)
+    outputs: dict[str, list[int]] = {}
+    for req_id, ids in prompts.items():
+        core.add_request(EngineCoreRequest(req_id, ids, PARAMS, time.time()))
+    drain(core, outputs)
+    return outputs
+
+
+def idle(core) -> bool:
+    return core.scheduler.kv.usage == 0 and not core.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm", "nccl"])
+def test_pd_equals_aggregated(tiny, prompts, expected, transport):
+    producer = make_core(tiny, producer_config(transport))
+    consumer = make_core(tiny, consumer_config(transport))
+    try:
+        prefill(producer, prompts, PARAMS)
+        assert idle(producer)  # blocks freed at once; the copies wait in the store
+        assert len(producer.kv_connector.store) == len(prompts) - 1  # not "one"
+        outputs = decode(consumer, producer, prompts, PARAMS)
+        assert outputs == expected
+        assert consumer.kv_connector.num_loads == len(prompts) - 1
+        assert consumer.kv_connector.num_failures == 0
+        assert consumer.kv_connector.num_bytes_received > 0
+        assert len(producer.kv_connector.store) == 0  # each pulled once, then dropped
+        assert idle(consumer)
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+
+
+def test_decode_pulls_only_blocks_it_lacks(tiny, prompts):
+    """Agent turns (next prompt = prompt + output + new text): the decode side's prefix cache
+    holds the previous turn (its finish checkpoint), so it asks the prefill side only for
+    the rest; outputs equal an aggregated engine's over the same turns."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    turn1 = {k: v for k, v in prompts.items() if k in ("r0", "r1", "r2", "r3")}
+    aggregated = make_core(tiny)
+    producer = make_core(tiny, producer_config())
+    consumer = make_core(tiny, consumer_config())
+    try:
+        for req_id, ids in turn1.items():
+            aggregated.add_request(EngineCoreRequest(req_id, ids, params, time.time()))
+        want1: dict[str, list[int]] = {}
+        drain(aggregated, want1)
+        prefill(producer, turn1, params)
+        got1 = decode(consumer, producer, turn1, params)
+        assert got1 == want1
+        full = [g for g, spec in enumerate(consumer.scheduler.kv.specs) if not spec.is_sliding]
+        first = [consumer.kv_connector.num_blocks_received[g] for g in full]
+        turn2 = {f"{k}-2": ids + want1[k] + [7, 8, 9, 10, 11] for k, ids in turn1.items()}
+        for req_id, ids in turn2.items():
+            aggregated.add_request(EngineCoreRequest(req_id, ids, params, time.time()))
+        want2: dict[str, list[int]] = {}
+        drain(aggregated, want2)
+        prefill(producer, turn2, params)
+        got2 = decode(consumer, producer, turn2, params)
+        assert got2 == want2
+        second = [
+            consumer.kv_connector.num_blocks_received[g] - n
+            for g, n in zip(full, first, strict=True)
+        ]
+        # turn 2's prompts are longer, yet far fewer history blocks travel (the window and
+        # compressor state pages always do: they hold rows a hit does not)
+        assert sum(second) < sum(first) / 2, (first, second)
+        assert idle(consumer)
+    finally:
+        for core in (aggregated, producer, consumer):
+            core.shutdown()
+
+
+def test_admission_cap_from_step_records(tiny, prompts):
+    producer = make_core(tiny, producer_config())
+    consumer = make_core(tiny, consumer_config(max_kv_loads_per_step=2))
+    try:
+        many = {f"{k}-{j}": v for j in range(3) for k, v in prompts.items() if k != "one"}
+        prefill(producer, many, PARAMS)
+        decode(consumer, producer, many, PARAMS)
+        records = consumer.kv_connector.records
+        assert sum(r.num_loaded for r in records) == len(many)
+        assert max(r.num_loaded for r in records) <= 2
+        assert max(r.num_admitted for r in records) <= 2
+        assert idle(consumer)
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+
+
+@pytest.mark.parametrize("fault", ["corrupt_chunk", "drop_connection", "delay:3"])
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_failures(tiny, prompts, expected, fault, policy):
+    extra = {"inject_fault": fault}
+    producer = make_core(tiny, producer_config(kv_connector_extra_config=extra))
+    lease = 1.0 if fault.startswith("delay") else 30.0
+    consumer = make_core(tiny, consumer_config(kv_load_failure_policy=policy, lease_s=lease))
+    subset = {k: prompts[k] for k in ("r0", "r1", "r2")}
+    try:
+        prefill(producer, subset, PARAMS)
+        start = time.monotonic()
+        outputs = decode(consumer, producer, subset, PARAMS)
+        assert time.monotonic() - start < 20
+        if policy == "recompute":
+            assert outputs == {k: expected[k] for k in subset}
+        else:
+            assert all(not v for v in outputs.values())
+            errors = dict(consumer.take_request_errors())
+            assert set(errors) == set(subset)
+            assert all("KV transfer" in m for m in errors.values())
+        assert consumer.kv_connector.num_failures == len(subset)
+        assert idle(consumer) and idle(producer)
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+
+
+def test_lease_expires_on_the_prefill_side(tiny, prompts):
+    producer = make_core(tiny, producer_config(lease_s=0.3))
+    try:
+        prefill(producer, {"r0": prompts["r0"]}, PARAMS)
+        assert len(producer.kv_connector.store) == 1
+        time.sleep(0.6)
+        producer.kv_connector.store.expire()
+        assert len(producer.kv_connector.store) == 0
+        assert idle(producer)
+    finally:
+        producer.shutdown()
+
+
+def test_abort_while_waiting_for_kv_frees_blocks(tiny, prompts):
+    producer = make_core(
+        tiny, producer_config(kv_connector_extra_config={"inject_fault": "delay:1"})
+    )
+    consumer = make_core(tiny, consumer_config())
+    try:
+        prefill(producer, {"r3": prompts["r3"]}, PARAMS)
+        host, port = producer.kv_connector.server.address
+        from dataclasses import replace
+
+        from rackserve.engine.outputs import EngineCoreRequest
+        from rackserve.request import KVTransferParams
+
+        kv = KVTransferParams(
+            do_remote_prefill=True, transfer_id="r3", remote_host=host, remote_port=port
+        )
+        consumer.add_request(
+            EngineCoreRequest(
+                "r3", prompts["r3"], replace(PARAMS, kv_transfer_params=kv), time.time()
+            )
+        )
+        consumer.step()
+        assert consumer.scheduler.kv.usage > 0  # blocks reserved, the pull is in flight
+        consumer.abort_requests(["r3"])
+        drain(consumer, {})
+        time.sleep(1.5)
+        consumer.step()  # the late landing is dropped
+        assert idle(consumer)
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+
+
+def test_config_errors():
+    with pytest.raises(ConfigError, match="kv_role must be one of"):
+        DisaggConfig.from_json('{"kv_role": "prefill"}')
+    with pytest.raises(ConfigError, match="unknown keys"):
+        DisaggConfig.from_json('{"kv_role": "kv_producer", "kv_prot": 1}')
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        DisaggConfig.from_json("{kv_role")
+    with pytest.raises(ConfigError, match="kv_load_failure_policy"):
+        DisaggConfig.from_json('{"kv_role": "kv_consumer", "kv_load_failure_policy": "x"}')
+    with pytest.raises(ConfigError, match="kv_connector must be one of"):
+        DisaggConfig.from_json('{"kv_role": "kv_consumer", "kv_connector": "rdma"}')
+    with pytest.raises(ConfigError, match="needs kv_port"):
+        DisaggConfig.from_json('{"kv_role": "kv_producer"}')
+    with pytest.raises(ConfigError, match="needs --kv-transfer-config"):
+        DisaggConfig.from_json(None, max_kv_loads_per_step=2)
+    with pytest.raises(ConfigError, match="kv_port must be"):
+        DisaggConfig.from_json('{"kv_role": "kv_consumer", "kv_port": 70000}')
+    config = DisaggConfig.from_json(
+        '{"kv_role": "kv_both", "kv_port": 5, "kv_rank": 0}', max_kv_loads_per_step=8
+    )
+    assert config.is_producer and config.is_consumer and config.max_kv_loads_per_step == 8
+
+
+def test_serve_flags_build_the_config(tiny):
+    from rackserve.cli import build_parser
+    from rackserve.server.cli import build_engine_config, resolve_options
+
+    args = build_parser().parse_args(
+        ["serve", str(tiny), "--kv-transfer-config", '{"kv_role": "kv_consumer"}',
+         "--max-kv-loads-per-step", "2"]
+    )  # fmt: skip
+    config = build_engine_config(resolve_options(args))
+    assert config.kv_transfer.is_consumer and config.kv_transfer.max_kv_loads_per_step == 2
+    args = build_parser().parse_args(["serve", str(tiny), "--kv-transfer-config", "{"])
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        build_engine_config(resolve_options(args))
+
+
+def test_request_params_are_checked():
+    from rackserve.request import KVTransferParams
+
+    with pytest.raises(ValueError, match="transfer_id is required"):
+        KVTransferParams.from_dict({"do_remote_decode": True})
+    with pytest.raises(ValueError, match="remote_host"):
+        KVTransferParams.from_dict({"do_remote_prefill": True, "transfer_id": "x"})
+    with pytest.raises(ValueError, match="must be a int"):
+        KVTransferParams.from_dict({"remote_port": "80"})
+    params = KVTransferParams.from_dict({"do_remote_decode": True, "transfer_id": "t", "x": 1})
+    assert params.do_remote_decode and params.num_consumers == 1
+
+
+def test_engine_without_config_refuses_kv_params(tiny):
+    from dataclasses import replace
+
+    from rackserve.request import KVTransferParams
+
+    core = make_core(tiny)
+    params = replace(PARAMS, kv_transfer_params=KVTransferParams(True, transfer_id="t"))
+    with pytest.raises(ValueError, match="no --kv-transfer-config"):
+        core.add_request(EngineCoreRequest("a", [1, 2, 3], params, time.time()))
+    assert not core.has_unfinished_requests()

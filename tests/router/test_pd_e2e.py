@@ -1,0 +1,187 @@
+"""1 prefill + 1 decode + router as real processes, against one aggregated engine at
+temperature 0: mixed requests (shared prefixes, streamed and not, n > 1, stop strings, chat
+and completions); then the prefill engine killed (recompute) and the router's errors."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+
+import httpx
+import pytest
+
+from router_utils import kv_config, running, start_engine, start_router
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from rackserve.model.create import create_checkpoint
+    from rackserve.model.presets import tiny_config
+
+    return create_checkpoint(tiny_config(), tmp_path_factory.mktemp("models") / "tiny")
+
+
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "epsilon",
+    "zeta",
+    "eta",
+    "theta",
+    "iota",
+    "kappa",
+    "lambda",
+    "mu",
+    "nu",
+    "xi",
+]
+
+
+def mixed_requests(num: int) -> list[tuple[str, dict]]:
+    shared = " ".join(WORDS * 6)
+    out = []
+    for i in range(num):
+        tail = " ".join(WORDS[(i * 3 + j) % len(WORDS)] for j in range(5 + 7 * (i % 5)))
+        text = f"{shared} {tail}" if i % 2 else tail
+        body: dict = {"model": "tiny", "temperature": 0, "max_tokens": 8 + i % 7}
+        if i % 4 == 3:
+            body["stop"] = [" the", "e"]
+        if i % 5 == 4:
+            body["n"] = 2
+        body["stream"] = i % 3 == 1
+        if i % 2:
+            out.append(
+                ("/v1/chat/completions", dict(body, messages=[{"role": "user", "content": text}]))
+            )
+        else:
+            out.append(("/v1/completions", dict(body, prompt=text)))
+    return out
+
+
+def call(base: str, path: str, body: dict) -> dict:
+    """Texts per choice index, finish reasons and usage (streamed or not)."""
+    if not body.get("stream"):
+        r = httpx.post(base + path, json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        data = r.json()
+        texts = {
+            c["index"]: c["message"]["content"] if "message" in c else c["text"]
+            for c in data["choices"]
+        }
+        reasons = {c["index"]: c["finish_reason"] for c in data["choices"]}
+        return {"texts": texts, "reasons": reasons, "usage": data["usage"]}
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    with httpx.stream("POST", base + path, json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            assert "error" not in chunk, chunk
+            for c in chunk["choices"]:
+                piece = c["delta"].get("content") if "delta" in c else c.get("text")
+                texts[c["index"]] = texts.get(c["index"], "") + (piece or "")
+                if c.get("finish_reason"):
+                    reasons[c["index"]] = c["finish_reason"]
+    return {"texts": texts, "reasons": reasons}
+
+
+def run_all(base: str, requests: list[tuple[str, dict]]) -> list[dict]:
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        return list(pool.map(lambda pb: call(base, *pb), requests))
+
+
+def strip_usage(results: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "usage"} for r in results]
+
+
+@pytest.fixture(scope="module")
+def pd(tiny, tmp_path_factory):
+    """A prefill and a decode engine shared by the module (the kill test runs last)."""
+    tmp = tmp_path_factory.mktemp("pd")
+    prefill = start_engine(tiny, tmp, "--kv-transfer-config", kv_config("kv_producer"))
+    decode = start_engine(tiny, tmp, "--kv-transfer-config", kv_config("kv_consumer"))
+    with running(prefill, decode):
+        yield prefill, decode
+
+
+def check_pd_equals_aggregated(tiny, tmp_path, pd, num: int) -> None:
+    prefill, decode = pd
+    aggregated = start_engine(tiny, tmp_path)
+    router = start_router(tmp_path, "--prefill", prefill.url, "--decode", decode.url)
+    with running(aggregated, router):
+        requests = mixed_requests(num)
+        want = run_all(aggregated.url, requests)
+        got = run_all(router.url, requests)
+        assert strip_usage(got) == strip_usage(want)
+        metrics = httpx.get(f"{router.url}/metrics").text
+        assert 'rackserve_router_kv_source_total{source="prefill=' in metrics
+        received = [
+            line for line in httpx.get(f"{decode.url}/metrics").text.splitlines()
+            if line.startswith("rackserve:kv_transfer_bytes_received_total")
+        ]  # fmt: skip
+        assert received and float(received[0].split()[-1]) > 0
+
+
+def test_pd_equals_aggregated(tiny, tmp_path, pd):
+    check_pd_equals_aggregated(tiny, tmp_path, pd, 16)
+
+
+@pytest.mark.slow
+def test_pd_equals_aggregated_64(tiny, tmp_path, pd):
+    check_pd_equals_aggregated(tiny, tmp_path, pd, 64)
+
+
+def test_router_errors(tmp_path):
+    router = start_router(tmp_path, "--engines", "http://127.0.0.1:9")  # nothing listens
+    with _no_wait(router):
+        r = httpx.post(f"{router.url}/v1/completions", content=b"{bad", timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
+        r = httpx.post(f"{router.url}/v1/completions", json={"prompt": "x"}, timeout=10)
+        assert r.status_code == 503 and "no engine could take" in r.json()["error"]["message"]
+
+
+class _no_wait:
+    """The router has no healthy engine here: wait for it to listen, not to be healthy."""
+
+    def __init__(self, proc):
+        self.proc = proc
+
+    def __enter__(self):
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(f"{self.proc.url}/health", timeout=1)
+                return self.proc
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise AssertionError(self.proc.log())
+
+    def __exit__(self, *exc):
+        self.proc.stop()
+
+
+def test_prefill_killed_requests_recompute(tmp_path, pd):
+    """The prefill engine dies: the router marks it down, the decode side computes the
+    prompts itself; outputs unchanged; the decode engine's KV returns to idle."""
+    prefill, decode = pd
+    router = start_router(tmp_path, "--prefill", prefill.url, "--decode", decode.url)
+    with running(router):
+        requests = mixed_requests(4)
+        want = run_all(router.url, requests)
+        prefill.kill()
+        start = time.monotonic()
+        got = run_all(router.url, requests)
+        assert time.monotonic() - start < 60
+        assert strip_usage(got) == strip_usage(want)
+        health = httpx.get(f"{router.url}/health")
+        assert health.status_code == 503 and "prefill" in health.json()["error"]["message"]
+        usage = [
+            line for line in httpx.get(f"{decode.url}/metrics").text.splitlines()
+            if line.startswith("rackserve:kv_cache_usage_perc")
+        ]  # fmt: skip
+        assert float(usage[0].split()[-1]) == 0.0

@@ -1,0 +1,115 @@
+"""The router's pure parts: policies, the KV index (events and approximate), keyers."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from rackserve.router.engines import EnginePool
+from rackserve.router.kv_index import KVIndex, TextKeyer
+from rackserve.router.policies import Candidate, pick
+
+
+# A local copy of the contract's Structs (kv/events.py is helper kvpool's): the index only
+# reads the class names and fields, as the engine's decode_batch yields them.
+class BlockStored(msgspec.Struct, tag=True, array_like=True):
+    block_hashes: list[bytes]
+    parent_hash: bytes | None
+    num_tokens: int
+    medium: str
+
+
+class BlockRemoved(msgspec.Struct, tag=True, array_like=True):
+    block_hashes: list[bytes]
+    medium: str
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+class KVEventBatch(msgspec.Struct, array_like=True):
+    ts: float
+    seq: int
+    engine_id: str
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+def decode_batch(data: bytes) -> KVEventBatch:
+    return msgspec.msgpack.decode(data, type=KVEventBatch)
+
+
+def test_pick_policies():
+    c = [Candidate(0, 500, 2), Candidate(1, 100, 1), Candidate(2, 100, 1, device_hit_tokens=900)]
+    assert [pick("round-robin", c, 1000, t, None) for t in range(4)] == [0, 1, 2, 0]
+    assert pick("least-load", c, 1000, 0, None) == 1
+    assert pick("session", c, 1000, 0, 0) == 0  # affinity wins
+    assert pick("session", c, 1000, 0, None) == 1  # no session: least load
+    assert pick("kv-aware", c, 1000, 0, None) == 2  # the prefix is there
+    # a big hit is not worth an engine with far more queued work
+    busy = [Candidate(0, 10_000, 9, device_hit_tokens=900), Candidate(1, 0, 0)]
+    assert pick("kv-aware", busy, 1000, 0, None) == 1
+    # pool hits count, less than device hits
+    tiers = [Candidate(0, 0, 0, pool_hit_tokens=800), Candidate(1, 0, 0, device_hit_tokens=800)]
+    assert pick("kv-aware", tiers, 1000, 0, None) == 1
+    # equal cost: the session's engine
+    assert pick("kv-aware", [Candidate(0, 0, 0), Candidate(1, 0, 0)], 10, 0, 1) == 1
+    with pytest.raises(ValueError, match="no healthy engine"):
+        pick("kv-aware", [], 10, 0, None)
+    with pytest.raises(ValueError, match="unknown policy"):
+        pick("random", c, 10, 0, None)
+
+
+def test_index_from_events_tiers_and_clear():
+    index = KVIndex(2)
+    h = [bytes([i]) * 16 for i in range(6)]
+    batch = KVEventBatch(0.0, 0, "e0", [BlockStored(h[:3], None, 96, "device")])
+    index.apply(0, decode_batch(msgspec.msgpack.encode(batch)))
+    index.apply(0, KVEventBatch(0.0, 1, "e0", [BlockStored(h[3:5], None, 64, "pool")]))
+    assert index.match(0, h) == (3, 2)
+    assert index.match(1, h) == (0, 0)
+    index.apply(0, KVEventBatch(0.0, 2, "e0", [BlockRemoved([h[1]], "device")]))
+    assert index.match(0, h) == (1, 0)  # a hole ends the device prefix
+    index.apply(0, KVEventBatch(0.0, 5, "e0", [AllBlocksCleared()]))
+    assert index.match(0, h) == (0, 0)
+    assert index.num_gaps == 1  # seq 2 -> 5
+
+
+def test_approximate_index_lru_and_forget():
+    index = KVIndex(1, approx_capacity=4)
+    index.record_routed(0, [b"a", b"b", b"c"])
+    index.record_routed(0, [b"a", b"d", b"e"])  # b is evicted (oldest)
+    assert index.match(0, [b"a", b"b"]) == (1, 0)
+    assert index.match(0, [b"a", b"d", b"e"]) == (3, 0)
+    index.forget_engine(0)
+    assert index.match(0, [b"a"]) == (0, 0)
+
+
+def test_text_keyer_prefix_property():
+    keyer = TextKeyer()
+    turn1 = {"messages": [{"role": "user", "content": "x" * 200}]}
+    turn2 = {"messages": [*turn1["messages"], {"role": "assistant", "content": "y" * 100}]}
+    k1, block = keyer.keys(turn1)
+    k2, _ = keyer.keys(turn2)
+    assert block == 64 and len(k1) == 3 and k2[: len(k1)] == k1
+    salted, _ = keyer.keys(dict(turn1, cache_salt="s"))
+    assert salted[0] != k1[0]
+
+
+def test_pool_routes_sessions_to_their_prefix_and_around_down_engines():
+    pool = EnginePool([f"http://e{i}" for i in range(4)], "engine", "kv-aware")
+    bodies = [{"prompt": f"session {s} " + "z" * 300} for s in range(8)]
+    first = []
+    for body in bodies:
+        choice = pool.choose(body, None, set())
+        pool.start(choice, None)
+        pool.finish(choice)
+        first.append(choice.index)
+    assert len(set(first)) == 4  # spread by load while nothing is cached
+    for body, engine in zip(bodies, first, strict=True):
+        longer = {"prompt": body["prompt"] + " more text " * 20}
+        assert pool.choose(longer, None, set()).index == engine
+    pool.mark_down(first[0], "test")
+    assert pool.choose(bodies[0], None, set()).index != first[0]
+    with pytest.raises(ValueError, match="no healthy"):
+        pool.choose(bodies[0], None, {0, 1, 2, 3})
