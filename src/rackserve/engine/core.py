@@ -21,7 +21,6 @@ from rackserve.kv.manager import KVCacheManager
 from rackserve.kv.spec import (
     CacheGroupSpec,
     bytes_per_token,
-    cache_groups_for,
     capacity_tokens,
     plan_num_blocks,
     prefix_alignment,
@@ -34,6 +33,7 @@ from rackserve.request import INT64_MAX, INT64_MIN, Request, RequestStatus
 from rackserve.runner.kv_transfer import export_blocks, import_blocks
 from rackserve.runner.model_runner import ModelRunner
 from rackserve.runner.structured_output import GrammarCompiler
+from rackserve.spec_decode.proposer import spec_cache_groups
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,8 @@ def plan_kv_cache(
     """Cache groups of the model and blocks per group for a budget; ValueError naming the
     fix when the budget is too small (cheap: no weights are loaded)."""
     element = torch.tensor([], dtype=dtype).element_size()
-    groups = cache_groups_for(config.model_config, dtype_bytes=element)
+    # the target's groups, then its drafter's (MTP: one more swa layer; a draft model: its own)
+    groups = spec_cache_groups(config.speculative, config.model_config, element)
     sched = config.scheduler
     num_blocks = plan_num_blocks(
         groups, budget_bytes, sched.max_num_seqs, sched.max_num_batched_tokens
@@ -126,7 +127,9 @@ class EngineCore:
                 f"prefix alignment {kv.alignment} tokens",
                 flush=True,
             )
-        self.scheduler = Scheduler(sched, kv, cfg.eos_token_id)
+        spec = config.speculative
+        num_spec_tokens = 0 if spec is None else spec.num_speculative_tokens
+        self.scheduler = Scheduler(sched, kv, cfg.eos_token_id, num_spec_tokens)
         self.grammar_compiler = GrammarCompiler(
             config.tokenizer or config.model, cfg.vocab_size, cfg.eos_token_id
         )
@@ -142,6 +145,7 @@ class EngineCore:
             enforce_eager=config.enforce_eager or self.ep is not None,
             log=log_stats,
             grammar_compiler=self.grammar_compiler,
+            speculative=spec,
         )
         self.last_step: SchedulerOutput | None = None
         self.last_forward_time_s = 0.0

@@ -15,6 +15,7 @@ import msgspec
 import torch
 
 from rackserve.request import SamplingParams
+from rackserve.spec_decode.stats import SpecDecodingStats
 
 # ---- scheduler -> runner ----------------------------------------------------------------
 
@@ -81,6 +82,8 @@ class RunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
     expert_counts: torch.Tensor | None = None  # [num_layers, E] routed tokens this step
     num_accepted_draft_tokens: dict[str, int] = field(default_factory=dict)
+    # speculative decoding: the drafts each request proposes for its next step
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     forward_time_s: float = 0.0
 
 
@@ -128,6 +131,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     # same batches routed uniformly at random (the ceiling); absent without EP.
     expert_balancedness: list[float] | None = None
     expert_balancedness_uniform: list[float] | None = None
+    spec_decoding: SpecDecodingStats | None = None  # cumulative; absent without speculation
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
