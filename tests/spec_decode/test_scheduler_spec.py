@@ -73,7 +73,7 @@ class FakeSpecRunner:
             new = self.rng.randrange(2, 60)
             while drafts and a < len(drafts) and new == drafts[a]:
                 new = self.rng.randrange(2, 60)  # a rejected draft differs from the target
-            sampled.append(drafts[:a] + [new])
+            sampled.append([*drafts[:a], new])
             drafts_out[req_id] = [self.rng.randrange(2, 60) for _ in range(K)]
         return RunnerOutput(req_ids=ids, sampled_token_ids=sampled, draft_token_ids=drafts_out)
 
@@ -89,7 +89,7 @@ def test_random_accept_reject_with_aborts_leaks_nothing():
     sched = make(num_history_blocks=8)  # tight: preemption happens
     runner = FakeSpecRunner(sched, rng)
     system = [rng.randrange(2, 60) for _ in range(40)]  # shared: prefix hits
-    num_steps = num_verified = 0
+    num_verified = 0
     for i in range(1000):
         if rng.random() < 0.3 and len(sched.waiting) < 4:
             prompt = system[: rng.randrange(8, 40)] + [rng.randrange(2, 60) for _ in range(5)]
@@ -102,7 +102,6 @@ def test_random_accept_reject_with_aborts_leaks_nothing():
         out = sched.schedule()
         num_verified += len(out.scheduled_spec_decode_tokens)
         sched.update(out, runner.run(out))
-        num_steps += 1
     while sched.num_unfinished:
         out = sched.schedule()
         sched.update(out, runner.run(out))
