@@ -8,6 +8,7 @@ import pytest
 
 from rackserve.model.create import create_checkpoint
 from rackserve.model.presets import tiny_config
+
 from spec_utils import perturbed_copy
 
 VOCAB = 512

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spec_utils import kv_budget, run, spec_engine
 
 from rackserve.config import SpecConfig
 from rackserve.request import SamplingParams
+
+from spec_utils import kv_budget, run, spec_engine
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -104,7 +105,7 @@ def test_seeded_sampling_equals_plain(target_dir, close_draft_dir, prompts):
             logprobs=2,
             max_tokens=MAX_TOKENS,
             ignore_eos=True,
-        )  # fmt: skip
+        )
         for i, req_id in enumerate(prompts)
     }
     plain = spec_engine(target_dir, None, max_num_batched_tokens=128)
