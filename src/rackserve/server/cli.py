@@ -73,6 +73,7 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "eplb_config": None,
     "skewed_routing": 0.0,
     "dp_assignment_policy": "least_load",
+    "speculative_config": None,
 }
 # Older spellings still accepted (flags and YAML keys) -> the option they set.
 OPTION_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory"}
@@ -227,6 +228,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--eplb-config", help='JSON, e.g. \'{"window_size":1000,"step_interval":3000}\'')
     add("--skewed-routing", type=float, help="test models: Zipf exponent of expert popularity")
     add("--dp-assignment-policy", choices=("least_load", "round_robin"))
+    add(
+        "--speculative-config",
+        help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\' or '
+        '\'{"method": "draft_model", "num_speculative_tokens": 3, "model": "DIR"}\'',
+    )
     p.set_defaults(func=serve)
 
 
@@ -317,6 +323,7 @@ def build_engine_config(options: dict[str, Any]) -> Any:
         ModelConfig,
         ParallelConfig,
         SchedulerConfig,
+        SpecConfig,
     )
 
     model_config = ModelConfig.from_pretrained(options["model"])
@@ -356,6 +363,7 @@ def build_engine_config(options: dict[str, Any]) -> Any:
             eplb=EPLBConfig.from_json(options["eplb_config"]),
             skewed_routing=options["skewed_routing"],
         ),
+        speculative=SpecConfig.from_json(options["speculative_config"]),
     )
 
 
@@ -380,8 +388,10 @@ def preflight(options: dict[str, Any], engine_config: Any) -> None:
     process starts: the checkpoint's config, shards and tensor shapes, the KV budget, the
     tokenizer files."""
     from rackserve.model.loader import check_checkpoint
+    from rackserve.spec_decode.proposer import check_spec_checkpoint
 
     check_checkpoint(options["model"])
+    check_spec_checkpoint(engine_config.speculative, options["model"])
     if engine_config.cache.kv_cache_memory is not None:
         from rackserve.device import resolve
         from rackserve.engine.core import plan_kv_cache

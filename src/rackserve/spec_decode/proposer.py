@@ -37,7 +37,7 @@ from rackserve.model.batch import (
     compressed_ratios,
 )
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
-from rackserve.model.loader import load_model
+from rackserve.model.loader import check_checkpoint, checkpoint_files, load_model, open_shards
 from rackserve.runner.inputs import build_batch_inputs
 
 DRAFT_PREFIX = "draft_"  # the draft model's cache groups in the shared KV manager
@@ -103,6 +103,28 @@ def draft_config(spec: SpecConfig, target: ModelConfig) -> ModelConfig:
     return cfg
 
 
+def check_spec_checkpoint(spec: SpecConfig | None, model_dir: str | Path) -> None:
+    """ConfigError/CheckpointError naming the fix unless ``spec`` can run on the target at
+    ``model_dir`` (reads headers and configs only: ``serve`` checks before any process)."""
+    if spec is None:
+        return
+    target = ModelConfig.from_pretrained(model_dir)
+    if spec.method == "mtp":
+        names = open_shards(checkpoint_files(Path(model_dir)))
+        if not any(name.startswith("mtp.") for _, name in names):
+            raise ConfigError(_NO_MTP)
+        return
+    draft_config(spec, target)
+    assert spec.model is not None
+    check_checkpoint(spec.model)
+
+
+_NO_MTP = (
+    '--speculative-config: method "mtp" needs the checkpoint\'s MTP layer, and this one has '
+    'no mtp.* weights; use method "draft_model" with a draft checkpoint'
+)
+
+
 class Proposer:
     """K greedy draft tokens for each request that wants them."""
 
@@ -131,10 +153,7 @@ class MTPProposer(Proposer):
     ) -> None:
         super().__init__(num_tokens, tables)
         if not model.has_mtp:
-            raise ConfigError(
-                '--speculative-config: method "mtp" needs the checkpoint\'s MTP layer, and this '
-                'one has no mtp.* weights; use method "draft_model" with a draft checkpoint'
-            )
+            raise ConfigError(_NO_MTP)
         self.model, self.caches, self.swa = model, caches, swa
 
     def _meta(self, positions: torch.Tensor, token_req: torch.Tensor, rows: torch.Tensor):
