@@ -45,11 +45,11 @@ def test_bad_values_name_the_fix(text, message):
 def test_checkpoint_checks(target_dir, random_draft_dir, tmp_path):
     check_spec_checkpoint(SpecConfig("mtp", 2), target_dir)
     check_spec_checkpoint(SpecConfig("draft_model", 2, str(random_draft_dir)), target_dir)
-    with pytest.raises(ConfigError, match="no mtp.* weights"):
+    with pytest.raises(ConfigError, match=r"no mtp\.\* weights"):
         check_spec_checkpoint(SpecConfig("mtp", 2), random_draft_dir)
-    with pytest.raises(ConfigError, match="has no config.json"):
+    with pytest.raises(ConfigError, match=r"has no config\.json"):
         check_spec_checkpoint(SpecConfig("draft_model", 2, str(tmp_path)), target_dir)
-    with pytest.raises(ConfigError, match="no mtp.* weights"):  # the engine checks too
+    with pytest.raises(ConfigError, match=r"no mtp\.\* weights"):  # the engine checks too
         spec_engine(random_draft_dir, SpecConfig("mtp", 1))
 
 
