@@ -18,6 +18,7 @@ import pytest
 
 from rackserve.llm import LLM
 from rackserve.request import SamplingParams
+from rackserve.spec_decode.stats import from_prometheus
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "Once upon a time, in a land"]
 MAX_TOKENS = 16
@@ -96,17 +97,10 @@ def test_server_with_a_draft_answers_as_the_plain_engine(target_dir, tmp_path, e
                     chunks.append(json.loads(line[6:]))
         assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected[0]
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
-    values = {
-        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
-        for line in metrics.splitlines()
-        if line.startswith("rackserve:spec_decode") and 'position="' not in line
-    }
-    drafts = values["rackserve:spec_decode_num_drafts_total"]
-    assert drafts > 0
-    # a draft identical to the target: every draft token accepted
-    assert values["rackserve:spec_decode_num_draft_tokens_total"] == 3 * drafts
-    assert values["rackserve:spec_decode_num_accepted_tokens_total"] == 3 * drafts
-    assert (
-        f'rackserve:spec_decode_num_accepted_tokens_per_pos_total{{model_name="{target_dir}",position="2"}} {drafts}'
-        in metrics
-    )
+    stats = from_prometheus(metrics)
+    assert stats is not None and stats.num_drafts > 0
+    # a draft identical to the target: every draft token accepted, at every position
+    assert stats.num_draft_tokens == stats.num_accepted_tokens == 3 * stats.num_drafts
+    assert stats.num_accepted_tokens_per_pos == [stats.num_drafts] * 3
+    assert stats.report()["spec_decode_acceptance_length"] == 4.0
+    assert "rackserve:spec_decode_num_drafts_total{" in metrics

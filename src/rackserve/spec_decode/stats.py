@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
 import msgspec
 
 
@@ -47,3 +50,62 @@ class SpecDecodingStats(msgspec.Struct, array_like=True, omit_defaults=True):
             self.num_accepted_tokens,
             list(self.num_accepted_tokens_per_pos),
         )
+
+    def minus(self, then: SpecDecodingStats) -> SpecDecodingStats:
+        """The counts of the interval since ``then`` (an earlier copy)."""
+        old = then.num_accepted_tokens_per_pos
+        return SpecDecodingStats(
+            self.num_spec_tokens,
+            self.num_drafts - then.num_drafts,
+            self.num_draft_tokens - then.num_draft_tokens,
+            self.num_accepted_tokens - then.num_accepted_tokens,
+            [
+                n - (old[i] if i < len(old) else 0)
+                for i, n in enumerate(self.num_accepted_tokens_per_pos)
+            ],
+        )
+
+    def report(self) -> dict[str, Any]:
+        """Fields of a bench JSON result, as ``vllm bench serve`` names them."""
+        drafts = max(self.num_drafts, 1)
+        return {
+            "spec_decode_acceptance_rate": 100 * self.acceptance_rate,
+            "spec_decode_acceptance_length": self.mean_acceptance_length,
+            "spec_decode_num_drafts": self.num_drafts,
+            "spec_decode_draft_tokens": self.num_draft_tokens,
+            "spec_decode_accepted_tokens": self.num_accepted_tokens,
+            "spec_decode_per_position_acceptance_rates": [
+                n / drafts for n in self.num_accepted_tokens_per_pos
+            ],
+        }
+
+
+_METRIC = re.compile(
+    r"^(?:rackserve|vllm):spec_decode_(num_drafts|num_draft_tokens|num_accepted_tokens|"
+    r"num_accepted_tokens_per_pos)_total\{([^}]*)\}\s+(\S+)$"
+)
+
+
+def from_prometheus(text: str) -> SpecDecodingStats | None:
+    """The counters of a /metrics page (rackserve: or vllm: prefix); None without them."""
+    stats, found = SpecDecodingStats(), False
+    per_pos: dict[int, int] = {}
+    for line in text.splitlines():
+        match = _METRIC.match(line)
+        if match is None:
+            continue
+        found = True
+        name, labels, value = match.group(1), match.group(2), int(float(match.group(3)))
+        if name == "num_accepted_tokens_per_pos":
+            position = re.search(r'position="(\d+)"', labels)
+            if position is not None:
+                per_pos[int(position.group(1))] = value
+        else:
+            setattr(stats, name, value)
+    if not found:
+        return None
+    stats.num_accepted_tokens_per_pos = [
+        per_pos.get(i, 0) for i in range(max(per_pos, default=-1) + 1)
+    ]
+    stats.num_spec_tokens = len(stats.num_accepted_tokens_per_pos)
+    return stats
