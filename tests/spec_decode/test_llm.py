@@ -67,3 +67,21 @@ def test_stops_inside_an_accepted_run(llms):
         want = outputs(plain, params)
         assert outputs(spec, params) == want
     assert want[0][0][2] == "length" and len(want[0][0][1]) == 6
+
+
+def test_structured_requests_beside_speculating_ones(llms):
+    """A constrained request never drafts (its grammar advances one token a step); in the
+    same batch, free requests verify their drafts. Outputs as without speculation."""
+    from rackserve.request import StructuredOutputsParams
+
+    plain, spec = llms
+    free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    choice = SamplingParams(
+        temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="[a-c]{5}")
+    )
+    prompts = ["Answer:", "Count:", "Free text:"]
+    params = [choice, free, choice]
+    want = [o.outputs[0].text for o in plain.generate(prompts, params)]
+    got = [o.outputs[0].text for o in spec.generate(prompts, params)]
+    assert got == want
+    assert len(want[0]) == 5 and set(want[0]) <= set("abc")
