@@ -21,7 +21,7 @@ from rackserve.runner.cuda_graph import DecodeGraphs, context_buckets, graph_bat
 from rackserve.runner.input_batch import InputBatch, RunnerRequest
 from rackserve.runner.inputs import StepInputs
 from rackserve.runner.logits_processors import apply_logits_processors
-from rackserve.runner.sampler import sample
+from rackserve.runner.sampler import SamplerOutput, sample
 from rackserve.runner.step_buffers import StepBuffers
 from rackserve.runner.structured_output import GrammarCompiler, StructuredOutputs
 from rackserve.spec_decode.proposer import DRAFT_PREFIX, Proposer, VerifiedStep, build_proposer
@@ -137,31 +137,7 @@ class ModelRunner:
         num_kept = [starts[k + 1] - starts[k] for k in range(len(reqs))]  # verify: fewer
         if step.sampling is not None:
             out = sample(logits, step.sampling)
-            token_ids = out.token_ids.tolist()
-            if out.logprobs is not None:
-                logprobs = [[] for _ in reqs]
-            first = 0  # the request's first logits row
-            s = 0  # index among the sampled requests
-            for k, needs in enumerate(inputs.sample_mask):
-                if not needs:
-                    continue
-                n = num_rows[s]
-                emitted = [token_ids[first]]
-                if n > 1:  # verify: drop the drafts, keep the accepted ones + one
-                    drafts = reqs[k].token_ids[-(n - 1) :]
-                    del reqs[k].token_ids[-(n - 1) :]
-                    emitted = accept_drafts(token_ids[first : first + n], drafts)
-                    num_kept[k] -= n - len(emitted)
-                reqs[k].token_ids.extend(emitted)
-                sampled[k] = emitted
-                num = reqs[k].sampling_params.logprobs
-                if logprobs is not None and num is not None:
-                    assert out.logprobs is not None
-                    logprobs[k] = [
-                        _token_logprobs(out.logprobs, first + j, num) for j in range(len(emitted))
-                    ]
-                first += n
-                s += 1
+            logprobs = self._emit(reqs, inputs, num_rows, out, sampled, num_kept)
             if structured is not None:  # constrained requests never draft: one token each
                 structured.advance(sampled_reqs, [sampled[k][-1] for k in _sampled(inputs)])
         drafts: dict[str, list[int]] = {}
@@ -176,6 +152,42 @@ class ModelRunner:
             forward_time_s=time.perf_counter() - start,  # ends at the token read-back
             draft_token_ids=drafts,
         )
+
+    @staticmethod
+    def _emit(
+        reqs: list[RunnerRequest],
+        inputs: StepInputs,
+        num_rows: list[int],
+        out: SamplerOutput,
+        sampled: list[list[int]],
+        num_kept: list[int],
+    ) -> list[list[TokenLogprobs]] | None:
+        """Each sampled request's tokens into ``sampled`` (and its token list): the one
+        sampled token, or for a verify step (rows 1 + drafts) the accepted drafts and one
+        more; ``num_kept`` loses the rejected ones. Returns the logprobs of those tokens."""
+        token_ids = out.token_ids.tolist()
+        logprobs: list[list[TokenLogprobs]] | None = None
+        if out.logprobs is not None:
+            logprobs = [[] for _ in reqs]
+        first = 0  # the request's first logits row
+        for k, n in zip(_sampled(inputs), num_rows, strict=True):
+            req = reqs[k]
+            emitted = [token_ids[first]]
+            if n > 1:
+                drafts = req.token_ids[-(n - 1) :]
+                del req.token_ids[-(n - 1) :]  # prepare() appended them for the inputs
+                emitted = accept_drafts(token_ids[first : first + n], drafts)
+                num_kept[k] -= n - len(emitted)
+            req.token_ids.extend(emitted)
+            sampled[k] = emitted
+            num = req.sampling_params.logprobs
+            if logprobs is not None and num is not None:
+                assert out.logprobs is not None
+                logprobs[k] = [
+                    _token_logprobs(out.logprobs, first + j, num) for j in range(len(emitted))
+                ]
+            first += n
+        return logprobs
 
     def _propose(
         self,
