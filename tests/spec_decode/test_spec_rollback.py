@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from rackserve.config import SpecConfig
@@ -54,11 +55,18 @@ def step_until(core: EngineCore, done) -> None:
     raise AssertionError("never reached")
 
 
-def test_rejected_drafts_leave_no_trace(target_dir, close_draft_dir):
+@pytest.mark.parametrize("method", ["draft_model", "mtp"])
+def test_rejected_drafts_leave_no_trace(target_dir, close_draft_dir, method):
+    """draft_model: a draft that is often right (mixed runs); its own groups compared too.
+    mtp: random MTP weights, nearly every draft rejected; the MTP layer's sliding rows
+    (layer num_hidden_layers of ``swa``) compared with a plain prefill's."""
     g = torch.Generator().manual_seed(5)
     prompt = torch.randint(2, 512, (29,), generator=g).tolist()
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    spec = SpecConfig("draft_model", K, str(close_draft_dir))
+    if method == "mtp":
+        spec, reference_spec = SpecConfig("mtp", K), SpecConfig("mtp", 1)
+    else:
+        spec, reference_spec = SpecConfig("draft_model", K, str(close_draft_dir)), None
     a = spec_engine(target_dir, spec, max_num_batched_tokens=64)
     a.add_request(EngineCoreRequest("a", prompt, params, time.time()))
     req = a.scheduler.requests["a"]
@@ -71,20 +79,21 @@ def test_rejected_drafts_leave_no_trace(target_dir, close_draft_dir):
 
     num_rejected = [0]
     step_until(a, rejected_after_many)
-    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.num_accepted_tokens < stats.num_draft_tokens
+    assert method == "mtp" or stats.num_accepted_tokens > 0
     computed = req.num_computed_tokens
     tokens = req.all_token_ids[:computed]
     assert computed == req.num_tokens - 1 and computed > 70  # many windows and pages
 
-    def reference(model_dir) -> EngineCore:
+    def reference(model_dir, spec=None) -> EngineCore:
         """A request that computes exactly the verified tokens, in one prefill."""
-        core = spec_engine(model_dir, None, max_num_batched_tokens=512)
+        core = spec_engine(model_dir, spec, max_num_batched_tokens=512)
         core.add_request(EngineCoreRequest("a", tokens, params, time.time()))
         core.step()
         assert core.scheduler.requests["a"].num_computed_tokens == computed
         return core
 
-    b = reference(target_dir)
+    b = reference(target_dir, reference_spec)
     got, want = live_rows(a, "a", "", computed), live_rows(b, "a", "", computed)
     assert set(got) == set(want) and {name for name, _ in got} >= {
         "swa",
@@ -93,8 +102,12 @@ def test_rejected_drafts_leave_no_trace(target_dir, close_draft_dir):
         "csa_kv",
         "hca_kv",
     }
+    mtp_layer = ("swa", a.model.cfg.num_hidden_layers)
+    assert (mtp_layer in want) == (method == "mtp")
     for key in want:
         torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=1e-5, msg=str(key))
+    if method == "mtp":
+        return
     # the draft model's own groups: as if it had only ever seen the verified tokens
     c = reference(close_draft_dir)
     got, want = live_rows(a, "a", DRAFT_PREFIX, computed), live_rows(c, "a", "", computed)

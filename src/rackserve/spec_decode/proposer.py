@@ -156,9 +156,11 @@ class MTPProposer(Proposer):
             raise ConfigError(_NO_MTP)
         self.model, self.caches, self.swa = model, caches, swa
 
-    def _meta(self, positions: torch.Tensor, token_req: torch.Tensor, rows: torch.Tensor):
+    def _meta(
+        self, positions: torch.Tensor, token_req: torch.Tensor, rows: torch.Tensor, max_len: int
+    ) -> StepMetadata:
+        """max_len: host bound on positions + 1 (no device read-back)."""
         tables = {self.swa.name: self.tables[self.swa.name][rows]}
-        max_len = int(positions.max()) + 1 if positions.numel() else 1
         return StepMetadata.build([self.swa], positions, token_req, tables, max_len, {})
 
     def propose(self, step: VerifiedStep) -> list[list[int]]:
@@ -179,7 +181,8 @@ class MTPProposer(Proposer):
             return [[] for _ in step.num_kept]
         rows = self._device(step.rows)
         positions = self._device(pos)
-        meta = self._meta(positions, self._device(req), rows)
+        max_len = max(pos) + 1
+        meta = self._meta(positions, self._device(req), rows, max_len)
         streams = step.streams[self._device(idx)]
         hidden, x = self.model.mtp_forward(0, self._device(nxt), streams, meta, self.caches)
         if not wanted:
@@ -191,8 +194,8 @@ class MTPProposer(Proposer):
         token_req = torch.arange(len(wanted), device=self.device)
         rows = rows[self._device(wanted)]
         for _ in range(self.num_tokens - 1):
-            positions = positions + 1
-            meta = self._meta(positions, token_req, rows)
+            positions, max_len = positions + 1, max_len + 1
+            meta = self._meta(positions, token_req, rows, max_len)
             hidden, x = self.model.mtp_forward(0, draft, x, meta, self.caches)
             draft = self.model.compute_logits(hidden).argmax(dim=-1)
             drafts.append(draft)
