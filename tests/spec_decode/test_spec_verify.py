@@ -116,3 +116,35 @@ def test_coupled_verification_is_the_rejection_rule_for_greedy_drafts():
     some = torch.tensor(seeds[:100])
     other = sampling_noise(some, torch.full((100,), 18), vocab)
     assert not torch.equal(other, sampling_noise(some, torch.full((100,), 17), vocab))
+
+
+def test_stats_interval_total_and_report():
+    from rackserve.spec_decode.stats import SpecDecodingStats, from_prometheus
+
+    s = SpecDecodingStats(3)
+    s.observe(3, 2)
+    then = s.copy()
+    s.observe(3, 0)
+    s.observe(2, 1)
+    assert s.num_accepted_tokens_per_pos == [2, 1, 0]
+    interval = s.minus(then)
+    assert (interval.num_drafts, interval.num_draft_tokens, interval.num_accepted_tokens) == (
+        2,
+        5,
+        1,
+    )
+    assert interval.num_accepted_tokens_per_pos == [1, 0, 0]
+    report = interval.report()
+    assert report["spec_decode_acceptance_rate"] == 20.0
+    assert report["spec_decode_acceptance_length"] == 1.5
+    assert report["spec_decode_per_position_acceptance_rates"] == [0.5, 0.0, 0.0]
+    total = SpecDecodingStats.total([s, None, then])
+    assert total.num_drafts == 4 and total.num_accepted_tokens_per_pos == [3, 2, 0]
+    assert SpecDecodingStats.total([None]) is None
+    page = (
+        'vllm:spec_decode_num_drafts_total{model_name="m"} 4.0\n'
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 2.0\n'
+    )
+    parsed = from_prometheus(page)
+    assert parsed.num_drafts == 4 and parsed.num_accepted_tokens_per_pos == [0, 2]
+    assert from_prometheus("other_metric 1.0\n") is None

@@ -26,6 +26,7 @@ from rackserve.engine.outputs import SchedulerStats
 from rackserve.engine.process import MessageType, decode_message, encode_message
 from rackserve.parallel.groups import free_port
 from rackserve.server.async_client import AsyncEngineClient, EngineDeadError
+from rackserve.spec_decode.stats import SpecDecodingStats
 
 
 class DPAsyncEngineClient(AsyncEngineClient):
@@ -191,4 +192,5 @@ def merge_stats(per_rank: list[SchedulerStats | None]) -> SchedulerStats:
         num_preemptions=sum(s.num_preemptions for s in known),
         expert_balancedness=balanced.expert_balancedness if balanced else None,
         expert_balancedness_uniform=balanced.expert_balancedness_uniform if balanced else None,
+        spec_decoding=SpecDecodingStats.total([s.spec_decoding for s in known]),
     )

@@ -65,6 +65,28 @@ class SpecDecodingStats(msgspec.Struct, array_like=True, omit_defaults=True):
             ],
         )
 
+    @staticmethod
+    def total(per_rank: list[SpecDecodingStats | None]) -> SpecDecodingStats | None:
+        """The sum over DP ranks (None when no rank speculates)."""
+        known = [s for s in per_rank if s is not None]
+        if not known:
+            return None
+        width = max(len(s.num_accepted_tokens_per_pos) for s in known)
+        return SpecDecodingStats(
+            max(s.num_spec_tokens for s in known),
+            sum(s.num_drafts for s in known),
+            sum(s.num_draft_tokens for s in known),
+            sum(s.num_accepted_tokens for s in known),
+            [
+                sum(
+                    s.num_accepted_tokens_per_pos[i]
+                    for s in known
+                    if i < len(s.num_accepted_tokens_per_pos)
+                )
+                for i in range(width)
+            ],
+        )
+
     def report(self) -> dict[str, Any]:
         """Fields of a bench JSON result, as ``vllm bench serve`` names them."""
         drafts = max(self.num_drafts, 1)
