@@ -22,6 +22,8 @@ LAYER_TYPES = (SLIDING, CSA, HCA)
 MLP_LAYER_TYPES = ("hash_moe", "moe")
 SCORING_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
 _RATIO_TO_LAYER_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
+SPEC_METHODS = ("mtp", "draft_model")
+MAX_SPEC_TOKENS = 8  # drafts per step; the published decode runs 3-5
 
 
 class ConfigError(ValueError):
@@ -694,6 +696,65 @@ class DisaggConfig:
 
 
 @dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding (``--speculative-config`` JSON, keys as vLLM names them).
+
+    ``method``: "mtp" drafts with the checkpoint's own MTP layer, chained
+    ``num_speculative_tokens`` (K) times; "draft_model" runs a second DeepSeek-V4-architecture
+    checkpoint (``model``) K steps per engine step. Drafts are verified exactly
+    (``rackserve/spec_decode``): the output is the target's, token for token."""
+
+    method: str
+    num_speculative_tokens: int = 1
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ConfigError(
+                f"--speculative-config: method {self.method!r} is not supported; use one of "
+                f"{list(SPEC_METHODS)}"
+            )
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPEC_TOKENS:
+            raise ConfigError(
+                f"--speculative-config: num_speculative_tokens must be an integer in "
+                f"[1, {MAX_SPEC_TOKENS}], got {k!r}"
+            )
+        if self.method == "draft_model" and not self.model:
+            raise ConfigError(
+                '--speculative-config: method "draft_model" needs "model": the draft '
+                "checkpoint directory"
+            )
+        if self.method == "mtp" and self.model is not None:
+            raise ConfigError(
+                '--speculative-config: method "mtp" drafts with the target\'s own MTP layer; '
+                'drop "model" (or use method "draft_model")'
+            )
+
+    @classmethod
+    def from_json(cls, text: str | dict[str, Any] | None) -> SpecConfig | None:
+        """``'{"method": "mtp", "num_speculative_tokens": 3}'`` (or a dict) -> SpecConfig;
+        None (or an empty value) -> None (no speculation)."""
+        if text is None or text == "" or text == {}:
+            return None
+        try:
+            raw = json.loads(text) if isinstance(text, str) else dict(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError("--speculative-config must be a JSON object")
+        known = {"method", "num_speculative_tokens", "model"}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(
+                f"--speculative-config: unknown keys {unknown}; known: {sorted(known)}"
+            )
+        if "method" not in raw:
+            raise ConfigError('--speculative-config needs "method": "mtp" or "draft_model"')
+        return cls(**raw)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine core needs. ``model`` is a checkpoint directory."""
 
@@ -712,6 +773,7 @@ class EngineConfig:
     # a structured-output grammar still compiling after this fails its request alone
     structured_output_timeout_s: float = 30.0
     kv_transfer: DisaggConfig | None = None  # P/D disaggregation (--kv-transfer-config)
+    speculative: SpecConfig | None = None  # --speculative-config (None: no speculation)
 
     def __post_init__(self) -> None:
         self.parallel.num_physical_experts(self.model_config.n_routed_experts)  # validates

@@ -25,6 +25,7 @@ from rackserve.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpecConfig,
 )
 from rackserve.engine.core import EngineCore
 from rackserve.engine.output_processor import OutputProcessor, RequestOutput
@@ -49,8 +50,16 @@ class LLM:
         enforce_eager: bool = False,
         parallel: ParallelConfig | None = None,
         kv_cache_dtype: str = "auto",
+        speculative_config: str | dict[str, Any] | SpecConfig | None = None,
     ) -> None:
+        """``speculative_config``: as ``--speculative-config`` (JSON text or a dict, e.g.
+        ``{"method": "mtp", "num_speculative_tokens": 3}``), or a SpecConfig."""
         parallel = parallel or ParallelConfig()
+        speculative = (
+            speculative_config
+            if isinstance(speculative_config, SpecConfig)
+            else SpecConfig.from_json(speculative_config)
+        )
         if parallel.data_parallel_size > 1:
             # One in-line engine core here; DP ranks are processes with a front end.
             raise ConfigError(
@@ -79,6 +88,7 @@ class LLM:
                 enforce_eager=enforce_eager,
                 parallel=parallel,
                 tokenizer=tokenizer,
+                speculative=speculative,
             ),
             log_stats=False,
         )

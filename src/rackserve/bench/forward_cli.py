@@ -152,12 +152,20 @@ def torch_device_name(device) -> str:
 
 def _decode(args: argparse.Namespace) -> int:
     """Engine steps at a fixed decode concurrency: step time vs the forward inside it."""
-    from rackserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from rackserve.config import (
+        CacheConfig,
+        EngineConfig,
+        ModelConfig,
+        SchedulerConfig,
+        SpecConfig,
+    )
     from rackserve.engine.core import EngineCore
     from rackserve.engine.outputs import EngineCoreRequest
     from rackserve.request import SamplingParams
 
-    total = args.context + args.warmup + args.steps + 2
+    spec = SpecConfig.from_json(args.speculative_config)
+    per_step = 1 + (spec.num_speculative_tokens if spec is not None else 0)
+    total = args.context + (args.warmup + args.steps) * per_step + 2
     config = EngineConfig(
         model=str(args.model),
         model_config=ModelConfig.from_pretrained(args.model),
@@ -169,6 +177,7 @@ def _decode(args: argparse.Namespace) -> int:
         ),
         dtype=args.dtype or "auto",
         device=args.device or "auto",
+        speculative=spec,
     )
     core = EngineCore(config)
     params = SamplingParams(temperature=0, max_tokens=total - args.context, ignore_eos=True)
@@ -185,13 +194,18 @@ def _decode(args: argparse.Namespace) -> int:
                 "raise --kv-cache-memory or lower --concurrency / --context"
             )
     step_times, forward_times = [], []
+    num_output = 0
+    spec_then = None
     for i in range(args.warmup + args.steps):
+        if i == args.warmup:
+            spec_then = core.scheduler.stats().spec_decoding
         start = time.perf_counter()
-        core.step()
+        out = core.step()
         elapsed = time.perf_counter() - start
         if i >= args.warmup:
             step_times.append(elapsed)
             forward_times.append(core.last_forward_time_s)
+            num_output += sum(len(o.new_token_ids) for o in out.outputs)
     step_ms = statistics.median(step_times) * 1e3
     forward_ms = statistics.median(forward_times) * 1e3
     result = {
@@ -202,9 +216,19 @@ def _decode(args: argparse.Namespace) -> int:
         "median_forward_ms": forward_ms,
         "overhead_ms": step_ms - forward_ms,
         "output_tokens_per_s": args.concurrency / (step_ms / 1e3),
+        # measured: tokens emitted per request per step (1 without speculation)
+        "output_tokens_per_step": num_output / max(len(step_times), 1) / args.concurrency,
         "date": datetime.date.today().isoformat(),
         "commit": _git_commit(),
     }
+    spec_now = core.scheduler.stats().spec_decoding
+    if spec is not None and spec_now is not None and spec_then is not None:
+        result["speculative_config"] = {
+            "method": spec.method,
+            "num_speculative_tokens": spec.num_speculative_tokens,
+        }
+        result |= spec_now.minus(spec_then).report()
+        result["output_tokens_per_s"] = num_output / sum(step_times)
     print(
         f"decode x{args.concurrency} @ {args.context}: step {step_ms:.2f} ms, forward "
         f"{forward_ms:.2f} ms, overhead {step_ms - forward_ms:.2f} ms "
@@ -264,4 +288,9 @@ def register_decode(bench_subparsers: Any) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        help='JSON as serve\'s, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\'',
+    )
     p.set_defaults(func=_decode)

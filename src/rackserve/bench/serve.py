@@ -28,6 +28,7 @@ from rackserve.bench.client import (
 from rackserve.bench.metrics import inter_token_latencies, serve_metrics, time_per_output_token
 from rackserve.bench.workloads import VOCABULARY, TokenCounter, make_text
 from rackserve.config import ConfigError
+from rackserve.spec_decode.stats import SpecDecodingStats, from_prometheus
 
 SERIES = ("ttft", "tpot", "itl", "e2el")
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
@@ -279,5 +280,22 @@ def run_serve(
     )
     model = endpoint.model
     date = datetime.now(UTC).isoformat(timespec="seconds")
+    spec_before = scrape_spec_decoding(base_url)
     timelines, duration = asyncio.run(run_serve_async(config, endpoint, counter))
-    return serve_result(config, model, timelines, duration, date)
+    result = serve_result(config, model, timelines, duration, date)
+    spec_after = scrape_spec_decoding(base_url)
+    if spec_after is not None:  # the server speculates: acceptance over this run
+        result |= spec_after.minus(spec_before or SpecDecodingStats()).report()
+    return result
+
+
+def scrape_spec_decoding(base_url: str) -> SpecDecodingStats | None:
+    """The server's speculative-decoding counters from /metrics (None: none, or no page)."""
+    import httpx
+
+    root = base_url.rstrip("/").removesuffix("/v1")
+    try:
+        response = httpx.get(f"{root}/metrics", timeout=10)
+    except httpx.HTTPError:
+        return None
+    return from_prometheus(response.text) if response.status_code == 200 else None

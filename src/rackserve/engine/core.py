@@ -23,7 +23,6 @@ from rackserve.kv.offload.build import build_offloader
 from rackserve.kv.spec import (
     CacheGroupSpec,
     bytes_per_token,
-    cache_groups_for,
     capacity_tokens,
     plan_num_blocks,
     prefix_alignment,
@@ -36,6 +35,7 @@ from rackserve.request import INT64_MAX, INT64_MIN, Request, RequestStatus
 from rackserve.runner.kv_transfer import export_blocks, import_blocks
 from rackserve.runner.model_runner import ModelRunner
 from rackserve.runner.structured_output import GrammarCompiler
+from rackserve.spec_decode.proposer import spec_cache_groups
 
 logger = logging.getLogger(__name__)
 # How long an engine with nothing to run but compiling grammars waits per (empty) step
@@ -82,9 +82,8 @@ def plan_kv_cache(
     fix when the budget is too small (cheap: no weights are loaded)."""
     element = torch.tensor([], dtype=dtype).element_size()
     kv_element = 1 if config.cache.kv_cache_dtype == "fp8" else element
-    groups = cache_groups_for(
-        config.model_config, dtype_bytes=kv_element, state_dtype_bytes=element
-    )
+    # the target's groups, then its drafter's (MTP: one more swa layer; a draft model: its own)
+    groups = spec_cache_groups(config.speculative, config.model_config, kv_element, element)
     sched = config.scheduler
     num_blocks = plan_num_blocks(
         groups, budget_bytes, sched.max_num_seqs, sched.max_num_batched_tokens
@@ -157,6 +156,8 @@ class EngineCore:
                 f"prefix alignment {kv.alignment} tokens",
                 flush=True,
             )
+        spec = config.speculative
+        num_spec_tokens = 0 if spec is None else spec.num_speculative_tokens
         self.grammar_compiler = GrammarCompiler(
             config.tokenizer or config.model, cfg.vocab_size, cfg.eos_token_id
         )
@@ -173,10 +174,13 @@ class EngineCore:
             log=log_stats,
             grammar_compiler=self.grammar_compiler,
             kv_cache_dtype=kv_cache_dtype(config.cache.kv_cache_dtype, device),
+            speculative=spec,
         )
         self.offload = build_offloader(cache, kv, self.runner.caches, dtype)
         self.kv_events = KVEvents(kv, cache.kv_events_endpoint, self.offload, self.groups.rank)
-        self.scheduler = Scheduler(sched, kv, cfg.eos_token_id, self.offload)
+        self.scheduler = Scheduler(
+            sched, kv, cfg.eos_token_id, self.offload, num_spec_tokens=num_spec_tokens
+        )
         self.last_step: SchedulerOutput | None = None
         self.last_forward_time_s = 0.0
         self.kv_connector = None

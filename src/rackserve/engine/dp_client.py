@@ -27,6 +27,7 @@ from rackserve.engine.outputs import SchedulerStats
 from rackserve.engine.process import MessageType, decode_message, encode_message
 from rackserve.parallel.groups import free_port
 from rackserve.server.async_client import AsyncEngineClient, EngineDeadError
+from rackserve.spec_decode.stats import SpecDecodingStats
 
 
 class DPAsyncEngineClient(AsyncEngineClient):
@@ -201,4 +202,5 @@ def merge_stats(per_rank: list[SchedulerStats | None]) -> SchedulerStats:
         kv_offload_bytes=sum(s.kv_offload_bytes for s in known),
         kv_load_bytes=sum(s.kv_load_bytes for s in known),
         kv_pool_usage=max((s.kv_pool_usage for s in known), default=0.0),
+        spec_decoding=SpecDecodingStats.total([s.spec_decoding for s in known]),
     )

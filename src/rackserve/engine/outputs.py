@@ -15,6 +15,7 @@ import msgspec
 import torch
 
 from rackserve.request import SamplingParams
+from rackserve.spec_decode.stats import SpecDecodingStats
 
 # ---- scheduler -> runner ----------------------------------------------------------------
 
@@ -81,6 +82,8 @@ class RunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
     expert_counts: torch.Tensor | None = None  # [num_layers, E] routed tokens this step
     num_accepted_draft_tokens: dict[str, int] = field(default_factory=dict)
+    # speculative decoding: the drafts each request proposes for its next step
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     forward_time_s: float = 0.0
 
 
@@ -140,6 +143,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     # P/D decode side: requests whose prompt KV has not landed yet; KV bytes received
     num_waiting_for_remote_kv: int = 0
     kv_bytes_received: int = 0  # cumulative
+    spec_decoding: SpecDecodingStats | None = None  # cumulative; absent without speculation
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

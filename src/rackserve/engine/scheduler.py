@@ -31,6 +31,7 @@ from rackserve.kv.manager import KVCacheManager
 from rackserve.kv.offload import KVOffloader, LoadStart
 from rackserve.request import Request, RequestStatus
 from rackserve.runner.structured_output import GrammarWait
+from rackserve.spec_decode.stats import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +47,14 @@ class Scheduler:
         kv_manager: KVCacheManager,
         eos_token_ids: tuple[int, ...],
         offload: KVOffloader | None = None,
+        num_spec_tokens: int = 0,
     ) -> None:
+        """``num_spec_tokens`` K > 0: speculative decoding. A request with drafts
+        (``Request.spec_token_ids``, from the runner) is granted them too, and every
+        allocation reserves K lookahead positions past the step for the drafter's chain."""
         self.config = config
+        self.num_lookahead_tokens = num_spec_tokens
+        self.spec_stats = SpecDecodingStats(num_spec_tokens) if num_spec_tokens else None
         self.kv = kv_manager
         # The host KV pool: a request whose prefix hit grows with it waits outside the queue
         # (WAITING_FOR_POOL_KV) while its blocks load.
@@ -207,6 +214,8 @@ class Scheduler:
         unannounced = self._unannounced
         cached_ids, cached_blocks = cached.req_ids, cached.new_block_ids
         cached_computed = cached.num_computed_tokens
+        lookahead = self.num_lookahead_tokens
+        spec_tokens: dict[str, list[int]] = {}
 
         # 1. Running requests, in order; preempt from the back when the cache is full
         #    (_preempt removes from `running` in place). The victim is never a request
@@ -228,7 +237,14 @@ class Scheduler:
                 i += 1
                 continue
             req_id = req.request_id
-            if num_computed + num_new <= idle_until[req_id] and req_id not in unannounced:
+            if req.spec_token_ids:  # the drafts that fit (budget, max_model_len)
+                num_drafts = num_computed + num_new - len(req.all_token_ids)
+                if num_drafts > 0:
+                    spec_tokens[req_id] = req.spec_token_ids[:num_drafts]
+            if (
+                num_computed + num_new + lookahead <= idle_until[req_id]
+                and req_id not in unannounced
+            ):
                 # Most decode steps: the manager has nothing to do
                 cached_ids.append(req_id)
                 cached_blocks.append(None)
@@ -238,7 +254,7 @@ class Scheduler:
                 budget -= num_new
                 i += 1
                 continue
-            new_blocks = allocate_slots(req, num_new, num_computed)
+            new_blocks = allocate_slots(req, num_new + lookahead, num_computed)
             while new_blocks is None:
                 victim = self._pick_victim()
                 if victim is req and i == 0:
@@ -247,9 +263,10 @@ class Scheduler:
                     break
                 self._preempt(victim)
                 preempted.add(victim.request_id)
+                spec_tokens.pop(victim.request_id, None)
                 if victim is req:
                     break
-                new_blocks = allocate_slots(req, num_new, num_computed)
+                new_blocks = allocate_slots(req, num_new + lookahead, num_computed)
             if new_blocks is None:
                 if req.is_finished:
                     continue  # removed from running: `i` is the next request already
@@ -296,7 +313,7 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            new_blocks = self.kv.allocate_slots(req, num_new, num_hit, hit)
+            new_blocks = self.kv.allocate_slots(req, num_new + lookahead, num_hit, hit)
             if new_blocks is None:
                 loading = self.offload is not None and self.offload.num_loading
                 if not self.running and not loading:  # all free or evictable: never fits
@@ -323,6 +340,7 @@ class Scheduler:
             cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            scheduled_spec_decode_tokens=spec_tokens,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted,
         )
@@ -396,13 +414,21 @@ class Scheduler:
         eos_token_ids, max_model_len = self.eos_token_ids, self.config.max_model_len
         eos_set = frozenset(eos_token_ids)
         all_logprobs, prompt_logprobs = result.logprobs, result.prompt_logprobs
+        spec_tokens, new_drafts = sched.scheduled_spec_decode_tokens, result.draft_token_ids
+        speculating = self.num_lookahead_tokens > 0
         for k, (req_id, sampled) in enumerate(
             zip(result.req_ids, result.sampled_token_ids, strict=True)
         ):
             req = get_request(req_id)
             if req is None or req.status != running:
                 continue  # aborted or preempted while the step ran
-            if req.num_computed_tokens >= idle_until[req_id]:  # else a no-op
+            drafts = spec_tokens.get(req_id) if spec_tokens else None
+            if drafts:
+                # rejected drafts were never computed, as far as the cache is concerned: the
+                # commit below (after the accepted tokens are appended) keys only verified ones
+                req.num_computed_tokens -= len(drafts) + 1 - len(sampled)
+                self._observe_drafts(len(drafts), len(sampled) - 1)
+            elif req.num_computed_tokens >= idle_until[req_id]:  # else a no-op
                 commit(req, req.num_computed_tokens)
             if not sampled:
                 continue  # a prefill chunk short of the prompt's end
@@ -442,6 +468,12 @@ class Scheduler:
             # The runner hands its lists over (as vLLM's does): no copy unless cut at a stop.
             accepted = sampled if num_accepted == len(sampled) else sampled[:num_accepted]
             req.append_output_token_ids(accepted)
+            if drafts:  # cut at a stop: the tokens past it are not the request's
+                req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
+                if req.num_computed_tokens >= idle_until[req_id]:
+                    commit(req, req.num_computed_tokens)
+            if speculating:
+                req.spec_token_ids = new_drafts.get(req_id, [])
             out = EngineCoreOutput(
                 request_id=req_id, new_token_ids=accepted, num_cached_tokens=req.num_cached_tokens
             )
@@ -473,9 +505,14 @@ class Scheduler:
             self.running = [r for r in self.running if r.request_id not in finished]
         return outputs
 
+    def _observe_drafts(self, num_draft_tokens: int, num_accepted: int) -> None:
+        assert self.spec_stats is not None, "drafts were scheduled without num_spec_tokens"
+        self.spec_stats.observe(num_draft_tokens, num_accepted)
+
     def stats(self) -> SchedulerStats:
         kv_stats = self.kv.stats
         return SchedulerStats(
+            spec_decoding=None if self.spec_stats is None else self.spec_stats.copy(),
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting)
             + len(self.waiting_for_grammar)

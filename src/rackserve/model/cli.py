@@ -79,6 +79,7 @@ def _generate(args: argparse.Namespace) -> int:
         device=args.device or "auto",
         max_num_seqs=4,
         max_num_batched_tokens=2048,
+        speculative_config=args.speculative_config,
     )
     params = SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
@@ -109,4 +110,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on GPU")
     gen.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    gen.add_argument(
+        "--speculative-config",
+        default=None,
+        help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\' (as serve)',
+    )
     gen.set_defaults(func=_generate)

@@ -18,6 +18,7 @@ from rackserve.engine.outputs import SchedulerOutput, TokenLogprobs
 from rackserve.request import SamplingParams
 from rackserve.runner.inputs import BlockTables, StepInputs, build_batch_inputs
 from rackserve.runner.sampling_tensors import SamplingParamTable, SamplingTensors
+from rackserve.spec_decode.verify import verification_prefixes
 
 
 @dataclass(slots=True)  # slots: read per request per step, keep it compact
@@ -41,6 +42,9 @@ class PreparedStep:
     sampling: SamplingTensors | None
     # block-table writes since the last step (BlockTables.drain_writes): flat index, id
     table_writes: tuple[np.ndarray, np.ndarray]
+    # per sampled request, the drafts it verifies (their logits rows follow its first row);
+    # empty when no request verifies drafts
+    num_draft_tokens: list[int] = field(default_factory=list)
 
 
 class InputBatch:
@@ -124,8 +128,20 @@ class InputBatch:
             rows = list(map(self.block_tables.row_of.__getitem__, req_ids))
             token_ids = [r.token_ids for r in reqs]
             self._last = req_ids, reqs, rows, token_ids
+        spec = sched.scheduled_spec_decode_tokens
+        num_drafts = None
+        if spec:
+            # the drafts join the token lists until verified (ModelRunner truncates them)
+            num_drafts = [len(spec.get(i, ())) for i in req_ids]
+            for r, req_id in zip(reqs, req_ids, strict=True):
+                if req_id in spec:
+                    r.token_ids.extend(spec[req_id])
         inputs = build_batch_inputs(
-            token_ids, computed, list(map(sched.num_scheduled_tokens.__getitem__, req_ids)), rows
+            token_ids,
+            computed,
+            list(map(sched.num_scheduled_tokens.__getitem__, req_ids)),
+            rows,
+            num_drafts,
         )
         mask = inputs.sample_mask
         if all(mask):  # a decode step: every request samples, nothing to filter
@@ -135,9 +151,21 @@ class InputBatch:
             sampled = [r for r, s in zip(reqs, mask, strict=True) if s]
             sampled_rows = np.array(rows, dtype=np.int64)[np.array(mask, dtype=bool)]
             sampled_token_ids = [r.token_ids for r in sampled]
+        sampled_drafts: list[int] = []
+        if num_drafts is not None:
+            sampled_drafts = [m for m, s in zip(num_drafts, mask, strict=True) if s]
+            # one sampling row per verified position, each after its own prefix
+            sampled_rows = np.repeat(sampled_rows, np.array(sampled_drafts, dtype=np.int64) + 1)
+            sampled_token_ids = [
+                prefix
+                for ids, m in zip(sampled_token_ids, sampled_drafts, strict=True)
+                for prefix in verification_prefixes(ids, m)
+            ]
         sampling = None
         if sampled:
             sampling = self.sampling_params.gather(
                 sampled_rows, sampled_token_ids, self.eos_token_ids, self.device
             )
-        return PreparedStep(reqs, inputs, sampled, sampling, self.block_tables.drain_writes())
+        return PreparedStep(
+            reqs, inputs, sampled, sampling, self.block_tables.drain_writes(), sampled_drafts
+        )

@@ -30,7 +30,7 @@ class StepInputs:
     query_start_loc: list[int]  # [R + 1]
     num_computed_tokens: list[int]  # [R]
     rows: list[int]  # [R]
-    logits_indices: np.ndarray  # [S] flat index of each sampled request's last token
+    logits_indices: np.ndarray  # [S'] flat index of each sampled request's last 1 + drafts tokens
     sample_mask: list[bool]  # [R] whether request r samples this step
     max_seq_len: int  # the longest request after this step
 
@@ -45,8 +45,13 @@ def build_batch_inputs(
     num_computed_tokens: list[int],
     num_scheduled_tokens: list[int],
     rows: list[int],
+    num_draft_tokens: list[int] | None = None,
 ) -> StepInputs:
-    """The flat inputs of R requests, given as columns (request r: ``token_ids[r]``, ...)."""
+    """The flat inputs of R requests, given as columns (request r: ``token_ids[r]``, ...).
+
+    ``num_draft_tokens[r]`` = m: the last m scheduled tokens are drafts to verify
+    (``token_ids[r]`` ends with them); the request then needs logits at its last 1 + m
+    tokens, in order (spec_decode/verify.py)."""
     num_reqs = len(token_ids)
     counts = np.array(num_scheduled_tokens, dtype=np.int64)  # [R]
     computed = np.array(num_computed_tokens, dtype=np.int64)  # [R]
@@ -70,6 +75,14 @@ def build_batch_inputs(
         input_ids = np.empty(total, dtype=np.int64)
         for i, (c, n) in enumerate(zip(num_computed_tokens, num_scheduled_tokens, strict=True)):
             input_ids[starts[i] : starts[i + 1]] = token_ids[i][c : c + n]
+    logits_indices = (starts[1:] - 1)[sample_mask]
+    if num_draft_tokens is not None and any(num_draft_tokens):
+        drafts = np.array(num_draft_tokens, dtype=np.int64)[sample_mask]  # [S]
+        # request s: indices end_s - m_s .. end_s, flattened in order
+        offsets = np.arange(int(drafts.sum()) + len(drafts)) - np.repeat(
+            np.cumsum(drafts + 1) - 1, drafts + 1
+        )  # -m_s .. 0 per request
+        logits_indices = np.repeat(logits_indices, drafts + 1) + offsets
     return StepInputs(
         input_ids=input_ids,
         positions=positions,
@@ -77,7 +90,7 @@ def build_batch_inputs(
         query_start_loc=starts.tolist(),
         num_computed_tokens=list(num_computed_tokens),
         rows=list(rows),
-        logits_indices=(starts[1:] - 1)[sample_mask],
+        logits_indices=logits_indices,
         sample_mask=sample_mask.tolist(),
         max_seq_len=int((computed + counts).max()) if num_reqs else 0,
     )

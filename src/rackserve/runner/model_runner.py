@@ -12,16 +12,20 @@ import time
 
 import torch
 
+from rackserve.config import SpecConfig
 from rackserve.engine.outputs import RunnerOutput, SchedulerOutput, TokenLogprobs
 from rackserve.kv.spec import CacheGroupSpec
 from rackserve.model.batch import KVCacheTensors
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 from rackserve.runner.cuda_graph import DecodeGraphs, context_buckets, graph_batch_sizes
 from rackserve.runner.input_batch import InputBatch, RunnerRequest
+from rackserve.runner.inputs import StepInputs
 from rackserve.runner.logits_processors import apply_logits_processors
-from rackserve.runner.sampler import sample
+from rackserve.runner.sampler import SamplerOutput, sample
 from rackserve.runner.step_buffers import StepBuffers
 from rackserve.runner.structured_output import GrammarCompiler, StructuredOutputs
+from rackserve.spec_decode.proposer import DRAFT_PREFIX, Proposer, VerifiedStep, build_proposer
+from rackserve.spec_decode.verify import accept_drafts
 
 
 class ModelRunner:
@@ -38,24 +42,35 @@ class ModelRunner:
         log: bool = True,
         grammar_compiler: GrammarCompiler | None = None,
         kv_cache_dtype: torch.dtype | None = None,
+        speculative: SpecConfig | None = None,
     ) -> None:
         """``grammar_compiler``: compiles structured-output grammars (None: requests with
         ``structured_outputs`` are not expected; the engine core refuses them).
-        ``kv_cache_dtype``: the KV groups' storage (None: the model dtype)."""
+        ``kv_cache_dtype``: the KV groups' storage (None: the model dtype).
+        ``speculative``: the drafter (``groups`` then holds its cache groups too, in the KV
+        manager's order; see spec_decode/proposer.py)."""
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = model.head.weight.dtype
         self.caches = KVCacheTensors(groups, num_blocks, self.dtype, self.device, kv_cache_dtype)
+        # the chained drafts write up to K positions past a step's tokens (lookahead)
+        lookahead = 0 if speculative is None else 2 * speculative.num_speculative_tokens + 1
         self.input_batch = InputBatch(
             {g.name: g.block_tokens for g in groups},
             max_num_reqs,
-            max_model_len,
+            max_model_len + lookahead,
             model.cfg.vocab_size,
             eos_token_ids,
             self.device,
             seed,  # draws the noise seeds of unseeded random requests
         )
-        self.buffers = StepBuffers(groups, self.input_batch.block_tables, self.device)
+        target_groups = [g for g in groups if not g.name.startswith(DRAFT_PREFIX)]
+        self.buffers = StepBuffers(target_groups, self.input_batch.block_tables, self.device)
+        self.proposer: Proposer | None = None
+        if speculative is not None:
+            self.proposer = build_proposer(
+                speculative, model, self.caches, groups, self.buffers.tables
+            )
         self.structured_outputs = (
             None
             if grammar_compiler is None
@@ -68,7 +83,8 @@ class ModelRunner:
             cfg.num_hidden_layers, cfg.n_routed_experts, dtype=torch.int64, device=self.device
         )
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not enforce_eager:
+        # A verify step is not a uniform decode step, and MTP reads the streams: eager.
+        if self.device.type == "cuda" and not enforce_eager and speculative is None:
             self.graphs = DecodeGraphs(
                 model,
                 self.caches,
@@ -92,42 +108,43 @@ class ModelRunner:
         start = time.perf_counter()
         key = self.graphs.key_for(inputs) if self.graphs is not None else None
         prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
+        streams: torch.Tensor | None = None  # [T, N, D] final streams (eager steps)
         if key is not None:
             logits, expert_counts = self.graphs.run(key, inputs, step.table_writes)
         else:
             input_ids, meta, logits_indices = self.buffers.eager_step(inputs, step.table_writes)
             expert_counts = self.expert_counts.zero_()
-            hidden, _ = self.model(input_ids, meta, self.caches, expert_counts)
+            hidden, streams = self.model(input_ids, meta, self.caches, expert_counts)
             prompt_logprobs = self._prompt_logprobs(
                 reqs, inputs.query_start_loc, inputs.num_computed_tokens, hidden
             )
-            logits = self.model.compute_logits(hidden[logits_indices])  # [S, V]
+            logits = self.model.compute_logits(hidden[logits_indices])  # [S', V]
 
         sampled_reqs = step.sampled_reqs
+        # rows per sampled request: 1, or 1 + drafts for a verify step
+        num_rows = [m + 1 for m in step.num_draft_tokens] or [1] * len(sampled_reqs)
+        row_params = [
+            r.sampling_params for r, n in zip(sampled_reqs, num_rows, strict=True) for _ in range(n)
+        ]
         # hook (issue 15): logit_bias and structured output, runner/logits_processors.py;
         # the grammar masks are filled on the host while the device runs the forward
         bitmask = structured.bitmask(sampled_reqs) if structured is not None else None
-        logits = apply_logits_processors(logits, [r.sampling_params for r in sampled_reqs], bitmask)
+        if bitmask is not None and len(row_params) > len(sampled_reqs):
+            repeats = torch.tensor(num_rows, device=bitmask.device)
+            bitmask = bitmask.repeat_interleave(repeats, dim=0)
+        logits = apply_logits_processors(logits, row_params, bitmask)
         sampled: list[list[int]] = [[] for _ in reqs]
         logprobs: list[list[TokenLogprobs]] | None = None
+        starts = inputs.query_start_loc
+        num_kept = [starts[k + 1] - starts[k] for k in range(len(reqs))]  # verify: fewer
         if step.sampling is not None:
             out = sample(logits, step.sampling)
-            token_ids = out.token_ids.tolist()
-            if structured is not None:
-                structured.advance(sampled_reqs, token_ids)
-            rows = iter(range(len(sampled_reqs)))
-            if out.logprobs is not None:
-                logprobs = [[] for _ in reqs]
-            for k, needs in enumerate(inputs.sample_mask):
-                if not needs:
-                    continue
-                row = next(rows)
-                reqs[k].token_ids.append(token_ids[row])
-                sampled[k] = [token_ids[row]]
-                num = reqs[k].sampling_params.logprobs
-                if logprobs is not None and num is not None:
-                    assert out.logprobs is not None
-                    logprobs[k] = [_token_logprobs(out.logprobs, row, num)]
+            logprobs = self._emit(reqs, inputs, num_rows, out, sampled, num_kept)
+            if structured is not None:  # constrained requests never draft: one token each
+                structured.advance(sampled_reqs, [sampled[k][-1] for k in _sampled(inputs)])
+        drafts: dict[str, list[int]] = {}
+        if self.proposer is not None:
+            drafts = self._propose(reqs, inputs, num_kept, sampled, streams)
         return RunnerOutput(
             req_ids=[r.req_id for r in reqs],
             sampled_token_ids=sampled,
@@ -135,7 +152,71 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
             expert_counts=expert_counts.clone(),  # the static buffer is reused next step
             forward_time_s=time.perf_counter() - start,  # ends at the token read-back
+            draft_token_ids=drafts,
         )
+
+    @staticmethod
+    def _emit(
+        reqs: list[RunnerRequest],
+        inputs: StepInputs,
+        num_rows: list[int],
+        out: SamplerOutput,
+        sampled: list[list[int]],
+        num_kept: list[int],
+    ) -> list[list[TokenLogprobs]] | None:
+        """Each sampled request's tokens into ``sampled`` (and its token list): the one
+        sampled token, or for a verify step (rows 1 + drafts) the accepted drafts and one
+        more; ``num_kept`` loses the rejected ones. Returns the logprobs of those tokens."""
+        token_ids = out.token_ids.tolist()
+        logprobs: list[list[TokenLogprobs]] | None = None
+        if out.logprobs is not None:
+            logprobs = [[] for _ in reqs]
+        first = 0  # the request's first logits row
+        for k, n in zip(_sampled(inputs), num_rows, strict=True):
+            req = reqs[k]
+            emitted = [token_ids[first]]
+            if n > 1:
+                drafts = req.token_ids[-(n - 1) :]
+                del req.token_ids[-(n - 1) :]  # prepare() appended them for the inputs
+                emitted = accept_drafts(token_ids[first : first + n], drafts)
+                num_kept[k] -= n - len(emitted)
+            req.token_ids.extend(emitted)
+            sampled[k] = emitted
+            num = req.sampling_params.logprobs
+            if logprobs is not None and num is not None:
+                assert out.logprobs is not None
+                logprobs[k] = [
+                    _token_logprobs(out.logprobs, first + j, num) for j in range(len(emitted))
+                ]
+            first += n
+        return logprobs
+
+    def _propose(
+        self,
+        reqs: list[RunnerRequest],
+        inputs: StepInputs,
+        num_kept: list[int],
+        sampled: list[list[int]],
+        streams: torch.Tensor | None,
+    ) -> dict[str, list[int]]:
+        """The next step's drafts of every request that sampled and may speculate."""
+        assert self.proposer is not None and streams is not None  # eager with a drafter
+        wants = [
+            bool(s) and r.sampling_params.structured_outputs is None
+            for r, s in zip(reqs, sampled, strict=True)
+        ]
+        step = VerifiedStep(
+            token_ids=[r.token_ids for r in reqs],
+            num_computed=inputs.num_computed_tokens,
+            num_kept=num_kept,
+            sampled=[bool(s) for s in sampled],
+            wants_draft=wants,
+            rows=inputs.rows,
+            query_start_loc=inputs.query_start_loc,
+            streams=streams,
+        )
+        proposals = self.proposer.propose(step)
+        return {r.req_id: p for r, p, w in zip(reqs, proposals, wants, strict=True) if w}
 
     def _prompt_logprobs(
         self,
@@ -177,6 +258,10 @@ class ModelRunner:
             if c + starts[k + 1] - starts[k] >= r.num_prompt_tokens:
                 done[r.req_id] = r.prompt_logprobs
         return done
+
+
+def _sampled(inputs: StepInputs) -> list[int]:
+    return [k for k, needs in enumerate(inputs.sample_mask) if needs]
 
 
 def _token_logprobs(lp, row: int, num: int) -> TokenLogprobs:

@@ -82,6 +82,7 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "eplb_config": None,
     "skewed_routing": 0.0,
     "dp_assignment_policy": "least_load",
+    "speculative_config": None,
 }
 # Older spellings still accepted (flags and YAML keys) -> the option they set.
 OPTION_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory"}
@@ -264,6 +265,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         help="decode side: requests admitted with remote KV per step (default 4; 0 = no cap)",
     )
+    add(
+        "--speculative-config",
+        help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\' or '
+        '\'{"method": "draft_model", "num_speculative_tokens": 3, "model": "DIR"}\'',
+    )
     p.set_defaults(func=serve)
 
 
@@ -356,6 +362,7 @@ def build_engine_config(options: dict[str, Any]) -> Any:
         ModelConfig,
         ParallelConfig,
         SchedulerConfig,
+        SpecConfig,
     )
 
     model_config = ModelConfig.from_pretrained(options["model"])
@@ -403,6 +410,7 @@ def build_engine_config(options: dict[str, Any]) -> Any:
         kv_transfer=DisaggConfig.from_json(
             options["kv_transfer_config"], options["max_kv_loads_per_step"]
         ),
+        speculative=SpecConfig.from_json(options["speculative_config"]),
     )
 
 
@@ -427,8 +435,10 @@ def preflight(options: dict[str, Any], engine_config: Any) -> None:
     process starts: the checkpoint's config, shards and tensor shapes, the KV budget, the
     tokenizer files."""
     from rackserve.model.loader import check_checkpoint
+    from rackserve.spec_decode.proposer import check_spec_checkpoint
 
     check_checkpoint(options["model"])
+    check_spec_checkpoint(engine_config.speculative, options["model"])
     if engine_config.cache.kv_cache_memory is not None:
         from rackserve.device import resolve
         from rackserve.engine.core import plan_kv_cache

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from rackserve.engine.output_processor import IterationStats
 from rackserve.engine.outputs import SchedulerStats
+from rackserve.spec_decode.stats import SpecDecodingStats
 
 # Buckets vLLM uses for these series.
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
@@ -91,6 +92,22 @@ class ServerMetrics:
         )
         self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens (cached included).")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        # speculative decoding, as vLLM names it (absent values stay 0 without speculation)
+        self.spec_decode_num_drafts = counter(
+            "spec_decode_num_drafts", "Verified runs of draft tokens (one per request-step)."
+        )
+        self.spec_decode_num_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Draft tokens proposed and verified."
+        )
+        self.spec_decode_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens accepted."
+        )
+        self._spec_decode_per_pos = Counter(
+            self.prefix + "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, per position in the run (0-based).",
+            ["model_name", "position"],
+            registry=registry,
+        )
         self._request_success = Counter(
             self.prefix + "request_success",
             "Finished requests by finish reason.",
@@ -230,6 +247,28 @@ class ServerMetrics:
         ):
             if now > before:  # a smaller value would be a restarted engine: nothing to add
                 counter.inc(now - before)
+        spec, spec_before = stats.spec_decoding, last.spec_decoding or SpecDecodingStats()
+        if spec is not None:
+            for counter, now, before in (
+                (self.spec_decode_num_drafts, spec.num_drafts, spec_before.num_drafts),
+                (
+                    self.spec_decode_num_draft_tokens,
+                    spec.num_draft_tokens,
+                    spec_before.num_draft_tokens,
+                ),
+                (
+                    self.spec_decode_num_accepted_tokens,
+                    spec.num_accepted_tokens,
+                    spec_before.num_accepted_tokens,
+                ),
+            ):
+                if now > before:
+                    counter.inc(now - before)
+            old = spec_before.num_accepted_tokens_per_pos
+            for pos, now in enumerate(spec.num_accepted_tokens_per_pos):
+                before = old[pos] if pos < len(old) else 0
+                if now > before:
+                    self._spec_decode_per_pos.labels(self.model_name, str(pos)).inc(now - before)
         self._last = stats
 
     def record_iteration(self, stats: IterationStats) -> None:
@@ -282,6 +321,7 @@ class StatsLogLine:
         self._num_prompt = self._num_generation = 0
         self._stats = SchedulerStats()
         self._queries_then = self._hits_then = 0
+        self._spec_then = SpecDecodingStats()
 
     def record_iteration(self, stats: IterationStats) -> None:
         self._num_prompt += stats.num_prompt_tokens
@@ -308,6 +348,30 @@ class StatsLogLine:
                 f"GPU KV cache usage: {100 * s.kv_cache_usage:.1f}%, "
                 f"Prefix cache hit rate: {100 * hits / queries if queries > 0 else 0.0:.1f}%"
             )
+            if s.spec_decoding is not None:
+                text += spec_decoding_line(s.spec_decoding, self._spec_then)
+        if s.spec_decoding is not None:
+            self._spec_then = s.spec_decoding
         self._since, self._num_prompt, self._num_generation = now, 0, 0
         self._queries_then, self._hits_then = s.prefix_cache_queries, s.prefix_cache_hits
         return text
+
+
+def spec_decoding_line(now: SpecDecodingStats, then: SpecDecodingStats) -> str:
+    """vLLM's speculative-decoding part of the stats line, over the interval."""
+    drafts = now.num_drafts - then.num_drafts
+    drafted = now.num_draft_tokens - then.num_draft_tokens
+    accepted = now.num_accepted_tokens - then.num_accepted_tokens
+    if not drafts:
+        return ""
+    old = then.num_accepted_tokens_per_pos
+    per_pos = [
+        (n - (old[i] if i < len(old) else 0)) / drafts
+        for i, n in enumerate(now.num_accepted_tokens_per_pos)
+    ]
+    return (
+        f", SpecDecoding: Mean acceptance length: {1 + accepted / drafts:.2f}, "
+        f"Accepted: {accepted} tokens, Drafted: {drafted} tokens, "
+        f"Draft acceptance rate: {100 * accepted / max(drafted, 1):.1f}%, "
+        f"Per-position acceptance rate: {', '.join(f'{r:.3f}' for r in per_pos)}"
+    )

@@ -1,0 +1,312 @@
+"""Drafters: K tokens per request per step, from the target's MTP layer or a draft model.
+
+Shape legend: R requests in the step, T tokens of the step, W requests that want drafts,
+N mHC streams, D hidden, K draft tokens.
+
+Both drafters run after the target's verified step, on what it kept. For request r with
+L = num_computed tokens before the step, ``kept`` tokens of the step whose KV stands (the
+chunk, or 1 + accepted drafts) and, when it sampled, the new token y at L + kept::
+
+    positions   L ........ L+kept-1   L+kept     L+kept+1 ... L+kept+K-1
+    target      [ kept: KV stands   ]  y
+    MTP         rows L+1 .. L+kept  (h_p, x_{p+1}) -> draft 1;  chained -> drafts 2..K
+    draft model rows L .. L+kept (x_L .. y)       -> draft 1;  chained -> drafts 2..K
+
+Rows written past the kept tokens (chained steps, rejected drafts) hold guesses. Every
+cache row is addressed by position and a query only reads rows at or before its own
+position, so the next step rewrites them before any query reads them: rollback is free.
+The scheduler allocates K lookahead positions past each step's tokens for the chain.
+Drafts are greedy (argmax): verification is exact whatever they are (``verify.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rackserve.config import ConfigError, ModelConfig, SpecConfig
+from rackserve.kv.spec import CacheGroupSpec, cache_groups_for
+from rackserve.model.batch import (
+    KVCacheTensors,
+    StepMetadata,
+    closing_tokens,
+    compressed_ratios,
+)
+from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
+from rackserve.model.loader import check_checkpoint, checkpoint_files, load_model, open_shards
+from rackserve.runner.inputs import build_batch_inputs
+
+DRAFT_PREFIX = "draft_"  # the draft model's cache groups in the shared KV manager
+
+
+@dataclass(frozen=True)
+class VerifiedStep:
+    """What a drafter reads from one step, per request r in the step's order (host lists)
+    plus the target's final streams [T, N, D] in flat step order."""
+
+    token_ids: Sequence[list[int]]  # after the step: kept tokens, then y if it sampled
+    num_computed: Sequence[int]  # L
+    num_kept: Sequence[int]  # step tokens whose KV stands
+    sampled: Sequence[bool]  # y was appended
+    wants_draft: Sequence[bool]  # sampled and may speculate
+    rows: Sequence[int]  # block-table rows
+    query_start_loc: Sequence[int]  # [R + 1] into the flat step
+    streams: torch.Tensor
+
+
+class PrefixedCaches:
+    """The draft model's view of the shared cache tensors: group ``swa`` is ``draft_swa``."""
+
+    def __init__(self, caches: KVCacheTensors, prefix: str = DRAFT_PREFIX) -> None:
+        self.caches, self.prefix = caches, prefix
+
+    def flat(self, group: str, layer: int) -> torch.Tensor:
+        return self.caches.flat(self.prefix + group, layer)
+
+
+def draft_cache_groups(
+    cfg: ModelConfig, dtype_bytes: int, state_dtype_bytes: int | None = None
+) -> list[CacheGroupSpec]:
+    """The draft model's cache groups, named with :data:`DRAFT_PREFIX`."""
+    groups = cache_groups_for(cfg, dtype_bytes, state_dtype_bytes)
+    return [replace(g, name=DRAFT_PREFIX + g.name) for g in groups]
+
+
+def spec_cache_groups(
+    spec: SpecConfig | None,
+    cfg: ModelConfig,
+    dtype_bytes: int,
+    state_dtype_bytes: int | None = None,
+) -> list[CacheGroupSpec]:
+    """Every cache group of the target and its drafter, the target's first (MTP: its
+    layer rides in the target's ``swa`` group as layer ``num_hidden_layers``).
+    ``dtype_bytes``: KV elements; ``state_dtype_bytes``: compressor rows (default same)."""
+    num_mtp = 1 if spec is not None and spec.method == "mtp" else 0
+    groups = cache_groups_for(cfg, dtype_bytes, state_dtype_bytes, num_mtp_layers=num_mtp)
+    if spec is not None and spec.method == "draft_model":
+        groups += draft_cache_groups(draft_config(spec, cfg), dtype_bytes, state_dtype_bytes)
+    return groups
+
+
+def draft_config(spec: SpecConfig, target: ModelConfig) -> ModelConfig:
+    """The draft checkpoint's config, checked against the target's (ConfigError)."""
+    assert spec.model is not None
+    path = Path(spec.model)
+    if not (path / "config.json").is_file():
+        raise ConfigError(
+            f"--speculative-config: draft model {spec.model!r} has no config.json; give a "
+            "checkpoint directory (e.g. one written by `rackserve model create`)"
+        )
+    cfg = ModelConfig.from_pretrained(path)
+    if cfg.vocab_size != target.vocab_size:
+        raise ConfigError(
+            f"--speculative-config: the draft's vocabulary ({cfg.vocab_size}) differs from "
+            f"the target's ({target.vocab_size}); the draft must share the tokenizer"
+        )
+    return cfg
+
+
+def check_spec_checkpoint(spec: SpecConfig | None, model_dir: str | Path) -> None:
+    """ConfigError/CheckpointError naming the fix unless ``spec`` can run on the target at
+    ``model_dir`` (reads headers and configs only: ``serve`` checks before any process)."""
+    if spec is None:
+        return
+    target = ModelConfig.from_pretrained(model_dir)
+    if spec.method == "mtp":
+        names = open_shards(checkpoint_files(Path(model_dir)))
+        if not any(name.startswith("mtp.") for _, name in names):
+            raise ConfigError(_NO_MTP)
+        return
+    draft_config(spec, target)
+    assert spec.model is not None
+    check_checkpoint(spec.model)
+
+
+_NO_MTP = (
+    '--speculative-config: method "mtp" needs the checkpoint\'s MTP layer, and this one has '
+    'no mtp.* weights; use method "draft_model" with a draft checkpoint'
+)
+
+
+class Proposer:
+    """K greedy draft tokens for each request that wants them."""
+
+    def __init__(self, num_tokens: int, tables: Mapping[str, torch.Tensor]) -> None:
+        self.num_tokens = num_tokens
+        self.tables = tables  # device block tables of every group, [rows + 1, cols]
+        self.device = next(iter(tables.values())).device
+
+    def propose(self, step: VerifiedStep) -> list[list[int]]:
+        raise NotImplementedError
+
+    def _device(self, values: Sequence[int] | np.ndarray) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(values, dtype=np.int64), device=self.device)
+
+
+class MTPProposer(Proposer):
+    """The target's MTP layer 0, chained K times (its embedding and head are shared)."""
+
+    def __init__(
+        self,
+        model: DeepseekV4ForCausalLM,
+        caches: KVCacheTensors,
+        swa: CacheGroupSpec,
+        num_tokens: int,
+        tables: Mapping[str, torch.Tensor],
+    ) -> None:
+        super().__init__(num_tokens, tables)
+        if not model.has_mtp:
+            raise ConfigError(_NO_MTP)
+        self.model, self.caches, self.swa = model, caches, swa
+
+    def _meta(
+        self, positions: torch.Tensor, token_req: torch.Tensor, rows: torch.Tensor, max_len: int
+    ) -> StepMetadata:
+        """max_len: host bound on positions + 1 (no device read-back)."""
+        tables = {self.swa.name: self.tables[self.swa.name][rows]}
+        return StepMetadata.build([self.swa], positions, token_req, tables, max_len, {})
+
+    def propose(self, step: VerifiedStep) -> list[list[int]]:
+        wanted = [r for r, w in enumerate(step.wants_draft) if w]
+        idx, pos, req, nxt, last = [], [], [], [], []
+        for r, (start, base, kept) in enumerate(
+            zip(step.query_start_loc, step.num_computed, step.num_kept, strict=False)
+        ):
+            # MTP row p + 1 = (final streams at p, token p + 1): kept positions only
+            tokens = step.token_ids[r]
+            idx.extend(range(start, start + kept))
+            pos.extend(range(base + 1, base + kept + 1))
+            req.extend([r] * kept)
+            nxt.extend(tokens[base + 1 : base + kept + 1])
+            if step.wants_draft[r]:
+                last.append(len(idx) - 1)
+        if not idx:
+            return [[] for _ in step.num_kept]
+        rows = self._device(step.rows)
+        positions = self._device(pos)
+        max_len = max(pos) + 1
+        meta = self._meta(positions, self._device(req), rows, max_len)
+        streams = step.streams[self._device(idx)]
+        hidden, x = self.model.mtp_forward(0, self._device(nxt), streams, meta, self.caches)
+        if not wanted:
+            return [[] for _ in step.num_kept]
+        last_dev = self._device(last)
+        draft = self.model.compute_logits(hidden[last_dev]).argmax(dim=-1)  # [W]
+        drafts = [draft]
+        x, positions = x[last_dev], positions[last_dev]  # [W, N, D], [W]
+        token_req = torch.arange(len(wanted), device=self.device)
+        rows = rows[self._device(wanted)]
+        for _ in range(self.num_tokens - 1):
+            positions, max_len = positions + 1, max_len + 1
+            meta = self._meta(positions, token_req, rows, max_len)
+            hidden, x = self.model.mtp_forward(0, draft, x, meta, self.caches)
+            draft = self.model.compute_logits(hidden).argmax(dim=-1)
+            drafts.append(draft)
+        return _scatter(torch.stack(drafts, dim=1).tolist(), wanted, len(step.num_kept))
+
+
+class DraftModelProposer(Proposer):
+    """A second DeepSeek-V4-architecture model with its own cache groups, run K times."""
+
+    def __init__(
+        self,
+        model: DeepseekV4ForCausalLM,
+        caches: KVCacheTensors,
+        groups: Sequence[CacheGroupSpec],
+        num_tokens: int,
+        tables: Mapping[str, torch.Tensor],
+    ) -> None:
+        super().__init__(num_tokens, tables)
+        self.model = model
+        self.caches = PrefixedCaches(caches)
+        # the draft's groups under the names its model reads
+        self.groups = [
+            replace(g, name=g.name[len(DRAFT_PREFIX) :])
+            for g in groups
+            if g.name.startswith(DRAFT_PREFIX)
+        ]
+        self.ratios = compressed_ratios(self.groups)
+
+    @classmethod
+    def load(
+        cls,
+        spec: SpecConfig,
+        target: DeepseekV4ForCausalLM,
+        caches: KVCacheTensors,
+        groups: Sequence[CacheGroupSpec],
+        tables: Mapping[str, torch.Tensor],
+    ) -> DraftModelProposer:
+        draft_config(spec, target.cfg)  # ConfigError before any weight is read
+        device = next(target.parameters()).device
+        model = load_model(spec.model, dtype=target.head.weight.dtype, device=device)
+        return cls(model, caches, groups, spec.num_speculative_tokens, tables)
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: np.ndarray,
+        token_req: np.ndarray,
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        closing = {r: self._device(i) for r, i in closing_tokens(positions, self.ratios).items()}
+        tables = {g.name: self.tables[DRAFT_PREFIX + g.name][rows] for g in self.groups}
+        max_len = int(positions.max()) + 1
+        meta = StepMetadata.build(
+            self.groups, self._device(positions), self._device(token_req), tables, max_len,
+            closing,
+        )  # fmt: skip
+        hidden, _ = self.model(input_ids, meta, self.caches)
+        return hidden
+
+    def propose(self, step: VerifiedStep) -> list[list[int]]:
+        wanted = [r for r, w in enumerate(step.wants_draft) if w]
+        # the kept tokens and y: rows L .. L + kept of the draft's caches
+        counts = [k + s for k, s in zip(step.num_kept, step.sampled, strict=True)]
+        inputs = build_batch_inputs(
+            list(step.token_ids), list(step.num_computed), counts, list(step.rows)
+        )
+        rows = self._device(step.rows)
+        hidden = self._forward(
+            self._device(inputs.input_ids), inputs.positions, inputs.token_req, rows
+        )
+        if not wanted:
+            return [[] for _ in step.num_kept]
+        ends = np.asarray(inputs.query_start_loc[1:], dtype=np.int64)[wanted] - 1
+        draft = self.model.compute_logits(hidden[self._device(ends)]).argmax(dim=-1)  # [W]
+        drafts = [draft]
+        positions = inputs.positions[ends]
+        token_req = np.arange(len(wanted), dtype=np.int64)
+        rows = rows[self._device(wanted)]
+        for _ in range(self.num_tokens - 1):
+            positions = positions + 1
+            hidden = self._forward(draft, positions, token_req, rows)
+            draft = self.model.compute_logits(hidden).argmax(dim=-1)
+            drafts.append(draft)
+        return _scatter(torch.stack(drafts, dim=1).tolist(), wanted, len(step.num_kept))
+
+
+def _scatter(drafts: list[list[int]], wanted: list[int], num_reqs: int) -> list[list[int]]:
+    out: list[list[int]] = [[] for _ in range(num_reqs)]
+    for r, d in zip(wanted, drafts, strict=True):
+        out[r] = d
+    return out
+
+
+def build_proposer(
+    spec: SpecConfig,
+    model: DeepseekV4ForCausalLM,
+    caches: KVCacheTensors,
+    groups: Sequence[CacheGroupSpec],
+    tables: Mapping[str, torch.Tensor],
+) -> Proposer:
+    """The drafter of ``spec`` over the runner's caches and device block tables."""
+    if spec.method == "mtp":
+        swa = next(g for g in groups if g.name == "swa")
+        if model.cfg.num_hidden_layers not in swa.layer_ids:
+            raise ValueError("the swa cache group lacks the MTP layer (spec_cache_groups)")
+        return MTPProposer(model, caches, swa, spec.num_speculative_tokens, tables)
+    return DraftModelProposer.load(spec, model, caches, groups, tables)

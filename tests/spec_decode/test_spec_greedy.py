@@ -1,0 +1,116 @@
+"""Speculation changes no output: greedy (and seeded sampling) token for token against the
+plain engine, with MTP and with draft models, across chunked prefill, prefix hits,
+preemption and repeated prompts (n > 1 fans out into such requests)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rackserve.config import SpecConfig
+from rackserve.request import SamplingParams
+
+from spec_utils import kv_budget, run, spec_engine
+
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def mixed_prompts(vocab: int, num: int = 12) -> dict[str, list[int]]:
+    """5 .. 150 tokens; every third shares a 40-token prefix (hits); two repeat a prompt."""
+    g = torch.Generator().manual_seed(12)
+    shared = torch.randint(2, vocab, (40,), generator=g).tolist()
+    prompts = {}
+    for i in range(num):
+        n = int(torch.randint(5, 110, (1,), generator=g))
+        ids = torch.randint(2, vocab, (n,), generator=g).tolist()
+        prompts[f"r{i}"] = shared + ids if i % 3 == 0 else ids
+    prompts["r0-copy"] = prompts["r0"]
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def prompts(target_dir):
+    return mixed_prompts(512)
+
+
+@pytest.fixture(scope="module")
+def baseline(target_dir, prompts):
+    core = spec_engine(target_dir, None, max_num_batched_tokens=128)
+    return run(core, prompts, GREEDY)
+
+
+def check(core, prompts, expected, params=GREEDY):
+    assert run(core, prompts, params) == expected
+    assert core.scheduler.kv.usage == 0.0  # lookahead blocks all back
+    stats = core.scheduler.stats()
+    assert stats.prefix_cache_hits > 0
+    return stats.spec_decoding
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_mtp_greedy_equals_plain(target_dir, prompts, baseline, k):
+    core = spec_engine(target_dir, SpecConfig("mtp", k), max_num_batched_tokens=128)
+    stats = check(core, prompts, baseline)
+    assert stats.num_drafts > 0 and stats.num_draft_tokens == k * stats.num_drafts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [5])
+def test_mtp_greedy_equals_plain_long(target_dir, prompts, baseline, k):
+    test_mtp_greedy_equals_plain(target_dir, prompts, baseline, k)
+
+
+def test_draft_identical_to_target_accepts_everything(target_dir, prompts, baseline):
+    core = spec_engine(
+        target_dir, SpecConfig("draft_model", 3, str(target_dir)), max_num_batched_tokens=128
+    )
+    stats = check(core, prompts, baseline)
+    assert stats.acceptance_rate == 1.0 and stats.mean_acceptance_length == 4.0
+
+
+@pytest.mark.parametrize("k", [1, 5])
+def test_random_draft_is_still_exact(target_dir, random_draft_dir, prompts, baseline, k):
+    spec = SpecConfig("draft_model", k, str(random_draft_dir))
+    core = spec_engine(target_dir, spec, max_num_batched_tokens=128)
+    stats = check(core, prompts, baseline)
+    assert stats.acceptance_rate < 0.2
+
+
+def test_close_draft_under_preemption(target_dir, close_draft_dir, prompts, baseline):
+    spec = SpecConfig("draft_model", 3, str(close_draft_dir))
+    budget = kv_budget(target_dir, spec, tokens=300, max_num_batched_tokens=128)
+    core = spec_engine(
+        target_dir, spec, max_num_batched_tokens=128, max_model_len=256, kv_cache_memory=budget
+    )
+    stats = check(core, prompts, baseline)
+    assert core.scheduler.num_preemptions > 0
+    assert 0.1 < stats.acceptance_rate < 1.0  # both accepted and rejected runs
+
+
+def test_seeded_sampling_equals_plain(target_dir, close_draft_dir, prompts):
+    """Temperature > 0 with top-k/p, min-p, penalties and logprobs: the very same tokens and
+    logprobs as without speculation (the drafts are verified against the sampler's own
+    draw, spec_decode/verify.py)."""
+    params = {
+        req_id: SamplingParams(
+            temperature=0.9,
+            top_k=50,
+            top_p=0.95,
+            min_p=0.01,
+            repetition_penalty=1.2,
+            presence_penalty=0.3,
+            frequency_penalty=0.2,
+            seed=i,
+            logprobs=2,
+            max_tokens=MAX_TOKENS,
+            ignore_eos=True,
+        )
+        for i, req_id in enumerate(prompts)
+    }
+    plain = spec_engine(target_dir, None, max_num_batched_tokens=128)
+    expected = run(plain, prompts, params)
+    spec = SpecConfig("draft_model", 3, str(close_draft_dir))
+    core = spec_engine(target_dir, spec, max_num_batched_tokens=128)
+    assert run(core, prompts, params) == expected
+    assert core.scheduler.stats().spec_decoding.num_accepted_tokens > 0
