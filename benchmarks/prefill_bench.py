@@ -102,9 +102,10 @@ def run(device: str = "cuda", cases=CASES, sweep: bool = True) -> list[dict]:
     """Every record of this module: attention, indexer and MoE (``all_kernels.py`` calls
     this), each stamped; a part that fails leaves an error record."""
     records = run_attention(device, cases, sweep)
-    for name, part in (("indexer", run_indexer), ("moe", run_moe)):
+    parts = (("indexer", lambda: run_indexer(device, cases)), ("moe", lambda: run_moe(device)))
+    for name, part in parts:
         try:
-            records += part(device)
+            records += part()
         except Exception as e:  # out of memory, a kernel that does not compile
             records.append({"kind": f"prefill_bench_{name}", "error": repr(e)[:300]})
     return records
