@@ -74,9 +74,11 @@ def default_tiling(
 ) -> Tiling:
     """Launch shapes from S, H, Dh, M and the device (host ints only: graph-safe).
 
-    The kernel comes from ``$RACKSERVE_SPARSE_ATTN`` ("heads" unless set; see
-    ``wide_tiling`` for "wide", taken for 16-bit rows and H <= 128), read at each call (a
-    captured graph keeps its choice).
+    The kernel comes from ``$RACKSERVE_SPARSE_ATTN`` ("heads", "wide", or unset: "wide" on
+    a GPU from S = 64 queries, "heads" below; "wide" (``wide_tiling``) is taken for 16-bit
+    rows and H <= 128 only), read at each call (a captured graph keeps its choice). Wide
+    from S = 64 measured on the H200 (bench forward, v4-flash, 4 layers: decode:64@4096
+    5.29 -> 5.19 ms, decode:256@4096 6.92 -> 6.86 ms; 2026-12-01-h200-s3-check-*.json).
     "heads" on a GPU: 16 heads per program (a [16, Dh] fp32 accumulator; 32 once the batch
     alone fills the SMs twice over, halving the L2 re-reads of the rows by the head blocks)
     and split the rows until the grid covers the SMs (S = 1, H = 64: 4 head blocks x up to
@@ -86,7 +88,10 @@ def default_tiling(
     # fp32 rows on a GPU stay on "heads": the wide kernel's fp32 FMA dots spill (q alone is
     # 128 KB at H 64, Dh 512); fp32 is the tests' strict path, not a serving dtype
     fp32_gpu = dtype == torch.float32 and device.type == "cuda"
-    if os.environ.get(KERNEL_ENV, "heads") == "wide" and num_heads <= 128 and not fp32_gpu:
+    choice = os.environ.get(KERNEL_ENV)
+    if choice is None:
+        choice = "wide" if device.type == "cuda" and num_queries >= 64 else "heads"
+    if choice == "wide" and num_heads <= 128 and not fp32_gpu:
         return wide_tiling(num_queries, num_heads, head_dim, num_rows, device)
     if device.type != "cuda":
         return Tiling(16, 32, 1, 1, 4, 1, 16, 4)
