@@ -18,6 +18,9 @@ echo "== bench forward"
 timeout 100 rs bench forward "${FLASH[@]}" --iters 20 --warmup 3 --batch decode:1@4096 \
   --batch decode:64@4096 --batch decode:256@4096 --batch decode:64@512 \
   --output "$OUT/forward.json" 2>&1 | grep -E "^decode|Error"
+echo "== bench forward decode:1 with the one-launch mHC (RACKSERVE_MHC_FUSED=1)"
+RACKSERVE_MHC_FUSED=1 timeout 60 rs bench forward "${FLASH[@]}" --iters 20 --warmup 3 \
+  --batch decode:1@4096 --output "$OUT/forward_mhc_fused.json" 2>&1 | grep -E "^decode|Error"
 echo "== launches per layer"
 timeout 60 python3 benchmarks/profile_forward.py --batch decode:1@4096 --batch decode:64@4096 \
   --batch decode:256@4096 --top 20 --output "$OUT/profile.json" 2>&1 | grep -E "^==|Error"
