@@ -40,6 +40,7 @@ class Fp4Tiling:
     block_k: int  # inputs per step: a multiple of 32, >= 32
     num_warps: int
     num_stages: int
+    align_segment: int = 2048  # pairs per align program (fused_moe.moe_align)
 
 
 def default_tiling(num_tokens: int, top_k: int, num_experts: int, device: torch.device):
@@ -48,10 +49,14 @@ def default_tiling(num_tokens: int, top_k: int, num_experts: int, device: torch.
     if device.type != "cuda":
         return Fp4Tiling(16, 64, 64, 128, 4, 1)
     pairs = num_tokens * top_k
+    # as fused_moe measured on the H200: one align launch up to 512 pairs, then 256-pair
+    # segments; 128-wide down tiles once blocks hold 32 rows (half the re-reads of h)
+    segment = 512 if pairs <= 512 else 256
     if pairs >= 64 * num_experts:
-        return Fp4Tiling(64, 64, 128, 128, 8, 3)
-    block_m = 16 if pairs <= 16 * num_experts else 32
-    return Fp4Tiling(block_m, 32, 64, 128, 4, 4)
+        return Fp4Tiling(64, 64, 128, 128, 8, 3, segment)
+    if pairs <= 16 * num_experts:
+        return Fp4Tiling(16, 32, 64, 128, 4, 4, segment)
+    return Fp4Tiling(32, 32, 128, 128, 4, 3, segment)
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -305,7 +310,7 @@ def moe_experts_fp4(
     weights = topk_weights.to(torch.float32).contiguous().view(-1)
     num_pairs = num_tokens * top_k
     bm = t.block_m
-    sorted_ids, block_expert = moe_align(topk_ids, num_experts, bm)
+    sorted_ids, block_expert = moe_align(topk_ids, num_experts, bm, t.align_segment)
     num_blocks = block_expert.shape[0]
     ieee = x.dtype == torch.float32 or x.device.type == "cpu"
     e8m0 = w13_scale.dtype == torch.uint8
