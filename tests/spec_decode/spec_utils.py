@@ -1,4 +1,6 @@
-"""Helpers for the speculative-decoding tests: engines with a drafter on the tiny model."""
+"""Helpers for the speculative-decoding tests: engines with a drafter on the tiny model, and
+the checkpoints (fixtures, imported by the test modules: a conftest.py here would shadow
+tests/server's, which its tests import by name)."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import shutil
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -13,6 +16,8 @@ from rackserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCo
 from rackserve.engine.core import EngineCore
 from rackserve.engine.outputs import EngineCoreRequest
 from rackserve.kv.spec import plan_num_blocks
+from rackserve.model.create import create_checkpoint
+from rackserve.model.presets import tiny_config
 from rackserve.request import SamplingParams
 from rackserve.spec_decode.proposer import spec_cache_groups
 
@@ -90,3 +95,28 @@ def perturbed_copy(src: Path, dst: Path, scale: float, seed: int = 0) -> Path:
     tensors["head.weight"] = head + scale * head.std() * torch.randn(head.shape, generator=g)
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
+
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="session")
+def target_dir(tmp_path_factory) -> Path:
+    """The tiny target, with its MTP layer (fp32)."""
+    return create_checkpoint(
+        tiny_config(vocab_size=VOCAB), tmp_path_factory.mktemp("target"), seed=3
+    )
+
+
+@pytest.fixture(scope="session")
+def random_draft_dir(tmp_path_factory) -> Path:
+    """An unrelated draft of other sizes (3 layers, 4 experts): it agrees with the target
+    about as often as chance."""
+    cfg = tiny_config(num_layers=3, num_experts=4, vocab_size=VOCAB)
+    return create_checkpoint(cfg, tmp_path_factory.mktemp("random_draft"), seed=9, with_mtp=False)
+
+
+@pytest.fixture(scope="session")
+def close_draft_dir(target_dir, tmp_path_factory) -> Path:
+    """The target with noise on its head: accepts some drafts, rejects others."""
+    return perturbed_copy(target_dir, tmp_path_factory.mktemp("close_draft"), scale=0.6)

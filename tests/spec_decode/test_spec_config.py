@@ -10,7 +10,7 @@ import pytest
 from rackserve.config import ConfigError, SpecConfig
 from rackserve.spec_decode.proposer import check_spec_checkpoint
 
-from spec_utils import spec_engine
+from spec_utils import random_draft_dir, spec_engine, target_dir
 
 
 def test_from_json():

@@ -10,7 +10,7 @@ import torch
 from rackserve.config import SpecConfig
 from rackserve.request import SamplingParams
 
-from spec_utils import kv_budget, run, spec_engine
+from spec_utils import close_draft_dir, kv_budget, random_draft_dir, run, spec_engine, target_dir
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

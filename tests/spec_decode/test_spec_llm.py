@@ -8,6 +8,8 @@ import pytest
 from rackserve.llm import LLM
 from rackserve.request import SamplingParams
 
+from spec_utils import target_dir
+
 PROMPTS = ["def fibonacci(n):", "The quick brown fox jumps"]
 
 

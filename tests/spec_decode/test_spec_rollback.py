@@ -16,7 +16,7 @@ from rackserve.kv.spec import CacheGroupSpec
 from rackserve.request import SamplingParams
 from rackserve.spec_decode.proposer import DRAFT_PREFIX
 
-from spec_utils import spec_engine
+from spec_utils import close_draft_dir, spec_engine, target_dir
 
 K = 3
 

@@ -20,6 +20,8 @@ from rackserve.llm import LLM
 from rackserve.request import SamplingParams
 from rackserve.spec_decode.stats import from_prometheus
 
+from spec_utils import target_dir
+
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "Once upon a time, in a land"]
 MAX_TOKENS = 16
 
