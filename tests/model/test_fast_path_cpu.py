@@ -15,8 +15,8 @@ from rackserve.model.presets import tiny_config
 from rackserve.ops.launches import count_layer_launches
 
 MAX_LAUNCHES_PER_LAYER = 20
-# the CSA layer's extra launches: the indexer's logits and top-k, the selection of its picks
-MAX_LAUNCHES = {"compressed_sparse_attention": 21}
+# per layer kind, where the count is lower (a regression there fails before the gate)
+MAX_LAUNCHES = {"sliding_attention": 18, "heavily_compressed_attention": 17}
 
 
 def _models(num_layers: int = 3, num_experts: int = 8):

@@ -556,3 +556,29 @@ def attention_prologue(
         return q, None, None
     assert head_logits is not None
     return q, apply_rope(index_q, cos, sin), head_logits.float() * head_scale
+
+
+def moe_routed(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    table: torch.Tensor | None,
+    input_ids: torch.Tensor,
+    top_k: int,
+    scoring_func: str,
+    scaling: float,
+    shared_expert: int | None,
+    expert_counts: torch.Tensor | None,
+    token_mask: torch.Tensor | None,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """The MoE of one layer, router included: ``route_fused`` (arguments up to
+    token_mask), then ``moe_experts`` over w13 [E (+1), 2I, D], w2 [E (+1), D, I] (the
+    shared expert stacked last when ``shared_expert`` is its id). Returns [T, D]."""
+    ids, weights = route_fused(
+        x, gate_weight, bias, table, input_ids, top_k, scoring_func, scaling, shared_expert,
+        expert_counts, token_mask,
+    )  # fmt: skip
+    return moe_experts(x, ids, weights, w13, w2, limit)
