@@ -37,6 +37,7 @@ from rackserve.ops.reference import (
     indexer_topk,
     kv_insert,
     moe_experts,
+    moe_routed,
     paged_indexer_topk,
     paged_sparse_attention,
     rms_norm,
@@ -71,6 +72,7 @@ __all__ = [
     "kernels",
     "kv_insert",
     "moe_experts",
+    "moe_routed",
     "paged_indexer_topk",
     "paged_sparse_attention",
     "rms_norm",
@@ -113,6 +115,7 @@ class Kernels:
     attention_prologue: Callable
     fp8_linear: Callable
     moe_experts_fp4: Callable
+    moe_routed: Callable
 
     def fast(self, x: torch.Tensor) -> bool:
         """Whether ``x`` takes the fast implementations (then the model also fuses its
@@ -177,6 +180,22 @@ def _by_num_tokens(small: Callable, large: Callable, min_tokens: int) -> Callabl
 _QUANT_OPS = {"fp8_linear": "fp8_gemm", "moe_experts_fp4": "fused_moe_fp4"}
 
 
+def _moe_routed_for(fused: Callable, route_fused: Callable, experts: Callable) -> Callable:
+    """Decode-sized batches: router + align in one launch and the fused MoE (``fused``);
+    larger ones: the router kernel, then ``experts`` (grouped GEMMs on a GPU)."""
+
+    def moe_routed(x, gate_weight, bias, table, input_ids, top_k, scoring, scaling, *rest):
+        if x.shape[0] <= FUSED_MOE_MAX_TOKENS:
+            return fused(x, gate_weight, bias, table, input_ids, top_k, scoring, scaling, *rest)
+        shared, counts, mask, w13, w2, limit = rest
+        ids, weights = route_fused(
+            x, gate_weight, bias, table, input_ids, top_k, scoring, scaling, shared, counts, mask
+        )
+        return experts(x, ids, weights, w13, w2, limit)
+
+    return moe_routed
+
+
 def kernels(name: str = "auto") -> Kernels:
     """The op table for ``name`` in :data:`KERNEL_CHOICES`, or "triton": the fast
     implementations on every device (on CPU only under ``TRITON_INTERPRET=1``: the tests
@@ -233,4 +252,13 @@ def kernels(name: str = "auto") -> Kernels:
     fused_moe = _on_cuda(
         "rackserve.ops.triton.fused_moe", "moe_experts", reference.moe_experts, everywhere
     )
-    return Kernels(name, moe_experts=_moe_for(fused_moe), **fast)
+    experts = _moe_for(fused_moe)
+    routed = _on_cuda(
+        "rackserve.ops.triton.moe_routed", "moe_routed", reference.moe_routed, everywhere
+    )
+    return Kernels(
+        name,
+        moe_experts=experts,
+        moe_routed=_moe_routed_for(routed, fast["route_fused"], experts),
+        **fast,
+    )

@@ -571,3 +571,29 @@ def moe_unpermute(y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor)
     the row of y of each (token, slot); weights [T, k]. Returns [T, D] in y's dtype:
     sum_j weights[t, j] * y[inverse[t, j]], summed in slot order in float32."""
     return (y[inverse].float() * weights.float().unsqueeze(-1)).sum(dim=1).to(y.dtype)
+
+
+def moe_routed(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    table: torch.Tensor | None,
+    input_ids: torch.Tensor,
+    top_k: int,
+    scoring_func: str,
+    scaling: float,
+    shared_expert: int | None,
+    expert_counts: torch.Tensor | None,
+    token_mask: torch.Tensor | None,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """The MoE of one layer, router included: ``route_fused`` (arguments up to
+    token_mask), then ``moe_experts`` over w13 [E (+1), 2I, D], w2 [E (+1), D, I] (the
+    shared expert stacked last when ``shared_expert`` is its id). Returns [T, D]."""
+    ids, weights = route_fused(
+        x, gate_weight, bias, table, input_ids, top_k, scoring_func, scaling, shared_expert,
+        expert_counts, token_mask,
+    )  # fmt: skip
+    return moe_experts(x, ids, weights, w13, w2, limit)

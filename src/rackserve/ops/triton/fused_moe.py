@@ -227,12 +227,36 @@ def moe_experts(
     if num_tokens == 0 or top_k == 0:
         return out.zero_()
     tiling = tiling or default_tiling(num_tokens, top_k, num_experts, inter, x.device, x.dtype)
+    topk_ids = topk_ids.contiguous()
+    sorted_ids, block_expert = moe_align(
+        topk_ids, num_experts, tiling.block_m, tiling.align_segment
+    )
+    run_experts(x, topk_ids, topk_weights, sorted_ids, block_expert, w13, w2, limit, tiling, out)
+    return out
+
+
+def run_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    block_expert: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    limit: float,
+    tiling: Tiling,
+    out: torch.Tensor,
+) -> None:
+    """The 3 launches after the align (gate-up, down, slot sum) into ``out`` [T, D]:
+    arguments as ``moe_experts``, with the align's ``sorted_ids`` / ``block_expert``."""
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
     x = x.contiguous()
     topk_ids = topk_ids.contiguous()
     weights = topk_weights.to(torch.float32).contiguous().view(-1)
     num_pairs = num_tokens * top_k
     bm = tiling.block_m
-    sorted_ids, block_expert = moe_align(topk_ids, num_experts, bm, tiling.align_segment)
     num_blocks = block_expert.shape[0]
     fp32_dot = x.dtype == torch.float32 or x.device.type == "cpu"
 
@@ -272,4 +296,3 @@ def moe_experts(
         BLOCK_D=block_d,
         num_warps=4,
     )  # fmt: skip
-    return out

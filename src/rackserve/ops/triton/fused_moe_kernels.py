@@ -83,7 +83,8 @@ def moe_count_kernel(
 
 
 @triton.jit
-def moe_align_kernel(
+def align_pairs(
+    seg,  # the segment of pairs
     ids_ptr,  # [P] expert ids
     counts_ptr,  # [S, BLOCK_E] int32 from moe_count_kernel (unused when COUNT_HERE)
     sorted_ptr,  # [R] int32 out: pair index per padded row, P on padding rows
@@ -99,7 +100,6 @@ def moe_align_kernel(
     BLOCK_B: tl.constexpr,
     COUNT_HERE: tl.constexpr,
 ):
-    seg = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
     expert_ok = experts < num_experts
     if COUNT_HERE:  # one segment: count in this program, nothing before it
@@ -148,6 +148,42 @@ def moe_align_kernel(
             done = (ends[None, :] <= blocks[:, None] * BLOCK_M) & expert_ok[None, :]
             expert = tl.sum(done.to(tl.int32), axis=1)
             tl.store(block_expert_ptr + blocks, expert, mask=blocks < num_blocks)
+
+
+@triton.jit
+def moe_align_kernel(
+    ids_ptr,  # [P] expert ids
+    counts_ptr,  # [S, BLOCK_E] int32 from moe_count_kernel (unused when COUNT_HERE)
+    sorted_ptr,  # [R] int32 out: pair index per padded row, P on padding rows
+    block_expert_ptr,  # [B] int32 out: expert per block, E past the used blocks
+    num_pairs,
+    num_experts,
+    pairs_per_segment,
+    num_segments,
+    num_blocks,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    COUNT_HERE: tl.constexpr,
+):
+    align_pairs(
+        tl.program_id(0),
+        ids_ptr,
+        counts_ptr,
+        sorted_ptr,
+        block_expert_ptr,
+        num_pairs,
+        num_experts,
+        pairs_per_segment,
+        num_segments,
+        num_blocks,
+        BLOCK_M,
+        BLOCK_E,
+        CHUNK,
+        BLOCK_B,
+        COUNT_HERE,
+    )
 
 
 @triton.jit

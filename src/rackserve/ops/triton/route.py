@@ -23,7 +23,8 @@ _SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 
 
 @triton.jit
-def _route_kernel(
+def route_tokens(
+    block,  # tokens block * BLOCK_T ..
     logits_ptr,
     bias_ptr,
     table_ptr,
@@ -44,7 +45,7 @@ def _route_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t = block * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < num_tokens
     e = tl.arange(0, BLOCK_E)
     e_ok = e < E
@@ -91,6 +92,52 @@ def _route_kernel(
     if SHARED:
         tl.store(out_ids_ptr + t * KO + K, tl.full([BLOCK_T], 0, tl.int64) + shared_id, t_ok)
         tl.store(out_w_ptr + t * KO + K, tl.full([BLOCK_T], 1.0, tl.float32), t_ok)
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr,
+    bias_ptr,
+    table_ptr,
+    ids_ptr,
+    out_ids_ptr,
+    out_w_ptr,
+    counts_ptr,
+    mask_ptr,
+    num_tokens,
+    scaling,
+    shared_id,
+    E: tl.constexpr,
+    K: tl.constexpr,
+    SCORING: tl.constexpr,
+    HASHED: tl.constexpr,
+    SHARED: tl.constexpr,  # 1: column K is the shared expert (id shared_id, weight 1)
+    COUNT: tl.constexpr,  # 0: no counts; 1: count every token; 2: tokens where mask
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    route_tokens(
+        tl.program_id(0),
+        logits_ptr,
+        bias_ptr,
+        table_ptr,
+        ids_ptr,
+        out_ids_ptr,
+        out_w_ptr,
+        counts_ptr,
+        mask_ptr,
+        num_tokens,
+        scaling,
+        shared_id,
+        E,
+        K,
+        SCORING,
+        HASHED,
+        SHARED,
+        COUNT,
+        BLOCK_T,
+        BLOCK_E,
+    )
 
 
 def route(

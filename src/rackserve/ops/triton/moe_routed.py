@@ -1,0 +1,133 @@
+"""The whole MoE of a decode step after the router's logits GEMM in 4 launches (equals
+``reference.moe_routed``): one program routes every token (``route_tokens``: scores, top-k
+or hash table, weights, the shared expert's pick, the expert counts) and, after a barrier,
+sorts the pairs by expert (``align_pairs``); then the fused MoE's gate-up, down and slot
+sum (``fused_moe.run_experts``).
+
+Routing and align share one program, so it serves batches whose pairs fit one align
+segment (T * (k + 1) <= 2048: every decode graph up to 256 tokens); larger ones route and
+align in two launches. Grids depend on the shapes only: CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from rackserve.ops.triton import fused_moe
+from rackserve.ops.triton.fused_moe_kernels import align_pairs
+from rackserve.ops.triton.route import _SCORING, route_fused, route_tokens
+
+
+@triton.jit
+def _route_align_kernel(
+    logits_ptr,
+    bias_ptr,
+    table_ptr,
+    input_ids_ptr,
+    ids_ptr,  # [T, K + SHARED] int64 out
+    w_ptr,  # [T, K + SHARED] fp32 out
+    counts_ptr,
+    mask_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    num_tokens,
+    scaling,
+    shared_id,
+    num_experts,  # E of the expert weights (routed + shared)
+    num_pairs,
+    num_blocks,
+    E: tl.constexpr,  # routed experts (router columns)
+    K: tl.constexpr,
+    SCORING: tl.constexpr,
+    HASHED: tl.constexpr,
+    SHARED: tl.constexpr,
+    COUNT: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    ALIGN_E: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    for block in range(0, tl.cdiv(num_tokens, BLOCK_T)):
+        route_tokens(
+            block, logits_ptr, bias_ptr, table_ptr, input_ids_ptr, ids_ptr, w_ptr, counts_ptr,
+            mask_ptr, num_tokens, scaling, shared_id,
+            E, K, SCORING, HASHED, SHARED, COUNT, BLOCK_T, BLOCK_E,
+        )  # fmt: skip
+    tl.debug_barrier()  # the ids this program's threads wrote, visible to all of them
+    align_pairs(
+        0, ids_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts,
+        num_pairs, 1, num_blocks, BLOCK_M, ALIGN_E, CHUNK, BLOCK_B, True,
+    )  # fmt: skip
+
+
+def moe_routed(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    table: torch.Tensor | None,
+    input_ids: torch.Tensor,
+    top_k: int,
+    scoring_func: str,
+    scaling: float,
+    shared_expert: int | None,
+    expert_counts: torch.Tensor | None,
+    token_mask: torch.Tensor | None,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """See ``reference.moe_routed``."""
+    num_tokens = x.shape[0]
+    cols = top_k + int(shared_expert is not None)
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    tiling = fused_moe.default_tiling(num_tokens, cols, num_experts, inter, x.device, x.dtype)
+    num_pairs = num_tokens * cols
+    align_e = max(16, triton.next_power_of_2(num_experts))
+    chunk = max(16, min(128, 8192 // align_e))
+    if num_tokens == 0 or num_pairs > min(tiling.align_segment, 2048):
+        ids, weights = route_fused(
+            x, gate_weight, bias, table, input_ids, top_k, scoring_func, scaling,
+            shared_expert, expert_counts, token_mask,
+        )  # fmt: skip
+        return fused_moe.moe_experts(x, ids, weights, w13, w2, limit, tiling=tiling)
+    routed = gate_weight.shape[0]
+    if (table is None) == (bias is None):
+        raise ValueError("moe_routed: give the bias (learned routing) or the table (hashed)")
+    if expert_counts is not None and (
+        expert_counts.dtype != torch.int64 or expert_counts.shape != (routed,)
+    ):
+        raise ValueError(f"moe_routed: expert_counts must be [{routed}] int64")
+    if token_mask is not None and token_mask.shape != (num_tokens,):
+        raise ValueError(f"moe_routed: token_mask must be [{num_tokens}]")
+    fused_moe._check(x, torch.empty(num_tokens, cols, dtype=torch.int64, device=x.device),
+                     torch.empty(num_tokens, cols, device=x.device), w13, w2)  # fmt: skip
+    ids = torch.empty(num_tokens, cols, dtype=torch.int64, device=x.device)
+    weights = torch.empty(num_tokens, cols, dtype=torch.float32, device=x.device)
+    num_blocks = fused_moe.num_blocks_bound(num_pairs, num_experts, tiling.block_m)
+    sorted_ids = fused_moe._empty((num_blocks * tiling.block_m,), torch.int32, x.device)
+    block_expert = fused_moe._empty((num_blocks,), torch.int32, x.device)
+    logits = F.linear(x, gate_weight).contiguous()  # [T, E] in the activation dtype
+    count = 0 if expert_counts is None else (1 if token_mask is None else 2)
+    _route_align_kernel[(1,)](
+        logits, bias if bias is not None else weights,
+        table.contiguous() if table is not None else ids, input_ids.contiguous(),
+        ids, weights,
+        expert_counts if expert_counts is not None else ids,
+        token_mask.contiguous() if token_mask is not None else ids,
+        sorted_ids, block_expert,
+        num_tokens, scaling, shared_expert if shared_expert is not None else 0,
+        num_experts, num_pairs, num_blocks,
+        E=routed, K=top_k, SCORING=_SCORING[scoring_func], HASHED=table is not None,
+        SHARED=int(shared_expert is not None), COUNT=count, BLOCK_T=16,
+        BLOCK_E=max(16, triton.next_power_of_2(routed)), BLOCK_M=tiling.block_m,
+        ALIGN_E=align_e, CHUNK=chunk, BLOCK_B=max(16, min(128, 8192 // align_e)),
+        num_warps=8 if align_e >= 128 else 4,
+    )  # fmt: skip
+    out = fused_moe._empty((num_tokens, x.shape[1]), x.dtype, x.device)
+    fused_moe.run_experts(x, ids, weights, sorted_ids, block_expert, w13, w2, limit, tiling, out)
+    return out
