@@ -13,10 +13,11 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manyl
          manylinux1_x86_64 manylinux_2_24_x86_64 manylinux_2_31_x86_64; do
   platforms+=(--platform "$p")
 done
-# engine messages; the server stack (fastapi, uvicorn, pydantic, pyzmq) with `all`
-pkgs=(msgspec)
+# engine messages and ZMQ (the CLI registers the router and kv-pool commands, which use it);
+# the server stack (fastapi, uvicorn, pydantic) with `all`
+pkgs=(msgspec pyzmq)
 if [[ "${1:-}" == "all" ]]; then
-  pkgs+=(fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection pyzmq)
+  pkgs+=(fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection)
 fi
 for pkg in "${pkgs[@]}"; do
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \

@@ -20,6 +20,9 @@ from rackserve.ops.triton import fused_moe
 from rackserve.ops.triton.fused_moe_kernels import align_pairs
 from rackserve.ops.triton.route import _SCORING, route_fused, route_tokens
 
+# the most (token, expert) pairs routed and aligned by one program (see moe_routed)
+ONE_PROGRAM_MAX_PAIRS = 64
+
 
 @triton.jit
 def _route_align_kernel(
@@ -89,7 +92,12 @@ def moe_routed(
     num_pairs = num_tokens * cols
     align_e = max(16, triton.next_power_of_2(num_experts))
     chunk = max(16, min(128, 8192 // align_e))
-    if num_tokens == 0 or num_pairs > min(tiling.align_segment, 2048):
+    # One program routes and aligns only for a few tokens: its serial align is cheap there
+    # (H200, decode:1: 9 us per layer for both) but at 64 tokens (448 pairs) it took 45 us
+    # per layer against ~18 for the router kernel + the align kernel
+    # (benchmarks/results/2026-12-01-h200-s3-final-profile.json): more go the separate way.
+    one_program = num_pairs <= min(tiling.align_segment, ONE_PROGRAM_MAX_PAIRS)
+    if num_tokens == 0 or not one_program:
         ids, weights = route_fused(
             x, gate_weight, bias, table, input_ids, top_k, scoring_func, scaling,
             shared_expert, expert_counts, token_mask,
