@@ -196,7 +196,7 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 _KEY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _check(
+def check_inputs(
     q: torch.Tensor,
     key_cache: torch.Tensor,
     slots: torch.Tensor,
@@ -242,7 +242,7 @@ def indexer_logits(
     for e >= num_visible[s]. float32, or with ``packed`` the int64 keys whose top-k is
     ``reference.topk_earliest`` of the scores. Inputs as ``paged_indexer_topk``.
     """
-    _check(q, key_cache, slots, weights, num_visible)
+    check_inputs(q, key_cache, slots, weights, num_visible)
     num_queries, num_heads, head_dim = q.shape
     num_entries = slots.shape[1]
     out = _empty((num_queries, num_entries), torch.int64 if packed else torch.float32, q.device)

@@ -44,9 +44,8 @@ import triton
 import triton.language as tl
 
 from rackserve.ops.triton.common import round_as
+from rackserve.ops.triton.sparse_attn import check_inputs
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_INDEX_DTYPES = (torch.int32, torch.int64)
 _PV_MODES = {"rows": 0, "split": 1, "fp16": 2}
 
 
@@ -90,46 +89,6 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _check(q, kv_a, slots_a, kv_b, slots_b, valid, sinks, cos, sin) -> None:
-    """Raise ValueError naming the first argument that does not fit the op's contract."""
-    if q.dim() != 3 or q.dtype not in _DTYPES:
-        raise ValueError(f"q must be [S, H, Dh] in {_DTYPES}, got {tuple(q.shape)} {q.dtype}")
-    s, h, dh = q.shape
-    for name, kv in (("kv_a", kv_a), ("kv_b", kv_b)):
-        if kv.dim() != 2 or kv.shape[1] < dh or kv.dtype != q.dtype:
-            raise ValueError(
-                f"{name} must be [N, >= {dh}] {q.dtype} (rows by slot), "
-                f"got {tuple(kv.shape)} {kv.dtype}"
-            )
-        if kv.stride(1) != 1 and kv.shape[1] > 1:
-            raise ValueError(f"{name} must have unit column stride, got strides {kv.stride()}")
-    for name, slots in (("slots_a", slots_a), ("slots_b", slots_b)):
-        if slots.dim() != 2 or slots.shape[0] != s or slots.dtype not in _INDEX_DTYPES:
-            raise ValueError(
-                f"{name} must be [{s}, W] int32/int64, got {tuple(slots.shape)} {slots.dtype}"
-            )
-    rows = slots_a.shape[1] + slots_b.shape[1]
-    if tuple(valid.shape) != (s, rows) or valid.dtype != torch.bool:
-        raise ValueError(
-            f"valid must be [{s}, {rows}] bool, got {tuple(valid.shape)} {valid.dtype}"
-        )
-    if tuple(sinks.shape) != (h,):
-        raise ValueError(f"sinks must be [{h}], got {tuple(sinks.shape)}")
-    if (cos is None) != (sin is None):
-        raise ValueError("cos and sin must be given together")
-    if cos is not None:
-        if cos.dim() != 2 or cos.shape[0] != s or tuple(sin.shape) != tuple(cos.shape):
-            raise ValueError(
-                f"cos, sin must both be [{s}, R/2], got {tuple(cos.shape)}, {tuple(sin.shape)}"
-            )
-        if 2 * cos.shape[1] > dh or dh % 2:
-            raise ValueError(f"rope dims {2 * cos.shape[1]} do not fit head_dim {dh}")
-    tensors = (kv_a, slots_a, kv_b, slots_b, valid, sinks) + ((cos, sin) if cos is not None else ())
-    for t in tensors:
-        if t.device != q.device:
-            raise ValueError(f"every input must be on {q.device}, got one on {t.device}")
-
-
 def paged_sparse_attention(
     q: torch.Tensor,
     kv_a: torch.Tensor,
@@ -153,7 +112,7 @@ def paged_sparse_attention(
     each query's valid rows form one run (a prefill's always do); any mask is correct.
     Returns [S, H, Dh] in q's dtype.
     """
-    _check(q, kv_a, slots_a, kv_b, slots_b, valid, sinks, cos, sin)
+    check_inputs(q, kv_a, slots_a, kv_b, slots_b, valid, sinks, cos, sin)  # same contract
     num_queries, num_heads, head_dim = q.shape
     out = _empty((num_queries, num_heads, head_dim), q.dtype, q.device)
     if num_queries == 0 or num_heads == 0:

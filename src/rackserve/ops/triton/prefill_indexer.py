@@ -25,14 +25,14 @@ no host sync.
 from __future__ import annotations
 
 import functools
-import importlib
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from rackserve.ops.triton.indexer import check_inputs, topk_packed
+
 
 
 @dataclass(frozen=True)
@@ -76,28 +76,12 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 def _check(q, key_cache, slots, weights, num_visible, k) -> None:
-    if q.dim() != 3 or q.dtype not in _DTYPES:
-        raise ValueError(f"q must be [S, Hi, Di] in {_DTYPES}, got {tuple(q.shape)} {q.dtype}")
-    s, hi, di = q.shape
-    if key_cache.dim() != 2 or key_cache.shape[1] < di or key_cache.dtype not in _DTYPES:
-        raise ValueError(f"key_cache must be [N, >= {di}] float, got {tuple(key_cache.shape)}")
-    if q.dtype != key_cache.dtype and torch.float32 not in (q.dtype, key_cache.dtype):
-        raise ValueError(f"q {q.dtype} and key_cache {key_cache.dtype}: no common dot type")
-    if slots.dim() != 2 or slots.shape[0] != s or slots.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"slots must be [{s}, E] int, got {tuple(slots.shape)} {slots.dtype}")
-    if tuple(weights.shape) != (s, hi):
-        raise ValueError(f"weights must be [{s}, {hi}], got {tuple(weights.shape)}")
-    if tuple(num_visible.shape) != (s,) or num_visible.is_floating_point():
-        raise ValueError(f"num_visible must be [{s}] int, got {tuple(num_visible.shape)}")
+    check_inputs(q, key_cache, slots, weights, num_visible)  # the decode op's contract
+    _, hi, di = q.shape
     if not 0 <= k <= slots.shape[1]:
         raise ValueError(f"k={k} must be in [0, E={slots.shape[1]}]")
     if hi > 256 or di > 512:
         raise ValueError(f"Hi={hi} > 256 or Di={di} > 512: one program holds its queries' q")
-    for name, t in (("key_cache", key_cache), ("slots", slots), ("weights", weights)):
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
-    if num_visible.device != q.device:
-        raise ValueError(f"num_visible is on {num_visible.device}, q on {q.device}")
 
 
 def indexer_logits(
@@ -166,7 +150,6 @@ def paged_indexer_topk(
     packed = indexer_logits(q, key_cache, slots, weights, scale, num_visible, tiling=tiling)
     if q.device.type != "cuda":  # the interpreted bitonic sort is slow
         return packed.topk(k, dim=-1).indices
-    topk_packed = importlib.import_module("rackserve.ops.triton.indexer").topk_packed
     return topk_packed(packed, k)
 
 

@@ -137,7 +137,7 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _check(
+def check_inputs(
     q: torch.Tensor,
     kv_a: torch.Tensor,
     slots_a: torch.Tensor,
@@ -211,7 +211,7 @@ def paged_sparse_attention(
     [S, R/2] or None (the inverse RoPE of the output's last R channels). Returns [S, H, Dh]
     in q's dtype.
     """
-    _check(q, kv_a, slots_a, kv_b, slots_b, valid, sinks, cos, sin)
+    check_inputs(q, kv_a, slots_a, kv_b, slots_b, valid, sinks, cos, sin)
     num_queries, num_heads, head_dim = q.shape
     width_a, width_b = slots_a.shape[1], slots_b.shape[1]
     num_rows = width_a + width_b
