@@ -34,7 +34,6 @@ import triton.language as tl
 from rackserve.ops.triton.indexer import check_inputs, topk_packed
 
 
-
 @dataclass(frozen=True)
 class PrefillIndexerTiling:
     """Launch shape of the logits kernel (see ``default_tiling``)."""
