@@ -190,6 +190,8 @@ def test_two_hosts_on_loopback_equal_one_rank(model_dir):
     _assert_equal(single_rank(model_dir, requests), _two_hosts(model_dir, 2, requests))
 
 
+# ~15 s on 2 cores; test_two_hosts_on_loopback_equal_one_rank is the short form
+@pytest.mark.slow
 def test_two_hosts_dep4_equal_one_launch(model_dir):
     requests = prompts(5)
     one_launch, _ = _run_client(

@@ -89,6 +89,9 @@ def test_kv_aware_beats_round_robin_32_sessions(engines, tmp_path):
     assert rates["kv-aware"] >= 0.9 * rates["theoretical"]
 
 
+# ~22 s (kills and restarts an engine); routing around a down engine is covered without
+# processes by test_policies.py::test_pool_routes_sessions_to_their_prefix_and_around_down_engines
+@pytest.mark.slow
 def test_engine_killed_requests_retried(engines, tmp_path, tiny):
     """Kill one engine: requests not started go elsewhere (none fails); the router marks
     it down and takes it back once a new engine listens on its port."""

@@ -160,6 +160,8 @@ def test_text_response_format_is_unconstrained(server: Server) -> None:
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5
 
 
+# ~18 s (a server); tests/runner/test_grammar_wait.py covers the deadline in process
+@pytest.mark.slow
 def test_grammar_compile_past_the_deadline_is_a_400(tiny_model: Path, tmp_path: Path) -> None:
     # 1 ms: the first compile (which loads the vocabulary) cannot make it
     with run_server(tiny_model, tmp_path, "--structured-output-timeout-s", "0.001") as server:
