@@ -73,7 +73,10 @@ def check_abandoned_streams(tiny_model: Path, tmp_path: Path, num_streams: int) 
     with run_server(tiny_model, tmp_path) as server:
         engine_pid = server.engine_pid()
         reference = greedy_text(server)
-        asyncio.run(abandon_many(server, 16, seed=1))  # warm-up: allocator, caches, imports
+        # warm-up as long as the measured run: allocator arenas (one per busy thread, more of
+        # them on a loaded machine), caches and imports settle before the baseline; a leak
+        # per stream still shows in the measured run (and 10x in the slow 1000-stream test)
+        asyncio.run(abandon_many(server, max(16, min(num_streams, 100)), seed=1))
         wait_until(lambda: engine_idle(server), 5, "idle after warm-up")
         api_before, engine_before = rss_bytes(server.process.pid), rss_bytes(engine_pid)
         started = time.monotonic()
