@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
 from rackserve.config import SchedulerConfig
+from rackserve.engine.async_scheduling import past_last_token
 from rackserve.engine.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -227,7 +228,11 @@ class Scheduler:
             num_computed = req.num_computed_tokens
             # Tokens not yet computed (a decode step: 1), capped by the context length and
             # the budget (compared, not min(): this runs per request per step).
-            wanted = len(req.all_token_ids) + len(req.spec_token_ids)
+            # async scheduling: tokens still in flight count (engine/async_scheduling.py)
+            wanted = len(req.all_token_ids) + len(req.spec_token_ids) + req.num_output_placeholders
+            if req.num_output_placeholders and past_last_token(req, wanted, max_model_len):
+                i += 1  # its in-flight token is its last one: no wasted step
+                continue
             if wanted > max_model_len:
                 wanted = max_model_len
             num_new = wanted - num_computed
