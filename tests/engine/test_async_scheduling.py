@@ -46,6 +46,12 @@ def make(model_dir, async_scheduling: bool, kv_tokens: int | None = None, **kw) 
     return EngineCore(config, log_stats=False)
 
 
+@pytest.fixture(scope="module")
+def engines(tiny):
+    """(sync, async) engines of the default set-up, shared by the tests (ids differ)."""
+    return make(tiny, False), make(tiny, True)
+
+
 def prompts(n: int, seed: int, shared: int = 0) -> dict[str, list[int]]:
     g = torch.Generator().manual_seed(seed)
     prefix = torch.randint(2, 500, (shared,), generator=g).tolist()
@@ -114,12 +120,11 @@ def mixed(seed: int) -> dict[str, tuple[list[int], SamplingParams]]:
     return {f"m{seed}.{i}": (p, k) for i, (p, k) in enumerate(zip(ps, kinds, strict=True))}
 
 
-def test_mixed_requests_match_sync_with_chunked_prefill_and_prefix_hits(tiny):
+def test_mixed_requests_match_sync_with_chunked_prefill_and_prefix_hits(engines):
     waves = [mixed(1), {k: (p, GREEDY) for k, p in prompts(6, 2, shared=80).items()}]
     waves.append({k + "b": (p, GREEDY) for k, p in prompts(6, 2, shared=80).items()})
     results = []
-    for flag in (False, True):
-        core = make(tiny, flag)
+    for core in engines:
         results.append([drive(core, w) for w in waves])
         assert core.scheduler.stats().prefix_cache_hits > 0
     sync, asyn = results
@@ -127,22 +132,25 @@ def test_mixed_requests_match_sync_with_chunked_prefill_and_prefix_hits(tiny):
     assert any(fr == "stop" for _, _, fr in sync[0].values())  # stop tokens were exercised
 
 
-def test_fed_tokens_come_from_the_device_and_overlap(tiny):
+def test_fed_tokens_come_from_the_device_and_overlap(engines):
     """Decode steps of the async engine launch before the last step is collected: their
     input ids are placeholders the device fills (counted here)."""
-    core = make(tiny, True)
+    core = engines[1]
     fed = []
     add = core.runner._add_placeholders
     core.runner._add_placeholders = lambda sched: fed.append(add(sched)) or fed[-1]
-    drive(core, {k: (p, GREEDY) for k, p in prompts(4, 3).items()})
+    try:
+        drive(core, {k: (p, GREEDY) for k, p in prompts(4, 3).items()})
+    finally:
+        del core.runner._add_placeholders
     assert sum(map(len, fed)) >= 4 * (GREEDY.max_tokens - 2)
 
 
-def test_aborts_between_launch_and_collect(tiny):
+def test_aborts_between_launch_and_collect(engines):
     reqs = {k: (p, GREEDY) for k, p in prompts(6, 4).items()}
-    expected = drive(make(tiny, False), reqs)
+    expected = drive(engines[0], reqs)
     ids = list(reqs)
-    got = drive(make(tiny, True), reqs, abort_after={ids[1]: 3, ids[4]: 6})
+    got = drive(engines[1], reqs, abort_after={ids[1]: 3, ids[4]: 6})
     for i in (1, 4):  # a prefix of its tokens, nothing after the abort
         tokens, _, _ = got[ids[i]]
         assert tokens == expected[ids[i]][0][: len(tokens)] and len(tokens) < 10
@@ -175,18 +183,6 @@ def test_host_kv_pool(tiny):
         results.append((first, drive(core, turn2)))
         assert core.offload.stats.bytes_offloaded > 0
     assert same(results[0][0], results[1][0]) and same(results[0][1], results[1][1])
-
-
-def test_synthetic_kv_requests(tiny):
-    """Requests admitted with their KV in place (P/D decode side, ``bench decode``)."""
-    results = []
-    for flag in (False, True):
-        core = make(tiny, flag)
-        for k, p in prompts(4, 9).items():
-            assert core.add_request_with_kv(EngineCoreRequest(k, p, GREEDY, time.time()), 2)
-        results.append(drive(core, {}))
-        assert len(results[-1]) == 4
-    assert same(*results)
 
 
 @pytest.fixture(scope="module")
@@ -246,9 +242,10 @@ def test_refuses_speculative_decoding(tiny):
 FORWARD_S, HOST_S = 0.15, 0.1
 
 
-def _mean_decode_step_s(core: EngineCore, num_steps: int) -> float:
+def _mean_decode_step_s(core: EngineCore, num_steps: int) -> tuple[float, dict]:
     """Mean wall time of decode steps, with a device taking FORWARD_S per step (its own
-    thread) and schedule() taking HOST_S more on the host."""
+    thread) and schedule() taking HOST_S more on the host; and the requests' outputs.
+    The requests are admitted with their KV in place (``bench decode``, P/D decode side)."""
     core.runner.device_queue = DelayedDevice(FORWARD_S)
     schedule = core.scheduler.schedule
 
@@ -257,22 +254,38 @@ def _mean_decode_step_s(core: EngineCore, num_steps: int) -> float:
         return schedule()
 
     core.scheduler.schedule = slow_schedule
-    params = SamplingParams(temperature=0, max_tokens=num_steps + 6, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=num_steps + 4, ignore_eos=True, logprobs=0)
     for k, p in prompts(4, 10).items():
-        core.add_request(EngineCoreRequest(k, p, params, time.time()))
-    for _ in range(4):  # prefills and the pipeline's first step
-        core.step()
+        assert core.add_request_with_kv(EngineCoreRequest(k, p, params, time.time()), len(p) - 1)
+    outputs = {k: ([], [], None) for k in prompts(4, 10)}
+
+    def step():
+        for o in core.step().outputs:
+            tokens, lps, _ = outputs[o.request_id]
+            outputs[o.request_id] = (
+                tokens + o.new_token_ids,
+                lps + [lp.logprobs[0] for lp in o.new_logprobs or ()],
+                o.finish_reason,
+            )
+
+    for _ in range(2):  # the pipeline's first step
+        step()
     start = time.perf_counter()
     for _ in range(num_steps):
-        core.step()
+        step()
     took = (time.perf_counter() - start) / num_steps
+    core.scheduler.schedule = schedule
+    while core.has_unfinished_requests():
+        step()
+    assert core.scheduler.kv.usage == 0.0
     core.shutdown()
-    return took
+    return took, outputs
 
 
 def test_overlap_with_a_slow_fake_device(tiny):
     """Sync: a step costs forward + host. Async: about max(forward, host)."""
-    sync = _mean_decode_step_s(make(tiny, False), 6)
-    asyn = _mean_decode_step_s(make(tiny, True), 6)
+    sync, expected = _mean_decode_step_s(make(tiny, False), 6)
+    asyn, got = _mean_decode_step_s(make(tiny, True), 6)
+    assert same(got, expected)
     assert sync >= FORWARD_S + HOST_S
     assert asyn < FORWARD_S + HOST_S * 0.5 and asyn < sync - HOST_S * 0.5, (sync, asyn)

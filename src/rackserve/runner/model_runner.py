@@ -25,7 +25,14 @@ from rackserve.runner.inputs import StepInputs
 from rackserve.runner.logits_processors import apply_logits_processors
 from rackserve.runner.sampler import SamplerOutput, sample
 from rackserve.runner.step_buffers import StepBuffers
-from rackserve.runner.step_handle import DeviceStep, StepHandle, StepTimer, feeder, to_host
+from rackserve.runner.step_handle import (
+    DeviceStep,
+    StepHandle,
+    StepTimer,
+    feeder,
+    output_to_host,
+    to_host,
+)
 from rackserve.runner.structured_output import GrammarCompiler, StructuredOutputs
 from rackserve.spec_decode.proposer import DRAFT_PREFIX, Proposer, VerifiedStep, build_proposer
 from rackserve.spec_decode.verify import accept_drafts
@@ -192,8 +199,9 @@ class ModelRunner:
             out = sample(logits, step.sampling) if step.sampling is not None else None
             host_ids = None if out is None else to_host(out.token_ids)
             return DeviceStep(
-                out=out,
+                out=None if out is None else output_to_host(out),
                 host_token_ids=host_ids,
+                device_token_ids=None if out is None else out.token_ids,
                 num_rows=num_rows,
                 prompt_logprobs=prompt_logprobs,
                 expert_counts=expert_counts.clone(),  # the static buffer is reused next step

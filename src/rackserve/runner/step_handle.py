@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from rackserve.runner.sampler import LogprobsTensors, SamplerOutput
+
 if TYPE_CHECKING:
     from rackserve.engine.outputs import TokenLogprobs
     from rackserve.runner.input_batch import PreparedStep
-    from rackserve.runner.sampler import SamplerOutput
 
 
 class StepTimer:
@@ -64,8 +65,9 @@ class StepTimer:
 class DeviceStep:
     """What a step's device work produced."""
 
-    out: SamplerOutput | None  # None: nothing sampled (prefill chunks only)
+    out: SamplerOutput | None  # None: nothing sampled (prefill chunks only); on the host
     host_token_ids: torch.Tensor | None  # [S'] sampled ids on the host (pinned on a GPU)
+    device_token_ids: torch.Tensor | None  # [S'] the same on the device (the next step's feed)
     num_rows: list[int]  # logits rows per sampled request (1, or 1 + drafts)
     prompt_logprobs: dict[str, list[TokenLogprobs | None]]
     expert_counts: torch.Tensor  # [L, E]
@@ -92,6 +94,16 @@ def to_host(token_ids: torch.Tensor) -> torch.Tensor:
     return host
 
 
+def output_to_host(out: SamplerOutput) -> SamplerOutput:
+    """The sampler's output with its logprobs copied to the host behind the same event as
+    the ids (read later without a sync that would wait for the next step's forward)."""
+    lp = out.logprobs
+    if lp is None or lp.logprobs.device.type != "cuda":
+        return out
+    host = LogprobsTensors(to_host(lp.token_ids), to_host(lp.logprobs), to_host(lp.ranks))
+    return SamplerOutput(out.token_ids, host)
+
+
 def feeder(
     prev: Future | None, index: np.ndarray, rows: np.ndarray
 ) -> Callable[[torch.Tensor], None]:
@@ -102,8 +114,8 @@ def feeder(
 
     def feed(input_ids: torch.Tensor) -> None:
         result = prev.result()
-        assert result.out is not None, "a placeholder's step sampled nothing"
-        tokens = result.out.token_ids  # [S'] on the device
+        assert result.device_token_ids is not None, "a placeholder's step sampled nothing"
+        tokens = result.device_token_ids  # [S'] on the device
         device = input_ids.device
         at = torch.from_numpy(index).to(device, non_blocking=True)
         src = torch.from_numpy(rows).to(tokens.device, non_blocking=True)
