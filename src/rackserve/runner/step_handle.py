@@ -116,9 +116,10 @@ def feeder(
         result = prev.result()
         assert result.device_token_ids is not None, "a placeholder's step sampled nothing"
         tokens = result.device_token_ids  # [S'] on the device
-        device = input_ids.device
-        at = torch.from_numpy(index).to(device, non_blocking=True)
-        src = torch.from_numpy(rows).to(tokens.device, non_blocking=True)
+        at, src = torch.from_numpy(index), torch.from_numpy(rows)
+        if tokens.device.type == "cuda":  # pinned: a pageable copy could wait for step N
+            at = at.pin_memory().to(tokens.device, non_blocking=True)
+            src = src.pin_memory().to(tokens.device, non_blocking=True)
         input_ids[at] = tokens[src].to(input_ids.dtype)
 
     return feed
