@@ -20,6 +20,7 @@ from rackserve.engine.outputs import EngineCoreRequest
 from rackserve.model.create import create_checkpoint
 from rackserve.model.presets import tiny_config
 from rackserve.request import SamplingParams, StructuredOutputsParams
+from rackserve.runner.cuda_graph import DecodeGraphs
 
 from engine_utils import budget_for_tokens
 
@@ -144,6 +145,25 @@ def test_fed_tokens_come_from_the_device_and_overlap(engines):
     finally:
         del core.runner._add_placeholders
     assert sum(map(len, fed)) >= 4 * (GREEDY.max_tokens - 2)
+
+
+def test_graph_decode_steps_take_the_fed_tokens(engines):
+    """The CUDA-graph path (here uncaptured, so run eagerly on its static buffers): the
+    fed tokens land in the graph's input ids."""
+    sync, asyn = engines
+    runner = asyn.runner
+    runner.graphs = DecodeGraphs(
+        asyn.model, runner.caches, runner.buffers, runner.buffers.groups, [1, 2, 4, 8], [512]
+    )
+    reqs = {k: (p, GREEDY) for k, p in prompts(5, 11).items()}
+    used = []
+    run = runner.graphs.run
+    runner.graphs.run = lambda *a: used.append(a[3] is not None) or run(*a)
+    try:
+        got = drive(asyn, reqs)
+    finally:
+        runner.graphs = None
+    assert sum(used) >= 5 and same(got, drive(sync, reqs))
 
 
 def test_aborts_between_launch_and_collect(engines):
