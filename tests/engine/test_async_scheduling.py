@@ -309,3 +309,22 @@ def test_overlap_with_a_slow_fake_device(tiny):
     assert same(got, expected)
     assert sync >= FORWARD_S + HOST_S
     assert asyn < FORWARD_S + HOST_S * 0.5 and asyn < sync - HOST_S * 0.5, (sync, asyn)
+
+
+def test_flags(tiny):
+    """``serve`` and ``generate`` take --async-scheduling; off by default."""
+    from rackserve.cli import build_parser
+    from rackserve.server.cli import build_engine_config, resolve_options
+
+    def serve(*argv: str) -> EngineConfig:
+        args = build_parser().parse_args(["serve", str(tiny), "--max-model-len", "256", *argv])
+        return build_engine_config(resolve_options(args))
+
+    assert not serve().scheduler.async_scheduling
+    assert serve("--async-scheduling").scheduler.async_scheduling
+    args = build_parser().parse_args(["generate", "--model", "m", "--prompt", "x"])
+    assert args.async_scheduling is False
+    args = build_parser().parse_args(
+        ["generate", "--model", "m", "--prompt", "x", "--async-scheduling"]
+    )
+    assert args.async_scheduling is True
