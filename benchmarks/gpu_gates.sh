@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The decode gates in one device call (GPU fast path M2/M4): bench forward with CUDA graphs,
 # launches per layer, the graph step's gap, bench decode at 1 and 64 requests next to
-# transformers on the same checkpoint, then the GPU-marked kernel tests (as time allows).
+# transformers on the same checkpoint (and at 256, with and without --async-scheduling), then the GPU-marked kernel tests (as time allows).
 # Results in $OUT. Usage: bash benchmarks/gpu_gates.sh
 set -uo pipefail
 OUT=${OUT:-out/gpu}
@@ -44,6 +44,12 @@ timeout 60 "${rs[@]}" model create "${FLASH[@]}" --dtype bfloat16 --no-mtp --out
 for c in 1 64; do
   timeout 60 "${rs[@]}" bench decode --model /tmp/flash4 --concurrency $c --context 512 --steps 30 \
     --warmup 5 --kv-cache-memory 8000000000 --output "$OUT/decode_$c.json" 2>&1 | tail -1
+done
+# issue 14's CPU-side gate: step minus forward <= 0.3 ms at 256 requests, with and
+# without --async-scheduling (the step of N+1 prepared while N runs)
+for a in "" --async-scheduling; do
+  timeout 120 "${rs[@]}" bench decode --model /tmp/flash4 --concurrency 256 --context 512 --steps 30 \
+    --warmup 5 --kv-cache-memory 8000000000 $a --output "$OUT/decode_256${a:+_async}.json" 2>&1 | tail -1
 done
 timeout 150 python3 benchmarks/hf_decode.py --model /tmp/flash4 --batch 1,64 --context 512 \
   --output "$OUT/hf_decode.json" 2>&1 | tail -2

@@ -95,6 +95,8 @@ class SchedulerConfig:
     max_model_len: int = 8192
     policy: str = "fcfs"  # or "priority"
     enable_chunked_prefill: bool = True
+    # schedule step N+1 while step N runs (engine/async_scheduling.py), as vLLM names it
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:

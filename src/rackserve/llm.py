@@ -51,9 +51,11 @@ class LLM:
         parallel: ParallelConfig | None = None,
         kv_cache_dtype: str = "auto",
         speculative_config: str | dict[str, Any] | SpecConfig | None = None,
+        async_scheduling: bool = False,
     ) -> None:
         """``speculative_config``: as ``--speculative-config`` (JSON text or a dict, e.g.
-        ``{"method": "mtp", "num_speculative_tokens": 3}``), or a SpecConfig."""
+        ``{"method": "mtp", "num_speculative_tokens": 3}``), or a SpecConfig.
+        ``async_scheduling``: as ``--async-scheduling`` (engine/async_scheduling.py)."""
         parallel = parallel or ParallelConfig()
         speculative = (
             speculative_config
@@ -81,6 +83,7 @@ class LLM:
                     max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max(max_num_batched_tokens, 1),
                     max_model_len=max_len,
+                    async_scheduling=async_scheduling,
                 ),
                 dtype=dtype,
                 device=device,

@@ -329,6 +329,8 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first schedule)
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify
+    # async scheduling: tokens sampled by launched steps, not yet read back (vLLM's name)
+    num_output_placeholders: int = 0
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None  # time.monotonic() when first admitted

@@ -15,7 +15,18 @@ import torch
 
 from rackserve.config import CPU_KV_CACHE_MEMORY, EngineConfig
 from rackserve.device import resolve
-from rackserve.engine.outputs import EngineCoreOutputs, EngineCoreRequest, SchedulerOutput
+from rackserve.engine.async_scheduling import (
+    InFlight,
+    check_supported,
+    mark_placeholders,
+    update_after_collect,
+)
+from rackserve.engine.outputs import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    RunnerOutput,
+    SchedulerOutput,
+)
 from rackserve.engine.scheduler import Scheduler
 from rackserve.kv.events import KVEvents
 from rackserve.kv.manager import KVCacheManager
@@ -114,6 +125,7 @@ class EngineCore:
         self, config: EngineConfig, log_stats: bool = True, groups: ParallelGroups | None = None
     ) -> None:
         self.config = config
+        check_supported(config)  # --async-scheduling's combinations, before loading anything
         device, dtype = resolve(config.device, config.dtype)
         torch.manual_seed(config.seed)
         if device.type == "cpu":
@@ -182,6 +194,9 @@ class EngineCore:
             sched, kv, cfg.eos_token_id, self.offload, num_spec_tokens=num_spec_tokens
         )
         self.last_step: SchedulerOutput | None = None
+        # --async-scheduling: the launched step not collected yet (engine/async_scheduling.py)
+        self.async_scheduling = sched.async_scheduling
+        self._in_flight: InFlight | None = None
         self.last_forward_time_s = 0.0
         self.kv_connector = None
         if config.kv_transfer is not None:  # P/D disaggregation (disagg/connector.py)
@@ -245,7 +260,8 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        # a step still in flight is collected by one more step()
+        return self.scheduler.num_unfinished > 0 or self._in_flight is not None
 
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
@@ -255,17 +271,24 @@ class EngineCore:
             connector.step()
         sched = self.scheduler.schedule()
         self.last_step = sched
-        if not sched.total_num_scheduled_tokens and self.scheduler.waiting_for_grammar:
+        if (
+            not sched.total_num_scheduled_tokens
+            and self.scheduler.waiting_for_grammar
+            and self._in_flight is None
+        ):
             # only grammars are compiling: wait a little for one instead of spinning
             self.scheduler.waiting_for_grammar.wait(GRAMMAR_POLL_S)
         self.kv_events.drain()  # evicted blocks go to the host pool before the forward
-        result = self.runner.execute(sched)  # an empty step still drops finished state
-        if self.ep is not None:
-            if not result.req_ids:
-                self.ep.dummy_pass()  # no forward ran: the other ranks' dispatch needs ours
-            self.ep_models.end_step(("main",))  # the MTP layers run in no step yet
-        self.last_forward_time_s = result.forward_time_s
-        outputs = self.scheduler.update(sched, result)
+        if self.async_scheduling:
+            outputs = self._step_async(sched)
+        else:
+            result = self.runner.execute(sched)  # an empty step still drops finished state
+            if self.ep is not None:
+                if not result.req_ids:
+                    self.ep.dummy_pass()  # no forward ran: the other ranks' dispatch needs ours
+                self.ep_models.end_step(("main",))  # the MTP layers run in no step yet
+            self.last_forward_time_s = result.forward_time_s
+            outputs = self.scheduler.update(sched, result)
         self.kv_events.drain(publish=True)
         stats = self.scheduler.stats()
         if self.offload is not None:
@@ -280,6 +303,25 @@ class EngineCore:
             real, uniform = self.ep.last_balancedness
             stats.expert_balancedness, stats.expert_balancedness_uniform = real, uniform
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=time.time())
+
+    def _step_async(self, sched: SchedulerOutput) -> list:
+        """Launch ``sched`` (step N+1), then collect and apply step N: the host work of
+        N+1 ran while N was on the device. An empty step is collected at once, so a step
+        stays in flight only while there is work."""
+        marked = mark_placeholders(self.scheduler, sched)
+        launched = InFlight(sched, self.runner.launch(sched), marked)
+        done, self._in_flight = self._in_flight, launched
+        if done is None:  # nothing was in flight: only what schedule() finished
+            outputs = self.scheduler.update(sched, RunnerOutput(req_ids=[], sampled_token_ids=[]))
+        else:
+            result = self.runner.collect(done.handle)
+            self.last_forward_time_s = result.forward_time_s
+            outputs = update_after_collect(self.scheduler, done, result, launched)
+        if not sched.total_num_scheduled_tokens:
+            self._in_flight = None
+            result = self.runner.collect(launched.handle)
+            outputs += update_after_collect(self.scheduler, launched, result, None)
+        return outputs
 
     # ---- KV export / import (P/D transfer, host KV pool) -----------------------------------
     def export_kv(self, request_id: str) -> tuple[tuple[list[int], ...], torch.Tensor]:
@@ -304,6 +346,7 @@ class EngineCore:
             self.kv_connector.close()
         self.abort_requests(list(self.scheduler.requests))
         self.grammar_compiler.shutdown()
+        self.runner.device_queue.close()
         self.kv_events.close()
         if self.offload is not None:
             self.offload.close()

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
 from rackserve.config import SchedulerConfig
+from rackserve.engine.async_scheduling import past_last_token
 from rackserve.engine.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -225,9 +226,11 @@ class Scheduler:
         while i < len(running) and budget > 0:
             req = running[i]
             num_computed = req.num_computed_tokens
-            # Tokens not yet computed (a decode step: 1), capped by the context length and
-            # the budget (compared, not min(): this runs per request per step).
-            wanted = len(req.all_token_ids) + len(req.spec_token_ids)
+            # Tokens not yet computed (a decode step: 1; in-flight ones count, async_scheduling.py),
+            # capped by the context length and the budget (compared: runs per request per step).
+            wanted = len(req.all_token_ids) + len(req.spec_token_ids) + req.num_output_placeholders
+            if req.num_output_placeholders and past_last_token(req, wanted, max_model_len):
+                wanted = num_computed  # its in-flight token is its last: no wasted step
             if wanted > max_model_len:
                 wanted = max_model_len
             num_new = wanted - num_computed

@@ -80,6 +80,7 @@ def _generate(args: argparse.Namespace) -> int:
         max_num_seqs=4,
         max_num_batched_tokens=2048,
         speculative_config=args.speculative_config,
+        async_scheduling=args.async_scheduling,
     )
     params = SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
@@ -114,5 +115,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--speculative-config",
         default=None,
         help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\' (as serve)',
+    )
+    gen.add_argument(
+        "--async-scheduling", action="store_true", help="schedule step N+1 while N runs (as serve)"
     )
     gen.set_defaults(func=_generate)

@@ -15,7 +15,7 @@ many tokens.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -119,6 +119,7 @@ class DecodeGraphs:
         key: tuple[int, int],
         inputs: StepInputs,
         table_writes: tuple[np.ndarray, np.ndarray],
+        feed: Callable[[torch.Tensor], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay (or, for a key that was not captured, run the same padded step eagerly:
         the CPU tests do); returns (logits [R, V] float32, expert_counts [L, E]), valid
@@ -140,6 +141,8 @@ class DecodeGraphs:
         )
         self.buffers.apply_writes(w_index, w_values)
         self.input_ids[:b].copy_(ids_d)
+        if feed is not None:  # async scheduling: last step's tokens, on the device
+            feed(self.input_ids)
         self.positions[:b].copy_(pos_d)
         self.rows[:b].copy_(rows_d)
         if key in self.graphs:

@@ -8,21 +8,31 @@ eagerly. Nothing waits for the device before the sampled token ids are read back
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from rackserve.config import SpecConfig
+from rackserve.engine.async_scheduling import InlineDevice
 from rackserve.engine.outputs import RunnerOutput, SchedulerOutput, TokenLogprobs
 from rackserve.kv.spec import CacheGroupSpec
 from rackserve.model.batch import KVCacheTensors
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 from rackserve.runner.cuda_graph import DecodeGraphs, context_buckets, graph_batch_sizes
-from rackserve.runner.input_batch import InputBatch, RunnerRequest
+from rackserve.runner.input_batch import InputBatch, PreparedStep, RunnerRequest
 from rackserve.runner.inputs import StepInputs
 from rackserve.runner.logits_processors import apply_logits_processors
 from rackserve.runner.sampler import SamplerOutput, sample
 from rackserve.runner.step_buffers import StepBuffers
+from rackserve.runner.step_handle import (
+    DeviceStep,
+    StepHandle,
+    StepTimer,
+    feeder,
+    output_to_host,
+    to_host,
+)
 from rackserve.runner.structured_output import GrammarCompiler, StructuredOutputs
 from rackserve.spec_decode.proposer import DRAFT_PREFIX, Proposer, VerifiedStep, build_proposer
 from rackserve.spec_decode.verify import accept_drafts
@@ -82,6 +92,11 @@ class ModelRunner:
         self.expert_counts = torch.zeros(
             cfg.num_hidden_layers, cfg.n_routed_experts, dtype=torch.int64, device=self.device
         )
+        # where launched steps run (engine/async_scheduling.py: a fake delayed one in tests)
+        self.device_queue = InlineDevice()
+        self._launched: StepHandle | None = None  # launched, not collected yet
+        # a token still in flight: past the vocabulary, so the penalties' padding ignores it
+        self.placeholder = cfg.vocab_size
         self.graphs: DecodeGraphs | None = None
         # A verify step is not a uniform decode step, and MTP reads the streams: eager.
         if self.device.type == "cuda" and not enforce_eager and speculative is None:
@@ -96,62 +111,135 @@ class ModelRunner:
             self.graphs.capture(log=log)
 
     # ---- one step -----------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """One step, start to end (the synchronous engine)."""
+        return self.collect(self.launch(sched))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> StepHandle:
+        """The host half of a step (deltas, inputs, sampling tensors), then its device work
+        on :attr:`device` (a GPU: enqueued on the stream; the CPU: run now). A request
+        whose last token is still in flight (async scheduling: the step launched before
+        this one, not collected yet) gets a placeholder, replaced on the device by that
+        step's sampled id."""
         structured = self.structured_outputs
         if structured is not None:
             structured.update(sched)
+        fed = self._add_placeholders(sched) if self._launched is not None else []
         step = self.input_batch.prepare(sched)
         if step is None:
-            return RunnerOutput(req_ids=[], sampled_token_ids=[])
-        reqs, inputs = step.reqs, step.inputs
-        start = time.perf_counter()
-        key = self.graphs.key_for(inputs) if self.graphs is not None else None
-        prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
-        streams: torch.Tensor | None = None  # [T, N, D] final streams (eager steps)
-        if key is not None:
-            logits, expert_counts = self.graphs.run(key, inputs, step.table_writes)
-        else:
-            input_ids, meta, logits_indices = self.buffers.eager_step(inputs, step.table_writes)
-            expert_counts = self.expert_counts.zero_()
-            hidden, streams = self.model(input_ids, meta, self.caches, expert_counts)
-            prompt_logprobs = self._prompt_logprobs(
-                reqs, inputs.query_start_loc, inputs.num_computed_tokens, hidden
+            return StepHandle(None, None)
+        feed = None
+        if fed:
+            prev = self._launched
+            assert prev is not None and prev.step is not None
+            starts = step.inputs.query_start_loc
+            at = {r.req_id: k for k, r in enumerate(step.reqs)}
+            feed = feeder(
+                prev.future,
+                np.array([starts[at[i]] for i in fed], dtype=np.int64),
+                np.array([prev.sample_index[i] for i in fed], dtype=np.int64),
             )
-            logits = self.model.compute_logits(hidden[logits_indices])  # [S', V]
+        sample_index = {r.req_id: j for j, r in enumerate(step.sampled_reqs)}
+        handle = StepHandle(step, self.device_queue.submit(lambda: self._run(step, feed)))
+        handle.sample_index = sample_index
+        self._launched = handle
+        return handle
 
-        sampled_reqs = step.sampled_reqs
-        # rows per sampled request: 1, or 1 + drafts for a verify step
-        num_rows = [m + 1 for m in step.num_draft_tokens] or [1] * len(sampled_reqs)
-        row_params = [
-            r.sampling_params for r, n in zip(sampled_reqs, num_rows, strict=True) for _ in range(n)
-        ]
-        # hook (issue 15): logit_bias and structured output, runner/logits_processors.py;
-        # the grammar masks are filled on the host while the device runs the forward
-        bitmask = structured.bitmask(sampled_reqs) if structured is not None else None
-        if bitmask is not None and len(row_params) > len(sampled_reqs):
-            repeats = torch.tensor(num_rows, device=bitmask.device)
-            bitmask = bitmask.repeat_interleave(repeats, dim=0)
-        logits = apply_logits_processors(logits, row_params, bitmask)
+    def _add_placeholders(self, sched: SchedulerOutput) -> list[str]:
+        """Requests scheduled at a token the host does not know yet (computed == known):
+        PLACEHOLDER joins their token list (lengths, positions, min_tokens stay right)."""
+        fed = []
+        requests = self.input_batch.requests
+        cached = sched.cached_reqs
+        for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
+            r = requests.get(req_id)
+            if r is not None and computed == len(r.token_ids):
+                r.token_ids.append(self.placeholder)
+                fed.append(req_id)
+        return fed
+
+    def _run(self, step: PreparedStep, feed: Callable[[torch.Tensor], None] | None) -> DeviceStep:
+        """The device work of a step: forward, logits processors, sampling, the copy of the
+        sampled ids to the host (an event marks it on a GPU)."""
+        with torch.inference_mode():
+            timer = StepTimer(self.device)
+            reqs, inputs = step.reqs, step.inputs
+            key = self.graphs.key_for(inputs) if self.graphs is not None else None
+            prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
+            streams: torch.Tensor | None = None  # [T, N, D] final streams (eager steps)
+            if key is not None:
+                logits, expert_counts = self.graphs.run(key, inputs, step.table_writes, feed)
+            else:
+                input_ids, meta, logits_indices = self.buffers.eager_step(inputs, step.table_writes)
+                if feed is not None:
+                    feed(input_ids)
+                expert_counts = self.expert_counts.zero_()
+                hidden, streams = self.model(input_ids, meta, self.caches, expert_counts)
+                prompt_logprobs = self._prompt_logprobs(
+                    reqs, inputs.query_start_loc, inputs.num_computed_tokens, hidden
+                )
+                logits = self.model.compute_logits(hidden[logits_indices])  # [S', V]
+            sampled_reqs = step.sampled_reqs
+            # rows per sampled request: 1, or 1 + drafts for a verify step
+            num_rows = [m + 1 for m in step.num_draft_tokens] or [1] * len(sampled_reqs)
+            row_params = [
+                r.sampling_params
+                for r, n in zip(sampled_reqs, num_rows, strict=True)
+                for _ in range(n)
+            ]
+            # hook (issue 15): logit_bias and structured output, runner/logits_processors.py;
+            # the grammar masks are filled on the host while the device runs the forward
+            structured = self.structured_outputs
+            bitmask = structured.bitmask(sampled_reqs) if structured is not None else None
+            if bitmask is not None and len(row_params) > len(sampled_reqs):
+                repeats = torch.tensor(num_rows, device=bitmask.device)
+                bitmask = bitmask.repeat_interleave(repeats, dim=0)
+            logits = apply_logits_processors(logits, row_params, bitmask)
+            out = sample(logits, step.sampling) if step.sampling is not None else None
+            host_ids = None if out is None else to_host(out.token_ids)
+            return DeviceStep(
+                out=None if out is None else output_to_host(out),
+                host_token_ids=host_ids,
+                device_token_ids=None if out is None else out.token_ids,
+                num_rows=num_rows,
+                prompt_logprobs=prompt_logprobs,
+                expert_counts=expert_counts.clone(),  # the static buffer is reused next step
+                streams=streams,
+                timer=timer.stop(),
+            )
+
+    @torch.inference_mode()
+    def collect(self, handle: StepHandle) -> RunnerOutput:
+        """Wait for a launched step's sampled ids (by event on a GPU) and apply them."""
+        if handle is self._launched:
+            self._launched = None
+        step = handle.step
+        if step is None or handle.future is None:
+            return RunnerOutput(req_ids=[], sampled_token_ids=[])
+        res = handle.future.result()
+        reqs, inputs = step.reqs, step.inputs
         sampled: list[list[int]] = [[] for _ in reqs]
         logprobs: list[list[TokenLogprobs]] | None = None
         starts = inputs.query_start_loc
         num_kept = [starts[k + 1] - starts[k] for k in range(len(reqs))]  # verify: fewer
-        if step.sampling is not None:
-            out = sample(logits, step.sampling)
-            logprobs = self._emit(reqs, inputs, num_rows, out, sampled, num_kept)
+        if res.out is not None:
+            assert res.host_token_ids is not None
+            token_ids = res.timer.wait_for(res.host_token_ids).tolist()
+            logprobs = self._emit(reqs, inputs, res.num_rows, res.out, token_ids, sampled, num_kept)
+            structured = self.structured_outputs
             if structured is not None:  # constrained requests never draft: one token each
-                structured.advance(sampled_reqs, [sampled[k][-1] for k in _sampled(inputs)])
+                structured.advance(step.sampled_reqs, [sampled[k][-1] for k in _sampled(inputs)])
         drafts: dict[str, list[int]] = {}
         if self.proposer is not None:
-            drafts = self._propose(reqs, inputs, num_kept, sampled, streams)
+            drafts = self._propose(reqs, inputs, num_kept, sampled, res.streams)
         return RunnerOutput(
             req_ids=[r.req_id for r in reqs],
             sampled_token_ids=sampled,
             logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            expert_counts=expert_counts.clone(),  # the static buffer is reused next step
-            forward_time_s=time.perf_counter() - start,  # ends at the token read-back
+            prompt_logprobs=res.prompt_logprobs,
+            expert_counts=res.expert_counts,
+            forward_time_s=res.timer.elapsed_s(),  # ends at the token read-back
             draft_token_ids=drafts,
         )
 
@@ -161,17 +249,18 @@ class ModelRunner:
         inputs: StepInputs,
         num_rows: list[int],
         out: SamplerOutput,
+        token_ids: list[int],
         sampled: list[list[int]],
         num_kept: list[int],
     ) -> list[list[TokenLogprobs]] | None:
         """Each sampled request's tokens into ``sampled`` (and its token list): the one
         sampled token, or for a verify step (rows 1 + drafts) the accepted drafts and one
         more; ``num_kept`` loses the rejected ones. Returns the logprobs of those tokens."""
-        token_ids = out.token_ids.tolist()
         logprobs: list[list[TokenLogprobs]] | None = None
         if out.logprobs is not None:
             logprobs = [[] for _ in reqs]
         first = 0  # the request's first logits row
+        starts = inputs.query_start_loc
         for k, n in zip(_sampled(inputs), num_rows, strict=True):
             req = reqs[k]
             emitted = [token_ids[first]]
@@ -180,7 +269,11 @@ class ModelRunner:
                 del req.token_ids[-(n - 1) :]  # prepare() appended them for the inputs
                 emitted = accept_drafts(token_ids[first : first + n], drafts)
                 num_kept[k] -= n - len(emitted)
-            req.token_ids.extend(emitted)
+            at = inputs.num_computed_tokens[k] + starts[k + 1] - starts[k]  # its index
+            if n == 1 and at < len(req.token_ids):  # async: a placeholder holds its place
+                req.token_ids[at] = emitted[0]
+            else:
+                req.token_ids.extend(emitted)
             sampled[k] = emitted
             num = req.sampling_params.logprobs
             if logprobs is not None and num is not None:

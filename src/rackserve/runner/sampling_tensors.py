@@ -31,6 +31,14 @@ def pad_token_ids(
     return torch.tensor(packed, dtype=torch.int64, device=device)
 
 
+def _upload(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Host -> device without a stream sync on a GPU (pinned, non-blocking): with async
+    scheduling the previous step's forward is still running (engine/async_scheduling.py)."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def noise_seed(seed: int) -> int:
     """Any Python int -> the int64 (two's complement of its low 64 bits) the noise is keyed by."""
     return (seed + 2**63) % 2**64 - 2**63
@@ -174,7 +182,7 @@ class SamplingParamTable:
             return [ids[n:] for ids, n in zip(token_ids, prompt_lens, strict=True)]
 
         def column(values: np.ndarray, dtype: np.dtype) -> torch.Tensor:
-            return torch.from_numpy(values.astype(dtype)).to(device)
+            return _upload(torch.from_numpy(values.astype(dtype)), device)
 
         is_greedy = self.is_greedy[rows]
         top_k = self.top_k[rows]
@@ -198,7 +206,7 @@ class SamplingParamTable:
         positions = np.fromiter(map(len, token_ids), dtype=np.int64, count=len(token_ids))
         return SamplingTensors(
             temperature=column(self.temperature[rows], np.float32),
-            is_greedy=torch.from_numpy(is_greedy).to(device),
+            is_greedy=_upload(torch.from_numpy(is_greedy), device),
             top_k=column(top_k, np.int64) if (top_k < vocab_size).any() else None,
             top_p=column(top_p, np.float32) if (top_p < 1.0).any() else None,
             min_p=column(min_p, np.float32) if (min_p > 0.0).any() else None,

@@ -44,6 +44,7 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "device": "auto",
     "seed": 0,
     "enforce_eager": False,
+    "async_scheduling": False,
     "shutdown_timeout": 30.0,
     "engine_dead_exit_delay": 2.0,
     "engine_startup_timeout": 600.0,
@@ -202,6 +203,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--device", help="auto, cpu or cuda")
     add("--seed", type=int, help="engine seed (default 0)")
     add("--enforce-eager", action="store_true", default=None, help="no CUDA graphs for decode")
+    add(
+        "--async-scheduling", action="store_true", default=None,
+        help="schedule step N+1 while step N runs (no spec decoding, no DP/EP)",
+    )  # fmt: skip
     add("--shutdown-timeout", type=float, help="SIGTERM: seconds to drain requests (30)")
     add("--engine-dead-exit-delay", type=float, help="seconds from engine death to exit (2)")
     add("--engine-startup-timeout", type=float, help="seconds to load the model (600)")
@@ -386,6 +391,7 @@ def build_engine_config(options: dict[str, Any]) -> Any:
             max_num_batched_tokens=options["max_num_batched_tokens"],
             max_model_len=max_model_len,
             policy=options["scheduling_policy"],
+            async_scheduling=options["async_scheduling"],
         ),
         dtype=options["dtype"],
         device=options["device"],
