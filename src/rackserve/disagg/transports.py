@@ -2,7 +2,8 @@
 
 All share the control path of wire.py over TCP (a producer's ``KVServer`` on kv_ip:kv_port):
 
-- ``tcp``: the bytes follow on the same stream in checksummed chunks (two hosts; loopback).
+- ``tcp``: the bytes follow on the same stream in checksummed pieces, block by block while
+  the prefill still runs (streaming.py; two hosts; loopback).
 - ``shm``: the producer writes the region into a shared-memory segment, the consumer copies
   it out (one host, no socket copy of the data); the producer unlinks it after the ack.
 - ``nccl``: ``send``/``recv`` on a two-rank process group per (producer, consumer) pair,
@@ -26,6 +27,7 @@ from multiprocessing import resource_tracker, shared_memory
 import torch
 
 from rackserve.disagg.store import KVStore
+from rackserve.disagg.streaming import PieceLog, StreamStats, recv_streamed, send_streamed
 from rackserve.disagg.wire import (
     CHUNK_BYTES,
     Ack,
@@ -143,6 +145,7 @@ class KVServer:
         self.store = store
         self.fault = fault
         self.pairs = PairGroups(backend, timeout_s=store.lease_s)
+        self.stream_stats = StreamStats()
         self._sock = socket.create_server((host, port), reuse_port=False)
         self.address = self._sock.getsockname()[:2]
         self._stop = threading.Event()
@@ -175,7 +178,15 @@ class KVServer:
                 logger.info("KV transfer connection ended: %s", e)
 
     def _pull(self, conn: socket.socket, pull: Pull) -> None:
-        rows = self.store.get(pull.key)
+        if pull.stream:
+            delay = self.fault.delay_s if self.fault.kind == "delay" else 0.0
+            stats = self.stream_stats
+            nbytes = send_streamed(conn, self.store, pull, self.fault.kind, delay, stats)
+            ack = recv_message(conn) if nbytes >= 0 else None
+            if isinstance(ack, Ack) and ack.ok:
+                self.store.done(pull.key, nbytes)
+            return
+        rows = self.store.get(pull.key, wait_s=self.store.lease_s)  # its prefill may still run
         if rows is None:
             send_message(conn, PullReply(False, f"no KV held for {pull.key} (lease over?)"))
             return
@@ -275,6 +286,7 @@ class FetchJob:
     numel: int
     dtype: torch.dtype
     device: torch.device
+    layout: tuple[tuple[int, int], ...] = ()  # per group (layers, elements per slot per layer)
 
 
 class KVClient:
@@ -288,6 +300,7 @@ class KVClient:
         self.local_ip = local_ip
         self.pairs = PairGroups(backend, timeout_s=lease_s)
         self._rendezvous: dict[str, str] = {}
+        self.pieces = PieceLog()  # streamed pieces' arrivals (tcp)
 
     def _connect(self, host: str, port: int) -> socket.socket:
         try:
@@ -309,14 +322,22 @@ class KVClient:
                     if peer not in self._rendezvous:
                         self._rendezvous[peer] = self.pairs.host_store(peer, self.local_ip)
                     rendezvous = self._rendezvous[peer]
+                stream = self.transport == "tcp" and bool(job.layout)
                 pull = Pull(
-                    job.key, job.group_slots, job.numel, str(job.dtype), self.transport, rendezvous
-                )
+                    job.key, job.group_slots, job.numel, str(job.dtype), self.transport,
+                    rendezvous, stream,
+                )  # fmt: skip
                 send_message(conn, pull)
                 reply = recv_message(conn)
                 if not isinstance(reply, PullReply) or not reply.ok:
                     raise TransferError(getattr(reply, "message", "unexpected reply"))
-                if self.transport == "nccl":
+                if stream:
+                    region = recv_streamed(
+                        conn, job.key, job.group_slots, list(job.layout), job.dtype, self.pieces
+                    ).to(job.device)
+                    if region.numel() != job.numel:
+                        raise TransferError(f"received {region.numel()} of {job.numel} elements")
+                elif self.transport == "nccl":
                     region = self._recv_pair(peer, job, reply)
                 elif self.transport == "shm":
                     region = self._recv_shm(job, reply)

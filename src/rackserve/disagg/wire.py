@@ -8,6 +8,15 @@
 
     Heartbeat(keys) -->                      <-- HeartbeatReply(missing keys)   (extends leases)
 
+A streaming pull (``tcp``: Pull.stream) may start while the prefill still runs: the producer
+answers with the rows of each block as its chunk finishes, then the tail once the request
+finished, each piece checksummed::
+
+    Pull(stream) -->                   <-- PullReply(ok)
+                                       <-- Rows(group, slots, nbytes, crc32) + bytes (x any)
+                                       <-- End(ok, message)
+    Ack(ok) -->
+
 The data transports (tcp, shm, nccl) share this control path; only where the bytes travel
 differs (the stream itself, a shared-memory segment, a NCCL/gloo send). Every chunk carries a
 CRC32 so a corrupt byte fails the request's transfer instead of its output.
@@ -39,6 +48,7 @@ class Pull(msgspec.Struct, tag="pull"):
     dtype: str
     transport: str = "tcp"  # where the bytes go: "tcp" (this stream), "shm", "nccl"
     rendezvous: str = ""  # nccl: "host:port" of the consumer's store for the pair group
+    stream: bool = False  # Rows pieces as the prefill's chunks finish, then End
 
 
 class PullReply(msgspec.Struct, tag="reply"):
@@ -55,6 +65,20 @@ class Chunk(msgspec.Struct, tag="chunk"):
     crc32: int
 
 
+class Rows(msgspec.Struct, tag="rows"):
+    """Some table slots of one group, all its layers: [layers, len(slots), row] elements."""
+
+    group: int
+    slots: list[int]
+    nbytes: int
+    crc32: int
+
+
+class End(msgspec.Struct, tag="end"):
+    ok: bool
+    message: str = ""
+
+
 class Ack(msgspec.Struct, tag="ack"):
     ok: bool
 
@@ -67,7 +91,7 @@ class HeartbeatReply(msgspec.Struct, tag="heartbeat_reply"):
     missing: list[str]
 
 
-Message = Pull | PullReply | Chunk | Ack | Heartbeat | HeartbeatReply
+Message = Pull | PullReply | Chunk | Rows | End | Ack | Heartbeat | HeartbeatReply
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
