@@ -126,8 +126,7 @@ class KVConnector:
         self.client: KVClient | None = None
         self._pool: ThreadPoolExecutor | None = None
         if config.is_consumer:
-            data_path = "nccl" if self.transport in ("nccl", "nixl") else self.transport
-            self.client = KVClient(data_path, config.lease_s, config.kv_ip, backend)
+            self.client = KVClient(self.transport, config.lease_s, config.kv_ip, backend)
             self._pool = ThreadPoolExecutor(MAX_TRANSFER_THREADS, thread_name_prefix="kv-pull")
         self.pending: deque[RemoteKV] = deque()  # not admitted yet (no room, or over the cap)
         self.inflight: dict[str, RemoteKV] = {}  # admitted: blocks reserved, pull running

@@ -8,7 +8,8 @@ All share the control path of wire.py over TCP (a producer's ``KVServer`` on kv_
   it out (one host, no socket copy of the data); the producer unlinks it after the ack.
 - ``nccl``: ``send``/``recv`` on a two-rank process group per (producer, consumer) pair,
   built on first use through a TCPStore the consumer hosts (gloo on CPU: the tests).
-- ``nixl``: NIXL when ``import nixl`` works (disagg/nixl.py); otherwise a clear error.
+- ``nixl``: a NIXL READ of the producer's registered region (disagg/nixl.py) when
+  ``import nixl`` works; otherwise a clear error at start-up.
 
 Worker side only: every call here runs on a transfer thread, never on the engine loop.
 """
@@ -209,6 +210,8 @@ class KVServer:
             time.sleep(self.fault.delay_s)
         if pull.transport == "nccl":
             self._send_pair(conn, pull, region)
+        elif pull.transport == "nixl":
+            self._send_nixl(conn, region)
         elif pull.transport == "shm":
             self._send_shm(conn, pull, region)
         else:
@@ -249,6 +252,26 @@ class KVServer:
         finally:
             segment.close()
             segment.unlink()
+
+    def _send_nixl(self, conn: socket.socket, region: torch.Tensor) -> None:
+        from rackserve.disagg.nixl import agent
+
+        region = region.contiguous()
+        checksum = crc32(_as_bytes(region)) if region.device.type == "cpu" else 0
+        checksum ^= 1 if self.fault.kind == "corrupt_chunk" else 0
+        nixl = agent("producer")
+        metadata, descs, registration = nixl.expose(region)
+        try:
+            send_message(
+                conn, PullReply(True, crc32=checksum, nixl_agent=metadata, nixl_descs=descs)
+            )
+            if self.fault.kind == "drop_connection":
+                conn.shutdown(socket.SHUT_RDWR)
+                raise TransferError("fault injected: connection dropped")
+            if not conn.recv(1, socket.MSG_PEEK):  # registered until the consumer has read
+                raise TransferError("the consumer closed before acknowledging")
+        finally:
+            nixl.release(registration)
 
     def _send_pair(self, conn: socket.socket, pull: Pull, region: torch.Tensor) -> None:
         peer = pull.rendezvous
@@ -341,6 +364,8 @@ class KVClient:
                     region = self._recv_pair(peer, job, reply)
                 elif self.transport == "shm":
                     region = self._recv_shm(job, reply)
+                elif self.transport == "nixl":
+                    region = self._recv_nixl(job, reply)
                 else:
                     region = self._recv_stream(conn, job, reply)
                 send_message(conn, Ack(True))
@@ -386,6 +411,18 @@ class KVClient:
             raise TransferError("the shared-memory region failed its checksum")
         region = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(job.dtype)
         return region.to(job.device)
+
+    def _recv_nixl(self, job: FetchJob, reply: PullReply) -> torch.Tensor:
+        from rackserve.disagg.nixl import agent
+
+        region = torch.empty(job.numel, dtype=job.dtype, device=job.device)
+        try:
+            agent("consumer").read(reply.nixl_agent, reply.nixl_descs, region, self.lease_s)
+        except Exception as e:  # NIXL raises its own types: any failure fails the pull
+            raise TransferError(f"NIXL read failed: {e}") from None
+        if reply.crc32 and region.device.type == "cpu" and crc32(_as_bytes(region)) != reply.crc32:
+            raise TransferError("the region failed its checksum")
+        return region
 
     def _recv_pair(self, peer: str, job: FetchJob, reply: PullReply) -> torch.Tensor:
         region = torch.empty(job.numel, dtype=job.dtype, device=job.device)

@@ -56,7 +56,9 @@ class PullReply(msgspec.Struct, tag="reply"):
     message: str = ""
     num_chunks: int = 0
     shm_name: str = ""  # shm: the segment holding the region
-    crc32: int = 0  # shm / nccl: the checksum of the whole region
+    crc32: int = 0  # shm / nccl / nixl: the checksum of the whole region
+    nixl_agent: bytes = b""  # nixl: the producer agent's metadata
+    nixl_descs: bytes = b""  # nixl: the registered region's serialized descriptors
 
 
 class Chunk(msgspec.Struct, tag="chunk"):
