@@ -4,8 +4,8 @@ Starts the three processes over the tiny model (``./models/tiny``, created when 
 runs a short agentic benchmark through the router, then a few agent turns printing where
 each request's KV came from (the router's ``X-KV-Source``: the prefill engine, or the
 decode engine itself) with its cached tokens, and the decode side's KV bytes received.
-Logs and the benchmark's JSON go to ``./out/demo-pd/``. (`rackserve demo` alone runs
-`make demo`'s aggregated demo.)
+Logs and the benchmark's JSON go to ``./out/demo-pd/``. (`rackserve demo` alone, which
+`make demo` runs, shows the aggregated demo first, then this one.)
 """
 
 from __future__ import annotations
@@ -37,12 +37,15 @@ ENGINE_ARGS = (
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("demo", help="the demo (`make demo`); --pd: P/D with the router")
-    p.add_argument("--pd", action="store_true", help="1 prefill + 1 decode engine + router")
-    p.set_defaults(func=lambda args: main() if args.pd else _aggregated())
+    p = subparsers.add_parser(
+        "demo", help="the demo (`make demo`: aggregated, then P/D); --pd: only P/D"
+    )
+    p.add_argument("--pd", action="store_true", help="only 1 prefill + 1 decode engine + router")
+    p.set_defaults(func=lambda args: main() if args.pd else _both())
 
 
-def _aggregated() -> int:
+def _both() -> int:
+    """`make demo`: the aggregated demo, then this one."""
     from rackserve.demo import main as aggregated_main
 
     return aggregated_main()
@@ -88,6 +91,18 @@ def metric(url: str, name: str) -> float:
     return 0.0
 
 
+def kv_sources(router: str) -> dict[str, float]:
+    """The router's rackserve_router_kv_source_total by source label."""
+    import httpx
+
+    out = {}
+    for line in httpx.get(f"{router}/metrics", timeout=5).text.splitlines():
+        if line.startswith("rackserve_router_kv_source_total{"):
+            label = line.split('source="', 1)[1].split('"', 1)[0]
+            out[label] = float(line.split()[-1])
+    return out
+
+
 def agent_turns(router: str, decode: str, num_sessions: int = 3, num_turns: int = 3) -> None:
     import httpx
 
@@ -124,6 +139,10 @@ def benchmark(router: str) -> None:
     run = AgenticRunConfig(concurrency=(4,), warmup_s=2, duration_s=10, progress=False)
     result = run_agentic(workload, router, run, model=MODEL_NAME)
     print(format_cpu_report(result))
+    sources = kv_sources(router)
+    print("where the benchmark's requests' KV came from (router): " + ", ".join(
+        f"{source}: {count:.0f}" for source, count in sources.items()
+    ))  # fmt: skip
     paths = write_agentic_outputs(result, OUT_DIR / "agentic.json")
     print("wrote " + ", ".join(str(p) for p in paths))
 

@@ -9,6 +9,17 @@ P/D mode (``--prefill`` + ``--decode``), the two steps of vLLM's disaggregated p
     client <-- the decode side's response, streamed through (X-KV-Source says where the
                prompt's KV came from)
 
+``usage.prompt_tokens_details.cached_tokens`` of a P/D request is the rule one aggregated
+engine that served the same requests would follow: prompt tokens found in a prefix cache,
+i.e. ``max(prefill side's hit on prompt[:N-1], decode side's local hit)`` (the prefill side
+sends its hit in ``kv_transfer_params.num_cached_tokens``; the decode side takes the max when
+it admits the request). The aggregated engine's cache holds what the two together hold (the
+prompts' blocks, and the outputs' finish checkpoints that only the decode side has). Tokens
+pulled from the prefill side are not counted: they were computed for this request (vLLM's
+decode side counts them, which makes every P/D request look cached to a client billing by
+it). A request the decode side recomputes (prefill down, failed transfer) reports its own hit.
+tests/router/test_pd_e2e.py checks equality over agent turns, repeats, extensions and n=2.
+
 Fault tolerance: an engine that cannot be reached (or answers 503) before a response has
 started is marked down and the request is retried on another; a prefill side that is all
 down leaves the decode side to compute the prompt. Once bytes have been streamed, a
