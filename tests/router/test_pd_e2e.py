@@ -113,7 +113,10 @@ def check_pd_equals_aggregated(tiny, tmp_path, pd, num: int) -> None:
     prefill, decode = pd
     aggregated = start_engine(tiny, tmp_path)
     router = start_router(tmp_path, "--prefill", prefill.url, "--decode", decode.url)
-    with running(aggregated, router):
+    overlap = start_router(
+        tmp_path, "--prefill", prefill.url, "--decode", decode.url, "--overlap-transfer"
+    )
+    with running(aggregated, router, overlap):
         requests = mixed_requests(num)
         want = run_all(aggregated.url, requests)
         got = run_all(router.url, requests)
@@ -130,17 +133,27 @@ def check_pd_equals_aggregated(tiny, tmp_path, pd, num: int) -> None:
         print("cached_tokens (aggregated, router):", cached)
         assert [got for _, got in cached] == [want for want, _ in cached]
         assert sum(want for want, _ in cached) > 0  # hits happened: the check means something
+        # --overlap-transfer: decode requests go out with the prefill ones (after the first,
+        # which teaches the router the prefill engine's KV address); same tokens, same hits
+        got = run_all(overlap.url, requests)
+        assert strip_usage(got) == strip_usage(want)
+        cached = cached_tokens_phase(aggregated.url, overlap.url, COLOURS[::-1])
+        assert [got for _, got in cached] == [want for want, _ in cached]
+        metrics = httpx.get(f"{overlap.url}/metrics").text
+        assert "(overlapped)" in metrics
 
 
 COLOURS = ["red", "green", "blue", "cyan", "magenta", "yellow", "black", "white", "grey"]
 
 
-def cached_tokens_phase(aggregated: str, router: str) -> list[tuple[int, int]]:
+def cached_tokens_phase(
+    aggregated: str, router: str, words: list[str] = COLOURS
+) -> list[tuple[int, int]]:
     """Agent-like turns sent one at a time (hits do not depend on timing): two chat
     conversations of three turns (each turn = the history + the reply + new text), a
     completion repeated and extended, an n=2 request on a shared prefix. Returns
     (aggregated, router) cached_tokens per request."""
-    base = " ".join(COLOURS * 8)
+    base = " ".join(words * 8)
     out = []
     for conv in range(2):
         messages = [{"role": "user", "content": f"{conv} {base}"}]
@@ -151,7 +164,7 @@ def cached_tokens_phase(aggregated: str, router: str) -> list[tuple[int, int]]:
             assert got["choices"] == want["choices"]
             out.append((_cached(want), _cached(got)))
             reply = want["choices"][0]["message"]["content"]
-            more = " ".join(COLOURS[turn:] * 3)
+            more = " ".join(words[turn:] * 3)
             messages = [*messages, {"role": "assistant", "content": reply},
                         {"role": "user", "content": more}]  # fmt: skip
     prompt = f"{base} {base}"

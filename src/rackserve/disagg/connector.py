@@ -190,7 +190,8 @@ class KVConnector:
         if req.status not in _COMPLETED:
             self.store.discard(key)  # aborted: a waiting pull fails now
             return
-        self.store.put(key, ExportedRows(self.caches, block_ids), params.num_consumers)
+        rows = ExportedRows(self.caches, block_ids)
+        self.store.put(key, rows, params.num_consumers, req.num_cached_tokens)
 
     def _stream_blocks(self) -> None:
         """Producer, at the start of a step (the previous step's chunk is computed, or, on a
@@ -263,6 +264,8 @@ class KVConnector:
         for req_id, remote in list(self.inflight.items()):
             if not self._alive(remote):  # aborted meanwhile: its blocks are already freed
                 del self.inflight[req_id]
+                if self.client is not None:
+                    self.client.remote_hits.pop(remote.key, None)
                 continue
             if remote.future is None or not remote.future.done():
                 continue
@@ -274,6 +277,10 @@ class KVConnector:
                 self._fail(remote, str(e))
                 record.num_failed += 1
                 continue
+            # the prefill side's hit, when the pull went out before its answer (router overlap)
+            hit = self.client.remote_hits.pop(remote.key, 0) if self.client else 0
+            req = remote.request
+            req.num_cached_tokens = max(req.num_cached_tokens, hit)
             self.num_bytes_received += region.numel() * region.element_size()
             for g, ids in enumerate(remote.block_ids):
                 self.num_blocks_received[g] += len(ids)

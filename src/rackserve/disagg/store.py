@@ -41,6 +41,7 @@ class StoredKV:
     consumers_left: int
     expires_at: float  # time.monotonic()
     pieces: list[Piece] = field(default_factory=list)
+    num_cached_tokens: int = 0  # the prefill side's prefix hit (the decode side reports it)
 
 
 class KVStore:
@@ -69,17 +70,25 @@ class KVStore:
             entry.expires_at = time.monotonic() + self.lease_s
             self._changed.notify_all()
 
-    def put(self, key: str, rows: ExportedRows, num_consumers: int) -> None:
+    def put(
+        self, key: str, rows: ExportedRows, num_consumers: int, num_cached_tokens: int = 0
+    ) -> None:
         """The finished request's rows (an open entry keeps its pieces)."""
         with self._lock:
             self._expire_locked()
             entry = self._entries.get(key)
             expires_at = time.monotonic() + self.lease_s
             if entry is None:
-                self._entries[key] = StoredKV(rows, num_consumers, expires_at)
+                entry = self._entries[key] = StoredKV(rows, num_consumers, expires_at)
             else:
                 entry.rows, entry.consumers_left, entry.expires_at = rows, num_consumers, expires_at
+            entry.num_cached_tokens = num_cached_tokens
             self._changed.notify_all()
+
+    def num_cached_tokens(self, key: str) -> int:
+        with self._lock:
+            entry = self._entries.get(key)
+            return 0 if entry is None else entry.num_cached_tokens
 
     def discard(self, key: str) -> None:
         """The prefill ended without KV (aborted, refused): waiting pulls fail now."""

@@ -143,7 +143,7 @@ def send_streamed(
                 return -1
             index = torch.tensor([position[s] for s in rest], dtype=torch.long)
             send(g, rest, [t[index.to(t.device)] for t in final.rows[g]], tail=True)
-        send_message(conn, End(True))
+        send_message(conn, End(True, num_cached_tokens=store.num_cached_tokens(pull.key)))
         return nbytes
 
 
@@ -154,9 +154,10 @@ def recv_streamed(
     layout: list[tuple[int, int]],
     dtype: torch.dtype,
     log: PieceLog,
-) -> torch.Tensor:
-    """The region (CPU) from Rows pieces; ``layout[g]``: (layers, elements per slot per layer)
-    of group g on this side. TransferError on a bad piece, a checksum or a missing slot."""
+) -> tuple[torch.Tensor, int]:
+    """(the region (CPU) from Rows pieces, the prefill side's prefix hit); ``layout[g]``:
+    (layers, elements per slot per layer) of group g on this side. TransferError on a bad
+    piece, a checksum or a missing slot."""
     element_size = torch.empty(0, dtype=dtype).element_size()
     buffers = [torch.empty(layers, len(slots), n, dtype=dtype) for (layers, n), slots in
                zip(layout, group_slots, strict=True)]  # fmt: skip
@@ -167,6 +168,7 @@ def recv_streamed(
         if isinstance(message, End):
             if not message.ok:
                 raise TransferError(message.message)
+            num_cached = message.num_cached_tokens
             break
         if not isinstance(message, Rows) or not 0 <= message.group < len(buffers):
             raise TransferError("unexpected message in a streamed pull")
@@ -192,5 +194,5 @@ def recv_streamed(
         if len(filled[g]) != len(slots):
             raise TransferError(f"group {g}: {len(slots) - len(filled[g])} slots never arrived")
     if not buffers:
-        return torch.empty(0, dtype=dtype)
-    return torch.cat([b.flatten() for b in buffers])
+        return torch.empty(0, dtype=dtype), num_cached
+    return torch.cat([b.flatten() for b in buffers]), num_cached

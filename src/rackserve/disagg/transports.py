@@ -28,7 +28,13 @@ from multiprocessing import resource_tracker, shared_memory
 import torch
 
 from rackserve.disagg.store import KVStore
-from rackserve.disagg.streaming import PieceLog, StreamStats, recv_streamed, send_streamed
+from rackserve.disagg.streaming import (
+    UNKNOWN_KEY_WAIT_S,
+    PieceLog,
+    StreamStats,
+    recv_streamed,
+    send_streamed,
+)
 from rackserve.disagg.wire import (
     CHUNK_BYTES,
     Ack,
@@ -187,7 +193,9 @@ class KVServer:
             if isinstance(ack, Ack) and ack.ok:
                 self.store.done(pull.key, nbytes)
             return
-        rows = self.store.get(pull.key, wait_s=self.store.lease_s)  # its prefill may still run
+        # the pull may come before the prefill engine has the request, or while it runs
+        self.store.wait_for(pull.key, min(self.store.lease_s, UNKNOWN_KEY_WAIT_S))
+        rows = self.store.get(pull.key, wait_s=self.store.lease_s)
         if rows is None:
             send_message(conn, PullReply(False, f"no KV held for {pull.key} (lease over?)"))
             return
@@ -324,6 +332,7 @@ class KVClient:
         self.pairs = PairGroups(backend, timeout_s=lease_s)
         self._rendezvous: dict[str, str] = {}
         self.pieces = PieceLog()  # streamed pieces' arrivals (tcp)
+        self.remote_hits: dict[str, int] = {}  # key -> the prefill side's hit (tcp)
 
     def _connect(self, host: str, port: int) -> socket.socket:
         try:
@@ -355,9 +364,11 @@ class KVClient:
                 if not isinstance(reply, PullReply) or not reply.ok:
                     raise TransferError(getattr(reply, "message", "unexpected reply"))
                 if stream:
-                    region = recv_streamed(
+                    region, hit = recv_streamed(
                         conn, job.key, job.group_slots, list(job.layout), job.dtype, self.pieces
-                    ).to(job.device)
+                    )
+                    region = region.to(job.device)
+                    self.remote_hits[job.key] = hit
                     if region.numel() != job.numel:
                         raise TransferError(f"received {region.numel()} of {job.numel} elements")
                 elif self.transport == "nccl":

@@ -79,6 +79,7 @@ class Rows(msgspec.Struct, tag="rows"):
 class End(msgspec.Struct, tag="end"):
     ok: bool
     message: str = ""
+    num_cached_tokens: int = 0  # the prefill side's prefix hit (a pull sent before it answered)
 
 
 class Ack(msgspec.Struct, tag="ack"):
