@@ -127,3 +127,42 @@ def test_decode_side_receives_blocks_before_the_last_chunk(tiny):
 
 def _key(req_id: str, ids: list[int]) -> str:
     return transfer_key(req_id, ids[:-1])  # the prefill side runs prompt[:N-1]
+
+
+def test_prefill_aborted_mid_stream_recomputes(tiny):
+    """The prefill request is aborted while a streaming pull waits on it: the pull fails at
+    once (not after the lease), the decode side recomputes, nothing is left held."""
+    ids = torch.randint(10, 4000, (300,), generator=torch.Generator().manual_seed(4)).tolist()
+    aggregated = make_core(tiny)
+    producer = make_core(tiny, producer_config(lease_s=60), max_num_batched_tokens=CHUNK)
+    consumer = make_core(tiny, consumer_config(lease_s=60))
+    try:
+        aggregated.add_request(request("a", ids, None))
+        want: dict[str, list[int]] = {}
+        drain(aggregated, want)
+        producer.add_request(request("a", ids, KVTransferParams(True, transfer_id="a")))
+        for _ in range(3):
+            producer.step()
+        host, port = producer.kv_connector.server.address
+        kv = KVTransferParams(
+            do_remote_prefill=True, transfer_id="a", remote_host=host, remote_port=port
+        )
+        consumer.add_request(request("a", ids, kv))
+        consumer.step()
+        log = consumer.kv_connector.client.pieces
+        deadline = time.monotonic() + 10
+        while not log.records(_key("a", ids)):  # the pull is streaming
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        start = time.monotonic()
+        producer.abort_requests(["a"])
+        got: dict[str, list[int]] = {}
+        drain(consumer, got)
+        assert time.monotonic() - start < 10  # the lease is 60 s
+        assert got == want
+        assert consumer.kv_connector.num_failures == 1
+        assert len(producer.kv_connector.store) == 0
+        assert consumer.scheduler.kv.usage == 0 and producer.scheduler.kv.usage == 0
+    finally:
+        for core in (aggregated, producer, consumer):
+            core.shutdown()

@@ -1,6 +1,8 @@
 """`rackserve demo --pd`: 1 prefill engine + 1 decode engine + the router, on loopback.
 
-Starts the three processes over the tiny model (``./models/tiny``, created when missing),
+Starts the three processes at once over the tiny model (``./models/tiny``, created when
+missing; the router with ``--overlap-transfer``: decode requests go out with the prefill
+ones once it knows the prefill engine's KV address),
 runs a short agentic benchmark through the router, then a few agent turns printing where
 each request's KV came from (the router's ``X-KV-Source``: the prefill engine, or the
 decode engine itself) with its cached tokens, and the decode side's KV bytes received.
@@ -52,22 +54,28 @@ def _both() -> int:
 
 
 @contextlib.contextmanager
-def process(cmd: list[str], name: str, url: str) -> Iterator[str]:
-    log_path = OUT_DIR / f"{name}.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    print(f"{name} starting on {url} (log: {log_path}) ...", flush=True)
+def processes(specs: list[tuple[list[str], str, str]]) -> Iterator[None]:
+    """Start every (cmd, name, url) at once (their start-ups overlap), wait until each is
+    healthy in order; always stop them (SIGTERM, then SIGKILL after 30 s)."""
+    started: list[subprocess.Popen] = []
     try:
-        wait_healthy(proc, url, log_path)
-        yield url
+        for cmd, name, url in specs:
+            log_path = OUT_DIR / f"{name}.log"
+            with open(log_path, "wb") as log:
+                started.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+            print(f"{name} starting on {url} (log: {log_path}) ...", flush=True)
+        for proc, (_, name, url) in zip(started, specs, strict=True):
+            wait_healthy(proc, url, OUT_DIR / f"{name}.log")
+        yield
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        for proc in reversed(started):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(10)
 
 
 def engine(role: str) -> tuple[list[str], str]:
@@ -156,13 +164,15 @@ def main() -> int:
         router_port = free_port()
         router_cmd = [
             sys.executable, "-m", "rackserve.cli", "router", "--port", str(router_port),
-            "--prefill", prefill_url, "--decode", decode_url,
+            "--prefill", prefill_url, "--decode", decode_url, "--overlap-transfer",
         ]  # fmt: skip
         router_url = f"http://127.0.0.1:{router_port}"
-        with (
-            process(prefill_cmd, "prefill", prefill_url),
-            process(decode_cmd, "decode", decode_url),
-            process(router_cmd, "router", router_url),
+        with processes(
+            [
+                (prefill_cmd, "prefill", prefill_url),
+                (decode_cmd, "decode", decode_url),
+                (router_cmd, "router", router_url),
+            ]
         ):
             benchmark(router_url)
             agent_turns(router_url, decode_url)
