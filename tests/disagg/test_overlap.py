@@ -60,11 +60,20 @@ def test_decode_side_receives_blocks_before_the_last_chunk(tiny):
             kv = KVTransferParams(do_remote_decode=True, transfer_id=req_id)
             producer.add_request(request(req_id, prompts[req_id], kv))
 
+        def watched(req_id: str) -> None:
+            """The pull waits on the producer (only then are pieces copied out)."""
+            deadline = time.monotonic() + 10
+            while not producer.kv_connector.store.is_watched(_key(req_id, prompts[req_id])):
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+
         pull("early")  # before the producer even has the request
         prefill("early")
         prefill("late")
+        watched("early")
         producer.step()
         pull("late")
+        watched("late")
         log = consumer.kv_connector.client.pieces
         keys = {req_id: [] for req_id in prompts}  # each request's piece records
         before_last: dict[str, int] = {}
@@ -149,8 +158,12 @@ def test_prefill_aborted_mid_stream_recomputes(tiny):
         )
         consumer.add_request(request("a", ids, kv))
         consumer.step()
-        log = consumer.kv_connector.client.pieces
         deadline = time.monotonic() + 10
+        while not producer.kv_connector.store.is_watched(_key("a", ids)):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        producer.step()  # the blocks finished so far go out
+        log = consumer.kv_connector.client.pieces
         while not log.records(_key("a", ids)):  # the pull is streaming
             assert time.monotonic() < deadline
             time.sleep(0.01)

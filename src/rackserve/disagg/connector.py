@@ -5,10 +5,11 @@ Prefill side (producer), on the loop::
     request with do_remote_decode --> prompt[:N-1], max_tokens 1 (the decode side computes
     the last prompt token itself: its logits give the first output token); its KVStore entry
     opens under transfer_key(transfer_id, prompt[:N-1])
-    each step while it prefills (tcp) --> the rows of every block whose positions are all
-    computed (every group: compressed pages, the sliding-window and compressor-state pages
-    the decode side will hold, the MTP layer's rows in "swa") join the entry as a Piece; a
-    streaming pull already waiting sends them while the next chunks compute
+    each step while it prefills (tcp), once a streaming pull waits on it --> the rows of
+    every block whose positions are all computed (every group: compressed pages, the
+    sliding-window and compressor-state pages the decode side will hold, the MTP layer's
+    rows in "swa") join the entry as a Piece; the pull sends them while the next chunks
+    compute
     finished --> the rest copied out (ExportedRows, the tail), blocks freed at once
 
 Decode side (consumer), each step (``step``), never waiting on a transfer::
@@ -211,6 +212,8 @@ class KVConnector:
                 continue
             done = req.num_computed_tokens - 1
             if req.status != RequestStatus.RUNNING or done <= 0:
+                continue
+            if not self.store.is_watched(prefill.key):  # nobody pulls yet: the tail sends all
                 continue
             tables = sched.kv.get_block_ids(req)
             for g, (spec, name, table) in enumerate(

@@ -52,6 +52,7 @@ class KVStore:
         self._changed = threading.Condition(self._lock)  # a piece, the tail, or a removal
         self.num_expired = 0
         self.bytes_sent = 0
+        self._watchers: dict[str, int] = {}  # key -> streaming pulls waiting on it
 
     # ---- the engine loop -------------------------------------------------------------------
     def open(self, key: str, num_consumers: int) -> None:
@@ -114,6 +115,20 @@ class KVStore:
                 if left <= 0:
                     return None
                 self._changed.wait(min(left, 0.2))
+
+    def watching(self, key: str, delta: int) -> None:
+        """A streaming pull starts (+1) or ends (-1) waiting on ``key``."""
+        with self._lock:
+            n = self._watchers.get(key, 0) + delta
+            if n > 0:
+                self._watchers[key] = n
+            else:
+                self._watchers.pop(key, None)
+
+    def is_watched(self, key: str) -> bool:
+        """Whether a streaming pull waits on ``key`` (the loop copies pieces only then)."""
+        with self._lock:
+            return key in self._watchers
 
     def wait_for(self, key: str, timeout_s: float) -> bool:
         """Whether ``key`` is held, waiting up to ``timeout_s`` for it to open (a pull may

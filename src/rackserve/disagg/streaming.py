@@ -89,6 +89,16 @@ def send_streamed(
         send_message(conn, PullReply(False, f"no KV held for {pull.key} (lease over?)"))
         return -1
     send_message(conn, PullReply(True))
+    store.watching(pull.key, +1)
+    try:
+        return _send_pieces(conn, store, pull, fault, delay_s, stats)
+    finally:
+        store.watching(pull.key, -1)
+
+
+def _send_pieces(
+    conn: socket.socket, store: KVStore, pull: Pull, fault: str, delay_s: float, stats: StreamStats
+) -> int:
     if delay_s:
         time.sleep(delay_s)
     wanted = [set(s) for s in pull.group_slots]
