@@ -179,3 +179,31 @@ def test_prefill_aborted_mid_stream_recomputes(tiny):
     finally:
         for core in (aggregated, producer, consumer):
             core.shutdown()
+
+
+def test_pull_outlives_a_queued_prefill(tiny):
+    """A streaming pull waits 4 leases on a prefill that has not started (queued): the
+    producer's keepalives hold the connection and its entry; the KV then lands."""
+    ids = torch.randint(10, 4000, (150,), generator=torch.Generator().manual_seed(6)).tolist()
+    lease = 0.5
+    producer = make_core(tiny, producer_config(lease_s=lease), max_num_batched_tokens=CHUNK)
+    consumer = make_core(tiny, consumer_config(lease_s=lease))
+    try:
+        producer.add_request(request("q", ids, KVTransferParams(True, transfer_id="q")))
+        host, port = producer.kv_connector.server.address
+        kv = KVTransferParams(
+            do_remote_prefill=True, transfer_id="q", remote_host=host, remote_port=port
+        )
+        consumer.add_request(request("q", ids, kv))
+        consumer.step()
+        time.sleep(4 * lease)  # the producer does not step: the prefill waits in its queue
+        assert producer.kv_connector.store.is_watched(_key("q", ids))
+        drain(producer, {})
+        got: dict[str, list[int]] = {}
+        drain(consumer, got)
+        assert len(got["q"]) == PARAMS.max_tokens
+        assert consumer.kv_connector.num_failures == 0 and consumer.kv_connector.num_loads == 1
+        assert len(producer.kv_connector.store) == 0
+    finally:
+        producer.shutdown()
+        consumer.shutdown()

@@ -195,7 +195,10 @@ class KVStore:
 
     def _expire_locked(self) -> None:
         now = time.monotonic()
-        expired = [k for k, e in self._entries.items() if e.expires_at <= now]
+        # a streaming pull's live connection holds its entry (it dies with either side)
+        expired = [
+            k for k, e in self._entries.items() if e.expires_at <= now and k not in self._watchers
+        ]
         for key in expired:
             del self._entries[key]
         self.num_expired += len(expired)

@@ -32,6 +32,7 @@ from rackserve.disagg.wire import (
     PullReply,
     Rows,
     TransferError,
+    Waiting,
     crc32,
     recv_exact,
     recv_message,
@@ -123,7 +124,10 @@ def _send_pieces(
             stats.bytes_streamed += len(data)
 
     while True:
-        held, pieces, final = store.watch(pull.key, num_seen, store.lease_s)
+        held, pieces, final = store.watch(pull.key, num_seen, store.lease_s / 3)
+        if held and not pieces and final is None:
+            send_message(conn, Waiting())  # a queued or slow prefill: the consumer waits on
+            continue
         if not held:
             send_message(conn, End(False, "the prefill ended without KV (aborted, or lease over)"))
             return -1
@@ -175,6 +179,8 @@ def recv_streamed(
     filled: list[set[int]] = [set() for _ in group_slots]
     while True:
         message = recv_message(conn)
+        if isinstance(message, Waiting):
+            continue
         if isinstance(message, End):
             if not message.ok:
                 raise TransferError(message.message)

@@ -13,7 +13,8 @@ answers with the rows of each block as its chunk finishes, then the tail once th
 finished, each piece checksummed::
 
     Pull(stream) -->                   <-- PullReply(ok)
-                                       <-- Rows(group, slots, nbytes, crc32) + bytes (x any)
+                                       <-- Rows(group, slots, nbytes, crc32) + bytes (x any;
+                                           Waiting every lease/3 without one)
                                        <-- End(ok, message)
     Ack(ok) -->
 
@@ -76,6 +77,11 @@ class Rows(msgspec.Struct, tag="rows"):
     crc32: int
 
 
+class Waiting(msgspec.Struct, tag="waiting"):
+    """A streamed pull's keepalive while the prefill has not produced a new block (queued,
+    or a long chunk): the consumer's per-read timeout measures silence, not the prefill."""
+
+
 class End(msgspec.Struct, tag="end"):
     ok: bool
     message: str = ""
@@ -94,7 +100,7 @@ class HeartbeatReply(msgspec.Struct, tag="heartbeat_reply"):
     missing: list[str]
 
 
-Message = Pull | PullReply | Chunk | Rows | End | Ack | Heartbeat | HeartbeatReply
+Message = Pull | PullReply | Chunk | Rows | Waiting | End | Ack | Heartbeat | HeartbeatReply
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
