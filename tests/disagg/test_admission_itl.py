@@ -10,9 +10,10 @@ and the running requests' step gaps (process CPU time, so that other processes o
 machine do not inflate it) degrade against the pre-burst baseline without the cap.
 
 On the CPU's tiny model a step's fixed cost dominates, so the cap's gain in seconds is small
-(measured on 2 shared cores, step CPU s median/max over 3 runs: cap 4 0.024-0.033/0.035-0.054,
-no cap 0.024-0.038/0.036-0.041, baseline with 8 running 0.016-0.019); benchmarks/gpu_pd.sh
-measures it on GPUs.
+and noisy (measured on 2 shared cores, step CPU s median/max over 6 runs: cap 4
+0.024-0.045/0.035-0.063, no cap 0.024-0.045/0.036-0.054, baseline with 8 running
+0.016-0.023): only the degradation against the baseline is asserted in seconds;
+benchmarks/gpu_pd.sh measures the cap's effect on GPUs.
 """
 
 from __future__ import annotations
