@@ -4,7 +4,8 @@
 # 1. KV transfer bandwidth vs request length (1K..128K tokens, V4-Flash cache groups, bf16),
 #    producer on GPU 0, consumer on GPU 1: NCCL, and TCP for reference (through host
 #    memory); with one GPU both sides share it and only TCP runs.
-# 2. TTFT of 1 prefill + 1 decode + router against one aggregated engine at low load, and
+# 2. TTFT of 1 prefill + 1 decode + router against one aggregated engine at low load (also
+#    with the router's --overlap-transfer: the decode request goes out with the prefill one), and
 #    the ITL of 8 running streams while 32 requests arrive at once, with the decode side's
 #    admission cap (--max-kv-loads-per-step 4) and without it (0). Model: a random
 #    checkpoint of the V4-Flash shapes cut to PD_LAYERS layers / PD_EXPERTS experts.

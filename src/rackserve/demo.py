@@ -1,9 +1,12 @@
-"""`make demo`: serve the embedded tiny model, chat with it, benchmark it, stop.
+"""`make demo`: serve the embedded tiny model, chat with it, benchmark it, stop; then the
+same through prefill/decode disaggregation.
 
 Creates the tiny random-weight checkpoint under ``./models/tiny`` when missing, starts
 ``rackserve serve`` on a free loopback port, sends a few chat requests (one streaming),
-runs a short agentic benchmark (about 40 s) and writes its JSON and plots under
+runs a short agentic benchmark (about 25 s) and writes its JSON and plots under
 ``./out/demo/``, then stops the server with SIGTERM (the same drain path as production).
+Then 1 prefill + 1 decode engine + the router (disagg/demo.py, about 1 min): the agentic
+benchmark through the router, and where each request's KV came from.
 The weights are random, so the answers are word salad; the point is the whole path.
 """
 
@@ -161,9 +164,9 @@ def benchmark(base_url: str, out_dir: Path) -> None:
     from rackserve.bench.report import format_agentic_report, write_agentic_outputs
     from rackserve.bench.workloads import AgenticConfig
 
-    print("\nagentic benchmark (concurrency 1 and 4, 3 s warm-up + 15 s each) ...", flush=True)
+    print("\nagentic benchmark (concurrency 1 and 4, 2 s warm-up + 10 s each) ...", flush=True)
     workload = AgenticConfig(scale=0.05, think_time_s=0.0)
-    run = AgenticRunConfig(concurrency=(1, 4), warmup_s=3, duration_s=15, progress=False)
+    run = AgenticRunConfig(concurrency=(1, 4), warmup_s=2, duration_s=10, progress=False)
     result = run_agentic(workload, base_url, run, model=MODEL_NAME)
     on_cpu = not _has_accelerator()
     print(format_cpu_report(result) if on_cpu else format_agentic_report(result))
@@ -177,13 +180,19 @@ def _has_accelerator() -> bool:
     return default_device() != "cpu"
 
 
-def main() -> int:
+def main(pd: bool = True) -> int:
+    """The aggregated demo, then (``pd``) the P/D one; the exit code of the first failure."""
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     try:
         ensure_model(MODEL_DIR)
         with running_server(MODEL_DIR, OUT_DIR) as base_url:
             chat(base_url)
             benchmark(base_url, OUT_DIR)
+        if pd:
+            from rackserve.disagg.demo import main as pd_main
+
+            print("\n== prefill/decode disaggregation: 1 prefill + 1 decode engine + router ==")
+            return pd_main()
     except (DemoError, OSError, ValueError) as e:
         print(f"demo failed: {e}", file=sys.stderr)
         return 1

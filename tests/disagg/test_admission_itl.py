@@ -1,14 +1,26 @@
-"""32 remote-KV requests whose KV lands at once, while 8 requests decode: with the admission
-cap (--max-kv-loads-per-step 4) at most 4 join a step (spread over >= 8 steps), without it
-(0) all join one step. Step times are printed: on the CPU's tiny model a step's fixed cost
-dominates, so the ITL spike the cap prevents is not visible here (measured: max step
-0.15-0.29 s either way); benchmarks/gpu_pd.sh measures it on GPUs."""
+"""Inter-token latency of running requests when 32 remote-KV requests land at once.
+
+8 requests decode; the KV of 32 more (prompt 200, 4 output tokens) is pulled and lands
+together. Every running request gets one token per step, so their ITL is the step gap and
+a step's cost grows with the tokens it schedules. With the admission cap
+(--max-kv-loads-per-step 4) at most 4 join a step: the batch grows by 4 a step and never
+holds more than 8 + 4 x 4 tokens; without it (0) all 32 join one step and every step the burst
+lives in schedules 40. Asserted from step records: joins per step and tokens per step (exact),
+and the running requests' step gaps (process CPU time, so that other processes on a shared
+machine do not inflate it) degrade against the pre-burst baseline without the cap.
+
+On the CPU's tiny model a step's fixed cost dominates, so the cap's gain in seconds is small
+and noisy (measured on 2 shared cores, step CPU s median/max over 6 runs: cap 4
+0.024-0.045/0.035-0.063, no cap 0.024-0.045/0.036-0.054, baseline with 8 running
+0.016-0.023): only the degradation against the baseline is asserted in seconds;
+benchmarks/gpu_pd.sh measures the cap's effect on GPUs.
+"""
 
 from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -20,17 +32,23 @@ from rackserve.request import KVTransferParams, SamplingParams
 
 from disagg_utils import consumer_config, make_core, prefill, producer_config
 
+NUM_RUNNING = 8
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return create_checkpoint(tiny_config(), tmp_path_factory.mktemp("tiny"), seed=0)
 
 
-def burst_step_times(
-    tiny, cap: int, num_burst: int, prompt_len: int
-) -> tuple[float, float, list[int]]:
-    """(median, max) step time of the steps that ran the running decodes while the burst
-    was being admitted, and the requests that joined the batch at each step."""
+@dataclass
+class Burst:
+    gaps: list[float]  # the running requests' step gaps (CPU s) while the burst lived
+    baseline: float  # median gap before the burst
+    joined: list[int]  # burst requests that joined the batch, per step that loaded any
+    tokens: list[int]  # tokens scheduled per step while the burst lived
+
+
+def run_burst(tiny, cap: int, num_burst: int, prompt_len: int) -> Burst:
     g = torch.Generator().manual_seed(0)
     burst = {
         f"b{i}": torch.randint(10, 4000, (prompt_len,), generator=g).tolist()
@@ -44,14 +62,19 @@ def burst_step_times(
         tiny, consumer_config(max_kv_loads_per_step=cap), max_num_seqs=64,
         kv_cache_memory=96 << 20,
     )  # fmt: skip
+
+    def step() -> tuple[float, set[str]]:
+        start = time.process_time()
+        outputs = consumer.step().outputs
+        return time.process_time() - start, {o.request_id for o in outputs}
+
     try:
         prefill(producer, burst, params)
         running = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
-        for i in range(8):
+        for i in range(NUM_RUNNING):
             ids = torch.randint(10, 4000, (64,), generator=g).tolist()
             consumer.add_request(EngineCoreRequest(f"run{i}", ids, running, time.time()))
-        for _ in range(5):  # the running requests are decoding
-            consumer.step()
+        before = [step()[0] for _ in range(6)][2:]  # the running requests decode
         host, port = producer.kv_connector.server.address
         for req_id, ids in burst.items():
             kv = KVTransferParams(
@@ -63,37 +86,51 @@ def burst_step_times(
         consumer.step()  # admits (all of them without the cap) and starts the pulls
         while not all(r.future.done() for r in connector.inflight.values()):
             time.sleep(0.05)  # the KV arrives together, while the engine is busy elsewhere
-        times = []
-        deadline = time.monotonic() + 60
-        while connector.num_loads < num_burst or connector.num_waiting:
+        gaps, tokens = [], []
+        deadline = time.monotonic() + 120
+        while any(req_id in consumer.scheduler.requests for req_id in burst):
             assert time.monotonic() < deadline
-            start = time.perf_counter()
-            consumer.step()
-            times.append(time.perf_counter() - start)
-        for _ in range(5):
-            start = time.perf_counter()
-            consumer.step()
-            times.append(time.perf_counter() - start)
-        loads = [r.num_loaded for r in connector.records if r.num_loaded]
-        assert sum(loads) == num_burst
-        return statistics.median(times), max(times), loads
+            gap, got = step()
+            assert {f"run{i}" for i in range(NUM_RUNNING)} <= got  # one token each, each step
+            gaps.append(gap)
+            tokens.append(consumer.last_step.total_num_scheduled_tokens)
+        joined = [r.num_loaded for r in connector.records if r.num_loaded]
+        assert sum(joined) == num_burst and connector.num_failures == 0
+        return Burst(gaps, statistics.median(before), joined, tokens)
     finally:
         producer.shutdown()
         consumer.shutdown()
 
 
 def check(tiny, num_burst: int, prompt_len: int) -> None:
-    capped = burst_step_times(tiny, 4, num_burst, prompt_len)
-    uncapped = burst_step_times(tiny, 0, num_burst, prompt_len)
-    print(f"step time median/max: cap 4 {capped[:2]}, no cap {uncapped[:2]}")
-    assert max(capped[2]) <= 4 and len(capped[2]) >= num_burst // 4
-    assert max(uncapped[2]) == num_burst  # landed together: joined one step together
+    capped = run_burst(tiny, 4, num_burst, prompt_len)
+    uncapped = run_burst(tiny, 0, num_burst, prompt_len)
+    med = statistics.median
+    print(
+        f"running requests' ITL (CPU s) median/max: cap 4 {med(capped.gaps):.3f}/"
+        f"{max(capped.gaps):.3f}, no cap {med(uncapped.gaps):.3f}/{max(uncapped.gaps):.3f}, "
+        f"baseline {capped.baseline:.3f}/{uncapped.baseline:.3f}; tokens per step max: "
+        f"cap {max(capped.tokens)}, no cap {max(uncapped.tokens)}"
+    )
+    # step records: the cap spreads the burst; without it, it joins in one step
+    assert max(capped.joined) <= 4 and len(capped.joined) >= num_burst // 4
+    assert max(uncapped.joined) == num_burst
+    # tokens per step: at most the running requests + the burst alive under the cap
+    # (4 join a step, each lives 4 steps), all 40 at once without it
+    assert max(capped.tokens) <= NUM_RUNNING + 4 * 4 < max(uncapped.tokens)
+    assert max(uncapped.tokens) == NUM_RUNNING + num_burst
+    # the running requests' ITL degrades without the cap (40 requests a step from the first
+    # step on); with it the steps' sizes, and so the gaps, rise 4 requests at a time
+    assert med(uncapped.gaps) > 1.2 * uncapped.baseline, (uncapped.gaps, uncapped.baseline)
+    first = capped.tokens.index(max(capped.tokens))
+    assert capped.tokens[: first + 1] == sorted(capped.tokens[: first + 1])  # gradual
+    assert uncapped.tokens[0] == max(uncapped.tokens)  # at once
 
 
-def test_admission_cap_spreads_a_burst(tiny):
+def test_admission_cap_keeps_itl_flat(tiny):
     check(tiny, num_burst=32, prompt_len=200)
 
 
 @pytest.mark.slow
-def test_admission_cap_spreads_a_long_burst(tiny):
+def test_admission_cap_keeps_itl_flat_long_prompts(tiny):
     check(tiny, num_burst=32, prompt_len=900)

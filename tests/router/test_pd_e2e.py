@@ -113,7 +113,10 @@ def check_pd_equals_aggregated(tiny, tmp_path, pd, num: int) -> None:
     prefill, decode = pd
     aggregated = start_engine(tiny, tmp_path)
     router = start_router(tmp_path, "--prefill", prefill.url, "--decode", decode.url)
-    with running(aggregated, router):
+    overlap = start_router(
+        tmp_path, "--prefill", prefill.url, "--decode", decode.url, "--overlap-transfer"
+    )
+    with running(aggregated, router, overlap):
         requests = mixed_requests(num)
         want = run_all(aggregated.url, requests)
         got = run_all(router.url, requests)
@@ -125,6 +128,62 @@ def check_pd_equals_aggregated(tiny, tmp_path, pd, num: int) -> None:
             if line.startswith("rackserve:kv_transfer_bytes_received_total")
         ]  # fmt: skip
         assert received and float(received[0].split()[-1]) > 0
+        # cached_tokens as one aggregated engine reports them (the rule: router/app.py)
+        cached = cached_tokens_phase(aggregated.url, router.url)
+        print("cached_tokens (aggregated, router):", cached)
+        assert [got for _, got in cached] == [want for want, _ in cached]
+        assert sum(want for want, _ in cached) > 0  # hits happened: the check means something
+        # --overlap-transfer: decode requests go out with the prefill ones (after the first,
+        # which teaches the router the prefill engine's KV address); same tokens, same hits
+        got = run_all(overlap.url, requests)
+        assert strip_usage(got) == strip_usage(want)
+        cached = cached_tokens_phase(aggregated.url, overlap.url, COLOURS[::-1])
+        assert [got for _, got in cached] == [want for want, _ in cached]
+        metrics = httpx.get(f"{overlap.url}/metrics").text
+        assert "(overlapped)" in metrics
+
+
+COLOURS = ["red", "green", "blue", "cyan", "magenta", "yellow", "black", "white", "grey"]
+
+
+def cached_tokens_phase(
+    aggregated: str, router: str, words: list[str] = COLOURS
+) -> list[tuple[int, int]]:
+    """Agent-like turns sent one at a time (hits do not depend on timing): two chat
+    conversations of three turns (each turn = the history + the reply + new text), a
+    completion repeated and extended, an n=2 request on a shared prefix. Returns
+    (aggregated, router) cached_tokens per request."""
+    base = " ".join(words * 8)
+    out = []
+    for conv in range(2):
+        messages = [{"role": "user", "content": f"{conv} {base}"}]
+        for turn in range(3):
+            body = {"model": "tiny", "temperature": 0, "max_tokens": 6, "messages": messages}
+            want = httpx.post(f"{aggregated}/v1/chat/completions", json=body, timeout=120).json()
+            got = httpx.post(f"{router}/v1/chat/completions", json=body, timeout=120).json()
+            assert got["choices"] == want["choices"]
+            out.append((_cached(want), _cached(got)))
+            reply = want["choices"][0]["message"]["content"]
+            more = " ".join(words[turn:] * 3)
+            messages = [*messages, {"role": "assistant", "content": reply},
+                        {"role": "user", "content": more}]  # fmt: skip
+    prompt = f"{base} {base}"
+    for body in (
+        {"prompt": prompt},
+        {"prompt": prompt},  # a repeat
+        {"prompt": f"{prompt} {base}"},  # an extension
+        {"prompt": f"{prompt} white red", "n": 2},
+    ):
+        body = dict(body, model="tiny", temperature=0, max_tokens=5)
+        want = httpx.post(f"{aggregated}/v1/completions", json=body, timeout=120).json()
+        got = httpx.post(f"{router}/v1/completions", json=body, timeout=120).json()
+        assert got["choices"] == want["choices"]
+        out.append((_cached(want), _cached(got)))
+    return out
+
+
+def _cached(response: dict) -> int:
+    return response["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
 def test_pd_equals_aggregated(tiny, tmp_path, pd):

@@ -3,9 +3,14 @@
 Prefill side (producer), on the loop::
 
     request with do_remote_decode --> prompt[:N-1], max_tokens 1 (the decode side computes
-    the last prompt token itself: its logits give the first output token)
-    finished --> rows of every cache group copied out (ExportedRows), blocks freed at once,
-    the copy kept in the KVStore under transfer_key(transfer_id, prompt[:N-1]) for the pulls
+    the last prompt token itself: its logits give the first output token); its KVStore entry
+    opens under transfer_key(transfer_id, prompt[:N-1])
+    each step while it prefills (tcp), once a streaming pull waits on it --> the rows of
+    every block whose positions are all computed (every group: compressed pages, the
+    sliding-window and compressor-state pages the decode side will hold, the MTP layer's
+    rows in "swa") join the entry as a Piece; the pull sends them while the next chunks
+    compute
+    finished --> the rest copied out (ExportedRows, the tail), blocks freed at once
 
 Decode side (consumer), each step (``step``), never waiting on a transfer::
 
@@ -36,7 +41,7 @@ import msgspec
 import torch
 
 from rackserve.config import DisaggConfig
-from rackserve.disagg.store import KVStore
+from rackserve.disagg.store import KVStore, Piece
 from rackserve.disagg.transports import Fault, FetchJob, KVClient, KVServer, TransferError
 from rackserve.disagg.wire import transfer_key
 from rackserve.engine.outputs import EngineCoreRequest
@@ -63,6 +68,14 @@ class RemoteKV:
     block_ids: tuple[list[int], ...] = ()  # receiver ids of the slots asked for, per group
     future: Future | None = None
     started: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Prefill:
+    """A prefill-side request whose finished blocks stream out (``_stream_blocks``)."""
+
+    key: str
+    sent: list[set[int]]  # per group, the table slots already added as pieces
 
 
 @dataclass
@@ -102,11 +115,19 @@ class KVConnector:
             fault = Fault.parse(extra.get("inject_fault"))
             self.server = KVServer(self.store, config.kv_ip, config.kv_port, fault, backend)
             scheduler.on_finish = self._request_finished
+        self._prefills: dict[str, _Prefill] = {}  # producer: requests prefilling now
+        # blocks stream out during the prefill on the stream transport (the others pull the
+        # whole region at the end); every group must have its spec for the block rule
+        self._streaming = self.transport == "tcp" and len(scheduler.kv.specs) == len(caches.groups)
+        # (layers, elements per slot per layer) of each group: a streamed pull's layout
+        self.layout = tuple(
+            (len(caches.tensors[name]), next(iter(caches.tensors[name].values()))[0].numel())
+            for name in caches.groups
+        )
         self.client: KVClient | None = None
         self._pool: ThreadPoolExecutor | None = None
         if config.is_consumer:
-            data_path = "nccl" if self.transport in ("nccl", "nixl") else self.transport
-            self.client = KVClient(data_path, config.lease_s, config.kv_ip, backend)
+            self.client = KVClient(self.transport, config.lease_s, config.kv_ip, backend)
             self._pool = ThreadPoolExecutor(MAX_TRANSFER_THREADS, thread_name_prefix="kv-pull")
         self.pending: deque[RemoteKV] = deque()  # not admitted yet (no room, or over the cap)
         self.inflight: dict[str, RemoteKV] = {}  # admitted: blocks reserved, pull running
@@ -132,6 +153,11 @@ class KVConnector:
                 sampling = replace(request.sampling_params, kv_transfer_params=None)
                 return msgspec.structs.replace(request, sampling_params=sampling)
             sampling = replace(request.sampling_params, max_tokens=1, min_tokens=0, n=1)
+            if self.store is not None:
+                key = transfer_key(params.transfer_id, request.prompt_token_ids[:-1])
+                self.store.open(key, params.num_consumers)
+                groups = [set[int]() for _ in self.caches.groups]
+                self._prefills[request.request_id] = _Prefill(key, groups)
             return msgspec.structs.replace(
                 request, prompt_token_ids=request.prompt_token_ids[:-1], sampling_params=sampling
             )
@@ -158,15 +184,51 @@ class KVConnector:
     def _request_finished(self, req: Request, block_ids: tuple[list[int], ...]) -> None:
         """Scheduler hook before a request's blocks are freed: keep a copy for the pulls."""
         params = req.sampling_params.kv_transfer_params
-        if (
-            params is None
-            or not params.do_remote_decode
-            or req.status not in _COMPLETED
-            or self.store is None
-        ):
+        if params is None or not params.do_remote_decode or self.store is None:
             return
+        self._prefills.pop(req.request_id, None)
         key = transfer_key(params.transfer_id, req.prompt_token_ids)
-        self.store.put(key, ExportedRows(self.caches, block_ids), params.num_consumers)
+        if req.status not in _COMPLETED:
+            self.store.discard(key)  # aborted: a waiting pull fails now
+            return
+        rows = ExportedRows(self.caches, block_ids)
+        self.store.put(key, rows, params.num_consumers, req.num_cached_tokens)
+
+    def _stream_blocks(self) -> None:
+        """Producer, at the start of a step (the previous step's chunk is computed, or, on a
+        GPU, queued before any copy made here): the rows of newly finished blocks join the
+        request's store entry. A block of group g at slot i is finished when its positions
+        [i*T, (i+1)*T) lie below L - 1 (L computed tokens; the MTP layer writes row p + 1
+        with position p's chunk, hence the one spare position). Sliding and state groups
+        send only the slots still live when the prompt ends (the decode side holds no
+        others)."""
+        assert self.store is not None
+        sched, specs = self.scheduler, self.scheduler.kv.specs
+        for req_id, prefill in list(self._prefills.items()):
+            req = sched.requests.get(req_id)
+            if req is None:  # refused when it was added: nothing will come
+                del self._prefills[req_id]
+                self.store.discard(prefill.key)
+                continue
+            done = req.num_computed_tokens - 1
+            if req.status != RequestStatus.RUNNING or done <= 0:
+                continue
+            if not self.store.is_watched(prefill.key):  # nobody pulls yet: the tail sends all
+                continue
+            tables = sched.kv.get_block_ids(req)
+            for g, (spec, name, table) in enumerate(
+                zip(specs, self.caches.groups, tables, strict=True)
+            ):
+                first = spec.first_live_slot(req.num_prompt_tokens) if spec.is_sliding else 0
+                last = min(done // spec.block_tokens, len(table))
+                sent = prefill.sent[g]
+                new = [i for i in range(first, last) if i not in sent and table[i] != NULL_BLOCK_ID]
+                if not new:
+                    continue
+                index = torch.tensor([table[i] for i in new], dtype=torch.long)
+                rows = [t[index.to(t.device)].clone() for t in self.caches.tensors[name].values()]
+                self.store.add_piece(prefill.key, Piece(g, new, rows))
+                sent.update(new)
 
     # ---- decode side: one step -------------------------------------------------------------
     @property
@@ -176,6 +238,8 @@ class KVConnector:
     def step(self) -> StepRecord:
         """Land finished pulls, then admit waiting requests; both under the cap."""
         record = StepRecord()
+        if self._prefills and self._streaming:
+            self._stream_blocks()
         if self.client is None:
             return record
         cap = self.config.max_kv_loads_per_step or len(self.inflight) + len(self.pending)
@@ -203,6 +267,8 @@ class KVConnector:
         for req_id, remote in list(self.inflight.items()):
             if not self._alive(remote):  # aborted meanwhile: its blocks are already freed
                 del self.inflight[req_id]
+                if self.client is not None:
+                    self.client.remote_hits.pop(remote.key, None)
                 continue
             if remote.future is None or not remote.future.done():
                 continue
@@ -214,6 +280,10 @@ class KVConnector:
                 self._fail(remote, str(e))
                 record.num_failed += 1
                 continue
+            # the prefill side's hit, when the pull went out before its answer (router overlap)
+            hit = self.client.remote_hits.pop(remote.key, 0) if self.client else 0
+            req = remote.request
+            req.num_cached_tokens = max(req.num_cached_tokens, hit)
             self.num_bytes_received += region.numel() * region.element_size()
             for g, ids in enumerate(remote.block_ids):
                 self.num_blocks_received[g] += len(ids)
@@ -254,6 +324,7 @@ class KVConnector:
                 packed_numel(self.caches, block_ids),
                 self.dtype,
                 self.device,
+                self.layout,
             )
             assert self._pool is not None and self.client is not None
             remote.future = self._pool.submit(self.client.fetch, job)

@@ -1,11 +1,13 @@
 """`rackserve demo --pd`: 1 prefill engine + 1 decode engine + the router, on loopback.
 
-Starts the three processes over the tiny model (``./models/tiny``, created when missing),
+Starts the three processes at once over the tiny model (``./models/tiny``, created when
+missing; the router with ``--overlap-transfer``: decode requests go out with the prefill
+ones once it knows the prefill engine's KV address),
 runs a short agentic benchmark through the router, then a few agent turns printing where
 each request's KV came from (the router's ``X-KV-Source``: the prefill engine, or the
 decode engine itself) with its cached tokens, and the decode side's KV bytes received.
-Logs and the benchmark's JSON go to ``./out/demo-pd/``. (`rackserve demo` alone runs
-`make demo`'s aggregated demo.)
+Logs and the benchmark's JSON go to ``./out/demo-pd/``. (`rackserve demo` alone, which
+`make demo` runs, shows the aggregated demo first, then this one.)
 """
 
 from __future__ import annotations
@@ -37,34 +39,43 @@ ENGINE_ARGS = (
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("demo", help="the demo (`make demo`); --pd: P/D with the router")
-    p.add_argument("--pd", action="store_true", help="1 prefill + 1 decode engine + router")
-    p.set_defaults(func=lambda args: main() if args.pd else _aggregated())
+    p = subparsers.add_parser(
+        "demo", help="the demo (`make demo`: aggregated, then P/D); --pd: only P/D"
+    )
+    p.add_argument("--pd", action="store_true", help="only 1 prefill + 1 decode engine + router")
+    p.set_defaults(func=lambda args: main() if args.pd else _both())
 
 
-def _aggregated() -> int:
+def _both() -> int:
+    """`make demo`: the aggregated demo, then this one."""
     from rackserve.demo import main as aggregated_main
 
     return aggregated_main()
 
 
 @contextlib.contextmanager
-def process(cmd: list[str], name: str, url: str) -> Iterator[str]:
-    log_path = OUT_DIR / f"{name}.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    print(f"{name} starting on {url} (log: {log_path}) ...", flush=True)
+def processes(specs: list[tuple[list[str], str, str]]) -> Iterator[None]:
+    """Start every (cmd, name, url) at once (their start-ups overlap), wait until each is
+    healthy in order; always stop them (SIGTERM, then SIGKILL after 30 s)."""
+    started: list[subprocess.Popen] = []
     try:
-        wait_healthy(proc, url, log_path)
-        yield url
+        for cmd, name, url in specs:
+            log_path = OUT_DIR / f"{name}.log"
+            with open(log_path, "wb") as log:
+                started.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+            print(f"{name} starting on {url} (log: {log_path}) ...", flush=True)
+        for proc, (_, name, url) in zip(started, specs, strict=True):
+            wait_healthy(proc, url, OUT_DIR / f"{name}.log")
+        yield
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        for proc in reversed(started):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(10)
 
 
 def engine(role: str) -> tuple[list[str], str]:
@@ -86,6 +97,18 @@ def metric(url: str, name: str) -> float:
         if line.startswith(name):
             return float(line.split()[-1])
     return 0.0
+
+
+def kv_sources(router: str) -> dict[str, float]:
+    """The router's rackserve_router_kv_source_total by source label."""
+    import httpx
+
+    out = {}
+    for line in httpx.get(f"{router}/metrics", timeout=5).text.splitlines():
+        if line.startswith("rackserve_router_kv_source_total{"):
+            label = line.split('source="', 1)[1].split('"', 1)[0]
+            out[label] = float(line.split()[-1])
+    return out
 
 
 def agent_turns(router: str, decode: str, num_sessions: int = 3, num_turns: int = 3) -> None:
@@ -124,6 +147,10 @@ def benchmark(router: str) -> None:
     run = AgenticRunConfig(concurrency=(4,), warmup_s=2, duration_s=10, progress=False)
     result = run_agentic(workload, router, run, model=MODEL_NAME)
     print(format_cpu_report(result))
+    sources = kv_sources(router)
+    print("where the benchmark's requests' KV came from (router): " + ", ".join(
+        f"{source}: {count:.0f}" for source, count in sources.items()
+    ))  # fmt: skip
     paths = write_agentic_outputs(result, OUT_DIR / "agentic.json")
     print("wrote " + ", ".join(str(p) for p in paths))
 
@@ -137,13 +164,15 @@ def main() -> int:
         router_port = free_port()
         router_cmd = [
             sys.executable, "-m", "rackserve.cli", "router", "--port", str(router_port),
-            "--prefill", prefill_url, "--decode", decode_url,
+            "--prefill", prefill_url, "--decode", decode_url, "--overlap-transfer",
         ]  # fmt: skip
         router_url = f"http://127.0.0.1:{router_port}"
-        with (
-            process(prefill_cmd, "prefill", prefill_url),
-            process(decode_cmd, "decode", decode_url),
-            process(router_cmd, "router", router_url),
+        with processes(
+            [
+                (prefill_cmd, "prefill", prefill_url),
+                (decode_cmd, "decode", decode_url),
+                (router_cmd, "router", router_url),
+            ]
         ):
             benchmark(router_url)
             agent_turns(router_url, decode_url)

@@ -2,12 +2,14 @@
 
 All share the control path of wire.py over TCP (a producer's ``KVServer`` on kv_ip:kv_port):
 
-- ``tcp``: the bytes follow on the same stream in checksummed chunks (two hosts; loopback).
+- ``tcp``: the bytes follow on the same stream in checksummed pieces, block by block while
+  the prefill still runs (streaming.py; two hosts; loopback).
 - ``shm``: the producer writes the region into a shared-memory segment, the consumer copies
   it out (one host, no socket copy of the data); the producer unlinks it after the ack.
 - ``nccl``: ``send``/``recv`` on a two-rank process group per (producer, consumer) pair,
   built on first use through a TCPStore the consumer hosts (gloo on CPU: the tests).
-- ``nixl``: NIXL when ``import nixl`` works (disagg/nixl.py); otherwise a clear error.
+- ``nixl``: a NIXL READ of the producer's registered region (disagg/nixl.py) when
+  ``import nixl`` works; otherwise a clear error at start-up.
 
 Worker side only: every call here runs on a transfer thread, never on the engine loop.
 """
@@ -15,7 +17,6 @@ Worker side only: every call here runs on a transfer thread, never on the engine
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
 import socket
 import threading
@@ -25,7 +26,15 @@ from multiprocessing import resource_tracker, shared_memory
 
 import torch
 
+from rackserve.disagg.pairs import PairGroups
 from rackserve.disagg.store import KVStore
+from rackserve.disagg.streaming import (
+    UNKNOWN_KEY_WAIT_S,
+    PieceLog,
+    StreamStats,
+    recv_streamed,
+    send_streamed,
+)
 from rackserve.disagg.wire import (
     CHUNK_BYTES,
     Ack,
@@ -78,59 +87,6 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
 
 
-# ---- pair process groups (nccl / gloo) --------------------------------------------------
-
-
-class PairGroups:
-    """Two-rank process groups, one per peer (rank 0: producer, rank 1: consumer)."""
-
-    def __init__(self, backend: str, timeout_s: float) -> None:
-        self.backend = backend
-        self.timeout = datetime.timedelta(seconds=timeout_s)
-        self._groups: dict[str, object] = {}
-        self._stores: dict[str, object] = {}
-        self.locks: dict[str, threading.Lock] = {}
-        self._lock = threading.Lock()
-
-    def lock(self, peer: str) -> threading.Lock:
-        with self._lock:
-            return self.locks.setdefault(peer, threading.Lock())
-
-    def host_store(self, peer: str, host: str) -> str:
-        """Consumer: a store for the pair with ``peer``; returns its "host:port"."""
-        import torch.distributed as dist
-
-        store = dist.TCPStore(host, 0, 2, True, timeout=self.timeout, wait_for_workers=False)
-        self._stores[peer] = store
-        return f"{host}:{store.port}"
-
-    def group(self, peer: str, rank: int, rendezvous: str = "") -> object:
-        import torch.distributed as dist
-
-        if peer in self._groups:
-            return self._groups[peer]
-        if rank == 0:
-            host, port = rendezvous.rsplit(":", 1)
-            store = dist.TCPStore(host, int(port), 2, False, timeout=self.timeout)
-            self._stores[peer] = store
-        store = dist.PrefixStore("kv", self._stores[peer])
-        if self.backend == "nccl":
-            # as torch.distributed builds one (two ranks on one GPU is refused by NCCL:
-            # benchmarks/gpu_pd.sh uses tcp when only one GPU is lent)
-            options = dist.ProcessGroupNCCL.Options()
-            options.is_high_priority_stream = False
-            options._timeout = self.timeout
-            group = dist.ProcessGroupNCCL(store, rank, 2, options)
-        else:
-            group = dist.ProcessGroupGloo(store, rank, 2, self.timeout)
-        self._groups[peer] = group
-        return group
-
-    def drop(self, peer: str) -> None:
-        self._groups.pop(peer, None)
-        self._stores.pop(peer, None)
-
-
 # ---- producer ---------------------------------------------------------------------------
 
 
@@ -143,6 +99,7 @@ class KVServer:
         self.store = store
         self.fault = fault
         self.pairs = PairGroups(backend, timeout_s=store.lease_s)
+        self.stream_stats = StreamStats()
         self._sock = socket.create_server((host, port), reuse_port=False)
         self.address = self._sock.getsockname()[:2]
         self._stop = threading.Event()
@@ -175,7 +132,17 @@ class KVServer:
                 logger.info("KV transfer connection ended: %s", e)
 
     def _pull(self, conn: socket.socket, pull: Pull) -> None:
-        rows = self.store.get(pull.key)
+        if pull.stream:
+            delay = self.fault.delay_s if self.fault.kind == "delay" else 0.0
+            stats = self.stream_stats
+            nbytes = send_streamed(conn, self.store, pull, self.fault.kind, delay, stats)
+            ack = recv_message(conn) if nbytes >= 0 else None
+            if isinstance(ack, Ack) and ack.ok:
+                self.store.done(pull.key, nbytes)
+            return
+        # the pull may come before the prefill engine has the request, or while it runs
+        self.store.wait_for(pull.key, min(self.store.lease_s, UNKNOWN_KEY_WAIT_S))
+        rows = self.store.get(pull.key, wait_s=self.store.lease_s)
         if rows is None:
             send_message(conn, PullReply(False, f"no KV held for {pull.key} (lease over?)"))
             return
@@ -198,6 +165,8 @@ class KVServer:
             time.sleep(self.fault.delay_s)
         if pull.transport == "nccl":
             self._send_pair(conn, pull, region)
+        elif pull.transport == "nixl":
+            self._send_nixl(conn, region)
         elif pull.transport == "shm":
             self._send_shm(conn, pull, region)
         else:
@@ -239,6 +208,26 @@ class KVServer:
             segment.close()
             segment.unlink()
 
+    def _send_nixl(self, conn: socket.socket, region: torch.Tensor) -> None:
+        from rackserve.disagg.nixl import agent
+
+        region = region.contiguous()
+        checksum = crc32(_as_bytes(region)) if region.device.type == "cpu" else 0
+        checksum ^= 1 if self.fault.kind == "corrupt_chunk" else 0
+        nixl = agent("producer")
+        metadata, descs, registration = nixl.expose(region)
+        try:
+            send_message(
+                conn, PullReply(True, crc32=checksum, nixl_agent=metadata, nixl_descs=descs)
+            )
+            if self.fault.kind == "drop_connection":
+                conn.shutdown(socket.SHUT_RDWR)
+                raise TransferError("fault injected: connection dropped")
+            if not conn.recv(1, socket.MSG_PEEK):  # registered until the consumer has read
+                raise TransferError("the consumer closed before acknowledging")
+        finally:
+            nixl.release(registration)
+
     def _send_pair(self, conn: socket.socket, pull: Pull, region: torch.Tensor) -> None:
         peer = pull.rendezvous
         with self.pairs.lock(peer):
@@ -275,6 +264,7 @@ class FetchJob:
     numel: int
     dtype: torch.dtype
     device: torch.device
+    layout: tuple[tuple[int, int], ...] = ()  # per group (layers, elements per slot per layer)
 
 
 class KVClient:
@@ -288,6 +278,8 @@ class KVClient:
         self.local_ip = local_ip
         self.pairs = PairGroups(backend, timeout_s=lease_s)
         self._rendezvous: dict[str, str] = {}
+        self.pieces = PieceLog()  # streamed pieces' arrivals (tcp)
+        self.remote_hits: dict[str, int] = {}  # key -> the prefill side's hit (tcp)
 
     def _connect(self, host: str, port: int) -> socket.socket:
         try:
@@ -309,17 +301,29 @@ class KVClient:
                     if peer not in self._rendezvous:
                         self._rendezvous[peer] = self.pairs.host_store(peer, self.local_ip)
                     rendezvous = self._rendezvous[peer]
+                stream = self.transport == "tcp" and bool(job.layout)
                 pull = Pull(
-                    job.key, job.group_slots, job.numel, str(job.dtype), self.transport, rendezvous
-                )
+                    job.key, job.group_slots, job.numel, str(job.dtype), self.transport,
+                    rendezvous, stream,
+                )  # fmt: skip
                 send_message(conn, pull)
                 reply = recv_message(conn)
                 if not isinstance(reply, PullReply) or not reply.ok:
                     raise TransferError(getattr(reply, "message", "unexpected reply"))
-                if self.transport == "nccl":
+                if stream:
+                    region, hit = recv_streamed(
+                        conn, job.key, job.group_slots, list(job.layout), job.dtype, self.pieces
+                    )
+                    region = region.to(job.device)
+                    self.remote_hits[job.key] = hit
+                    if region.numel() != job.numel:
+                        raise TransferError(f"received {region.numel()} of {job.numel} elements")
+                elif self.transport == "nccl":
                     region = self._recv_pair(peer, job, reply)
                 elif self.transport == "shm":
                     region = self._recv_shm(job, reply)
+                elif self.transport == "nixl":
+                    region = self._recv_nixl(job, reply)
                 else:
                     region = self._recv_stream(conn, job, reply)
                 send_message(conn, Ack(True))
@@ -365,6 +369,18 @@ class KVClient:
             raise TransferError("the shared-memory region failed its checksum")
         region = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(job.dtype)
         return region.to(job.device)
+
+    def _recv_nixl(self, job: FetchJob, reply: PullReply) -> torch.Tensor:
+        from rackserve.disagg.nixl import agent
+
+        region = torch.empty(job.numel, dtype=job.dtype, device=job.device)
+        try:
+            agent("consumer").read(reply.nixl_agent, reply.nixl_descs, region, self.lease_s)
+        except Exception as e:  # NIXL raises its own types: any failure fails the pull
+            raise TransferError(f"NIXL read failed: {e}") from None
+        if reply.crc32 and region.device.type == "cpu" and crc32(_as_bytes(region)) != reply.crc32:
+            raise TransferError("the region failed its checksum")
+        return region
 
     def _recv_pair(self, peer: str, job: FetchJob, reply: PullReply) -> torch.Tensor:
         region = torch.empty(job.numel, dtype=job.dtype, device=job.device)

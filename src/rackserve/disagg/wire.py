@@ -8,6 +8,16 @@
 
     Heartbeat(keys) -->                      <-- HeartbeatReply(missing keys)   (extends leases)
 
+A streaming pull (``tcp``: Pull.stream) may start while the prefill still runs: the producer
+answers with the rows of each block as its chunk finishes, then the tail once the request
+finished, each piece checksummed::
+
+    Pull(stream) -->                   <-- PullReply(ok)
+                                       <-- Rows(group, slots, nbytes, crc32) + bytes (x any;
+                                           Waiting every lease/3 without one)
+                                       <-- End(ok, message)
+    Ack(ok) -->
+
 The data transports (tcp, shm, nccl) share this control path; only where the bytes travel
 differs (the stream itself, a shared-memory segment, a NCCL/gloo send). Every chunk carries a
 CRC32 so a corrupt byte fails the request's transfer instead of its output.
@@ -39,6 +49,7 @@ class Pull(msgspec.Struct, tag="pull"):
     dtype: str
     transport: str = "tcp"  # where the bytes go: "tcp" (this stream), "shm", "nccl"
     rendezvous: str = ""  # nccl: "host:port" of the consumer's store for the pair group
+    stream: bool = False  # Rows pieces as the prefill's chunks finish, then End
 
 
 class PullReply(msgspec.Struct, tag="reply"):
@@ -46,13 +57,35 @@ class PullReply(msgspec.Struct, tag="reply"):
     message: str = ""
     num_chunks: int = 0
     shm_name: str = ""  # shm: the segment holding the region
-    crc32: int = 0  # shm / nccl: the checksum of the whole region
+    crc32: int = 0  # shm / nccl / nixl: the checksum of the whole region
+    nixl_agent: bytes = b""  # nixl: the producer agent's metadata
+    nixl_descs: bytes = b""  # nixl: the registered region's serialized descriptors
 
 
 class Chunk(msgspec.Struct, tag="chunk"):
     index: int
     nbytes: int
     crc32: int
+
+
+class Rows(msgspec.Struct, tag="rows"):
+    """Some table slots of one group, all its layers: [layers, len(slots), row] elements."""
+
+    group: int
+    slots: list[int]
+    nbytes: int
+    crc32: int
+
+
+class Waiting(msgspec.Struct, tag="waiting"):
+    """A streamed pull's keepalive while the prefill has not produced a new block (queued,
+    or a long chunk): the consumer's per-read timeout measures silence, not the prefill."""
+
+
+class End(msgspec.Struct, tag="end"):
+    ok: bool
+    message: str = ""
+    num_cached_tokens: int = 0  # the prefill side's prefix hit (a pull sent before it answered)
 
 
 class Ack(msgspec.Struct, tag="ack"):
@@ -67,7 +100,7 @@ class HeartbeatReply(msgspec.Struct, tag="heartbeat_reply"):
     missing: list[str]
 
 
-Message = Pull | PullReply | Chunk | Ack | Heartbeat | HeartbeatReply
+Message = Pull | PullReply | Chunk | Rows | Waiting | End | Ack | Heartbeat | HeartbeatReply
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 

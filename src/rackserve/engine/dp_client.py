@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import os
 import tempfile
+from collections import OrderedDict
 from typing import Any
 
 import zmq
@@ -28,6 +29,8 @@ from rackserve.engine.process import MessageType, decode_message, encode_message
 from rackserve.parallel.groups import free_port
 from rackserve.server.async_client import AsyncEngineClient, EngineDeadError
 from rackserve.spec_decode.stats import SpecDecodingStats
+
+MAX_FINISHED_RANKS = 4096  # enough for every response being built at once
 
 
 class DPAsyncEngineClient(AsyncEngineClient):
@@ -44,6 +47,8 @@ class DPAsyncEngineClient(AsyncEngineClient):
         self._rank_queue: asyncio.Queue[tuple[int, list[bytes]]] = asyncio.Queue()
         self._rank_stats: list[SchedulerStats | None] = [None] * self.num_ranks
         self._speaking_rank = 0  # the rank whose message is being handled
+        # recently finished requests' ranks: a P/D prefill's KV is held by its rank
+        self._finished_ranks: OrderedDict[str, int] = OrderedDict()
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -169,7 +174,11 @@ class DPAsyncEngineClient(AsyncEngineClient):
     def _on_outputs(self, outputs: Any) -> None:
         for output in outputs.outputs:
             if output.finish_reason is not None:
-                self.tracker.finish(output.request_id)
+                rank = self.tracker.finish(output.request_id)
+                if rank is not None:
+                    self._finished_ranks[output.request_id] = rank
+                    if len(self._finished_ranks) > MAX_FINISHED_RANKS:
+                        self._finished_ranks.popitem(last=False)
             else:
                 self.tracker.on_tokens(output.request_id, len(output.new_token_ids))
         if outputs.scheduler_stats is not None:
@@ -177,6 +186,11 @@ class DPAsyncEngineClient(AsyncEngineClient):
             self._rank_stats[self._speaking_rank] = outputs.scheduler_stats
             outputs.scheduler_stats = merge_stats(self._rank_stats)
         super()._on_outputs(outputs)
+
+    def kv_transfer_port(self, request_id: str, kv_port: int) -> int:
+        """Where the rank that ran a finished P/D prefill request serves its KV: kv_port +
+        its rank (engine/dp_process.py); asked once, when the response is built."""
+        return kv_port + self._finished_ranks.pop(request_id, 0)
 
     def _on_rank_exit(self, process: Any) -> None:
         asyncio.get_running_loop().remove_reader(process.sentinel)

@@ -12,6 +12,7 @@ for the MoE all-to-alls and the DP sync; rank 0's host is its rendezvous.
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import multiprocessing
 import os
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from rackserve.config import EngineConfig, ParallelConfig
+from rackserve.config import ConfigError, EngineConfig, ParallelConfig
 from rackserve.engine.dp import dp_step
 from rackserve.engine.process import (
     EngineCoreProc,
@@ -143,14 +144,29 @@ def run_dp_engine_core(config: DPRankConfig) -> None:
 
 
 def _for_rank(config: EngineConfig, rank: int) -> EngineConfig:
-    """One GPU per rank: rank r of a host uses that host's GPU r - start rank."""
+    """One GPU per rank: rank r of a host uses that host's GPU r - start rank. A P/D prefill
+    engine's rank r serves its KV on kv_port + r (the serving layer tells the router which:
+    ``kv_transfer_port``)."""
     if config.device.startswith("cuda") and ":" not in config.device:
         import torch
 
         if torch.cuda.is_available():
             local = rank - config.parallel.data_parallel_start_rank
             torch.cuda.set_device(local % torch.cuda.device_count())
-    return config
+    return kv_transfer_for_rank(config, rank)
+
+
+def kv_transfer_for_rank(config: EngineConfig, rank: int) -> EngineConfig:
+    """``config`` with rank ``rank``'s KV port (producers: kv_port + rank; others as is)."""
+    kv = config.kv_transfer
+    if kv is None or not kv.is_producer or rank == 0:
+        return config
+    if kv.kv_port + rank > 65535:
+        raise ConfigError(f"kv_port {kv.kv_port} + DP rank {rank} is not a valid port")
+    engine_id = f"{kv.engine_id}/dp{rank}" if kv.engine_id else ""
+    return dataclasses.replace(
+        config, kv_transfer=dataclasses.replace(kv, kv_port=kv.kv_port + rank, engine_id=engine_id)
+    )
 
 
 def spawn_ranks(

@@ -9,6 +9,23 @@ P/D mode (``--prefill`` + ``--decode``), the two steps of vLLM's disaggregated p
     client <-- the decode side's response, streamed through (X-KV-Source says where the
                prompt's KV came from)
 
+With ``--overlap-transfer`` the two steps start together once the router knows the prefill
+engine's KV address (learned from its earlier answers; not for DP prefill engines, whose
+rank, and so port, is known only afterwards): the decode side's streaming pull then
+receives each block while the prefill computes the next chunks (disagg/streaming.py) and
+learns the prefill side's hit at the end of the pull.
+
+``usage.prompt_tokens_details.cached_tokens`` of a P/D request is the rule one aggregated
+engine that served the same requests would follow: prompt tokens found in a prefix cache,
+i.e. ``max(prefill side's hit on prompt[:N-1], decode side's local hit)`` (the prefill side
+sends its hit in ``kv_transfer_params.num_cached_tokens``; the decode side takes the max when
+it admits the request). The aggregated engine's cache holds what the two together hold (the
+prompts' blocks, and the outputs' finish checkpoints that only the decode side has). Tokens
+pulled from the prefill side are not counted: they were computed for this request (vLLM's
+decode side counts them, which makes every P/D request look cached to a client billing by
+it). A request the decode side recomputes (prefill down, failed transfer) reports its own hit.
+tests/router/test_pd_e2e.py checks equality over agent turns, repeats, extensions and n=2.
+
 Fault tolerance: an engine that cannot be reached (or answers 503) before a response has
 started is marked down and the request is retried on another; a prefill side that is all
 down leaves the decode side to compute the prompt. Once bytes have been streamed, a
@@ -46,6 +63,7 @@ class RouterSettings:
     health_timeout_s: float = 2.0
     request_timeout_s: float = 600.0
     max_retries: int = 3
+    overlap_transfer: bool = False  # send the decode request with the prefill one
 
 
 def error_response(
@@ -67,6 +85,9 @@ class Router:
         self.engines, self.prefill, self.decode = engines, prefill, decode
         self.settings = settings or RouterSettings()
         self.pools = [p for p in (engines, prefill, decode) if p is not None]
+        # prefill engine URL -> its KV address, None once two answers named different ones
+        self.kv_addresses: dict[str, tuple[str, int] | None] = {}
+        self._prefills: set[asyncio.Task] = set()  # overlapped prefills still running
         self.session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
         registry = self.registry = CollectorRegistry()
@@ -112,6 +133,9 @@ class Router:
         self._health_task = asyncio.create_task(self._health_loop())
 
     async def _stop(self, app: web.Application) -> None:
+        for task in list(self._prefills):
+            task.cancel()
+        await asyncio.gather(*self._prefills, return_exceptions=True)
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -161,6 +185,10 @@ class Router:
         headers = _forward_headers(request)
         if self.engines is not None:
             return await self._proxy(request, self.engines, path, body, session, headers, {})
+        if self.settings.overlap_transfer:
+            response = await self._overlapped(request, path, body, session, headers)
+            if response is not None:
+                return response
         source, body = await self._prefill(path, body, session, headers)
         self.kv_sources.labels(source).inc()
         extra = {"X-KV-Source": source}
@@ -176,15 +204,7 @@ class Router:
         assert self.prefill is not None and self.session is not None
         if body.get("prompt_logprobs") is not None or body.get("echo"):
             return "decode", body
-        transfer_id = uuid.uuid4().hex
-        first = dict(body, stream=False, max_tokens=1, n=1, min_tokens=0)
-        first.pop("stream_options", None)
-        if "max_completion_tokens" in first:
-            first["max_completion_tokens"] = 1
-        n = body.get("n") if isinstance(body.get("n"), int) else 1
-        first["kv_transfer_params"] = {
-            "do_remote_decode": True, "transfer_id": transfer_id, "num_consumers": max(1, n),
-        }  # fmt: skip
+        first = _prefill_body(body, uuid.uuid4().hex)
         tried: set[int] = set()
         for _ in range(len(self.prefill.engines)):
             try:
@@ -211,8 +231,75 @@ class Router:
             params = payload.get("kv_transfer_params") if isinstance(payload, dict) else None
             if not isinstance(params, dict):
                 return "decode", body
+            self._learn(choice.engine.url, params)
             return f"prefill={choice.engine.url}", dict(body, kv_transfer_params=params)
         return "decode (prefill down)", body
+
+    def _learn(self, url: str, params: dict[str, Any]) -> None:
+        host, port = params.get("remote_host"), params.get("remote_port")
+        if not isinstance(host, str) or not isinstance(port, int):
+            return
+        if url not in self.kv_addresses:
+            self.kv_addresses[url] = (host, port)
+        elif self.kv_addresses[url] != (host, port):
+            self.kv_addresses[url] = None  # DP ranks: the port is known only afterwards
+
+    async def _overlapped(
+        self,
+        request: web.Request,
+        path: str,
+        body: dict[str, Any],
+        session: str | None,
+        headers: dict[str, str],
+    ) -> web.StreamResponse | None:
+        """Both steps at once; None (nothing sent) when the prefill engine's KV address is
+        not known yet or the request needs the decode side alone."""
+        assert self.prefill is not None and self.decode is not None
+        if body.get("prompt_logprobs") is not None or body.get("echo"):
+            return None
+        first = _prefill_body(body, uuid.uuid4().hex)
+        try:
+            choice = self.prefill.choose(first, session, set())
+        except ValueError:
+            return None
+        address = self.kv_addresses.get(choice.engine.url)
+        if address is None:
+            return None
+        self.prefill.start(choice, session)
+        self.requests.labels(choice.engine.url, "prefill").inc()
+        task = asyncio.create_task(self._send_prefill(choice, path, first, headers))
+        self._prefills.add(task)
+        task.add_done_callback(self._prefills.discard)
+        params = {
+            "do_remote_prefill": True, "transfer_id": first["kv_transfer_params"]["transfer_id"],
+            "remote_host": address[0], "remote_port": address[1],
+        }  # fmt: skip
+        source = f"prefill={choice.engine.url} (overlapped)"
+        self.kv_sources.labels(source).inc()
+        decode_body = dict(body, kv_transfer_params=params)
+        return await self._proxy(
+            request, self.decode, path, decode_body, session, headers, {"X-KV-Source": source}
+        )
+
+    async def _send_prefill(
+        self, choice: Choice, path: str, first: dict[str, Any], headers: dict[str, str]
+    ) -> None:
+        """An overlapped prefill: its answer only teaches the address (a failure leaves the
+        decode side's pull to fail and apply its policy)."""
+        assert self.prefill is not None and self.session is not None
+        try:
+            url = f"{choice.engine.url}{path}"
+            async with self.session.post(url, json=first, headers=headers) as upstream:
+                payload = await upstream.json(content_type=None)
+                if upstream.status in RETRY_STATUSES:
+                    raise NotStarted(f"HTTP {upstream.status}")
+            params = payload.get("kv_transfer_params") if isinstance(payload, dict) else None
+            if isinstance(params, dict):
+                self._learn(choice.engine.url, params)
+        except (TimeoutError, aiohttp.ClientError, OSError, NotStarted, ValueError) as e:
+            self.prefill.mark_down(choice.index, str(e) or type(e).__name__)
+        finally:
+            self.prefill.finish(choice)
 
     async def _proxy(
         self,
@@ -297,6 +384,19 @@ class Router:
             return response
         finally:
             await upstream_cm.__aexit__(None, None, None)
+
+
+def _prefill_body(body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
+    """Step 1's request: the prompt, one token, not streamed, the transfer parameters."""
+    first = dict(body, stream=False, max_tokens=1, n=1, min_tokens=0)
+    first.pop("stream_options", None)
+    if "max_completion_tokens" in first:
+        first["max_completion_tokens"] = 1
+    n = body.get("n") if isinstance(body.get("n"), int) else 1
+    first["kv_transfer_params"] = {
+        "do_remote_decode": True, "transfer_id": transfer_id, "num_consumers": max(1, n),
+    }  # fmt: skip
+    return first
 
 
 def _forward_headers(request: web.Request) -> dict[str, str]:

@@ -33,6 +33,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--load-weight", type=float, default=0.5, help="kv-aware: cost of load")
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between checks")
     p.add_argument("--max-retries", type=int, default=3)
+    p.add_argument(
+        "--overlap-transfer", action="store_true",
+        help="P/D: send the decode request with the prefill one (its KV streams in while the "
+        "prompt is prefilled) once the prefill engine's KV address is known",
+    )  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -62,8 +67,9 @@ def build_router(args: argparse.Namespace):
         subscriber = EventSubscriber(index, events)
     kwargs = {"keyer": keyer, "index": index, "approximate": subscriber is None}
     settings = RouterSettings(
-        health_interval_s=args.health_interval, max_retries=max(0, args.max_retries)
-    )
+        health_interval_s=args.health_interval, max_retries=max(0, args.max_retries),
+        overlap_transfer=args.overlap_transfer,
+    )  # fmt: skip
     if engines:
         pool = EnginePool(engines, "engine", args.policy, load_weight=args.load_weight, **kwargs)
         return Router(engines=pool, settings=settings), subscriber

@@ -433,25 +433,31 @@ class OpenAIServing:
         }
         if prepared.chat:
             response["prompt_logprobs"] = prompt_logprobs_json(finals[0].prompt_logprobs)
-        kv_params = self._kv_transfer_params(prepared, num_cached)
+        kv_params = self._kv_transfer_params(prepared, num_cached, finals[0].request_id)
         if kv_params is not None:
             response["kv_transfer_params"] = kv_params
         return response
 
-    def _kv_transfer_params(self, prepared: Prepared, num_cached: int) -> dict | None:
+    def _kv_transfer_params(
+        self, prepared: Prepared, num_cached: int, request_id: str
+    ) -> dict | None:
         """A prefill engine's answer to ``do_remote_decode``: where the decode engine pulls
-        the prompt's KV from (the router passes it on as vLLM's proxy does)."""
+        the prompt's KV from (the router passes it on as vLLM's proxy does); with DP ranks,
+        the port of the rank that ran it."""
         params = prepared.params.kv_transfer_params
         config = getattr(self.client, "engine_config", None)
         disagg = None if config is None else config.kv_transfer
         if params is None or not params.do_remote_decode or disagg is None:
             return None
+        port = disagg.kv_port
+        if hasattr(self.client, "kv_transfer_port"):  # DP ranks (engine/dp_client.py)
+            port = self.client.kv_transfer_port(request_id, port)
         return {
             "do_remote_prefill": True,
             "transfer_id": params.transfer_id,
             "remote_host": disagg.kv_ip,
-            "remote_port": disagg.kv_port,
-            "remote_engine_id": disagg.engine_id or f"{disagg.kv_ip}:{disagg.kv_port}",
+            "remote_port": port,
+            "remote_engine_id": disagg.engine_id or f"{disagg.kv_ip}:{port}",
             "num_cached_tokens": num_cached,
         }
 

@@ -1,0 +1,214 @@
+"""Streaming pulls (``tcp``): KV leaves the prefill side block by block while it prefills.
+
+Producer (a server thread, ``send_streamed``): waits on the store for the entry's pieces (the
+rows of blocks whose positions the prefill has computed, added by the engine loop after each
+chunk), sends the slots the consumer asked for as they appear, then, once the request has
+finished, the rest of the asked slots from its final copy (the tail: sliding-window and
+compressor-state pages and the last, partial blocks), then ``End``::
+
+    prefill chunks   [c0][c1][c2][c3 last]
+    Rows pieces          p0  p1  p2          tail   End
+                         (while later chunks compute)
+
+Consumer (a transfer thread, ``recv_streamed``): places each piece's rows by slot into one
+buffer per group and returns the region laid out as ``export_blocks`` lays it out, so the
+engine loop imports it exactly as a whole-region pull. A piece's arrival is logged
+(``PieceLog``): tests read when the decode side had rows.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from rackserve.disagg.store import KVStore
+from rackserve.disagg.wire import (
+    End,
+    Pull,
+    PullReply,
+    Rows,
+    TransferError,
+    Waiting,
+    crc32,
+    recv_exact,
+    recv_message,
+    send_message,
+)
+
+UNKNOWN_KEY_WAIT_S = 5.0  # a pull may arrive before the prefill engine has the request
+
+
+@dataclass(frozen=True)
+class PieceRecord:
+    key: str
+    time: float  # time.monotonic() at arrival
+    group: int
+    num_slots: int
+    nbytes: int
+
+
+class PieceLog:
+    """Arrivals on the consumer (thread-safe; bounded)."""
+
+    def __init__(self, max_records: int = 4096) -> None:
+        self._records: list[PieceRecord] = []
+        self._lock = threading.Lock()
+        self.max_records = max_records
+
+    def add(self, record: PieceRecord) -> None:
+        with self._lock:
+            if len(self._records) >= self.max_records:
+                del self._records[: self.max_records // 2]
+            self._records.append(record)
+
+    def records(self, key: str | None = None) -> list[PieceRecord]:
+        with self._lock:
+            return [r for r in self._records if key is None or r.key == key]
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
+
+
+@dataclass
+class StreamStats:
+    """Producer counters: bytes sent while the prefill ran vs. in the tail."""
+
+    bytes_streamed: int = 0
+    bytes_tail: int = 0
+
+
+def send_streamed(
+    conn: socket.socket, store: KVStore, pull: Pull, fault: str, delay_s: float, stats: StreamStats
+) -> int:
+    """Serve one streaming pull; returns the bytes sent (the caller waits for the Ack)."""
+    if not store.wait_for(pull.key, min(store.lease_s, UNKNOWN_KEY_WAIT_S)):
+        send_message(conn, PullReply(False, f"no KV held for {pull.key} (lease over?)"))
+        return -1
+    send_message(conn, PullReply(True))
+    store.watching(pull.key, +1)
+    try:
+        return _send_pieces(conn, store, pull, fault, delay_s, stats)
+    finally:
+        store.watching(pull.key, -1)
+
+
+def _send_pieces(
+    conn: socket.socket, store: KVStore, pull: Pull, fault: str, delay_s: float, stats: StreamStats
+) -> int:
+    if delay_s:
+        time.sleep(delay_s)
+    wanted = [set(s) for s in pull.group_slots]
+    sent: list[set[int]] = [set() for _ in wanted]
+    num_seen = nbytes = num_pieces = 0
+
+    def send(group: int, slots: list[int], rows: list[torch.Tensor], tail: bool) -> None:
+        nonlocal nbytes, num_pieces
+        data = _as_bytes(torch.stack(rows).cpu()) if rows else memoryview(b"")
+        checksum = crc32(data) ^ (1 if fault == "corrupt_chunk" and num_pieces == 0 else 0)
+        send_message(conn, Rows(group, slots, len(data), checksum))
+        conn.sendall(data)
+        if fault == "drop_connection" and num_pieces == 0:
+            conn.shutdown(socket.SHUT_RDWR)
+            raise TransferError("fault injected: connection dropped")
+        num_pieces += 1
+        nbytes += len(data)
+        sent[group].update(slots)
+        if tail:
+            stats.bytes_tail += len(data)
+        else:
+            stats.bytes_streamed += len(data)
+
+    while True:
+        held, pieces, final = store.watch(pull.key, num_seen, store.lease_s / 3)
+        if held and not pieces and final is None:
+            send_message(conn, Waiting())  # a queued or slow prefill: the consumer waits on
+            continue
+        if not held:
+            send_message(conn, End(False, "the prefill ended without KV (aborted, or lease over)"))
+            return -1
+        num_seen += len(pieces)
+        for piece in pieces:
+            if piece.group >= len(wanted):
+                continue
+            keep = [i for i, s in enumerate(piece.slots) if s in wanted[piece.group]]
+            keep = [i for i in keep if piece.slots[i] not in sent[piece.group]]
+            if keep:
+                index = torch.tensor(keep, dtype=torch.long, device=piece.rows[0].device)
+                slots = [piece.slots[i] for i in keep]
+                send(piece.group, slots, [t[index] for t in piece.rows], tail=False)
+        if final is None:
+            continue
+        if len(final.slots) != len(wanted):
+            send_message(conn, End(False, f"{len(wanted)} groups asked, {len(final.slots)} held"))
+            return -1
+        for g, slots_asked in enumerate(pull.group_slots):
+            rest = [s for s in slots_asked if s not in sent[g]]
+            if not rest:
+                continue
+            position = {s: i for i, s in enumerate(final.slots[g])}
+            missing = [s for s in rest if s not in position]
+            if missing:
+                send_message(conn, End(False, f"the producer lacks group {g} slots {missing[:4]}"))
+                return -1
+            index = torch.tensor([position[s] for s in rest], dtype=torch.long)
+            send(g, rest, [t[index.to(t.device)] for t in final.rows[g]], tail=True)
+        send_message(conn, End(True, num_cached_tokens=store.num_cached_tokens(pull.key)))
+        return nbytes
+
+
+def recv_streamed(
+    conn: socket.socket,
+    key: str,
+    group_slots: list[list[int]],
+    layout: list[tuple[int, int]],
+    dtype: torch.dtype,
+    log: PieceLog,
+) -> tuple[torch.Tensor, int]:
+    """(the region (CPU) from Rows pieces, the prefill side's prefix hit); ``layout[g]``:
+    (layers, elements per slot per layer) of group g on this side. TransferError on a bad
+    piece, a checksum or a missing slot."""
+    element_size = torch.empty(0, dtype=dtype).element_size()
+    buffers = [torch.empty(layers, len(slots), n, dtype=dtype) for (layers, n), slots in
+               zip(layout, group_slots, strict=True)]  # fmt: skip
+    position = [{s: i for i, s in enumerate(slots)} for slots in group_slots]
+    filled: list[set[int]] = [set() for _ in group_slots]
+    while True:
+        message = recv_message(conn)
+        if isinstance(message, Waiting):
+            continue
+        if isinstance(message, End):
+            if not message.ok:
+                raise TransferError(message.message)
+            num_cached = message.num_cached_tokens
+            break
+        if not isinstance(message, Rows) or not 0 <= message.group < len(buffers):
+            raise TransferError("unexpected message in a streamed pull")
+        g, slots = message.group, message.slots
+        layers, n = layout[g]
+        if any(s not in position[g] for s in slots):
+            raise TransferError(f"the producer sent group {g} slots that were not asked")
+        if message.nbytes != layers * len(slots) * n * element_size:
+            raise TransferError(
+                f"layout mismatch in group {g}: {message.nbytes} bytes for {len(slots)} slots "
+                "(different models or dtypes?)"
+            )
+        data = recv_exact(conn, message.nbytes)
+        if crc32(data) != message.crc32:
+            raise TransferError(f"a piece of group {g} failed its checksum")
+        if slots:
+            rows = torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(layers, len(slots), n)
+            index = torch.tensor([position[g][s] for s in slots], dtype=torch.long)
+            buffers[g][:, index] = rows
+        filled[g].update(slots)
+        log.add(PieceRecord(key, time.monotonic(), g, len(slots), message.nbytes))
+    for g, slots in enumerate(group_slots):
+        if len(filled[g]) != len(slots):
+            raise TransferError(f"group {g}: {len(slots) - len(filled[g])} slots never arrived")
+    if not buffers:
+        return torch.empty(0, dtype=dtype), num_cached
+    return torch.cat([b.flatten() for b in buffers]), num_cached
