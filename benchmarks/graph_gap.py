@@ -150,6 +150,9 @@ def main() -> None:
     p.add_argument("--output", default=None)
     args = p.parse_args()
     records = [measure(b) for b in args.batch]
+    if args.output:  # first: a broken pipe on the printing must not lose the record
+        with open(args.output, "w") as f:
+            json.dump(records, f, indent=1)
     for r in records:
         short = {k: v for k, v in r.items() if not k.startswith("diff_")}
         print(json.dumps(short))
@@ -157,9 +160,6 @@ def main() -> None:
             print(f"== {r['batch']} {k}: calls [a, b], us [a, b]")
             for row in r[k][:15]:
                 print(f"  {row['calls']} {row['us']} {row['name'][:90]}")
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(records, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -93,3 +93,20 @@ def test_gemv_v4_flash_sizes_on_gpu(tokens, n, k):
     got = gemv.gemv(x, w)
     assert_bf16_close(got, reference.linear(x, w), reference.linear(x.float(), w.float()))
     assert torch.equal(got, gemv.gemv(x, w))
+
+
+def test_linear_dispatch_is_opt_in_and_off_on_cpu(monkeypatch):
+    from rackserve import ops
+
+    monkeypatch.delenv(ops.GEMV_ENV, raising=False)
+    assert ops.kernels("auto").linear is reference.linear
+    monkeypatch.setenv(ops.GEMV_ENV, "1")
+    k = ops.kernels("triton")
+    x = torch.randn(2, 8).to(torch.bfloat16)
+    w = torch.randn(4, 8).to(torch.bfloat16)
+    assert torch.equal(k.linear(x, w), reference.linear(x, w))  # the CPU keeps the reference
+    if DEVICE == "cuda":
+        from rackserve.ops.triton import gemv
+
+        xc, wc = x.cuda(), w.cuda()
+        assert torch.equal(k.linear(xc, wc), gemv.gemv(xc, wc))
