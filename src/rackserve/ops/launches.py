@@ -165,15 +165,15 @@ def count_step_launches(graphs, key: tuple[int, int], inputs, table_writes) -> d
     it for ``key`` (its padded batch and context bucket), per scope: "metadata" (the
     step's slots and plans), the layers ("<i>:<kind>"), "outside" (embedding, rope, head,
     logits). Returns {"eager": {scope: Counter}, "graph": {...}}; the step's table writes
-    are applied first (neither count holds them: the runner's copy, not the forward).
+    are applied first (neither count holds them: the runner's copy, not the forward). The
+    model's fused weights must exist already (``cast`` builds them).
 
     The eager step uploads ``inputs`` and builds its metadata as the runner's eager path
     does (``StepBuffers.eager_step``); the graph's region runs eagerly here, on the inputs
     ``DecodeGraphs.run`` stages (padded rows, the bucket)."""
     model, buffers = graphs.model, graphs.buffers
     writes = (table_writes[0][:0], table_writes[1][:0])
-    buffers.apply_writes(*buffers.upload(list(table_writes)))
-    graphs.run(key, inputs, writes)  # stages the static inputs (and fuses weights once)
+    graphs.stage(key, inputs, table_writes)  # the static inputs, the table writes
     out = {}
 
     def eager() -> None:

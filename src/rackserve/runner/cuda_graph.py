@@ -150,6 +150,22 @@ class DecodeGraphs:
         """Replay (or, for a key that was not captured, run the same padded step eagerly:
         the CPU tests do); returns (logits [R, V] float32, expert_counts [L, E]), valid
         until the next run."""
+        self.stage(key, inputs, table_writes)
+        if key in self.graphs:
+            graph, logits = self.graphs[key]
+            graph.replay()
+        else:
+            logits = self.forward(*key)
+        return logits[: len(inputs.rows)], self.expert_counts
+
+    def stage(
+        self,
+        key: tuple[int, int],
+        inputs: StepInputs,
+        table_writes: tuple[np.ndarray, np.ndarray],
+    ) -> None:
+        """Upload the step, apply its table writes and fill the static inputs of graph
+        ``key`` (padded rows: token 0 at position 0 on the null row)."""
         b = key[0]
         num_reqs = len(inputs.rows)
         pad = b - num_reqs
@@ -169,9 +185,3 @@ class DecodeGraphs:
         self.input_ids[:b].copy_(ids_d)
         self.positions[:b].copy_(pos_d)
         self.rows[:b].copy_(rows_d)
-        if key in self.graphs:
-            graph, logits = self.graphs[key]
-            graph.replay()
-        else:
-            logits = self.forward(*key)
-        return logits[:num_reqs], self.expert_counts
