@@ -53,6 +53,8 @@ def _variants(n: int, k: int, device: torch.device) -> dict[str, gemv.GemvTiling
         "k256_w8": rep(base, block_k=256, num_warps=8),
         "stages3": rep(base, num_stages=3),
         "warps8": rep(base, num_warps=8),
+        "fused_reduce": rep(base, fused_reduce=True),
+        "fused_reduce_splits*2": rep(base, splits=base.splits * 2, fused_reduce=True),
     }
 
 

@@ -4,6 +4,8 @@ ragged N and K (not multiples of the tiles), one split and many, strided inputs;
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -40,7 +42,8 @@ def test_gemv_matches_reference(seed, monkeypatch):
         w = torch.randn(n, k + 5, generator=g)[:, :k] / k**0.5  # row stride > K
     x, w = x.to(DEVICE, dtype), w.to(DEVICE, dtype)
     base = gemv.default_tiling(n, k, x.device)
-    tiling = gemv.GemvTiling(base.block_n, base.block_k, splits)
+    # every third case: the one-launch reduce (the last split of a column block sums)
+    tiling = gemv.GemvTiling(base.block_n, base.block_k, splits, fused_reduce=seed % 3 == 2)
     real_empty = torch.empty
 
     def poisoned(*a, **kw):
@@ -64,6 +67,11 @@ def test_gemv_is_deterministic_and_default_tiling_splits():
     w = torch.randn(40, 1024, generator=g).to(DEVICE, torch.bfloat16)
     first = gemv.gemv(x, w)
     assert torch.equal(first, gemv.gemv(x, w))
+    fused = gemv.GemvTiling(32, 32, 4, fused_reduce=True)
+    two_launches = dataclasses.replace(fused, fused_reduce=False)
+    for _ in range(2):  # the same sums in the same order; the counters are back at zero
+        assert torch.equal(gemv.gemv(x, w, tiling=fused), gemv.gemv(x, w, tiling=two_launches))
+        assert not gemv._COUNTERS[x.device].any()
     if DEVICE == "cpu":  # few column blocks: the K dimension is split
         assert gemv.default_tiling(40, 1024, x.device).splits > 1
 

@@ -9,6 +9,9 @@ byte. cuBLAS picks tiles for such shapes at 1-2 launches (``nvjet_*_splitK`` +
                   rows: tensor cores, the padding costs no bytes);
                   S = 1: writes y directly; S > 1: writes fp32 partials [S, T, N]
     gemv_reduce   (S > 1 only) sums the partials in split order: deterministic, no atomics
+                  in values. ``GemvTiling.fused_reduce`` (opt-in until measured): no second
+                  launch; the split that arrives last at its column block's int32 counter
+                  sums the partials (same order) and writes y, as the fused mHC does
 
 S is chosen so that about two programs per SM stream weights (the lm_head's 2,020 column
 blocks need no split; wo_b's 64 take 8 splits of its 8,192 inputs). fp32 accumulation,
@@ -37,6 +40,7 @@ class GemvTiling:
     splits: int  # K slices (1: no partials, one launch)
     num_warps: int = 4
     num_stages: int = 4
+    fused_reduce: bool = False  # S > 1: the last split reduces (one launch), see above
 
 
 @functools.lru_cache(maxsize=8)
@@ -60,11 +64,31 @@ def default_tiling(n: int, k: int, device: torch.device) -> GemvTiling:
     return GemvTiling(block_n, block_k, splits)
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, num_blocks: int) -> torch.Tensor | None:
+    """Per-column-block arrival counters of the fused reduce: int32 zeros kept per device,
+    left at zero by every launch (the reducing program resets its block's). None while a
+    CUDA graph is captured and no buffer is large enough (allocating there would tie it to
+    the graph's pool): that call takes the two-launch path. GEMVs of one device must run on
+    one stream at a time (they do: the model's main stream)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < num_blocks:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = torch.zeros(max(4096, num_blocks), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
 @triton.jit
 def gemv_kernel(
     x_ptr,  # [T, K], unit column stride
     w_ptr,  # [N, K], unit column stride
-    out_ptr,  # SPLIT: [S, T, N] fp32 partials; else [T, N] (row stride stride_out)
+    part_ptr,  # SPLIT: [S, T, N] fp32 partials
+    out_ptr,  # [T, N] (row stride stride_out)
+    counter_ptr,  # FUSED: [>= N / BLOCK_N] int32, zero between calls
     T,
     N,
     K,
@@ -76,6 +100,7 @@ def gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr,
+    FUSED: tl.constexpr,  # SPLIT: the last split of a column block reduces
     FP32_DOT: tl.constexpr,  # IEEE fp32 dots: fp32 inputs, and the interpreter
     OUT_DTYPE: tl.constexpr,
 ):
@@ -98,11 +123,22 @@ def gemv_kernel(
         else:
             acc = tl.dot(a, tl.trans(w), acc)
     mask = t_ok[:, None] & n_ok[None, :]
+    out = out_ptr + t[:, None] * stride_out + n[None, :]
     if SPLIT:
-        tl.store(out_ptr + (s * T + t[:, None]) * N + n[None, :], acc, mask=mask)
+        part = part_ptr + t[:, None] * N + n[None, :]
+        tl.store(part + s * T * N, acc, mask=mask)
+        if FUSED:
+            num_splits = tl.num_programs(1)
+            tl.debug_barrier()  # every thread's partial stores before the release below
+            arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:  # the block's other splits are all stored
+                tl.store(counter_ptr + pid_n, 0)
+                total = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+                for j in range(num_splits):  # split order: the two-launch path's sum
+                    total += tl.load(part + j * T * N, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(out, round_as(total, OUT_DTYPE).to(OUT_DTYPE), mask=mask)
     else:
-        y = round_as(acc, OUT_DTYPE).to(OUT_DTYPE)
-        tl.store(out_ptr + t[:, None] * stride_out + n[None, :], y, mask=mask)
+        tl.store(out, round_as(acc, OUT_DTYPE).to(OUT_DTYPE), mask=mask)
 
 
 @triton.jit
@@ -156,14 +192,17 @@ def gemv(
     splits = triton.cdiv(k, k_per_split)  # no slice without inputs
     out_dtype = _TL_DTYPE[x.dtype]
     part = torch.empty(splits, t, n, dtype=torch.float32, device=x.device) if splits > 1 else out
-    gemv_kernel[(triton.cdiv(n, tiling.block_n), splits)](
-        x, weight, part, t, n, k, k_per_split,
+    blocks_n = triton.cdiv(n, tiling.block_n)
+    counters = _counters(x.device, blocks_n) if splits > 1 and tiling.fused_reduce else None
+    gemv_kernel[(blocks_n, splits)](
+        x, weight, part, out, counters if counters is not None else part, t, n, k, k_per_split,
         x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_T=MAX_TOKENS, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
-        SPLIT=splits > 1, FP32_DOT=x.dtype == torch.float32 or x.device.type != "cuda",
+        SPLIT=splits > 1, FUSED=counters is not None,
+        FP32_DOT=x.dtype == torch.float32 or x.device.type != "cuda",
         OUT_DTYPE=out_dtype, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )  # fmt: skip
-    if splits > 1:
+    if splits > 1 and counters is None:
         block = min(1024, triton.next_power_of_2(n))
         gemv_reduce_kernel[(triton.cdiv(n, block), t)](
             part, out, t, n, splits, out.stride(0), BLOCK=block, OUT_DTYPE=out_dtype,
