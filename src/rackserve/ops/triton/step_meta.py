@@ -145,13 +145,13 @@ def _launch(
         out["vec2"] = torch.empty(n, dtype=torch.int64, device=device)
     if kind == ENTRIES and window:
         out["both"] = torch.empty(n, window + width, dtype=torch.bool, device=device)
-    if n == 0 or width == 0:
+    if n == 0:  # (width 0 still launches: ENTRIES writes num_visible)
         return out
     tab, per_block = table
     tab2, per_block2 = table2 if table2 is not None else table
     dummy = positions
-    block = min(1024, triton.next_power_of_2(width))
-    _step_meta_kernel[(n, triton.cdiv(width, block))](
+    block = min(1024, triton.next_power_of_2(max(width, 1)))
+    _step_meta_kernel[(n, max(1, triton.cdiv(width, block)))](
         positions, token_req, rows,
         mask.view(torch.uint8) if mask is not None else dummy,
         tab, tab.stride(0), tab.shape[1], per_block,
