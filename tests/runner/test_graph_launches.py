@@ -46,7 +46,9 @@ def _bench_like_model() -> DeepseekV4ForCausalLM:
     return model.eval()
 
 
-@needs_triton
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="counts interpreted Triton launches"
+)
 @torch.inference_mode()
 def test_captured_step_launches_no_more_than_eager():
     """decode:1 at context 35 (tiny ratios 4 / 16: the CSA window closes, HCA's does not).
