@@ -1,6 +1,14 @@
-"""Where a decode graph step's time goes beyond its kernels: the replay alone (CUDA events
-around ``graph.replay()`` only), the same with the runner's input upload, and the summed
-kernel time inside the replay (torch.profiler), for one batch.
+"""Where a decode graph step's time goes beyond its kernels, and which kernels the graph runs
+that the eager forward does not.
+
+For one batch: the replay alone (CUDA events around ``graph.replay()``), the same with the
+runner's input upload, and the summed kernel time inside the replay (torch.profiler); then
+the kernels by name of three runs, diffed: the eager forward + logits (what
+``profile_forward.py`` profiles: metadata built outside), the captured region run eagerly
+(``DecodeGraphs.forward``: metadata, forward, logits, same padding and bucket) and the
+replay. Each is measured twice: with the step metadata kernels (``ops/triton/step_meta.py``,
+the default) and with ``StepMetadata.build``'s torch ops (what session 3 captured: 227
+kernels against 100, 2026-12-01-h200-s3-final-graph-gap.json).
 
     python3 benchmarks/graph_gap.py --batch decode:1@4096 --output $OUT/graph_gap.json
 """
@@ -10,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -35,6 +44,73 @@ def _events(fn, iters: int = 30) -> float:
     return statistics.median(times)
 
 
+def _kernels(fn) -> dict[str, list[float]]:
+    """Kernel name -> [calls, microseconds] of one call of ``fn`` (torch.profiler)."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            totals[e.name][0] += 1
+            totals[e.name][1] += e.device_time_total
+    return dict(totals)
+
+
+def _summary(kernels: dict[str, list[float]]) -> dict:
+    return {
+        "kernels": int(sum(c for c, _ in kernels.values())),
+        "kernel_ms": sum(t for _, t in kernels.values()) / 1e3,
+    }
+
+
+def _diff(a: dict[str, list[float]], b: dict[str, list[float]], top: int = 30) -> list[dict]:
+    """The kernels whose calls or time differ between runs ``a`` and ``b``, largest time
+    difference first (names cut to 120 characters)."""
+    rows = []
+    for name in a.keys() | b.keys():
+        ca, ta = a.get(name, (0, 0.0))
+        cb, tb = b.get(name, (0, 0.0))
+        if ca != cb or abs(ta - tb) > 2.0:
+            rows.append({"name": name[:120], "calls": [ca, cb], "us": [round(ta, 2), round(tb, 2)]})
+    rows.sort(key=lambda r: -abs(r["us"][1] - r["us"][0]))
+    return rows[:top]
+
+
+def _variant(model, s, fast_metadata: bool) -> dict:
+    inputs, writes = s.step.inputs, s.step.table_writes
+    buffers = StepBuffers(s.groups, s.input_batch.block_tables, "cuda")
+    graphs = DecodeGraphs(
+        model, s.caches, buffers, s.groups, [len(inputs.rows)], [inputs.max_seq_len]
+    )
+    graphs.fast_metadata = fast_metadata
+    buffers.apply_writes(*buffers.upload(list(writes)))
+    graphs.capture(log=False)
+    key = graphs.key_for(inputs)
+    assert key is not None
+    empty = (writes[0][:0], writes[1][:0])
+    graph, _ = graphs.graphs[key]
+    for _ in range(3):
+        graphs.run(key, inputs, empty)
+    with_upload = _events(lambda: graphs.run(key, inputs, empty))
+    replay = _events(graph.replay)
+    replay_kernels = _kernels(graph.replay)
+    region_kernels = _kernels(lambda: graphs.forward(*key))
+    busy = _summary(replay_kernels)["kernel_ms"]
+    return {
+        "fast_metadata": fast_metadata,
+        "step_with_upload_ms": with_upload,
+        "replay_ms": replay,
+        "kernel_ms_in_replay": busy,
+        "kernels_in_replay": _summary(replay_kernels)["kernels"],
+        "gap_ms": replay - busy,
+        "captured_region_eager": _summary(region_kernels),
+        "_replay": replay_kernels,
+        "_region": region_kernels,
+    }
+
+
 @torch.inference_mode()
 def measure(batch: str) -> dict:
     cfg = preset_config("v4-flash", 4, 64)
@@ -42,34 +118,30 @@ def measure(batch: str) -> dict:
         model = DeepseekV4ForCausalLM(cfg, with_mtp=False)
     init_model_(model.cast(torch.bfloat16), seed=0)
     s = synthetic_step(model.eval(), BatchSpec.parse(batch))
-    inputs, writes = s.step.inputs, s.step.table_writes
+    # the eager forward + logits, as profile_forward.py profiles it (metadata built before)
     buffers = StepBuffers(s.groups, s.input_batch.block_tables, "cuda")
-    graphs = DecodeGraphs(
-        model, s.caches, buffers, s.groups, [len(inputs.rows)], [inputs.max_seq_len]
-    )
-    buffers.apply_writes(*buffers.upload(list(writes)))
-    graphs.capture(log=False)
-    key = graphs.key_for(inputs)
-    empty = (writes[0][:0], writes[1][:0])
-    graph, _ = graphs.graphs[key]
+    input_ids, meta, idx = buffers.eager_step(s.step.inputs, s.step.table_writes)
+
+    def eager() -> None:
+        hidden, _ = model(input_ids, meta, s.caches)
+        model.compute_logits(hidden[idx])
+
     for _ in range(3):
-        graphs.run(key, inputs, empty)
-    with_upload = _events(lambda: graphs.run(key, inputs, empty))
-    replay = _events(graph.replay)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    busy = sum(e.device_time_total for e in kernels) / 1e3
-    return {
+        eager()
+    eager_kernels = _kernels(eager)
+    variants = [_variant(model, s, fast) for fast in (True, False)]
+    main = variants[0]
+    record = {
         "batch": batch,
-        "step_with_upload_ms": with_upload,
-        "replay_ms": replay,
-        "kernel_ms_in_replay": busy,
-        "kernels_in_replay": len(kernels),
-        "gap_ms": replay - busy,
+        **{k: v for k, v in main.items() if not k.startswith("_")},
+        "eager_forward": _summary(eager_kernels),
+        "torch_metadata": {k: v for k, v in variants[1].items() if not k.startswith("_")},
+        # kernels by name: [eager forward, replay] and [captured region eagerly, replay]
+        "diff_eager_vs_replay": _diff(eager_kernels, main["_replay"]),
+        "diff_region_vs_replay": _diff(main["_region"], main["_replay"]),
+        "diff_torch_vs_fast_metadata_replay": _diff(variants[1]["_replay"], main["_replay"]),
     }
+    return record
 
 
 def main() -> None:
@@ -78,11 +150,16 @@ def main() -> None:
     p.add_argument("--output", default=None)
     args = p.parse_args()
     records = [measure(b) for b in args.batch]
-    for r in records:
-        print(json.dumps(r))
-    if args.output:
+    if args.output:  # first: a broken pipe on the printing must not lose the record
         with open(args.output, "w") as f:
             json.dump(records, f, indent=1)
+    for r in records:
+        short = {k: v for k, v in r.items() if not k.startswith("diff_")}
+        print(json.dumps(short))
+        for k in ("diff_eager_vs_replay", "diff_region_vs_replay"):
+            print(f"== {r['batch']} {k}: calls [a, b], us [a, b]")
+            for row in r[k][:15]:
+                print(f"  {row['calls']} {row['us']} {row['name'][:90]}")
 
 
 if __name__ == "__main__":

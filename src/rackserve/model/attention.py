@@ -24,12 +24,11 @@ over them. Queries are processed in chunks only to bound the gathered bytes.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from rackserve.config import CSA, HCA, SLIDING, ModelConfig
 from rackserve.model.batch import KVCacheTensors, StepMetadata
-from rackserve.model.layers import FusedWeights, GroupedLinear, RMSNorm, Rotary
+from rackserve.model.layers import FusedWeights, GroupedLinear, RMSNorm, Rotary, linear
 from rackserve.ops import Kernels
 
 
@@ -180,7 +179,7 @@ class Attention(nn.Module):
                 state = torch.cat([c.rows(x) for c, _, _ in self._compressors()], dim=-1)
             head_logits = self.indexer.weights_proj(x) if self.kind == CSA else None
             return self.wq_a(x), self.wkv(x), state, head_logits
-        y = F.linear(x, fused.get())
+        y = self.kernels.linear(x, fused.get())
         q_lora, width = self.wq_a.out_features, self.head_dim
         state_end = q_lora + width + (self.compressor.wkv.out_features * 2 if self.ratio else 0)
         if self.kind == CSA:
@@ -205,11 +204,11 @@ class Attention(nn.Module):
         """q_residual [T, q_lora] -> (``wq_b`` [T, H * Dh], CSA: the indexer's ``wq_b``
         [T, heads * Di], else None); one GEMM on the fast path (column views)."""
         if self.kind != CSA:
-            return self.wq_b(q_residual), None
+            return linear(self.kernels, self.wq_b, q_residual), None
         fused = self._fusion("q", self._q_linears()) if self.kernels.fast(q_residual) else None
         if fused is None:
             return self.wq_b(q_residual), self.indexer.wq_b(q_residual)
-        q_both = F.linear(q_residual, fused.get())
+        q_both = self.kernels.linear(q_residual, fused.get())
         width = self.wq_b.out_features
         return q_both[:, :width], q_both[:, width:]
 
@@ -302,7 +301,7 @@ class Attention(nn.Module):
                 out = o
             else:
                 out[rows] = o
-        return self.wo_b(self.wo_a(out.view(t, self.o_groups, -1)))
+        return linear(self.kernels, self.wo_b, self.wo_a(out.view(t, self.o_groups, -1)))
 
     def _chunk_tokens(
         self, num_tokens: int, max_seq_len: int, element_size: int, in_place: bool

@@ -20,7 +20,14 @@ from rackserve import ops
 from rackserve.config import SLIDING, ModelConfig
 from rackserve.model.attention import Attention
 from rackserve.model.batch import KVCacheTensors, StepMetadata
-from rackserve.model.layers import FP32_PARAM_SUFFIXES, HyperHead, RMSNorm, Rotary, hc_params
+from rackserve.model.layers import (
+    FP32_PARAM_SUFFIXES,
+    HyperHead,
+    RMSNorm,
+    Rotary,
+    hc_params,
+    linear,
+)
 from rackserve.model.moe import MoE
 from rackserve.moe.ep import ExpertParallel
 
@@ -236,7 +243,7 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, D] (only the rows that need logits) -> [S, V] float32
-        return self.head(hidden).float()
+        return linear(self.kernels, self.head, hidden).float()
 
     def mtp_forward(
         self,

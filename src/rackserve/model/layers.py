@@ -124,6 +124,14 @@ class HyperHead(nn.Module):
         )  # fmt: skip
 
 
+def linear(kernels: ops.Kernels, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)``: a plain bias-free ``nn.Linear`` through ``kernels.linear`` (on a GPU,
+    the split-K GEMV at decode sizes when enabled); other modules (FP8) as they are."""
+    if type(module) is nn.Linear and module.bias is None:
+        return kernels.linear(x, module.weight)
+    return module(x)
+
+
 class GroupedLinear(nn.Module):
     """Block-diagonal projection: G groups of `in_per_group` -> `out_per_group` each.
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ from rackserve.ops.reference import (
     hc_weights,
     indexer_topk,
     kv_insert,
+    linear,
     moe_experts,
     moe_routed,
     paged_indexer_topk,
@@ -71,6 +73,7 @@ __all__ = [
     "indexer_topk",
     "kernels",
     "kv_insert",
+    "linear",
     "moe_experts",
     "moe_routed",
     "paged_indexer_topk",
@@ -116,6 +119,7 @@ class Kernels:
     fp8_linear: Callable
     moe_experts_fp4: Callable
     moe_routed: Callable
+    linear: Callable
 
     def fast(self, x: torch.Tensor) -> bool:
         """Whether ``x`` takes the fast implementations (then the model also fuses its
@@ -196,6 +200,34 @@ def _moe_routed_for(fused: Callable, route_fused: Callable, experts: Callable) -
     return moe_routed
 
 
+# Projections of fewer than GEMV_MAX_TOKENS rows (16-bit, on a GPU) take the split-K Triton
+# GEMV (``ops/triton/gemv.py``) when $RACKSERVE_GEMV is "1" when the table is made: opt-in
+# until benchmarks/gemv_bench.py shows it ahead of cuBLAS at the V4-Flash sizes.
+GEMV_ENV = "RACKSERVE_GEMV"
+GEMV_MAX_TOKENS = 16
+
+
+def _linear_gemv() -> Callable:
+    """``reference.linear``, or the GEMV for decode-sized 16-bit inputs on CUDA (never on
+    the CPU, where the interpreter would only be slower)."""
+    fast: list[Callable] = []
+
+    def linear(x, weight):
+        if (
+            x.is_cuda
+            and x.dim() == 2
+            and x.shape[0] < GEMV_MAX_TOKENS
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype
+        ):
+            if not fast:
+                fast.append(importlib.import_module("rackserve.ops.triton.gemv").gemv)
+            return fast[0](x, weight)
+        return reference.linear(x, weight)
+
+    return linear
+
+
 def kernels(name: str = "auto") -> Kernels:
     """The op table for ``name`` in :data:`KERNEL_CHOICES`, or "triton": the fast
     implementations on every device (on CPU only under ``TRITON_INTERPRET=1``: the tests
@@ -256,6 +288,7 @@ def kernels(name: str = "auto") -> Kernels:
     routed = _on_cuda(
         "rackserve.ops.triton.moe_routed", "moe_routed", reference.moe_routed, everywhere
     )
+    fast["linear"] = _linear_gemv() if os.environ.get(GEMV_ENV) == "1" else reference.linear
     return Kernels(
         name,
         moe_experts=experts,

@@ -7,7 +7,10 @@ interpreter itself runs to copy arguments are not counted). Launches are attribu
 innermost scope entered with :meth:`LaunchCounter.scope` (e.g. one per decoder layer).
 
 Known gap against the GPU profiler: a cuBLAS GEMM may add a split-K reduce kernel on the
-GPU (one aten ``mm`` here); a CUDA-graph step counts the same ops as this eager one.
+GPU (one aten ``mm`` here). A CUDA graph records what its captured region launches:
+:func:`count_step_launches` counts a decode step both ways, the eager step (metadata,
+forward, logits) and ``DecodeGraphs.forward`` (what the graph captures, same padding and
+context bucket), with the metadata in its own scope.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ class LaunchCounter(TorchDispatchMode):
         self.by_scope: dict[str, Counter] = {}
         self._scopes = ["outside"]
         self._in_kernel = 0
-        self._patched: list[tuple[type, object]] = []
+        self._patched: list[tuple[type, object] | None] = []  # one per __enter__
         self.host_syncs = 0
 
     def total(self, scope: str) -> int:
@@ -95,15 +98,20 @@ class LaunchCounter(TorchDispatchMode):
         return super().__enter__()
 
     def __exit__(self, *exc):
-        for cls, run in self._patched:
+        # undo this entry's patch only: the mode is re-entered while it decomposes an op,
+        # and clearing every patch there left the outer one on the class for good (later
+        # counters then counted each Triton launch twice)
+        patch = self._patched.pop()
+        if patch is not None:
+            cls, run = patch
             cls.run = run
-        self._patched.clear()
         return super().__exit__(*exc)
 
     def _patch_triton(self) -> None:
         try:
             from triton.runtime.interpreter import InterpretedFunction
         except ImportError:  # no Triton: nothing to count there
+            self._patched.append(None)
             return
         original = InterpretedFunction.run
         counter = self
@@ -122,12 +130,15 @@ class LaunchCounter(TorchDispatchMode):
         self._patched.append((InterpretedFunction, original))
 
 
-def count_layer_launches(model: torch.nn.Module, run) -> tuple[LaunchCounter, list[str]]:
-    """Run ``run()`` under a :class:`LaunchCounter` with one scope per decoder layer of
-    ``model`` (a ``DeepseekV4ForCausalLM``; a layer's ``run``), named ``"<i>:<kind>"``.
-    Returns the counter and the layer scope names in order; launches outside the layers
-    land in "outside". (A layer's scope holds the next layer's fused mHC pre.)"""
-    counter = LaunchCounter()
+def count_layer_launches(
+    model: torch.nn.Module, run, counter: LaunchCounter | None = None
+) -> tuple[LaunchCounter, list[str]]:
+    """Run ``run()`` under a :class:`LaunchCounter` (``counter`` or a new one) with one scope
+    per decoder layer of ``model`` (a ``DeepseekV4ForCausalLM``; a layer's ``run``), named
+    ``"<i>:<kind>"``. Returns the counter and the layer scope names in order; launches
+    outside the layers land in "outside". (A layer's scope holds the next layer's fused
+    mHC pre.)"""
+    counter = counter or LaunchCounter()
     layers = list(model.model.layers)
     names = [f"{i}:{layer.attn.kind}" for i, layer in enumerate(layers)]
 
@@ -147,3 +158,45 @@ def count_layer_launches(model: torch.nn.Module, run) -> tuple[LaunchCounter, li
         for layer in layers:
             del layer.run
     return counter, names
+
+
+def count_step_launches(graphs, key: tuple[int, int], inputs, table_writes) -> dict[str, dict]:
+    """Launches of one decode step, eager and as ``graphs`` (a ``DecodeGraphs``) captures
+    it for ``key`` (its padded batch and context bucket), per scope: "metadata" (the
+    step's slots and plans), the layers ("<i>:<kind>"), "outside" (embedding, rope, head,
+    logits). Returns {"eager": {scope: Counter}, "graph": {...}}; the step's table writes
+    are applied first (neither count holds them: the runner's copy, not the forward). The
+    model's fused weights must exist already (``cast`` builds them).
+
+    The eager step uploads ``inputs`` and builds its metadata as the runner's eager path
+    does (``StepBuffers.eager_step``); the graph's region runs eagerly here, on the inputs
+    ``DecodeGraphs.run`` stages (padded rows, the bucket)."""
+    model, buffers = graphs.model, graphs.buffers
+    writes = (table_writes[0][:0], table_writes[1][:0])
+    graphs.stage(key, inputs, table_writes)  # the static inputs, the table writes
+    out = {}
+
+    def eager() -> None:
+        with counter.scope("metadata"):
+            ids, meta, idx = buffers.eager_step(inputs, writes)
+        hidden, _ = model(ids, meta, graphs.caches)
+        model.compute_logits(hidden[idx])
+
+    def graph() -> None:
+        real = graphs.metadata
+
+        def metadata(*args):
+            with counter.scope("metadata"):
+                return real(*args)
+
+        graphs.metadata = metadata
+        try:
+            graphs.forward(*key)
+        finally:
+            del graphs.metadata
+
+    for name, run in (("eager", eager), ("graph", graph)):
+        counter = LaunchCounter()  # the scope of eager() and graph()
+        count_layer_launches(model, run, counter)
+        out[name] = dict(counter.by_scope)
+    return out

@@ -597,3 +597,9 @@ def moe_routed(
         expert_counts, token_mask,
     )  # fmt: skip
     return moe_experts(x, ids, weights, w13, w2, limit)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A projection without bias: x [T, K], weight [N, K] -> [T, N] (``x @ weight.T``, fp32
+    accumulation, one rounding to x's dtype). The spec of ``ops/triton/gemv.py``."""
+    return F.linear(x, weight)

@@ -10,6 +10,12 @@ each query gathers), so one graph serves every step whose longest request fits i
 
 Prefill and mixed steps run eager on the same code: their launches are amortised over
 many tokens.
+
+What a graph captures beyond the eager forward of the same step (the CPU launch counter
+counts both, tests/runner/test_graph_launches.py): the step's metadata (on a GPU one Triton
+launch per cache group, ``ops/triton/step_meta.py``, where ``StepMetadata.build`` takes
+~115 small torch kernels), the token mask, zeroing the expert counts, and one compression
+launch per compressed layer even when no window closes (its candidates write the null block).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from rackserve.config import HCA
 from rackserve.kv.spec import CacheGroupSpec
 from rackserve.model.batch import KVCacheTensors, StepMetadata
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
@@ -65,19 +72,39 @@ class DecodeGraphs:
         )
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
+        # the metadata kernels: on a GPU, and on the CPU when the model runs Triton everywhere
+        # (the interpreter: the launch-count tests); else StepMetadata.build (torch ops)
+        self.fast_metadata = buffers.device.type == "cuda" or model.kernels.name == "triton"
+        # compressed groups read as [window | entries] by HCA layers: derived with the rest
+        self.combined = {
+            layer.attn.entry_group for layer in model.model.layers if layer.attn.kind == HCA
+        }
 
-    def _forward(self, b: int, bucket: int) -> torch.Tensor:
-        """The captured region: metadata from the static buffers, forward, logits [b, V]."""
+    def metadata(self, b: int, bucket: int) -> StepMetadata:
+        """The captured step's metadata from the static buffers: every token a closing
+        candidate, padded rows masked."""
         rows = self.rows[:b]
-        meta = StepMetadata.build(
+        token_mask = rows != self.buffers.null_row
+        if self.fast_metadata:
+            from rackserve.ops.triton.step_meta import step_metadata
+
+            return step_metadata(
+                self.groups, self.positions[:b], self.token_req[:b], rows,
+                self.buffers.tables, bucket, token_mask, self.combined,
+            )  # fmt: skip
+        return StepMetadata.build(
             self.groups,
             self.positions[:b],
             self.token_req[:b],
             {name: table[rows] for name, table in self.buffers.tables.items()},
             bucket,
             {r: self.token_req[:b] for r in self.buffers.ratios},
-            token_mask=rows != self.buffers.null_row,
+            token_mask=token_mask,
         )
+
+    def forward(self, b: int, bucket: int) -> torch.Tensor:
+        """The captured region: metadata from the static buffers, forward, logits [b, V]."""
+        meta = self.metadata(b, bucket)
         self.expert_counts.zero_()
         hidden, _ = self.model(self.input_ids[:b], meta, self.caches, self.expert_counts)
         return self.model.compute_logits(hidden)
@@ -91,11 +118,11 @@ class DecodeGraphs:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                self._forward(b, bucket)
+                self.forward(b, bucket)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                logits = self._forward(b, bucket)
+                logits = self.forward(b, bucket)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[(b, bucket)] = (graph, logits)
@@ -124,6 +151,22 @@ class DecodeGraphs:
         """Replay (or, for a key that was not captured, run the same padded step eagerly:
         the CPU tests do); returns (logits [R, V] float32, expert_counts [L, E]), valid
         until the next run."""
+        self.stage(key, inputs, table_writes)
+        if key in self.graphs:
+            graph, logits = self.graphs[key]
+            graph.replay()
+        else:
+            logits = self.forward(*key)
+        return logits[: len(inputs.rows)], self.expert_counts
+
+    def stage(
+        self,
+        key: tuple[int, int],
+        inputs: StepInputs,
+        table_writes: tuple[np.ndarray, np.ndarray],
+    ) -> None:
+        """Upload the step, apply its table writes and fill the static inputs of graph
+        ``key`` (padded rows: token 0 at position 0 on the null row)."""
         b = key[0]
         num_reqs = len(inputs.rows)
         pad = b - num_reqs
@@ -145,9 +188,3 @@ class DecodeGraphs:
             feed(self.input_ids)
         self.positions[:b].copy_(pos_d)
         self.rows[:b].copy_(rows_d)
-        if key in self.graphs:
-            graph, logits = self.graphs[key]
-            graph.replay()
-        else:
-            logits = self._forward(*key)
-        return logits[:num_reqs], self.expert_counts

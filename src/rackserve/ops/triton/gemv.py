@@ -1,0 +1,211 @@
+"""Split-K GEMV for decode-sized batches (equals ``reference.linear``: ``x @ weight.T``).
+
+Below 16 tokens a projection is a weight stream: [N, K] bf16 read once, a few FLOPs per
+byte. cuBLAS picks tiles for such shapes at 1-2 launches (``nvjet_*_splitK`` +
+``splitKreduce_kernel`` in the H200 profiles). Here:
+
+    gemv_kernel   grid (N / BLOCK_N, S): program (n, s) streams weight rows n of K-slice s
+                  and multiplies the [T, K-slice] tokens with one tl.dot (T padded to 16
+                  rows: tensor cores, the padding costs no bytes);
+                  S = 1: writes y directly; S > 1: writes fp32 partials [S, T, N]
+    gemv_reduce   (S > 1 only) sums the partials in split order: deterministic, no atomics
+                  in values. ``GemvTiling.fused_reduce`` (opt-in until measured): no second
+                  launch; the split that arrives last at its column block's int32 counter
+                  sums the partials (same order) and writes y, as the fused mHC does
+
+S is chosen so that about two programs per SM stream weights (the lm_head's 2,020 column
+blocks need no split; wo_b's 64 take 8 splits of its 8,192 inputs). fp32 accumulation,
+one rounding to the output dtype, like cuBLAS. Grids depend on (T, N, K) only: graph-safe.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from rackserve.ops.triton.common import round_as
+
+_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+MAX_TOKENS = 16  # tl.dot's smallest M: the kernel holds at most this many token rows
+
+
+@dataclass(frozen=True)
+class GemvTiling:
+    block_n: int
+    block_k: int
+    splits: int  # K slices (1: no partials, one launch)
+    num_warps: int = 4
+    num_stages: int = 4
+    fused_reduce: bool = False  # S > 1: the last split reduces (one launch), see above
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_tiling(n: int, k: int, device: torch.device) -> GemvTiling:
+    """Block sizes and the split count from N, K and the device (host ints: graph-safe).
+
+    GPU: 64 weight rows x 128 inputs per step (16 KB of bf16 weights in flight per stage,
+    4 stages); splits so that N/64 x S reaches ~2 programs per SM, each slice at least 512
+    inputs. CPU (the interpreter): small tiles, few programs."""
+    if device.type != "cuda":
+        block_n, block_k, programs, min_slice = 32, 32, 4, 64
+    else:
+        block_n, block_k, programs, min_slice = 64, 128, 2 * _num_sms(device), 512
+    blocks_n = triton.cdiv(n, block_n)
+    k_blocks = triton.cdiv(k, block_k)
+    splits = max(1, min(triton.cdiv(programs, blocks_n), k // min_slice, k_blocks))
+    return GemvTiling(block_n, block_k, splits)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, num_blocks: int) -> torch.Tensor | None:
+    """Per-column-block arrival counters of the fused reduce: int32 zeros kept per device,
+    left at zero by every launch (the reducing program resets its block's). None while a
+    CUDA graph is captured and no buffer is large enough (allocating there would tie it to
+    the graph's pool): that call takes the two-launch path. GEMVs of one device must run on
+    one stream at a time (they do: the model's main stream)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < num_blocks:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = torch.zeros(max(4096, num_blocks), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
+@triton.jit
+def gemv_kernel(
+    x_ptr,  # [T, K], unit column stride
+    w_ptr,  # [N, K], unit column stride
+    part_ptr,  # SPLIT: [S, T, N] fp32 partials
+    out_ptr,  # [T, N] (row stride stride_out)
+    counter_ptr,  # FUSED: [>= N / BLOCK_N] int32, zero between calls
+    T,
+    N,
+    K,
+    k_per_split,  # a multiple of BLOCK_K
+    stride_x,
+    stride_w,
+    stride_out,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+    FUSED: tl.constexpr,  # SPLIT: the last split of a column block reduces
+    FP32_DOT: tl.constexpr,  # IEEE fp32 dots: fp32 inputs, and the interpreter
+    OUT_DTYPE: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    s = tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    t = tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    k_start = s * k_per_split
+    acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+    for kk in range(0, k_per_split, BLOCK_K):
+        k = k_start + kk + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        a = tl.load(x_ptr + t[:, None] * stride_x + k[None, :], t_ok[:, None] & k_ok[None, :], 0.0)
+        w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :],
+                    n_ok[:, None] & k_ok[None, :], 0.0)  # fmt: skip
+        if FP32_DOT:
+            acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(w), acc)
+    mask = t_ok[:, None] & n_ok[None, :]
+    out = out_ptr + t[:, None] * stride_out + n[None, :]
+    if SPLIT:
+        part = part_ptr + t[:, None] * N + n[None, :]
+        tl.store(part + s * T * N, acc, mask=mask)
+        if FUSED:
+            num_splits = tl.num_programs(1)
+            tl.debug_barrier()  # every thread's partial stores before the release below
+            arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:  # the block's other splits are all stored
+                tl.store(counter_ptr + pid_n, 0)
+                total = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+                for j in range(num_splits):  # split order: the two-launch path's sum
+                    total += tl.load(part + j * T * N, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(out, round_as(total, OUT_DTYPE).to(OUT_DTYPE), mask=mask)
+    else:
+        tl.store(out, round_as(acc, OUT_DTYPE).to(OUT_DTYPE), mask=mask)
+
+
+@triton.jit
+def gemv_reduce_kernel(
+    part_ptr,  # [S, T, N] fp32
+    out_ptr,  # [T, N]
+    T,
+    N,
+    S,
+    stride_out,
+    BLOCK: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+):
+    t = tl.program_id(1)
+    n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    n_ok = n < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(S):  # split order: the same sum every call
+        acc += tl.load(part_ptr + (s * T + t) * N + n, mask=n_ok, other=0.0)
+    tl.store(out_ptr + t * stride_out + n, round_as(acc, OUT_DTYPE).to(OUT_DTYPE), mask=n_ok)
+
+
+def gemv(
+    x: torch.Tensor, weight: torch.Tensor, *, tiling: GemvTiling | None = None
+) -> torch.Tensor:
+    """``x @ weight.T``: x [T, K] with T <= 16, weight [N, K] (same dtype, fp32/bf16/fp16);
+    returns [T, N] in x's dtype."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"gemv: x [T, K] and weight [N, K] expected, got {tuple(x.shape)}, "
+            f"{tuple(weight.shape)}"
+        )
+    if x.shape[0] > MAX_TOKENS:
+        raise ValueError(f"gemv: at most {MAX_TOKENS} tokens, got {x.shape[0]}")
+    if x.dtype not in _TL_DTYPE or weight.dtype != x.dtype or x.device != weight.device:
+        raise ValueError(
+            f"gemv: x and weight must share a float dtype and device, got {x.dtype} on "
+            f"{x.device}, {weight.dtype} on {weight.device}"
+        )
+    (t, k), n = x.shape, weight.shape[0]
+    out = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    if t == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    x = x if x.stride(1) == 1 else x.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    tiling = tiling or default_tiling(n, k, x.device)
+    k_blocks = triton.cdiv(k, tiling.block_k)
+    k_per_split = triton.cdiv(k_blocks, tiling.splits) * tiling.block_k
+    splits = triton.cdiv(k, k_per_split)  # no slice without inputs
+    out_dtype = _TL_DTYPE[x.dtype]
+    part = torch.empty(splits, t, n, dtype=torch.float32, device=x.device) if splits > 1 else out
+    blocks_n = triton.cdiv(n, tiling.block_n)
+    counters = _counters(x.device, blocks_n) if splits > 1 and tiling.fused_reduce else None
+    gemv_kernel[(blocks_n, splits)](
+        x, weight, part, out, counters if counters is not None else part, t, n, k, k_per_split,
+        x.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_T=MAX_TOKENS, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
+        SPLIT=splits > 1, FUSED=counters is not None,
+        FP32_DOT=x.dtype == torch.float32 or x.device.type != "cuda",
+        OUT_DTYPE=out_dtype, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+    )  # fmt: skip
+    if splits > 1 and counters is None:
+        block = min(1024, triton.next_power_of_2(n))
+        gemv_reduce_kernel[(triton.cdiv(n, block), t)](
+            part, out, t, n, splits, out.stride(0), BLOCK=block, OUT_DTYPE=out_dtype,
+            num_warps=4,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,239 @@
+"""A CUDA-graph decode step's metadata in a few launches (equals ``StepMetadata.build`` with
+every token a closing candidate, as ``DecodeGraphs`` calls it).
+
+``StepMetadata.build`` derives the slot of every row a step reads or writes with torch ops:
+about 115 small kernels at batch 1 for the v4-flash cache groups (a table gather per group,
+~6 ops per ``paged_slots``, the compression plans). Captured in the decode graph they were
+most of the difference between the graph's 227 kernels and the eager forward's 100
+(2026-12-01-h200-s3-final-graph-gap.json). Here every group takes one launch of one kernel
+(``KIND`` picks what it derives), reading the block tables in place through the requests'
+table rows: 7 launches for the v4-flash groups, one per group and compression plan.
+
+The slot rule is ``model.batch.paged_slots``'s: ``table[row, min(i // per_block, cols - 1)]
+* per_block + i % per_block`` on a clamped, non-negative index i. A test compares every
+field with ``StepMetadata.build`` (tests/runner/test_graph_launches.py), so a change of
+that rule shows there.
+
+Shape legend: T tokens (one per request in a decode graph), W window, E entries per query
+(``max_seq_len // ratio``), span state rows pooled per entry (r, or 2r with CSA's overlap).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from rackserve.kv.spec import CacheGroupSpec
+from rackserve.model.batch import Compression, Gather, StepMetadata
+
+WINDOW, ENTRIES, COMPRESS = 0, 1, 2  # what one launch derives (the KIND constexpr)
+
+
+@triton.jit
+def _lookup(table_ptr, stride, cols, per_block, row, idx):
+    """Slots of non-negative indices ``idx`` in table row ``row`` (paged_slots' rule)."""
+    col = tl.minimum(idx // per_block, cols - 1)
+    block = tl.load(table_ptr + row * stride + col)
+    return block * per_block + idx % per_block
+
+
+@triton.jit
+def _step_meta_kernel(
+    pos_ptr,  # [T] int64 positions
+    req_ptr,  # [T] int64 request of each token
+    rows_ptr,  # [R] int64 table row of each request
+    mask_ptr,  # [T] uint8 token mask (HAS_MASK)
+    table_ptr,  # the group's table [rows, cols] (int64)
+    stride,
+    cols,
+    per_block,
+    table2_ptr,  # COMPRESS: the entry group's table (dst)
+    stride2,
+    cols2,
+    per_block2,
+    slots_ptr,  # [T, M] int64: window / entry / state (src) slots
+    flag_ptr,  # [T, M] uint8: window valid / entry valid / missing (STORE_FLAG)
+    vec_ptr,  # [T] int64: WINDOW the last slot (slot mapping), ENTRIES num_visible, COMPRESS dst
+    vec2_ptr,  # [T] int64: COMPRESS entry positions
+    both_ptr,  # [T, W + M] uint8: ENTRIES with BOTH: [window valid | entry valid]
+    M,
+    ratio,
+    span,
+    KIND: tl.constexpr,
+    W: tl.constexpr,  # WINDOW: the window (= M); ENTRIES with BOTH: the window width
+    STORE_SLOTS: tl.constexpr,
+    STORE_FLAG: tl.constexpr,
+    STORE_VEC: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    BOTH: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    m = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    m_ok = m < M
+    pos = tl.load(pos_ptr + t)
+    row = tl.load(rows_ptr + tl.load(req_ptr + t))
+    first = tl.program_id(1) == 0
+    if KIND == 0:  # window rows pos-W+1 .. pos (M = W; M = 1: the slot mapping)
+        idx = pos - (M - 1) + m
+        flag = idx >= 0
+        slot = _lookup(table_ptr, stride, cols, per_block, row, tl.maximum(idx, 0))
+        if STORE_VEC:
+            tl.store(vec_ptr + t + m * 0, slot, mask=m_ok & (m == M - 1))
+    elif KIND == 1:  # entries 0 .. M-1, visible once pos >= ratio * e + ratio - 1
+        visible = (pos + 1) // ratio
+        flag = m < visible
+        slot = _lookup(table_ptr, stride, cols, per_block, row, m)
+        if first:
+            tl.store(vec_ptr + t, visible)
+        if BOTH:
+            tl.store(both_ptr + t * (W + M) + W + m, flag.to(tl.uint8), mask=m_ok)
+            if first:
+                w = tl.arange(0, BLOCK_W).to(tl.int64)
+                window_ok = (pos - (W - 1) + w >= 0).to(tl.uint8)
+                tl.store(both_ptr + t * (W + M) + w, window_ok, mask=w < W)
+    else:  # the state rows of the window this token would close (missing: before 0)
+        entry = tl.maximum((pos + 1) // ratio - 1, 0)
+        idx = entry * ratio - (span - ratio) + m
+        flag = idx < 0
+        slot = _lookup(table_ptr, stride, cols, per_block, row, tl.maximum(idx, 0))
+        if first:
+            closes = (pos + 1) % ratio == 0
+            if HAS_MASK:
+                closes = closes & (tl.load(mask_ptr + t) != 0)
+            dst = _lookup(table2_ptr, stride2, cols2, per_block2, row, entry)
+            tl.store(vec_ptr + t, tl.where(closes, dst, 0))
+            tl.store(vec2_ptr + t, entry * ratio)
+    if STORE_SLOTS:
+        tl.store(slots_ptr + t * M + m, slot, mask=m_ok)
+    if STORE_FLAG:
+        tl.store(flag_ptr + t * M + m, flag.to(tl.uint8), mask=m_ok)
+
+
+def _launch(
+    kind: int,
+    width: int,
+    positions: torch.Tensor,
+    token_req: torch.Tensor,
+    rows: torch.Tensor,
+    mask: torch.Tensor | None,
+    table: tuple[torch.Tensor, int],
+    *,
+    table2: tuple[torch.Tensor, int] | None = None,
+    ratio: int = 1,
+    span: int = 0,
+    slots: bool = True,
+    flag: bool = True,
+    vec: bool = True,
+    window: int = 0,
+) -> dict[str, torch.Tensor]:
+    """One launch over [T, width]; returns the outputs it wrote (slots, flag, vec, vec2,
+    both)."""
+    n, device = positions.shape[0], positions.device
+    out: dict[str, torch.Tensor] = {}
+    if slots:
+        out["slots"] = torch.empty(n, width, dtype=torch.int64, device=device)
+    if flag:
+        out["flag"] = torch.empty(n, width, dtype=torch.bool, device=device)
+    if vec:
+        out["vec"] = torch.empty(n, dtype=torch.int64, device=device)
+    if kind == COMPRESS:
+        out["vec2"] = torch.empty(n, dtype=torch.int64, device=device)
+    if kind == ENTRIES and window:
+        out["both"] = torch.empty(n, window + width, dtype=torch.bool, device=device)
+    if n == 0:  # (width 0 still launches: ENTRIES writes num_visible)
+        return out
+    tab, per_block = table
+    tab2, per_block2 = table2 if table2 is not None else table
+    dummy = positions
+    block = min(1024, triton.next_power_of_2(max(width, 1)))
+    _step_meta_kernel[(n, max(1, triton.cdiv(width, block)))](
+        positions, token_req, rows,
+        mask.view(torch.uint8) if mask is not None else dummy,
+        tab, tab.stride(0), tab.shape[1], per_block,
+        tab2, tab2.stride(0), tab2.shape[1], per_block2,
+        out.get("slots", dummy), out["flag"].view(torch.uint8) if flag else dummy,
+        out.get("vec", dummy), out.get("vec2", dummy),
+        out["both"].view(torch.uint8) if "both" in out else dummy,
+        width, ratio, span,
+        KIND=kind, W=window if kind == ENTRIES else width, STORE_SLOTS=slots,
+        STORE_FLAG=flag, STORE_VEC=vec, HAS_MASK=mask is not None, BOTH="both" in out,
+        BLOCK=block, BLOCK_W=max(2, triton.next_power_of_2(max(window, 1))),
+        num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def _check(tables: Mapping[str, torch.Tensor], groups: Sequence[CacheGroupSpec]) -> None:
+    for g in groups:
+        t = tables.get(g.name)
+        if t is None or t.dim() != 2 or t.dtype != torch.int64 or t.stride(1) != 1:
+            raise ValueError(f"step_metadata: group {g.name!r} needs an int64 [rows, cols] table")
+
+
+def step_metadata(
+    groups: Sequence[CacheGroupSpec],
+    positions: torch.Tensor,
+    token_req: torch.Tensor,
+    rows: torch.Tensor,
+    tables: Mapping[str, torch.Tensor],
+    max_seq_len: int,
+    token_mask: torch.Tensor | None = None,
+    combined: Collection[str] = (),
+) -> StepMetadata:
+    """``StepMetadata.build(groups, positions, token_req, {g: tables[g][rows]}, max_seq_len,
+    {r: every token}, token_mask)``, without gathering the tables.
+
+    positions, token_req: [T] int64; rows: [R] int64 table row of each request; tables:
+    group -> the full [rows, cols] int64 device table; token_mask: [T] bool or None.
+    ``combined``: compressed groups whose [window | entries] validity
+    (``window_and_entries_valid``, read by HCA layers) is written in the same launch.
+    """
+    _check(tables, groups)
+    if any(t.dtype != torch.int64 for t in (positions, token_req, rows)):
+        raise ValueError("step_metadata: positions, token_req and rows must be int64")
+    if token_mask is not None and token_mask.dtype != torch.bool:
+        raise ValueError("step_metadata: token_mask must be bool")
+    pos, req = positions.contiguous(), token_req.contiguous()
+    rows, mask = rows.contiguous(), None if token_mask is None else token_mask.contiguous()
+    swa = next(g for g in groups if g.name == "swa")
+    common = (pos, req, rows, mask)
+    slot_mapping: dict[str, torch.Tensor] = {}
+    gather: dict[str, Gather] = {}
+    compression: dict[str, Compression] = {}
+    derived: dict = {}
+
+    def table(g: CacheGroupSpec) -> tuple[torch.Tensor, int]:
+        return tables[g.name], g.entries_per_block
+
+    for g in groups:
+        if g.name == "swa":
+            out = _launch(WINDOW, g.window, *common, table(g))
+            gather[g.name] = Gather(out["slots"], out["flag"])
+            slot_mapping[g.name] = out["vec"]
+        elif g.ratio == 1:
+            out = _launch(WINDOW, 1, *common, table(g), flag=False, vec=False)
+            slot_mapping[g.name] = out["slots"].view(-1)
+        else:
+            num_entries = max_seq_len // g.ratio
+            both = swa.window if g.name in combined and num_entries else 0
+            out = _launch(ENTRIES, num_entries, *common, table(g), ratio=g.ratio,
+                          window=both)  # fmt: skip
+            gather[g.name] = Gather(out["slots"], out["flag"], out["vec"])
+            if both:
+                derived[("valid", g.name)] = out["both"]
+            state = next(s for s in groups if s.window is not None and s.layer_ids == g.layer_ids)
+            span = state.window
+            assert span is not None
+            out = _launch(COMPRESS, span, *common, table(state), table2=table(g), ratio=g.ratio,
+                          span=span, flag=span > g.ratio)  # fmt: skip
+            compression[g.name] = Compression(
+                out["slots"], out.get("flag"), out["vec"], out["vec2"]
+            )
+    return StepMetadata(
+        pos, req, slot_mapping, gather, compression, max_seq_len, token_mask, derived
+    )

@@ -1,0 +1,120 @@
+"""The split-K GEMV (``ops/triton/gemv.py``) against ``reference.linear``: T = 1..16 tokens,
+ragged N and K (not multiples of the tiles), one split and many, strided inputs; fp32 at
+1e-4 and bf16 within twice the bf16 reference's own error; outputs poisoned (NaN) first."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from rackserve.ops import reference
+
+from kernel_checks import DEVICE, assert_bf16_close, assert_fp32_close
+
+CASES = [  # (T, N, K, splits)
+    (1, 64, 128, 1),
+    (1, 100, 300, 3),
+    (2, 33, 64, 2),
+    (3, 129, 257, 4),
+    (4, 32, 1000, 8),
+    (5, 70, 96, 1),
+    (7, 1, 40, 2),
+    (8, 200, 512, 5),
+    (15, 48, 160, 3),
+    (16, 96, 384, 6),
+    (1, 257, 33, 1),
+    (6, 64, 2048, 16),
+]
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_gemv_matches_reference(seed, monkeypatch):
+    from rackserve.ops.triton import gemv
+
+    t, n, k, splits = CASES[seed % len(CASES)]
+    dtype = torch.float32 if seed % 2 else torch.bfloat16
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, k + 3, generator=g)[:, 1 : k + 1]  # strided rows
+    w = torch.randn(n, k, generator=g) / k**0.5
+    if seed % 3 == 0:
+        w = torch.randn(n, k + 5, generator=g)[:, :k] / k**0.5  # row stride > K
+    x, w = x.to(DEVICE, dtype), w.to(DEVICE, dtype)
+    base = gemv.default_tiling(n, k, x.device)
+    # every third case: the one-launch reduce (the last split of a column block sums)
+    tiling = gemv.GemvTiling(base.block_n, base.block_k, splits, fused_reduce=seed % 3 == 2)
+    real_empty = torch.empty
+
+    def poisoned(*a, **kw):
+        return real_empty(*a, **kw).fill_(float("nan"))
+
+    monkeypatch.setattr(gemv.torch, "empty", poisoned)
+    got = gemv.gemv(x, w, tiling=tiling)
+    assert got.shape == (t, n) and got.dtype == dtype
+    ref_fp32 = reference.linear(x.float(), w.float())
+    if dtype == torch.float32:
+        assert_fp32_close(got, ref_fp32)
+    else:
+        assert_bf16_close(got, reference.linear(x, w), ref_fp32)
+
+
+def test_gemv_is_deterministic_and_default_tiling_splits():
+    from rackserve.ops.triton import gemv
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 1024, generator=g).to(DEVICE, torch.bfloat16)
+    w = torch.randn(40, 1024, generator=g).to(DEVICE, torch.bfloat16)
+    first = gemv.gemv(x, w)
+    assert torch.equal(first, gemv.gemv(x, w))
+    fused = gemv.GemvTiling(32, 32, 4, fused_reduce=True)
+    two_launches = dataclasses.replace(fused, fused_reduce=False)
+    for _ in range(2):  # the same sums in the same order; the counters are back at zero
+        assert torch.equal(gemv.gemv(x, w, tiling=fused), gemv.gemv(x, w, tiling=two_launches))
+        assert not gemv._COUNTERS[x.device].any()
+    if DEVICE == "cpu":  # few column blocks: the K dimension is split
+        assert gemv.default_tiling(40, 1024, x.device).splits > 1
+
+
+def test_gemv_rejects_bad_inputs():
+    from rackserve.ops.triton import gemv
+
+    x = torch.zeros(2, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="weight"):
+        gemv.gemv(x, torch.zeros(4, 9, device=DEVICE))
+    with pytest.raises(ValueError, match="at most"):
+        gemv.gemv(torch.zeros(17, 8, device=DEVICE), torch.zeros(4, 8, device=DEVICE))
+    with pytest.raises(ValueError, match="dtype"):
+        gemv.gemv(x, torch.zeros(4, 8, dtype=torch.float64, device=DEVICE))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
+@pytest.mark.parametrize("tokens", [1, 4, 15])
+@pytest.mark.parametrize("n,k", [(2560, 4096), (32768, 1024), (4096, 8192), (129280, 4096)])
+def test_gemv_v4_flash_sizes_on_gpu(tokens, n, k):
+    from rackserve.ops.triton import gemv
+
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, k, generator=g, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g, device="cuda") / k**0.5).to(torch.bfloat16)
+    got = gemv.gemv(x, w)
+    assert_bf16_close(got, reference.linear(x, w), reference.linear(x.float(), w.float()))
+    assert torch.equal(got, gemv.gemv(x, w))
+
+
+def test_linear_dispatch_is_opt_in_and_off_on_cpu(monkeypatch):
+    from rackserve import ops
+
+    monkeypatch.delenv(ops.GEMV_ENV, raising=False)
+    assert ops.kernels("auto").linear is reference.linear
+    monkeypatch.setenv(ops.GEMV_ENV, "1")
+    k = ops.kernels("triton")
+    x = torch.randn(2, 8).to(torch.bfloat16)
+    w = torch.randn(4, 8).to(torch.bfloat16)
+    assert torch.equal(k.linear(x, w), reference.linear(x, w))  # the CPU keeps the reference
+    if DEVICE == "cuda":
+        from rackserve.ops.triton import gemv
+
+        xc, wc = x.cuda(), w.cuda()
+        assert torch.equal(k.linear(xc, wc), gemv.gemv(xc, wc))

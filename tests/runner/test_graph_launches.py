@@ -1,0 +1,166 @@
+"""What a decode CUDA graph captures, counted on the CPU (Triton's interpreter): the captured
+region (``DecodeGraphs.forward``: metadata, forward, logits at the padded batch and context
+bucket) launches no more kernels than the eager step, scope by scope; and the metadata
+kernel (``ops/triton/step_meta.py``) equals ``StepMetadata.build`` field by field.
+
+On the H200 the batch-1 graph replayed 227 kernels against the eager forward's 100
+(2026-12-01-h200-s3-final-graph-gap.json): ~115 of them were the torch ops of
+``StepMetadata.build`` captured with the forward (the eager profile builds it outside)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from rackserve.bench.forward import BatchSpec, synthetic_step
+from rackserve.config import SLIDING
+from rackserve.kv.spec import cache_groups_for
+from rackserve.model.batch import StepMetadata
+from rackserve.model.create import init_model_
+from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
+from rackserve.model.presets import default_layer_types, tiny_config, v4_flash_config
+from rackserve.ops.launches import count_step_launches
+from rackserve.runner.cuda_graph import DecodeGraphs
+from rackserve.runner.step_buffers import StepBuffers
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(
+    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="runs the Triton kernels (interpreter on CPU)",
+)
+
+
+def _bench_like_model() -> DeepseekV4ForCausalLM:
+    """The bench model's layer schedule (HCA, HCA, HCA, CSA; hash MoE first) at tiny dims."""
+    cfg = dataclasses.replace(
+        tiny_config(4, 8),
+        layer_types=default_layer_types(4),
+        mlp_layer_types=("hash_moe",) * 3 + ("moe",),
+    )
+    with torch.device(DEVICE):
+        model = DeepseekV4ForCausalLM(cfg, with_mtp=False, kernels="triton")
+    init_model_(model.cast(torch.bfloat16), seed=0)
+    return model.eval()
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="counts interpreted Triton launches"
+)
+@torch.inference_mode()
+def test_captured_step_launches_no_more_than_eager():
+    """decode:1 at context 35 (tiny ratios 4 / 16: the CSA window closes, HCA's does not).
+    Per scope, the captured region launches at most what the eager step does, except one
+    compression launch per layer whose window did not close (the graph cannot skip it);
+    its metadata is one launch per cache group and compression plan, plus the token mask."""
+    model = _bench_like_model()
+    s = synthetic_step(model, BatchSpec.parse("decode:1@35"))
+    buffers = StepBuffers(s.groups, s.input_batch.block_tables, DEVICE)
+    graphs = DecodeGraphs(model, s.caches, buffers, s.groups, [1], [64])
+    key = graphs.key_for(s.step.inputs)
+    counts = count_step_launches(graphs, key, s.step.inputs, s.step.table_writes)
+    totals = {m: {k: sum(c.values()) for k, c in v.items()} for m, v in counts.items()}
+    print(totals)
+    eager, graph = totals["eager"], totals["graph"]
+    # one launch per group and per compression plan, plus the token mask
+    bound = len(s.groups) + len(buffers.ratios) + 1
+    assert graph["metadata"] <= bound, counts["graph"]["metadata"]
+    assert graph["outside"] <= eager["outside"] + 1, counts  # + zeroing the expert counts
+    position = 35
+    for i, layer in enumerate(model.model.layers):
+        name = f"{i}:{layer.attn.kind}"
+        ratio = layer.attn.ratio
+        skipped = layer.attn.kind != SLIDING and (position + 1) % ratio != 0
+        assert graph[name] <= eager[name] + skipped, (name, counts["graph"][name])
+    assert sum(graph.values()) < sum(eager.values())
+
+
+def _random_step(seed: int):
+    """Groups, the full device tables, and a graph-shaped step: T tokens of T requests (the
+    last ones padded: null row, position 0, masked), a context bucket."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = v4_flash_config(4, 8) if seed % 4 == 3 else tiny_config(3 + seed % 3, 4)
+    groups = cache_groups_for(cfg, dtype_bytes=2)
+    t = 1 + seed % 9
+    max_reqs = t + 3
+    null_row = max_reqs
+    bucket = [64, 96, 4096][seed % 3] if seed % 4 != 3 else 4096
+    if seed == 6:  # shorter than the HCA ratio: no entries yet
+        bucket = 12
+    positions = torch.randint(0, bucket, (t,), generator=g)
+    positions[0] = [0, 3, bucket - 1, 15][seed % 4]  # window start, first closes, the end
+    if seed % 5 == 0:  # the last position where every group's window closes
+        positions[0] = bucket // cfg.hca_ratio * cfg.hca_ratio - 1
+    rows = torch.randperm(max_reqs, generator=g)[:t]
+    num_pad = seed % 3 if t > 2 else 0
+    if num_pad:
+        rows[-num_pad:] = null_row
+        positions[-num_pad:] = 0
+    tables = {}
+    for grp in groups:
+        # short tables now and then: paged_slots clamps columns past the end
+        cols = max(1, -(-bucket // grp.block_tokens) - (seed % 2))
+        table = torch.randint(1, 1000, (max_reqs + 1, cols), generator=g)
+        table[null_row] = 0
+        tables[grp.name] = table
+    return cfg, groups, positions, torch.arange(t), rows, tables, bucket, rows != null_row
+
+
+def _assert_same(got, want, what) -> None:
+    if want is None:
+        assert got is None, what
+        return
+    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.shape, want.shape)
+    assert torch.equal(got, want), what
+
+
+@needs_triton
+@pytest.mark.parametrize("seed", range(24))
+def test_step_metadata_matches_build(seed, monkeypatch):
+    from rackserve.ops.triton import step_meta
+
+    cfg, groups, positions, req, rows, tables, bucket, mask = _random_step(seed)
+    args = [x.to(DEVICE) for x in (positions, req, rows, mask)]
+    tables = {k: v.to(DEVICE) for k, v in tables.items()}
+    hca = {grp.name for grp in groups if grp.ratio > 1 and grp.ratio == cfg.hca_ratio}
+    real_empty = torch.empty
+
+    def poisoned(*a, **kw):
+        out = real_empty(*a, **kw)
+        return out.fill_(True) if out.dtype == torch.bool else out.fill_(-7)
+
+    monkeypatch.setattr(step_meta.torch, "empty", poisoned)
+    pos, req, rows, mask = args
+    got = step_meta.step_metadata(groups, pos, req, rows, tables, bucket, mask, hca)
+    ratios = sorted({grp.ratio for grp in groups if grp.ratio > 1})
+    want = StepMetadata.build(
+        groups, pos, req, {k: v[rows] for k, v in tables.items()}, bucket,
+        {r: req for r in ratios}, token_mask=mask,
+    )  # fmt: skip
+    assert got.slot_mapping.keys() == want.slot_mapping.keys()
+    for name, slots in want.slot_mapping.items():
+        _assert_same(got.slot_mapping[name], slots, ("slot_mapping", name))
+    assert got.gather.keys() == want.gather.keys()
+    for name, gw in want.gather.items():
+        for f in ("slots", "valid", "num_visible"):
+            _assert_same(getattr(got.gather[name], f), getattr(gw, f), (name, f))
+    assert got.compression.keys() == want.compression.keys()
+    for name, cw in want.compression.items():
+        for f in ("src", "missing", "dst", "positions"):
+            _assert_same(getattr(got.compression[name], f), getattr(cw, f), (name, f))
+    for name in hca:
+        _assert_same(got.window_and_entries_valid(name), want.window_and_entries_valid(name), name)
+    assert got.max_seq_len == want.max_seq_len and torch.equal(got.token_mask, mask)
+
+
+@needs_triton
+def test_step_metadata_rejects_bad_tables():
+    from rackserve.ops.triton import step_meta
+
+    groups = cache_groups_for(tiny_config(3, 4), dtype_bytes=2)
+    tables = {grp.name: torch.zeros(3, 4, dtype=torch.int32) for grp in groups}
+    one = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="int64"):
+        step_meta.step_metadata(groups, one, one, one, tables, 64)
