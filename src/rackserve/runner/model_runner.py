@@ -18,7 +18,7 @@ from rackserve.kv.spec import CacheGroupSpec
 from rackserve.model.batch import KVCacheTensors
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 from rackserve.runner.cuda_graph import DecodeGraphs, context_buckets, graph_batch_sizes
-from rackserve.runner.input_batch import InputBatch, RunnerRequest
+from rackserve.runner.input_batch import InputBatch, PreparedStep, RunnerRequest
 from rackserve.runner.inputs import StepInputs
 from rackserve.runner.logits_processors import apply_logits_processors
 from rackserve.runner.sampler import SamplerOutput, sample
@@ -138,13 +138,16 @@ class ModelRunner:
         starts = inputs.query_start_loc
         num_kept = [starts[k + 1] - starts[k] for k in range(len(reqs))]  # verify: fewer
         if step.sampling is not None:
-            out = sample(logits, step.sampling)
+            resample = None  # sampled drafts: the rejection rule (spec_decode/verify.py)
+            if self.proposer is not None:
+                resample = self.proposer.resampler(sampled_reqs, num_rows, step.sampling)
+            out = sample(logits, step.sampling, resample)
             logprobs = self._emit(reqs, inputs, num_rows, out, sampled, num_kept)
             if structured is not None:  # constrained requests never draft: one token each
                 structured.advance(sampled_reqs, [sampled[k][-1] for k in _sampled(inputs)])
         drafts: dict[str, list[int]] = {}
         if self.proposer is not None:
-            drafts = self._propose(reqs, inputs, num_kept, sampled, streams)
+            drafts = self._propose(reqs, inputs, num_kept, sampled, streams, step, num_rows)
         return RunnerOutput(
             req_ids=[r.req_id for r in reqs],
             sampled_token_ids=sampled,
@@ -198,8 +201,11 @@ class ModelRunner:
         num_kept: list[int],
         sampled: list[list[int]],
         streams: torch.Tensor | None,
+        prepared: PreparedStep,
+        num_rows: list[int],
     ) -> dict[str, list[int]]:
-        """The next step's drafts of every request that sampled and may speculate."""
+        """The next step's drafts of every request that sampled and may speculate
+        (``num_rows``: logits rows per sampled request)."""
         assert self.proposer is not None and streams is not None  # eager with a drafter
         wants = [
             bool(s) and r.sampling_params.structured_outputs is None
@@ -214,6 +220,10 @@ class ModelRunner:
             rows=inputs.rows,
             query_start_loc=inputs.query_start_loc,
             streams=streams,
+            req_ids=[r.req_id for r in reqs],
+            is_greedy=[r.sampling_params.is_greedy for r in reqs],
+            sampling=prepared.sampling,
+            num_rows=num_rows,
         )
         proposals = self.proposer.propose(step)
         return {r.req_id: p for r, p, w in zip(reqs, proposals, wants, strict=True) if w}

@@ -16,14 +16,18 @@ Rows written past the kept tokens (chained steps, rejected drafts) hold guesses.
 cache row is addressed by position and a query only reads rows at or before its own
 position, so the next step rewrites them before any query reads them: rollback is free.
 The scheduler allocates K lookahead positions past each step's tokens for the chain.
-Drafts are greedy (argmax): verification is exact whatever they are (``verify.py``).
+Greedy requests draft the argmax; random requests sample their drafts from the draft's
+distribution q under their own temperature/top-k/top-p/min-p (``verify.sample_drafts``),
+and q is kept for the next step's rejection rule (``verify.DraftDistributions``).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,6 +43,9 @@ from rackserve.model.batch import (
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 from rackserve.model.loader import check_checkpoint, checkpoint_files, load_model, open_shards
 from rackserve.runner.inputs import build_batch_inputs
+from rackserve.runner.sampler import Resample
+from rackserve.runner.sampling_tensors import SamplingTensors
+from rackserve.spec_decode.verify import DraftDistributions, sample_drafts
 
 DRAFT_PREFIX = "draft_"  # the draft model's cache groups in the shared KV manager
 
@@ -56,6 +63,20 @@ class VerifiedStep:
     rows: Sequence[int]  # block-table rows
     query_start_loc: Sequence[int]  # [R + 1] into the flat step
     streams: torch.Tensor
+    req_ids: Sequence[str] = ()
+    is_greedy: Sequence[bool] = ()  # [R]; empty: every request greedy
+    sampling: SamplingTensors | None = None  # the step's sampling rows
+    num_rows: Sequence[int] = ()  # [sampled requests] their rows in ``sampling``
+
+    def draft_sampling(self, wanted: Sequence[int]) -> SamplingTensors | None:
+        """[W] the sampling row of each wanted request (its last row: the params are the
+        request's, the position is replaced per draft); None when all are greedy."""
+        greedy = [self.is_greedy[r] if self.is_greedy else True for r in wanted]
+        if self.sampling is None or all(greedy):
+            return None
+        sampled = [r for r, s in enumerate(self.sampled) if s]
+        last_row = dict(zip(sampled, itertools.accumulate(self.num_rows), strict=True))
+        return self.sampling.select([last_row[r] - 1 for r in wanted], greedy)
 
 
 class PrefixedCaches:
@@ -133,15 +154,62 @@ _NO_MTP = (
 
 
 class Proposer:
-    """K greedy draft tokens for each request that wants them."""
+    """K draft tokens for each request that wants them (greedy, or sampled from q)."""
 
     def __init__(self, num_tokens: int, tables: Mapping[str, torch.Tensor]) -> None:
         self.num_tokens = num_tokens
         self.tables = tables  # device block tables of every group, [rows + 1, cols]
         self.device = next(iter(tables.values())).device
+        self.distributions = DraftDistributions()  # q of the random drafts, one step long
 
     def propose(self, step: VerifiedStep) -> list[list[int]]:
         raise NotImplementedError
+
+    def resampler(
+        self, reqs: Sequence[Any], num_rows: Sequence[int], sampling: SamplingTensors
+    ) -> Resample | None:
+        """The rejection step of this step's sampling, or None. ``reqs``: the sampled
+        requests (``req_id``, ``token_ids`` ending with the drafts they verify), ``num_rows``
+        their logits rows (1 + drafts), ``sampling`` those rows."""
+        return self.distributions.resampler(
+            [r.req_id for r in reqs],
+            [r.token_ids[len(r.token_ids) - n + 1 :] for r, n in zip(reqs, num_rows, strict=True)],
+            [0, *itertools.accumulate(num_rows)][:-1],
+            sampling,
+        )
+
+    @staticmethod
+    def _draft(
+        logits: torch.Tensor, sampling: SamplingTensors | None, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits [W, V] of the wanted requests, ``sampling`` their rows, positions [W] the
+        drafts' -> (tokens [W], q [W, V] or None when all are greedy)."""
+        if sampling is None:
+            return logits.argmax(dim=-1), None
+        return sample_drafts(logits, sampling, positions)
+
+    def _chain_start(self, step: VerifiedStep, wanted: list[int]) -> torch.Tensor:
+        """[W] the position of each wanted request's first draft (past its last token)."""
+        return self._device([len(step.token_ids[r]) for r in wanted])
+
+    def _finish(
+        self,
+        step: VerifiedStep,
+        wanted: list[int],
+        drafts: list[torch.Tensor],
+        probs: list[torch.Tensor | None],
+    ) -> list[list[int]]:
+        """drafts, probs: K of [W], [W, V] -> per request its K drafts (q kept)."""
+        tokens = torch.stack(drafts, dim=1).tolist()  # [W, K]
+        known = [q for q in probs if q is not None]
+        greedy = [step.is_greedy[r] if step.is_greedy else True for r in wanted]
+        self.distributions.keep(
+            [step.req_ids[r] for r in wanted] if step.req_ids else [""] * len(wanted),
+            tokens,
+            torch.stack(known, dim=1) if len(known) == len(probs) else None,  # [W, K, V]
+            greedy,
+        )
+        return _scatter(tokens, wanted, len(step.num_kept))
 
     def _device(self, values: Sequence[int] | np.ndarray) -> torch.Tensor:
         return torch.as_tensor(np.asarray(values, dtype=np.int64), device=self.device)
@@ -185,6 +253,7 @@ class MTPProposer(Proposer):
             if step.wants_draft[r]:
                 last.append(len(idx) - 1)
         if not idx:
+            self.distributions.keep([], [], None, [])
             return [[] for _ in step.num_kept]
         rows = self._device(step.rows)
         positions = self._device(pos)
@@ -193,20 +262,24 @@ class MTPProposer(Proposer):
         streams = step.streams[self._device(idx)]
         hidden, x = self.model.mtp_forward(0, self._device(nxt), streams, meta, self.caches)
         if not wanted:
+            self.distributions.keep([], [], None, [])
             return [[] for _ in step.num_kept]
         last_dev = self._device(last)
-        draft = self.model.compute_logits(hidden[last_dev]).argmax(dim=-1)  # [W]
-        drafts = [draft]
+        chain = self._chain_start(step, wanted)  # [W] position of draft 1
+        sampling = step.draft_sampling(wanted)
+        draft, q = self._draft(self.model.compute_logits(hidden[last_dev]), sampling, chain)
+        drafts, probs = [draft], [q]
         x, positions = x[last_dev], positions[last_dev]  # [W, N, D], [W]
         token_req = torch.arange(len(wanted), device=self.device)
         rows = rows[self._device(wanted)]
-        for _ in range(self.num_tokens - 1):
+        for j in range(1, self.num_tokens):
             positions, max_len = positions + 1, max_len + 1
             meta = self._meta(positions, token_req, rows, max_len)
             hidden, x = self.model.mtp_forward(0, draft, x, meta, self.caches)
-            draft = self.model.compute_logits(hidden).argmax(dim=-1)
+            draft, q = self._draft(self.model.compute_logits(hidden), sampling, chain + j)
             drafts.append(draft)
-        return _scatter(torch.stack(drafts, dim=1).tolist(), wanted, len(step.num_kept))
+            probs.append(q)
+        return self._finish(step, wanted, drafts, probs)
 
 
 class DraftModelProposer(Proposer):
@@ -274,19 +347,25 @@ class DraftModelProposer(Proposer):
             self._device(inputs.input_ids), inputs.positions, inputs.token_req, rows
         )
         if not wanted:
+            self.distributions.keep([], [], None, [])
             return [[] for _ in step.num_kept]
         ends = np.asarray(inputs.query_start_loc[1:], dtype=np.int64)[wanted] - 1
-        draft = self.model.compute_logits(hidden[self._device(ends)]).argmax(dim=-1)  # [W]
-        drafts = [draft]
+        chain = self._chain_start(step, wanted)  # [W] position of draft 1
+        sampling = step.draft_sampling(wanted)
+        draft, q = self._draft(
+            self.model.compute_logits(hidden[self._device(ends)]), sampling, chain
+        )
+        drafts, probs = [draft], [q]
         positions = inputs.positions[ends]
         token_req = np.arange(len(wanted), dtype=np.int64)
         rows = rows[self._device(wanted)]
-        for _ in range(self.num_tokens - 1):
+        for j in range(1, self.num_tokens):
             positions = positions + 1
             hidden = self._forward(draft, positions, token_req, rows)
-            draft = self.model.compute_logits(hidden).argmax(dim=-1)
+            draft, q = self._draft(self.model.compute_logits(hidden), sampling, chain + j)
             drafts.append(draft)
-        return _scatter(torch.stack(drafts, dim=1).tolist(), wanted, len(step.num_kept))
+            probs.append(q)
+        return self._finish(step, wanted, drafts, probs)
 
 
 def _scatter(drafts: list[list[int]], wanted: list[int], num_reqs: int) -> list[list[int]]:
