@@ -83,7 +83,18 @@ class ModelRunner:
             cfg.num_hidden_layers, cfg.n_routed_experts, dtype=torch.int64, device=self.device
         )
         self.graphs: DecodeGraphs | None = None
-        # A verify step is not a uniform decode step, and MTP reads the streams: eager.
+        # Speculating, a verify step is not a uniform decode step and MTP reads the streams:
+        # the drafter's own graphs (spec_decode/graphs.py) serve uniform verify steps.
+        if self.device.type == "cuda" and not enforce_eager and self.proposer is not None:
+            self.proposer.enable_graphs(
+                model,
+                self.caches,
+                self.buffers,
+                target_groups,
+                graph_batch_sizes(max_num_reqs),
+                context_buckets(max_model_len + lookahead),
+                log=log,
+            )
         if self.device.type == "cuda" and not enforce_eager and speculative is None:
             self.graphs = DecodeGraphs(
                 model,
@@ -107,10 +118,19 @@ class ModelRunner:
         reqs, inputs = step.reqs, step.inputs
         start = time.perf_counter()
         key = self.graphs.key_for(inputs) if self.graphs is not None else None
+        verify_graphs = self.proposer.graphs if self.proposer is not None else None
+        verify_key = None
+        if verify_graphs is not None:
+            verify_key = verify_graphs.key_for(inputs, step.num_draft_tokens)
         prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
         streams: torch.Tensor | None = None  # [T, N, D] final streams (eager steps)
         if key is not None:
             logits, expert_counts = self.graphs.run(key, inputs, step.table_writes)
+        elif verify_key is not None:
+            assert verify_graphs is not None
+            logits, streams, expert_counts = verify_graphs.run(
+                verify_key, inputs, step.table_writes
+            )
         else:
             input_ids, meta, logits_indices = self.buffers.eager_step(inputs, step.table_writes)
             expert_counts = self.expert_counts.zero_()

@@ -45,6 +45,8 @@ from rackserve.model.loader import check_checkpoint, checkpoint_files, load_mode
 from rackserve.runner.inputs import build_batch_inputs
 from rackserve.runner.sampler import Resample
 from rackserve.runner.sampling_tensors import SamplingTensors
+from rackserve.runner.step_buffers import StepBuffers
+from rackserve.spec_decode.graphs import DraftGraphs, VerifyGraphs
 from rackserve.spec_decode.verify import DraftDistributions, sample_drafts
 
 DRAFT_PREFIX = "draft_"  # the draft model's cache groups in the shared KV manager
@@ -161,6 +163,27 @@ class Proposer:
         self.tables = tables  # device block tables of every group, [rows + 1, cols]
         self.device = next(iter(tables.values())).device
         self.distributions = DraftDistributions()  # q of the random drafts, one step long
+        self.graphs: VerifyGraphs | None = None  # the verify step's graphs (CUDA)
+
+    def enable_graphs(
+        self,
+        model: DeepseekV4ForCausalLM,
+        caches: KVCacheTensors,
+        buffers: StepBuffers,
+        groups: Sequence[CacheGroupSpec],
+        batch_sizes: Sequence[int],
+        buckets: Sequence[int],
+        capture: bool = True,
+        log: bool = True,
+    ) -> None:
+        """Graphs of uniform verify steps over the target's ``groups`` (and the drafter's
+        chain, where it has one); ``capture=False`` (CPU tests): the same padded steps run
+        eagerly."""
+        self.graphs = VerifyGraphs(
+            model, caches, buffers, groups, self.num_tokens, batch_sizes, buckets
+        )
+        if capture:
+            self.graphs.capture(log=log)
 
     def propose(self, step: VerifiedStep) -> list[list[int]]:
         raise NotImplementedError
@@ -303,6 +326,39 @@ class DraftModelProposer(Proposer):
             if g.name.startswith(DRAFT_PREFIX)
         ]
         self.ratios = compressed_ratios(self.groups)
+        self.draft_graphs: DraftGraphs | None = None
+
+    def enable_graphs(
+        self,
+        model: DeepseekV4ForCausalLM,
+        caches: KVCacheTensors,
+        buffers: StepBuffers,
+        groups: Sequence[CacheGroupSpec],
+        batch_sizes: Sequence[int],
+        buckets: Sequence[int],
+        capture: bool = True,
+        log: bool = True,
+    ) -> None:
+        super().enable_graphs(model, caches, buffers, groups, batch_sizes, buckets, capture, log)
+        assert self.graphs is not None
+        tables = {g.name: self.tables[DRAFT_PREFIX + g.name] for g in self.groups}
+        self.draft_graphs = DraftGraphs(
+            self.model, self.caches, self.groups, tables, buffers.null_row, batch_sizes, buckets
+        )
+        if capture:  # one pool for the verify and the chain graphs
+            self.draft_graphs.capture(pool=self.graphs.set.pool, log=log)
+
+    def _chain_logits(
+        self, draft: torch.Tensor, positions: np.ndarray, token_req: np.ndarray, rows: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits [W, V] of one chained step (draft [W] at positions [W]): a graph replay
+        when one fits, else eager."""
+        if self.draft_graphs is not None:
+            max_len = int(positions.max()) + 1
+            logits = self.draft_graphs.run(draft, self._device(positions), rows, max_len)
+            if logits is not None:
+                return logits
+        return self.model.compute_logits(self._forward(draft, positions, token_req, rows))
 
     @classmethod
     def load(
@@ -361,8 +417,8 @@ class DraftModelProposer(Proposer):
         rows = rows[self._device(wanted)]
         for j in range(1, self.num_tokens):
             positions = positions + 1
-            hidden = self._forward(draft, positions, token_req, rows)
-            draft, q = self._draft(self.model.compute_logits(hidden), sampling, chain + j)
+            logits = self._chain_logits(draft, positions, token_req, rows)
+            draft, q = self._draft(logits, sampling, chain + j)
             drafts.append(draft)
             probs.append(q)
         return self._finish(step, wanted, drafts, probs)
