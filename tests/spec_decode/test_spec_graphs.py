@@ -12,20 +12,10 @@ from rackserve.kv.spec import CacheGroupSpec
 from rackserve.request import SamplingParams
 from rackserve.spec_decode.proposer import DRAFT_PREFIX
 
-from spec_utils import close_draft_dir, run, spec_engine, target_dir
+from spec_utils import close_draft_dir, mixed_params_prompts, run, spec_engine, target_dir
 
 BATCH_SIZES = [1, 2, 4]  # 3 requests pad to 4; fewer as they finish
 BUCKETS = [32, 64, 1100]
-
-
-def prompts_and_params() -> tuple[dict[str, list[int]], dict[str, SamplingParams]]:
-    prompts = {"a": [5, 9, 300, 4, 71], "b": list(range(20, 60)), "c": [8] * 12}
-    params = {
-        "a": SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-        "b": SamplingParams(temperature=0.9, top_k=40, seed=3, max_tokens=30, ignore_eos=True),
-        "c": SamplingParams(temperature=1.2, top_p=0.9, seed=4, max_tokens=18, ignore_eos=True),
-    }
-    return prompts, params
 
 
 def with_graphs(core, counts: dict[str, int]):
@@ -60,7 +50,7 @@ def test_graph_steps_equal_eager(target_dir, close_draft_dir, method):
         if method == "mtp"
         else SpecConfig("draft_model", 3, str(close_draft_dir))
     )
-    prompts, params = prompts_and_params()
+    prompts, params = mixed_params_prompts()
     eager = run(spec_engine(target_dir, spec, max_num_seqs=4), prompts, params)
     counts = {"verify": 0, "chain": 0}
     core = with_graphs(spec_engine(target_dir, spec, max_num_seqs=4), counts)

@@ -67,7 +67,9 @@ class SamplingTensors:
     def select(self, index: Sequence[int], is_greedy: Sequence[bool]) -> SamplingTensors:
         """The rows ``index`` [R'] of every per-row tensor, in that order. ``is_greedy``
         [R']: those rows' greedy flags, known on the host (no device read-back)."""
-        device_index = torch.as_tensor(index, dtype=torch.int64).to(self.seeds.device)
+        device_index = torch.tensor(index, dtype=torch.int64).to(
+            self.seeds.device, non_blocking=True
+        )
         fields = {}
         for name in _ROW_FIELDS:
             value = getattr(self, name)

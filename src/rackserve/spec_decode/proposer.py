@@ -26,14 +26,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from rackserve.config import ConfigError, ModelConfig, SpecConfig
-from rackserve.kv.spec import CacheGroupSpec, cache_groups_for
+from rackserve.config import ConfigError, SpecConfig
+from rackserve.kv.spec import CacheGroupSpec
 from rackserve.model.batch import (
     KVCacheTensors,
     StepMetadata,
@@ -41,15 +40,32 @@ from rackserve.model.batch import (
     compressed_ratios,
 )
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
-from rackserve.model.loader import check_checkpoint, checkpoint_files, load_model, open_shards
+from rackserve.model.loader import load_model
 from rackserve.runner.inputs import build_batch_inputs
 from rackserve.runner.sampler import Resample
 from rackserve.runner.sampling_tensors import SamplingTensors
 from rackserve.runner.step_buffers import StepBuffers
+from rackserve.spec_decode.checkpoint import (
+    DRAFT_PREFIX,
+    NO_MTP,
+    check_spec_checkpoint,
+    draft_config,
+    spec_cache_groups,
+)
 from rackserve.spec_decode.graphs import DraftGraphs, VerifyGraphs
 from rackserve.spec_decode.verify import DraftDistributions, sample_drafts
 
-DRAFT_PREFIX = "draft_"  # the draft model's cache groups in the shared KV manager
+# importers of the checkpoint helpers through this module (engine core, serve, tests)
+__all__ = [
+    "DRAFT_PREFIX",
+    "DraftModelProposer",
+    "MTPProposer",
+    "Proposer",
+    "VerifiedStep",
+    "build_proposer",
+    "check_spec_checkpoint",
+    "spec_cache_groups",
+]
 
 
 @dataclass(frozen=True)
@@ -89,70 +105,6 @@ class PrefixedCaches:
 
     def flat(self, group: str, layer: int) -> torch.Tensor:
         return self.caches.flat(self.prefix + group, layer)
-
-
-def draft_cache_groups(
-    cfg: ModelConfig, dtype_bytes: int, state_dtype_bytes: int | None = None
-) -> list[CacheGroupSpec]:
-    """The draft model's cache groups, named with :data:`DRAFT_PREFIX`."""
-    groups = cache_groups_for(cfg, dtype_bytes, state_dtype_bytes)
-    return [replace(g, name=DRAFT_PREFIX + g.name) for g in groups]
-
-
-def spec_cache_groups(
-    spec: SpecConfig | None,
-    cfg: ModelConfig,
-    dtype_bytes: int,
-    state_dtype_bytes: int | None = None,
-) -> list[CacheGroupSpec]:
-    """Every cache group of the target and its drafter, the target's first (MTP: its
-    layer rides in the target's ``swa`` group as layer ``num_hidden_layers``).
-    ``dtype_bytes``: KV elements; ``state_dtype_bytes``: compressor rows (default same)."""
-    num_mtp = 1 if spec is not None and spec.method == "mtp" else 0
-    groups = cache_groups_for(cfg, dtype_bytes, state_dtype_bytes, num_mtp_layers=num_mtp)
-    if spec is not None and spec.method == "draft_model":
-        groups += draft_cache_groups(draft_config(spec, cfg), dtype_bytes, state_dtype_bytes)
-    return groups
-
-
-def draft_config(spec: SpecConfig, target: ModelConfig) -> ModelConfig:
-    """The draft checkpoint's config, checked against the target's (ConfigError)."""
-    assert spec.model is not None
-    path = Path(spec.model)
-    if not (path / "config.json").is_file():
-        raise ConfigError(
-            f"--speculative-config: draft model {spec.model!r} has no config.json; give a "
-            "checkpoint directory (e.g. one written by `rackserve model create`)"
-        )
-    cfg = ModelConfig.from_pretrained(path)
-    if cfg.vocab_size != target.vocab_size:
-        raise ConfigError(
-            f"--speculative-config: the draft's vocabulary ({cfg.vocab_size}) differs from "
-            f"the target's ({target.vocab_size}); the draft must share the tokenizer"
-        )
-    return cfg
-
-
-def check_spec_checkpoint(spec: SpecConfig | None, model_dir: str | Path) -> None:
-    """ConfigError/CheckpointError naming the fix unless ``spec`` can run on the target at
-    ``model_dir`` (reads headers and configs only: ``serve`` checks before any process)."""
-    if spec is None:
-        return
-    target = ModelConfig.from_pretrained(model_dir)
-    if spec.method == "mtp":
-        names = open_shards(checkpoint_files(Path(model_dir)))
-        if not any(name.startswith("mtp.") for _, name in names):
-            raise ConfigError(_NO_MTP)
-        return
-    draft_config(spec, target)
-    assert spec.model is not None
-    check_checkpoint(spec.model)
-
-
-_NO_MTP = (
-    '--speculative-config: method "mtp" needs the checkpoint\'s MTP layer, and this one has '
-    'no mtp.* weights; use method "draft_model" with a draft checkpoint'
-)
 
 
 class Proposer:
@@ -251,7 +203,7 @@ class MTPProposer(Proposer):
     ) -> None:
         super().__init__(num_tokens, tables)
         if not model.has_mtp:
-            raise ConfigError(_NO_MTP)
+            raise ConfigError(NO_MTP)
         self.model, self.caches, self.swa = model, caches, swa
 
     def _meta(

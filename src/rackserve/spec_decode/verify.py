@@ -171,8 +171,8 @@ class DraftDistributions:
         if not rows:
             return None
         device = sampling.seeds.device
-        rows_d = torch.tensor(rows, dtype=torch.int64, device=device)
-        ids_d = torch.tensor(draft_ids, dtype=torch.int64, device=device)
+        # non-blocking: the copy queues behind the forward instead of waiting for it
+        rows_d, ids_d = torch.tensor([rows, draft_ids]).to(device, non_blocking=True)
         q = torch.cat(qs)  # [D, V]
 
         def resample(token_ids: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
