@@ -123,7 +123,7 @@ class ModelRunner:
         if verify_graphs is not None:
             verify_key = verify_graphs.key_for(inputs, step.num_draft_tokens)
         prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
-        streams: torch.Tensor | None = None  # [T, N, D] final streams (eager steps)
+        streams: torch.Tensor | None = None  # [T, N, D] final streams (eager, verify graphs)
         if key is not None:
             logits, expert_counts = self.graphs.run(key, inputs, step.table_writes)
         elif verify_key is not None:
@@ -226,7 +226,7 @@ class ModelRunner:
     ) -> dict[str, list[int]]:
         """The next step's drafts of every request that sampled and may speculate
         (``num_rows``: logits rows per sampled request)."""
-        assert self.proposer is not None and streams is not None  # eager with a drafter
+        assert self.proposer is not None and streams is not None  # no decode graphs then
         wants = [
             bool(s) and r.sampling_params.structured_outputs is None
             for r, s in zip(reqs, sampled, strict=True)

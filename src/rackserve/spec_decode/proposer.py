@@ -177,13 +177,15 @@ class Proposer:
         """drafts, probs: K of [W], [W, V] -> per request its K drafts (q kept)."""
         tokens = torch.stack(drafts, dim=1).tolist()  # [W, K]
         known = [q for q in probs if q is not None]
-        greedy = [step.is_greedy[r] if step.is_greedy else True for r in wanted]
-        self.distributions.keep(
-            [step.req_ids[r] for r in wanted] if step.req_ids else [""] * len(wanted),
-            tokens,
-            torch.stack(known, dim=1) if len(known) == len(probs) else None,  # [W, K, V]
-            greedy,
-        )
+        if step.req_ids and len(known) == len(probs):
+            self.distributions.keep(
+                [step.req_ids[r] for r in wanted],
+                tokens,
+                torch.stack(known, dim=1),  # [W, K, V]
+                [step.is_greedy[r] for r in wanted],
+            )
+        else:  # all greedy: nothing to keep
+            self.distributions.keep([], [], None, [])
         return _scatter(tokens, wanted, len(step.num_kept))
 
     def _device(self, values: Sequence[int] | np.ndarray) -> torch.Tensor:
