@@ -4,12 +4,16 @@
 # and with a draft identical to the target (K = 3: acceptance 1, the mechanics' ceiling),
 # at batch 1 and 32. Random weights: acceptance rates of MTP mean nothing; compare tokens
 # per step and the cost per verified token. Results: one JSON per run under $OUT.
-# Speculative steps run eagerly (no CUDA graph yet), the baseline replays its graphs.
+# Uniform verify steps and the draft model's chained steps replay CUDA graphs
+# (spec_decode/graphs.py), as the baseline replays its decode graphs; first, a check that
+# those graphs give the eager engine's tokens (MTP and draft model, greedy and seeded).
 set -uo pipefail
 OUT=${OUT:-out/gpu_spec}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/src PYTHONUNBUFFERED=1
 RS=(python3 -c 'import sys; from rackserve.cli import main; sys.exit(main(sys.argv[1:]))')
+timeout 300 python3 -m pytest -q -m gpu tests/spec_decode/test_spec_graphs_gpu.py 2>&1 \
+  | tail -3 | tee "$OUT/graphs_vs_eager.txt"
 MODEL=/tmp/flash4mtp
 CONTEXT=${CONTEXT:-1024}
 PRESET=${PRESET:-v4-flash}  # PRESET=tiny DTYPE=float32: a CPU smoke run of this script

@@ -30,6 +30,8 @@ def spec_engine(
     max_model_len: int = 1024,
     kv_cache_memory: int | None = None,
     enable_prefix_caching: bool = True,
+    device: str = "cpu",
+    enforce_eager: bool = False,
 ) -> EngineCore:
     config = EngineConfig(
         model=str(model_dir),
@@ -42,7 +44,9 @@ def spec_engine(
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
         ),
-        device="cpu",
+        device=device,
+        dtype="float32",
+        enforce_eager=enforce_eager,
         speculative=spec,
     )
     return EngineCore(config, log_stats=False)
@@ -95,6 +99,17 @@ def perturbed_copy(src: Path, dst: Path, scale: float, seed: int = 0) -> Path:
     tensors["head.weight"] = head + scale * head.std() * torch.randn(head.shape, generator=g)
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
+
+
+def mixed_params_prompts() -> tuple[dict[str, list[int]], dict[str, SamplingParams]]:
+    """Three requests: greedy, seeded top-k, seeded top-p (lengths that end apart)."""
+    prompts = {"a": [5, 9, 300, 4, 71], "b": list(range(20, 60)), "c": [8] * 12}
+    params = {
+        "a": SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        "b": SamplingParams(temperature=0.9, top_k=40, seed=3, max_tokens=30, ignore_eos=True),
+        "c": SamplingParams(temperature=1.2, top_p=0.9, seed=4, max_tokens=18, ignore_eos=True),
+    }
+    return prompts, params
 
 
 VOCAB = 512

@@ -1,7 +1,10 @@
-"""Verification rules: the greedy/coupled acceptance and the standard rejection sampler,
-with statistical checks (fixed sample budgets, tolerances that a wrong rule fails)."""
+"""Verification rules: the greedy/coupled acceptance and the standard rejection rule on
+sampled drafts, with statistical checks (fixed sample budgets, tolerances that a wrong
+rule fails)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -9,7 +12,12 @@ import torch
 from rackserve.request import SamplingParams
 from rackserve.runner.sampler import sample, sampling_noise
 from rackserve.runner.sampling_tensors import SamplingTensors
-from rackserve.spec_decode.verify import accept_drafts, rejection_sample, verification_prefixes
+from rackserve.spec_decode.verify import (
+    accept_drafts,
+    resample_rejected,
+    sample_drafts,
+    verification_prefixes,
+)
 
 
 def test_accept_drafts_longest_matching_prefix():
@@ -41,35 +49,102 @@ def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
 CHI2_7_999 = 24.32
 
 
-@pytest.mark.parametrize("one_hot", [False, True])
-def test_rejection_sampler_matches_target_distribution(one_hot):
-    """Marginal of the first emitted token = p_0; given the first draft accepted, the second
-    emitted token = p_1 (its target distribution given d_1). V = 8, K = 2."""
+def _random_tensors(seeds: list[int], positions: list[int], vocab: int) -> SamplingTensors:
+    """Temperature-1 rows with one seed each, sampling at ``positions``."""
+    tensors = _tensors(seeds, 0, vocab)
+    return dataclasses.replace(tensors, positions=torch.tensor(positions, dtype=torch.int64))
+
+
+def test_rejection_rule_matches_target_distribution():
+    """The engine's rule, vectorised over 40,000 seeds with V = 8, K = 2: drafts drawn from
+    q by sample_drafts, verified by resample_rejected, emitted by accept_drafts. The first
+    emitted token follows p_0; the second (rows whose first draft was accepted) p_1; the
+    first draft is accepted with probability sum min(p_0, q_0)."""
     g = torch.Generator().manual_seed(0)
     vocab, k, n = 8, 2, 40_000
-    p = torch.softmax(torch.randn(k + 1, vocab, generator=g) * 1.5, dim=-1)
-    q = torch.softmax(torch.randn(k, vocab, generator=g) * 1.5, dim=-1)
-    if one_hot:  # greedy drafts: the draft's argmax, q one-hot
-        drafts = q.argmax(dim=-1).expand(n, k)
-        draft_probs = None
-    else:  # drafts sampled from q
-        drafts = torch.multinomial(q, n, replacement=True, generator=g).T  # [n, K]
-        draft_probs = q.expand(n, k, vocab)
-    uniform = torch.rand(n, k, generator=g)
-    noise = -torch.rand(n, k + 1, vocab, generator=g).clamp_(min=1e-12).log()
-    tokens, accepted = rejection_sample(
-        p.expand(n, k + 1, vocab), drafts, draft_probs, uniform, noise
+    p = torch.softmax(torch.randn(k + 1, vocab, generator=g) * 1.5, dim=-1)  # [K+1, V]
+    draft_logits = torch.randn(k, vocab, generator=g) * 1.5
+    seeds = torch.randint(-(2**62), 2**62, (n,), generator=g).tolist()
+    base = 17  # the position of draft 1
+    drafts, qs = [], []
+    for j in range(k):
+        tensors = _random_tensors(seeds, [base + j] * n, vocab)
+        d, q = sample_drafts(draft_logits[j].expand(n, vocab), tensors, tensors.positions)
+        drafts.append(d)
+        qs.append(q)
+    draft_ids = torch.stack(drafts, dim=1)  # [n, K]
+    q = torch.stack(qs, dim=1)  # [n, K, V]
+    assert torch.allclose(q[0], torch.softmax(draft_logits, dim=-1))
+    # the step's rows: request i has rows i*(K+1) .. i*(K+1)+K at positions base .. base+K
+    rows_tensors = _random_tensors(
+        [s for s in seeds for _ in range(k + 1)], list(range(base, base + k + 1)) * n, vocab
     )
-    first = torch.bincount(tokens[:, 0], minlength=vocab).float()
+    probs = p.repeat(n, 1)  # [n*(K+1), V]
+    plain = (probs / sampling_noise(rows_tensors.seeds, rows_tensors.positions, vocab)).argmax(1)
+    rows = (torch.arange(n)[:, None] * (k + 1) + torch.arange(k)).reshape(-1)  # draft rows
+    tokens = resample_rejected(
+        plain,
+        probs,
+        rows_tensors.seeds,
+        rows_tensors.positions,
+        rows,
+        draft_ids.reshape(-1),
+        q.reshape(n * k, vocab),
+    ).view(n, k + 1)
+    emitted = [
+        accept_drafts(t, d) for t, d in zip(tokens.tolist(), draft_ids.tolist(), strict=True)
+    ]
+    first = torch.bincount(torch.tensor([e[0] for e in emitted]), minlength=vocab).float()
     assert _chi_square(first, p[0]) < CHI2_7_999
-    # second token: rows whose first draft was accepted emit it at column 1
-    second_rows = accepted >= 1
-    assert second_rows.sum() > 1000
-    second = torch.bincount(tokens[second_rows, 1], minlength=vocab).float()
-    assert _chi_square(second, p[1]) < CHI2_7_999
-    # acceptance of the first draft: sum_x min(p, q) (one-hot: p(d))
-    expected = p[0][drafts[0, 0]] if one_hot else torch.minimum(p[0], q[0]).sum()
-    assert abs(float((accepted >= 1).float().mean()) - float(expected)) < 0.015
+    second_ids = torch.tensor([e[1] for e in emitted if len(e) > 1])
+    assert len(second_ids) > 1000
+    assert _chi_square(torch.bincount(second_ids, minlength=vocab).float(), p[1]) < CHI2_7_999
+    accepted = draft_ids[:, 0] == tokens[:, 0]
+    q0 = torch.softmax(draft_logits[0], dim=-1)
+    assert abs(float(accepted.float().mean()) - float(torch.minimum(p[0], q0).sum())) < 0.015
+    # a rejected row never emits its own draft, and the bonus row keeps the plain draw
+    assert not bool((tokens[~accepted, 0] == draft_ids[~accepted, 0]).any())
+    assert torch.equal(tokens[:, k], plain.view(n, k + 1)[:, k])
+
+
+def test_a_draft_equal_to_the_target_gives_the_plain_tokens():
+    """q == p: every draft is accepted, and it is the very token the plain engine samples
+    at that position (the draft races on the position's own noise)."""
+    g = torch.Generator().manual_seed(3)
+    vocab, n = 16, 2000
+    logits = torch.randn(n, vocab, generator=g)
+    seeds = torch.randint(0, 2**62, (n,), generator=g).tolist()
+    tensors = _random_tensors(seeds, list(range(n)), vocab)
+    drafts, q = sample_drafts(logits, tensors, tensors.positions)
+    plain = sample(logits, tensors)
+    assert torch.equal(drafts, plain.token_ids)
+    everything = torch.arange(n)
+    verified = sample(
+        logits,
+        tensors,
+        lambda t, probs: resample_rejected(
+            t, probs, tensors.seeds, tensors.positions, everything, drafts, q
+        ),
+    )
+    assert torch.equal(verified.token_ids, drafts)
+
+
+def test_greedy_rows_draft_the_argmax():
+    logits = torch.randn(4, 10, generator=torch.Generator().manual_seed(4))
+    params = [SamplingParams(temperature=t) for t in (0.0, 1.0, 0.0, 0.7)]
+    tensors = SamplingTensors.from_params(
+        params,
+        prompt_token_ids=[[2]] * 4,
+        output_token_ids=[[]] * 4,
+        vocab_size=10,
+        eos_token_ids=(1,),
+        seeds=[1, 2, 3, 4],
+    )
+    drafts, q = sample_drafts(logits, tensors, tensors.positions)
+    assert q is not None and drafts[0] == logits[0].argmax() and drafts[2] == logits[2].argmax()
+    greedy = tensors.select([0, 2], [True, True])
+    drafts, q = sample_drafts(logits[[0, 2]], greedy, greedy.positions)
+    assert q is None and torch.equal(drafts, logits[[0, 2]].argmax(dim=1))
 
 
 def test_a_wrong_rule_fails_the_check():
@@ -96,8 +171,9 @@ def _tensors(seeds: list[int], position: int, vocab: int) -> SamplingTensors:
 
 
 def test_coupled_verification_is_the_rejection_rule_for_greedy_drafts():
-    """What the engine runs: t ~ p by the sampler's own noise, accept iff t == d. Over many
-    seeds: P(accept) = p(d), emitted token ~ p, and on rejection ~ p without d."""
+    """The fallback for drafts whose q is unknown: t ~ p by the sampler's own noise, accept
+    iff t == d. Over many seeds: P(accept) = p(d), emitted token ~ p, and on rejection ~ p
+    without d."""
     g = torch.Generator().manual_seed(2)
     vocab, n = 8, 40_000
     logits = torch.randn(vocab, generator=g) * 1.5

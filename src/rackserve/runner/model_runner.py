@@ -98,7 +98,18 @@ class ModelRunner:
         # a token still in flight: past the vocabulary, so the penalties' padding ignores it
         self.placeholder = cfg.vocab_size
         self.graphs: DecodeGraphs | None = None
-        # A verify step is not a uniform decode step, and MTP reads the streams: eager.
+        # Speculating, a verify step is not a uniform decode step and MTP reads the streams:
+        # the drafter's own graphs (spec_decode/graphs.py) serve uniform verify steps.
+        if self.device.type == "cuda" and not enforce_eager and self.proposer is not None:
+            self.proposer.enable_graphs(
+                model,
+                self.caches,
+                self.buffers,
+                target_groups,
+                graph_batch_sizes(max_num_reqs),
+                context_buckets(max_model_len + lookahead),
+                log=log,
+            )
         if self.device.type == "cuda" and not enforce_eager and speculative is None:
             self.graphs = DecodeGraphs(
                 model,
@@ -166,10 +177,19 @@ class ModelRunner:
             timer = StepTimer(self.device)
             reqs, inputs = step.reqs, step.inputs
             key = self.graphs.key_for(inputs) if self.graphs is not None else None
+            verify_graphs = self.proposer.graphs if self.proposer is not None else None
+            verify_key = None
+            if verify_graphs is not None:
+                verify_key = verify_graphs.key_for(inputs, step.num_draft_tokens)
             prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
-            streams: torch.Tensor | None = None  # [T, N, D] final streams (eager steps)
+            streams: torch.Tensor | None = None  # [T, N, D] final streams (eager, verify graphs)
             if key is not None:
                 logits, expert_counts = self.graphs.run(key, inputs, step.table_writes, feed)
+            elif verify_key is not None:
+                assert verify_graphs is not None and feed is None  # no async with speculation
+                logits, streams, expert_counts = verify_graphs.run(
+                    verify_key, inputs, step.table_writes
+                )
             else:
                 input_ids, meta, logits_indices = self.buffers.eager_step(inputs, step.table_writes)
                 if feed is not None:
@@ -196,7 +216,12 @@ class ModelRunner:
                 repeats = torch.tensor(num_rows, device=bitmask.device)
                 bitmask = bitmask.repeat_interleave(repeats, dim=0)
             logits = apply_logits_processors(logits, row_params, bitmask)
-            out = sample(logits, step.sampling) if step.sampling is not None else None
+            out = None
+            if step.sampling is not None:
+                resample = None  # sampled drafts: the rejection rule (spec_decode/verify.py)
+                if self.proposer is not None:
+                    resample = self.proposer.resampler(sampled_reqs, num_rows, step.sampling)
+                out = sample(logits, step.sampling, resample)
             host_ids = None if out is None else to_host(out.token_ids)
             return DeviceStep(
                 out=None if out is None else output_to_host(out),
@@ -232,7 +257,7 @@ class ModelRunner:
                 structured.advance(step.sampled_reqs, [sampled[k][-1] for k in _sampled(inputs)])
         drafts: dict[str, list[int]] = {}
         if self.proposer is not None:
-            drafts = self._propose(reqs, inputs, num_kept, sampled, res.streams)
+            drafts = self._propose(reqs, inputs, num_kept, sampled, res.streams, step, res.num_rows)
         return RunnerOutput(
             req_ids=[r.req_id for r in reqs],
             sampled_token_ids=sampled,
@@ -291,9 +316,12 @@ class ModelRunner:
         num_kept: list[int],
         sampled: list[list[int]],
         streams: torch.Tensor | None,
+        prepared: PreparedStep,
+        num_rows: list[int],
     ) -> dict[str, list[int]]:
-        """The next step's drafts of every request that sampled and may speculate."""
-        assert self.proposer is not None and streams is not None  # eager with a drafter
+        """The next step's drafts of every request that sampled and may speculate
+        (``num_rows``: logits rows per sampled request)."""
+        assert self.proposer is not None and streams is not None  # no decode graphs then
         wants = [
             bool(s) and r.sampling_params.structured_outputs is None
             for r, s in zip(reqs, sampled, strict=True)
@@ -307,6 +335,10 @@ class ModelRunner:
             rows=inputs.rows,
             query_start_loc=inputs.query_start_loc,
             streams=streams,
+            req_ids=[r.req_id for r in reqs],
+            is_greedy=[r.sampling_params.is_greedy for r in reqs],
+            sampling=prepared.sampling,
+            num_rows=num_rows,
         )
         proposals = self.proposer.propose(step)
         return {r.req_id: p for r, p, w in zip(reqs, proposals, wants, strict=True) if w}

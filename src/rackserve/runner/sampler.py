@@ -23,10 +23,14 @@ being sampled, v), computed with torch integer ops on the logits' device. A row'
 therefore a pure function of (seed, position, logits, params): the same alone or in a batch
 of 64, on CPU or GPU, and after a preemption recomputes the request. There is no per-row
 generator and no host sync, and every shape is fixed given R and V (CUDA-graph friendly).
+Other draws of the same row (speculative decoding's acceptance test and residual draw,
+spec_decode/verify.py) hash a ``stream`` number into the row's key: independent noise, as
+pure a function of (seed, position) as the token's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +47,8 @@ __all__ = [
     "compute_logprobs",
     "sample",
     "sampling_noise",
+    "sampling_probs",
+    "sampling_uniform",
 ]
 
 _MASK32 = 0xFFFFFFFF
@@ -168,32 +174,73 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def sampling_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """q ~ Exp(1) per (row, vocabulary entry), a pure function of (seed, position, id).
-
-    seeds, positions: [R] int64 -> [R, V] float32. Each row gets a 32-bit key from its seed's
-    two halves and the position; entry v hashes key ^ (v * golden ratio), which is distinct
-    for every v of a row. The top 23 bits give u = (k + 1/2) / 2^23, exact in float32 and
-    never 0 or 1 (24 bits would round the largest u to 1.0, and q = 0 would win any race),
-    and q = -log(u) > 0.
-    """
+def _row_key(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
+    """seeds, positions: [R] int64 -> [R] 32-bit keys; stream 0 is the token's own draw."""
     seed_low = seeds & _MASK32
     seed_high = (seeds >> 32) & _MASK32  # arithmetic shift: the mask keeps the right bits
     key = _mix32(seed_low ^ 0x9E3779B9)
     key = _mix32(key ^ seed_high)
-    key = _mix32(key ^ (positions & _MASK32))  # [R]
+    key = _mix32(key ^ (positions & _MASK32))
+    if stream:
+        key = _mix32(key ^ (stream & _MASK32))
+    return key
+
+
+def _uniform(bits: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes -> float32 u = (k + 1/2) / 2^23 from the top 23 bits, exact in float32
+    and never 0 or 1 (24 bits would round the largest u to 1.0)."""
+    return ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+
+
+def sampling_noise(
+    seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int, stream: int = 0
+) -> torch.Tensor:
+    """q ~ Exp(1) per (row, vocabulary entry), a pure function of (seed, position, id).
+
+    seeds, positions: [R] int64 -> [R, V] float32. Each row gets a 32-bit key from its seed's
+    two halves and the position (and ``stream``, when not 0: an independent draw of the same
+    row); entry v hashes key ^ (v * golden ratio), which is distinct for every v of a row.
+    q = -log(u) > 0 for u uniform in (0, 1) (``_uniform``: q = 0 would win any race).
+    """
+    key = _row_key(seeds, positions, stream)  # [R]
     vocab_ids = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
     vocab_term = (vocab_ids * 0x9E3779B1) & _MASK32  # [V]; < 2^17 * 2^32: no overflow
     bits = _mix32(key.unsqueeze(1) ^ vocab_term.unsqueeze(0))  # [R, V]
-    uniform = ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
-    return uniform.log_().neg_()
+    return _uniform(bits).log_().neg_()
 
 
-def sample(logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOutput:
+def sampling_uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
+    """u ~ U(0, 1) per row, a pure function of (seed, position, stream): [R] -> [R] float32.
+    ``stream`` must not be 0 (that stream is the token's own draw)."""
+    if stream == 0:
+        raise ValueError("stream 0 is the sampled token's own noise; use another stream")
+    return _uniform(_mix32(_row_key(seeds, positions, stream)))
+
+
+def sampling_probs(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
+    """The distribution a random row samples from: temperature -> min_p -> top-k/top-p ->
+    softmax. logits: [R, V] (penalties and min_tokens already applied, if wanted) -> [R, V]
+    float32. Greedy rows come out at temperature 1 (their probabilities are not used)."""
+    logits = logits / tensors.temperature.unsqueeze(1)
+    if tensors.min_p is not None:
+        logits = apply_min_p(logits, tensors.min_p)
+    logits = apply_top_k_top_p(logits, tensors.top_k, tensors.top_p)
+    return logits.softmax(dim=-1).float()
+
+
+# (token_ids [R], probs [R, V]) -> token_ids [R]: spec_decode/verify.py's rejection step
+Resample = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def sample(
+    logits: torch.Tensor, tensors: SamplingTensors, resample: Resample | None = None
+) -> SamplerOutput:
     """Pick one token per row.
 
     logits: [R, V] float32, not modified. Random rows race on `sampling_noise` keyed by the
-    row's seed and position; greedy rows take the argmax after penalties. No host sync.
+    row's seed and position; greedy rows take the argmax after penalties. ``resample`` (a
+    batch with random rows only) may replace tokens given the probabilities they were drawn
+    from, before logprobs are taken (speculative verification). No host sync.
     """
     raw_logprobs = logits.log_softmax(dim=-1) if tensors.num_logprobs is not None else None
 
@@ -206,15 +253,13 @@ def sample(logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOutput:
         assert greedy_ids is not None
         token_ids = greedy_ids
     else:
-        logits = logits / tensors.temperature.unsqueeze(1)
-        if tensors.min_p is not None:
-            logits = apply_min_p(logits, tensors.min_p)
-        logits = apply_top_k_top_p(logits, tensors.top_k, tensors.top_p)
-        probs = logits.softmax(dim=-1)  # [R, V]
+        probs = sampling_probs(logits, tensors)  # [R, V]
         noise = sampling_noise(tensors.seeds, tensors.positions, probs.shape[1])
-        token_ids = (probs.float() / noise).argmax(dim=-1)
+        token_ids = (probs / noise).argmax(dim=-1)
         if greedy_ids is not None:
             token_ids = torch.where(tensors.is_greedy, greedy_ids, token_ids)
+        if resample is not None:
+            token_ids = resample(token_ids, probs)
 
     logprobs = None
     if raw_logprobs is not None:

@@ -11,6 +11,7 @@ is one packing path.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -71,6 +72,20 @@ class SamplingTensors:
     all_greedy: bool
     all_random: bool
 
+    def select(self, index: Sequence[int], is_greedy: Sequence[bool]) -> SamplingTensors:
+        """The rows ``index`` [R'] of every per-row tensor, in that order. ``is_greedy``
+        [R']: those rows' greedy flags, known on the host (no device read-back)."""
+        device_index = torch.tensor(index, dtype=torch.int64).to(
+            self.seeds.device, non_blocking=True
+        )
+        fields = {}
+        for name in _ROW_FIELDS:
+            value = getattr(self, name)
+            fields[name] = None if value is None else value[device_index]
+        return dataclasses.replace(
+            self, **fields, all_greedy=all(is_greedy), all_random=not any(is_greedy)
+        )
+
     @classmethod
     def from_params(
         cls,
@@ -116,6 +131,23 @@ class SamplingTensors:
             for prompt, output in zip(prompt_token_ids, output_token_ids, strict=True)
         ]
         return table.gather(np.arange(num_rows), token_ids, eos_token_ids, device)
+
+
+_ROW_FIELDS = (
+    "temperature",
+    "is_greedy",
+    "top_k",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "output_token_ids",
+    "prompt_token_ids",
+    "blocked_token_ids",
+    "seeds",
+    "positions",
+)
 
 
 class SamplingParamTable:

@@ -16,20 +16,23 @@ Rows written past the kept tokens (chained steps, rejected drafts) hold guesses.
 cache row is addressed by position and a query only reads rows at or before its own
 position, so the next step rewrites them before any query reads them: rollback is free.
 The scheduler allocates K lookahead positions past each step's tokens for the chain.
-Drafts are greedy (argmax): verification is exact whatever they are (``verify.py``).
+Greedy requests draft the argmax; random requests sample their drafts from the draft's
+distribution q under their own temperature/top-k/top-p/min-p (``verify.sample_drafts``),
+and q is kept for the next step's rejection rule (``verify.DraftDistributions``).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from rackserve.config import ConfigError, ModelConfig, SpecConfig
-from rackserve.kv.spec import CacheGroupSpec, cache_groups_for
+from rackserve.config import ConfigError, SpecConfig
+from rackserve.kv.spec import CacheGroupSpec
 from rackserve.model.batch import (
     KVCacheTensors,
     StepMetadata,
@@ -37,10 +40,32 @@ from rackserve.model.batch import (
     compressed_ratios,
 )
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
-from rackserve.model.loader import check_checkpoint, checkpoint_files, load_model, open_shards
+from rackserve.model.loader import load_model
 from rackserve.runner.inputs import build_batch_inputs
+from rackserve.runner.sampler import Resample
+from rackserve.runner.sampling_tensors import SamplingTensors
+from rackserve.runner.step_buffers import StepBuffers
+from rackserve.spec_decode.checkpoint import (
+    DRAFT_PREFIX,
+    NO_MTP,
+    check_spec_checkpoint,
+    draft_config,
+    spec_cache_groups,
+)
+from rackserve.spec_decode.graphs import DraftGraphs, VerifyGraphs
+from rackserve.spec_decode.verify import DraftDistributions, sample_drafts
 
-DRAFT_PREFIX = "draft_"  # the draft model's cache groups in the shared KV manager
+# importers of the checkpoint helpers through this module (engine core, serve, tests)
+__all__ = [
+    "DRAFT_PREFIX",
+    "DraftModelProposer",
+    "MTPProposer",
+    "Proposer",
+    "VerifiedStep",
+    "build_proposer",
+    "check_spec_checkpoint",
+    "spec_cache_groups",
+]
 
 
 @dataclass(frozen=True)
@@ -56,6 +81,20 @@ class VerifiedStep:
     rows: Sequence[int]  # block-table rows
     query_start_loc: Sequence[int]  # [R + 1] into the flat step
     streams: torch.Tensor
+    req_ids: Sequence[str] = ()
+    is_greedy: Sequence[bool] = ()  # [R]; empty: every request greedy
+    sampling: SamplingTensors | None = None  # the step's sampling rows
+    num_rows: Sequence[int] = ()  # [sampled requests] their rows in ``sampling``
+
+    def draft_sampling(self, wanted: Sequence[int]) -> SamplingTensors | None:
+        """[W] the sampling row of each wanted request (its last row: the params are the
+        request's, the position is replaced per draft); None when all are greedy."""
+        greedy = [self.is_greedy[r] if self.is_greedy else True for r in wanted]
+        if self.sampling is None or all(greedy):
+            return None
+        sampled = [r for r, s in enumerate(self.sampled) if s]
+        last_row = dict(zip(sampled, itertools.accumulate(self.num_rows), strict=True))
+        return self.sampling.select([last_row[r] - 1 for r in wanted], greedy)
 
 
 class PrefixedCaches:
@@ -68,80 +107,86 @@ class PrefixedCaches:
         return self.caches.flat(self.prefix + group, layer)
 
 
-def draft_cache_groups(
-    cfg: ModelConfig, dtype_bytes: int, state_dtype_bytes: int | None = None
-) -> list[CacheGroupSpec]:
-    """The draft model's cache groups, named with :data:`DRAFT_PREFIX`."""
-    groups = cache_groups_for(cfg, dtype_bytes, state_dtype_bytes)
-    return [replace(g, name=DRAFT_PREFIX + g.name) for g in groups]
-
-
-def spec_cache_groups(
-    spec: SpecConfig | None,
-    cfg: ModelConfig,
-    dtype_bytes: int,
-    state_dtype_bytes: int | None = None,
-) -> list[CacheGroupSpec]:
-    """Every cache group of the target and its drafter, the target's first (MTP: its
-    layer rides in the target's ``swa`` group as layer ``num_hidden_layers``).
-    ``dtype_bytes``: KV elements; ``state_dtype_bytes``: compressor rows (default same)."""
-    num_mtp = 1 if spec is not None and spec.method == "mtp" else 0
-    groups = cache_groups_for(cfg, dtype_bytes, state_dtype_bytes, num_mtp_layers=num_mtp)
-    if spec is not None and spec.method == "draft_model":
-        groups += draft_cache_groups(draft_config(spec, cfg), dtype_bytes, state_dtype_bytes)
-    return groups
-
-
-def draft_config(spec: SpecConfig, target: ModelConfig) -> ModelConfig:
-    """The draft checkpoint's config, checked against the target's (ConfigError)."""
-    assert spec.model is not None
-    path = Path(spec.model)
-    if not (path / "config.json").is_file():
-        raise ConfigError(
-            f"--speculative-config: draft model {spec.model!r} has no config.json; give a "
-            "checkpoint directory (e.g. one written by `rackserve model create`)"
-        )
-    cfg = ModelConfig.from_pretrained(path)
-    if cfg.vocab_size != target.vocab_size:
-        raise ConfigError(
-            f"--speculative-config: the draft's vocabulary ({cfg.vocab_size}) differs from "
-            f"the target's ({target.vocab_size}); the draft must share the tokenizer"
-        )
-    return cfg
-
-
-def check_spec_checkpoint(spec: SpecConfig | None, model_dir: str | Path) -> None:
-    """ConfigError/CheckpointError naming the fix unless ``spec`` can run on the target at
-    ``model_dir`` (reads headers and configs only: ``serve`` checks before any process)."""
-    if spec is None:
-        return
-    target = ModelConfig.from_pretrained(model_dir)
-    if spec.method == "mtp":
-        names = open_shards(checkpoint_files(Path(model_dir)))
-        if not any(name.startswith("mtp.") for _, name in names):
-            raise ConfigError(_NO_MTP)
-        return
-    draft_config(spec, target)
-    assert spec.model is not None
-    check_checkpoint(spec.model)
-
-
-_NO_MTP = (
-    '--speculative-config: method "mtp" needs the checkpoint\'s MTP layer, and this one has '
-    'no mtp.* weights; use method "draft_model" with a draft checkpoint'
-)
-
-
 class Proposer:
-    """K greedy draft tokens for each request that wants them."""
+    """K draft tokens for each request that wants them (greedy, or sampled from q)."""
 
     def __init__(self, num_tokens: int, tables: Mapping[str, torch.Tensor]) -> None:
         self.num_tokens = num_tokens
         self.tables = tables  # device block tables of every group, [rows + 1, cols]
         self.device = next(iter(tables.values())).device
+        self.distributions = DraftDistributions()  # q of the random drafts, one step long
+        self.graphs: VerifyGraphs | None = None  # the verify step's graphs (CUDA)
+
+    def enable_graphs(
+        self,
+        model: DeepseekV4ForCausalLM,
+        caches: KVCacheTensors,
+        buffers: StepBuffers,
+        groups: Sequence[CacheGroupSpec],
+        batch_sizes: Sequence[int],
+        buckets: Sequence[int],
+        capture: bool = True,
+        log: bool = True,
+    ) -> None:
+        """Graphs of uniform verify steps over the target's ``groups`` (and the drafter's
+        chain, where it has one); ``capture=False`` (CPU tests): the same padded steps run
+        eagerly."""
+        self.graphs = VerifyGraphs(
+            model, caches, buffers, groups, self.num_tokens, batch_sizes, buckets
+        )
+        if capture:
+            self.graphs.capture(log=log)
 
     def propose(self, step: VerifiedStep) -> list[list[int]]:
         raise NotImplementedError
+
+    def resampler(
+        self, reqs: Sequence[Any], num_rows: Sequence[int], sampling: SamplingTensors
+    ) -> Resample | None:
+        """The rejection step of this step's sampling, or None. ``reqs``: the sampled
+        requests (``req_id``, ``token_ids`` ending with the drafts they verify), ``num_rows``
+        their logits rows (1 + drafts), ``sampling`` those rows."""
+        return self.distributions.resampler(
+            [r.req_id for r in reqs],
+            [r.token_ids[len(r.token_ids) - n + 1 :] for r, n in zip(reqs, num_rows, strict=True)],
+            [0, *itertools.accumulate(num_rows)][:-1],
+            sampling,
+        )
+
+    @staticmethod
+    def _draft(
+        logits: torch.Tensor, sampling: SamplingTensors | None, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits [W, V] of the wanted requests, ``sampling`` their rows, positions [W] the
+        drafts' -> (tokens [W], q [W, V] or None when all are greedy)."""
+        if sampling is None:
+            return logits.argmax(dim=-1), None
+        return sample_drafts(logits, sampling, positions)
+
+    def _chain_start(self, step: VerifiedStep, wanted: list[int]) -> torch.Tensor:
+        """[W] the position of each wanted request's first draft (past its last token)."""
+        return self._device([len(step.token_ids[r]) for r in wanted])
+
+    def _finish(
+        self,
+        step: VerifiedStep,
+        wanted: list[int],
+        drafts: list[torch.Tensor],
+        probs: list[torch.Tensor | None],
+    ) -> list[list[int]]:
+        """drafts, probs: K of [W], [W, V] -> per request its K drafts (q kept)."""
+        tokens = torch.stack(drafts, dim=1).tolist()  # [W, K]
+        known = [q for q in probs if q is not None]
+        if step.req_ids and len(known) == len(probs):
+            self.distributions.keep(
+                [step.req_ids[r] for r in wanted],
+                tokens,
+                torch.stack(known, dim=1),  # [W, K, V]
+                [step.is_greedy[r] for r in wanted],
+            )
+        else:  # all greedy: nothing to keep
+            self.distributions.keep([], [], None, [])
+        return _scatter(tokens, wanted, len(step.num_kept))
 
     def _device(self, values: Sequence[int] | np.ndarray) -> torch.Tensor:
         return torch.as_tensor(np.asarray(values, dtype=np.int64), device=self.device)
@@ -160,7 +205,7 @@ class MTPProposer(Proposer):
     ) -> None:
         super().__init__(num_tokens, tables)
         if not model.has_mtp:
-            raise ConfigError(_NO_MTP)
+            raise ConfigError(NO_MTP)
         self.model, self.caches, self.swa = model, caches, swa
 
     def _meta(
@@ -185,6 +230,7 @@ class MTPProposer(Proposer):
             if step.wants_draft[r]:
                 last.append(len(idx) - 1)
         if not idx:
+            self.distributions.keep([], [], None, [])
             return [[] for _ in step.num_kept]
         rows = self._device(step.rows)
         positions = self._device(pos)
@@ -193,20 +239,24 @@ class MTPProposer(Proposer):
         streams = step.streams[self._device(idx)]
         hidden, x = self.model.mtp_forward(0, self._device(nxt), streams, meta, self.caches)
         if not wanted:
+            self.distributions.keep([], [], None, [])
             return [[] for _ in step.num_kept]
         last_dev = self._device(last)
-        draft = self.model.compute_logits(hidden[last_dev]).argmax(dim=-1)  # [W]
-        drafts = [draft]
+        chain = self._chain_start(step, wanted)  # [W] position of draft 1
+        sampling = step.draft_sampling(wanted)
+        draft, q = self._draft(self.model.compute_logits(hidden[last_dev]), sampling, chain)
+        drafts, probs = [draft], [q]
         x, positions = x[last_dev], positions[last_dev]  # [W, N, D], [W]
         token_req = torch.arange(len(wanted), device=self.device)
         rows = rows[self._device(wanted)]
-        for _ in range(self.num_tokens - 1):
+        for j in range(1, self.num_tokens):
             positions, max_len = positions + 1, max_len + 1
             meta = self._meta(positions, token_req, rows, max_len)
             hidden, x = self.model.mtp_forward(0, draft, x, meta, self.caches)
-            draft = self.model.compute_logits(hidden).argmax(dim=-1)
+            draft, q = self._draft(self.model.compute_logits(hidden), sampling, chain + j)
             drafts.append(draft)
-        return _scatter(torch.stack(drafts, dim=1).tolist(), wanted, len(step.num_kept))
+            probs.append(q)
+        return self._finish(step, wanted, drafts, probs)
 
 
 class DraftModelProposer(Proposer):
@@ -230,6 +280,39 @@ class DraftModelProposer(Proposer):
             if g.name.startswith(DRAFT_PREFIX)
         ]
         self.ratios = compressed_ratios(self.groups)
+        self.draft_graphs: DraftGraphs | None = None
+
+    def enable_graphs(
+        self,
+        model: DeepseekV4ForCausalLM,
+        caches: KVCacheTensors,
+        buffers: StepBuffers,
+        groups: Sequence[CacheGroupSpec],
+        batch_sizes: Sequence[int],
+        buckets: Sequence[int],
+        capture: bool = True,
+        log: bool = True,
+    ) -> None:
+        super().enable_graphs(model, caches, buffers, groups, batch_sizes, buckets, capture, log)
+        assert self.graphs is not None
+        tables = {g.name: self.tables[DRAFT_PREFIX + g.name] for g in self.groups}
+        self.draft_graphs = DraftGraphs(
+            self.model, self.caches, self.groups, tables, buffers.null_row, batch_sizes, buckets
+        )
+        if capture:  # one pool for the verify and the chain graphs
+            self.draft_graphs.capture(pool=self.graphs.set.pool, log=log)
+
+    def _chain_logits(
+        self, draft: torch.Tensor, positions: np.ndarray, token_req: np.ndarray, rows: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits [W, V] of one chained step (draft [W] at positions [W]): a graph replay
+        when one fits, else eager."""
+        if self.draft_graphs is not None:
+            max_len = int(positions.max()) + 1
+            logits = self.draft_graphs.run(draft, self._device(positions), rows, max_len)
+            if logits is not None:
+                return logits
+        return self.model.compute_logits(self._forward(draft, positions, token_req, rows))
 
     @classmethod
     def load(
@@ -274,19 +357,25 @@ class DraftModelProposer(Proposer):
             self._device(inputs.input_ids), inputs.positions, inputs.token_req, rows
         )
         if not wanted:
+            self.distributions.keep([], [], None, [])
             return [[] for _ in step.num_kept]
         ends = np.asarray(inputs.query_start_loc[1:], dtype=np.int64)[wanted] - 1
-        draft = self.model.compute_logits(hidden[self._device(ends)]).argmax(dim=-1)  # [W]
-        drafts = [draft]
+        chain = self._chain_start(step, wanted)  # [W] position of draft 1
+        sampling = step.draft_sampling(wanted)
+        draft, q = self._draft(
+            self.model.compute_logits(hidden[self._device(ends)]), sampling, chain
+        )
+        drafts, probs = [draft], [q]
         positions = inputs.positions[ends]
         token_req = np.arange(len(wanted), dtype=np.int64)
         rows = rows[self._device(wanted)]
-        for _ in range(self.num_tokens - 1):
+        for j in range(1, self.num_tokens):
             positions = positions + 1
-            hidden = self._forward(draft, positions, token_req, rows)
-            draft = self.model.compute_logits(hidden).argmax(dim=-1)
+            logits = self._chain_logits(draft, positions, token_req, rows)
+            draft, q = self._draft(logits, sampling, chain + j)
             drafts.append(draft)
-        return _scatter(torch.stack(drafts, dim=1).tolist(), wanted, len(step.num_kept))
+            probs.append(q)
+        return self._finish(step, wanted, drafts, probs)
 
 
 def _scatter(drafts: list[list[int]], wanted: list[int], num_reqs: int) -> list[list[int]]:

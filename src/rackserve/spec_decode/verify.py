@@ -1,25 +1,37 @@
-"""Exact verification of draft tokens: pure functions on host lists and small tensors.
+"""Exact verification of draft tokens: pure functions on host lists and small tensors, and
+the draft distributions kept from one step to the next.
 
-Shape legend: R requests, K draft tokens per request, V vocabulary.
+Shape legend: R logits rows of the step, W requests drafting, K draft tokens per request,
+D rows that verify a sampled draft, V vocabulary.
 
 The target scores 1 + K positions of a request in one forward::
 
     positions   L        L+1      ...  L+K
     input       x_L      d_1      ...  d_K          (x_L: the last accepted token)
-    target      t_0      t_1      ...  t_K          (t_j: the target's token after d_1..d_j)
+    target      t_0      t_1      ...  t_K          (t_j: the row's token, after d_1..d_j)
 
-Drafts are accepted while they equal the target's token at their position; the first
-mismatch is replaced by the target's token, and when all K match, t_K is the bonus token.
-So a step emits ``t_0 .. t_a`` (a = number of accepted drafts, 0..K).
+Drafts are accepted while they equal the row's token; the first mismatch is replaced by the
+row's token, and when all K match, t_K is the bonus token. So a step emits ``t_0 .. t_a``
+(a = number of accepted drafts, 0..K): :func:`accept_drafts`.
 
-Greedy rows: t_j is the argmax, the output is the greedy output token for token. Random rows:
-the engine's drafters propose greedily, so the draft distribution q is one-hot on d and the
-standard rejection rule (:func:`rejection_sample`) reduces to "accept d with probability
-p(d), else sample from p without d". Sampling t_j ~ p with the request's own noise (the
-sampler's hash of seed, position and token) and accepting iff t_j == d realises exactly that:
-P(accept) = p(d), and on rejection t_j ~ p(. | t_j != d) = normalised (p - q)+. It also makes
-the output the very tokens the non-speculative engine samples with the same seed, with every
-sampling parameter (penalties, top-k/p, min-p, logprobs) applied by the one sampler.
+What the row's token t_j is decides the rule:
+
+- greedy requests: drafts are the draft's argmax, t_j the target's argmax; the output is
+  the greedy output token for token.
+- random requests: draft d_j is sampled from q_j, the draft's logits after the request's
+  temperature, min-p, top-k and top-p (:func:`sample_drafts`; no penalties: any q is
+  exact, and this one is cheap). The sampler computes p_j (every transform, penalties and
+  logits processors included, on the prefix of a plain decode step:
+  :func:`verification_prefixes`), then :func:`resample_rejected` applies the standard rule
+  (Leviathan et al.; Chen et al.): t_j = d_j when u < p_j(d_j) / q_j(d_j), else a draw from
+  normalised (p_j - q_j)+, which never is d_j; the bonus row keeps the sampler's draw from
+  p_K. Every draw is counter-based noise of (seed, position, stream): the same seed gives
+  the same tokens run to run and alone or in any batch. The draft uses the position's own
+  stream (the one the plain engine samples with), so a draft whose q equals p is accepted
+  and gives exactly the plain engine's tokens; acceptance and residual use streams 1 and 2.
+- random requests whose q is not known (drafts kept past a step they were not verified in):
+  t_j is the sampler's draw from p_j and d_j is accepted iff t_j == d_j. t_j ~ p_j whatever
+  d_j is, so this is exact too (it is the plain engine's output), only less accepting.
 """
 
 from __future__ import annotations
@@ -27,6 +39,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from rackserve.runner.sampler import (
+    Resample,
+    sampling_noise,
+    sampling_probs,
+    sampling_uniform,
+)
+from rackserve.runner.sampling_tensors import SamplingTensors
+
+ACCEPT_STREAM = 1  # u of the acceptance test
+RESIDUAL_STREAM = 2  # the draw from (p - q)+
 
 
 def verification_prefixes(token_ids: list[int], num_drafts: int) -> list[list[int]]:
@@ -50,38 +73,111 @@ def accept_drafts(target_ids: Sequence[int], draft_ids: Sequence[int]) -> list[i
     return list(target_ids[: a + 1])
 
 
-def rejection_sample(
-    target_probs: torch.Tensor,
-    draft_ids: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    uniform: torch.Tensor,
-    noise: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Standard speculative rejection sampling (Leviathan et al.; Chen et al.).
+def sample_drafts(
+    logits: torch.Tensor, tensors: SamplingTensors, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One draft token per row: logits [W, V] of the draft, ``tensors`` [W] the requests'
+    sampling rows, positions [W] the position each draft will take.
 
-    target_probs: [R, K+1, V] p at each verified position (after every sampling transform);
-    draft_ids: [R, K]; draft_probs: [R, K, V] q, or None for greedy drafts (one-hot q);
-    uniform: [R, K] in (0, 1); noise: [R, K+1, V] Exp(1) for the exponential race.
-    Draft j is accepted with probability min(1, p(d_j) / q(d_j)); at the first rejection the
-    token is drawn from normalised (p - q)+, and when all K are accepted a bonus token from
-    p at position K. Returns (tokens [R, K+1], num_accepted [R]): row r emits
-    ``tokens[r, : num_accepted[r] + 1]``; later columns are unused.
-    """
-    num_reqs, k, vocab = draft_ids.shape[0], draft_ids.shape[1], target_probs.shape[-1]
-    if target_probs.shape != (num_reqs, k + 1, vocab) or noise.shape != target_probs.shape:
-        raise ValueError("target_probs and noise must be [R, K+1, V] for draft_ids [R, K]")
-    if draft_probs is None:
-        draft_probs = torch.nn.functional.one_hot(draft_ids, vocab).to(target_probs.dtype)
-    p = target_probs[:, :k].gather(2, draft_ids[:, :, None]).squeeze(2)  # [R, K]
-    q = draft_probs.gather(2, draft_ids[:, :, None]).squeeze(2)  # [R, K]
-    accepted = uniform * q < p  # u < p / q, without dividing by a zero q
-    # leading run of acceptances: cumprod stays 1 until the first rejection
-    num_accepted = accepted.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [R]
-    residual = (target_probs[:, :k] - draft_probs).clamp_(min=0)  # [R, K, V]
-    # a rejection with (p - q)+ all zero cannot happen (it needs p == q, which accepts)
-    residual = torch.cat([residual, target_probs[:, k:]], dim=1)  # the bonus position: p
-    recovered = (residual / noise).argmax(dim=2)  # [R, K+1]
-    tokens = torch.cat([draft_ids, draft_ids[:, :1]], dim=1).clone()
-    rows = torch.arange(num_reqs, device=draft_ids.device)
-    tokens[rows, num_accepted] = recovered[rows, num_accepted]
-    return tokens, num_accepted
+    Greedy rows take the argmax; random rows race q = :func:`sampling_probs` (temperature,
+    min-p, top-k, top-p) on the position's own noise. Returns (tokens [W], q [W, V] float32,
+    or None when every row is greedy; greedy rows' q is not meaningful)."""
+    greedy = logits.argmax(dim=-1)
+    if tensors.all_greedy:
+        return greedy, None
+    probs = sampling_probs(logits, tensors)
+    tokens = (probs / sampling_noise(tensors.seeds, positions, probs.shape[1])).argmax(dim=-1)
+    return torch.where(tensors.is_greedy, greedy, tokens), probs
+
+
+def resample_rejected(
+    token_ids: torch.Tensor,
+    probs: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    rows: torch.Tensor,
+    draft_ids: torch.Tensor,
+    draft_probs: torch.Tensor,
+) -> torch.Tensor:
+    """The standard rejection rule on the D rows that verify a sampled draft.
+
+    token_ids [R] (the sampler's draws), probs [R, V] (p), seeds and positions [R] (the
+    rows' noise keys); rows [D] which rows, draft_ids [D] their drafts, draft_probs [D, V]
+    the q each was drawn from. Row ``rows[i]`` gets its draft when u < p(d) / q(d), else a
+    draw from normalised (p - q)+; other rows keep their token. Returns token_ids [R] (a new
+    tensor)."""
+    p = probs[rows]  # [D, V]
+    q = draft_probs.to(p.dtype)
+    p_draft = p.gather(1, draft_ids[:, None]).squeeze(1)  # [D]
+    q_draft = q.gather(1, draft_ids[:, None]).squeeze(1)  # [D]
+    row_seeds, row_positions = seeds[rows], positions[rows]
+    accepted = sampling_uniform(row_seeds, row_positions, ACCEPT_STREAM) * q_draft < p_draft
+    residual = (p - q).clamp_(min=0)  # [D, V]
+    noise = sampling_noise(row_seeds, row_positions, p.shape[1], RESIDUAL_STREAM)
+    recovered = (residual / noise).argmax(dim=1)  # [D]
+    # (p - q)+ is all zero only where p == q up to rounding, which rejects with probability
+    # ~1e-7: keep the sampler's draw from p there
+    recovered = torch.where(residual.sum(dim=1) > 0, recovered, token_ids[rows])
+    out = token_ids.clone()
+    out[rows] = torch.where(accepted, draft_ids, recovered)
+    return out
+
+
+class DraftDistributions:
+    """The q of each random request's drafts, from the step that proposed them to the step
+    that verifies them (the next one; anything older is dropped)."""
+
+    def __init__(self) -> None:
+        self._pending: dict[str, tuple[list[int], torch.Tensor]] = {}  # drafts, q [K, V]
+
+    def keep(
+        self,
+        req_ids: Sequence[str],
+        drafts: Sequence[list[int]],
+        probs: torch.Tensor | None,
+        is_greedy: Sequence[bool],
+    ) -> None:
+        """This step's proposals: req_ids, drafts [W] and probs [W, K, V] (None: all
+        greedy). Replaces what the last step kept."""
+        self._pending = {}
+        if probs is None:
+            return
+        for w, (req_id, ids, greedy) in enumerate(zip(req_ids, drafts, is_greedy, strict=True)):
+            if not greedy and ids:
+                self._pending[req_id] = (ids, probs[w])
+
+    def resampler(
+        self,
+        req_ids: Sequence[str],
+        drafts: Sequence[Sequence[int]],
+        first_rows: Sequence[int],
+        sampling: SamplingTensors,
+    ) -> Resample | None:
+        """The rejection step of a verify step, or None (no row verifies a sampled draft).
+
+        Per sampled request: req_id, the drafts it verifies (a prefix of those proposed,
+        the scheduler may cut them) and its first logits row; ``sampling`` [R]."""
+        rows: list[int] = []
+        draft_ids: list[int] = []
+        qs: list[torch.Tensor] = []
+        for req_id, ids, first in zip(req_ids, drafts, first_rows, strict=True):
+            kept = self._pending.get(req_id)
+            if not ids or kept is None or list(ids) != kept[0][: len(ids)]:
+                continue  # greedy, nothing to verify, or q unknown: t == d (exact)
+            rows.extend(range(first, first + len(ids)))
+            draft_ids.extend(ids)
+            qs.append(kept[1][: len(ids)])
+        self._pending = {}
+        if not rows:
+            return None
+        device = sampling.seeds.device
+        # non-blocking: the copy queues behind the forward instead of waiting for it
+        rows_d, ids_d = torch.tensor([rows, draft_ids]).to(device, non_blocking=True)
+        q = torch.cat(qs)  # [D, V]
+
+        def resample(token_ids: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+            return resample_rejected(
+                token_ids, probs, sampling.seeds, sampling.positions, rows_d, ids_d, q
+            )
+
+        return resample

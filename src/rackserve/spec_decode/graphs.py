@@ -1,0 +1,230 @@
+"""CUDA graphs while speculating: the target's verify forward and the draft model's chain.
+
+Shape legend: B padded requests, K draft tokens, T = B (1 + K) verify tokens, N mHC
+streams, D hidden, V vocabulary.
+
+A uniform verify step (every request verifies exactly K drafts: 1 + K tokens, every one
+sampled) replays a graph per (B, context bucket) of :class:`VerifyGraphs`; it returns the
+logits of all T tokens and the final streams the MTP drafter reads. The draft model's K - 1
+chained single-token steps replay :class:`DraftGraphs` (the first draft step, over the
+kept tokens, stays eager). Like ``runner/cuda_graph.DecodeGraphs`` (whose batch sizes and
+context buckets these reuse), a graph reads static device buffers, derives every index
+inside (``StepMetadata.build`` with every token a closing candidate and a token mask), and
+pads with the null block-table row, so padded requests write only the null block. A key
+that was not captured runs the same padded step eagerly: the CPU tests check that path.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from rackserve.kv.spec import CacheGroupSpec
+from rackserve.model.batch import StepMetadata, compressed_ratios
+from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
+from rackserve.runner.inputs import StepInputs
+from rackserve.runner.step_buffers import StepBuffers
+
+Key = tuple[int, int]  # (padded requests B, context bucket)
+
+
+class _GraphSet:
+    """Graphs of one forward function per key, captured largest first into one pool."""
+
+    def __init__(self, batch_sizes: Sequence[int], buckets: Sequence[int]) -> None:
+        self.batch_sizes, self.buckets = sorted(batch_sizes), sorted(buckets)
+        self.graphs: dict[Key, tuple[torch.cuda.CUDAGraph, object]] = {}
+        self.pool = None
+
+    def key(self, num_reqs: int, max_seq_len: int) -> Key | None:
+        i = bisect.bisect_left(self.batch_sizes, num_reqs)
+        j = bisect.bisect_left(self.buckets, max_seq_len)
+        if i == len(self.batch_sizes) or j == len(self.buckets):
+            return None
+        return self.batch_sizes[i], self.buckets[j]
+
+    @torch.inference_mode()
+    def capture(self, forward: Callable[[int, int], object], pool=None, log: bool = True):
+        """Capture ``forward(B, bucket)`` for every key; ``pool``: share another set's."""
+        self.pool = pool
+        keys = [(b, c) for c in reversed(self.buckets) for b in reversed(self.batch_sizes)]
+        for i, (b, bucket) in enumerate(keys):
+            side = torch.cuda.Stream()  # warm-up (kernel selection, autotuning) off-graph
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                forward(b, bucket)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                outputs = forward(b, bucket)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[(b, bucket)] = (graph, outputs)
+            if log:
+                print(f"\rcapturing speculation graphs {i + 1}/{len(keys)}", end="", flush=True)
+        if log and keys:
+            print(flush=True)
+        return self.pool
+
+    def replay(self, key: Key, forward: Callable[[int, int], object]) -> object:
+        """The outputs of ``key``'s graph after a replay (eager ``forward`` if uncaptured)."""
+        if key in self.graphs:
+            graph, outputs = self.graphs[key]
+            graph.replay()
+            return outputs
+        return forward(*key)
+
+
+class VerifyGraphs:
+    """Uniform verify steps: B requests x (1 + K) tokens -> logits [T, V], streams [T, N, D]."""
+
+    def __init__(
+        self,
+        model: DeepseekV4ForCausalLM,
+        caches,
+        buffers: StepBuffers,
+        groups: Sequence[CacheGroupSpec],
+        num_drafts: int,
+        batch_sizes: Sequence[int],
+        buckets: Sequence[int],
+    ) -> None:
+        self.model, self.caches, self.buffers = model, caches, buffers
+        self.groups = list(groups)
+        self.width = 1 + num_drafts  # tokens per request
+        self.set = _GraphSet(batch_sizes, buckets)
+        device, n = buffers.device, max(batch_sizes)
+        self.input_ids = torch.zeros(n * self.width, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n * self.width, dtype=torch.int64, device=device)
+        self.rows = torch.full((n,), buffers.null_row, dtype=torch.int64, device=device)
+        self.token_req = torch.arange(n, device=device).repeat_interleave(self.width)
+        self.flat_index = torch.arange(n * self.width, device=device)
+        cfg = model.cfg
+        self.expert_counts = torch.zeros(
+            cfg.num_hidden_layers, cfg.n_routed_experts, dtype=torch.int64, device=device
+        )
+
+    def _forward(self, b: int, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The captured region: metadata from the static buffers, forward, logits, streams."""
+        t = b * self.width
+        rows, token_req = self.rows[:b], self.token_req[:t]
+        meta = StepMetadata.build(
+            self.groups,
+            self.positions[:t],
+            token_req,
+            {name: table[rows] for name, table in self.buffers.tables.items()},
+            bucket,
+            {r: self.flat_index[:t] for r in self.buffers.ratios},
+            token_mask=(rows != self.buffers.null_row)[token_req],
+        )
+        self.expert_counts.zero_()
+        hidden, streams = self.model(self.input_ids[:t], meta, self.caches, self.expert_counts)
+        return self.model.compute_logits(hidden), streams
+
+    def capture(self, pool=None, log: bool = True):
+        return self.set.capture(self._forward, pool, log)
+
+    def key_for(self, inputs: StepInputs, num_draft_tokens: Sequence[int]) -> Key | None:
+        """The graph of a uniform verify step (every request samples K drafts), or None.
+        ``num_draft_tokens``: per sampled request."""
+        num_reqs = len(inputs.rows)
+        if (
+            not num_reqs
+            or len(inputs.input_ids) != num_reqs * self.width
+            or len(num_draft_tokens) != num_reqs
+            or any(m != self.width - 1 for m in num_draft_tokens)
+        ):
+            return None
+        return self.set.key(num_reqs, inputs.max_seq_len)
+
+    def run(
+        self, key: Key, inputs: StepInputs, table_writes: tuple[np.ndarray, np.ndarray]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logits [T, V], streams [T, N, D], expert_counts [L, E]) of the step, valid until
+        the next run."""
+        b, num_reqs = key[0], len(inputs.rows)
+        t, pad = num_reqs * self.width, (key[0] - num_reqs) * self.width
+        rows = np.asarray(inputs.rows, dtype=np.int64)
+        ids, positions = inputs.input_ids, inputs.positions
+        if pad:
+            zeros = np.zeros(pad, dtype=np.int64)
+            ids, positions = np.concatenate([ids, zeros]), np.concatenate([positions, zeros])
+            null = np.full(b - num_reqs, self.buffers.null_row, dtype=np.int64)
+            rows = np.concatenate([rows, null])
+        write_index, write_values = table_writes
+        ids_d, pos_d, rows_d, w_index, w_values = self.buffers.upload(
+            [ids, positions, rows, write_index, write_values]
+        )
+        self.buffers.apply_writes(w_index, w_values)
+        self.input_ids[: b * self.width].copy_(ids_d)
+        self.positions[: b * self.width].copy_(pos_d)
+        self.rows[:b].copy_(rows_d)
+        logits, streams = self.set.replay(key, self._forward)
+        return logits[:t], streams[:t], self.expert_counts
+
+
+class DraftGraphs:
+    """The draft model's chained steps: one token for each of B requests -> logits [B, V].
+
+    ``tables``: the draft's groups' device block tables under the names its model reads;
+    ``null_row``: their all-null row (padding)."""
+
+    def __init__(
+        self,
+        model: DeepseekV4ForCausalLM,
+        caches,
+        groups: Sequence[CacheGroupSpec],
+        tables: Mapping[str, torch.Tensor],
+        null_row: int,
+        batch_sizes: Sequence[int],
+        buckets: Sequence[int],
+    ) -> None:
+        self.model, self.caches = model, caches
+        self.groups, self.tables, self.null_row = list(groups), tables, null_row
+        self.ratios = compressed_ratios(self.groups)
+        self.set = _GraphSet(batch_sizes, buckets)
+        device = next(iter(tables.values())).device
+        n = max(batch_sizes)
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.rows = torch.full((n,), null_row, dtype=torch.int64, device=device)
+        self.token_req = torch.arange(n, device=device)
+
+    def _forward(self, b: int, bucket: int) -> torch.Tensor:
+        rows = self.rows[:b]
+        meta = StepMetadata.build(
+            self.groups,
+            self.positions[:b],
+            self.token_req[:b],
+            {name: table[rows] for name, table in self.tables.items()},
+            bucket,
+            {r: self.token_req[:b] for r in self.ratios},
+            token_mask=rows != self.null_row,
+        )
+        hidden, _ = self.model(self.input_ids[:b], meta, self.caches)
+        return self.model.compute_logits(hidden)
+
+    def capture(self, pool=None, log: bool = True):
+        return self.set.capture(self._forward, pool, log)
+
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, max_len: int
+    ) -> torch.Tensor | None:
+        """input_ids, positions, rows: [W] device tensors; max_len: host bound on
+        positions + 1. Logits [W, V] (valid until the next run), or None when no graph
+        fits (the caller runs eagerly)."""
+        num = input_ids.shape[0]
+        key = self.set.key(num, max_len)
+        if key is None:
+            return None
+        b = key[0]
+        self.input_ids[:num].copy_(input_ids)
+        self.positions[:num].copy_(positions)
+        self.rows[:num].copy_(rows)
+        if b > num:  # padding: null rows, position 0 (writes land in the null block)
+            self.input_ids[num:b].zero_()
+            self.positions[num:b].zero_()
+            self.rows[num:b].fill_(self.null_row)
+        return self.set.replay(key, self._forward)[:num]
