@@ -151,7 +151,7 @@ class DecodeGraphs:
         """Replay (or, for a key that was not captured, run the same padded step eagerly:
         the CPU tests do); returns (logits [R, V] float32, expert_counts [L, E]), valid
         until the next run."""
-        self.stage(key, inputs, table_writes)
+        self.stage(key, inputs, table_writes, feed)
         if key in self.graphs:
             graph, logits = self.graphs[key]
             graph.replay()
@@ -164,9 +164,11 @@ class DecodeGraphs:
         key: tuple[int, int],
         inputs: StepInputs,
         table_writes: tuple[np.ndarray, np.ndarray],
+        feed: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         """Upload the step, apply its table writes and fill the static inputs of graph
-        ``key`` (padded rows: token 0 at position 0 on the null row)."""
+        ``key`` (padded rows: token 0 at position 0 on the null row; ``feed`` writes the
+        previous step's sampled ids over placeholders, on the device)."""
         b = key[0]
         num_reqs = len(inputs.rows)
         pad = b - num_reqs
