@@ -114,7 +114,9 @@ class KVIndex:
         self.pool: list[set[bytes]] = [set() for _ in range(num_engines)]
         self.approx_capacity = approx_capacity
         self.last_seq: list[int | None] = [None] * num_engines
+        self.engine_ids: list[str | None] = [None] * num_engines  # publisher of the view
         self.num_gaps = 0
+        self.num_restarts = 0
         self._lock = threading.Lock()
 
     def match(self, engine: int, hashes: Sequence[bytes]) -> tuple[int, int]:
@@ -145,10 +147,20 @@ class KVIndex:
             self.device[engine].clear()
             self.pool[engine].clear()
             self.last_seq[engine] = None
+            self.engine_ids[engine] = None
 
     def apply(self, engine: int, batch: Any) -> None:
         """One KVEventBatch (kv/events.py) from ``engine``."""
         with self._lock:
+            known = self.engine_ids[engine]
+            if known is not None and batch.engine_id != known:
+                # Another process on that endpoint (a restart): what the old one held is
+                # gone; without this the view would keep the dead engine's blocks.
+                self.device[engine].clear()
+                self.pool[engine].clear()
+                self.last_seq[engine] = None
+                self.num_restarts += 1
+            self.engine_ids[engine] = batch.engine_id
             last = self.last_seq[engine]
             if last is not None and batch.seq != last + 1:
                 self.num_gaps += 1  # missed batches: the view may be stale until evictions
