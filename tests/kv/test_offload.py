@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 from kv_sim import decode, make_request, prefill, start
 
@@ -84,9 +85,11 @@ def test_plan_reaches_over_the_pool_and_falls_back_to_an_earlier_checkpoint():
     assert plan_pool_hit(m.prefix_cache, chain, 29, 0, lambda keys: [False] * len(keys)) is None
 
 
-def test_evicted_rows_come_back_byte_for_byte():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_evicted_rows_come_back_byte_for_byte(device):
+    """On a GPU the same path runs with pinned host buffers and side-stream copies."""
     m = KVCacheManager(SPECS, NUM_BLOCKS, record_events=True)
-    caches = KVCacheTensors(SPECS, NUM_BLOCKS, torch.float32, "cpu")
+    caches = KVCacheTensors(SPECS, NUM_BLOCKS, torch.float32, device)
     for group in caches.tensors.values():
         for t in group.values():
             t.copy_(torch.randn(t.shape))
@@ -105,6 +108,8 @@ def test_evicted_rows_come_back_byte_for_byte():
             t.zero_()
     offload.flush()
     assert len(pool.keys()) == len(cached)
+    values = pool.get(pool.keys())
+    assert all(v.device.type == "cpu" and v.is_pinned() == (device == "cuda") for v in values)
     stats = offload.stats
     assert stats.num_blocks_offloaded == len(cached)
     assert stats.bytes_offloaded == stats.pool_used_bytes > 0

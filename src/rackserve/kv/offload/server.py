@@ -99,9 +99,9 @@ class KVPoolServer:
 
 
 class RemoteKVPool:
-    """The client of a :class:`KVPoolServer`; thread-safe. Two REQ sockets, each under its
-    own lock: one for the worker's transfers (put, get: block bytes) and one for lookups
-    (contains, usage), so an engine-thread lookup never queues behind a transfer in flight.
+    """The client of a :class:`KVPoolServer`; thread-safe. A REQ socket per kind of call,
+    each under its own lock (stores, loads, lookups), so neither an engine-thread lookup nor
+    a load that a request waits for queues behind a store in flight.
     A server that does not answer within ``timeout_ms`` raises ``ConnectionError`` (the
     offloader then treats the blocks as missing: recompute, never a wrong result)."""
 
@@ -161,11 +161,14 @@ class RemoteKVPool:
         self._context.term()
 
 
-_CHANNELS = ("transfer", "lookup")
+_CHANNELS = ("store", "load", "lookup")
 _CHANNEL_OF = {
-    "put": "transfer", "get": "transfer", "clear": "transfer",
-    "contains": "lookup", "usage": "lookup",
-}  # fmt: skip
+    "put": "store",
+    "clear": "store",
+    "get": "load",
+    "contains": "lookup",
+    "usage": "lookup",
+}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
