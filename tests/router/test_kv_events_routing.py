@@ -83,6 +83,22 @@ def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
         time.sleep(0.02)
 
 
+def test_token_keyer_makes_the_servers_token_ids(tiny):
+    """A chat is keyed on the ids the server prefills (rendered, then encoded without
+    special tokens); a completion prompt with them."""
+    keyer = TokenKeyer(str(tiny), None, "sha256")
+    messages = [
+        {"role": "system", "content": "You are a coding agent. " * 20},
+        {"role": "user", "content": "Fix the failing test. " * 20},
+    ]
+    text = keyer.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = keyer.token_ids({"messages": messages})
+    assert len(ids) > 100 and ids == keyer.tokenizer.encode(text, add_special_tokens=False)
+    assert keyer.token_ids({"prompt": "hello there"}) == keyer.tokenizer.encode("hello there")
+    keys, block = keyer.keys({"messages": messages})
+    assert block == 32 and len(keys) == len(ids) // 32
+
+
 def test_router_routes_by_engine_events_and_survives_a_restart(tiny):
     g = torch.Generator().manual_seed(0)
     prompts = {name: torch.randint(10, 4000, (100,), generator=g).tolist() for name in "PQRST"}

@@ -67,11 +67,16 @@ class TokenKeyer:
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or model_dir)
 
     def token_ids(self, body: dict[str, Any]) -> list[int]:
+        """The prompt's token ids as the server makes them (server/tokenization.py): a chat
+        is rendered to text, then encoded without special tokens unless asked."""
         if "messages" in body:
-            ids = self.tokenizer.apply_chat_template(
-                body["messages"], add_generation_prompt=True, tokenize=True
+            text = self.tokenizer.apply_chat_template(
+                body["messages"],
+                tokenize=False,
+                add_generation_prompt=body.get("add_generation_prompt", True),
             )
-            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            special = bool(body.get("add_special_tokens", False))
+            return self.tokenizer.encode(text, add_special_tokens=special)
         prompt = body.get("prompt", "")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             return list(prompt)

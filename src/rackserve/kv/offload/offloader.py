@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -357,6 +357,14 @@ class KVOffloader:
     @property
     def num_loading(self) -> int:
         return len(self._loads)
+
+    def wait_for_loads(self, timeout_s: float) -> None:
+        """Block until a load in flight has fetched its blocks, ``timeout_s`` at most
+        (nothing in flight: return at once). The engine calls it when a step had nothing to
+        schedule, so that it naps instead of spinning while loads are its only work."""
+        pending = [load.result for load in self._loads.values()]
+        if pending:
+            wait(pending, timeout_s, return_when=FIRST_COMPLETED)
 
     def _bump(self, **counts: int) -> None:
         s = self._stats
