@@ -156,13 +156,15 @@ def plot_policies(rows: Mapping[str, Mapping[str, Any]], path: str | Path) -> An
     hits, ttft = figure.subplots(1, 2)
     hits.bar(x, values("hit_rate"), color="tab:blue", label="measured")
     hits.plot(x, values("theoretical_hit_rate"), "k_", markersize=30, label="theoretical")
-    hits.set_ylim(0, 1)
+    hits.set_ylim(0, 1.15)  # room for the legend above the bars
     hits.set_ylabel("prefix-hit rate (cached / prompt tokens)")
-    hits.legend(loc="lower right", fontsize="small")
     ttft.bar(x, values("ttft_p90_ms"), color="tab:orange", label="P90")
     ttft.plot(x, values("ttft_p50_ms"), "k_", markersize=30, label="P50")
     ttft.set_ylabel("TTFT (ms)")
-    ttft.legend(loc="upper right", fontsize="small")
+    top = max((v for v in values("ttft_p90_ms") if v == v), default=1.0)  # v == v: not NaN
+    ttft.set_ylim(0, 1.2 * top)
+    for ax in (hits, ttft):
+        ax.legend(loc="upper center", ncols=2, fontsize="small")
     for ax, title in ((hits, "prefix-hit rate by policy"), (ttft, "TTFT by policy")):
         ax.set_xticks(list(x), names)
         ax.set_title(title)
