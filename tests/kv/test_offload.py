@@ -7,6 +7,8 @@ Groups as in test_manager.py: ``swa`` (4-token pages, window 8) and ``kv`` (full
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -190,4 +192,39 @@ def test_a_dead_pool_makes_lookups_miss_not_fail():
     b = Waiting("b", [*tokens, 900], 27)
     assert offload.start_load(b, m.get_computed_blocks(b)[0]) is LoadStart.NONE
     assert isinstance(offload.error, ConnectionError)
+    offload.close()
+
+
+class GatedPool(LocalKVPool):
+    """Its gets wait for ``gate``: a load in flight for as long as a test wants."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        super().__init__(capacity_bytes)
+        self.gate = threading.Event()
+
+    def get(self, keys):
+        self.gate.wait(10)
+        return super().get(keys)
+
+
+def test_an_idle_engine_naps_until_a_load_lands():
+    m = KVCacheManager(SPECS, NUM_BLOCKS, record_events=True)
+    caches = KVCacheTensors(SPECS, NUM_BLOCKS, torch.float32, "cpu")
+    tokens = finished_turn(m)
+    pool = GatedPool(1 << 20)
+    offload = KVOffloader(m, caches, pool, b"ns")
+    start = time.monotonic()
+    offload.wait_for_loads(5)  # nothing in flight: returns at once
+    assert time.monotonic() - start < 1
+    offload.offload(evict_all(m))
+    offload.flush()
+    b = Waiting("b", [*tokens, 900], 27)
+    assert offload.start_load(b, m.get_computed_blocks(b)[0]) is LoadStart.STARTED
+    start = time.monotonic()
+    offload.wait_for_loads(0.2)  # still fetching: naps the whole timeout
+    assert time.monotonic() - start >= 0.2 and offload.take_loaded() == []
+    threading.Timer(0.1, pool.gate.set).start()
+    offload.wait_for_loads(5)  # wakes when the fetch is done, not after 5 s
+    assert time.monotonic() - start < 3
+    assert offload.take_loaded() == [b]
     offload.close()
