@@ -62,3 +62,7 @@ def test_compare_policies_refuses_bad_input():
         compare_policies(workload, [], ["kv-aware"], run)
     with pytest.raises(ValueError, match="distinct"):
         compare_policies(workload, ["http://e"], ["kv-aware", "kv-aware"], run)
+    with pytest.raises(ValueError, match="unknown policy 'fastest'"):
+        compare_policies(workload, ["http://e"], ["kv-aware", "fastest"], run)
+    with pytest.raises(ValueError, match=r"engine http://127\.0\.0\.1:1 cannot be reached"):
+        compare_policies(workload, ["http://127.0.0.1:1"], ["kv-aware"], run)

@@ -74,6 +74,20 @@ def running_router(
                 process.wait()
 
 
+def check_engines(engines: Sequence[str], timeout_s: float = 5.0) -> None:
+    """ValueError naming the first engine whose /health does not answer 200 (a router
+    over it would report itself unhealthy, and the run would measure nothing)."""
+    import httpx
+
+    for url in engines:
+        try:
+            status = httpx.get(f"{url.rstrip('/')}/health", timeout=timeout_s).status_code
+        except httpx.HTTPError as e:
+            raise ValueError(f"engine {url} cannot be reached ({e})") from None
+        if status != 200:
+            raise ValueError(f"engine {url} is not healthy (/health answered {status})")
+
+
 def policy_row(result: Mapping[str, Any]) -> dict[str, Any]:
     """One policy's figures from its agentic result (first concurrency level)."""
     level = result["levels"][0]
@@ -102,10 +116,16 @@ def compare_policies(
 ) -> dict[str, Any]:
     """Run the workload through a router per policy; ``{"policies": {name: row}, "runs":
     {name: agentic result}}``, rows as :func:`policy_row`."""
+    from rackserve.router.policies import POLICIES
+
     if not engines:
         raise ValueError("--compare-policies needs --engines URL,... (the engines to route over)")
     if len(set(policies)) != len(policies) or not policies:
         raise ValueError(f"--compare-policies: give distinct policies, got {list(policies)}")
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise ValueError(f"--compare-policies: unknown policy {unknown[0]!r}; one of {POLICIES}")
+    check_engines(engines)
     runs = {}
     for i, policy in enumerate(policies):
         with running_router(engines, policy, router_args) as url:
