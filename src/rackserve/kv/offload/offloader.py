@@ -363,8 +363,14 @@ class KVOffloader:
         (nothing in flight: return at once). The engine calls it when a step had nothing to
         schedule, so that it naps instead of spinning while loads are its only work."""
         pending = [load.result for load in self._loads.values()]
-        if pending:
-            wait(pending, timeout_s, return_when=FIRST_COMPLETED)
+        if not pending:
+            return
+        fetched, _ = wait(pending, timeout_s, return_when=FIRST_COMPLETED)
+        for result in fetched:  # on a GPU, then its copy to the device (a few ms at most)
+            loaded = result.result()
+            if loaded is not None and loaded[1] is not None:
+                loaded[1].synchronize()
+                return
 
     def _bump(self, **counts: int) -> None:
         s = self._stats
