@@ -7,8 +7,11 @@ Groups as in test_manager.py: ``swa`` (4-token pages, window 8) and ``kv`` (full
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
 
+import pytest
 import torch
 from kv_sim import decode, make_request, prefill, start
 
@@ -84,9 +87,11 @@ def test_plan_reaches_over_the_pool_and_falls_back_to_an_earlier_checkpoint():
     assert plan_pool_hit(m.prefix_cache, chain, 29, 0, lambda keys: [False] * len(keys)) is None
 
 
-def test_evicted_rows_come_back_byte_for_byte():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_evicted_rows_come_back_byte_for_byte(device):
+    """On a GPU the same path runs with pinned host buffers and side-stream copies."""
     m = KVCacheManager(SPECS, NUM_BLOCKS, record_events=True)
-    caches = KVCacheTensors(SPECS, NUM_BLOCKS, torch.float32, "cpu")
+    caches = KVCacheTensors(SPECS, NUM_BLOCKS, torch.float32, device)
     for group in caches.tensors.values():
         for t in group.values():
             t.copy_(torch.randn(t.shape))
@@ -105,6 +110,8 @@ def test_evicted_rows_come_back_byte_for_byte():
             t.zero_()
     offload.flush()
     assert len(pool.keys()) == len(cached)
+    values = pool.get(pool.keys())
+    assert all(v.device.type == "cpu" and v.is_pinned() == (device == "cuda") for v in values)
     stats = offload.stats
     assert stats.num_blocks_offloaded == len(cached)
     assert stats.bytes_offloaded == stats.pool_used_bytes > 0
@@ -185,4 +192,39 @@ def test_a_dead_pool_makes_lookups_miss_not_fail():
     b = Waiting("b", [*tokens, 900], 27)
     assert offload.start_load(b, m.get_computed_blocks(b)[0]) is LoadStart.NONE
     assert isinstance(offload.error, ConnectionError)
+    offload.close()
+
+
+class GatedPool(LocalKVPool):
+    """Its gets wait for ``gate``: a load in flight for as long as a test wants."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        super().__init__(capacity_bytes)
+        self.gate = threading.Event()
+
+    def get(self, keys):
+        self.gate.wait(10)
+        return super().get(keys)
+
+
+def test_an_idle_engine_naps_until_a_load_lands():
+    m = KVCacheManager(SPECS, NUM_BLOCKS, record_events=True)
+    caches = KVCacheTensors(SPECS, NUM_BLOCKS, torch.float32, "cpu")
+    tokens = finished_turn(m)
+    pool = GatedPool(1 << 20)
+    offload = KVOffloader(m, caches, pool, b"ns")
+    start = time.monotonic()
+    offload.wait_for_loads(5)  # nothing in flight: returns at once
+    assert time.monotonic() - start < 1
+    offload.offload(evict_all(m))
+    offload.flush()
+    b = Waiting("b", [*tokens, 900], 27)
+    assert offload.start_load(b, m.get_computed_blocks(b)[0]) is LoadStart.STARTED
+    start = time.monotonic()
+    offload.wait_for_loads(0.2)  # still fetching: naps the whole timeout
+    assert time.monotonic() - start >= 0.2 and offload.take_loaded() == []
+    threading.Timer(0.1, pool.gate.set).start()
+    offload.wait_for_loads(5)  # wakes when the fetch is done, not after 5 s
+    assert time.monotonic() - start < 3
+    assert offload.take_loaded() == [b]
     offload.close()

@@ -31,7 +31,7 @@ def tiny(tmp_path_factory):
     return create_checkpoint(tiny_config(), tmp_path_factory.mktemp("tiny"), seed=0)
 
 
-def engine(model_dir, kv_tokens: int, **cache) -> EngineCore:
+def engine(model_dir, kv_tokens: int, device: str = "cpu", **cache) -> EngineCore:
     """fp32 engine whose full-history groups hold about ``kv_tokens`` tokens."""
     groups = cache_groups_for(ModelConfig.from_pretrained(model_dir), dtype_bytes=4)
     minimum = plan_num_blocks(groups, 1 << 40, MAX_NUM_SEQS, MAX_BATCHED)
@@ -43,7 +43,7 @@ def engine(model_dir, kv_tokens: int, **cache) -> EngineCore:
         model_config=ModelConfig.from_pretrained(model_dir),
         cache=CacheConfig(kv_cache_memory=int(budget), **cache),
         scheduler=SchedulerConfig(MAX_NUM_SEQS, MAX_BATCHED, MAX_LEN),
-        device="cpu",
+        device=device,
         dtype="float32",
     )
     return EngineCore(config, log_stats=False)
@@ -120,6 +120,21 @@ def test_pool_outputs_equal_recomputation_and_hit(tiny):
     assert stats.prefix_cache_hits >= hits["pooled"]  # + re-admissions after preemption
     assert stats.kv_offload_bytes > 0 and stats.kv_load_bytes > 0
     assert 0 < stats.kv_pool_usage < 1
+    core.shutdown()
+
+
+@pytest.mark.gpu
+def test_pool_on_cuda_outputs_equal_recomputation(tiny):
+    """The GPU path (pinned host buffers, side-stream copies both ways) gives the same
+    tokens as a cache that keeps everything, and brings the hits back."""
+    reference = play(engine(tiny, kv_tokens=20_000, device="cuda"), num_turns=3)
+    core = engine(tiny, kv_tokens=600, device="cuda", kv_offload_memory=64 << 20)
+    pooled = play(core, num_turns=3)
+    same_outputs(pooled, reference)
+    hits = [sum(r[2] for r in res.values()) for res in (reference, pooled)]
+    assert hits[1] >= 0.9 * hits[0]
+    stats = core.step().scheduler_stats
+    assert stats.prefix_cache_pool_hits > 0 and stats.kv_load_bytes > 0
     core.shutdown()
 
 

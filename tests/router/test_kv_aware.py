@@ -53,8 +53,11 @@ def run_sessions(base: str, num_sessions: int, num_turns: int, seed: int) -> dic
         return s, data["choices"][0]["text"], data["usage"]
 
     for _ in range(num_turns):
+        # A new order each turn: in a fixed one, round-robin over 4 engines would send
+        # session s to engine s % 4 every turn (32 % 4 == 0), i.e. act as session affinity.
+        order = rng.sample(range(num_sessions), num_sessions)
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            results = list(pool.map(turn, range(num_sessions)))
+            results = list(pool.map(turn, order))
         for s, output, usage in results:
             totals["prompt"] += usage["prompt_tokens"]
             totals["cached"] += usage["prompt_tokens_details"]["cached_tokens"]

@@ -113,3 +113,40 @@ def test_pool_routes_sessions_to_their_prefix_and_around_down_engines():
     assert pool.choose(bodies[0], None, set()).index != first[0]
     with pytest.raises(ValueError, match="no healthy"):
         pool.choose(bodies[0], None, {0, 1, 2, 3})
+
+
+def _in_flight(pool: EnginePool, prompts: list[str]) -> list[int]:
+    """Route ``prompts`` one after another, none finishing; the engine of each."""
+    chosen = []
+    for prompt in prompts:
+        choice = pool.choose({"prompt": prompt}, None, set())
+        pool.start(choice, None)
+        chosen.append(choice.index)
+    return chosen
+
+
+def test_load_term_spreads_a_hot_prefix_and_keeps_hits_home():
+    keyer = TextKeyer()
+    shared = "s" * 640  # 10 blocks every request starts with, cached on engine 0 only
+    tails = [f"{i:04d}" * 320 for i in range(12)]  # 20 blocks of its own each
+
+    def pool(load_weight: float) -> EnginePool:
+        index = KVIndex(4)
+        index.record_routed(0, keyer.keys({"prompt": shared})[0])
+        urls = [f"http://e{i}" for i in range(4)]
+        return EnginePool(urls, "engine", "kv-aware", keyer, index, False, load_weight)
+
+    # Without a load term every request piles onto the engine with the shared prefix ...
+    assert _in_flight(pool(0.0), [shared + t for t in tails]) == [0] * 12
+    # ... with it, queued prefill work spreads them (engine 0 keeps the largest share).
+    chosen = _in_flight(pool(0.5), [shared + t for t in tails])
+    counts = [chosen.count(i) for i in range(4)]
+    assert max(counts) <= 4 and counts[0] == max(counts) and min(counts) >= 2
+
+    # Load counts the tokens an engine must compute: requests in flight that hit their
+    # prefix weigh little, so a session still goes back to its engine behind three of them.
+    p = pool(0.5)
+    session = "u" * 1920
+    p.index.record_routed(1, keyer.keys({"prompt": session})[0])
+    assert _in_flight(p, [session + f" turn {i}" * 8 for i in range(4)]) == [1] * 4
+    assert p.engines[1].load_units < 4 * 200

@@ -235,10 +235,12 @@ async def run_agentic_async(
     endpoint: EndpointConfig,
     run: AgenticRunConfig,
     counter: TokenCounter | None = None,
+    first_session: int = 0,
 ) -> list[dict[str, Any]]:
-    """All concurrency levels, one after another, each with fresh sessions."""
+    """All concurrency levels, one after another, each with fresh sessions (numbered from
+    ``first_session``: runs against the same engines use disjoint ranges)."""
     levels = []
-    next_session = 0
+    next_session = first_session
     async with open_client(endpoint, counter) as client:
         for concurrency in run.concurrency:
             before = await server_hits_by_tier(endpoint.base_url)
@@ -289,6 +291,7 @@ def run_agentic(
     *,
     model: str | None = None,
     counter: TokenCounter | None = None,
+    first_session: int = 0,
 ) -> dict[str, Any]:
     """Run the agentic benchmark against ``base_url`` and return the JSON-ready result.
 
@@ -300,7 +303,7 @@ def run_agentic(
     )
     model = endpoint.model
     date = datetime.now(UTC).isoformat(timespec="seconds")
-    levels = asyncio.run(run_agentic_async(workload, endpoint, run, counter))
+    levels = asyncio.run(run_agentic_async(workload, endpoint, run, counter, first_session))
     return {
         "benchmark": "agentic",
         "version": RESULT_VERSION,

@@ -95,6 +95,18 @@ def register_agentic(bench_subparsers: Any) -> None:
     parser.add_argument(
         "--trace-only", action="store_true", help="print the trace's statistics and exit"
     )
+    policies = parser.add_argument_group("routing policies (bench/policies.py)")
+    policies.add_argument(
+        "--compare-policies", metavar="P1,P2,..",
+        help="run through `rackserve router` once per policy over --engines, e.g. "
+        "kv-aware,round-robin,least-load (instead of --base-url)",
+    )  # fmt: skip
+    policies.add_argument("--engines", metavar="URL,..", help="engines the routers route over")
+    policies.add_argument(
+        "--router-arg", action="append", default=[], metavar="ARG",
+        help="extra router argument, repeatable (e.g. --router-arg=--kv-events=tcp://..)",
+    )  # fmt: skip
+    policies.add_argument("--plot", metavar="PNG", help="hit rate and TTFT by policy (PNG)")
     workload = parser.add_argument_group("workload (lengths in approximate tokens)")
     for field in dataclasses.fields(AgenticConfig):
         flag = "--" + field.name.removesuffix("_s").replace("_", "-")
@@ -144,6 +156,10 @@ def _agentic_main(args: argparse.Namespace) -> int:
     if args.trace_only:
         print(json.dumps(trace_stats(workload, run.trace_sessions, counter=counter), indent=2))
         return 0
+    if args.compare_policies:
+        from rackserve.bench.policies import compare_main
+
+        return compare_main(args, workload, run, counter)
     if not args.base_url:
         raise ValueError("--base-url is required (or pass --trace-only)")
     result = run_agentic(workload, args.base_url, run, model=args.model, counter=counter)

@@ -278,6 +278,10 @@ class EngineCore:
         ):
             # only grammars are compiling: wait a little for one instead of spinning
             self.scheduler.waiting_for_grammar.wait(GRAMMAR_POLL_S)
+        if not sched.total_num_scheduled_tokens and self.offload is not None:
+            # only host-pool loads are pending: nap until one lands instead of spinning
+            # (a spinning engine thread starves the load thread and the pool server)
+            self.offload.wait_for_loads(GRAMMAR_POLL_S)
         self.kv_events.drain()  # evicted blocks go to the host pool before the forward
         if self.async_scheduling:
             outputs = self._step_async(sched)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import secrets
 import socket
 import time
 from collections.abc import Iterable, Sequence
@@ -62,7 +63,9 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 class KVEventBatch(msgspec.Struct, array_like=True):
     """The events of one engine step, in order. ``seq`` counts batches from 0 per engine (a
-    gap tells a subscriber it missed some: then it should treat its view as stale)."""
+    gap tells a subscriber it missed some: then it should treat its view as stale).
+    ``engine_id`` names the engine instance (host, pid, a random suffix): a new id on an
+    endpoint means the engine restarted with an empty cache."""
 
     ts: float
     seq: int
@@ -176,7 +179,8 @@ class KVEvents:
         self._anchor_index = kv.specs.index(self._anchor)
         self.publisher: KVEventPublisher | None = None
         if endpoint is not None:
-            engine_id = f"{socket.gethostname()}:{os.getpid()}"
+            # unique per engine instance: a router tells a restarted engine by a new id
+            engine_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
             self.publisher = KVEventPublisher(rank_endpoint(endpoint, rank), engine_id)
         self._pending: list[KVEvent] = []
         if offload is not None:

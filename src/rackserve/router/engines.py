@@ -30,7 +30,7 @@ class Engine:
     role: str  # "prefill", "decode" or "engine" (aggregated)
     up: bool = True
     inflight: int = 0
-    load_units: int = 0
+    load_units: int = 0  # prompt units in flight there the engine has to compute
     num_routed: int = 0
     num_failures: int = 0
 
@@ -42,6 +42,12 @@ class Choice:
     units: int  # prompt size in the keyer's units (tokens or characters)
     hit_units: int = 0
     keys: list[bytes] = field(default_factory=list)
+
+    @property
+    def prefill_units(self) -> int:
+        """The part of the prompt the engine is expected to compute (its load while the
+        request is in flight): cached tokens cost it next to nothing."""
+        return max(0, self.units - self.hit_units)
 
 
 class EnginePool:
@@ -103,7 +109,7 @@ class EnginePool:
     def start(self, choice: Choice, session: str | None) -> None:
         engine = choice.engine
         engine.inflight += 1
-        engine.load_units += choice.units
+        engine.load_units += choice.prefill_units
         engine.num_routed += 1
         if session:
             self.sessions[session] = choice.index
@@ -115,7 +121,7 @@ class EnginePool:
 
     def finish(self, choice: Choice) -> None:
         choice.engine.inflight -= 1
-        choice.engine.load_units -= choice.units
+        choice.engine.load_units -= choice.prefill_units
 
     def mark_down(self, index: int, reason: str) -> None:
         engine = self.engines[index]

@@ -67,11 +67,16 @@ class TokenKeyer:
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or model_dir)
 
     def token_ids(self, body: dict[str, Any]) -> list[int]:
+        """The prompt's token ids as the server makes them (server/tokenization.py): a chat
+        is rendered to text, then encoded without special tokens unless asked."""
         if "messages" in body:
-            ids = self.tokenizer.apply_chat_template(
-                body["messages"], add_generation_prompt=True, tokenize=True
+            text = self.tokenizer.apply_chat_template(
+                body["messages"],
+                tokenize=False,
+                add_generation_prompt=body.get("add_generation_prompt", True),
             )
-            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            special = bool(body.get("add_special_tokens", False))
+            return self.tokenizer.encode(text, add_special_tokens=special)
         prompt = body.get("prompt", "")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             return list(prompt)
@@ -114,7 +119,9 @@ class KVIndex:
         self.pool: list[set[bytes]] = [set() for _ in range(num_engines)]
         self.approx_capacity = approx_capacity
         self.last_seq: list[int | None] = [None] * num_engines
+        self.engine_ids: list[str | None] = [None] * num_engines  # publisher of the view
         self.num_gaps = 0
+        self.num_restarts = 0
         self._lock = threading.Lock()
 
     def match(self, engine: int, hashes: Sequence[bytes]) -> tuple[int, int]:
@@ -145,10 +152,20 @@ class KVIndex:
             self.device[engine].clear()
             self.pool[engine].clear()
             self.last_seq[engine] = None
+            self.engine_ids[engine] = None
 
     def apply(self, engine: int, batch: Any) -> None:
         """One KVEventBatch (kv/events.py) from ``engine``."""
         with self._lock:
+            known = self.engine_ids[engine]
+            if known is not None and batch.engine_id != known:
+                # Another process on that endpoint (a restart): what the old one held is
+                # gone; without this the view would keep the dead engine's blocks.
+                self.device[engine].clear()
+                self.pool[engine].clear()
+                self.last_seq[engine] = None
+                self.num_restarts += 1
+            self.engine_ids[engine] = batch.engine_id
             last = self.last_seq[engine]
             if last is not None and batch.seq != last + 1:
                 self.num_gaps += 1  # missed batches: the view may be stale until evictions

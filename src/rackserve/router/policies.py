@@ -5,9 +5,13 @@
     cost(e) = prompt - device_hit(e) - (1 - pool_cost) * pool_hit(e)   # tokens to prefill
               + load_weight * load(e)                                   # tokens queued there
 
-where ``load`` is the prompt tokens the router has in flight there (it knows them at once,
-unlike a polled /metrics). Ties go to the session's previous engine, then the least loaded,
-then in rotation. ``round-robin``, ``least-load`` and ``session`` (header
+where ``load`` is the prompt tokens of the requests the router has in flight there that
+the engine has to compute (prompt minus the hit expected when routed: queued prefill work,
+what delays the next request's first token; the router knows it at once, unlike a polled
+/metrics). Counting whole prompts instead would charge an engine for the very hits that
+make it cheap and push sessions off their prefix (benchmarks/results/
+2026-12-01-router-cpu.md). Ties go to the session's previous engine, then the least
+loaded, then in rotation. ``round-robin``, ``least-load`` and ``session`` (header
 ``X-Session-Id`` or the OpenAI ``user`` field, else least-load) are the baselines.
 """
 
@@ -23,7 +27,7 @@ class Candidate:
     """One healthy engine as a policy sees it."""
 
     index: int
-    load_tokens: int  # prompt tokens of requests in flight there
+    load_tokens: int  # prompt tokens to compute of the requests in flight there
     num_inflight: int
     device_hit_tokens: int = 0
     pool_hit_tokens: int = 0

@@ -3,18 +3,21 @@
 Offload: when the device cache hands out a free cached block of a full-history group (an
 eviction, recorded by the block pool), the engine core calls :meth:`KVOffloader.offload`
 after scheduling and before the forward that overwrites it: its rows are gathered into a
-fresh host tensor (pinned, copied asynchronously on a GPU) and a worker thread stores them
-in the pool. State checkpoint pages (sliding groups) are copied when keyed (write-through).
+fresh host tensor (on a GPU: pinned, copied on a side stream while the forward runs) and a
+worker thread stores them in the pool. State checkpoint pages (sliding groups) are copied
+when keyed (write-through).
 
 Load: a waiting request whose hit grows with the pool (plan.py) is parked
 (``WAITING_FOR_POOL_KV``) by :meth:`start_load`: the device blocks of the hit are held, new
-blocks are taken for the missing ones and the worker fetches their bytes. A later
+blocks are taken for the missing ones and the worker fetches their bytes (on a GPU, and
+copies them to the device on the side stream; an event says when they are there). A later
 :meth:`take_loaded` (the scheduler, at the start of a step, before any forward) writes
 them into the new blocks, keys them and hands the request back to the waiting queue,
 whose next lookup finds the whole hit on the device::
 
     engine thread:  schedule [take_loaded | start_load] -> offload -> forward
-    worker thread:                 fetch ------------->      store -------->
+    load thread:                   fetch (-> H2D) ----->
+    store thread:                                     (D2H ->) store -------->
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -96,7 +99,9 @@ class KVOffloader:
         self.kv, self.caches, self.pool = kv, caches, pool
         self.namespace = namespace
         self.device = next(iter(next(iter(caches.tensors.values())).values())).device
-        self._pinned = self.device.type == "cuda"
+        # On a GPU: pinned host buffers and copies on a side stream (an event says when
+        # one is done), so neither direction stalls the engine thread or the forward.
+        self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # Pool events are published for the anchor group's blocks only (kv/events.py).
         names = [spec.name for spec in kv.specs]
         if anchor_group is not None and anchor_group not in names:
@@ -105,7 +110,10 @@ class KVOffloader:
         self._anchor_tokens = (
             kv.specs[names.index(anchor_group)].block_tokens if anchor_group else 0
         )
+        # Stores and loads on their own threads: a load never queues behind the stores of
+        # a burst of evictions (a request waits for it; nobody waits for a store).
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="kv-offload")
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-load")
         self._lock = threading.Lock()  # guards the fields the worker writes
         self._staged: dict[bytes, torch.Tensor] = {}  # gathered, not yet in the pool
         self._events: list[KVEvent] = []  # pool-tier events of anchor blocks (worker side)
@@ -138,11 +146,14 @@ class KVOffloader:
                 continue
             rows = gather_blocks(self.caches, spec.name, [e.block_id for e in evicted])
             rows = rows.contiguous().view(torch.uint8)  # [n, bytes per block]
-            if self._pinned:  # D2H on the current stream, after the gather, before forward
+            if self._side is not None:  # D2H on the side stream, overlapping the forward
                 host = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
-                host.copy_(rows, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
+                self._side.wait_stream(torch.cuda.current_stream(self.device))  # the gather
+                with torch.cuda.stream(self._side):
+                    host.copy_(rows, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(self._side)
+                rows.record_stream(self._side)  # not reused before the copy has read it
                 done.append(event)
                 rows = host  # entries are views of one pinned buffer: no per-block alloc
             else:  # a copy each, so the pool's byte count is what it really keeps
@@ -252,27 +263,52 @@ class KVOffloader:
         load.attempt = attempt
         self._loads[req.request_id] = load
         req.status = RequestStatus.WAITING_FOR_POOL_KV
-        keys = [pool_key(self.namespace, key) for group in load.blocks for _, key in group]
-        self._worker.submit(self._fetch, keys, load.result)
+        keys = [[pool_key(self.namespace, key) for _, key in group] for group in load.blocks]
+        self._loader.submit(self._fetch, keys, load.result)
         return LoadStart.STARTED
 
-    def _fetch(self, keys: list[bytes], result: Future) -> None:
+    def _fetch(self, keys: list[list[bytes]], result: Future) -> None:
+        """Worker: the blocks' bytes per group as ``[n, bytes per block]`` uint8 tensors
+        (empty groups: None), and the event of their copy to the device (GPU) or None; the
+        result is None when a key is gone (the request recomputes: slower, never wrong)."""
         try:
+            flat = [k for group in keys for k in group]
             with self._lock:
-                values = [self._staged.get(k) for k in keys]
-            ask = [k for k, v in zip(keys, values, strict=True) if v is None]
+                values = [self._staged.get(k) for k in flat]
+            ask = [k for k, v in zip(flat, values, strict=True) if v is None]
             fetched = iter(self.pool.get(ask) if ask else [])
-            result.set_result([v if v is not None else next(fetched) for v in values])
-        except Exception as e:  # the request recomputes: slower, never wrong
-            logger.warning("KV pool: loading %d blocks failed: %s", len(keys), e)
+            values = [v if v is not None else next(fetched) for v in values]
+            if any(v is None for v in values):
+                result.set_result(None)
+                return
+            it = iter(values)
+            rows = [torch.stack([next(it) for _ in group]) if group else None for group in keys]
+            result.set_result(self._to_device(rows))
+        except Exception as e:
+            logger.warning("KV pool: loading %d blocks failed: %s", len(flat), e)
             self.error = e
             result.set_result(None)
+
+    def _to_device(self, rows: list[torch.Tensor | None]) -> tuple[list, torch.cuda.Event | None]:
+        """Worker: on a GPU, H2D from pinned memory on the side stream (the engine lands the
+        load once the event has completed); on a CPU the rows as they are."""
+        if self._side is None:
+            return rows, None
+        with torch.cuda.stream(self._side):
+            on_device = []
+            for r in rows:
+                if r is not None:
+                    r = r.pin_memory().to(self.device, non_blocking=True)
+                on_device.append(r)
+            event = torch.cuda.Event()
+            event.record(self._side)
+        return on_device, event
 
     def take_loaded(self) -> list[Request]:
         """Requests whose loads finished, written into their blocks and keyed (engine
         thread, before the next forward): back to the waiting queue. A failed load (a key
         gone from the pool) returns its request too, for a shorter hit or recompute."""
-        ready = [load for load in self._loads.values() if load.result.done()]
+        ready = [load for load in self._loads.values() if _done(load.result)]
         if ready:  # forget requests aborted between landing and their next lookup
             gone = [k for k, v in self._just_loaded.items() if v.req.status.is_finished]
             for req_id in gone:
@@ -283,9 +319,9 @@ class KVOffloader:
             del self._loads[req.request_id]
             if req.status is not RequestStatus.WAITING_FOR_POOL_KV:
                 continue  # aborted meanwhile: its blocks went back with kv.free
-            values = load.result.result()
-            if values is not None and all(v is not None for v in values):
-                self._land(load, values)
+            loaded = load.result.result()
+            if loaded is not None:
+                self._land(load, loaded[0])
                 load.landed = True
             self._just_loaded[req.request_id] = load
             # Keyed now, the blocks wait in the free queue's most recently used end: the
@@ -296,16 +332,19 @@ class KVOffloader:
             requests.append(req)
         return requests
 
-    def _land(self, load: _Load, values: list[torch.Tensor]) -> None:
-        it = iter(values)
+    def _land(self, load: _Load, rows_per_group: list[torch.Tensor | None]) -> None:
         nbytes = 0
-        for spec, pool, group in zip(self.kv.specs, self.kv.pools, load.blocks, strict=True):
+        for spec, pool, group, rows in zip(
+            self.kv.specs, self.kv.pools, load.blocks, rows_per_group, strict=True
+        ):
             if not group:
                 continue
-            rows = torch.stack([next(it) for _ in group])
+            assert rows is not None
             nbytes += rows.numel()
             dtype = next(iter(self.caches.tensors[spec.name].values())).dtype
-            rows = rows.to(self.device, non_blocking=True).view(dtype).view(len(group), -1)
+            if self._side is not None:  # allocated on the side stream, read on this one
+                rows.record_stream(torch.cuda.current_stream(self.device))
+            rows = rows.view(dtype).view(len(group), -1)
             scatter_blocks(self.caches, spec.name, [b.block_id for b, _ in group], rows)
             for block, key in group:
                 pool.cache_block(block, key)  # False: recomputed meanwhile, stays transient
@@ -318,6 +357,20 @@ class KVOffloader:
     @property
     def num_loading(self) -> int:
         return len(self._loads)
+
+    def wait_for_loads(self, timeout_s: float) -> None:
+        """Block until a load in flight has fetched its blocks, ``timeout_s`` at most
+        (nothing in flight: return at once). The engine calls it when a step had nothing to
+        schedule, so that it naps instead of spinning while loads are its only work."""
+        pending = [load.result for load in self._loads.values()]
+        if not pending:
+            return
+        fetched, _ = wait(pending, timeout_s, return_when=FIRST_COMPLETED)
+        for result in fetched:  # on a GPU, then its copy to the device (a few ms at most)
+            loaded = result.result()
+            if loaded is not None and loaded[1] is not None:
+                loaded[1].synchronize()
+                return
 
     def _bump(self, **counts: int) -> None:
         s = self._stats
@@ -338,13 +391,26 @@ class KVOffloader:
         return events
 
     def flush(self) -> None:
-        """Wait until every store and fetch submitted so far is done (tests, shutdown)."""
+        """Wait until every store and fetch submitted so far is done, copies included
+        (tests, shutdown)."""
         self._worker.submit(lambda: None).result()
+        self._loader.submit(lambda: None).result()
+        if self._side is not None:
+            self._side.synchronize()
 
     def clear(self) -> None:
         """The device prefix cache was reset: this engine's pool entries are stale too."""
         self._worker.submit(self.pool.clear, self.namespace)
 
     def close(self) -> None:
+        self._loader.shutdown(wait=True)
         self._worker.shutdown(wait=True)
         self.pool.close()
+
+
+def _done(result: Future) -> bool:
+    """A load is done when its fetch is and, on a GPU, its copy to the device too."""
+    if not result.done():
+        return False
+    loaded = result.result()
+    return loaded is None or loaded[1] is None or loaded[1].query()

@@ -99,16 +99,17 @@ class KVPoolServer:
 
 
 class RemoteKVPool:
-    """The client of a :class:`KVPoolServer`; thread-safe (one REQ socket under a lock). A
-    server that does not answer within ``timeout_ms`` raises ``ConnectionError`` (the
+    """The client of a :class:`KVPoolServer`; thread-safe. A REQ socket per kind of call,
+    each under its own lock (stores, loads, lookups), so neither an engine-thread lookup nor
+    a load that a request waits for queues behind a store in flight.
+    A server that does not answer within ``timeout_ms`` raises ``ConnectionError`` (the
     offloader then treats the blocks as missing: recompute, never a wrong result)."""
 
     def __init__(self, endpoint: str, timeout_ms: int = DEFAULT_TIMEOUT_MS) -> None:
         self.endpoint = endpoint
         self.timeout_ms = timeout_ms
         self._context = zmq.Context()
-        self._lock = threading.Lock()
-        self._socket = self._connect()
+        self._channels = {name: [threading.Lock(), self._connect()] for name in _CHANNELS}
         self.capacity_bytes = self.usage().capacity_bytes
 
     def _connect(self) -> zmq.Socket:
@@ -120,13 +121,15 @@ class RemoteKVPool:
         return socket
 
     def _call(self, op: str, arg: Any = None) -> Any:
-        with self._lock:
+        channel = self._channels[_CHANNEL_OF[op]]
+        with channel[0]:
+            socket = channel[1]
             try:
-                self._socket.send(msgspec.msgpack.encode([op, arg]))
-                reply = msgspec.msgpack.decode(self._socket.recv())
+                socket.send(msgspec.msgpack.encode([op, arg]))
+                reply = msgspec.msgpack.decode(socket.recv())
             except zmq.Again:
-                self._socket.close(0)  # a REQ socket that missed its reply is stuck
-                self._socket = self._connect()
+                socket.close(0)  # a REQ socket that missed its reply is stuck
+                channel[1] = self._connect()
                 raise ConnectionError(
                     f"KV pool server {self.endpoint} did not answer within {self.timeout_ms} ms"
                 ) from None
@@ -152,9 +155,20 @@ class RemoteKVPool:
         self._call("clear", prefix)
 
     def close(self) -> None:
-        with self._lock:
-            self._socket.close(0)
-            self._context.term()
+        for lock, socket in self._channels.values():
+            with lock:
+                socket.close(0)
+        self._context.term()
+
+
+_CHANNELS = ("store", "load", "lookup")
+_CHANNEL_OF = {
+    "put": "store",
+    "clear": "store",
+    "get": "load",
+    "contains": "lookup",
+    "usage": "lookup",
+}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
