@@ -32,7 +32,7 @@ import triton.language as tl
 from rackserve.ops import reference
 from rackserve.ops.triton.fp8 import as_codes, to_cache
 
-from kernel_checks import DEVICE, as_fp32, assert_bf16_close, assert_fp32_close
+from kernel_checks import DEVICE, assert_fp32_close
 
 FP8 = torch.float8_e4m3fn
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array:DeprecationWarning")
@@ -54,17 +54,6 @@ def poisoned_outputs(monkeypatch):
 def fp8_caches(args: tuple, cache_positions: tuple[int, ...]) -> tuple:
     """``args`` with the caches at ``cache_positions`` stored in e4m3 (the reference's cast)."""
     return tuple(a.to(FP8) if i in cache_positions else a for i, a in enumerate(args))
-
-
-def check_attention(op, args: tuple, tiling=None) -> None:
-    got = op(*args, tiling=tiling)
-    q = args[0]
-    assert got.shape == q.shape and got.dtype == q.dtype
-    if q.dtype == torch.float32:
-        assert_fp32_close(got, reference.paged_sparse_attention(*args))
-    else:
-        ref32 = reference.paged_sparse_attention(*as_fp32(args))
-        assert_bf16_close(got, reference.paged_sparse_attention(*args), ref32)
 
 
 # ---- e4m3 encoding: the reference's cast, bit for bit ------------------------------------
@@ -109,9 +98,7 @@ def test_decode_attention_reads_fp8_rows(s, h, wb, tiling, dtype):
     rope = 16 if tiling in ("dv2_split2", "wide_t_split3") else 0
     args = decode_cases.make_case(s, h, wb, dtype, seed=s + h + wb, rope_dim=rope)
     args = fp8_caches(args, (1, 3))
-    check_attention(
-        attn.paged_sparse_attention, args, decode_cases.tilings(attn)[tiling] if tiling else None
-    )
+    decode_cases.check(attn, args, decode_cases.tilings(attn)[tiling] if tiling else None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -119,7 +106,7 @@ def test_prefill_attention_reads_fp8_rows(dtype):
     attn = importlib.import_module("rackserve.ops.triton.prefill_attn")
     valid = prefill_cases.prefill_mask([(100, 1), (0, 13), (7, 1)], prefill_cases.WA, 8, 4)
     args = fp8_caches(prefill_cases.make_case(valid, 8, dtype, seed=5, rope_dim=16), (1, 3))
-    check_attention(attn.paged_sparse_attention, args)
+    decode_cases.check(attn, args)  # the same check: any module's paged_sparse_attention
 
 
 def fp8_keys(case: dict) -> dict:
