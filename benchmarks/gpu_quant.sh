@@ -31,6 +31,7 @@ if [ "$SMOKE" = 1 ]; then  # CPU: the reference ops / the Triton interpreter, ti
   DECODE=(--batch decode:2@64)
   TESTS=(tests/ops/test_kv_fp8.py tests/moe/test_ep_fp4.py)
   KV_BENCH=(--smoke)
+  LONG=4  # the interpreter on a shared CPU: every timeout x4
 else
   MODEL=(--preset v4-flash --layers 4 --experts 64 --iters 20 --warmup 3)
   BATCHES=(--batch decode:1@4096 --batch decode:8@4096 --batch decode:64@4096
@@ -40,31 +41,32 @@ else
   TESTS=(tests/ops/test_fp8_gemm.py tests/ops/test_fp4_moe.py tests/model/test_quant_gpu.py
     tests/ops/test_kv_fp8.py)
   KV_BENCH=()
+  LONG=1
 fi
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
 if want tests; then
   echo "== quantized kernel + model tests"
-  timeout 150 "$PY" -m pytest -q -p no:cacheprovider -m "gpu or not gpu" "${TESTS[@]}" \
-    2>&1 | tee "$OUT/pytest_quant.log" | tail -12
+  timeout $((150 * LONG)) "$PY" -m pytest -q -p no:cacheprovider -m "gpu or not gpu" \
+    "${TESTS[@]}" 2>&1 | tee "$OUT/pytest_quant.log" | tail -12
 fi
 if want forward_bf16; then
   echo "== bench forward bf16"
-  timeout 110 "${RS[@]}" bench forward "${MODEL[@]}" "${BATCHES[@]}" \
+  timeout $((110 * LONG)) "${RS[@]}" bench forward "${MODEL[@]}" "${BATCHES[@]}" \
     --output "$OUT/forward_bf16.json" 2>&1 | tail -6
 fi
 if want forward_fp4; then
   echo "== bench forward fp8 + fp4 experts"
-  timeout 130 "${RS[@]}" bench forward "${MODEL[@]}" --quantization fp8 --expert-dtype fp4 \
-    "${BATCHES[@]}" --output "$OUT/forward_fp8_fp4.json" 2>&1 | tail -6
+  timeout $((130 * LONG)) "${RS[@]}" bench forward "${MODEL[@]}" --quantization fp8 \
+    --expert-dtype fp4 "${BATCHES[@]}" --output "$OUT/forward_fp8_fp4.json" 2>&1 | tail -6
 fi
 if want kv_forward; then
   echo "== bench forward bf16, --kv-cache-dtype fp8 (decode; compare forward_bf16.json)"
-  timeout 90 "${RS[@]}" bench forward "${MODEL[@]}" --kv-cache-dtype fp8 "${DECODE[@]}" \
-    --output "$OUT/forward_bf16_kvfp8.json" 2>&1 | tail -5
+  timeout $((90 * LONG)) "${RS[@]}" bench forward "${MODEL[@]}" --kv-cache-dtype fp8 \
+    "${DECODE[@]}" --output "$OUT/forward_bf16_kvfp8.json" 2>&1 | tail -5
 fi
 if want kv_bench; then
   echo "== fp8 KV: attention / indexer kernels vs bf16 caches, logit error of the model"
-  timeout 120 "$PY" benchmarks/kv_fp8_bench.py "${KV_BENCH[@]}" \
+  timeout $((120 * LONG)) "$PY" benchmarks/kv_fp8_bench.py "${KV_BENCH[@]}" \
     --output "$OUT/kv_fp8_bench.json" 2>&1 | tail -24
 fi
 if want quant_bench; then
@@ -72,6 +74,7 @@ if want quant_bench; then
     echo "== quant_bench: needs CUDA (do_bench, device memory): skipped in SMOKE"
   else
     echo "== kernels (fp8 GEMM, fp4 MoE vs bf16) and weight memory"
-    timeout 190 "$PY" benchmarks/quant_bench.py --output "$OUT/quant_bench.json" 2>&1 | tail -80
+    timeout $((190 * LONG)) "$PY" benchmarks/quant_bench.py --output "$OUT/quant_bench.json" \
+      2>&1 | tail -80
   fi
 fi

@@ -307,3 +307,11 @@ def test_fast_path_on_fp8_caches_matches_the_reference_path(long):
                 assert same >= 0.99, (group, layer, same)
                 checked.add(group)
     assert {"swa", "csa_kv"} <= checked, checked
+
+
+def test_engine_takes_fp8_caches_on_every_device():
+    from rackserve.engine.core import kv_cache_dtype
+
+    for device in ("cpu", "cuda"):  # the GPU kernels read and write e4m3 rows now
+        assert kv_cache_dtype("fp8", torch.device(device)) == FP8
+        assert kv_cache_dtype("auto", torch.device(device)) is None
