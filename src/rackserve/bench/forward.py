@@ -81,8 +81,14 @@ class SyntheticStep:
     groups: list[CacheGroupSpec]
 
 
-def synthetic_step(model: DeepseekV4ForCausalLM, batch: BatchSpec, seed: int = 0) -> SyntheticStep:
-    """Block tables and inputs for ``batch``; the caches hold whatever they were born with."""
+def synthetic_step(
+    model: DeepseekV4ForCausalLM,
+    batch: BatchSpec,
+    seed: int = 0,
+    kv_dtype: torch.dtype | None = None,
+) -> SyntheticStep:
+    """Block tables and inputs for ``batch``; the caches hold whatever they were born with
+    (``kv_dtype``: the KV groups' storage, e.g. float8 e4m3; None: the model dtype)."""
     cfg = model.cfg
     device = next(model.parameters()).device
     dtype = model.head.weight.dtype
@@ -102,7 +108,7 @@ def synthetic_step(model: DeepseekV4ForCausalLM, batch: BatchSpec, seed: int = 0
             next_id[g.name] += num - first_live
             per_group.append(ids)
         tables.append(tuple(per_group))
-    caches = KVCacheTensors(groups, next_id, dtype, device)
+    caches = KVCacheTensors(groups, next_id, dtype, device, kv_dtype)
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=0, max_tokens=1)
     new_reqs = [

@@ -79,6 +79,8 @@ def _hardware(args: argparse.Namespace, device_type: str) -> str | None:
 
 
 def _forward(args: argparse.Namespace) -> int:
+    import torch
+
     from rackserve.bench.forward import BatchSpec, roofline, synthetic_step, time_forward
 
     model, model_name = _load(args)
@@ -87,7 +89,8 @@ def _forward(args: argparse.Namespace) -> int:
     records: list[dict[str, Any]] = []
     for spec_text in args.batch:
         spec = BatchSpec.parse(spec_text)
-        synthetic = synthetic_step(model, spec)
+        kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else None
+        synthetic = synthetic_step(model, spec, kv_dtype=kv_dtype)
         graph = (
             args.impl == "fast"
             and not args.enforce_eager
@@ -116,6 +119,7 @@ def _forward(args: argparse.Namespace) -> int:
             ),
             "model": model_name,
             "dtype": str(model.head.weight.dtype).removeprefix("torch."),
+            "kv_cache_dtype": args.kv_cache_dtype,
             "device": torch_device_name(device),
             "gpu": counts.get("hardware"),
             "measured_s": measured,
@@ -283,6 +287,12 @@ def register_forward(bench_subparsers: Any) -> None:
         help="fast: fast kernels + CUDA-graph decode on a GPU; reference: plain-torch ops, eager",
     )
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graph (fast kernels)")
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "fp8"),
+        default="auto",
+        help="fp8: window rows, compressed entries and indexer keys in e4m3 (as the server)",
+    )
     p.set_defaults(func=_forward)
 
 

@@ -74,16 +74,13 @@ def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
 
 
 def kv_cache_dtype(name: str, device: torch.device) -> torch.dtype | None:
-    """The KV groups' storage for ``--kv-cache-dtype`` (None: the model dtype). FP8 caches
-    are read by the reference attention ops only: the Triton attention and indexer kernels
-    take caches in the activations' dtype."""
-    if name != "fp8":
-        return None
-    if device.type == "cuda":
-        raise ValueError(
-            "--kv-cache-dtype fp8 is not supported by the GPU attention kernels yet: use auto"
-        )
-    return torch.float8_e4m3fn
+    """The KV groups' storage for ``--kv-cache-dtype`` (None: the model dtype). fp8: e4m3
+    window rows, compressed entries and indexer keys on every device: the reference ops
+    and the Triton kernels share one rule (``ops/triton/fp8.py``: the activation-dtype
+    value cast to e4m3, no scale, saturating); the compressor state stays in the model
+    dtype. ``device`` is kept for the kernels a device may lack (none today)."""
+    del device
+    return torch.float8_e4m3fn if name == "fp8" else None
 
 
 def plan_kv_cache(

@@ -28,7 +28,7 @@ from torch import nn
 from rackserve import ops
 from rackserve.config import ModelConfig
 from rackserve.model.layers import FusedWeights
-from rackserve.moe.dispatch import run_local_experts
+from rackserve.moe.dispatch import run_local_experts, run_local_experts_fp4
 
 if TYPE_CHECKING:
     from rackserve.moe.ep import ExpertParallel
@@ -138,9 +138,6 @@ class MoE(nn.Module):
         self.gate = Router(cfg, hashed, kernels)
         slots = None if expert_parallel is None else expert_parallel.local_experts(self.layer_id)
         self.experts = Experts(cfg, kernels, slots)
-        if expert_parallel is not None and self.experts.fp4:
-            # dispatch and EPLB's weight moves know w13 / w2 only, not the FP4 scales
-            raise ValueError("expert parallelism with FP4 experts is not supported yet")
         self.shared_experts = SharedExpert(cfg) if cfg.n_shared_experts else None
         self._folded: tuple[FusedWeights, FusedWeights] | None = None
 
@@ -266,7 +263,13 @@ class MoE(nn.Module):
         assert ep is not None
         routed = ep.dispatcher.dispatch(self.layer_id, x, ids, weights)
         ep.recorder.record(self.layer_id, ids, routed.slots, ep.placement)
-        y = run_local_experts(
-            routed, experts.w13, experts.w2, experts.limit, experts.kernels.moe_experts
-        )
+        if experts.fp4:  # packed weights and their scales, sharded by slot alike
+            y = run_local_experts_fp4(
+                routed, experts.w13, experts.w13_scale, experts.w2, experts.w2_scale,
+                experts.limit, experts.kernels.moe_experts_fp4,
+            )  # fmt: skip
+        else:
+            y = run_local_experts(
+                routed, experts.w13, experts.w2, experts.limit, experts.kernels.moe_experts
+            )
         return ep.dispatcher.combine(y, routed)

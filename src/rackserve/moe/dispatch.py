@@ -187,3 +187,21 @@ def run_local_experts(
     ids = dispatched.local_slot[:, None]
     ones = torch.ones(ids.shape, dtype=torch.float32, device=ids.device)
     return moe_experts(dispatched.hidden, ids, ones, w13, w2, limit)
+
+
+def run_local_experts_fp4(
+    dispatched: DispatchedTokens,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    limit: float,
+    moe_experts_fp4: Callable[..., torch.Tensor] = ops.quant.moe_experts_fp4,
+) -> torch.Tensor:
+    """``run_local_experts`` on FP4 experts (``ops/quant.py``): this rank's slots' packed
+    weights and their scales, sharded by slot as the weights are. w13: [S_r, 2I, D / 2]
+    uint8, w13_scale: [S_r, 2I, D / 32]; w2: [S_r, D, I / 2], w2_scale: [S_r, D, I / 32].
+    Returns [N, D] unweighted (combine weights them)."""
+    ids = dispatched.local_slot[:, None]
+    ones = torch.ones(ids.shape, dtype=torch.float32, device=ids.device)
+    return moe_experts_fp4(dispatched.hidden, ids, ones, w13, w13_scale, w2, w2_scale, limit)

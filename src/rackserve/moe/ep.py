@@ -124,8 +124,9 @@ class ExpertParallel:
 
     def bind(self, moe_layers: list[nn.Module]) -> None:
         """Attach the model's MoE modules (in layer order; each has ``experts.w13`` [S_r,
-        2I, D] and ``experts.w2`` [S_r, D, I]) so weights can move and idle ranks can run
-        the dummy pass."""
+        2I, D] and ``experts.w2`` [S_r, D, I]; FP4 experts: packed ``w13`` / ``w2`` and
+        their ``w13_scale`` / ``w2_scale``) so weights can move and idle ranks can run the
+        dummy pass."""
         if len(moe_layers) != self.placement.num_layers:
             raise ValueError(
                 f"{len(moe_layers)} MoE layers for a placement of {self.placement.num_layers}"
@@ -136,7 +137,7 @@ class ExpertParallel:
         # Built at the first rebalance, not in bind(): loading may still replace the
         # parameters' tensors (a dtype cast), and the moves write into the final ones.
         if self.rearranger is None:
-            weights = [[m.experts.w13.data, m.experts.w2.data] for m in self.moe_layers]
+            weights = [expert_tensors(m.experts) for m in self.moe_layers]
             self.rearranger = ExpertRearranger(weights, self.dispatcher, self.groups.ep_move_group)
         return self.rearranger
 
@@ -199,6 +200,16 @@ class ExpertParallel:
             return real, None
         uniform = self.recorder.step_balancedness(self.num_ranks, group, uniform=True)
         return real, uniform.tolist()
+
+
+def expert_tensors(experts: object) -> list[torch.Tensor]:
+    """Every per-slot tensor of an ``Experts`` module, each [S_r, ...]: what EPLB moves
+    together when a slot changes expert. FP4 experts: the packed weights and their scales
+    (a slot's scales must travel with its bytes, or the moved expert dequantizes wrong)."""
+    names = ["w13", "w2"]
+    if getattr(experts, "fp4", False):
+        names = ["w13", "w13_scale", "w2", "w2_scale"]
+    return [getattr(experts, name).data for name in names]
 
 
 class ExpertParallelModels:

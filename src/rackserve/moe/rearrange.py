@@ -68,12 +68,29 @@ def plan_layer(old: torch.Tensor, new: torch.Tensor, num_ranks: int) -> list[Tra
     return transfers
 
 
+def _mixed(weights: list[torch.Tensor]) -> bool:
+    """Whether a slot's tensors differ in dtype (FP4 packed bytes with fp32 scales): then
+    the rows travel as raw bytes."""
+    return len({w.dtype for w in weights}) > 1
+
+
+def _width(tensor: torch.Tensor, as_bytes: bool) -> int:
+    return tensor[0].numel() * (tensor.element_size() if as_bytes else 1)
+
+
 def _rows(weights: list[torch.Tensor], local_slots: list[int]) -> torch.Tensor:
-    """[len(local_slots), F]: every listed slot's tensors flattened side by side."""
+    """[len(local_slots), F]: every listed slot's tensors flattened side by side (as uint8
+    bytes when their dtypes differ)."""
+    as_bytes = _mixed(weights)
     if not local_slots:
-        return weights[0].new_empty((0, sum(w[0].numel() for w in weights)))
+        width = sum(_width(w, as_bytes) for w in weights)
+        dtype = torch.uint8 if as_bytes else weights[0].dtype
+        return torch.empty((0, width), dtype=dtype, device=weights[0].device)
     index = torch.tensor(local_slots, device=weights[0].device)
-    return torch.cat([w[index].flatten(1) for w in weights], dim=1)
+    rows = [w[index].flatten(1) for w in weights]
+    if as_bytes:
+        rows = [r.contiguous().view(torch.uint8) for r in rows]
+    return torch.cat(rows, dim=1)
 
 
 class _LayerTransfer:
@@ -129,10 +146,13 @@ class _LayerTransfer:
             if not dst:
                 continue
             index = torch.tensor(dst, device=weights[0].device)
-            offset = 0
+            as_bytes, offset = _mixed(weights), 0
             for tensor in weights:
-                width = tensor[0].numel()
-                tensor[index] = rows[:, offset : offset + width].view(-1, *tensor.shape[1:])
+                width = _width(tensor, as_bytes)
+                part = rows[:, offset : offset + width]
+                if as_bytes:
+                    part = part.contiguous().view(tensor.dtype)
+                tensor[index] = part.view(-1, *tensor.shape[1:])
                 offset += width
 
 

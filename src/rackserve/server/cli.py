@@ -182,7 +182,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     add(
         "--kv-cache-dtype", choices=("auto", "fp8"),
-        help="auto: the model dtype; fp8: KV rows and indexer keys in e4m3 (CPU only for now)",
+        help="auto: the model dtype; fp8: KV rows and indexer keys in e4m3 (CPU and GPU kernels)",
     )  # fmt: skip
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     add(

@@ -1,7 +1,8 @@
 """What attention does to its projections before the sparse attention, in one launch
 (equals ``reference.attention_prologue``): the per-head q norm + RoPE, the kv norm + RoPE
 straight into the window cache with the compressor's raw rows into the state cache
-(``kv_insert``), and on CSA layers the indexer's q RoPE and its head weights' scaling.
+(``kv_insert``; an e4m3 window cache gets the reference's fp8 codes, ``fp8.py``), and on
+CSA layers the indexer's q RoPE and its head weights' scaling.
 
 The grid is the concatenation of each part's row blocks (``norm_rope_rows`` of
 ``norm_rope.py`` per part; the program id picks the part)::
@@ -18,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rackserve.ops.triton.fp8 import as_codes, is_fp8
 from rackserve.ops.triton.norm_rope import _block_rows, norm_rope_rows
 
 
@@ -127,8 +129,12 @@ def attention_prologue(
         )
     if 2 * half > dh or half == 0:
         raise ValueError(f"attention_prologue: 0 < R = {2 * half} <= {dh} expected")
-    if swa.dtype != kv.dtype or q.dtype != kv.dtype or swa.dim() != 2 or swa.shape[1] < dh:
-        raise ValueError("attention_prologue: q, kv and the window cache must share a dtype")
+    swa_ok = swa.dtype == kv.dtype or is_fp8(swa)  # --kv-cache-dtype fp8: e4m3 rows
+    if not swa_ok or q.dtype != kv.dtype or swa.dim() != 2 or swa.shape[1] < dh:
+        raise ValueError(
+            "attention_prologue: q, kv and the window cache must share a dtype (or the "
+            "cache be float8_e4m3fn)"
+        )
     if tuple(kv_weight.shape) != (dh,) or tuple(swa_slots.shape) != (t,):
         raise ValueError("attention_prologue: kv_weight must be [Dh] and swa_slots [T]")
     copy = 0
@@ -166,7 +172,7 @@ def attention_prologue(
         ni, nw = triton.cdiv(t * hi, bi), triton.cdiv(t * hi, bw)
     dummy = kv
     _prologue_kernel[(nq + nk + (ni + nw if index else 0),)](
-        q, q_out, kv, kv_weight.contiguous(), cos, sin, swa, swa_slots.contiguous(),
+        q, q_out, kv, kv_weight.contiguous(), cos, sin, as_codes(swa), swa_slots.contiguous(),
         rows if rows is not None else dummy,
         state if state is not None else dummy,
         state_slots.contiguous() if state_slots is not None else swa_slots,

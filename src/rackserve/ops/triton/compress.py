@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from rackserve.ops.triton.common import round_as
+from rackserve.ops.triton.fp8 import as_codes, is_fp8, to_cache
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -35,7 +36,7 @@ def _compress_kernel(
     missing_ptr,
     pos_ptr,
     inv_freq_ptr,
-    out_ptr,  # DST: the entry cache [N, >= entry columns]; else [n, C] rows
+    out_ptr,  # DST: the entry cache [N, >= entry columns] (e4m3: uint8 codes); else [n, C]
     out_stride,
     dst_ptr,  # DST only: [n] entry slots
     eps,
@@ -130,8 +131,8 @@ def _compress_kernel(
     # DST: straight into the entry cache
     row = tl.load(dst_ptr + w).to(tl.int64) if DST else w.to(tl.int64)
     out = out_ptr + row * out_stride + out_col + even
-    tl.store(out, round_as(o_e, OUT_DTYPE).to(OUT_DTYPE), mask=h_ok)
-    tl.store(out + 1, round_as(o_o, OUT_DTYPE).to(OUT_DTYPE), mask=h_ok)
+    tl.store(out, to_cache(o_e, out_ptr, OUT_DTYPE), mask=h_ok)  # fp8 entries: e4m3 codes
+    tl.store(out + 1, to_cache(o_o, out_ptr, OUT_DTYPE), mask=h_ok)
 
 
 def compress_pool(
@@ -169,14 +170,19 @@ def compress_entries(
 ) -> None:
     """See ``reference.compress_entries``: every part (at most 2) in one launch, written
     straight into the entry cache."""
-    if entries.dtype != state.dtype or entries.dim() != 2 or entries.stride(1) != 1:
-        raise ValueError("compress_entries: entries must be [N, W] rows in the state's dtype")
+    entries_ok = entries.dtype == state.dtype or is_fp8(entries)  # --kv-cache-dtype fp8
+    if not entries_ok or entries.dim() != 2 or entries.stride(1) != 1:
+        raise ValueError(
+            "compress_entries: entries must be [N, W] rows in the state's dtype or e4m3"
+        )
     if tuple(dst.shape) != (src.shape[0],):
         raise ValueError(f"compress_entries: dst must be [{src.shape[0]}], got {dst.shape}")
     for _, _, norm_weight, out_col in parts:
         if out_col + norm_weight.shape[0] > entries.shape[1]:
             raise ValueError("compress_entries: a part's columns run past the entry width")
-    _launch(state, src, missing, dst, entries, parts, eps, positions, inv_freq, rope_scale)
+    _launch(
+        state, src, missing, dst, as_codes(entries), parts, eps, positions, inv_freq, rope_scale
+    )
 
 
 def _launch(

@@ -27,7 +27,13 @@ import triton
 import triton.language as tl
 
 from rackserve.ops.triton.fused_moe import moe_align
-from rackserve.ops.triton.fused_moe_kernels import _swiglu, moe_sum_kernel
+from rackserve.ops.triton.fused_moe_kernels import (
+    block_tile,
+    expert_rows,
+    moe_sum_kernel,
+    store_swiglu,
+    store_weighted,
+)
 
 _ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -134,23 +140,17 @@ def moe_gate_up_fp4_kernel(
     SCALE_E8M0: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m)
+    expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert >= num_experts:
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    row_ok = pair < num_pairs
+    rows, pair, row_ok, cols, col_ok = block_tile(sorted_ptr, num_pairs, inter, BLOCK_M, BLOCK_N)
     token = tl.where(row_ok, pair // top_k, 0)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < inter
     jj = tl.arange(0, BLOCK_K // 2)  # byte j of a step holds inputs 2j, 2j+1
     gg = tl.arange(0, BLOCK_K // 32)  # the step's scale groups
     kk = tl.arange(0, BLOCK_K)
     x_row = x_ptr + token[:, None].to(tl.int64) * stride_xt
-    w_gate = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn
-    s_gate = s_ptr + expert.to(tl.int64) * stride_se + cols[None, :].to(tl.int64) * stride_sn
+    w_gate = expert_rows(w_ptr, expert, cols, stride_we, stride_wn)
+    s_gate = expert_rows(s_ptr, expert, cols, stride_se, stride_sn)
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -173,9 +173,7 @@ def moe_gate_up_fp4_kernel(
                               s_gate + inter * stride_sn + s_off, s_mask,
                               BLOCK_K, BLOCK_N, SCALE_E8M0)  # fmt: skip
         acc_up = _dot2(a_even, a_odd, even, odd, acc_up, IEEE)
-    h = _swiglu(acc_gate, acc_up, limit)  # padding rows: swiglu(0, 0) = 0
-    h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_ht + cols[None, :]
-    tl.store(h_ptrs, h, mask=col_ok[None, :])
+    store_swiglu(acc_gate, acc_up, limit, h_ptr, rows, cols, col_ok, stride_ht)
 
 
 @triton.jit
@@ -204,22 +202,16 @@ def moe_down_fp4_kernel(
     IEEE: tl.constexpr,
     ACT_DTYPE: tl.constexpr,  # the dots' input type (bf16 / fp16 on a GPU)
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m)
+    expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert >= num_experts:
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    row_ok = pair < num_pairs
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < hidden
+    rows, pair, row_ok, cols, col_ok = block_tile(sorted_ptr, num_pairs, hidden, BLOCK_M, BLOCK_N)
     jj = tl.arange(0, BLOCK_K // 2)
     gg = tl.arange(0, BLOCK_K // 32)
     kk = tl.arange(0, BLOCK_K)
     h_row = h_ptr + rows[:, None].to(tl.int64) * stride_ht
-    w_base = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn
-    s_base = s_ptr + expert.to(tl.int64) * stride_se + cols[None, :].to(tl.int64) * stride_sn
+    w_base = expert_rows(w_ptr, expert, cols, stride_we, stride_wn)
+    s_base = expert_rows(s_ptr, expert, cols, stride_se, stride_sn)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         byte = k0 // 2 + jj
@@ -240,10 +232,7 @@ def moe_down_fp4_kernel(
             lo_even = (a_even - hi_even.to(tl.float32)).to(ACT_DTYPE)
             lo_odd = (a_odd - hi_odd.to(tl.float32)).to(ACT_DTYPE)
             acc = _dot2(lo_even, lo_odd, even, odd, acc, IEEE)
-    weight = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
-    acc = acc * weight[:, None]
-    out_ptrs = slots_ptr + pair[:, None].to(tl.int64) * stride_slot + cols[None, :]
-    tl.store(out_ptrs, acc, mask=row_ok[:, None] & col_ok[None, :])
+    store_weighted(acc, weights_ptr, slots_ptr, pair, row_ok, cols, col_ok, stride_slot)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}

@@ -205,6 +205,40 @@ def _dot(a, w, acc, FP32_DOT: tl.constexpr):
 
 
 @triton.jit
+def block_tile(sorted_ptr, num_pairs, num_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The program's tile of an expert GEMM (grid axis 0: blocks of aligned rows, axis 1:
+    output columns): (rows [BLOCK_M] into the aligned order, pair [BLOCK_M] (token * k +
+    slot; >= num_pairs on padding rows), row_ok, cols [BLOCK_N], col_ok)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows, pair, pair < num_pairs, cols, cols < num_cols
+
+
+@triton.jit
+def expert_rows(w_ptr, expert, cols, stride_we, stride_wn):
+    """[1, BLOCK_N] pointers to rows ``cols`` of ``expert``'s weight (int64 offsets)."""
+    return w_ptr + expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn
+
+
+@triton.jit
+def store_swiglu(acc_gate, acc_up, limit, h_ptr, rows, cols, col_ok, stride_ht):
+    """The gate-up epilogue: clamped SwiGLU of the fp32 accumulators into h's rows
+    (padding rows store swiglu(0, 0) = 0)."""
+    h = _swiglu(acc_gate, acc_up, limit)
+    h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_ht + cols[None, :]
+    tl.store(h_ptrs, h, mask=col_ok[None, :])
+
+
+@triton.jit
+def store_weighted(acc, weights_ptr, slots_ptr, pair, row_ok, cols, col_ok, stride_slot):
+    """The down epilogue: acc times the pair's routed weight into its slot row (fp32)."""
+    weight = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
+    out_ptrs = slots_ptr + pair[:, None].to(tl.int64) * stride_slot + cols[None, :]
+    tl.store(out_ptrs, acc * weight[:, None], mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def moe_gate_up_kernel(
     x_ptr,  # [T, D]
     w13_ptr,  # [E, 2I, D]: gate rows 0..I-1, up rows I..2I-1
@@ -227,25 +261,15 @@ def moe_gate_up_kernel(
     BLOCK_K: tl.constexpr,
     FP32_DOT: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m)
+    expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert >= num_experts:
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    row_ok = pair < num_pairs
+    rows, pair, row_ok, cols, col_ok = block_tile(sorted_ptr, num_pairs, inter, BLOCK_M, BLOCK_N)
     token = tl.where(row_ok, pair // top_k, 0)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < inter
     ks = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + token[:, None].to(tl.int64) * stride_xt + ks[None, :]
-    gate_ptrs = (
-        w13_ptr
-        + expert.to(tl.int64) * stride_we
-        + cols[None, :].to(tl.int64) * stride_wn
-        + ks[:, None] * stride_wk
-    )  # [BLOCK_K, BLOCK_N]: w13[e, cols, k]^T
+    # [BLOCK_K, BLOCK_N]: w13[e, cols, k]^T
+    gate_ptrs = expert_rows(w13_ptr, expert, cols, stride_we, stride_wn) + ks[:, None] * stride_wk
     up_ptrs = gate_ptrs + inter * stride_wn
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -260,9 +284,7 @@ def moe_gate_up_kernel(
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K * stride_wk
         up_ptrs += BLOCK_K * stride_wk
-    h = _swiglu(acc_gate, acc_up, limit)  # padding rows: swiglu(0, 0) = 0
-    h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_ht + cols[None, :]
-    tl.store(h_ptrs, h, mask=col_ok[None, :])
+    store_swiglu(acc_gate, acc_up, limit, h_ptr, rows, cols, col_ok, stride_ht)
 
 
 @triton.jit
@@ -288,24 +310,14 @@ def moe_down_kernel(
     FP32_DOT: tl.constexpr,
     SPLIT_H: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m)
+    expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert >= num_experts:
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    row_ok = pair < num_pairs
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < hidden
+    rows, pair, row_ok, cols, col_ok = block_tile(sorted_ptr, num_pairs, hidden, BLOCK_M, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_ht + ks[None, :]
-    w_ptrs = (
-        w2_ptr
-        + expert.to(tl.int64) * stride_we
-        + cols[None, :].to(tl.int64) * stride_wn
-        + ks[:, None] * stride_wk
-    )  # [BLOCK_K, BLOCK_N]: w2[e, cols, k]^T
+    # [BLOCK_K, BLOCK_N]: w2[e, cols, k]^T
+    w_ptrs = expert_rows(w2_ptr, expert, cols, stride_we, stride_wn) + ks[:, None] * stride_wk
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         k_ok = (k0 + ks) < inter
@@ -319,10 +331,7 @@ def moe_down_kernel(
             acc = _dot(a, w, acc, FP32_DOT)
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
-    weight = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
-    acc = acc * weight[:, None]
-    out_ptrs = slots_ptr + pair[:, None].to(tl.int64) * stride_slot + cols[None, :]
-    tl.store(out_ptrs, acc, mask=row_ok[:, None] & col_ok[None, :])
+    store_weighted(acc, weights_ptr, slots_ptr, pair, row_ok, cols, col_ok, stride_slot)
 
 
 @triton.jit

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rackserve.ops.triton.fp8 import FP8_KV_DTYPE, widen
+
 
 @dataclass(frozen=True)
 class IndexerTiling:
@@ -128,6 +130,7 @@ def indexer_logits_kernel(
             mask=visible[:, None] & dim_ok[None, :],
             other=0.0,
         )
+        keys = widen(keys, q_ptr.dtype.element_ty)  # fp8 keys: upcast in registers
         if DOT_FP32:
             dot = tl.dot(keys.to(tl.float32), qt, input_precision="ieee")
         else:
@@ -219,9 +222,12 @@ def check_inputs(
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
     if num_visible.device != q.device:
         raise ValueError(f"num_visible is on {num_visible.device}, q on {q.device}")
-    if q.dtype not in _KEY_DTYPES or key_cache.dtype not in _KEY_DTYPES:
+    # e4m3 keys (--kv-cache-dtype fp8) are widened to q's dtype in registers
+    if q.dtype not in _KEY_DTYPES or key_cache.dtype not in (*_KEY_DTYPES, FP8_KV_DTYPE):
         raise ValueError(f"q / key_cache dtypes {q.dtype} / {key_cache.dtype} not supported")
-    if q.dtype != key_cache.dtype and torch.float32 not in (q.dtype, key_cache.dtype):
+    if key_cache.dtype == FP8_KV_DTYPE:
+        pass
+    elif q.dtype != key_cache.dtype and torch.float32 not in (q.dtype, key_cache.dtype):
         raise ValueError(f"q {q.dtype} and key_cache {key_cache.dtype}: no common dot type")
     if hi > 256 or di > 512:
         raise ValueError(f"Hi={hi} > 256 or Di={di} > 512: one program holds all of q")

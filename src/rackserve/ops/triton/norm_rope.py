@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from rackserve.ops.triton.mhc_kernels import to_output
+from rackserve.ops.triton.common import round_as
+from rackserve.ops.triton.fp8 import as_codes, is_fp8, to_cache
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_CHANNELS = 16384  # one row in registers
@@ -37,7 +38,8 @@ def norm_rope_rows(
     w_ptr,  # [C] norm weight (unused unless WEIGHTED)
     cos_ptr,  # [T, R/2] (unused unless ROPE)
     sin_ptr,
-    out_ptr,  # [T, M, C] contiguous, x's dtype (SCATTER: cache rows [N, >= C], by slot)
+    out_ptr,  # [T, M, C] contiguous, x's dtype (SCATTER: cache rows [N, >= C] by slot, x's
+    # dtype or an e4m3 cache as uint8 codes)
     out_slots_ptr,  # [T] SCATTER only: the cache row of each token (M = 1)
     copy_src_ptr,  # [T, COPY] COPY only: rows copied to copy_dst[copy_slots[t]]
     copy_dst_ptr,
@@ -96,7 +98,7 @@ def norm_rope_rows(
         mean_sq = tl.sum(x * x, axis=1) / CHANNELS
         factor = 1.0 / tl.sqrt_rn(mean_sq + eps)
         if not WEIGHTED:  # the reference rounds the factor to x's dtype first
-            factor = to_output(factor, out_ptr).to(tl.float32)
+            factor = round_as(factor, x_ptr.dtype.element_ty)
         y = x * factor[:, None]
         if WEIGHTED:  # weight * (x * factor): the reference's order
             w = tl.load(w_ptr + cols, mask=cols < CHANNELS, other=0.0).to(tl.float32)
@@ -105,7 +107,7 @@ def norm_rope_rows(
         y = x
     tl.store(
         out_row[:, None] + cols[None, :],
-        to_output(y, out_ptr),
+        to_cache(y, out_ptr, x_ptr.dtype.element_ty),  # fp8 caches: e4m3 codes
         mask=row_ok[:, None] & (cols < nope)[None, :],
     )
     if ROPE:
@@ -122,7 +124,7 @@ def norm_rope_rows(
             if WEIGHTED:
                 wr = tl.load(w_ptr + w_offs, mask=w_mask, other=0.0).to(tl.float32)
                 xr = wr[None, :, :] * xr
-            xr = to_output(xr, out_ptr).to(tl.float32)
+            xr = round_as(xr, x_ptr.dtype.element_ty)
         even, odd = tl.split(xr)  # [BLOCK_ROWS, BLOCK_HALF] each
         trig_off = token[:, None].to(tl.int64)
         trig_mask = row_ok[:, None] & pair_ok[None, :]
@@ -131,7 +133,8 @@ def norm_rope_rows(
         cos = cos.to(tl.float32)
         sin = sin.to(tl.float32)
         rotated = tl.join(even * cos - odd * sin, odd * cos + even * sin)
-        tl.store(out_row[:, None, None] + offs, to_output(rotated, out_ptr), mask=mask)
+        tl.store(out_row[:, None, None] + offs, to_cache(rotated, out_ptr, x_ptr.dtype.element_ty),
+                 mask=mask)  # fmt: skip
 
 
 @triton.jit
@@ -344,8 +347,12 @@ def kv_insert(
     its window slot, and the compressor's raw rows copied into their state slots."""
     t, channels = kv.shape
     half = cos.shape[-1]
-    if swa.dtype != kv.dtype or (rows is not None and (state is None or state.dtype != rows.dtype)):
-        raise ValueError("kv_insert: the caches must have the dtype of the rows written")
+    if (swa.dtype != kv.dtype and not is_fp8(swa)) or (
+        rows is not None and (state is None or state.dtype != rows.dtype)
+    ):
+        raise ValueError(
+            "kv_insert: the caches must have the dtype of the rows written (swa: or e4m3)"
+        )
     if swa.dim() != 2 or swa.shape[1] < channels or swa.stride(1) != 1:
         raise ValueError(f"kv_insert: swa must be [N, >= {channels}] rows, got {swa.shape}")
     if tuple(cos.shape) != (t, half) or tuple(sin.shape) != (t, half) or 2 * half > channels:
@@ -376,7 +383,7 @@ def kv_insert(
         weight.contiguous(),
         cos,
         sin,
-        swa,
+        as_codes(swa),  # fp8: the codes of the reference's cast
         swa_slots,
         rows if rows is not None else kv,
         state if state is not None else kv,

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from rackserve.ops.triton.common import round_as
+from rackserve.ops.triton.fp8 import widen
 from rackserve.ops.triton.sparse_attn import check_inputs
 
 _PV_MODES = {"rows": 0, "split": 1, "fp16": 2}
@@ -106,10 +107,11 @@ def paged_sparse_attention(
     """``ops.reference.paged_sparse_attention`` in one launch, tiled for many queries.
 
     q: [S, H, Dh] (fp32/bf16/fp16); kv_a: [Na, >= Dh], kv_b: [Nb, >= Dh] cache views in
-    q's dtype with unit column stride; slots_a: [S, Wa], slots_b: [S, Wb] int32/int64 (Wb
-    may be 0); valid: [S, Wa + Wb] bool (invalid rows are never read); sinks: [H]; cos,
-    sin: [S, R/2] or None (the inverse RoPE of the output's last R channels). Fastest when
-    each query's valid rows form one run (a prefill's always do); any mask is correct.
+    q's dtype or both float8 e4m3 (widened in registers), unit column stride; slots_a:
+    [S, Wa], slots_b: [S, Wb] int32/int64 (Wb may be 0); valid: [S, Wa + Wb] bool (invalid
+    rows are never read); sinks: [H]; cos, sin: [S, R/2] or None (the inverse RoPE of the
+    output's last R channels). Fastest when each query's valid rows form one run (a
+    prefill's always do); any mask is correct.
     Returns [S, H, Dh] in q's dtype.
     """
     check_inputs(q, kv_a, slots_a, kv_b, slots_b, valid, sinks, cos, sin)  # same contract
@@ -253,6 +255,7 @@ def prefill_attn_kernel(
         )
         kv_mask = ok[:, None] & col_ok[None, :]
         kv = tl.load(row_ptr[:, None] + cols[None, :], mask=kv_mask, other=0.0)
+        kv = widen(kv, q_ptr.dtype.element_ty)  # fp8 rows: upcast in registers
         if FP32_DOTS:
             scores = tl.dot(q, tl.trans(kv.to(tl.float32)), input_precision="ieee")
         else:
@@ -271,6 +274,7 @@ def prefill_attn_kernel(
         else:  # this program's output columns of the same rows (L2 hits)
             v_mask = ok[:, None] & dv_ok[None, :]
             v = tl.load(row_ptr[:, None] + dv_cols[None, :], mask=v_mask, other=0.0)
+            v = widen(v, q_ptr.dtype.element_ty)
         acc = acc * alpha[:, None]
         if FP32_DOTS:  # p (and v) rounded as on the tensor-core path
             if PV == 2:

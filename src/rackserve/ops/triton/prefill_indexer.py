@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rackserve.ops.triton.fp8 import widen
 from rackserve.ops.triton.indexer import check_inputs, topk_packed
 
 
@@ -232,6 +233,7 @@ def prefill_indexer_logits_kernel(
                 mask=(e < max_visible)[:, None] & dim_ok[None, :],
                 other=0.0,
             )
+            keys = widen(keys, q_ptr.dtype.element_ty)  # fp8 keys: upcast in registers
             if DOT_FP32:
                 dot = tl.dot(keys.to(tl.float32), qt, input_precision="ieee")
             else:
@@ -246,6 +248,7 @@ def prefill_indexer_logits_kernel(
                     mask=vis_j[:, None] & dim_ok[None, :],
                     other=0.0,
                 )
+                keys_j = widen(keys_j, q_ptr.dtype.element_ty)
                 if DOT_FP32:
                     dot_j = tl.dot(keys_j.to(tl.float32), qt, input_precision="ieee")
                 else:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from rackserve.ops.triton.fp8 import FP8_KV_DTYPE
 from rackserve.ops.triton.sparse_attn_kernels import sparse_attn_combine_kernel, sparse_attn_kernel
 from rackserve.ops.triton.sparse_attn_wide_kernels import (
     sparse_attn_wide_kernel,
@@ -152,11 +153,13 @@ def check_inputs(
     if q.dim() != 3 or q.dtype not in _DTYPES:
         raise ValueError(f"q must be [S, H, Dh] in {_DTYPES}, got {tuple(q.shape)} {q.dtype}")
     s, h, dh = q.shape
+    # the caches hold q's dtype, or both e4m3 (--kv-cache-dtype fp8: widened in registers)
+    kv_dtype = FP8_KV_DTYPE if kv_a.dtype == FP8_KV_DTYPE else q.dtype
     for name, kv in (("kv_a", kv_a), ("kv_b", kv_b)):
-        if kv.dim() != 2 or kv.shape[1] < dh or kv.dtype != q.dtype:
+        if kv.dim() != 2 or kv.shape[1] < dh or kv.dtype != kv_dtype:
             raise ValueError(
-                f"{name} must be [N, >= {dh}] {q.dtype} (rows by slot), "
-                f"got {tuple(kv.shape)} {kv.dtype}"
+                f"{name} must be [N, >= {dh}] {kv_dtype} (rows by slot; both caches in "
+                f"q's dtype or both float8_e4m3fn), got {tuple(kv.shape)} {kv.dtype}"
             )
         if kv.stride(1) != 1 and kv.shape[1] > 1:
             raise ValueError(f"{name} must have unit column stride, got strides {kv.stride()}")
@@ -205,7 +208,8 @@ def paged_sparse_attention(
     """Fused ``ops.reference.paged_sparse_attention``: one launch, two with splits.
 
     q: [S, H, Dh] (fp32/bf16/fp16); kv_a: [Na, >= Dh], kv_b: [Nb, >= Dh] cache views in q's
-    dtype with unit column stride (any row stride; only the first Dh columns are read);
+    dtype or both float8 e4m3 (1 byte per value read, widened to q's dtype in registers)
+    with unit column stride (any row stride; only the first Dh columns are read);
     slots_a: [S, Wa], slots_b: [S, Wb] int32/int64 (Wb may be 0); valid: [S, Wa + Wb] bool
     (invalid rows are never read: their slots may hold anything); sinks: [H]; cos, sin:
     [S, R/2] or None (the inverse RoPE of the output's last R channels). Returns [S, H, Dh]

@@ -32,6 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from rackserve.ops.triton.fp8 import widen
 from rackserve.ops.triton.mhc_kernels import to_output
 
 
@@ -49,10 +50,10 @@ def _round_to(x, dtype: tl.constexpr):
 @triton.jit
 def _load_tile(n0, row_end, s, valid_ptr, stride_vs, slots_a_ptr, stride_sa, slots_b_ptr,
                stride_sb, kv_a_ptr, stride_a, kv_b_ptr, stride_b, width_a, cols, col_ok,
-               BLOCK_N: tl.constexpr):  # fmt: skip
+               BLOCK_N: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
     """Rows n0 .. n0 + BLOCK_N - 1 (< row_end) of query s: (valid [BLOCK_N], row pointers,
-    rows [BLOCK_N, BLOCK_D]). Invalid rows are masked before the load: they read as 0
-    whatever their slot holds (garbage, NaN, or outside the cache)."""
+    rows [BLOCK_N, BLOCK_D] in DTYPE, fp8 rows widened). Invalid rows are masked before the
+    load: they read as 0 whatever their slot holds (garbage, NaN, or outside the cache)."""
     rows = n0 + tl.arange(0, BLOCK_N)
     in_range = rows < row_end
     ok = tl.load(valid_ptr + s * stride_vs + rows, mask=in_range, other=0) != 0
@@ -64,7 +65,7 @@ def _load_tile(n0, row_end, s, valid_ptr, stride_vs, slots_a_ptr, stride_sa, slo
         in_a, kv_a_ptr + slot_a.to(tl.int64) * stride_a, kv_b_ptr + slot_b.to(tl.int64) * stride_b
     )
     kv = tl.load(row_ptr[:, None] + cols[None, :], mask=ok[:, None] & col_ok[None, :], other=0.0)
-    return ok, row_ptr, kv
+    return ok, row_ptr, widen(kv, DTYPE)
 
 
 @triton.jit
@@ -172,6 +173,7 @@ def sparse_attn_kernel(
             cols,
             col_ok,
             BLOCK_N,
+            q_ptr.dtype.element_ty,
         )
     for n0 in tl.range(row0, row_end, BLOCK_N, num_stages=NUM_STAGES):
         if PREFETCH:
@@ -194,6 +196,7 @@ def sparse_attn_kernel(
                 cols,
                 col_ok,
                 BLOCK_N,
+                q_ptr.dtype.element_ty,
             )
         else:
             ok, row_ptr, kv = _load_tile(
@@ -214,6 +217,7 @@ def sparse_attn_kernel(
                 cols,
                 col_ok,
                 BLOCK_N,
+                q_ptr.dtype.element_ty,
             )
         if FP32_DOTS:
             scores = tl.dot(q, tl.trans(kv.to(tl.float32)), input_precision="ieee")
@@ -229,7 +233,8 @@ def sparse_attn_kernel(
             v = kv
         else:  # this program's output columns of the same rows (cache hits)
             v_ptrs = row_ptr[:, None] + dv_cols[None, :]
-            v = tl.load(v_ptrs, mask=ok[:, None] & dv_ok[None, :], other=0.0)
+            v = widen(tl.load(v_ptrs, mask=ok[:, None] & dv_ok[None, :], other=0.0),
+                       q_ptr.dtype.element_ty)  # fmt: skip
         acc = acc * alpha[:, None]
         if FP32_DOTS:  # p rounded to the rows' dtype as on the tensor-core path
             v32 = v.to(tl.float32)

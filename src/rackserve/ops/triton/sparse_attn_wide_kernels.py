@@ -25,6 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from rackserve.ops.triton.fp8 import widen
 from rackserve.ops.triton.mhc_kernels import to_output
 from rackserve.ops.triton.sparse_attn_kernels import _inverse_rope, _round_to
 
@@ -151,6 +152,8 @@ def sparse_attn_wide_kernel(
                         other=0.0)  # fmt: skip
         k_oth = tl.load(row_ptr[:, None] + oth[None, :], mask=ok[:, None] & oth_ok[None, :],
                         other=0.0)  # fmt: skip
+        k_own = widen(k_own, q_ptr.dtype.element_ty)  # fp8 rows: upcast in registers
+        k_oth = widen(k_oth, q_ptr.dtype.element_ty)
         if FP32_DOTS:
             scores = tl.dot(q_own, tl.trans(k_own.to(tl.float32)), input_precision="ieee")
             scores = tl.dot(q_oth, tl.trans(k_oth.to(tl.float32)), scores, input_precision="ieee")
@@ -276,6 +279,7 @@ def sparse_attn_wide_t_kernel(
         )
         kv = tl.load(row_ptr[:, None] + cols[None, :], mask=ok[:, None] & col_ok[None, :],
                      other=0.0)  # fmt: skip
+        kv = widen(kv, q_ptr.dtype.element_ty)  # fp8 rows: upcast in registers
         if FP32_DOTS:
             scores = tl.dot(kv.to(tl.float32), q_t, input_precision="ieee")
         else:
