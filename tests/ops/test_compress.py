@@ -162,7 +162,8 @@ def test_compress_entries_matches_reference(seed, ratio, overlap, widths, n, dty
     dst = args[3][real]
     assert not got[dst].isnan().any(), "unwritten entries"
     untouched = torch.ones(got.shape[0], dtype=torch.bool, device=got.device)
-    untouched[args[3]] = False
+    untouched[dst] = False
+    # the null slot is skipped (no reads for the padded candidates of a graph step)
     assert got[untouched].isnan().all(), "wrote outside the dst slots"
     if dtype == torch.float32:
         rel = (got[dst] - ref[dst]).abs().max() / ref[dst].abs().max()

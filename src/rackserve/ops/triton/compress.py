@@ -62,6 +62,10 @@ def _compress_kernel(
     BLOCK_R: tl.constexpr,
 ):
     w = tl.program_id(0)
+    # DST: straight into the entry cache; slot 0 (the null block) takes the candidates whose
+    # window does not close this step (a captured graph launches them all): read nothing
+    row = tl.load(dst_ptr + w).to(tl.int64) if DST else w.to(tl.int64)
+    live = row != 0 if DST else row >= 0
     if tl.program_id(1) == 0:
         ape_ptr, norm_ptr, col, C, out_col = ape0_ptr, norm0_ptr, col0, width0, out_col0
     else:
@@ -81,7 +85,7 @@ def _compress_kernel(
         j = j0 + tl.arange(0, BLOCK_R)
         j_ok = j < SPAN
         slot = tl.load(src_ptr + w * SPAN + j, mask=j_ok, other=0)
-        exists = j_ok
+        exists = j_ok & live
         if HAS_MISSING:
             gone = tl.load(missing_ptr + w * SPAN + j, mask=j_ok, other=1)
             exists = exists & (gone == 0)
@@ -128,11 +132,10 @@ def _compress_kernel(
     sin = round_as(tl.sin(angle) * rope_scale, OUT_DTYPE)
     o_e = tl.where(is_rope, n_e * cos - n_o * sin, n_e)
     o_o = tl.where(is_rope, n_o * cos + n_e * sin, n_o)
-    # DST: straight into the entry cache
-    row = tl.load(dst_ptr + w).to(tl.int64) if DST else w.to(tl.int64)
     out = out_ptr + row * out_stride + out_col + even
-    tl.store(out, to_cache(o_e, out_ptr, OUT_DTYPE), mask=h_ok)  # fp8 entries: e4m3 codes
-    tl.store(out + 1, to_cache(o_o, out_ptr, OUT_DTYPE), mask=h_ok)
+    keep = h_ok & live
+    tl.store(out, to_cache(o_e, out_ptr, OUT_DTYPE), mask=keep)  # fp8 entries: e4m3 codes
+    tl.store(out + 1, to_cache(o_o, out_ptr, OUT_DTYPE), mask=keep)
 
 
 def compress_pool(
