@@ -9,6 +9,7 @@ instead of re-reading every request's SamplingParams.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -57,9 +58,13 @@ class InputBatch:
         eos_token_ids: tuple[int, ...],
         device: torch.device | str,
         seed: int = 0,
+        ring_widths: Mapping[str, int] | None = None,
     ) -> None:
-        """`seed` draws the noise seeds of random requests that bring none."""
-        self.block_tables = BlockTables(group_block_tokens, max_num_reqs, max_model_len)
+        """`seed` draws the noise seeds of random requests that bring none. `ring_widths`:
+        the sliding groups' block-table rings (inputs.ring_widths; None: linear tables)."""
+        self.block_tables = BlockTables(
+            group_block_tokens, max_num_reqs, max_model_len, ring_widths
+        )
         self.sampling_params = SamplingParamTable(max_num_reqs, vocab_size)
         self.requests: dict[str, RunnerRequest] = {}
         self.vocab_size = vocab_size
