@@ -8,8 +8,10 @@ the same blocks, only the table indirection differs, so logits must be bitwise e
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +20,7 @@ import torch
 
 from rackserve.config import (
     CacheConfig,
+    DisaggConfig,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
@@ -27,9 +30,12 @@ from rackserve.engine.core import EngineCore
 from rackserve.engine.outputs import EngineCoreRequest
 from rackserve.kv.spec import CacheGroupSpec, cache_groups_for, plan_num_blocks
 from rackserve.model.create import create_checkpoint
+from rackserve.model.generate import ContiguousCache, generate_tokens
+from rackserve.model.loader import load_model
 from rackserve.model.presets import tiny_config, v4_flash_config
-from rackserve.request import SamplingParams
+from rackserve.request import KVTransferParams, SamplingParams
 from rackserve.runner.inputs import BlockTables, ring_widths, table_widths
+from rackserve.spec_decode.proposer import spec_cache_groups
 
 MAX_STEP = 40  # max_num_batched_tokens: chunks wider than the tiny model's window (16)
 
@@ -133,17 +139,19 @@ def _engine(
     kv_tokens: int | None = None,
     max_num_seqs: int = 8,
     speculative: SpecConfig | None = None,
+    kv_transfer: DisaggConfig | None = None,
 ) -> EngineCore:
+    """A CPU engine with 40-token steps; KV: the sliding groups' minimum plus full-history
+    groups for ``kv_tokens`` (default 4 * max_model_len: a small cache builds fast)."""
     cfg = ModelConfig.from_pretrained(model_dir)
-    kv = None
-    if kv_tokens is not None:  # sliding minimum + full-history groups for ~kv_tokens
-        groups = cache_groups_for(cfg, dtype_bytes=4)
-        minimum = plan_num_blocks(groups, 1 << 40, max_num_seqs, MAX_STEP)
-        full = [g for g in groups if not g.is_sliding]
-        kv = int(
-            sum(minimum[g.name] * g.bytes_per_block for g in groups if g.is_sliding)
-            + sum(2 * g.bytes_per_block + kv_tokens * g.bytes_per_token for g in full)
-        )
+    groups = spec_cache_groups(speculative, cfg, dtype_bytes=4)
+    minimum = plan_num_blocks(groups, 1 << 40, max_num_seqs, MAX_STEP)
+    full = [g for g in groups if not g.is_sliding]
+    tokens = 4 * max_model_len if kv_tokens is None else kv_tokens
+    kv = int(
+        sum(minimum[g.name] * g.bytes_per_block for g in groups if g.is_sliding)
+        + sum(2 * g.bytes_per_block + tokens * g.bytes_per_token for g in full)
+    )
     config = EngineConfig(
         model=str(model_dir),
         model_config=cfg,
@@ -153,6 +161,7 @@ def _engine(
         ),
         device="cpu",
         speculative=speculative,
+        kv_transfer=kv_transfer,
     )
     return EngineCore(config, log_stats=False)
 
@@ -172,12 +181,15 @@ def _record_logits(core: EngineCore) -> list[torch.Tensor]:
 
 
 def _run(core: EngineCore, prompts: dict[str, list[int]], params: SamplingParams) -> dict:
+    """Add ``prompts``, step until nothing is left; the output token ids of every request."""
     for req_id, ids in prompts.items():
         core.add_request(EngineCoreRequest(req_id, ids, params, time.time()))
     outputs: dict[str, list[int]] = {req_id: [] for req_id in prompts}
+    deadline = time.monotonic() + 300
     while core.has_unfinished_requests():
+        assert time.monotonic() < deadline, "the engine did not finish in time"
         for out in core.step().outputs:
-            outputs[out.request_id] += out.new_token_ids
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
     return outputs
 
 
@@ -205,26 +217,37 @@ def _ring_vs_linear(
     return ring_core, ring_out
 
 
-def test_long_generation_and_wide_chunks_equal_linear(tiny, monkeypatch):
+@pytest.mark.parametrize(
+    ("lengths", "max_tokens"),
+    [([100, 3], 40), pytest.param([130, 57, 3], 200, marks=pytest.mark.slow)],
+)
+def test_long_generation_and_wide_chunks_equal_linear(tiny, monkeypatch, lengths, max_tokens):
     """Prompts chunked 40 tokens a step (window 16) and generations wrapping the 8-column
-    swa ring several times (up to 330 tokens = 41 slots): logits equal linear tables'."""
-    prompts = _prompts([130, 57, 3])
-    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    (64-token) swa ring 2-5 times: logits equal linear tables'."""
+    prompts = _prompts(lengths)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     core, out = _ring_vs_linear(
         monkeypatch, lambda: _engine(tiny), lambda c: _run(c, prompts, params)
     )
     tables = core.runner.input_batch.block_tables
     assert tables.num_cols[tables.names.index("swa")] == 8
-    assert all(len(o) == 200 for o in out.values())
+    assert all(len(o) == max_tokens for o in out.values())
 
 
-def test_prefix_hits_and_preemption_equal_linear(tiny, monkeypatch):
+@pytest.mark.parametrize(
+    ("lengths", "max_tokens", "kv_tokens"),
+    [
+        ([40, 33, 60], 16, 150),
+        pytest.param([70, 45, 90, 33, 64, 100], 60, 300, marks=pytest.mark.slow),
+    ],
+)
+def test_prefix_hits_and_preemption_equal_linear(tiny, monkeypatch, lengths, max_tokens, kv_tokens):
     """Turn 2 of each session (prompt + output + new text) hits the finish checkpoints of
-    turn 1 at 32-token boundaries; a KV budget of ~600 tokens for 6 long requests forces
+    turn 1 at 32-token boundaries; a KV budget too small for all sessions at once forces
     preemptions, resumed through prefix hits. Logits equal linear tables'."""
-    turn1 = _prompts([70, 45, 90, 33, 64, 100], seed=2)
-    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    extra = _prompts([20] * 6, seed=3)
+    turn1 = _prompts(lengths, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    extra = _prompts([12] * len(lengths), seed=3)
 
     def drive(core: EngineCore) -> object:
         out1 = _run(core, turn1, params)
@@ -234,18 +257,102 @@ def test_prefix_hits_and_preemption_equal_linear(tiny, monkeypatch):
         return out1, out2, stats.num_hit_tokens, core.scheduler.num_preemptions
 
     _, (_, _, num_hit, num_preempted) = _ring_vs_linear(
-        monkeypatch, lambda: _engine(tiny, kv_tokens=600), drive
+        monkeypatch, lambda: _engine(tiny, max_model_len=kv_tokens - 40, kv_tokens=kv_tokens), drive
     )
     assert num_hit > 0 and num_preempted > 0
 
 
-def test_mtp_spec_decode_equals_linear(tiny, monkeypatch):
-    """MTP K=3: verify steps of 4 tokens plus drafts written 3 positions ahead (the ring
-    is sized with the lookahead); target and draft logits equal linear tables'."""
-    prompts = _prompts([50, 23], seed=4)
-    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
-    spec = SpecConfig(method="mtp", num_speculative_tokens=3)
+@pytest.mark.parametrize(
+    ("method", "lengths", "max_tokens"),
+    [
+        ("mtp", [30], 24),
+        ("draft_model", [30], 16),
+        pytest.param("mtp", [50, 23], 80, marks=pytest.mark.slow),
+    ],
+)
+def test_spec_decode_equals_linear(tiny, monkeypatch, method, lengths, max_tokens):
+    """K=3: verify steps of 4 tokens plus drafts written 3 positions ahead (the rings are
+    sized with the lookahead), by the MTP layer (target's swa ring) or a draft model (its
+    own rings: here the target itself); target and draft logits equal linear tables'."""
+    prompts = _prompts(lengths, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    model = str(tiny) if method == "draft_model" else None
+    spec = SpecConfig(method=method, num_speculative_tokens=3, model=model)
     core, _ = _ring_vs_linear(
         monkeypatch, lambda: _engine(tiny, speculative=spec), lambda c: _run(c, prompts, params)
     )
     assert core.scheduler.spec_stats is not None and core.scheduler.spec_stats.num_drafts > 0
+    if method == "draft_model":
+        tables = core.runner.input_batch.block_tables
+        assert tables.is_ring[tables.names.index("draft_swa")]
+
+
+def test_pd_export_import_equals_linear(tiny, monkeypatch):
+    """P/D over TCP: the prefill side exports each request's blocks (block ids, not table
+    columns), the decode side imports them into its own blocks and decodes on ring tables;
+    the decode side's logits equal linear tables'. One request: loads finish on a thread,
+    so two requests could batch differently from run to run (other bits, same tokens)."""
+    prompts = _prompts([60], seed=5)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def make() -> EngineCore:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        producer = _engine(tiny, kv_transfer=DisaggConfig("kv_producer", "tcp", kv_port=port))
+        consumer = _engine(tiny, kv_transfer=DisaggConfig("kv_consumer", "tcp"))
+        consumer.producer = producer  # for drive(); both share the patched ring width
+        return consumer
+
+    def drive(consumer: EngineCore) -> object:
+        producer = consumer.producer
+        try:
+            for req_id, ids in prompts.items():  # the router's first step: prefill only
+                kv = KVTransferParams(do_remote_decode=True, transfer_id=req_id)
+                p = replace(params, max_tokens=1, kv_transfer_params=kv)
+                producer.add_request(EngineCoreRequest(req_id, ids, p, time.time()))
+            _run(producer, {}, params)
+            host, port = producer.kv_connector.server.address
+            for req_id, ids in prompts.items():  # then decode, pulling the KV
+                kv = KVTransferParams(
+                    do_remote_prefill=True, transfer_id=req_id, remote_host=host, remote_port=port
+                )
+                p = replace(params, kv_transfer_params=kv)
+                consumer.add_request(EngineCoreRequest(req_id, ids, p, time.time()))
+            return _run(consumer, {}, params), consumer.kv_connector.num_loads
+        finally:
+            producer.shutdown()
+            consumer.shutdown()
+
+    _, (out, num_loads) = _ring_vs_linear(monkeypatch, make, drive)
+    assert num_loads == len(prompts) and all(len(o) == 12 for o in out.values())
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "max_tokens"), [(9, 30), pytest.param(20, 120, marks=pytest.mark.slow)]
+)
+def test_generate_tokens_rings_equal_linear(tiny, monkeypatch, prompt_len, max_tokens):
+    """model/generate.py: one request's private sliding blocks are a ring as wide as its
+    prompt step needs (9 tokens: 4 blocks, 32 tokens), wrapped by the generation; logits
+    equal a linear ContiguousCache's."""
+    model = load_model(tiny)
+    assert ContiguousCache(model, 1, 90, max_step_tokens=9).block_tables["swa"].shape == (1, 4)
+    prompt = _prompts([prompt_len], seed=6)["r0"]
+    runs = []
+    for linear in (False, True):
+        with monkeypatch.context() as patch:
+            if linear:
+                patch.setattr(CacheGroupSpec, "ring_blocks", lambda self, n: 1 << 30)
+            calls: list[torch.Tensor] = []
+            compute = model.compute_logits
+
+            def recorded(hidden, calls=calls, compute=compute):
+                calls.append(compute(hidden))
+                return calls[-1]
+
+            patch.setattr(model, "compute_logits", recorded)
+            tokens = generate_tokens(model, prompt, max_tokens)
+        runs.append((tokens, calls))
+    (ring_tokens, ring_logits), (linear_tokens, linear_logits) = runs
+    assert ring_tokens == linear_tokens and len(ring_logits) == max_tokens
+    assert all(torch.equal(a, b) for a, b in zip(ring_logits, linear_logits, strict=True))
