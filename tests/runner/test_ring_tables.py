@@ -34,6 +34,7 @@ from rackserve.model.generate import ContiguousCache, generate_tokens
 from rackserve.model.loader import load_model
 from rackserve.model.presets import tiny_config, v4_flash_config
 from rackserve.request import KVTransferParams, SamplingParams
+from rackserve.runner import model_runner
 from rackserve.runner.inputs import BlockTables, ring_widths, table_widths
 from rackserve.spec_decode.proposer import spec_cache_groups
 
@@ -140,6 +141,7 @@ def _engine(
     max_num_seqs: int = 8,
     speculative: SpecConfig | None = None,
     kv_transfer: DisaggConfig | None = None,
+    device: str = "cpu",
 ) -> EngineCore:
     """A CPU engine with 40-token steps; KV: the sliding groups' minimum plus full-history
     groups for ``kv_tokens`` (default 4 * max_model_len: a small cache builds fast)."""
@@ -159,24 +161,30 @@ def _engine(
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=MAX_STEP, max_model_len=max_model_len
         ),
-        device="cpu",
+        device=device,
         speculative=speculative,
         kv_transfer=kv_transfer,
     )
     return EngineCore(config, log_stats=False)
 
 
-def _record_logits(core: EngineCore) -> list[torch.Tensor]:
-    """Every compute_logits output of the core's model (target and MTP drafts), in order."""
+def _record_logits(core: EngineCore, patch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+    """Every logits tensor the core samples from (eager steps and CUDA-graph replays) and
+    every compute_logits output of its model outside a graph (MTP drafts too), in order."""
     model, calls = core.runner.model, []
-    compute = model.compute_logits
+    compute, sample = model.compute_logits, model_runner.sample
 
-    def recorded(hidden: torch.Tensor) -> torch.Tensor:
+    def computed(hidden: torch.Tensor) -> torch.Tensor:
         out = compute(hidden)
         calls.append(out.detach().clone())
         return out
 
-    model.compute_logits = recorded
+    def sampled(logits: torch.Tensor, *args, **kwargs):
+        calls.append(logits.detach().clone())
+        return sample(logits, *args, **kwargs)
+
+    patch.setattr(model, "compute_logits", computed)
+    patch.setattr(model_runner, "sample", sampled)
     return calls
 
 
@@ -204,11 +212,11 @@ def _ring_vs_linear(
             if linear:
                 patch.setattr(CacheGroupSpec, "ring_blocks", lambda self, n: 1 << 30)
             core = make()
-        tables = core.runner.input_batch.block_tables
-        swa = tables.names.index("swa")
-        assert tables.is_ring[swa] != linear  # the ring engine really wraps its tables
-        logits = _record_logits(core)
-        results.append((core, drive(core), logits))
+            tables = core.runner.input_batch.block_tables
+            swa = tables.names.index("swa")
+            assert tables.is_ring[swa] != linear  # the ring engine really wraps its tables
+            logits = _record_logits(core, patch)
+            results.append((core, drive(core), logits))
     (ring_core, ring_out, ring_logits), (_, linear_out, linear_logits) = results
     assert ring_out == linear_out
     assert len(ring_logits) == len(linear_logits) > 0
@@ -218,16 +226,23 @@ def _ring_vs_linear(
 
 
 @pytest.mark.parametrize(
-    ("lengths", "max_tokens"),
-    [([100, 3], 40), pytest.param([130, 57, 3], 200, marks=pytest.mark.slow)],
+    ("lengths", "max_tokens", "device"),
+    [
+        ([100, 3], 40, "cpu"),
+        pytest.param([130, 57, 3], 200, "cpu", marks=pytest.mark.slow),
+        # decode steps replay CUDA graphs: the ring indexing is captured
+        pytest.param([130, 57, 3], 200, "cuda", marks=pytest.mark.gpu),
+    ],
 )
-def test_long_generation_and_wide_chunks_equal_linear(tiny, monkeypatch, lengths, max_tokens):
+def test_long_generation_and_wide_chunks_equal_linear(
+    tiny, monkeypatch, lengths, max_tokens, device
+):
     """Prompts chunked 40 tokens a step (window 16) and generations wrapping the 8-column
     (64-token) swa ring 2-5 times: logits equal linear tables'."""
     prompts = _prompts(lengths)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     core, out = _ring_vs_linear(
-        monkeypatch, lambda: _engine(tiny), lambda c: _run(c, prompts, params)
+        monkeypatch, lambda: _engine(tiny, device=device), lambda c: _run(c, prompts, params)
     )
     tables = core.runner.input_batch.block_tables
     assert tables.num_cols[tables.names.index("swa")] == 8
