@@ -27,7 +27,12 @@ from rackserve.config import (
     SpecConfig,
 )
 from rackserve.engine.core import EngineCore
-from rackserve.engine.outputs import EngineCoreRequest
+from rackserve.engine.outputs import (
+    CachedRequestData,
+    EngineCoreRequest,
+    NewRequestData,
+    SchedulerOutput,
+)
 from rackserve.kv.spec import CacheGroupSpec, cache_groups_for, plan_num_blocks
 from rackserve.model.create import create_checkpoint
 from rackserve.model.generate import ContiguousCache, generate_tokens
@@ -35,6 +40,7 @@ from rackserve.model.loader import load_model
 from rackserve.model.presets import tiny_config, v4_flash_config
 from rackserve.request import KVTransferParams, SamplingParams
 from rackserve.runner import model_runner
+from rackserve.runner.input_batch import InputBatch
 from rackserve.runner.inputs import BlockTables, ring_widths, table_widths
 from rackserve.spec_decode.proposer import spec_cache_groups
 
@@ -99,6 +105,24 @@ def test_block_tables_ring_writes_and_replay():
     replay()
     with pytest.raises(ValueError, match="unknown groups"):
         BlockTables({"swa": 4}, 2, 64, ring_widths={"nope": 3})
+
+
+def test_step_past_the_ring_bound_is_refused():
+    """A request scheduled more tokens in one step than the rings were sized for would
+    alias its own slots: the runner's batch refuses it with a message, not bad logits."""
+    batch = InputBatch(
+        {"swa": 4}, 2, 64, 100, (1,), "cpu", ring_widths={"swa": 3}, max_step_tokens=6
+    )
+    params = SamplingParams(temperature=0, max_tokens=1)
+
+    def step(n: int) -> SchedulerOutput:
+        new = NewRequestData("a", list(range(10, 10 + n)), n, params, ([1, 2],), 0)
+        return SchedulerOutput([new], CachedRequestData(), {"a": n}, n)
+
+    assert batch.prepare(step(6)) is not None
+    batch.update(SchedulerOutput([], CachedRequestData(), {}, 0, finished_req_ids={"a"}))
+    with pytest.raises(ValueError, match="at most 6"):
+        batch.prepare(step(7))
 
 
 def test_sliding_tables_do_not_grow_with_max_model_len():

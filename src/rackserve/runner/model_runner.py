@@ -68,6 +68,7 @@ class ModelRunner:
             self.device,
             seed,  # draws the noise seeds of unseeded random requests
             ring_widths(groups, max_step_tokens + lookahead),
+            max_step_tokens,
         )
         target_groups = [g for g in groups if not g.name.startswith(DRAFT_PREFIX)]
         self.buffers = StepBuffers(target_groups, self.input_batch.block_tables, self.device)
