@@ -21,7 +21,7 @@ timeout 150 "${rs[@]}" bench forward "${FLASH[@]}" --batch decode:1@4096 --batch
   --batch decode:256@4096 --batch decode:64@65536 --batch prefill:8192@65536 \
   --output "$OUT/forward_ring.json" 2>&1 | grep -E "^(decode|prefill)|Error|error" | tail -8
 echo "== GPU tests through the runner's device tables"
-timeout 300 python3 -m pytest -q -x -p no:cacheprovider -m "gpu or not gpu" \
+timeout 300 python3 -m pytest -q -x -p no:cacheprovider -m "gpu or not slow" \
   tests/runner/test_ring_tables.py tests/runner/test_cuda_graph.py \
   tests/model/test_gpu_fastpath.py 2>&1 | tee "$OUT/pytest.log" \
   | grep -E "passed|failed|FAILED|Error" | tail -12

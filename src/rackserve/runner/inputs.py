@@ -145,11 +145,6 @@ class BlockTables:
         self.flat_offsets = np.cumsum([0] + [(max_num_reqs + 1) * c for c in self.num_cols])
         self._writes: list[tuple[int, int, int, list[int]]] = []  # (group, row, slot, ids)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the flat (device) copy of every table, the null row included."""
-        return int(self.flat_offsets[-1]) * 8
-
     def add(self, req_id: str, block_ids: tuple[list[int], ...]) -> int:
         row = self._free_rows.pop()
         self.row_of[req_id] = row
