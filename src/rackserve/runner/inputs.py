@@ -143,7 +143,14 @@ class BlockTables:
         # where group g's [rows, cols] table starts in the flat layout (rows: max_num_reqs
         # + 1, the last one a null row that padded rows of a CUDA graph point to)
         self.flat_offsets = np.cumsum([0] + [(max_num_reqs + 1) * c for c in self.num_cols])
-        self._writes: list[tuple[int, int, int, list[int]]] = []  # (group, row, slot, ids)
+        # per group, for append() (runs per request per step): Python ints and lists
+        self._lengths = [self.lengths[name] for name in self.names]
+        self._shape = list(zip(self.is_ring, self.num_cols, strict=True))
+        self._flat_base = [int(o) for o in self.flat_offsets[:-1]]
+        self._has_ring = any(self.is_ring)
+        # writes since the last drain_writes(), in order: flat index, block id
+        self._write_index: list[int] = []
+        self._write_values: list[int] = []
 
     def add(self, req_id: str, block_ids: tuple[list[int], ...]) -> int:
         row = self._free_rows.pop()
@@ -155,27 +162,32 @@ class BlockTables:
 
     def append(self, req_id: str, new_block_ids: tuple[list[int], ...]) -> None:
         row = self.row_of[req_id]
-        for g, (name, table, ids) in enumerate(
-            zip(self.names, self._np_tables, new_block_ids, strict=True)
-        ):
-            if not ids:
+        if len(new_block_ids) != len(self._shape):
+            raise ValueError(f"{len(new_block_ids)} groups of block ids, tables have {self.names}")
+        write_index, write_values = self._write_index, self._write_values
+        for g, ids in enumerate(new_block_ids):
+            if not ids:  # most groups, most steps
                 continue
-            lengths = self.lengths[name]
+            table, lengths, ring, cols = self._np_tables[g], self._lengths[g], *self._shape[g]
             start = lengths[row]
             lengths[row] = start + len(ids)
-            if self.is_ring[g]:
-                cols = self.num_cols[g]
+            base = self._flat_base[g] + row * cols
+            if len(ids) == 1:  # a decode step's new page: scalar writes cost far less
+                col = start % cols if ring else start
+                table[row, col] = ids[0]
+                write_index.append(base + col)
+                write_values.append(ids[0])
+                continue
+            if ring:
                 if len(ids) > cols:  # slots before the last R left the window: not written
                     start, ids = start + len(ids) - cols, ids[-cols:]
-                if len(ids) == 1:
-                    table[row, start % cols] = ids[0]
-                else:
-                    table[row, (start + np.arange(len(ids))) % cols] = ids
-            elif len(ids) == 1:  # a decode step's new page: a scalar write costs far less
-                table[row, start] = ids[0]
+                columns = [(start + k) % cols for k in range(len(ids))]
+                table[row, columns] = ids
+                write_index.extend([base + c for c in columns])
             else:
                 table[row, start : start + len(ids)] = ids
-            self._writes.append((g, row, start, ids))
+                write_index.extend(range(base + start, base + start + len(ids)))
+            write_values.extend(ids)
 
     def remove(self, req_id: str) -> None:
         row = self.row_of.pop(req_id, None)
@@ -187,25 +199,18 @@ class BlockTables:
 
         Indices are unique (a device scatter with repeated indices keeps an arbitrary
         value): where two writes hit one ring column, the later one stands."""
-        if not self._writes:
+        if not self._write_index:
             return _EMPTY, _EMPTY
-        writes = self._writes
-        # one append writes distinct columns; only a row appended twice can repeat one
-        repeats = len({(g, row) for g, row, _, _ in writes}) < len(writes)
-        index, values = [], []
-        for g, row, slot, ids in writes:
-            cols = np.arange(slot, slot + len(ids), dtype=np.int64)
-            if self.is_ring[g]:
-                cols %= self.num_cols[g]
-            index.append(self.flat_offsets[g] + row * self.num_cols[g] + cols)
-            values.append(np.asarray(ids, dtype=np.int64))
-        writes.clear()
-        flat_index, flat_values = np.concatenate(index), np.concatenate(values)
-        if repeats:
+        index = np.array(self._write_index, dtype=np.int64)
+        values = np.array(self._write_values, dtype=np.int64)
+        self._write_index.clear()
+        self._write_values.clear()
+        if self._has_ring and len(index) > 1:
             # the last write of every index: unique over the reversed order
-            flat_index, last = np.unique(flat_index[::-1], return_index=True)
-            flat_values = flat_values[::-1][last]
-        return flat_index, flat_values
+            unique, last = np.unique(index[::-1], return_index=True)
+            if len(unique) < len(index):
+                index, values = unique, values[::-1][last]
+        return index, values
 
 
 def table_widths(
