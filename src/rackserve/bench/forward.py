@@ -27,6 +27,7 @@ from rackserve.planner.opcost import OpCost
 from rackserve.request import SamplingParams
 from rackserve.runner.cuda_graph import DecodeGraphs
 from rackserve.runner.input_batch import InputBatch, PreparedStep
+from rackserve.runner.inputs import ring_widths
 from rackserve.runner.step_buffers import StepBuffers
 
 _BATCH = re.compile(r"^(prefill|decode):(\d+)(?:@(\d+))?(?:x(\d+))?$")
@@ -135,6 +136,8 @@ def synthetic_step(
         cfg.vocab_size,
         cfg.eos_token_id,
         device,
+        # sliding groups as rings, as the runner builds them (its step bound: this step)
+        ring_widths=ring_widths(groups, max(n for n, _ in shapes)),
     )
     step = input_batch.prepare(sched)
     assert step is not None

@@ -184,6 +184,7 @@ class EngineCore:
             grammar_compiler=self.grammar_compiler,
             kv_cache_dtype=kv_cache_dtype(config.cache.kv_cache_dtype, device),
             speculative=spec,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
         )
         self.offload = build_offloader(cache, kv, self.runner.caches, dtype)
         self.kv_events = KVEvents(kv, cache.kv_events_endpoint, self.offload, self.groups.rank)

@@ -93,6 +93,24 @@ class CacheGroupSpec:
         assert self.window is not None, f"{self.name} is not a sliding group"
         return (slot + 1) * self.block_tokens + self.window - 1
 
+    def ring_blocks(self, max_step_tokens: int) -> int:
+        """Sliding groups: the width R of the group's block-table ring, the most table slots
+        one request uses within one step of at most ``max_step_tokens`` new positions (the
+        scheduled tokens plus any lookahead a drafter writes past them)::
+
+            positions  [ L-W+1 ....... L)[ L ............. L+n )      n <= max_step_tokens
+            slots        first_live_slot(L) ........ (L+n-1) // block_tokens
+                         <------------------- at most R slots ------------------->
+
+        Slot j lives in ring column ``j % R``: the slots of one step are distinct columns,
+        and a slot's column is only reused once it has left every later query's window.
+        Independent of max_model_len. (Bound: floor(a/T) - floor(b/T) <= ceil((a-b)/T).)
+        """
+        assert self.window is not None, f"{self.name} is not a sliding group"
+        if max_step_tokens < 1:
+            raise ValueError(f"max_step_tokens must be >= 1, got {max_step_tokens}")
+        return -(-(self.window + max_step_tokens - 2) // self.block_tokens) + 1
+
     @property
     def max_blocks_per_request(self) -> int | None:
         """Sliding groups: blocks a request holds between steps (rows [L-W+1, L) plus the

@@ -3,9 +3,11 @@ metadata (a flat batch of R requests with T new tokens in all, never a padded [B
 
 Paging: every cache group (see ``rackserve.kv.spec``) has one tensor per layer,
 ``[num_blocks, block_tokens // ratio, entry_width]``, and one block table per request.
-Block-table entry i of a request covers token positions [i * block_tokens, (i+1) *
-block_tokens): positions are absolute, so a sliding group's table starts with placeholder
-ids for positions that fell out of the window (never read). Block 0 is the null block:
+Block-table slot i of a request covers token positions [i * block_tokens, (i+1) *
+block_tokens), absolute. A full-history group's table is linear (slot i in column i); a
+sliding group's table is a ring of R columns (slot i in column i % R, R from
+``CacheGroupSpec.ring_blocks``): the slots a step reads or writes never share a column, and
+older slots, out of the window, are never read. Block 0 is the null block:
 padded tokens of a CUDA-graph batch write there, and nothing reads it as data.
 
 Everything in :class:`StepMetadata` is a device tensor except a few host ints that fix
@@ -25,15 +27,21 @@ from rackserve.kv.spec import CacheGroupSpec
 
 
 def paged_slots(
-    block_tables: torch.Tensor, per_block: int, req: torch.Tensor, index: torch.Tensor
+    block_tables: torch.Tensor,
+    per_block: int,
+    req: torch.Tensor,
+    index: torch.Tensor,
+    ring: bool = False,
 ) -> torch.Tensor:
-    """Slots of entries ``index`` of requests ``req`` (broadcast together).
+    """Cache slots of entries ``index`` (>= 0) of requests ``req`` (broadcast together).
 
     block_tables: [R, C] (this step's rows); index: token positions for ratio-1 groups,
-    entry ids otherwise (``per_block`` entries a block). Columns past the table are clamped:
-    callers mask such entries, and the clamp keeps the read inside the cache.
+    entry ids otherwise (``per_block`` entries a block). ``ring``: the table is a ring of C
+    columns (sliding groups), table slot j in column j % C. Linear tables clamp columns past
+    the table: callers mask such entries, and the clamp keeps the read inside the cache.
     """
-    col = (index // per_block).clamp_(max=block_tables.shape[1] - 1)
+    col = index // per_block
+    col = col % block_tables.shape[1] if ring else col.clamp_(max=block_tables.shape[1] - 1)
     return block_tables[req, col] * per_block + index % per_block
 
 
@@ -127,12 +135,15 @@ class StepMetadata:
     ) -> StepMetadata:
         """Derive every index of the step (device ops only: safe inside a graph).
 
-        block_tables: group -> [R, C] rows of this step's requests; closing: ratio -> [n]
+        block_tables: group -> [R, C] rows of this step's requests (sliding groups: rings
+        of C columns, see :func:`paged_slots`); closing: ratio -> [n]
         the tokens that may close a window (eager steps: exactly those with
         (pos + 1) % r == 0; graphs: every token, the rest is masked here).
         """
         slot_mapping = {
-            g.name: paged_slots(block_tables[g.name], g.block_tokens, token_req, positions)
+            g.name: paged_slots(
+                block_tables[g.name], g.block_tokens, token_req, positions, g.is_sliding
+            )
             for g in groups
             if g.ratio == 1
         }
@@ -144,7 +155,9 @@ class StepMetadata:
                 window = positions[:, None] - torch.arange(
                     g.window - 1, -1, -1, device=positions.device
                 )
-                slots = paged_slots(table, per_block, token_req[:, None], window.clamp(min=0))
+                slots = paged_slots(
+                    table, per_block, token_req[:, None], window.clamp(min=0), ring=True
+                )
                 gather[g.name] = Gather(slots, window >= 0)
             elif g.ratio > 1:
                 num_entries = max_seq_len // g.ratio
@@ -181,7 +194,11 @@ def _compression(
     entry = ((pos + 1) // r - 1).clamp_(min=0)
     window_pos = (entry * r - (span - r))[:, None] + torch.arange(span, device=pos.device)
     src = paged_slots(
-        block_tables[state.name], state.entries_per_block, req[:, None], window_pos.clamp(min=0)
+        block_tables[state.name],
+        state.entries_per_block,
+        req[:, None],
+        window_pos.clamp(min=0),
+        ring=True,  # state groups are sliding
     )
     dst = paged_slots(block_tables[entries.name], entries.entries_per_block, req, entry)
     missing = window_pos < 0 if span > r else None

@@ -19,13 +19,27 @@ from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 
 
 class ContiguousCache:
-    """Every request owns a private run of blocks long enough for ``max_len`` tokens."""
+    """Every request owns a private run of blocks long enough for ``max_len`` tokens; a
+    sliding group's run is a ring of ``ring_blocks(max_step_tokens)`` blocks (slot j in
+    block j % R, as the runner's tables), so it does not grow with ``max_len``."""
 
-    def __init__(self, model: DeepseekV4ForCausalLM, num_reqs: int, max_len: int) -> None:
+    def __init__(
+        self,
+        model: DeepseekV4ForCausalLM,
+        num_reqs: int,
+        max_len: int,
+        max_step_tokens: int | None = None,
+    ) -> None:
+        """``max_step_tokens``: the most new tokens of one request in one :meth:`batch`
+        (None: ``max_len``, any chunking)."""
         self.groups = cache_groups_for(model.cfg, num_mtp_layers=len(model.mtp))
         device = next(model.parameters()).device
         dtype = model.head.weight.dtype
-        per_req = {g.name: -(-max_len // g.block_tokens) for g in self.groups}
+        step = max_len if max_step_tokens is None else max_step_tokens
+        per_req = {}
+        for g in self.groups:
+            linear = -(-max_len // g.block_tokens)
+            per_req[g.name] = min(linear, g.ring_blocks(step)) if g.is_sliding else linear
         # block 0 is the null block of the paged pools; keep the same convention here
         self.tensors = KVCacheTensors(
             self.groups, {n: 1 + num_reqs * b for n, b in per_req.items()}, dtype, device
@@ -65,7 +79,10 @@ def generate_tokens(
 ) -> list[int]:
     """Greedy (temperature 0) or sampled generation for one prompt."""
     device = next(model.parameters()).device
-    cache = ContiguousCache(model, 1, len(prompt_ids) + max_new_tokens)
+    # the prompt is one step, then one token a step: sliding groups need a ring that wide
+    cache = ContiguousCache(
+        model, 1, len(prompt_ids) + max_new_tokens, max_step_tokens=max(len(prompt_ids), 1)
+    )
     gen = torch.Generator(device=device)
     if seed is not None:
         gen.manual_seed(seed)

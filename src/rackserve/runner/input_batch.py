@@ -9,6 +9,7 @@ instead of re-reading every request's SamplingParams.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -57,9 +58,17 @@ class InputBatch:
         eos_token_ids: tuple[int, ...],
         device: torch.device | str,
         seed: int = 0,
+        ring_widths: Mapping[str, int] | None = None,
+        max_step_tokens: int | None = None,
     ) -> None:
-        """`seed` draws the noise seeds of random requests that bring none."""
-        self.block_tables = BlockTables(group_block_tokens, max_num_reqs, max_model_len)
+        """`seed` draws the noise seeds of random requests that bring none. `ring_widths`:
+        the sliding groups' block-table rings (inputs.ring_widths; None: linear tables),
+        sized for steps of at most `max_step_tokens` tokens per request (drafts included;
+        a step past it raises, as its slots would share ring columns)."""
+        self.block_tables = BlockTables(
+            group_block_tokens, max_num_reqs, max_model_len, ring_widths
+        )
+        self.max_step_tokens = max_step_tokens
         self.sampling_params = SamplingParamTable(max_num_reqs, vocab_size)
         self.requests: dict[str, RunnerRequest] = {}
         self.vocab_size = vocab_size
@@ -128,6 +137,14 @@ class InputBatch:
             rows = list(map(self.block_tables.row_of.__getitem__, req_ids))
             token_ids = [r.token_ids for r in reqs]
             self._last = req_ids, reqs, rows, token_ids
+        limit = self.max_step_tokens
+        if limit is not None and sched.total_num_scheduled_tokens > limit:  # else none can be
+            worst = max(sched.num_scheduled_tokens.values())
+            if worst > limit:
+                raise ValueError(
+                    f"a request was scheduled {worst} tokens in one step; the block-table "
+                    f"rings hold steps of at most {limit} (max_num_batched_tokens)"
+                )
         spec = sched.scheduled_spec_decode_tokens
         num_drafts = None
         if spec:

@@ -13,11 +13,13 @@ It needs logits (for sampling) only when the step reaches its last known token.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from rackserve.kv.spec import CacheGroupSpec
 
 
 @dataclass(frozen=True)
@@ -100,18 +102,37 @@ class BlockTables:
     """Persistent per-group block tables: one row per running request, appended in place
     from the scheduler's deltas (so a step never rebuilds them).
 
+    A full-history group's row is linear: slot j (token positions [j*T, (j+1)*T)) is column
+    j, ``ceil(max_len / T) + 1`` columns. A sliding group named in ``ring_widths`` keeps
+    only its last R slots: slot j lives in column ``j % R`` (``CacheGroupSpec.ring_blocks``
+    sizes R so that one step's slots never share a column), so its width does not grow
+    with max_len::
+
+        slots    0  1  2  3  4  5  6  7  8      (R = 4; slots 0-4 left the window)
+        columns  0  1  2  3  0  1  2  3  0      row: [8, 5, 6, 7]
+
     Every write is also queued (:meth:`drain_writes`) as (flat index, block id) pairs into
     the layout of one flat buffer holding every group's table, row-major, group after group
     (:attr:`flat_offsets`): the runner replays them into its device copy, so a step moves a
     few bytes instead of whole tables.
     """
 
-    def __init__(self, group_block_tokens: dict[str, int], max_num_reqs: int, max_len: int):
+    def __init__(
+        self,
+        group_block_tokens: dict[str, int],
+        max_num_reqs: int,
+        max_len: int,
+        ring_widths: Mapping[str, int] | None = None,
+    ):
+        """``ring_widths``: sliding group -> R (:func:`ring_widths`); others are linear."""
         self.names = list(group_block_tokens)
         self.max_num_reqs = max_num_reqs
+        widths = table_widths(group_block_tokens, max_len, ring_widths)
+        self.num_cols = [cols for cols, _ in widths]
+        self.is_ring = [ring for _, ring in widths]
         self.tables = {
-            name: torch.zeros(max_num_reqs, -(-max_len // bt) + 1, dtype=torch.int64)
-            for name, bt in group_block_tokens.items()
+            name: torch.zeros(max_num_reqs, cols, dtype=torch.int64)
+            for name, cols in zip(self.names, self.num_cols, strict=True)
         }
         # numpy views of the same (CPU) memory: writing a few ids through them costs far
         # less than building a torch.tensor per append.
@@ -119,11 +140,17 @@ class BlockTables:
         self.lengths = {name: [0] * max_num_reqs for name in self.names}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.row_of: dict[str, int] = {}
-        self.num_cols = [t.shape[1] for t in self._np_tables]
         # where group g's [rows, cols] table starts in the flat layout (rows: max_num_reqs
         # + 1, the last one a null row that padded rows of a CUDA graph point to)
         self.flat_offsets = np.cumsum([0] + [(max_num_reqs + 1) * c for c in self.num_cols])
-        self._writes: list[tuple[int, int, int, list[int]]] = []  # (group, row, col, ids)
+        # per group, for append() (runs per request per step): Python ints and lists
+        self._lengths = [self.lengths[name] for name in self.names]
+        self._shape = list(zip(self.is_ring, self.num_cols, strict=True))
+        self._flat_base = [int(o) for o in self.flat_offsets[:-1]]
+        self._has_ring = any(self.is_ring)
+        # writes since the last drain_writes(), in order: flat index, block id
+        self._write_index: list[int] = []
+        self._write_values: list[int] = []
 
     def add(self, req_id: str, block_ids: tuple[list[int], ...]) -> int:
         row = self._free_rows.pop()
@@ -135,18 +162,32 @@ class BlockTables:
 
     def append(self, req_id: str, new_block_ids: tuple[list[int], ...]) -> None:
         row = self.row_of[req_id]
-        for g, (name, table, ids) in enumerate(
-            zip(self.names, self._np_tables, new_block_ids, strict=True)
-        ):
-            if ids:
-                lengths = self.lengths[name]
-                start = lengths[row]
-                if len(ids) == 1:  # a decode step's new page: a scalar write costs far less
-                    table[row, start] = ids[0]
-                else:
-                    table[row, start : start + len(ids)] = ids
-                lengths[row] = start + len(ids)
-                self._writes.append((g, row, start, ids))
+        if len(new_block_ids) != len(self._shape):
+            raise ValueError(f"{len(new_block_ids)} groups of block ids, tables have {self.names}")
+        write_index, write_values = self._write_index, self._write_values
+        for g, ids in enumerate(new_block_ids):
+            if not ids:  # most groups, most steps
+                continue
+            table, lengths, ring, cols = self._np_tables[g], self._lengths[g], *self._shape[g]
+            start = lengths[row]
+            lengths[row] = start + len(ids)
+            base = self._flat_base[g] + row * cols
+            if len(ids) == 1:  # a decode step's new page: scalar writes cost far less
+                col = start % cols if ring else start
+                table[row, col] = ids[0]
+                write_index.append(base + col)
+                write_values.append(ids[0])
+                continue
+            if ring:
+                if len(ids) > cols:  # slots before the last R left the window: not written
+                    start, ids = start + len(ids) - cols, ids[-cols:]
+                columns = [(start + k) % cols for k in range(len(ids))]
+                table[row, columns] = ids
+                write_index.extend([base + c for c in columns])
+            else:
+                table[row, start : start + len(ids)] = ids
+                write_index.extend(range(base + start, base + start + len(ids)))
+            write_values.extend(ids)
 
     def remove(self, req_id: str) -> None:
         row = self.row_of.pop(req_id, None)
@@ -154,16 +195,47 @@ class BlockTables:
             self._free_rows.append(row)
 
     def drain_writes(self) -> tuple[np.ndarray, np.ndarray]:
-        """The writes since the last call: flat indices [n] and block ids [n] (int64)."""
-        if not self._writes:
+        """The writes since the last call: flat indices [n] and block ids [n] (int64).
+
+        Indices are unique (a device scatter with repeated indices keeps an arbitrary
+        value): where two writes hit one ring column, the later one stands."""
+        if not self._write_index:
             return _EMPTY, _EMPTY
-        index, values = [], []
-        for g, row, col, ids in self._writes:
-            first = self.flat_offsets[g] + row * self.num_cols[g] + col
-            index.append(np.arange(first, first + len(ids), dtype=np.int64))
-            values.append(np.asarray(ids, dtype=np.int64))
-        self._writes.clear()
-        return np.concatenate(index), np.concatenate(values)
+        index = np.array(self._write_index, dtype=np.int64)
+        values = np.array(self._write_values, dtype=np.int64)
+        self._write_index.clear()
+        self._write_values.clear()
+        if self._has_ring and len(index) > 1:
+            # the last write of every index: unique over the reversed order
+            unique, last = np.unique(index[::-1], return_index=True)
+            if len(unique) < len(index):
+                index, values = unique, values[::-1][last]
+        return index, values
+
+
+def table_widths(
+    group_block_tokens: Mapping[str, int],
+    max_len: int,
+    ring_widths: Mapping[str, int] | None = None,
+) -> list[tuple[int, bool]]:
+    """(columns, is a ring) of every group's block table, in ``group_block_tokens`` order:
+    linear ``ceil(max_len / block_tokens) + 1``, or the group's ring width where one is
+    given and narrower (a ring at least as wide as the linear table would never wrap)."""
+    rings = dict(ring_widths or {})
+    if unknown := set(rings) - set(group_block_tokens):
+        raise ValueError(f"ring_widths names unknown groups {sorted(unknown)}")
+    widths = []
+    for name, block_tokens in group_block_tokens.items():
+        linear = -(-max_len // block_tokens) + 1
+        ring = name in rings and rings[name] < linear
+        widths.append((rings[name] if ring else linear, ring))
+    return widths
+
+
+def ring_widths(groups: Sequence[CacheGroupSpec], max_step_tokens: int) -> dict[str, int]:
+    """Sliding group -> the width R of its block-table ring for steps of at most
+    ``max_step_tokens`` new positions per request (scheduled tokens + lookahead)."""
+    return {g.name: g.ring_blocks(max_step_tokens) for g in groups if g.is_sliding}
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)

@@ -21,7 +21,7 @@ from rackserve.model.batch import KVCacheTensors
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 from rackserve.runner.cuda_graph import DecodeGraphs, context_buckets, graph_batch_sizes
 from rackserve.runner.input_batch import InputBatch, PreparedStep, RunnerRequest
-from rackserve.runner.inputs import StepInputs
+from rackserve.runner.inputs import StepInputs, ring_widths
 from rackserve.runner.logits_processors import apply_logits_processors
 from rackserve.runner.sampler import SamplerOutput, sample
 from rackserve.runner.step_buffers import StepBuffers
@@ -53,18 +53,22 @@ class ModelRunner:
         grammar_compiler: GrammarCompiler | None = None,
         kv_cache_dtype: torch.dtype | None = None,
         speculative: SpecConfig | None = None,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         """``grammar_compiler``: compiles structured-output grammars (None: requests with
         ``structured_outputs`` are not expected; the engine core refuses them).
         ``kv_cache_dtype``: the KV groups' storage (None: the model dtype).
         ``speculative``: the drafter (``groups`` then holds its cache groups too, in the KV
-        manager's order; see spec_decode/proposer.py)."""
+        manager's order; see spec_decode/proposer.py). ``max_num_batched_tokens``: the most
+        tokens one request gets in a step (None: max_model_len); it sizes the sliding
+        groups' block-table rings."""
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = model.head.weight.dtype
         self.caches = KVCacheTensors(groups, num_blocks, self.dtype, self.device, kv_cache_dtype)
         # the chained drafts write up to K positions past a step's tokens (lookahead)
         lookahead = 0 if speculative is None else 2 * speculative.num_speculative_tokens + 1
+        max_step_tokens = min(max_num_batched_tokens or max_model_len, max_model_len)
         self.input_batch = InputBatch(
             {g.name: g.block_tokens for g in groups},
             max_num_reqs,
@@ -73,6 +77,8 @@ class ModelRunner:
             eos_token_ids,
             self.device,
             seed,  # draws the noise seeds of unseeded random requests
+            ring_widths(groups, max_step_tokens + lookahead),
+            max_step_tokens,
         )
         target_groups = [g for g in groups if not g.name.startswith(DRAFT_PREFIX)]
         self.buffers = StepBuffers(target_groups, self.input_batch.block_tables, self.device)
