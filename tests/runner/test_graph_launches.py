@@ -100,8 +100,11 @@ def _random_step(seed: int):
         positions[-num_pad:] = 0
     tables = {}
     for grp in groups:
-        # short tables now and then: paged_slots clamps columns past the end
+        # short tables now and then: paged_slots clamps columns past the end of a linear
+        # table and wraps around a sliding group's ring
         cols = max(1, -(-bucket // grp.block_tokens) - (seed % 2))
+        if grp.is_sliding and seed % 3:  # a ring narrower than the bucket: columns wrap
+            cols = min(cols, 2 + seed % 4)
         table = torch.randint(1, 1000, (max_reqs + 1, cols), generator=g)
         table[null_row] = 0
         tables[grp.name] = table

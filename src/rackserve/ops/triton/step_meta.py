@@ -9,8 +9,9 @@ most of the difference between the graph's 227 kernels and the eager forward's 1
 (``KIND`` picks what it derives), reading the block tables in place through the requests'
 table rows: 7 launches for the v4-flash groups, one per group and compression plan.
 
-The slot rule is ``model.batch.paged_slots``'s: ``table[row, min(i // per_block, cols - 1)]
-* per_block + i % per_block`` on a clamped, non-negative index i. A test compares every
+The slot rule is ``model.batch.paged_slots``'s: ``table[row, c] * per_block + i % per_block``
+for a non-negative index i, with c = (i // per_block) % cols in a sliding group's ring and
+min(i // per_block, cols - 1) in a linear table. A test compares every
 field with ``StepMetadata.build`` (tests/runner/test_graph_launches.py), so a change of
 that rule shows there.
 
@@ -33,9 +34,11 @@ WINDOW, ENTRIES, COMPRESS = 0, 1, 2  # what one launch derives (the KIND constex
 
 
 @triton.jit
-def _lookup(table_ptr, stride, cols, per_block, row, idx):
-    """Slots of non-negative indices ``idx`` in table row ``row`` (paged_slots' rule)."""
-    col = tl.minimum(idx // per_block, cols - 1)
+def _lookup(table_ptr, stride, cols, per_block, row, idx, RING: tl.constexpr):
+    """Slots of non-negative indices ``idx`` in table row ``row`` (paged_slots' rule:
+    ``RING``, a sliding group's ring of ``cols`` columns; else a clamped linear table)."""
+    col = idx // per_block
+    col = col % cols if RING else tl.minimum(col, cols - 1)
     block = tl.load(table_ptr + row * stride + col)
     return block * per_block + idx % per_block
 
@@ -69,6 +72,7 @@ def _step_meta_kernel(
     STORE_VEC: tl.constexpr,
     HAS_MASK: tl.constexpr,
     BOTH: tl.constexpr,
+    RING: tl.constexpr,  # the first table is a ring (sliding groups); table2 never is
     BLOCK: tl.constexpr,
     BLOCK_W: tl.constexpr,
 ):
@@ -81,13 +85,13 @@ def _step_meta_kernel(
     if KIND == 0:  # window rows pos-W+1 .. pos (M = W; M = 1: the slot mapping)
         idx = pos - (M - 1) + m
         flag = idx >= 0
-        slot = _lookup(table_ptr, stride, cols, per_block, row, tl.maximum(idx, 0))
+        slot = _lookup(table_ptr, stride, cols, per_block, row, tl.maximum(idx, 0), RING)
         if STORE_VEC:
             tl.store(vec_ptr + t + m * 0, slot, mask=m_ok & (m == M - 1))
     elif KIND == 1:  # entries 0 .. M-1, visible once pos >= ratio * e + ratio - 1
         visible = (pos + 1) // ratio
         flag = m < visible
-        slot = _lookup(table_ptr, stride, cols, per_block, row, m)
+        slot = _lookup(table_ptr, stride, cols, per_block, row, m, RING)
         if first:
             tl.store(vec_ptr + t, visible)
         if BOTH:
@@ -100,12 +104,12 @@ def _step_meta_kernel(
         entry = tl.maximum((pos + 1) // ratio - 1, 0)
         idx = entry * ratio - (span - ratio) + m
         flag = idx < 0
-        slot = _lookup(table_ptr, stride, cols, per_block, row, tl.maximum(idx, 0))
+        slot = _lookup(table_ptr, stride, cols, per_block, row, tl.maximum(idx, 0), RING)
         if first:
             closes = (pos + 1) % ratio == 0
             if HAS_MASK:
                 closes = closes & (tl.load(mask_ptr + t) != 0)
-            dst = _lookup(table2_ptr, stride2, cols2, per_block2, row, entry)
+            dst = _lookup(table2_ptr, stride2, cols2, per_block2, row, entry, False)
             tl.store(vec_ptr + t, tl.where(closes, dst, 0))
             tl.store(vec2_ptr + t, entry * ratio)
     if STORE_SLOTS:
@@ -130,6 +134,7 @@ def _launch(
     flag: bool = True,
     vec: bool = True,
     window: int = 0,
+    ring: bool = False,
 ) -> dict[str, torch.Tensor]:
     """One launch over [T, width]; returns the outputs it wrote (slots, flag, vec, vec2,
     both)."""
@@ -162,6 +167,7 @@ def _launch(
         width, ratio, span,
         KIND=kind, W=window if kind == ENTRIES else width, STORE_SLOTS=slots,
         STORE_FLAG=flag, STORE_VEC=vec, HAS_MASK=mask is not None, BOTH="both" in out,
+        RING=ring,
         BLOCK=block, BLOCK_W=max(2, triton.next_power_of_2(max(window, 1))),
         num_warps=4,
     )  # fmt: skip
@@ -212,11 +218,12 @@ def step_metadata(
 
     for g in groups:
         if g.name == "swa":
-            out = _launch(WINDOW, g.window, *common, table(g))
+            out = _launch(WINDOW, g.window, *common, table(g), ring=True)
             gather[g.name] = Gather(out["slots"], out["flag"])
             slot_mapping[g.name] = out["vec"]
         elif g.ratio == 1:
-            out = _launch(WINDOW, 1, *common, table(g), flag=False, vec=False)
+            out = _launch(WINDOW, 1, *common, table(g), flag=False, vec=False,
+                          ring=g.is_sliding)  # fmt: skip
             slot_mapping[g.name] = out["slots"].view(-1)
         else:
             num_entries = max_seq_len // g.ratio
@@ -230,7 +237,7 @@ def step_metadata(
             span = state.window
             assert span is not None
             out = _launch(COMPRESS, span, *common, table(state), table2=table(g), ratio=g.ratio,
-                          span=span, flag=span > g.ratio)  # fmt: skip
+                          span=span, flag=span > g.ratio, ring=True)  # fmt: skip
             compression[g.name] = Compression(
                 out["slots"], out.get("flag"), out["vec"], out["vec2"]
             )
