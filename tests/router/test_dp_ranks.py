@@ -10,6 +10,7 @@ import socket
 import time
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from rackserve.kv.events import BlockStored, KVEventPublisher, rank_endpoint
@@ -42,6 +43,12 @@ def test_candidates_expand_per_rank_and_a_prefix_returns_to_its_rank():
     assert [e.headers for e in pool.engines] == [{}, {RANK: "0"}, {RANK: "1"}]
     assert pool.set_dp_size("http://b", 2) == []  # known: nothing added
     assert len(pool.index.device) == 3  # the index grew with the candidates
+    with pytest.raises(ValueError, match="must be >= 1"):
+        pool.set_dp_size("http://b", 0)
+    with pytest.raises(ValueError, match="not one of"):
+        pool.set_dp_size("http://c", 2)
+    with pytest.raises(ValueError, match="repeat"):
+        EnginePool(["http://a", "http://a/"], "engine", "kv-aware")
 
     # Three new sessions spread over the three candidates; each later turn (the prompt
     # extended) goes back to the candidate that holds its prefix, whatever the rotation.

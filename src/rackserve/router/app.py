@@ -10,10 +10,10 @@ P/D mode (``--prefill`` + ``--decode``), the two steps of vLLM's disaggregated p
                prompt's KV came from)
 
 With ``--overlap-transfer`` the two steps start together once the router knows the prefill
-engine's KV address (learned from its earlier answers; not for DP prefill engines, whose
-rank, and so port, is known only afterwards): the decode side's streaming pull then
-receives each block while the prefill computes the next chunks (disagg/streaming.py) and
-learns the prefill side's hit at the end of the pull.
+candidate's KV address (learned from its earlier answers; a DP prefill engine's rank r,
+pinned by the router, serves on kv_port + r, so each rank candidate learns its own): the
+decode side's streaming pull then receives each block while the prefill computes the next
+chunks (disagg/streaming.py) and learns the prefill side's hit at the end of the pull.
 
 ``usage.prompt_tokens_details.cached_tokens`` of a P/D request is the rule one aggregated
 engine that served the same requests would follow: prompt tokens found in a prefix cache,
@@ -247,7 +247,7 @@ class Router:
         if url not in self.kv_addresses:
             self.kv_addresses[url] = (host, port)
         elif self.kv_addresses[url] != (host, port):
-            self.kv_addresses[url] = None  # DP ranks: the port is known only afterwards
+            self.kv_addresses[url] = None  # unpinned DP ranks: the port varies
 
     async def _overlapped(
         self,

@@ -88,6 +88,8 @@ class EnginePool:
     ) -> None:
         if not urls:
             raise ValueError(f"no {role} engine URLs given")
+        if len({url.rstrip("/") for url in urls}) != len(urls):
+            raise ValueError(f"{role} engine URLs repeat: {urls} (a DP engine is listed once)")
         self.engines = [Engine(url.rstrip("/"), role) for url in urls]
         self.role = role
         self.policy = policy
@@ -141,7 +143,7 @@ class EnginePool:
         self.dp_sizes[url] = size
         ranks = [e for e in self.engines if e.url == url]
         if not ranks:
-            raise ValueError(f"{url} is not a {self.role} engine of this router")
+            raise ValueError(f"{url} is not one of the router's {self.role} URLs")
         for engine in ranks:
             engine.retired = engine.rank is not None and engine.rank >= size
             engine.up = engine.up and not engine.retired
