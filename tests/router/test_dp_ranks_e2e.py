@@ -1,9 +1,10 @@
 """A real ``rackserve serve --data-parallel-size 2`` behind ``rackserve router`` on loopback
-(tiny model, CPU): the router learns the two ranks, spreads new sessions over them, sends a
-session's next turn to the rank that holds its prefix (the engine reports the hit: the
-ranks' caches are separate, so the other rank would report none), and the outputs at
-temperature 0 equal a direct request's. ~15 s on 2 busy cores (unmarked: under the 20 s
-line); the pure and fake-engine forms: test_dp_ranks.py."""
+(tiny model, CPU), the router reading the engine's KV events: it learns the two ranks,
+subscribes to each rank's events (rank r on the endpoint's port + r), spreads new sessions
+over the ranks, sends a session's next turn to the rank that holds its prefix (the engine
+reports the hit: the ranks' caches are separate, so the other rank would report none), and
+the outputs at temperature 0 equal a direct request's. ~17 s on 2 busy cores (unmarked:
+under the 20 s line); the pure and fake-engine forms: test_dp_ranks.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from router_utils import running, start_engine, start_router
+from router_utils import free_port, running, start_engine, start_router
 
 BLOCK_TOKENS = 32  # the tiny model's anchor block (test_kv_events_routing.py)
 
@@ -35,8 +36,14 @@ def complete(base: str, prompt: str, headers: dict[str, str] | None = None) -> h
 
 
 def test_dp2_engine_sessions_return_to_their_rank(tiny, tmp_path):
-    engine = start_engine(tiny, tmp_path, "--data-parallel-size", "2")
-    router = start_router(tmp_path, "--engines", engine.url, "--policy", "kv-aware")
+    events = f"tcp://127.0.0.1:{free_port()}"  # rank 1 publishes on the next port
+    engine = start_engine(
+        tiny, tmp_path, "--data-parallel-size", "2", "--kv-events-endpoint", events
+    )
+    router = start_router(
+        tmp_path, "--engines", engine.url, "--policy", "kv-aware", "--kv-events", events,
+        "--model", str(tiny),
+    )  # fmt: skip
     with running(engine, router):
         assert httpx.get(f"{engine.url}/server_info").json() == {"data_parallel_size": 2}
         deadline = time.monotonic() + 30
@@ -52,6 +59,7 @@ def test_dp2_engine_sessions_return_to_their_rank(tiny, tmp_path):
             data = r.json()
             first[s] = (r.headers["X-Routed-Rank"], data["choices"][0]["text"], data["usage"])
         assert {rank for rank, _, _ in first.values()} == {"0", "1"}  # new sessions spread
+        time.sleep(1.0)  # the ranks' KV events reach the router
 
         # the control first: the other rank does not hold a session (a misrouted turn misses)
         rank, text, usage = first[0]
@@ -68,3 +76,13 @@ def test_dp2_engine_sessions_return_to_their_rank(tiny, tmp_path):
             assert cached >= usage["prompt_tokens"] // BLOCK_TOKENS * BLOCK_TOKENS > 0
             direct = complete(engine.url, second)  # the engine alone picks a rank
             assert r.json()["choices"][0]["text"] == direct.json()["choices"][0]["text"]
+        # the router expected those hits: both ranks' events arrived (without rank 1's, its
+        # sessions would have looked uncached to the router and landed by rotation)
+        expected = sum(
+            u["prompt_tokens"] // BLOCK_TOKENS * BLOCK_TOKENS for *_, u in first.values()
+        )
+        metrics = httpx.get(f"{router.url}/metrics").text
+        line = next(
+            x for x in metrics.splitlines() if x.startswith("rackserve_router_expected_hit")
+        )
+        assert float(line.split()[-1]) >= expected > 0
