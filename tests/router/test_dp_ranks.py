@@ -140,6 +140,8 @@ async def router_scenario() -> None:
             timeout = aiohttp.ClientTimeout(total=2)
             assert await fetch_dp_size(session, a.url, timeout) == 1  # 404: one candidate
             assert await fetch_dp_size(session, b.url, timeout) == 2
+            nobody = f"http://127.0.0.1:{free_port()}"
+            assert await fetch_dp_size(session, nobody, timeout) is None  # asked again later
             for _ in range(200):  # the health loop learns the sizes
                 if len(pool.engines) == 3:
                     break
