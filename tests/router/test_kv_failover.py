@@ -57,6 +57,10 @@ class FakeEngine:
                     writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
                     await writer.drain()
                     continue
+                if lines[0].startswith("GET "):  # e.g. the router's /server_info: none here
+                    writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+                    await writer.drain()
+                    continue
                 self.num_requests += 1
                 if self.hold and body.get("prompt") == "hold":
                     await asyncio.Event().wait()  # until killed

@@ -52,6 +52,8 @@ def test_models_health_version_metrics(server: Server, client: openai.OpenAI) ->
     assert model.id == MODEL_NAME
     assert httpx.get(f"{server.base_url}/health").status_code == 200
     assert httpx.get(f"{server.base_url}/version").json()["version"]
+    # open like /version (the router reads it without the key); DP 1 here
+    assert httpx.get(f"{server.base_url}/server_info").json() == {"data_parallel_size": 1}
     text = httpx.get(f"{server.base_url}/metrics").text
     for name in (
         "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",

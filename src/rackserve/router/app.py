@@ -10,10 +10,10 @@ P/D mode (``--prefill`` + ``--decode``), the two steps of vLLM's disaggregated p
                prompt's KV came from)
 
 With ``--overlap-transfer`` the two steps start together once the router knows the prefill
-engine's KV address (learned from its earlier answers; not for DP prefill engines, whose
-rank, and so port, is known only afterwards): the decode side's streaming pull then
-receives each block while the prefill computes the next chunks (disagg/streaming.py) and
-learns the prefill side's hit at the end of the pull.
+candidate's KV address (learned from its earlier answers; a DP prefill engine's rank r,
+pinned by the router, serves on kv_port + r, so each rank candidate learns its own): the
+decode side's streaming pull then receives each block while the prefill computes the next
+chunks (disagg/streaming.py) and learns the prefill side's hit at the end of the pull.
 
 ``usage.prompt_tokens_details.cached_tokens`` of a P/D request is the rule one aggregated
 engine that served the same requests would follow: prompt tokens found in a prefix cache,
@@ -25,6 +25,9 @@ pulled from the prefill side are not counted: they were computed for this reques
 decode side counts them, which makes every P/D request look cached to a client billing by
 it). A request the decode side recomputes (prefill down, failed transfer) reports its own hit.
 tests/router/test_pd_e2e.py checks equality over agent turns, repeats, extensions and n=2.
+
+Data parallelism: an engine of DP size N is N candidates (router/engines.py); a request sent
+to rank r carries ``X-data-parallel-rank: r`` and its response ``X-Routed-Rank: r``.
 
 Fault tolerance: an engine that cannot be reached (or answers 503) before a response has
 started is marked down and the request is retried on another; a prefill side that is all
@@ -149,7 +152,7 @@ class Router:
             for pool in self.pools:
                 await pool.check_health(self.session, self.settings.health_timeout_s)
                 for engine in pool.engines:
-                    self.up.labels(engine.url, pool.role).set(1 if engine.up else 0)
+                    self.up.labels(engine.label, pool.role).set(1 if engine.up else 0)
             await asyncio.sleep(self.settings.health_interval_s)
 
     async def health(self, request: web.Request) -> web.Response:
@@ -213,10 +216,11 @@ class Router:
                 break
             tried.add(choice.index)
             self.prefill.start(choice, session)
-            self.requests.labels(choice.engine.url, "prefill").inc()
+            self.requests.labels(choice.engine.label, "prefill").inc()
             try:
                 url = f"{choice.engine.url}{path}"
-                async with self.session.post(url, json=first, headers=headers) as upstream:
+                send_headers = {**headers, **choice.engine.headers}
+                async with self.session.post(url, json=first, headers=send_headers) as upstream:
                     if upstream.status in RETRY_STATUSES:
                         raise NotStarted(f"HTTP {upstream.status}")
                     payload = await upstream.json(content_type=None)
@@ -231,18 +235,19 @@ class Router:
             params = payload.get("kv_transfer_params") if isinstance(payload, dict) else None
             if not isinstance(params, dict):
                 return "decode", body
-            self._learn(choice.engine.url, params)
-            return f"prefill={choice.engine.url}", dict(body, kv_transfer_params=params)
+            self._learn(choice.engine.label, params)
+            return f"prefill={choice.engine.label}", dict(body, kv_transfer_params=params)
         return "decode (prefill down)", body
 
     def _learn(self, url: str, params: dict[str, Any]) -> None:
+        """``url``: the prefill candidate's label (a DP rank, pinned, keeps its address)."""
         host, port = params.get("remote_host"), params.get("remote_port")
         if not isinstance(host, str) or not isinstance(port, int):
             return
         if url not in self.kv_addresses:
             self.kv_addresses[url] = (host, port)
         elif self.kv_addresses[url] != (host, port):
-            self.kv_addresses[url] = None  # DP ranks: the port is known only afterwards
+            self.kv_addresses[url] = None  # unpinned DP ranks: the port varies
 
     async def _overlapped(
         self,
@@ -262,11 +267,11 @@ class Router:
             choice = self.prefill.choose(first, session, set())
         except ValueError:
             return None
-        address = self.kv_addresses.get(choice.engine.url)
+        address = self.kv_addresses.get(choice.engine.label)
         if address is None:
             return None
         self.prefill.start(choice, session)
-        self.requests.labels(choice.engine.url, "prefill").inc()
+        self.requests.labels(choice.engine.label, "prefill").inc()
         task = asyncio.create_task(self._send_prefill(choice, path, first, headers))
         self._prefills.add(task)
         task.add_done_callback(self._prefills.discard)
@@ -274,7 +279,7 @@ class Router:
             "do_remote_prefill": True, "transfer_id": first["kv_transfer_params"]["transfer_id"],
             "remote_host": address[0], "remote_port": address[1],
         }  # fmt: skip
-        source = f"prefill={choice.engine.url} (overlapped)"
+        source = f"prefill={choice.engine.label} (overlapped)"
         self.kv_sources.labels(source).inc()
         decode_body = dict(body, kv_transfer_params=params)
         return await self._proxy(
@@ -289,13 +294,14 @@ class Router:
         assert self.prefill is not None and self.session is not None
         try:
             url = f"{choice.engine.url}{path}"
-            async with self.session.post(url, json=first, headers=headers) as upstream:
+            send_headers = {**headers, **choice.engine.headers}
+            async with self.session.post(url, json=first, headers=send_headers) as upstream:
                 payload = await upstream.json(content_type=None)
                 if upstream.status in RETRY_STATUSES:
                     raise NotStarted(f"HTTP {upstream.status}")
             params = payload.get("kv_transfer_params") if isinstance(payload, dict) else None
             if isinstance(params, dict):
-                self._learn(choice.engine.url, params)
+                self._learn(choice.engine.label, params)
         except (TimeoutError, aiohttp.ClientError, OSError, NotStarted, ValueError) as e:
             self.prefill.mark_down(choice.index, str(e) or type(e).__name__)
         finally:
@@ -324,13 +330,13 @@ class Router:
                 break
             tried.add(choice.index)
             pool.start(choice, session)
-            self.requests.labels(choice.engine.url, pool.role).inc()
+            self.requests.labels(choice.engine.label, pool.role).inc()
             self.prompt_units.inc(choice.units)
             self.hit_units.inc(choice.hit_units)
             try:
                 return await self._relay(request, choice, path, body, headers, extra_headers)
             except NotStarted as e:
-                last_error = f"{choice.engine.url}: {e}"
+                last_error = f"{choice.engine.label}: {e}"
                 pool.mark_down(choice.index, str(e))
                 self.retries.inc()
             finally:
@@ -350,7 +356,8 @@ class Router:
         assert self.session is not None
         url = f"{choice.engine.url}{path}"
         try:
-            upstream_cm = self.session.post(url, json=body, headers=headers)
+            send_headers = {**headers, **choice.engine.headers}
+            upstream_cm = self.session.post(url, json=body, headers=send_headers)
             upstream = await upstream_cm.__aenter__()
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             raise NotStarted(str(e) or type(e).__name__) from None
@@ -358,6 +365,8 @@ class Router:
             if upstream.status in RETRY_STATUSES:
                 raise NotStarted(f"HTTP {upstream.status}")
             response_headers = {"X-Routed-To": choice.engine.url, **extra_headers}
+            if choice.engine.rank is not None:
+                response_headers["X-Routed-Rank"] = str(choice.engine.rank)
             if not body.get("stream"):
                 try:
                     data = await upstream.read()

@@ -24,7 +24,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", choices=POLICIES, default="kv-aware")
     p.add_argument(
         "--kv-events",
-        help="ZMQ endpoints of the engines' KV events (tcp://h:p,...), in --engines order; "
+        help="ZMQ endpoints of the engines' KV events (tcp://h:p,...), in --engines order "
+        "(a DP engine's rank r publishes on port + r: subscribed once its DP size is known); "
         "without them kv-aware uses the router's own record of what it routed",
     )
     p.add_argument("--model", help="model directory: tokenizer and block sizes (with --kv-events)")
@@ -72,12 +73,28 @@ def build_router(args: argparse.Namespace):
     )  # fmt: skip
     if engines:
         pool = EnginePool(engines, "engine", args.policy, load_weight=args.load_weight, **kwargs)
+        subscribe_ranks(pool, subscriber, events)
         return Router(engines=pool, settings=settings), subscriber
     prefill_pool = EnginePool(
         prefill, "prefill", args.policy, load_weight=args.load_weight, **kwargs
     )
+    subscribe_ranks(prefill_pool, subscriber, events)
     decode_pool = EnginePool(decode, "decode", "least-load")
     return Router(prefill=prefill_pool, decode=decode_pool, settings=settings), subscriber
+
+
+def subscribe_ranks(pool, subscriber, events: list[str]) -> None:
+    """A DP rank candidate the pool learns gets its rank's KV events (kv/events.py)."""
+    from rackserve.kv.events import rank_endpoint
+
+    if subscriber is None:
+        return
+    endpoint_of = dict(zip([e.url for e in pool.engines], events, strict=True))
+
+    def on_new_rank(index: int, url: str, rank: int) -> None:
+        subscriber.add(rank_endpoint(endpoint_of[url], rank), index)
+
+    pool.on_new_rank = on_new_rank
 
 
 def run(args: argparse.Namespace) -> int:

@@ -146,6 +146,15 @@ class KVIndex:
             while len(device) > self.approx_capacity:
                 device.popitem(last=False)
 
+    def grow(self, num_engines: int) -> None:
+        """Room for ``num_engines`` (the DP ranks of an engine, learned after start)."""
+        with self._lock:
+            for _ in range(len(self.device), num_engines):
+                self.device.append(OrderedDict())
+                self.pool.append(set())
+                self.last_seq.append(None)
+                self.engine_ids.append(None)
+
     def forget_engine(self, engine: int) -> None:
         """A restarted engine holds nothing."""
         with self._lock:
@@ -191,7 +200,8 @@ class KVIndex:
 
 
 class EventSubscriber:
-    """A ZMQ SUB thread per router: batches from each engine's endpoint into the index."""
+    """A ZMQ SUB thread per router: batches from each engine's endpoint into the index
+    (endpoint i feeds candidate i; :meth:`add` subscribes a DP rank's endpoint later)."""
 
     def __init__(
         self,
@@ -213,6 +223,8 @@ class EventSubscriber:
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(endpoint)
             self._sockets.append(sock)
+        self._pending: list[tuple[str, int]] = []
+        self._pending_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kv-events", daemon=True)
         self._thread.start()
@@ -225,6 +237,16 @@ class EventSubscriber:
             poller.register(sock, zmq.POLLIN)
         engine_of = {sock: i for i, sock in enumerate(self._sockets)}
         while not self._stop.is_set():
+            with self._pending_lock:
+                pending, self._pending = self._pending, []
+            for endpoint, engine in pending:  # sockets belong to this thread from here
+                sock = self._context.socket(zmq.SUB)
+                sock.setsockopt(zmq.SUBSCRIBE, b"")
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(endpoint)
+                self._sockets.append(sock)
+                poller.register(sock, zmq.POLLIN)
+                engine_of[sock] = engine
             for sock, _ in poller.poll(100):
                 data = sock.recv()
                 try:
@@ -233,6 +255,12 @@ class EventSubscriber:
                     logger.warning("dropped a malformed KV event batch: %s", e)
                     continue
                 self.index.apply(engine_of[sock], batch)
+
+    def add(self, endpoint: str, engine: int) -> None:
+        """Subscribe to ``endpoint`` too, its batches feeding candidate ``engine`` (the
+        thread connects it within a poll interval)."""
+        with self._pending_lock:
+            self._pending.append((endpoint, engine))
 
     def close(self) -> None:
         self._stop.set()

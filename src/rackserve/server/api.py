@@ -293,6 +293,11 @@ def build_app(
     async def version() -> JSONResponse:
         return JSONResponse({"version": rackserve.__version__})
 
+    @app.api_route("/server_info", methods=["GET", "HEAD"])
+    async def server_info() -> JSONResponse:
+        """What a router needs to know: ``X-data-parallel-rank`` takes 0 .. size - 1."""
+        return JSONResponse({"data_parallel_size": client.data_parallel_size})
+
     @app.api_route("/ping", methods=["GET", "HEAD", "POST"])
     async def ping() -> Response:
         """SageMaker's health route, as vLLM serves it: /health's answer."""

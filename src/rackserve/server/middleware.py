@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rackserve.server.serving import ApiError
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping", "/server_info"})
 # Deeper JSON is refused before validation: recursive decoders and validators would
 # otherwise fail with RecursionError (OpenAI request bodies nest a few levels; tool and
 # response-format schemas a few dozen).
