@@ -9,11 +9,7 @@
 set -uo pipefail
 OUT=${OUT:-out/gpu_dep}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/src PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_env.sh"
 export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on the lent machines
 PY=${PYTHON:-python3}
 if [[ " $* " != *" --smoke "* ]]; then

@@ -6,11 +6,7 @@
 set -uo pipefail
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/src PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_env.sh"
 echo "== GPU tests: KV pool"
 timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kv/test_offload.py \
   tests/kv/test_offload_engine.py 2>&1 | tee "$OUT/kvpool_pytest.log" \

@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu_pd}
 mkdir -p "$OUT"
 PY=${PY:-python}
-export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+source benchmarks/device_env.sh  # the carried wheels (msgspec, pyzmq) and src/
 GPUS=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
 echo "GPUs visible: $GPUS"
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpus.csv"

@@ -17,11 +17,7 @@ OUT=${OUT:-out/gpu}
 SMOKE=${SMOKE:-0}
 SECTIONS=${SECTIONS:-tests forward_bf16 forward_fp4 kv_forward kv_bench quant_bench}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_env.sh"
 PY=${PYTHON:-python3}
 RS=("$PY" -c 'import sys; from rackserve.cli import main; sys.exit(main(sys.argv[1:]))')
 if [ "$SMOKE" = 1 ]; then  # CPU: the reference ops / the Triton interpreter, tiny sizes

@@ -10,7 +10,7 @@
 set -uo pipefail
 OUT=${OUT:-out/gpu_spec}
 mkdir -p "$OUT"
-export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/src PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_env.sh"
 RS=(python3 -c 'import sys; from rackserve.cli import main; sys.exit(main(sys.argv[1:]))')
 timeout 300 python3 -m pytest -q -m gpu tests/spec_decode/test_spec_graphs_gpu.py 2>&1 \
   | tail -3 | tee "$OUT/graphs_vs_eager.txt"

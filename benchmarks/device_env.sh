@@ -1,0 +1,8 @@
+# Sourced by the gpu_*.sh scripts on the device: installs the wheels carried in .whl/
+# (scripts/device_wheels.sh: what the device image lacks) into /tmp/site and puts them, the
+# sources and benchmarks/ on PYTHONPATH.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1
