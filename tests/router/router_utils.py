@@ -30,6 +30,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+async def serve_router_app(router) -> tuple[object, str]:
+    """The router's aiohttp app on a free loopback port, in this event loop (fake engines
+    in process): (its AppRunner, to ``cleanup()``; its URL)."""
+    from aiohttp import web
+
+    runner = web.AppRunner(router.build_app())
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
 @dataclass
 class Proc:
     process: subprocess.Popen

@@ -6,7 +6,6 @@ test_dp_ranks_e2e.py (slow)."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import aiohttp
@@ -18,13 +17,9 @@ from rackserve.router.app import Router, RouterSettings
 from rackserve.router.engines import EnginePool, fetch_dp_size
 from rackserve.router.kv_index import EventSubscriber, KVIndex
 
+from router_utils import free_port, serve_router_app
+
 RANK = "X-data-parallel-rank"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def session_prompt(name: str, turns: int) -> str:
@@ -130,11 +125,7 @@ async def router_scenario() -> None:
     await b.start()
     pool = EnginePool([a.url, b.url], "engine", "kv-aware")
     router = Router(engines=pool, settings=RouterSettings(health_interval_s=0.05))
-    runner = web.AppRunner(router.build_app())
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    url = f"http://127.0.0.1:{port}"
+    runner, url = await serve_router_app(router)
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
             timeout = aiohttp.ClientTimeout(total=2)

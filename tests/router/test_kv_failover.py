@@ -9,21 +9,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 
 import aiohttp
-from aiohttp import web
 
 from rackserve.router.app import Router, RouterSettings
 from rackserve.router.engines import EnginePool
 
+from router_utils import free_port, serve_router_app
+
 NUM_CHUNKS, CHUNK_S = 40, 0.05  # a stream lasts 2 s
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FakeEngine:
@@ -99,11 +93,7 @@ async def scenario() -> None:
     pool = EnginePool([e.url for e in engines], "engine", "round-robin")
     # health checks far apart: the requests below meet the dead engine before they do
     router = Router(engines=pool, settings=RouterSettings(health_interval_s=30))
-    runner = web.AppRunner(router.build_app())
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    url = f"http://127.0.0.1:{port}"
+    runner, url = await serve_router_app(router)
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
             # one at a time, so round-robin places them: p0, p2, hold on the victim
