@@ -8,7 +8,6 @@ port is a free loopback port chosen at launch (never a fixed one).
 
 from __future__ import annotations
 
-import os
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -44,11 +43,6 @@ def _worker(
         raise
     finally:
         destroy_distributed()
-    # The result is in the pipe (SimpleQueue.put writes it before returning) and the groups
-    # are gone: skip the interpreter's teardown, where C++ objects left by ``fn`` (an engine
-    # is not shut down by every test) can abort a rank after its work is done (seen once in
-    # CI as "terminate called without an active exception", SIGABRT).
-    os._exit(0)
 
 
 def run_ranks(
