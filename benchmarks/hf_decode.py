@@ -39,7 +39,10 @@ def main() -> None:
     p.add_argument("--output", default=None)
     args = p.parse_args()
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16)
-    model = model.cuda().eval()
+    # transformers 5.17 (the device's) keeps the norms and mHC parameters in fp32 and then
+    # feeds an fp32 norm output to a bf16 linear ("mat1 and mat2 ... float != BFloat16"):
+    # everything in bf16, as the checkpoint stores it
+    model = model.to(torch.bfloat16).cuda().eval()
     vocab = model.config.vocab_size
     results = []
     for b in (int(x) for x in args.batch.split(",")):
