@@ -106,16 +106,20 @@ def test_other_tilings_and_ragged_sizes(fm, dtype, block_m):
     check(fm, make_case(29, 8, 96, 48, 3, seed=block_m, dtype=dtype), tiling)
 
 
-@pytest.mark.parametrize("segment", [16, 4096])
-def test_align_layout(fm, segment):
+@pytest.mark.parametrize(
+    "segment, per_expert", [(16, False), (4096, False), (16, True), (4096, None)]
+)
+def test_align_layout(fm, segment, per_expert):
     """Each expert's run holds its pairs in order, padded with P to a multiple of BM;
     block_expert names each block's expert and E past the used blocks; ids outside
-    [0, E) go nowhere."""
+    [0, E) go nowhere. Segmented (several or one program) and one program per expert;
+    one expert's pairs span several chunks of the per-expert scan."""
     e, bm = 8, 16
     _, ids, *_ = make_case(57, e, 64, 32, 3, seed=9, dtype=torch.float32)
     ids[3, 1] = -1
     ids[40, 0] = e
-    sorted_ids, block_expert = fm.moe_align(ids, e, bm, segment)
+    ids[20:50, 2] = 5  # 30+ pairs of expert 5: two blocks, across the 128-pair chunks
+    sorted_ids, block_expert = fm.moe_align(ids, e, bm, segment, per_expert)
     flat = ids.flatten().cpu()
     p = flat.numel()
     rows, blocks = sorted_ids.cpu(), block_expert.cpu()

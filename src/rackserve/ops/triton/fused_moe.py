@@ -24,14 +24,19 @@ import torch
 import triton
 
 from rackserve.ops.triton.fused_moe_kernels import (
-    moe_align_kernel,
-    moe_count_kernel,
     moe_down_kernel,
     moe_gate_up_kernel,
     moe_sum_kernel,
 )
+from rackserve.ops.triton.moe_align_kernels import (
+    moe_align_expert_kernel,
+    moe_align_kernel,
+    moe_count_kernel,
+)
 
 _ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# up to this many pairs the align runs one program per expert (moe_align_expert_kernel)
+PER_EXPERT_ALIGN_MAX_PAIRS = 4096
 
 
 @dataclass(frozen=True)
@@ -119,7 +124,11 @@ def num_blocks_bound(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 def moe_align(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int, segment: int = 2048
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    segment: int = 2048,
+    per_expert: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort the (token, slot) pairs by expert into blocks of ``block_m`` rows.
 
@@ -128,6 +137,8 @@ def moe_align(
     multiple of BM; rows past the used blocks are not written) and block_expert [B] int32
     (the expert of each block; E for a block past the used ones). Pairs whose id is
     outside [0, E) are left out. Stable: one expert's pairs keep their order.
+    ``per_expert``: one program per expert (None: when P <= PER_EXPERT_ALIGN_MAX_PAIRS),
+    else segments of ``segment`` pairs.
     """
     num_pairs = topk_ids.numel()
     device = topk_ids.device
@@ -136,10 +147,19 @@ def moe_align(
     block_expert = _empty((num_blocks,), torch.int32, device)
     block_e = max(16, triton.next_power_of_2(num_experts))
     chunk = max(16, min(128, 8192 // block_e))  # [CHUNK, BLOCK_E] one-hot tiles
+    ids = topk_ids.view(-1)
+    if per_expert is None:
+        per_expert = num_pairs <= PER_EXPERT_ALIGN_MAX_PAIRS
+    if per_expert:
+        moe_align_expert_kernel[(num_experts + 1,)](
+            ids, sorted_ids, block_expert, num_pairs, num_experts, num_blocks,
+            BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, BLOCK_B=128,
+            num_warps=8 if block_e >= 128 else 4,
+        )  # fmt: skip
+        return sorted_ids, block_expert
     # a segment no longer than the pairs there are: a decode step's few pairs are one chunk
     segment = max(chunk, triton.cdiv(min(segment, num_pairs), chunk) * chunk)
     num_segments = max(1, triton.cdiv(num_pairs, segment))
-    ids = topk_ids.view(-1)
     counts = sorted_ids  # unread when one program counts
     if num_segments > 1:
         counts = _empty((num_segments, block_e), torch.int32, device)

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from rackserve.ops.triton import fused_moe
-from rackserve.ops.triton.fused_moe_kernels import align_pairs
+from rackserve.ops.triton.moe_align_kernels import align_pairs
 from rackserve.ops.triton.route import _SCORING, route_fused, route_tokens
 
 # the most (token, expert) pairs routed and aligned by one program (see moe_routed)
