@@ -35,8 +35,10 @@ from rackserve.ops.triton.moe_align_kernels import (
 )
 
 _ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# up to this many pairs the align runs one program per expert (moe_align_expert_kernel)
-PER_EXPERT_ALIGN_MAX_PAIRS = 4096
+# up to this many pairs the align runs one program per expert (moe_align_expert_kernel).
+# H200, E=64 (benchmarks/results/2026-12-01-h200-s6.md): 448 pairs 9 us per layer (the one
+# segmented program: 35 us); 1792 pairs 30 us, where 256-pair segments took 27 us
+PER_EXPERT_ALIGN_MAX_PAIRS = 1024
 
 
 @dataclass(frozen=True)
