@@ -11,7 +11,7 @@ source "$(dirname "$0")/device_env.sh"
 RS=(python3 -c 'import sys; from rackserve.cli import main; sys.exit(main(sys.argv[1:]))')
 MODEL=/tmp/flash4mtp
 BUDGET_S=${BUDGET_S:-220}
-timeout 60 "${RS[@]}" model create --preset v4-flash --layers 4 --experts 64 --dtype bfloat16 \
+timeout 110 "${RS[@]}" model create --preset v4-flash --layers 4 --experts 64 --dtype bfloat16 \
   --out "$MODEL" 2>&1 | tail -1
 run() {  # name concurrency [spec json]
   local name=$1 conc=$2 spec=${3:-} left=$((BUDGET_S - SECONDS))
