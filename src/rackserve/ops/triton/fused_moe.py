@@ -54,7 +54,7 @@ class Tiling:
     down_block_k: int
     down_warps: int
     down_stages: int
-    align_segment: int  # pairs per align program; one program (one launch) when P <= it
+    align_segment: int  # pairs per align program above PER_EXPERT_ALIGN_MAX_PAIRS pairs
     sum_block_d: int
 
     def __post_init__(self) -> None:
@@ -107,8 +107,8 @@ def default_tiling(
         down_block_k=block_k,
         down_warps=4,
         down_stages=3 if wide_down else 4,
-        # up to 512 pairs one align launch; more: 256-pair segments counted in parallel
-        align_segment=512 if pairs <= 512 else 256,
+        # past PER_EXPERT_ALIGN_MAX_PAIRS: 256-pair segments counted in parallel
+        align_segment=256,
         sum_block_d=1024,
     )
 
