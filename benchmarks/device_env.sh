@@ -6,3 +6,6 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1
+# seconds a step of a budgeted script may take ($BUDGET_S in all, counted by $SECONDS): its
+# own limit $1, cut to what is left of the budget; 0 (skip it) under 20 s
+cap() { local left=$((BUDGET_S - SECONDS)); ((left > $1)) && echo "$1" || echo $((left > 20 ? left : 0)); }

@@ -14,8 +14,6 @@ source "$(dirname "$0")/device_env.sh"
 # arrays, not functions: `timeout` runs commands only
 rs=(python3 -c 'import sys; from rackserve.cli import main; sys.exit(main(sys.argv[1:]))')
 FLASH=(--preset v4-flash --layers 4 --experts 64)
-# seconds a step may take: its own limit, cut to what is left of the budget (0: skip it)
-cap() { local left=$((BUDGET_S - SECONDS)); ((left > $1)) && echo "$1" || echo $((left > 20 ? left : 0)); }
 echo "commit ${RACKSERVE_COMMIT:-unknown}" | tee "$OUT/commit.txt"
 
 t=$(cap 120); echo "== graph gap (${t}s)"

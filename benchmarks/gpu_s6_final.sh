@@ -13,7 +13,6 @@ BUDGET_S=${BUDGET_S:-500}
 source "$(dirname "$0")/device_env.sh"
 rs=(python3 -c 'import sys; from rackserve.cli import main; sys.exit(main(sys.argv[1:]))')
 FLASH=(--preset v4-flash --layers 4 --experts 64)
-cap() { local left=$((BUDGET_S - SECONDS)); ((left > $1)) && echo "$1" || echo $((left > 20 ? left : 0)); }
 pack() { tar czf "$OUT/final.tgz" -C "$OUT" r; }
 echo "commit ${RACKSERVE_COMMIT:-unknown}" | tee "$R/commit.txt"
 

@@ -14,10 +14,11 @@ BUDGET_S=${BUDGET_S:-220}
 timeout 110 "${RS[@]}" model create --preset v4-flash --layers 4 --experts 64 --dtype bfloat16 \
   --out "$MODEL" 2>&1 | tail -1
 run() {  # name concurrency [spec json]
-  local name=$1 conc=$2 spec=${3:-} left=$((BUDGET_S - SECONDS))
-  ((left > 15)) || return
+  local name=$1 conc=$2 spec=${3:-} t
+  t=$(cap 60)
+  ((t)) || return
   echo "== $name x$conc"
-  timeout $((left < 60 ? left : 60)) "${RS[@]}" bench decode --model "$MODEL" --concurrency "$conc" \
+  timeout "$t" "${RS[@]}" bench decode --model "$MODEL" --concurrency "$conc" \
     --context 1024 --steps 20 --warmup 3 --kv-cache-memory 8000000000 \
     ${spec:+--speculative-config "$spec"} --output "$R/decode_${name}_x${conc}.json" 2>&1 | tail -2
   tar czf "$OUT/spec.tgz" -C "$OUT" r
