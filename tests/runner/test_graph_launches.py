@@ -22,7 +22,7 @@ from rackserve.model.batch import StepMetadata
 from rackserve.model.create import init_model_
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 from rackserve.model.presets import default_layer_types, tiny_config, v4_flash_config
-from rackserve.ops.launches import count_step_launches
+from rackserve.ops.launches import LaunchCounter, count_step_launches
 from rackserve.runner.cuda_graph import DecodeGraphs
 from rackserve.runner.step_buffers import StepBuffers
 
@@ -167,3 +167,29 @@ def test_step_metadata_rejects_bad_tables():
     one = torch.zeros(1, dtype=torch.int64)
     with pytest.raises(ValueError, match="int64"):
         step_meta.step_metadata(groups, one, one, one, tables, 64)
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="reads interpreted Triton launches"
+)
+@pytest.mark.parametrize("tokens", [1, 4])
+@torch.inference_mode()
+def test_eager_compile_keys_do_not_follow_the_context(tokens):
+    """Eager steps (speculative drafts, prefill chunks, steps no graph fits) at three
+    context lengths inside one power-of-two bucket of every width compile the same kernel
+    variants: a constexpr that follows the context is a JIT compile per step on a GPU.
+    The tiny CSA picks min(E, top-k = 8) entries, so K = E = 5, 6, 7 here (the selection
+    kernel's compile-time K cost the H200's speculative step ~85 ms, every step)."""
+    model = _bench_like_model()
+    keys = []
+    for context in ((20, 24, 28) if tokens == 1 else (17, 21, 24)):
+        s = synthetic_step(model, BatchSpec.parse(f"decode:1@{context}x{tokens}"))
+        buffers = StepBuffers(s.groups, s.input_batch.block_tables, DEVICE)
+        with LaunchCounter() as counter:
+            ids, meta, idx = buffers.eager_step(s.step.inputs, s.step.table_writes)
+            hidden, _ = model(ids, meta, s.caches)
+            model.compute_logits(hidden[idx])
+        assert counter.compile_keys
+        keys.append(counter.compile_keys)
+    for other in keys[1:]:
+        assert other == keys[0], sorted(other ^ keys[0])

@@ -6,6 +6,12 @@ kernel launch (under ``TRITON_INTERPRET=1``: the interpreter's ``run``; the torc
 interpreter itself runs to copy arguments are not counted). Launches are attributed to the
 innermost scope entered with :meth:`LaunchCounter.scope` (e.g. one per decoder layer).
 
+The counter also records each Triton launch's *compile key*: its constexpr arguments and how
+Triton would specialize the rest (dtypes; ints equal to 1 or divisible by 16). A key the
+process has not seen is a JIT compile on a GPU (tens to hundreds of ms), so an eager step
+whose keys depend on the exact context length recompiles every step: a test asserts they
+do not.
+
 Known gap against the GPU profiler: a cuBLAS GEMM may add a split-K reduce kernel on the
 GPU (one aten ``mm`` here). A CUDA graph records what its captured region launches:
 :func:`count_step_launches` counts a decode step both ways, the eager step (metadata,
@@ -62,6 +68,7 @@ class LaunchCounter(TorchDispatchMode):
         self._in_kernel = 0
         self._patched: list[tuple[type, object] | None] = []  # one per __enter__
         self.host_syncs = 0
+        self.compile_keys: set[tuple] = set()  # (kernel, specialization) per Triton launch
 
     def total(self, scope: str) -> int:
         return sum(self.by_scope.get(scope, Counter()).values())
@@ -120,6 +127,7 @@ class LaunchCounter(TorchDispatchMode):
             if kwargs.get("warmup") or counter._in_kernel:
                 return original(fn, *args, **kwargs)
             counter._add(f"triton:{fn.__name__}")
+            counter.compile_keys.add((fn.__name__, *_specialization(args, kwargs)))
             counter._in_kernel += 1
             try:
                 return original(fn, *args, **kwargs)
@@ -128,6 +136,21 @@ class LaunchCounter(TorchDispatchMode):
 
         InterpretedFunction.run = run
         self._patched.append((InterpretedFunction, original))
+
+
+def _specialization(args: tuple, kwargs: dict) -> tuple:
+    """What Triton compiles a launch for: every keyword (the constexprs and launch options)
+    by value, positional tensors by dtype, ints by class (1, divisible by 16, other)."""
+
+    def spec(a: object) -> object:
+        if isinstance(a, torch.Tensor):
+            return str(a.dtype)
+        if isinstance(a, bool) or not isinstance(a, int):
+            return type(a).__name__
+        return 1 if a == 1 else "d16" if a % 16 == 0 else "int"
+
+    named = tuple(sorted((k, repr(v)) for k, v in kwargs.items() if k not in ("grid", "warmup")))
+    return tuple(spec(a) for a in args), named
 
 
 def count_layer_launches(

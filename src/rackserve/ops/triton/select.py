@@ -4,7 +4,9 @@ validity mask the sparse attention reads.
 
 One program per query: it gathers the K picked entries' slots from the query's row of entry
 slots, marks the picks that are visible, and copies the window mask in front. Grid S:
-fixed for a batch, so the op can be captured in a CUDA graph.
+fixed for a batch, so the op can be captured in a CUDA graph. K and W are runtime
+arguments: while a request's entries are fewer than top-k, K grows with the context, and a
+compile-time K made every eager step (speculative drafts, prefill chunks) a JIT compile.
 
 Shape legend: S queries, E entries per query (the context bucket's), K picks, W window.
 """
@@ -27,8 +29,8 @@ def _select_kernel(
     stride_ids,
     stride_slots,
     stride_window,
-    K: tl.constexpr,
-    W: tl.constexpr,
+    K,  # runtime: K = min(E, top-k) follows the context until E reaches top-k
+    W,
     BLOCK_K: tl.constexpr,
     BLOCK_W: tl.constexpr,
 ):
@@ -80,8 +82,8 @@ def select_entries(
         ids.stride(0),
         slots.stride(0),
         window.stride(0),
-        K=k,
-        W=w,
+        k,
+        w,
         BLOCK_K=max(2, triton.next_power_of_2(k)),
         BLOCK_W=max(2, triton.next_power_of_2(w)),
         num_warps=4,
