@@ -169,7 +169,8 @@ def _decode(args: argparse.Namespace) -> int:
 
     spec = SpecConfig.from_json(args.speculative_config)
     per_step = 1 + (spec.num_speculative_tokens if spec is not None else 0)
-    total = args.context + (args.warmup + args.steps) * per_step + 2
+    profiled = _PROFILE_STEPS if args.profile else 0
+    total = args.context + (args.warmup + args.steps + profiled) * per_step + 2
     config = EngineConfig(
         model=str(args.model),
         model_config=ModelConfig.from_pretrained(args.model),
@@ -247,9 +248,52 @@ def _decode(args: argparse.Namespace) -> int:
         f"{result['median_step_minus_forward_ms']:.2f} ms per step "
         f"({result['output_tokens_per_s']:.0f} tok/s{', async' if args.async_scheduling else ''})"
     )
+    if args.profile:
+        _profile_steps(core, profiled, args.profile)
     if args.output:
         write_json(result, args.output)
     return 0
+
+
+_PROFILE_STEPS = 5
+
+
+def _profile_steps(core: Any, steps: int, path: str) -> None:
+    """``steps`` more engine steps under cProfile (where the host time goes) and then
+    torch.profiler (kernels and torch ops per step); both tables as text into ``path``."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    half = max(1, steps // 2)
+    host = cProfile.Profile()
+    host.enable()
+    for _ in range(half):
+        core.step()
+    host.disable()
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        for _ in range(steps - half):
+            core.step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    text = io.StringIO()
+    text.write(f"== cProfile over {half} engine steps (cumulative)\n")
+    stats = pstats.Stats(host, stream=text)
+    stats.sort_stats("cumulative").print_stats(45)
+    stats.sort_stats("tottime").print_stats(25)
+    text.write(f"== torch.profiler over {steps - half} engine steps\n")
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    text.write(prof.key_averages().table(sort_by=sort, row_limit=50, max_name_column_width=90))
+    text.write(prof.key_averages().table(sort_by="count", row_limit=30, max_name_column_width=90))
+    with open(path, "w") as f:
+        f.write(text.getvalue())
+    print(f"profile of {steps} steps in {path}")
 
 
 def _model_args(p: argparse.ArgumentParser, allow_preset: bool) -> None:
@@ -313,4 +357,11 @@ def register_decode(bench_subparsers: Any) -> None:
         help='JSON as serve\'s, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\'',
     )
     p.add_argument("--async-scheduling", action="store_true", help="schedule step N+1 while N runs")
+    p.add_argument(
+        "--profile",
+        default=None,
+        metavar="FILE",
+        help=f"after the measured steps, {_PROFILE_STEPS} more under cProfile and torch.profiler "
+        "(host functions, kernels, torch ops): tables as text into FILE",
+    )
     p.set_defaults(func=_decode)
