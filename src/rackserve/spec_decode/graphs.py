@@ -1,4 +1,5 @@
-"""CUDA graphs while speculating: the target's verify forward and the draft model's chain.
+"""CUDA graphs while speculating: the target's verify forward, the draft model's chain and
+the MTP drafter's whole proposal.
 
 Shape legend: B padded requests, K draft tokens, T = B (1 + K) verify tokens, N mHC
 streams, D hidden, V vocabulary.
@@ -7,8 +8,13 @@ A uniform verify step (every request verifies exactly K drafts: 1 + K tokens, ev
 sampled) replays a graph per (B, context bucket) of :class:`VerifyGraphs`; it returns the
 logits of all T tokens and the final streams the MTP drafter reads. The draft model's K - 1
 chained single-token steps replay :class:`DraftGraphs` (the first draft step, over the
-kept tokens, stays eager). Like ``runner/cuda_graph.DecodeGraphs`` (whose batch sizes and
-context buckets these reuse), a graph reads static device buffers, derives every index
+kept tokens, stays eager). After a uniform verify step whose requests all draft greedily,
+the MTP drafter's K steps (the first over each request's kept rows, padded to 1 + K, then
+K - 1 chained ones) and their argmaxes replay one :class:`MTPGraphs` graph: eager, those
+steps cost ~3 ms of host launches each on the H200 (2026-12-01, ``bench decode --profile``).
+
+Like ``runner/cuda_graph.DecodeGraphs`` (whose batch sizes and context buckets these
+reuse), a graph reads static device buffers, derives every index
 inside (``StepMetadata.build`` with every token a closing candidate and a token mask), and
 pads with the null block-table row, so padded requests write only the null block. A key
 that was not captured runs the same padded step eagerly: the CPU tests check that path.
@@ -227,4 +233,105 @@ class DraftGraphs:
             self.input_ids[num:b].zero_()
             self.positions[num:b].zero_()
             self.rows[num:b].fill_(self.null_row)
+        return self.set.replay(key, self._forward)[:num]
+
+
+class MTPGraphs:
+    """The MTP drafter's greedy proposal after a uniform verify step: B requests x (1 + K)
+    rows of the verify's final streams -> drafts [B, K].
+
+    Row i of request r is the MTP row of position L_r + 1 + i (streams at L_r + i, token
+    L_r + 1 + i) while i < kept_r; the rows past kept_r are padding: they belong to the
+    pad request (index B, the null block-table row), so they write only the null block.
+    ``last[r]``: the flat row of request r's last kept row, whose hidden state gives draft
+    1 and whose streams start the chain."""
+
+    def __init__(
+        self,
+        model: DeepseekV4ForCausalLM,
+        caches,
+        buffers: StepBuffers,
+        swa: CacheGroupSpec,
+        num_drafts: int,
+        batch_sizes: Sequence[int],
+        buckets: Sequence[int],
+    ) -> None:
+        self.model, self.caches, self.buffers, self.swa = model, caches, buffers, swa
+        self.table, self.null_row = buffers.tables[swa.name], buffers.null_row
+        self.num_drafts, self.width = num_drafts, 1 + num_drafts
+        self.set = _GraphSet(batch_sizes, buckets)
+        device, n = buffers.device, max(batch_sizes)
+        cfg, dtype = model.cfg, model.head.weight.dtype
+        rows = n * self.width
+        self.streams = torch.zeros(rows, cfg.hc_mult, cfg.hidden_size, dtype=dtype, device=device)
+        self.tokens = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.token_req = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.rows = torch.full((n + 1,), self.null_row, dtype=torch.int64, device=device)
+        self.last = torch.zeros(n, dtype=torch.int64, device=device)
+        self.req = torch.arange(n, device=device)
+
+    def _meta(self, positions, token_req, rows, bucket: int, mask=None) -> StepMetadata:
+        tables = {self.swa.name: self.table[rows]}
+        return StepMetadata.build([self.swa], positions, token_req, tables, bucket, {}, mask)
+
+    def _forward(self, b: int, bucket: int) -> torch.Tensor:
+        t = b * self.width
+        rows = self.rows[: b + 1]  # b: the pad request (null row)
+        positions = self.positions[:t]
+        meta = self._meta(positions, self.token_req[:t], rows, bucket)
+        hidden, x = self.model.mtp_forward(0, self.tokens[:t], self.streams[:t], meta, self.caches)
+        last = self.last[:b]
+        draft = self.model.compute_logits(hidden[last]).argmax(dim=-1)
+        drafts = [draft]
+        x, positions = x[last], positions[last]
+        live = rows[:b] != self.null_row
+        for _ in range(1, self.num_drafts):
+            positions = positions + 1
+            meta = self._meta(positions, self.req[:b], rows[:b], bucket, live)
+            hidden, x = self.model.mtp_forward(0, draft, x, meta, self.caches)
+            draft = self.model.compute_logits(hidden).argmax(dim=-1)
+            drafts.append(draft)
+        return torch.stack(drafts, dim=1)
+
+    def capture(self, pool=None, log: bool = True):
+        return self.set.capture(self._forward, pool, log)
+
+    def run(
+        self,
+        streams: torch.Tensor,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        token_req: np.ndarray,
+        rows: Sequence[int],
+        last: np.ndarray,
+        max_len: int,
+    ) -> torch.Tensor | None:
+        """streams [R (1 + K), N, D] (the verify step's), and per flat row its token,
+        position and request (R for padding), per request its block-table row and last
+        kept row; max_len: host bound on every position + 1. Drafts [R, K] (valid until
+        the next run), or None when no graph fits."""
+        num = len(rows)
+        key = self.set.key(num, max_len)
+        if key is None:
+            return None
+        b, t = key[0], num * self.width
+        token_req = np.where(token_req == num, b, token_req)  # the pad request is index b
+        pad = (b - num) * self.width
+        flat = [tokens, positions, token_req]
+        if pad:
+            zeros = np.zeros(pad, dtype=np.int64)
+            flat = [np.concatenate([tokens, zeros]), np.concatenate([positions, zeros]),
+                    np.concatenate([token_req, np.full(pad, b, dtype=np.int64)])]  # fmt: skip
+        req_rows = np.full(b + 1, self.null_row, dtype=np.int64)
+        req_rows[:num] = rows
+        req_last = np.zeros(b, dtype=np.int64)
+        req_last[:num] = last
+        uploads = self.buffers.upload([*flat, req_rows, req_last])
+        self.streams[:t].copy_(streams)
+        if pad:
+            self.streams[t : b * self.width].zero_()
+        for dst, src in zip((self.tokens, self.positions, self.token_req, self.rows, self.last),
+                            uploads, strict=True):  # fmt: skip
+            dst[: src.shape[0]].copy_(src)
         return self.set.replay(key, self._forward)[:num]

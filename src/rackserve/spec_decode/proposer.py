@@ -52,7 +52,7 @@ from rackserve.spec_decode.checkpoint import (
     draft_config,
     spec_cache_groups,
 )
-from rackserve.spec_decode.graphs import DraftGraphs, VerifyGraphs
+from rackserve.spec_decode.graphs import DraftGraphs, MTPGraphs, VerifyGraphs
 from rackserve.spec_decode.verify import DraftDistributions, sample_drafts
 
 # importers of the checkpoint helpers through this module (engine core, serve, tests)
@@ -207,6 +207,61 @@ class MTPProposer(Proposer):
         if not model.has_mtp:
             raise ConfigError(NO_MTP)
         self.model, self.caches, self.swa = model, caches, swa
+        self.draft_graphs: MTPGraphs | None = None
+
+    def enable_graphs(
+        self,
+        model: DeepseekV4ForCausalLM,
+        caches: KVCacheTensors,
+        buffers: StepBuffers,
+        groups: Sequence[CacheGroupSpec],
+        batch_sizes: Sequence[int],
+        buckets: Sequence[int],
+        capture: bool = True,
+        log: bool = True,
+    ) -> None:
+        super().enable_graphs(model, caches, buffers, groups, batch_sizes, buckets, capture, log)
+        assert self.graphs is not None
+        self.draft_graphs = MTPGraphs(
+            self.model, self.caches, buffers, self.swa, self.num_tokens, batch_sizes, buckets
+        )
+        if capture:  # one pool for the verify and the proposal graphs
+            self.draft_graphs.capture(pool=self.graphs.set.pool, log=log)
+
+    def _propose_graph(self, step: VerifiedStep) -> list[list[int]] | None:
+        """The whole proposal as one graph replay, when the step was a uniform verify step
+        (1 + K tokens per request) whose requests all draft greedily; else None."""
+        graphs, width = self.draft_graphs, 1 + self.num_tokens
+        num = len(step.num_kept)
+        if (
+            graphs is None
+            or not num
+            or step.streams.shape[0] != num * width
+            or not all(step.wants_draft)
+            or (step.is_greedy and not all(step.is_greedy))
+            or any(b - a != width for a, b in itertools.pairwise(step.query_start_loc))
+        ):
+            return None
+        kept = np.asarray(step.num_kept, dtype=np.int64)
+        base = np.asarray(step.num_computed, dtype=np.int64)
+        i = np.arange(width, dtype=np.int64)
+        real = i[None, :] < kept[:, None]  # [R, 1 + K]
+        positions = np.where(real, base[:, None] + 1 + i[None, :], 0)
+        tokens = np.zeros((num, width), dtype=np.int64)
+        for r, ids in enumerate(step.token_ids):
+            tokens[r, : kept[r]] = ids[base[r] + 1 : base[r] + 1 + kept[r]]
+        token_req = np.where(real, np.arange(num)[:, None], num)
+        last = np.arange(num, dtype=np.int64) * width + kept - 1
+        # the chain's last position: L + kept + K - 1
+        max_len = int((base + kept).max()) + self.num_tokens
+        drafts = graphs.run(
+            step.streams, tokens.reshape(-1), positions.reshape(-1), token_req.reshape(-1),
+            step.rows, last, max_len,
+        )  # fmt: skip
+        if drafts is None:
+            return None
+        self.distributions.keep([], [], None, [])
+        return drafts.tolist()
 
     def _meta(
         self, positions: torch.Tensor, token_req: torch.Tensor, rows: torch.Tensor, max_len: int
@@ -216,6 +271,9 @@ class MTPProposer(Proposer):
         return StepMetadata.build([self.swa], positions, token_req, tables, max_len, {})
 
     def propose(self, step: VerifiedStep) -> list[list[int]]:
+        replayed = self._propose_graph(step)
+        if replayed is not None:
+            return replayed
         wanted = [r for r, w in enumerate(step.wants_draft) if w]
         idx, pos, req, nxt, last = [], [], [], [], []
         for r, (start, base, kept) in enumerate(
