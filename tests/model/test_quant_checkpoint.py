@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -97,6 +98,19 @@ def test_logits_and_greedy_tokens_equal_transformers(fp8_dir, model):
             prompt[None], max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
         )[0, 20:].tolist()
     assert generate_tokens(model, prompt.tolist(), 12) == greedy
+
+
+@pytest.mark.skipif(not os.environ.get("TRITON_INTERPRET"), reason="the fast kernels on CPU")
+def test_fast_path_loaded_under_inference_mode(fp8_dir, model):
+    """Loaded inside ``torch.inference_mode()`` (as a server or a test might), the fast path
+    (FP8 GEMM kernel; the compressors' bf16 projections unfused beside FP8 ones) runs and
+    equals the reference path. Before the loader built the model outside inference mode,
+    the compressors' ``nn.Linear`` failed: "Inference tensors do not track version counter"
+    (their Parameters were born inference tensors)."""
+    with torch.inference_mode():
+        fast = load_model(fp8_dir, kernels="triton")
+    ids = torch.randint(2, 512, (20,), generator=torch.Generator().manual_seed(5))
+    assert rel_error(logits(fast, ids), logits(model, ids)) <= TOL
 
 
 def test_original_spelling_equals_transformers(fp8_dir, tmp_path):

@@ -130,32 +130,37 @@ def load_model(
     ``kernels``: the op implementations (``rackserve.ops.KERNEL_CHOICES``);
     ``expert_parallel``: this rank's share of the routed experts (None: all of them);
     ``mtp_expert_parallel``: the MTP layers' share (their own EP model)."""
-    model_dir = Path(model_dir)
-    cfg = ModelConfig.from_pretrained(model_dir)
-    files = checkpoint_files(model_dir)
-    names = open_shards(files)
-    with torch.device(device):
-        with_mtp = any(k.startswith("mtp.") for _, k in names)
-        model = DeepseekV4ForCausalLM(
-            cfg,
-            with_mtp=with_mtp,
-            kernels=kernels,
-            expert_parallel=expert_parallel,
-            mtp_expert_parallel=mtp_expert_parallel,
+    # Parameters made under inference mode (a caller's ``torch.inference_mode()``) are
+    # inference tensors, and a Parameter keeps that (disabled) version counter even after
+    # ``.data`` is replaced: then any view of it (``F.linear``'s transpose) fails with
+    # "Inference tensors do not track version counter". Build and fill outside it.
+    with torch.inference_mode(False), torch.no_grad():
+        model_dir = Path(model_dir)
+        cfg = ModelConfig.from_pretrained(model_dir)
+        files = checkpoint_files(model_dir)
+        names = open_shards(files)
+        with torch.device(device):
+            with_mtp = any(k.startswith("mtp.") for _, k in names)
+            model = DeepseekV4ForCausalLM(
+                cfg,
+                with_mtp=with_mtp,
+                kernels=kernels,
+                expert_parallel=expert_parallel,
+                mtp_expert_parallel=mtp_expert_parallel,
+            )
+        model.cast(dtype)
+        quantize_linears_(model, fp8_linears(model, [k for _, k in names]), model.kernels)
+        homes = expert_homes(model)
+        names = [(h, k) for h, k in names if _held_here(k, homes, cfg.n_routed_experts)]
+        if progress is None:
+            progress = sum(f.stat().st_size for f in files) > 1 << 30
+        bar = tqdm(names, desc="loading", unit="tensor", disable=not progress)
+        handles = {k: h for h, k in names}
+        load_weights(
+            model,
+            ((name, handle.get_tensor(name)) for handle, name in bar),
+            lambda name: handles[name].get_tensor(name) if name in handles else None,
         )
-    model.cast(dtype)
-    quantize_linears_(model, fp8_linears(model, [k for _, k in names]), model.kernels)
-    homes = expert_homes(model)
-    names = [(h, k) for h, k in names if _held_here(k, homes, cfg.n_routed_experts)]
-    if progress is None:
-        progress = sum(f.stat().st_size for f in files) > 1 << 30
-    bar = tqdm(names, desc="loading", unit="tensor", disable=not progress)
-    handles = {k: h for h, k in names}
-    load_weights(
-        model,
-        ((name, handle.get_tensor(name)) for handle, name in bar),
-        lambda name: handles[name].get_tensor(name) if name in handles else None,
-    )
     return model.eval()
 
 

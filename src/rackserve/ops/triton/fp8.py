@@ -59,15 +59,20 @@ def to_cache(y, ptr, ACT_DTYPE: tl.constexpr):
     """fp32 y as stored at ``ptr``: rounded to the activation dtype (nearest even), then, when
     ``ptr`` is an fp8 cache's uint8 view, encoded as e4m3 codes."""
     r = round_as(y, ACT_DTYPE)
-    if ptr.dtype.element_ty == tl.uint8:
+    if ptr.dtype.element_ty == tl.uint8:  # (else: see ``widen``)
         return e4m3_bits(r)
-    return r.to(ptr.dtype.element_ty)
+    else:
+        return r.to(ptr.dtype.element_ty)
 
 
 @triton.jit
 def widen(x, DTYPE: tl.constexpr):
     """Rows loaded from a cache, in ``DTYPE`` (the queries' dtype): fp8 rows are widened
-    through fp32 (exact; the interpreter's direct fp8 -> bf16 cast is wrong), others as is."""
+    through fp32 (exact; the interpreter's direct fp8 -> bf16 cast is wrong), others as is.
+    The ``else`` matters: the compiler resolves the ``if`` statically but still visits a
+    statement after it, so a trailing ``return x`` was a second return of another type
+    ("Inconsistent return types", seen on the H200; the interpreter runs plain Python)."""
     if x.dtype == tl.float8e4nv:
         return x.to(tl.float32).to(DTYPE)
-    return x
+    else:
+        return x
