@@ -182,7 +182,7 @@ def test_eager_compile_keys_do_not_follow_the_context(tokens):
     kernel's compile-time K cost the H200's speculative step ~85 ms, every step)."""
     model = _bench_like_model()
     keys = []
-    for context in ((20, 24, 28) if tokens == 1 else (17, 21, 24)):
+    for context in (20, 24, 28) if tokens == 1 else (17, 21, 24):
         s = synthetic_step(model, BatchSpec.parse(f"decode:1@{context}x{tokens}"))
         buffers = StepBuffers(s.groups, s.input_batch.block_tables, DEVICE)
         with LaunchCounter() as counter:

@@ -40,6 +40,7 @@ def with_graphs(core, counts: dict[str, int]):
     proposer.graphs.run = counted("verify", proposer.graphs.run)
     if getattr(proposer, "draft_graphs", None) is not None:
         proposer.draft_graphs.run = counted("chain", proposer.draft_graphs.run)
+    proposer.proposal_graphs.run = counted("proposal", proposer.proposal_graphs.run)
     return core
 
 
@@ -52,7 +53,7 @@ def test_graph_steps_equal_eager(target_dir, close_draft_dir, method):
     )
     prompts, params = mixed_params_prompts()
     eager = run(spec_engine(target_dir, spec, max_num_seqs=4), prompts, params)
-    counts = {"verify": 0, "chain": 0}
+    counts = {"verify": 0, "chain": 0, "proposal": 0}
     core = with_graphs(spec_engine(target_dir, spec, max_num_seqs=4), counts)
     assert run(core, prompts, params) == eager
     assert core.scheduler.kv.usage == 0.0
@@ -61,13 +62,16 @@ def test_graph_steps_equal_eager(target_dir, close_draft_dir, method):
         assert counts["chain"] > 5
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_mtp_proposal_graph_equals_eager(target_dir, k):
-    """All greedy: after each uniform verify step the whole MTP proposal is one padded
-    graph step (rows past a request's kept tokens on the null row). The random MTP layer
-    accepts little, so most requests keep 1 of their 1 + K rows: the padding is exercised;
+@pytest.mark.parametrize(
+    "method,k", [("mtp", 1), ("mtp", 3), ("draft_model", 2), ("draft_model", 4)]
+)
+def test_proposal_graph_equals_eager(target_dir, close_draft_dir, method, k):
+    """All greedy: after each uniform verify step the whole proposal is one padded graph
+    step (MTP: each request's kept rows padded to 1 + K; the draft model: its kept tokens
+    and y padded to 2 + K; padding on the null row), then the chain. The random MTP layer
+    accepts little, the close draft much: both short and full kept runs are exercised;
     requests end apart, so batches shrink and pad to the graph's batch size."""
-    spec = SpecConfig("mtp", k)
+    spec = SpecConfig(method, k, None if method == "mtp" else str(close_draft_dir))
     prompts, params = mixed_params_prompts()
     params = {
         r: SamplingParams(temperature=0, max_tokens=p.max_tokens, ignore_eos=True)
@@ -82,10 +86,10 @@ def test_mtp_proposal_graph_equals_eager(target_dir, k):
 
     want, got = [], []
     eager = run(recording(spec_engine(target_dir, spec, max_num_seqs=4), want), prompts, params)
-    counts = {"verify": 0, "chain": 0}
+    counts = {"verify": 0, "chain": 0, "proposal": 0}
     core = with_graphs(spec_engine(target_dir, spec, max_num_seqs=4), counts)
     assert run(recording(core, got), prompts, params) == eager
     assert core.scheduler.kv.usage == 0.0
-    assert counts["chain"] > 5 and counts["chain"] >= counts["verify"] - 1, counts
+    assert counts["proposal"] > 5 and counts["proposal"] >= counts["verify"] - 1, counts
     # the same drafts, step by step (outputs alone would not show it: verification is exact)
     assert got == want and any(any(d) for d in want)

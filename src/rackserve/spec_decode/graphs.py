@@ -10,8 +10,10 @@ logits of all T tokens and the final streams the MTP drafter reads. The draft mo
 chained single-token steps replay :class:`DraftGraphs` (the first draft step, over the
 kept tokens, stays eager). After a uniform verify step whose requests all draft greedily,
 the MTP drafter's K steps (the first over each request's kept rows, padded to 1 + K, then
-K - 1 chained ones) and their argmaxes replay one :class:`MTPGraphs` graph: eager, those
-steps cost ~3 ms of host launches each on the H200 (2026-12-01, ``bench decode --profile``).
+K - 1 chained ones) and their argmaxes replay one :class:`MTPGraphs` graph, and the draft
+model's (the first step over each request's kept tokens and y, padded to 2 + K, then the
+chain) one :class:`DraftProposalGraphs` graph: eager, such steps cost ~3 ms of host launches
+each on the H200 (2026-12-01, ``bench decode --profile``).
 
 Like ``runner/cuda_graph.DecodeGraphs`` (whose batch sizes and context buckets these
 reuse), a graph reads static device buffers, derives every index
@@ -311,27 +313,110 @@ class MTPGraphs:
         position and request (R for padding), per request its block-table row and last
         kept row; max_len: host bound on every position + 1. Drafts [R, K] (valid until
         the next run), or None when no graph fits."""
-        num = len(rows)
-        key = self.set.key(num, max_len)
-        if key is None:
-            return None
-        b, t = key[0], num * self.width
-        token_req = np.where(token_req == num, b, token_req)  # the pad request is index b
-        pad = (b - num) * self.width
-        flat = [tokens, positions, token_req]
-        if pad:
-            zeros = np.zeros(pad, dtype=np.int64)
-            flat = [np.concatenate([tokens, zeros]), np.concatenate([positions, zeros]),
-                    np.concatenate([token_req, np.full(pad, b, dtype=np.int64)])]  # fmt: skip
-        req_rows = np.full(b + 1, self.null_row, dtype=np.int64)
-        req_rows[:num] = rows
-        req_last = np.zeros(b, dtype=np.int64)
-        req_last[:num] = last
-        uploads = self.buffers.upload([*flat, req_rows, req_last])
+        t = streams.shape[0]
         self.streams[:t].copy_(streams)
-        if pad:
-            self.streams[t : b * self.width].zero_()
-        for dst, src in zip((self.tokens, self.positions, self.token_req, self.rows, self.last),
-                            uploads, strict=True):  # fmt: skip
-            dst[: src.shape[0]].copy_(src)
-        return self.set.replay(key, self._forward)[:num]
+        self.streams[t:].zero_()  # padded requests' rows: finite values
+        return _stage_and_replay(self, tokens, positions, token_req, rows, last, max_len)
+
+
+class DraftProposalGraphs:
+    """The draft model's greedy proposal after a uniform verify step: B requests, each its
+    kept tokens and y (rows L .. L + kept of the draft's caches, padded to 2 + K rows on
+    the pad request B, the null row), then K - 1 chained steps -> drafts [B, K].
+
+    ``tables``: the draft's groups' device block tables under the names its model reads.
+    Every token is a closing candidate, masked by its request's row (padding compresses
+    into the null block only)."""
+
+    def __init__(
+        self,
+        model: DeepseekV4ForCausalLM,
+        caches,
+        buffers: StepBuffers,
+        groups: Sequence[CacheGroupSpec],
+        tables: Mapping[str, torch.Tensor],
+        num_drafts: int,
+        batch_sizes: Sequence[int],
+        buckets: Sequence[int],
+    ) -> None:
+        self.model, self.caches, self.buffers = model, caches, buffers
+        self.groups, self.tables, self.null_row = list(groups), tables, buffers.null_row
+        self.ratios = compressed_ratios(self.groups)
+        self.num_drafts, self.width = num_drafts, 2 + num_drafts
+        self.set = _GraphSet(batch_sizes, buckets)
+        device, n = buffers.device, max(batch_sizes)
+        rows = n * self.width
+        self.tokens = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.token_req = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.rows = torch.full((n + 1,), self.null_row, dtype=torch.int64, device=device)
+        self.last = torch.zeros(n, dtype=torch.int64, device=device)
+        self.flat_index = torch.arange(rows, device=device)
+
+    def _hidden(self, ids, positions, token_req, rows, bucket: int) -> torch.Tensor:
+        n = positions.shape[0]
+        meta = StepMetadata.build(
+            self.groups, positions, token_req,
+            {name: table[rows] for name, table in self.tables.items()}, bucket,
+            {r: self.flat_index[:n] for r in self.ratios},
+            token_mask=(rows != self.null_row)[token_req],
+        )  # fmt: skip
+        hidden, _ = self.model(ids, meta, self.caches)
+        return hidden
+
+    def _forward(self, b: int, bucket: int) -> torch.Tensor:
+        t = b * self.width
+        rows, positions = self.rows[: b + 1], self.positions[:t]  # b: the pad request
+        hidden = self._hidden(self.tokens[:t], positions, self.token_req[:t], rows, bucket)
+        last = self.last[:b]
+        draft = self.model.compute_logits(hidden[last]).argmax(dim=-1)
+        drafts, positions, req = [draft], positions[last], self.flat_index[:b]
+        for _ in range(1, self.num_drafts):
+            positions = positions + 1
+            hidden = self._hidden(draft, positions, req, rows[:b], bucket)
+            draft = self.model.compute_logits(hidden).argmax(dim=-1)
+            drafts.append(draft)
+        return torch.stack(drafts, dim=1)
+
+    def capture(self, pool=None, log: bool = True):
+        return self.set.capture(self._forward, pool, log)
+
+    def run(
+        self,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        token_req: np.ndarray,
+        rows: Sequence[int],
+        last: np.ndarray,
+        max_len: int,
+    ) -> torch.Tensor | None:
+        """Per flat row [R (2 + K)] its token, position and request (R: padding), per
+        request its block-table row and last row; max_len: host bound on every position
+        + 1. Drafts [R, K] (valid until the next run), or None when no graph fits."""
+        return _stage_and_replay(self, tokens, positions, token_req, rows, last, max_len)
+
+
+def _stage_and_replay(graphs, tokens, positions, token_req, rows, last, max_len):
+    """A padded proposal's inputs into the static buffers of ``graphs`` (an MTPGraphs or a
+    DraftProposalGraphs: ``width`` rows per request, the pad request last) in one upload,
+    then its graph's drafts [R, K]; None when no key fits."""
+    num = len(rows)
+    key = graphs.set.key(num, max_len)
+    if key is None:
+        return None
+    b, width = key[0], graphs.width
+    token_req = np.where(token_req == num, b, token_req)  # the pad request is index b
+    pad = (b - num) * width
+    if pad:
+        zeros = np.zeros(pad, dtype=np.int64)
+        tokens, positions = np.concatenate([tokens, zeros]), np.concatenate([positions, zeros])
+        token_req = np.concatenate([token_req, np.full(pad, b, dtype=np.int64)])
+    req_rows = np.full(b + 1, graphs.null_row, dtype=np.int64)
+    req_rows[:num] = rows
+    req_last = np.zeros(b, dtype=np.int64)
+    req_last[:num] = last
+    uploads = graphs.buffers.upload([tokens, positions, token_req, req_rows, req_last])
+    targets = (graphs.tokens, graphs.positions, graphs.token_req, graphs.rows, graphs.last)
+    for dst, src in zip(targets, uploads, strict=True):
+        dst[: src.shape[0]].copy_(src)
+    return graphs.set.replay(key, graphs._forward)[:num]

@@ -52,7 +52,12 @@ from rackserve.spec_decode.checkpoint import (
     draft_config,
     spec_cache_groups,
 )
-from rackserve.spec_decode.graphs import DraftGraphs, MTPGraphs, VerifyGraphs
+from rackserve.spec_decode.graphs import (
+    DraftGraphs,
+    DraftProposalGraphs,
+    MTPGraphs,
+    VerifyGraphs,
+)
 from rackserve.spec_decode.verify import DraftDistributions, sample_drafts
 
 # importers of the checkpoint helpers through this module (engine core, serve, tests)
@@ -140,6 +145,25 @@ class Proposer:
     def propose(self, step: VerifiedStep) -> list[list[int]]:
         raise NotImplementedError
 
+    def _uniform_greedy(self, step: VerifiedStep) -> bool:
+        """Whether a proposal graph may serve ``step``: a uniform verify step (1 + K tokens
+        per request) whose requests all want drafts and draft greedily."""
+        width = 1 + self.num_tokens
+        return (
+            len(step.num_kept) > 0
+            and step.streams.shape[0] == len(step.num_kept) * width
+            and all(step.wants_draft)
+            and (not step.is_greedy or all(step.is_greedy))
+            and all(b - a == width for a, b in itertools.pairwise(step.query_start_loc))
+        )
+
+    def _replayed(self, drafts: torch.Tensor | None) -> list[list[int]] | None:
+        """A proposal graph's drafts [R, K] as host lists (greedy: no q to keep)."""
+        if drafts is None:
+            return None
+        self.distributions.keep([], [], None, [])
+        return drafts.tolist()
+
     def resampler(
         self, reqs: Sequence[Any], num_rows: Sequence[int], sampling: SamplingTensors
     ) -> Resample | None:
@@ -207,7 +231,7 @@ class MTPProposer(Proposer):
         if not model.has_mtp:
             raise ConfigError(NO_MTP)
         self.model, self.caches, self.swa = model, caches, swa
-        self.draft_graphs: MTPGraphs | None = None
+        self.proposal_graphs: MTPGraphs | None = None
 
     def enable_graphs(
         self,
@@ -222,25 +246,17 @@ class MTPProposer(Proposer):
     ) -> None:
         super().enable_graphs(model, caches, buffers, groups, batch_sizes, buckets, capture, log)
         assert self.graphs is not None
-        self.draft_graphs = MTPGraphs(
+        self.proposal_graphs = MTPGraphs(
             self.model, self.caches, buffers, self.swa, self.num_tokens, batch_sizes, buckets
         )
         if capture:  # one pool for the verify and the proposal graphs
-            self.draft_graphs.capture(pool=self.graphs.set.pool, log=log)
+            self.proposal_graphs.capture(pool=self.graphs.set.pool, log=log)
 
     def _propose_graph(self, step: VerifiedStep) -> list[list[int]] | None:
         """The whole proposal as one graph replay, when the step was a uniform verify step
         (1 + K tokens per request) whose requests all draft greedily; else None."""
-        graphs, width = self.draft_graphs, 1 + self.num_tokens
-        num = len(step.num_kept)
-        if (
-            graphs is None
-            or not num
-            or step.streams.shape[0] != num * width
-            or not all(step.wants_draft)
-            or (step.is_greedy and not all(step.is_greedy))
-            or any(b - a != width for a, b in itertools.pairwise(step.query_start_loc))
-        ):
+        graphs, width, num = self.proposal_graphs, 1 + self.num_tokens, len(step.num_kept)
+        if graphs is None or not self._uniform_greedy(step):
             return None
         kept = np.asarray(step.num_kept, dtype=np.int64)
         base = np.asarray(step.num_computed, dtype=np.int64)
@@ -254,14 +270,10 @@ class MTPProposer(Proposer):
         last = np.arange(num, dtype=np.int64) * width + kept - 1
         # the chain's last position: L + kept + K - 1
         max_len = int((base + kept).max()) + self.num_tokens
-        drafts = graphs.run(
+        return self._replayed(graphs.run(
             step.streams, tokens.reshape(-1), positions.reshape(-1), token_req.reshape(-1),
             step.rows, last, max_len,
-        )  # fmt: skip
-        if drafts is None:
-            return None
-        self.distributions.keep([], [], None, [])
-        return drafts.tolist()
+        ))  # fmt: skip
 
     def _meta(
         self, positions: torch.Tensor, token_req: torch.Tensor, rows: torch.Tensor, max_len: int
@@ -338,7 +350,8 @@ class DraftModelProposer(Proposer):
             if g.name.startswith(DRAFT_PREFIX)
         ]
         self.ratios = compressed_ratios(self.groups)
-        self.draft_graphs: DraftGraphs | None = None
+        self.draft_graphs: DraftGraphs | None = None  # the chain after an eager first step
+        self.proposal_graphs: DraftProposalGraphs | None = None  # the whole proposal
 
     def enable_graphs(
         self,
@@ -357,8 +370,35 @@ class DraftModelProposer(Proposer):
         self.draft_graphs = DraftGraphs(
             self.model, self.caches, self.groups, tables, buffers.null_row, batch_sizes, buckets
         )
-        if capture:  # one pool for the verify and the chain graphs
+        self.proposal_graphs = DraftProposalGraphs(
+            self.model, self.caches, buffers, self.groups, tables, self.num_tokens,
+            batch_sizes, buckets,
+        )  # fmt: skip
+        if capture:  # one pool for the verify, the chain and the proposal graphs
             self.draft_graphs.capture(pool=self.graphs.set.pool, log=log)
+            self.proposal_graphs.capture(pool=self.graphs.set.pool, log=log)
+
+    def _propose_graph(self, step: VerifiedStep) -> list[list[int]] | None:
+        """The whole proposal as one graph replay (see MTPProposer._propose_graph): rows
+        L .. L + kept (the kept tokens and y) of each request, padded to 2 + K."""
+        graphs, num = self.proposal_graphs, len(step.num_kept)
+        if graphs is None or not self._uniform_greedy(step):
+            return None
+        kept = np.asarray(step.num_kept, dtype=np.int64)
+        base = np.asarray(step.num_computed, dtype=np.int64)
+        i = np.arange(graphs.width, dtype=np.int64)
+        real = i[None, :] <= kept[:, None]  # [R, 2 + K]
+        positions = np.where(real, base[:, None] + i[None, :], 0)
+        tokens = np.zeros((num, graphs.width), dtype=np.int64)
+        for r, ids in enumerate(step.token_ids):
+            tokens[r, : kept[r] + 1] = ids[base[r] : base[r] + kept[r] + 1]
+        token_req = np.where(real, np.arange(num)[:, None], num)
+        last = np.arange(num, dtype=np.int64) * graphs.width + kept
+        max_len = int((base + kept).max()) + self.num_tokens  # the chain's last position + 1
+        return self._replayed(graphs.run(
+            tokens.reshape(-1), positions.reshape(-1), token_req.reshape(-1), step.rows, last,
+            max_len,
+        ))  # fmt: skip
 
     def _chain_logits(
         self, draft: torch.Tensor, positions: np.ndarray, token_req: np.ndarray, rows: torch.Tensor
@@ -404,6 +444,9 @@ class DraftModelProposer(Proposer):
         return hidden
 
     def propose(self, step: VerifiedStep) -> list[list[int]]:
+        replayed = self._propose_graph(step)
+        if replayed is not None:
+            return replayed
         wanted = [r for r, w in enumerate(step.wants_draft) if w]
         # the kept tokens and y: rows L .. L + kept of the draft's caches
         counts = [k + s for k, s in zip(step.num_kept, step.sampled, strict=True)]
