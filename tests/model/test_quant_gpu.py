@@ -30,27 +30,43 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-3), (torch.bfloat16, 5e-2)])
+def _prefill_decode_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """Logits [100, V] of a 90-token prefill, then 10 decode steps."""
+    cache = ContiguousCache(model, 1, 110)
+    hidden, _ = model(ids[:90], cache.batch([0], [90], [0]), cache.tensors)
+    logits = [model.compute_logits(hidden)]
+    for i in range(90, 100):
+        hidden, _ = model(ids[i : i + 1], cache.batch([i], [1], [0]), cache.tensors)
+        logits.append(model.compute_logits(hidden))
+    return torch.cat(logits).float()
+
+
 @torch.inference_mode()
-def test_kernels_match_reference_kernels(tmp_path, dtype, tol):
+def test_kernels_match_reference_kernels(tmp_path):
+    """fp32: the Triton kernels equal the reference kernels within 1e-3. bf16: the fast
+    path's error against the fp32 reference is at most twice the bf16 reference's own
+    (issue 12's bf16 rule; a fixed 5e-2 failed at 0.126 on the H200 for errors that both
+    bf16 paths share)."""
     cfg = dataclasses.replace(tiny_config(), quantization=QuantConfig())
     path = create_checkpoint(cfg, tmp_path, seed=0)
-    fast = load_model(path, dtype=dtype, device="cuda")
-    ref = load_model(path, dtype=dtype, device="cuda", kernels="reference")
     ids = torch.randint(2, cfg.vocab_size, (100,), generator=torch.Generator().manual_seed(0))
     ids = ids.cuda()
-    out = {}
-    for name, model in (("fast", fast), ("ref", ref)):
-        cache = ContiguousCache(model, 1, 110)
-        logits = []
-        hidden, _ = model(ids[:90], cache.batch([0], [90], [0]), cache.tensors)
-        logits.append(model.compute_logits(hidden))
-        for i in range(90, 100):
-            hidden, _ = model(ids[i : i + 1], cache.batch([i], [1], [0]), cache.tensors)
-            logits.append(model.compute_logits(hidden))
-        out[name] = torch.cat(logits)
-    rel = ((out["fast"] - out["ref"]).abs().max() / out["ref"].abs().max()).item()
-    assert rel <= tol, rel
+    out = {
+        (dtype, kernels): _prefill_decode_logits(
+            load_model(path, dtype=dtype, device="cuda", kernels=kernels), ids
+        )
+        for dtype in (torch.float32, torch.bfloat16)
+        for kernels in ("auto", "reference")
+    }
+    exact = out[(torch.float32, "reference")]
+
+    def rel(x: torch.Tensor) -> float:
+        return ((x - exact).abs().max() / exact.abs().max()).item()
+
+    assert rel(out[(torch.float32, "auto")]) <= 1e-3
+    fast16, ref16 = rel(out[(torch.bfloat16, "auto")]), rel(out[(torch.bfloat16, "reference")])
+    print(f"bf16 vs fp32 reference: fast {fast16:.4f}, reference {ref16:.4f}")
+    assert fast16 <= 2 * ref16, (fast16, ref16)
 
 
 def test_v4_flash_random_quantized_graph_replay():

@@ -19,7 +19,11 @@ pytestmark = [
 
 
 def cuda_engine(model_dir, spec, enforce_eager: bool):
-    return spec_engine(model_dir, spec, max_num_seqs=4, device="cuda", enforce_eager=enforce_eager)
+    # a fixed KV budget: with pytest -n 2 the other worker's memory is not this engine's
+    return spec_engine(
+        model_dir, spec, max_num_seqs=4, device="cuda", enforce_eager=enforce_eager,
+        kv_cache_memory=1 << 30,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("greedy", [False, True])  # True: the whole-proposal graphs too

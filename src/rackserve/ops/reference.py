@@ -461,6 +461,18 @@ def route_fused(
     return ids, weights
 
 
+FP8_MAX = 448.0  # the largest e4m3 value
+
+
+def as_stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a cache of ``dtype`` stores it: e4m3 (``--kv-cache-dtype fp8``) saturates at
+    +-448 like the kernels' encoding, on every device (torch's cast saturates on the CPU
+    but gives NaN on CUDA, 2026-12-01 on the H200); other dtypes are a plain cast."""
+    if dtype == torch.float8_e4m3fn:
+        return x.clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return x.to(dtype)
+
+
 def kv_insert(
     kv: torch.Tensor,
     weight: torch.Tensor,
@@ -480,10 +492,10 @@ def kv_insert(
     into ``state`` [Ns, W] at ``state_slots`` [T] (None on sliding layers). Padded tokens
     may share a (null-block) slot: which of them lands there is unspecified.
     """
-    swa[swa_slots] = rms_norm_rope(kv, weight, eps, cos, sin).to(swa.dtype)
+    swa[swa_slots] = as_stored(rms_norm_rope(kv, weight, eps, cos, sin), swa.dtype)
     if rows is not None:
         assert state is not None and state_slots is not None
-        state[state_slots] = rows.to(state.dtype)
+        state[state_slots] = as_stored(rows, state.dtype)
 
 
 def compress_entries(
@@ -508,7 +520,7 @@ def compress_entries(
         new = compress_pool(
             state, src, missing, col, ape, norm_weight, eps, positions, inv_freq, rope_scale
         )
-        entries[dst, out_col : out_col + norm_weight.shape[0]] = new.to(entries.dtype)
+        entries[dst, out_col : out_col + norm_weight.shape[0]] = as_stored(new, entries.dtype)
 
 
 def select_entries(

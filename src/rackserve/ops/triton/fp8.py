@@ -1,9 +1,10 @@
-"""FP8 (e4m3) KV cache rows in the Triton kernels: one encoding rule, the CPU reference's.
+"""FP8 (e4m3) KV cache rows in the Triton kernels: one encoding rule, the reference's.
 
-The reference stores a row as ``row.to(activation dtype).to(torch.float8_e4m3fn)``: no scale
-(the cached rows are RMS-normed, |x| ~ 1), round to nearest even, saturating at +-448 (torch's
-cast; the GPU's ``cvt.rn.satfinite`` does the same). Writers round to the activation dtype
-first (``round_as``) and then encode, so their bytes equal the reference's bit for bit.
+The reference stores a row as ``reference.as_stored(row.to(activation dtype), e4m3)``: no
+scale (the cached rows are RMS-normed, |x| ~ 1), round to nearest even, saturating at +-448
+(torch's CPU cast does that; its CUDA cast gives NaN past 448, so the reference clamps).
+Writers round to the activation dtype first (``round_as``) and then encode, so their bytes
+equal the reference's bit for bit.
 
 Writers get the fp8 cache as a ``uint8`` view and store the codes of ``e4m3_bits``: the
 encoding is integer arithmetic, because the Triton interpreter's float -> fp8 cast is wrong
