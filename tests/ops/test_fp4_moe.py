@@ -13,10 +13,14 @@ import importlib
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from rackserve.ops import quant
 
 from kernel_checks import DEVICE, assert_bf16_close, assert_fp32_close
+
+fp4_kernels = importlib.import_module("rackserve.ops.triton.fused_moe_fp4")
 
 LIMIT = 7.0
 POISON_INT = 1 << 29
@@ -77,6 +81,8 @@ def test_tilings(fm4, block_k):
     args = make_case(9, 4, 96, 64, 2, seed=block_k, dtype=torch.float32, ue8m0=True)
     check(fm4, args, fm4.Fp4Tiling(16, 16, 32, block_k, 4, 1))  # D = 96: a ragged last step
     check(fm4, args, fm4.Fp4Tiling(32, 32, 64, block_k, 4, 1, align_segment=16))  # 2 segments
+    # nibbles decoded through fp16 bit patterns: the same values, fewer ops
+    check(fm4, args, fm4.Fp4Tiling(16, 16, 32, block_k, 4, 1, fp16_bits=True))
 
 
 def test_unrouted_slots_add_nothing(fm4):
@@ -104,6 +110,25 @@ def test_nibble_order_and_values():
     q, s = quant.quantize_fp4(values * 4, ue8m0=True)
     assert s.item() == 4.0
     assert torch.equal(quant.dequantize_fp4(q, s, torch.float32), values * 4)
+
+
+@triton.jit
+def _decode_every_code(out_ptr):
+    code = tl.arange(0, 16)
+    tl.store(out_ptr + code, fp4_kernels._e2m1(code))
+    tl.store(out_ptr + 16 + code, fp4_kernels._e2m1_bits(code))
+
+
+def test_both_nibble_decoders_give_every_value():
+    """``_e2m1`` (arithmetic) and ``_e2m1_bits`` (fp16 bit patterns) decode the 16 codes to
+    exactly the format's values (the bits decoder keeps code 8's -0, as the reference; the
+    arithmetic one gives +0 there, the same in every dot)."""
+    out = torch.full((32,), float("nan"), device=DEVICE)
+    _decode_every_code[(1,)](out)
+    want = torch.tensor(quant.E2M1_VALUES, device=DEVICE)
+    arithmetic, bits = out.view(2, 16)
+    assert torch.equal(arithmetic, want) and torch.equal(bits, want)
+    assert torch.equal(bits.signbit(), want.signbit())
 
 
 def test_round_to_nearest():

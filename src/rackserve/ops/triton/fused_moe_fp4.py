@@ -47,6 +47,7 @@ class Fp4Tiling:
     num_warps: int
     num_stages: int
     align_segment: int = 2048  # pairs per align program (fused_moe.moe_align)
+    fp16_bits: bool = False  # decode nibbles through fp16 bit patterns (see _e2m1_bits)
 
 
 def default_tiling(num_tokens: int, top_k: int, num_experts: int, device: torch.device):
@@ -80,8 +81,18 @@ def _e2m1(code):
 
 
 @triton.jit
+def _e2m1_bits(code):
+    """The same values in fewer ops: the code's 3 magnitude bits placed in an fp16's low
+    exponent bits and top mantissa bit, and its sign in the sign bit, make the fp16 value
+    e2m1 * 2^-14 exactly (e = 0 lands in the subnormals: m * 2^-15 = 0.5 m * 2^-14);
+    widened and scaled by 2^14 (exact), that is ``_e2m1``."""
+    bits = ((code & 7) << 9) | ((code & 8) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+
+
+@triton.jit
 def _fp4_tile(w_ptrs, w_mask, s_ptrs, s_mask, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-              SCALE_E8M0: tl.constexpr):  # fmt: skip
+              SCALE_E8M0: tl.constexpr, FP16_BITS: tl.constexpr):  # fmt: skip
     """A [BK / 2, BN] tile of packed bytes and its [BK / 32, BN] scales -> (even inputs,
     odd inputs) [BK / 2, BN], scaled, fp32. Each scale row covers 16 bytes (32 inputs)."""
     packed = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.int32)
@@ -92,7 +103,10 @@ def _fp4_tile(w_ptrs, w_mask, s_ptrs, s_mask, BLOCK_K: tl.constexpr, BLOCK_N: tl
         scale = tl.load(s_ptrs, mask=s_mask, other=0.0)
     scale = tl.broadcast_to(scale[:, None, :], (BLOCK_K // 32, 16, BLOCK_N))
     scale = tl.reshape(scale, (BLOCK_K // 2, BLOCK_N))
-    return _e2m1(packed & 15) * scale, _e2m1(packed >> 4) * scale
+    if FP16_BITS:
+        return _e2m1_bits(packed & 15) * scale, _e2m1_bits(packed >> 4) * scale
+    else:
+        return _e2m1(packed & 15) * scale, _e2m1(packed >> 4) * scale
 
 
 @triton.jit
@@ -139,6 +153,7 @@ def moe_gate_up_fp4_kernel(
     BLOCK_K: tl.constexpr,
     SCALE_E8M0: tl.constexpr,
     IEEE: tl.constexpr,
+    FP16_BITS: tl.constexpr,
 ):
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert >= num_experts:
@@ -167,11 +182,11 @@ def moe_gate_up_fp4_kernel(
         s_mask = (group < hidden // 32)[:, None] & col_ok[None, :]
         w_off, s_off = byte[:, None], group[:, None]
         even, odd = _fp4_tile(w_gate + w_off, w_mask, s_gate + s_off, s_mask,
-                              BLOCK_K, BLOCK_N, SCALE_E8M0)  # fmt: skip
+                              BLOCK_K, BLOCK_N, SCALE_E8M0, FP16_BITS)  # fmt: skip
         acc_gate = _dot2(a_even, a_odd, even, odd, acc_gate, IEEE)
         even, odd = _fp4_tile(w_gate + inter * stride_wn + w_off, w_mask,
                               s_gate + inter * stride_sn + s_off, s_mask,
-                              BLOCK_K, BLOCK_N, SCALE_E8M0)  # fmt: skip
+                              BLOCK_K, BLOCK_N, SCALE_E8M0, FP16_BITS)  # fmt: skip
         acc_up = _dot2(a_even, a_odd, even, odd, acc_up, IEEE)
     store_swiglu(acc_gate, acc_up, limit, h_ptr, rows, cols, col_ok, stride_ht)
 
@@ -201,6 +216,7 @@ def moe_down_fp4_kernel(
     SCALE_E8M0: tl.constexpr,
     IEEE: tl.constexpr,
     ACT_DTYPE: tl.constexpr,  # the dots' input type (bf16 / fp16 on a GPU)
+    FP16_BITS: tl.constexpr,
 ):
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert >= num_experts:
@@ -223,7 +239,7 @@ def moe_down_fp4_kernel(
         group = k0 // 32 + gg
         s_mask = (group < inter // 32)[:, None] & col_ok[None, :]
         even, odd = _fp4_tile(w_base + byte[:, None], w_mask, s_base + group[:, None], s_mask,
-                              BLOCK_K, BLOCK_N, SCALE_E8M0)  # fmt: skip
+                              BLOCK_K, BLOCK_N, SCALE_E8M0, FP16_BITS)  # fmt: skip
         if IEEE:
             acc = _dot2(a_even, a_odd, even, odd, acc, IEEE)
         else:  # h = hi + lo in the 16-bit type: two dots keep h's fp32 precision
@@ -311,7 +327,7 @@ def moe_experts_fp4(
         x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         h.stride(0),
         BLOCK_M=bm, BLOCK_N=t.gate_up_block_n, BLOCK_K=t.block_k, SCALE_E8M0=e8m0, IEEE=ieee,
-        num_warps=t.num_warps, num_stages=t.num_stages,
+        FP16_BITS=t.fp16_bits, num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     slots = _empty((num_pairs, hidden), torch.float32, x.device)
     moe_down_fp4_kernel[(num_blocks, triton.cdiv(hidden, t.down_block_n))](
@@ -320,7 +336,7 @@ def moe_experts_fp4(
         h.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         slots.stride(0),
         BLOCK_M=bm, BLOCK_N=t.down_block_n, BLOCK_K=t.block_k, SCALE_E8M0=e8m0, IEEE=ieee,
-        ACT_DTYPE=_TL_DTYPES[x.dtype],
+        ACT_DTYPE=_TL_DTYPES[x.dtype], FP16_BITS=t.fp16_bits,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     block_d = min(1024, triton.next_power_of_2(hidden))

@@ -1,0 +1,77 @@
+"""The FP4 fused MoE (``ops/triton/fused_moe_fp4.py``) at V4-Flash sizes (E=64, k=6,
+D=4096, I=2048) over a few tilings and both nibble decoders, graph-timed, against its
+compulsory bytes (the hit experts at 4.25 bits a weight, plus x and the output): which
+knob moves it off its 3-8% of roofline (session 7's quant_bench). One JSON line per
+timing, the file rewritten as it goes.
+
+    python benchmarks/fp4_moe_sweep.py --output $OUT/fp4_sweep.json [--tokens 1 64 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from functools import partial
+
+import torch
+import triton
+
+from rackserve.ops import quant
+from rackserve.ops.triton import fused_moe_fp4 as fp4
+
+E, K, D, INTER, LIMIT = 64, 6, 4096, 2048, 10.0
+BANDWIDTH = 4.8e12
+
+
+def variants(t: int) -> dict[str, fp4.Fp4Tiling]:
+    base = fp4.default_tiling(t, K, E, torch.device("cuda"))
+    return {
+        "default": base,
+        "fp16_bits": dataclasses.replace(base, fp16_bits=True),
+        "bits_bn64": dataclasses.replace(base, fp16_bits=True, gate_up_block_n=64),
+        "bits_bk256": dataclasses.replace(base, fp16_bits=True, block_k=256),
+        "bits_w8": dataclasses.replace(base, fp16_bits=True, num_warps=8),
+        "bits_stages2": dataclasses.replace(base, fp16_bits=True, num_stages=2),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256])
+    p.add_argument("--output", default=None)
+    args = p.parse_args()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w13, s13 = quant.quantize_fp4(torch.randn(E, 2 * INTER, D, device="cuda", generator=g) / 64)
+    w2, s2 = quant.quantize_fp4(torch.randn(E, D, INTER, device="cuda", generator=g) / 45)
+    s13, s2 = quant.float_to_ue8m0(s13), quant.float_to_ue8m0(s2)
+    records = []
+    for t in args.tokens:
+        x = torch.randn(t, D, device="cuda", generator=g).bfloat16()
+        ids = torch.rand(t, E, device="cuda", generator=g).argsort(-1)[:, :K]
+        weights = torch.rand(t, K, device="cuda", generator=g)
+        hit = int(torch.unique(ids).numel())
+        nbytes = hit * 3 * D * INTER * (0.5 + 1 / 32) + 4 * t * D
+        ref = None
+        for name, tiling in variants(t).items():
+            fn = partial(
+                fp4.moe_experts_fp4, x, ids, weights, w13, s13, w2, s2, LIMIT, tiling=tiling
+            )
+            got = fn().float()
+            ref = got if ref is None else ref
+            us = triton.testing.do_bench_cudagraph(fn, return_mode="median") * 1e3
+            rec = {
+                "tokens": t, "variant": name, "tiling": dataclasses.asdict(tiling), "us": us,
+                "bytes": nbytes, "fraction_of_roofline": nbytes / BANDWIDTH / (us * 1e-6),
+                "max_diff_vs_default": (got - ref).abs().max().item(),
+            }  # fmt: skip
+            frac = rec["fraction_of_roofline"]
+            print(f"T={t:4d} {name:13s} {us:9.1f} us  {frac:.2f}", flush=True)
+            records.append(rec)
+            if args.output:  # rewritten after each timing: a cut call keeps what ran
+                with open(args.output, "w") as f:
+                    json.dump(records, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
