@@ -238,7 +238,73 @@ class DraftGraphs:
         return self.set.replay(key, self._forward)[:num]
 
 
-class MTPGraphs:
+class _ProposalGraphs:
+    """What both proposal graphs share: ``width`` padded rows per request (the pad request
+    B owns the padding, on the null row), their static inputs, and one upload per replay.
+    Subclasses set ``width`` and define ``_forward(b, bucket) -> drafts [b, K]``."""
+
+    def __init__(
+        self,
+        buffers: StepBuffers,
+        num_drafts: int,
+        batch_sizes: Sequence[int],
+        buckets: Sequence[int],
+        width: int,
+    ) -> None:
+        self.buffers, self.null_row = buffers, buffers.null_row
+        self.num_drafts, self.width = num_drafts, width
+        self.set = _GraphSet(batch_sizes, buckets)
+        device, n = buffers.device, max(batch_sizes)
+        rows = n * width
+        self.tokens = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.token_req = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.rows = torch.full((n + 1,), self.null_row, dtype=torch.int64, device=device)
+        self.last = torch.zeros(n, dtype=torch.int64, device=device)
+        self.flat_index = torch.arange(rows, device=device)
+
+    def _forward(self, b: int, bucket: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def capture(self, pool=None, log: bool = True):
+        return self.set.capture(self._forward, pool, log)
+
+    def run(
+        self,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        token_req: np.ndarray,
+        rows: Sequence[int],
+        last: np.ndarray,
+        max_len: int,
+    ) -> torch.Tensor | None:
+        """Per flat row [R * width] its token, position and request (R: padding), per
+        request its block-table row and last row, into the static buffers in one upload;
+        then the drafts [R, K] of the key's graph (valid until the next run), or None when
+        no key fits ``max_len`` (host bound on every position + 1)."""
+        num = len(rows)
+        key = self.set.key(num, max_len)
+        if key is None:
+            return None
+        b = key[0]
+        token_req = np.where(token_req == num, b, token_req)  # the pad request is index b
+        pad = (b - num) * self.width
+        if pad:
+            zeros = np.zeros(pad, dtype=np.int64)
+            tokens, positions = np.concatenate([tokens, zeros]), np.concatenate([positions, zeros])
+            token_req = np.concatenate([token_req, np.full(pad, b, dtype=np.int64)])
+        req_rows = np.full(b + 1, self.null_row, dtype=np.int64)
+        req_rows[:num] = rows
+        req_last = np.zeros(b, dtype=np.int64)
+        req_last[:num] = last
+        uploads = self.buffers.upload([tokens, positions, token_req, req_rows, req_last])
+        targets = (self.tokens, self.positions, self.token_req, self.rows, self.last)
+        for dst, src in zip(targets, uploads, strict=True):
+            dst[: src.shape[0]].copy_(src)
+        return self.set.replay(key, self._forward)[:num]
+
+
+class MTPGraphs(_ProposalGraphs):
     """The MTP drafter's greedy proposal after a uniform verify step: B requests x (1 + K)
     rows of the verify's final streams -> drafts [B, K].
 
@@ -258,20 +324,14 @@ class MTPGraphs:
         batch_sizes: Sequence[int],
         buckets: Sequence[int],
     ) -> None:
-        self.model, self.caches, self.buffers, self.swa = model, caches, buffers, swa
-        self.table, self.null_row = buffers.tables[swa.name], buffers.null_row
-        self.num_drafts, self.width = num_drafts, 1 + num_drafts
-        self.set = _GraphSet(batch_sizes, buckets)
-        device, n = buffers.device, max(batch_sizes)
-        cfg, dtype = model.cfg, model.head.weight.dtype
-        rows = n * self.width
-        self.streams = torch.zeros(rows, cfg.hc_mult, cfg.hidden_size, dtype=dtype, device=device)
-        self.tokens = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.token_req = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.rows = torch.full((n + 1,), self.null_row, dtype=torch.int64, device=device)
-        self.last = torch.zeros(n, dtype=torch.int64, device=device)
-        self.req = torch.arange(n, device=device)
+        super().__init__(buffers, num_drafts, batch_sizes, buckets, width=1 + num_drafts)
+        self.model, self.caches, self.swa = model, caches, swa
+        self.table = buffers.tables[swa.name]
+        cfg, rows = model.cfg, self.tokens.shape[0]
+        self.streams = torch.zeros(
+            rows, cfg.hc_mult, cfg.hidden_size, dtype=model.head.weight.dtype,
+            device=buffers.device,
+        )  # fmt: skip
 
     def _meta(self, positions, token_req, rows, bucket: int, mask=None) -> StepMetadata:
         tables = {self.swa.name: self.table[rows]}
@@ -290,36 +350,20 @@ class MTPGraphs:
         live = rows[:b] != self.null_row
         for _ in range(1, self.num_drafts):
             positions = positions + 1
-            meta = self._meta(positions, self.req[:b], rows[:b], bucket, live)
+            meta = self._meta(positions, self.flat_index[:b], rows[:b], bucket, live)
             hidden, x = self.model.mtp_forward(0, draft, x, meta, self.caches)
             draft = self.model.compute_logits(hidden).argmax(dim=-1)
             drafts.append(draft)
         return torch.stack(drafts, dim=1)
 
-    def capture(self, pool=None, log: bool = True):
-        return self.set.capture(self._forward, pool, log)
-
-    def run(
-        self,
-        streams: torch.Tensor,
-        tokens: np.ndarray,
-        positions: np.ndarray,
-        token_req: np.ndarray,
-        rows: Sequence[int],
-        last: np.ndarray,
-        max_len: int,
-    ) -> torch.Tensor | None:
-        """streams [R (1 + K), N, D] (the verify step's), and per flat row its token,
-        position and request (R for padding), per request its block-table row and last
-        kept row; max_len: host bound on every position + 1. Drafts [R, K] (valid until
-        the next run), or None when no graph fits."""
+    def stage_streams(self, streams: torch.Tensor) -> None:
+        """The verify step's final streams [R (1 + K), N, D], read by the next ``run``."""
         t = streams.shape[0]
         self.streams[:t].copy_(streams)
         self.streams[t:].zero_()  # padded requests' rows: finite values
-        return _stage_and_replay(self, tokens, positions, token_req, rows, last, max_len)
 
 
-class DraftProposalGraphs:
+class DraftProposalGraphs(_ProposalGraphs):
     """The draft model's greedy proposal after a uniform verify step: B requests, each its
     kept tokens and y (rows L .. L + kept of the draft's caches, padded to 2 + K rows on
     the pad request B, the null row), then K - 1 chained steps -> drafts [B, K].
@@ -339,19 +383,10 @@ class DraftProposalGraphs:
         batch_sizes: Sequence[int],
         buckets: Sequence[int],
     ) -> None:
-        self.model, self.caches, self.buffers = model, caches, buffers
-        self.groups, self.tables, self.null_row = list(groups), tables, buffers.null_row
+        super().__init__(buffers, num_drafts, batch_sizes, buckets, width=2 + num_drafts)
+        self.model, self.caches = model, caches
+        self.groups, self.tables = list(groups), tables
         self.ratios = compressed_ratios(self.groups)
-        self.num_drafts, self.width = num_drafts, 2 + num_drafts
-        self.set = _GraphSet(batch_sizes, buckets)
-        device, n = buffers.device, max(batch_sizes)
-        rows = n * self.width
-        self.tokens = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.token_req = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.rows = torch.full((n + 1,), self.null_row, dtype=torch.int64, device=device)
-        self.last = torch.zeros(n, dtype=torch.int64, device=device)
-        self.flat_index = torch.arange(rows, device=device)
 
     def _hidden(self, ids, positions, token_req, rows, bucket: int) -> torch.Tensor:
         n = positions.shape[0]
@@ -377,46 +412,3 @@ class DraftProposalGraphs:
             draft = self.model.compute_logits(hidden).argmax(dim=-1)
             drafts.append(draft)
         return torch.stack(drafts, dim=1)
-
-    def capture(self, pool=None, log: bool = True):
-        return self.set.capture(self._forward, pool, log)
-
-    def run(
-        self,
-        tokens: np.ndarray,
-        positions: np.ndarray,
-        token_req: np.ndarray,
-        rows: Sequence[int],
-        last: np.ndarray,
-        max_len: int,
-    ) -> torch.Tensor | None:
-        """Per flat row [R (2 + K)] its token, position and request (R: padding), per
-        request its block-table row and last row; max_len: host bound on every position
-        + 1. Drafts [R, K] (valid until the next run), or None when no graph fits."""
-        return _stage_and_replay(self, tokens, positions, token_req, rows, last, max_len)
-
-
-def _stage_and_replay(graphs, tokens, positions, token_req, rows, last, max_len):
-    """A padded proposal's inputs into the static buffers of ``graphs`` (an MTPGraphs or a
-    DraftProposalGraphs: ``width`` rows per request, the pad request last) in one upload,
-    then its graph's drafts [R, K]; None when no key fits."""
-    num = len(rows)
-    key = graphs.set.key(num, max_len)
-    if key is None:
-        return None
-    b, width = key[0], graphs.width
-    token_req = np.where(token_req == num, b, token_req)  # the pad request is index b
-    pad = (b - num) * width
-    if pad:
-        zeros = np.zeros(pad, dtype=np.int64)
-        tokens, positions = np.concatenate([tokens, zeros]), np.concatenate([positions, zeros])
-        token_req = np.concatenate([token_req, np.full(pad, b, dtype=np.int64)])
-    req_rows = np.full(b + 1, graphs.null_row, dtype=np.int64)
-    req_rows[:num] = rows
-    req_last = np.zeros(b, dtype=np.int64)
-    req_last[:num] = last
-    uploads = graphs.buffers.upload([tokens, positions, token_req, req_rows, req_last])
-    targets = (graphs.tokens, graphs.positions, graphs.token_req, graphs.rows, graphs.last)
-    for dst, src in zip(targets, uploads, strict=True):
-        dst[: src.shape[0]].copy_(src)
-    return graphs.set.replay(key, graphs._forward)[:num]

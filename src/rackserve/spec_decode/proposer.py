@@ -133,14 +133,23 @@ class Proposer:
         capture: bool = True,
         log: bool = True,
     ) -> None:
-        """Graphs of uniform verify steps over the target's ``groups`` (and the drafter's
-        chain, where it has one); ``capture=False`` (CPU tests): the same padded steps run
-        eagerly."""
+        """Graphs of uniform verify steps over the target's ``groups``, then the drafter's
+        own (``_drafter_graphs``), all in one memory pool; ``capture=False`` (CPU tests):
+        the same padded steps run eagerly."""
         self.graphs = VerifyGraphs(
             model, caches, buffers, groups, self.num_tokens, batch_sizes, buckets
         )
+        drafter = self._drafter_graphs(buffers, batch_sizes, buckets)
         if capture:
             self.graphs.capture(log=log)
+            for graphs in drafter:
+                graphs.capture(pool=self.graphs.set.pool, log=log)
+
+    def _drafter_graphs(
+        self, buffers: StepBuffers, batch_sizes: Sequence[int], buckets: Sequence[int]
+    ) -> list:
+        """Make the drafter's graph sets (each with ``capture(pool, log)``); none here."""
+        return []
 
     def propose(self, step: VerifiedStep) -> list[list[int]]:
         raise NotImplementedError
@@ -233,24 +242,13 @@ class MTPProposer(Proposer):
         self.model, self.caches, self.swa = model, caches, swa
         self.proposal_graphs: MTPGraphs | None = None
 
-    def enable_graphs(
-        self,
-        model: DeepseekV4ForCausalLM,
-        caches: KVCacheTensors,
-        buffers: StepBuffers,
-        groups: Sequence[CacheGroupSpec],
-        batch_sizes: Sequence[int],
-        buckets: Sequence[int],
-        capture: bool = True,
-        log: bool = True,
-    ) -> None:
-        super().enable_graphs(model, caches, buffers, groups, batch_sizes, buckets, capture, log)
-        assert self.graphs is not None
+    def _drafter_graphs(
+        self, buffers: StepBuffers, batch_sizes: Sequence[int], buckets: Sequence[int]
+    ) -> list:
         self.proposal_graphs = MTPGraphs(
             self.model, self.caches, buffers, self.swa, self.num_tokens, batch_sizes, buckets
         )
-        if capture:  # one pool for the verify and the proposal graphs
-            self.proposal_graphs.capture(pool=self.graphs.set.pool, log=log)
+        return [self.proposal_graphs]
 
     def _propose_graph(self, step: VerifiedStep) -> list[list[int]] | None:
         """The whole proposal as one graph replay, when the step was a uniform verify step
@@ -270,9 +268,10 @@ class MTPProposer(Proposer):
         last = np.arange(num, dtype=np.int64) * width + kept - 1
         # the chain's last position: L + kept + K - 1
         max_len = int((base + kept).max()) + self.num_tokens
+        graphs.stage_streams(step.streams)
         return self._replayed(graphs.run(
-            step.streams, tokens.reshape(-1), positions.reshape(-1), token_req.reshape(-1),
-            step.rows, last, max_len,
+            tokens.reshape(-1), positions.reshape(-1), token_req.reshape(-1), step.rows, last,
+            max_len,
         ))  # fmt: skip
 
     def _meta(
@@ -353,19 +352,9 @@ class DraftModelProposer(Proposer):
         self.draft_graphs: DraftGraphs | None = None  # the chain after an eager first step
         self.proposal_graphs: DraftProposalGraphs | None = None  # the whole proposal
 
-    def enable_graphs(
-        self,
-        model: DeepseekV4ForCausalLM,
-        caches: KVCacheTensors,
-        buffers: StepBuffers,
-        groups: Sequence[CacheGroupSpec],
-        batch_sizes: Sequence[int],
-        buckets: Sequence[int],
-        capture: bool = True,
-        log: bool = True,
-    ) -> None:
-        super().enable_graphs(model, caches, buffers, groups, batch_sizes, buckets, capture, log)
-        assert self.graphs is not None
+    def _drafter_graphs(
+        self, buffers: StepBuffers, batch_sizes: Sequence[int], buckets: Sequence[int]
+    ) -> list:
         tables = {g.name: self.tables[DRAFT_PREFIX + g.name] for g in self.groups}
         self.draft_graphs = DraftGraphs(
             self.model, self.caches, self.groups, tables, buffers.null_row, batch_sizes, buckets
@@ -374,9 +363,7 @@ class DraftModelProposer(Proposer):
             self.model, self.caches, buffers, self.groups, tables, self.num_tokens,
             batch_sizes, buckets,
         )  # fmt: skip
-        if capture:  # one pool for the verify, the chain and the proposal graphs
-            self.draft_graphs.capture(pool=self.graphs.set.pool, log=log)
-            self.proposal_graphs.capture(pool=self.graphs.set.pool, log=log)
+        return [self.draft_graphs, self.proposal_graphs]
 
     def _propose_graph(self, step: VerifiedStep) -> list[list[int]] | None:
         """The whole proposal as one graph replay (see MTPProposer._propose_graph): rows
