@@ -1,0 +1,90 @@
+"""Every Triton kernel the fast path launches compiles for the H200 (sm_90), checked on CPU.
+
+The launches come from interpreted bf16 steps of the bench model's layer schedule at tiny
+sizes: decode and prefill-sized steps (the prefill kernels' thresholds lowered so that a
+32-token chunk takes them), bf16 and fp8 KV caches, plus the quantized kernels (FP8 GEMM,
+FP4 fused MoE with both nibble decoders) and the GEMV. Each distinct launch is compiled
+with the real JIT kernels through Triton's ptxas (``sm90.py``). This is what the H200 found
+on 2026-12-01 and the interpreter could not: every fp8-KV reader failed to compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+import rackserve.ops as ops
+from rackserve.bench.forward import BatchSpec, synthetic_step
+from rackserve.model.create import init_model_
+from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
+from rackserve.model.presets import default_layer_types, tiny_config
+from rackserve.ops import quant
+from rackserve.runner.step_buffers import StepBuffers
+
+from sm90 import compile_for_sm90, gpu_variants, recorded_launches
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="records interpreted launches"
+)
+
+
+def _model() -> DeepseekV4ForCausalLM:
+    cfg = dataclasses.replace(
+        tiny_config(4, 8),
+        layer_types=default_layer_types(4),
+        mlp_layer_types=("hash_moe",) * 3 + ("moe",),
+    )
+    model = DeepseekV4ForCausalLM(cfg, with_mtp=False, kernels="triton")
+    init_model_(model.cast(torch.bfloat16), seed=0)
+    return model.eval()
+
+
+@torch.inference_mode()
+def _record_fast_path() -> list[dict]:
+    from rackserve.ops.triton import fp8_gemm, fused_moe_fp4, gemv
+
+    model = _model()
+    g = torch.Generator().manual_seed(0)
+    with recorded_launches() as specs:
+        for batch in ("decode:2@40", "prefill:32@20"):
+            for kv_dtype in (None, torch.float8_e4m3fn):
+                s = synthetic_step(model, BatchSpec.parse(batch), kv_dtype=kv_dtype)
+                buffers = StepBuffers(s.groups, s.input_batch.block_tables, "cpu")
+                ids, meta, idx = buffers.eager_step(s.step.inputs, s.step.table_writes)
+                hidden, _ = model(ids, meta, s.caches)
+                model.compute_logits(hidden[idx])
+        x = torch.randn(3, 256, generator=g).bfloat16()
+        w, scale = quant.quantize_fp8(torch.randn(128, 256, generator=g) / 16)
+        fp8_gemm.fp8_linear(x, w, scale)
+        gemv.gemv(x, torch.randn(64, 256, generator=g).bfloat16())
+        w13, s13 = quant.quantize_fp4(torch.randn(4, 128, 256, generator=g) / 16, True)
+        w2, s2 = quant.quantize_fp4(torch.randn(4, 256, 64, generator=g) / 8, True)
+        s13, s2 = quant.float_to_ue8m0(s13), quant.float_to_ue8m0(s2)
+        ids = torch.tensor([[0, 1], [2, 3], [1, 2]])
+        weights = torch.rand(3, 2, generator=g)
+        for bits in (False, True):
+            tiling = dataclasses.replace(
+                fused_moe_fp4.default_tiling(3, 2, 4, x.device), fp16_bits=bits
+            )
+            args = (x, ids, weights, w13, s13, w2, s2, 7.0)
+            fused_moe_fp4.moe_experts_fp4(*args, tiling=tiling)
+    return specs
+
+
+def test_fast_path_kernels_compile_for_sm90(monkeypatch):
+    # prefill kernels (attention, indexer, grouped MoE) from 24 tokens instead of 512 / 257
+    monkeypatch.setattr(ops, "PREFILL_ATTN_MIN_TOKENS", 24)
+    monkeypatch.setattr(ops, "FUSED_MOE_MAX_TOKENS", 24)
+    specs = gpu_variants(_record_fast_path())
+    kernels = {s["kernel"] for s in specs}
+    # the step's kernels, both attention paths, the fp8 writers, the quantized kernels
+    for name in ("sparse_attn_kernel", "prefill_attn_kernel", "_compress_kernel",
+                 "moe_gate_up_fp4_kernel", "fp8_gemm_kernel", "gemv_kernel"):  # fmt: skip
+        assert any(name in k for k in kernels), (name, sorted(kernels))
+    failures = compile_for_sm90(specs)
+    assert not failures, "\n".join(
+        f"{f['kernel']} {f['constexprs']}: {f['error']}" for f in failures
+    )
