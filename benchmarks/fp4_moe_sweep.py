@@ -33,6 +33,11 @@ def variants(t: int) -> dict[str, fp4.Fp4Tiling]:
         "bits_bk256": dataclasses.replace(base, fp16_bits=True, block_k=256),
         "bits_w8": dataclasses.replace(base, fp16_bits=True, num_warps=8),
         "bits_stages2": dataclasses.replace(base, fp16_bits=True, num_stages=2),
+        "prefetch": dataclasses.replace(base, prefetch=True),
+        "bits_prefetch": dataclasses.replace(base, fp16_bits=True, prefetch=True),
+        "bits_prefetch_bk256": dataclasses.replace(
+            base, fp16_bits=True, prefetch=True, block_k=256
+        ),
     }
 
 

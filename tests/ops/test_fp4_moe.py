@@ -83,6 +83,9 @@ def test_tilings(fm4, block_k):
     check(fm4, args, fm4.Fp4Tiling(32, 32, 64, block_k, 4, 1, align_segment=16))  # 2 segments
     # nibbles decoded through fp16 bit patterns: the same values, fewer ops
     check(fm4, args, fm4.Fp4Tiling(16, 16, 32, block_k, 4, 1, fp16_bits=True))
+    # the next step's weights loaded before this step computes (the last prefetch masked)
+    check(fm4, args, fm4.Fp4Tiling(16, 16, 32, block_k, 4, 1, prefetch=True))
+    check(fm4, args, fm4.Fp4Tiling(32, 32, 64, block_k, 4, 1, fp16_bits=True, prefetch=True))
 
 
 def test_unrouted_slots_add_nothing(fm4):

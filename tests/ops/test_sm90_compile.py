@@ -3,9 +3,10 @@
 The launches come from interpreted bf16 steps of the bench model's layer schedule at tiny
 sizes: decode and prefill-sized steps (the prefill kernels' thresholds lowered so that a
 32-token chunk takes them), bf16 and fp8 KV caches, plus the quantized kernels (FP8 GEMM,
-FP4 fused MoE with both nibble decoders) and the GEMV. Each distinct launch is compiled
-with the real JIT kernels through Triton's ptxas (``sm90.py``). This is what the H200 found
-on 2026-12-01 and the interpreter could not: every fp8-KV reader failed to compile.
+FP4 fused MoE with both nibble decoders and the prefetch) and the GEMV. Each distinct
+launch is compiled with the real JIT kernels through Triton's ptxas (``sm90.py``). This is
+what the H200 found on 2026-12-01 and the interpreter could not: every fp8-KV reader failed
+to compile.
 """
 
 from __future__ import annotations
@@ -65,9 +66,9 @@ def _record_fast_path() -> list[dict]:
         s13, s2 = quant.float_to_ue8m0(s13), quant.float_to_ue8m0(s2)
         ids = torch.tensor([[0, 1], [2, 3], [1, 2]])
         weights = torch.rand(3, 2, generator=g)
-        for bits in (False, True):
+        for bits, prefetch in ((False, False), (True, False), (True, True)):
             tiling = dataclasses.replace(
-                fused_moe_fp4.default_tiling(3, 2, 4, x.device), fp16_bits=bits
+                fused_moe_fp4.default_tiling(3, 2, 4, x.device), fp16_bits=bits, prefetch=prefetch
             )
             args = (x, ids, weights, w13, s13, w2, s2, 7.0)
             fused_moe_fp4.moe_experts_fp4(*args, tiling=tiling)

@@ -48,6 +48,9 @@ class Fp4Tiling:
     num_stages: int
     align_segment: int = 2048  # pairs per align program (fused_moe.moe_align)
     fp16_bits: bool = False  # decode nibbles through fp16 bit patterns (see _e2m1_bits)
+    # load step k+1's weights before computing step k (the compiled kernels showed no
+    # pipelining of the packed loads: 2 KB of shared memory at 4 stages, sm_90 ptxas)
+    prefetch: bool = False
 
 
 def default_tiling(num_tokens: int, top_k: int, num_experts: int, device: torch.device):
@@ -91,22 +94,40 @@ def _e2m1_bits(code):
 
 
 @triton.jit
-def _fp4_tile(w_ptrs, w_mask, s_ptrs, s_mask, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-              SCALE_E8M0: tl.constexpr, FP16_BITS: tl.constexpr):  # fmt: skip
-    """A [BK / 2, BN] tile of packed bytes and its [BK / 32, BN] scales -> (even inputs,
-    odd inputs) [BK / 2, BN], scaled, fp32. Each scale row covers 16 bytes (32 inputs)."""
-    packed = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.int32)
-    if SCALE_E8M0:  # 2 ** (byte - 127) exactly: the byte is the float's exponent field
-        raw = tl.load(s_ptrs, mask=s_mask, other=127).to(tl.int32)
-        scale = (raw << 23).to(tl.float32, bitcast=True)
+def _fp4_raw(w_ptrs, w_mask, s_ptrs, s_mask):
+    """A step's raw tile, as stored: [BK / 2, BN] packed bytes and [BK / 32, BN] scales
+    (fp32, or ue8m0 bytes). Nothing consumes them here, so a prefetched load stays in
+    flight while the step before it computes."""
+    return tl.load(w_ptrs, mask=w_mask, other=0), tl.load(s_ptrs, mask=s_mask, other=0)
+
+
+@triton.jit
+def _fp4_decode(packed, scale, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                FP16_BITS: tl.constexpr):  # fmt: skip
+    """A raw tile -> (even inputs, odd inputs) [BK / 2, BN], scaled, fp32. Each scale row
+    covers 16 bytes (32 inputs); masked scales load as 0 and their bytes as 0: value 0."""
+    packed = packed.to(tl.int32)
+    if scale.dtype == tl.uint8:  # ue8m0: 2 ** (byte - 127) exactly, the float's exponent
+        scale = (scale.to(tl.int32) << 23).to(tl.float32, bitcast=True)
     else:
-        scale = tl.load(s_ptrs, mask=s_mask, other=0.0)
+        scale = scale.to(tl.float32)
     scale = tl.broadcast_to(scale[:, None, :], (BLOCK_K // 32, 16, BLOCK_N))
     scale = tl.reshape(scale, (BLOCK_K // 2, BLOCK_N))
     if FP16_BITS:
         return _e2m1_bits(packed & 15) * scale, _e2m1_bits(packed >> 4) * scale
     else:
         return _e2m1(packed & 15) * scale, _e2m1(packed >> 4) * scale
+
+
+@triton.jit
+def _step_raw(w_rows, s_rows, k0, width, col_ok, BLOCK_K: tl.constexpr):
+    """The raw tile of the K step at input ``k0`` (of ``width``) for the weight rows
+    ``w_rows`` / ``s_rows`` [1, BN] (pointers to each row's start); past the end: masked."""
+    byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte j of a step holds inputs 2j, 2j+1
+    group = k0 // 32 + tl.arange(0, BLOCK_K // 32)  # the step's scale groups
+    w_mask = (2 * byte < width)[:, None] & col_ok[None, :]
+    s_mask = (group < width // 32)[:, None] & col_ok[None, :]
+    return _fp4_raw(w_rows + byte[:, None], w_mask, s_rows + group[:, None], s_mask)
 
 
 @triton.jit
@@ -151,42 +172,42 @@ def moe_gate_up_fp4_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SCALE_E8M0: tl.constexpr,
     IEEE: tl.constexpr,
     FP16_BITS: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert >= num_experts:
         return
     rows, pair, row_ok, cols, col_ok = block_tile(sorted_ptr, num_pairs, inter, BLOCK_M, BLOCK_N)
     token = tl.where(row_ok, pair // top_k, 0)
-    jj = tl.arange(0, BLOCK_K // 2)  # byte j of a step holds inputs 2j, 2j+1
-    gg = tl.arange(0, BLOCK_K // 32)  # the step's scale groups
     kk = tl.arange(0, BLOCK_K)
     x_row = x_ptr + token[:, None].to(tl.int64) * stride_xt
-    w_gate = expert_rows(w_ptr, expert, cols, stride_we, stride_wn)
+    w_gate = expert_rows(w_ptr, expert, cols, stride_we, stride_wn)  # [1, BN] row starts
     s_gate = expert_rows(s_ptr, expert, cols, stride_se, stride_sn)
+    w_up, s_up = w_gate + inter * stride_wn, s_gate + inter * stride_sn
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if PREFETCH:  # the next step's weights load while this one computes
+        gate_w, gate_s = _step_raw(w_gate, s_gate, 0, hidden, col_ok, BLOCK_K)
+        up_w, up_s = _step_raw(w_up, s_up, 0, hidden, col_ok, BLOCK_K)
     for k0 in range(0, hidden, BLOCK_K):
-        byte = k0 // 2 + jj
-        k_ok = 2 * byte < hidden
         a_even, a_odd = _even_odd(
             x_row + k0 + kk[None, :],
             row_ok[:, None] & (k0 + kk < hidden)[None, :],
             BLOCK_M,
             BLOCK_K,
         )
-        w_mask = k_ok[:, None] & col_ok[None, :]
-        group = k0 // 32 + gg
-        s_mask = (group < hidden // 32)[:, None] & col_ok[None, :]
-        w_off, s_off = byte[:, None], group[:, None]
-        even, odd = _fp4_tile(w_gate + w_off, w_mask, s_gate + s_off, s_mask,
-                              BLOCK_K, BLOCK_N, SCALE_E8M0, FP16_BITS)  # fmt: skip
+        if PREFETCH:
+            cur_gate_w, cur_gate_s, cur_up_w, cur_up_s = gate_w, gate_s, up_w, up_s
+            gate_w, gate_s = _step_raw(w_gate, s_gate, k0 + BLOCK_K, hidden, col_ok, BLOCK_K)
+            up_w, up_s = _step_raw(w_up, s_up, k0 + BLOCK_K, hidden, col_ok, BLOCK_K)
+        else:
+            cur_gate_w, cur_gate_s = _step_raw(w_gate, s_gate, k0, hidden, col_ok, BLOCK_K)
+            cur_up_w, cur_up_s = _step_raw(w_up, s_up, k0, hidden, col_ok, BLOCK_K)
+        even, odd = _fp4_decode(cur_gate_w, cur_gate_s, BLOCK_K, BLOCK_N, FP16_BITS)
         acc_gate = _dot2(a_even, a_odd, even, odd, acc_gate, IEEE)
-        even, odd = _fp4_tile(w_gate + inter * stride_wn + w_off, w_mask,
-                              s_gate + inter * stride_sn + s_off, s_mask,
-                              BLOCK_K, BLOCK_N, SCALE_E8M0, FP16_BITS)  # fmt: skip
+        even, odd = _fp4_decode(cur_up_w, cur_up_s, BLOCK_K, BLOCK_N, FP16_BITS)
         acc_up = _dot2(a_even, a_odd, even, odd, acc_up, IEEE)
     store_swiglu(acc_gate, acc_up, limit, h_ptr, rows, cols, col_ok, stride_ht)
 
@@ -213,33 +234,32 @@ def moe_down_fp4_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SCALE_E8M0: tl.constexpr,
     IEEE: tl.constexpr,
     ACT_DTYPE: tl.constexpr,  # the dots' input type (bf16 / fp16 on a GPU)
     FP16_BITS: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert >= num_experts:
         return
     rows, pair, row_ok, cols, col_ok = block_tile(sorted_ptr, num_pairs, hidden, BLOCK_M, BLOCK_N)
-    jj = tl.arange(0, BLOCK_K // 2)
-    gg = tl.arange(0, BLOCK_K // 32)
     kk = tl.arange(0, BLOCK_K)
     h_row = h_ptr + rows[:, None].to(tl.int64) * stride_ht
-    w_base = expert_rows(w_ptr, expert, cols, stride_we, stride_wn)
+    w_base = expert_rows(w_ptr, expert, cols, stride_we, stride_wn)  # [1, BN] row starts
     s_base = expert_rows(s_ptr, expert, cols, stride_se, stride_sn)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if PREFETCH:
+        next_w, next_s = _step_raw(w_base, s_base, 0, inter, col_ok, BLOCK_K)
     for k0 in range(0, inter, BLOCK_K):
-        byte = k0 // 2 + jj
-        k_ok = 2 * byte < inter
         a_even, a_odd = _even_odd(
             h_row + k0 + kk[None, :], (k0 + kk < inter)[None, :], BLOCK_M, BLOCK_K
         )
-        w_mask = k_ok[:, None] & col_ok[None, :]
-        group = k0 // 32 + gg
-        s_mask = (group < inter // 32)[:, None] & col_ok[None, :]
-        even, odd = _fp4_tile(w_base + byte[:, None], w_mask, s_base + group[:, None], s_mask,
-                              BLOCK_K, BLOCK_N, SCALE_E8M0, FP16_BITS)  # fmt: skip
+        if PREFETCH:
+            cur_w, cur_s = next_w, next_s
+            next_w, next_s = _step_raw(w_base, s_base, k0 + BLOCK_K, inter, col_ok, BLOCK_K)
+        else:
+            cur_w, cur_s = _step_raw(w_base, s_base, k0, inter, col_ok, BLOCK_K)
+        even, odd = _fp4_decode(cur_w, cur_s, BLOCK_K, BLOCK_N, FP16_BITS)
         if IEEE:
             acc = _dot2(a_even, a_odd, even, odd, acc, IEEE)
         else:  # h = hi + lo in the 16-bit type: two dots keep h's fp32 precision
@@ -318,7 +338,6 @@ def moe_experts_fp4(
     sorted_ids, block_expert = moe_align(topk_ids, num_experts, bm, t.align_segment)
     num_blocks = block_expert.shape[0]
     ieee = x.dtype == torch.float32 or x.device.type == "cpu"
-    e8m0 = w13_scale.dtype == torch.uint8
 
     h = _empty((num_blocks * bm, inter), torch.float32, x.device)
     moe_gate_up_fp4_kernel[(num_blocks, triton.cdiv(inter, t.gate_up_block_n))](
@@ -326,8 +345,9 @@ def moe_experts_fp4(
         num_pairs, top_k, hidden, inter, num_experts, float(limit),
         x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         h.stride(0),
-        BLOCK_M=bm, BLOCK_N=t.gate_up_block_n, BLOCK_K=t.block_k, SCALE_E8M0=e8m0, IEEE=ieee,
-        FP16_BITS=t.fp16_bits, num_warps=t.num_warps, num_stages=t.num_stages,
+        BLOCK_M=bm, BLOCK_N=t.gate_up_block_n, BLOCK_K=t.block_k, IEEE=ieee,
+        FP16_BITS=t.fp16_bits, PREFETCH=t.prefetch, num_warps=t.num_warps,
+        num_stages=t.num_stages,
     )  # fmt: skip
     slots = _empty((num_pairs, hidden), torch.float32, x.device)
     moe_down_fp4_kernel[(num_blocks, triton.cdiv(hidden, t.down_block_n))](
@@ -335,8 +355,8 @@ def moe_experts_fp4(
         num_pairs, hidden, inter, num_experts,
         h.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         slots.stride(0),
-        BLOCK_M=bm, BLOCK_N=t.down_block_n, BLOCK_K=t.block_k, SCALE_E8M0=e8m0, IEEE=ieee,
-        ACT_DTYPE=_TL_DTYPES[x.dtype], FP16_BITS=t.fp16_bits,
+        BLOCK_M=bm, BLOCK_N=t.down_block_n, BLOCK_K=t.block_k, IEEE=ieee,
+        ACT_DTYPE=_TL_DTYPES[x.dtype], FP16_BITS=t.fp16_bits, PREFETCH=t.prefetch,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     block_d = min(1024, triton.next_power_of_2(hidden))
