@@ -1,8 +1,8 @@
 """The FP4 fused MoE (``ops/triton/fused_moe_fp4.py``) at V4-Flash sizes (E=64, k=6,
-D=4096, I=2048) over a few tilings and both nibble decoders, graph-timed, against its
-compulsory bytes (the hit experts at 4.25 bits a weight, plus x and the output): which
-knob moves it off its 3-8% of roofline (session 7's quant_bench). One JSON line per
-timing, the file rewritten as it goes.
+D=4096, I=2048) over a few tilings, both nibble decoders and ``tl.dot_scaled``, graph-timed,
+against its compulsory bytes (the hit experts at 4.25 bits a weight, plus x and the
+output): which knob moves it off its 3-8% of roofline (session 7's quant_bench). One JSON
+line per timing, the file rewritten as it goes.
 
     python benchmarks/fp4_moe_sweep.py --output $OUT/fp4_sweep.json [--tokens 1 64 256]
 """
@@ -38,6 +38,14 @@ def variants(t: int) -> dict[str, fp4.Fp4Tiling]:
         "bits_prefetch_bk256": dataclasses.replace(
             base, fp16_bits=True, prefetch=True, block_k=256
         ),
+        "dot_scaled": dataclasses.replace(base, dot_scaled=True),
+        "scaled_bk256": dataclasses.replace(base, dot_scaled=True, block_k=256),
+        "scaled_bk64": dataclasses.replace(base, dot_scaled=True, block_k=64),
+        "scaled_bn64": dataclasses.replace(
+            base, dot_scaled=True, gate_up_block_n=64, down_block_n=128
+        ),
+        "scaled_w8": dataclasses.replace(base, dot_scaled=True, num_warps=8),
+        "scaled_stages2": dataclasses.replace(base, dot_scaled=True, num_stages=2),
     }
 
 

@@ -31,6 +31,8 @@ _TYPES = {
     torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
     torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv",
 }  # fmt: skip
+# constexprs that only a GPU turns on (ops the interpreter lacks, e.g. tl.dot_scaled)
+GPU_ONLY_FLAGS = ("DOT_SCALED",)
 _OPTIONS = ("num_warps", "num_stages")
 
 
@@ -93,14 +95,19 @@ def recorded_launches() -> Iterator[list[dict]]:
 
 
 def gpu_variants(specs: list[dict]) -> list[dict]:
-    """The distinct specs, plus for 16-bit launches the same with the fp32-dot flags off."""
+    """The distinct specs, plus for 16-bit launches the same with the fp32-dot flags off,
+    plus for launches with GPU-only flags the same with those on (and fp32 dots off)."""
     out: dict[str, dict] = {}
     for spec in specs:
         variants = [spec]
+        consts = spec["constexprs"]
         sixteen = any(t in ("*bf16", "*fp16") for t in spec["signature"].values())
-        flags = [f for f in FP32_DOT_FLAGS if spec["constexprs"].get(f) is True]
+        flags = dict.fromkeys((f for f in FP32_DOT_FLAGS if consts.get(f) is True), False)
         if sixteen and flags:
-            variants.append(spec | {"constexprs": spec["constexprs"] | dict.fromkeys(flags, False)})
+            variants.append(spec | {"constexprs": consts | flags})
+        gpu_only = dict.fromkeys((f for f in GPU_ONLY_FLAGS if consts.get(f) is False), True)
+        if gpu_only:
+            variants.append(spec | {"constexprs": consts | flags | gpu_only})
         for v in variants:
             out.setdefault(json.dumps(v, sort_keys=True), v)
     return list(out.values())

@@ -9,6 +9,7 @@ ue8m0, outputs and workspaces poisoned (NaN floats, a huge int).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
@@ -86,6 +87,17 @@ def test_tilings(fm4, block_k):
     # the next step's weights loaded before this step computes (the last prefetch masked)
     check(fm4, args, fm4.Fp4Tiling(16, 16, 32, block_k, 4, 1, prefetch=True))
     check(fm4, args, fm4.Fp4Tiling(32, 32, 64, block_k, 4, 1, fp16_bits=True, prefetch=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE == "cpu", reason="tl.dot_scaled: the interpreter has none")
+@pytest.mark.parametrize("t", [1, 17, 64, 300])
+def test_dot_scaled(fm4, t):
+    """Triton's own e2m1 upcast and scaled dot (bf16 activations, ue8m0 scales)."""
+    args = make_case(t, 8, 256, 128, 3, seed=t, dtype=torch.bfloat16, ue8m0=True)
+    base = fm4.default_tiling(t, 3, 8, torch.device(DEVICE))
+    check(fm4, args, dataclasses.replace(base, dot_scaled=True))
+    check(fm4, args, dataclasses.replace(base, dot_scaled=True, block_k=64, num_stages=2))
 
 
 def test_unrouted_slots_add_nothing(fm4):

@@ -51,6 +51,10 @@ class Fp4Tiling:
     # load step k+1's weights before computing step k (the compiled kernels showed no
     # pipelining of the packed loads: 2 KB of shared memory at 4 stages, sm_90 ptxas)
     prefetch: bool = False
+    # Triton's tl.dot_scaled (e2m1 weights, ue8m0 scales per 32 inputs: the MX layout ours
+    # already is): the compiler's own nibble upcast, then the dot. GPU with ue8m0 scales
+    # only (the interpreter has no dot_scaled); ignored elsewhere.
+    dot_scaled: bool = False
 
 
 def default_tiling(num_tokens: int, top_k: int, num_experts: int, device: torch.device):
@@ -175,6 +179,7 @@ def moe_gate_up_fp4_kernel(
     IEEE: tl.constexpr,
     FP16_BITS: tl.constexpr,
     PREFETCH: tl.constexpr,
+    DOT_SCALED: tl.constexpr,
 ):
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert >= num_experts:
@@ -188,27 +193,32 @@ def moe_gate_up_fp4_kernel(
     w_up, s_up = w_gate + inter * stride_wn, s_gate + inter * stride_sn
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    if PREFETCH:  # the next step's weights load while this one computes
-        gate_w, gate_s = _step_raw(w_gate, s_gate, 0, hidden, col_ok, BLOCK_K)
-        up_w, up_s = _step_raw(w_up, s_up, 0, hidden, col_ok, BLOCK_K)
-    for k0 in range(0, hidden, BLOCK_K):
-        a_even, a_odd = _even_odd(
-            x_row + k0 + kk[None, :],
-            row_ok[:, None] & (k0 + kk < hidden)[None, :],
-            BLOCK_M,
-            BLOCK_K,
-        )
-        if PREFETCH:
-            cur_gate_w, cur_gate_s, cur_up_w, cur_up_s = gate_w, gate_s, up_w, up_s
-            gate_w, gate_s = _step_raw(w_gate, s_gate, k0 + BLOCK_K, hidden, col_ok, BLOCK_K)
-            up_w, up_s = _step_raw(w_up, s_up, k0 + BLOCK_K, hidden, col_ok, BLOCK_K)
-        else:
-            cur_gate_w, cur_gate_s = _step_raw(w_gate, s_gate, k0, hidden, col_ok, BLOCK_K)
-            cur_up_w, cur_up_s = _step_raw(w_up, s_up, k0, hidden, col_ok, BLOCK_K)
-        even, odd = _fp4_decode(cur_gate_w, cur_gate_s, BLOCK_K, BLOCK_N, FP16_BITS)
-        acc_gate = _dot2(a_even, a_odd, even, odd, acc_gate, IEEE)
-        even, odd = _fp4_decode(cur_up_w, cur_up_s, BLOCK_K, BLOCK_N, FP16_BITS)
-        acc_up = _dot2(a_even, a_odd, even, odd, acc_up, IEEE)
+    if DOT_SCALED:
+        for k0 in range(0, hidden, BLOCK_K):
+            a_mask = row_ok[:, None] & (k0 + kk < hidden)[None, :]
+            a = tl.load(x_row + k0 + kk[None, :], mask=a_mask, other=0.0)
+            gate_w, gate_s = _step_raw(w_gate, s_gate, k0, hidden, col_ok, BLOCK_K)
+            acc_gate = tl.dot_scaled(a, None, "bf16", gate_w, tl.trans(gate_s), "e2m1", acc_gate)
+            up_w, up_s = _step_raw(w_up, s_up, k0, hidden, col_ok, BLOCK_K)
+            acc_up = tl.dot_scaled(a, None, "bf16", up_w, tl.trans(up_s), "e2m1", acc_up)
+    else:
+        if PREFETCH:  # the next step's weights load while this one computes
+            gate_w, gate_s = _step_raw(w_gate, s_gate, 0, hidden, col_ok, BLOCK_K)
+            up_w, up_s = _step_raw(w_up, s_up, 0, hidden, col_ok, BLOCK_K)
+        for k0 in range(0, hidden, BLOCK_K):
+            a_mask = row_ok[:, None] & (k0 + kk < hidden)[None, :]
+            a_even, a_odd = _even_odd(x_row + k0 + kk[None, :], a_mask, BLOCK_M, BLOCK_K)
+            if PREFETCH:
+                cur_gate_w, cur_gate_s, cur_up_w, cur_up_s = gate_w, gate_s, up_w, up_s
+                gate_w, gate_s = _step_raw(w_gate, s_gate, k0 + BLOCK_K, hidden, col_ok, BLOCK_K)
+                up_w, up_s = _step_raw(w_up, s_up, k0 + BLOCK_K, hidden, col_ok, BLOCK_K)
+            else:
+                cur_gate_w, cur_gate_s = _step_raw(w_gate, s_gate, k0, hidden, col_ok, BLOCK_K)
+                cur_up_w, cur_up_s = _step_raw(w_up, s_up, k0, hidden, col_ok, BLOCK_K)
+            even, odd = _fp4_decode(cur_gate_w, cur_gate_s, BLOCK_K, BLOCK_N, FP16_BITS)
+            acc_gate = _dot2(a_even, a_odd, even, odd, acc_gate, IEEE)
+            even, odd = _fp4_decode(cur_up_w, cur_up_s, BLOCK_K, BLOCK_N, FP16_BITS)
+            acc_up = _dot2(a_even, a_odd, even, odd, acc_up, IEEE)
     store_swiglu(acc_gate, acc_up, limit, h_ptr, rows, cols, col_ok, stride_ht)
 
 
@@ -238,6 +248,7 @@ def moe_down_fp4_kernel(
     ACT_DTYPE: tl.constexpr,  # the dots' input type (bf16 / fp16 on a GPU)
     FP16_BITS: tl.constexpr,
     PREFETCH: tl.constexpr,
+    DOT_SCALED: tl.constexpr,
 ):
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert >= num_experts:
@@ -248,26 +259,35 @@ def moe_down_fp4_kernel(
     w_base = expert_rows(w_ptr, expert, cols, stride_we, stride_wn)  # [1, BN] row starts
     s_base = expert_rows(s_ptr, expert, cols, stride_se, stride_sn)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    if PREFETCH:
-        next_w, next_s = _step_raw(w_base, s_base, 0, inter, col_ok, BLOCK_K)
-    for k0 in range(0, inter, BLOCK_K):
-        a_even, a_odd = _even_odd(
-            h_row + k0 + kk[None, :], (k0 + kk < inter)[None, :], BLOCK_M, BLOCK_K
-        )
+    if DOT_SCALED:
+        for k0 in range(0, inter, BLOCK_K):  # h = hi + lo in bf16, as below
+            a = tl.load(h_row + k0 + kk[None, :], mask=(k0 + kk < inter)[None, :], other=0.0)
+            hi = a.to(tl.bfloat16)
+            lo = (a - hi.to(tl.float32)).to(tl.bfloat16)
+            w, s = _step_raw(w_base, s_base, k0, inter, col_ok, BLOCK_K)
+            acc = tl.dot_scaled(hi, None, "bf16", w, tl.trans(s), "e2m1", acc)
+            acc = tl.dot_scaled(lo, None, "bf16", w, tl.trans(s), "e2m1", acc)
+    else:
         if PREFETCH:
-            cur_w, cur_s = next_w, next_s
-            next_w, next_s = _step_raw(w_base, s_base, k0 + BLOCK_K, inter, col_ok, BLOCK_K)
-        else:
-            cur_w, cur_s = _step_raw(w_base, s_base, k0, inter, col_ok, BLOCK_K)
-        even, odd = _fp4_decode(cur_w, cur_s, BLOCK_K, BLOCK_N, FP16_BITS)
-        if IEEE:
-            acc = _dot2(a_even, a_odd, even, odd, acc, IEEE)
-        else:  # h = hi + lo in the 16-bit type: two dots keep h's fp32 precision
-            hi_even, hi_odd = a_even.to(ACT_DTYPE), a_odd.to(ACT_DTYPE)
-            acc = _dot2(hi_even, hi_odd, even, odd, acc, IEEE)
-            lo_even = (a_even - hi_even.to(tl.float32)).to(ACT_DTYPE)
-            lo_odd = (a_odd - hi_odd.to(tl.float32)).to(ACT_DTYPE)
-            acc = _dot2(lo_even, lo_odd, even, odd, acc, IEEE)
+            next_w, next_s = _step_raw(w_base, s_base, 0, inter, col_ok, BLOCK_K)
+        for k0 in range(0, inter, BLOCK_K):
+            a_even, a_odd = _even_odd(
+                h_row + k0 + kk[None, :], (k0 + kk < inter)[None, :], BLOCK_M, BLOCK_K
+            )
+            if PREFETCH:
+                cur_w, cur_s = next_w, next_s
+                next_w, next_s = _step_raw(w_base, s_base, k0 + BLOCK_K, inter, col_ok, BLOCK_K)
+            else:
+                cur_w, cur_s = _step_raw(w_base, s_base, k0, inter, col_ok, BLOCK_K)
+            even, odd = _fp4_decode(cur_w, cur_s, BLOCK_K, BLOCK_N, FP16_BITS)
+            if IEEE:
+                acc = _dot2(a_even, a_odd, even, odd, acc, IEEE)
+            else:  # h = hi + lo in the 16-bit type: two dots keep h's fp32 precision
+                hi_even, hi_odd = a_even.to(ACT_DTYPE), a_odd.to(ACT_DTYPE)
+                acc = _dot2(hi_even, hi_odd, even, odd, acc, IEEE)
+                lo_even = (a_even - hi_even.to(tl.float32)).to(ACT_DTYPE)
+                lo_odd = (a_odd - hi_odd.to(tl.float32)).to(ACT_DTYPE)
+                acc = _dot2(lo_even, lo_odd, even, odd, acc, IEEE)
     store_weighted(acc, weights_ptr, slots_ptr, pair, row_ok, cols, col_ok, stride_slot)
 
 
@@ -338,6 +358,8 @@ def moe_experts_fp4(
     sorted_ids, block_expert = moe_align(topk_ids, num_experts, bm, t.align_segment)
     num_blocks = block_expert.shape[0]
     ieee = x.dtype == torch.float32 or x.device.type == "cpu"
+    dot_scaled = t.dot_scaled and not ieee and x.dtype == torch.bfloat16
+    dot_scaled = dot_scaled and w13_scale.dtype == torch.uint8
 
     h = _empty((num_blocks * bm, inter), torch.float32, x.device)
     moe_gate_up_fp4_kernel[(num_blocks, triton.cdiv(inter, t.gate_up_block_n))](
@@ -346,8 +368,8 @@ def moe_experts_fp4(
         x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         h.stride(0),
         BLOCK_M=bm, BLOCK_N=t.gate_up_block_n, BLOCK_K=t.block_k, IEEE=ieee,
-        FP16_BITS=t.fp16_bits, PREFETCH=t.prefetch, num_warps=t.num_warps,
-        num_stages=t.num_stages,
+        FP16_BITS=t.fp16_bits, PREFETCH=t.prefetch, DOT_SCALED=dot_scaled,
+        num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     slots = _empty((num_pairs, hidden), torch.float32, x.device)
     moe_down_fp4_kernel[(num_blocks, triton.cdiv(hidden, t.down_block_n))](
@@ -357,7 +379,7 @@ def moe_experts_fp4(
         slots.stride(0),
         BLOCK_M=bm, BLOCK_N=t.down_block_n, BLOCK_K=t.block_k, IEEE=ieee,
         ACT_DTYPE=_TL_DTYPES[x.dtype], FP16_BITS=t.fp16_bits, PREFETCH=t.prefetch,
-        num_warps=t.num_warps, num_stages=t.num_stages,
+        DOT_SCALED=dot_scaled, num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     block_d = min(1024, triton.next_power_of_2(hidden))
     moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_d))](
