@@ -30,22 +30,14 @@ def variants(t: int) -> dict[str, fp4.Fp4Tiling]:
         "default": base,
         "fp16_bits": dataclasses.replace(base, fp16_bits=True),
         "bits_bn64": dataclasses.replace(base, fp16_bits=True, gate_up_block_n=64),
-        "bits_bk256": dataclasses.replace(base, fp16_bits=True, block_k=256),
-        "bits_w8": dataclasses.replace(base, fp16_bits=True, num_warps=8),
         "bits_stages2": dataclasses.replace(base, fp16_bits=True, num_stages=2),
         "prefetch": dataclasses.replace(base, prefetch=True),
         "bits_prefetch": dataclasses.replace(base, fp16_bits=True, prefetch=True),
-        "bits_prefetch_bk256": dataclasses.replace(
-            base, fp16_bits=True, prefetch=True, block_k=256
-        ),
         "dot_scaled": dataclasses.replace(base, dot_scaled=True),
         "scaled_bk256": dataclasses.replace(base, dot_scaled=True, block_k=256),
-        "scaled_bk64": dataclasses.replace(base, dot_scaled=True, block_k=64),
         "scaled_bn64": dataclasses.replace(
             base, dot_scaled=True, gate_up_block_n=64, down_block_n=128
         ),
-        "scaled_w8": dataclasses.replace(base, dot_scaled=True, num_warps=8),
-        "scaled_stages2": dataclasses.replace(base, dot_scaled=True, num_stages=2),
     }
 
 

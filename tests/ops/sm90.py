@@ -56,7 +56,7 @@ def _spec(fn, args: tuple, kwargs: dict) -> dict:
         n for n, a in inner.__annotations__.items() if "constexpr" in str(a) and n in names
     }
     bound = dict(zip(names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in names}
-    signature, consts = {}, {}
+    signature, consts, aligned = {}, {}, []
     for name in names:
         value = bound.get(name)
         if name in constexpr or value is None:
@@ -64,12 +64,16 @@ def _spec(fn, args: tuple, kwargs: dict) -> dict:
             consts[name] = getattr(value, "value", value)  # tl.dtype etc. stay as reprs
         else:
             signature[name] = _arg_type(value)
+            # as the JIT specializes: pointers, and ints divisible by 16 (bools are not)
+            is_int = isinstance(value, int) and not isinstance(value, bool)
+            if isinstance(value, torch.Tensor) or (is_int and value % 16 == 0):
+                aligned.append(name)
     consts = {k: (v if isinstance(v, (bool, int, float, str, type(None))) else repr(v))
               for k, v in consts.items()}  # fmt: skip
     options = {k: kwargs[k] for k in _OPTIONS if k in kwargs}
     return {
         "module": inner.__module__, "kernel": inner.__name__, "signature": signature,
-        "constexprs": consts, "options": options,
+        "constexprs": consts, "aligned": aligned, "options": options,
     }  # fmt: skip
 
 
@@ -114,7 +118,7 @@ def gpu_variants(specs: list[dict]) -> list[dict]:
 
 
 _COMPILER = r"""
-import importlib, json, sys
+import importlib, json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -125,27 +129,42 @@ def constexpr(name, value):
         return getattr(tl, value.rsplit(".", 1)[1])
     return value
 
-failures = []
+failures, byte_loads = [], []
 for spec in json.load(sys.stdin):
     fn = getattr(importlib.import_module(spec["module"]), spec["kernel"])
     sig = spec["signature"]
     names = list(sig)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if sig[n].startswith("*")}
+             if n in spec["aligned"]}
     consts = {k: constexpr(k, v) for k, v in spec["constexprs"].items()}
     try:
-        triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options=spec["options"])
+        compiled = triton.compile(
+            ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+            target=GPUTarget("cuda", 90, 32), options=spec["options"])
     except Exception as e:
         failures.append({"kernel": spec["kernel"], "constexprs": spec["constexprs"],
                          "error": str(e)[-800:]})
-print(json.dumps(failures))
+        continue
+    ptx = compiled.asm["ptx"]
+    # one-byte global loads, direct or through cp.async (size operand 0x1)
+    narrow = ptx.count("ld.global.b8") + ptx.count("ld.global.u8")
+    narrow += len(re.findall(r"cp\.async\.c[ag]\.shared\.global[^;]*, 0x1,", ptx))
+    byte_loads.append({"kernel": spec["kernel"], "constexprs": spec["constexprs"],
+                       "count": narrow})
+print(json.dumps({"failures": failures, "byte_loads": byte_loads}))
 """
 
 
 def compile_for_sm90(specs: list[dict], timeout: float = 900) -> list[dict]:
     """Compile ``specs`` for sm_90 in a subprocess (real JIT kernels: no interpreter);
     returns the failures (kernel, constexprs, error)."""
+    return compile_report(specs, timeout)["failures"]
+
+
+def compile_report(specs: list[dict], timeout: float = 900) -> dict:
+    """``{"failures": [...], "byte_loads": [{kernel, constexprs, count}]}``: the compile
+    failures, and for each spec that compiled its one-byte global loads per thread in the
+    PTX (a packed weight read a byte at a time streams at a few percent of bandwidth)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
         [sys.executable, "-c", _COMPILER], input=json.dumps(specs), capture_output=True,

@@ -25,7 +25,7 @@ from rackserve.model.presets import default_layer_types, tiny_config
 from rackserve.ops import quant
 from rackserve.runner.step_buffers import StepBuffers
 
-from sm90 import compile_for_sm90, gpu_variants, recorded_launches
+from sm90 import compile_for_sm90, compile_report, gpu_variants, recorded_launches
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="records interpreted launches"
@@ -89,3 +89,37 @@ def test_fast_path_kernels_compile_for_sm90(monkeypatch):
     assert not failures, "\n".join(
         f"{f['kernel']} {f['constexprs']}: {f['error']}" for f in failures
     )
+
+
+@torch.inference_mode()
+def test_quantized_weights_load_as_vectors():
+    """The FP4 experts' packed bytes and the FP8 weights load as 16-byte vectors on sm_90,
+    at the tilings the GPU picks. On 2026-12-02 the FP4 kernels loaded them a byte at a
+    time (34 to 68 ld.global.b8 per thread and step: the K mask's alignment was unknown)
+    and streamed at 3-12% of the HBM roofline; what is left are the ue8m0 scale bytes."""
+    from rackserve.ops.triton import fp8_gemm, fused_moe_fp4
+
+    g = torch.Generator().manual_seed(0)
+    gpu = torch.device("cuda")
+    with recorded_launches() as specs:
+        x = torch.randn(3, 256, generator=g).bfloat16()
+        w, scale = quant.quantize_fp8(torch.randn(256, 256, generator=g) / 16)
+        fp8_gemm.fp8_linear(x, w, scale)
+        w13, s13 = quant.quantize_fp4(torch.randn(4, 128, 256, generator=g) / 16, True)
+        w2, s2 = quant.quantize_fp4(torch.randn(4, 256, 64, generator=g) / 8, True)
+        s13, s2 = quant.float_to_ue8m0(s13), quant.float_to_ue8m0(s2)
+        ids, weights = torch.tensor([[0, 1], [2, 3], [1, 2]]), torch.rand(3, 2, generator=g)
+        for tokens in (1, 64, 256):  # the decode, middle and prefill-sized GPU tilings
+            tiling = fused_moe_fp4.default_tiling(tokens, 6, 64, gpu)
+            for bits in (False, True):
+                fused_moe_fp4.moe_experts_fp4(
+                    x, ids, weights, w13, s13, w2, s2, 7.0,
+                    tiling=dataclasses.replace(tiling, fp16_bits=bits, block_k=128),
+                )  # fmt: skip
+    specs = [s for s in gpu_variants(specs) if s["constexprs"].get("IEEE") is False]
+    assert {s["kernel"] for s in specs} >= {"fp8_gemm_kernel", "moe_down_fp4_kernel"}
+    report = compile_report(specs)
+    assert not report["failures"], report["failures"]
+    # ue8m0 scales: BLOCK_K / 32 bytes of each of the tile's rows, a few per thread
+    too_many = [r for r in report["byte_loads"] if r["count"] > 8]
+    assert not too_many, too_many
