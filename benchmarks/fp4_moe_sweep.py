@@ -27,12 +27,13 @@ BANDWIDTH = 4.8e12
 def variants(t: int) -> dict[str, fp4.Fp4Tiling]:
     base = fp4.default_tiling(t, K, E, torch.device("cuda"))
     return {
-        "default": base,
-        "fp16_bits": dataclasses.replace(base, fp16_bits=True),
-        "bits_bn64": dataclasses.replace(base, fp16_bits=True, gate_up_block_n=64),
-        "bits_stages2": dataclasses.replace(base, fp16_bits=True, num_stages=2),
+        "default": base,  # the fp16-bits decoder since 2026-12-02
+        "arith_decode": dataclasses.replace(base, fp16_bits=False),
+        "bn64": dataclasses.replace(base, gate_up_block_n=64),
+        "bk256": dataclasses.replace(base, block_k=256),
+        "stages2": dataclasses.replace(base, num_stages=2),
         "prefetch": dataclasses.replace(base, prefetch=True),
-        "bits_prefetch": dataclasses.replace(base, fp16_bits=True, prefetch=True),
+        "prefetch_stages1": dataclasses.replace(base, prefetch=True, num_stages=1),
         "dot_scaled": dataclasses.replace(base, dot_scaled=True),
         "scaled_bk256": dataclasses.replace(base, dot_scaled=True, block_k=256),
         "scaled_bn64": dataclasses.replace(

@@ -66,11 +66,12 @@ def default_tiling(num_tokens: int, top_k: int, num_experts: int, device: torch.
     # as fused_moe measured on the H200: one align launch up to 512 pairs, then 256-pair
     # segments; 128-wide down tiles once blocks hold 32 rows (half the re-reads of h)
     segment = 512 if pairs <= 512 else 256
+    # fp16_bits: 109 against 190 us at T = 1, V4-Flash sizes (fp4_moe_sweep.py, 2026-12-02)
     if pairs >= 64 * num_experts:
-        return Fp4Tiling(64, 64, 128, 128, 8, 3, segment)
+        return Fp4Tiling(64, 64, 128, 128, 8, 3, segment, fp16_bits=True)
     if pairs <= 16 * num_experts:
-        return Fp4Tiling(16, 32, 64, 128, 4, 4, segment)
-    return Fp4Tiling(32, 32, 128, 128, 4, 3, segment)
+        return Fp4Tiling(16, 32, 64, 128, 4, 4, segment, fp16_bits=True)
+    return Fp4Tiling(32, 32, 128, 128, 4, 3, segment, fp16_bits=True)
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -127,11 +128,12 @@ def _fp4_decode(packed, scale, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 def _step_raw(w_rows, s_rows, k0, width, col_ok, BLOCK_K: tl.constexpr):
     """The raw tile of the K step at input ``k0`` (of ``width``) for the weight rows
     ``w_rows`` / ``s_rows`` [1, BN] (pointers to each row's start); past the end: masked."""
-    # byte j of a step holds inputs 2j, 2j+1. The alignment hints make the packed loads
-    # 16-byte vectors: without them sm_90 got one ld.global.b8 per byte (3-12% of roofline)
-    # (widths are multiples of 32: ``_check``)
-    byte = tl.multiple_of(k0 // 2, BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-    group = tl.multiple_of(k0 // 32, BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
+    # byte j of a step holds inputs 2j, 2j+1. The alignment hints (k0 is a multiple of
+    # BLOCK_K, widths of 32: ``_check``) make the packed loads 16-byte vectors: without them
+    # sm_90 got one ld.global.b8 per byte
+    byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    byte = tl.max_contiguous(tl.multiple_of(byte, BLOCK_K // 2), BLOCK_K // 2)
+    group = k0 // 32 + tl.arange(0, BLOCK_K // 32)
     w_mask = (byte < tl.multiple_of(width // 2, 16))[:, None] & col_ok[None, :]
     s_mask = (group < width // 32)[:, None] & col_ok[None, :]
     return _fp4_raw(w_rows + byte[:, None], w_mask, s_rows + group[:, None], s_mask)
