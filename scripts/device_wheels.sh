@@ -17,7 +17,8 @@ done
 # the server stack (fastapi, uvicorn, pydantic) with `all`
 pkgs=(msgspec pyzmq)
 if [[ "${1:-}" == "all" ]]; then
-  pkgs+=(fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection)
+  pkgs+=(fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection
+    annotated-doc click h11 opentelemetry-api importlib-metadata zipp)
 fi
 for pkg in "${pkgs[@]}"; do
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \

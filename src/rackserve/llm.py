@@ -168,5 +168,9 @@ class LLM:
                 if out.finished:
                     results[out.request_id] = out
                     bar.update(1)
+            if processed.failed:  # the others are aborted too: a batch call returns all or none
+                self.engine.abort_requests(self.processor.abort_all())
+                request_id, message = processed.failed[0]
+                raise RuntimeError(f"request {request_id}: {message}")
         bar.close()
         return [results[i] for i in order]

@@ -181,3 +181,47 @@ def test_queue_time_uses_the_engines_first_scheduled_time(tokenizer) -> None:
     stats = proc.process_outputs([first], now=101.0, step_start=100.9).stats
     assert stats.queue_times_s == [pytest.approx(0.25)]
     assert stats.time_to_first_tokens_s == [pytest.approx(1.0)]
+
+
+def test_ids_past_the_tokenizer_decode_as_nothing(tokenizer) -> None:
+    """The model's vocabulary may be padded past the tokenizer's (DeepSeek's is; a random
+    checkpoint samples those ids): they add no text and later tokens still decode."""
+    past = len(tokenizer) + 7
+    ids = tokenizer.encode("a b", add_special_tokens=False)
+    detok = Detokenizer(tokenizer, [0, past], True, special_token_ids(tokenizer))
+    assert detok.append(past) == ""
+    assert "".join(detok.append(t) for t in ids) == "a b"
+
+
+def test_one_failing_request_leaves_the_others(tokenizer, monkeypatch) -> None:
+    """A request whose output cannot be processed is reported in ``failed`` and forgotten,
+    its engine requests (n = 2: both children) aborted; a request in the same batch goes on."""
+    proc = OutputProcessor(tokenizer)
+    proc.add_request("bad", [0], SamplingParams(max_tokens=8, n=2, seed=1))
+    proc.add_request("good", [0], SamplingParams(max_tokens=8))
+    append = Detokenizer.append
+
+    def flaky(self, token_id):
+        if token_id == 999:
+            raise RuntimeError("boom")
+        return append(self, token_id)
+
+    monkeypatch.setattr(Detokenizer, "append", flaky)
+    ids = tokenizer.encode("a b c", add_special_tokens=False)
+    (bad_0, bad_1) = [c.request_id for c in proc._parents["bad"].children]
+    batch = EngineCoreOutputs(
+        outputs=[EngineCoreOutput(bad_0, [999]), EngineCoreOutput("good", [ids[0]])]
+    )
+    processed = proc.process_outputs(batch)
+    assert [r for r, _ in processed.failed] == ["bad"] and "boom" in processed.failed[0][1]
+    # child 1 was held back until child 0's first token: never sent, so not aborted
+    assert processed.abort_ids == [bad_0] and not processed.to_send, bad_1
+    assert proc.parent_id(bad_0) is None and proc.get_num_unfinished_requests() == 1
+    for t in ids[1:]:
+        proc.process_outputs(_out("good", t))
+    (final,) = proc.process_outputs(
+        _out("good", EOS_TOKEN_ID, finish_reason="stop")
+    ).request_outputs
+    assert final.finished and final.outputs[0].text == "a b c"
+    # later outputs of the failed request (in flight) are ignored
+    assert not proc.process_outputs(_out(bad_0, ids[0])).request_outputs

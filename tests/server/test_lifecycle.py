@@ -105,3 +105,26 @@ def test_engine_exits_when_api_process_is_killed(tiny_model: Path, tmp_path: Pat
         server.process.kill()  # no chance to clean up: the engine must notice by itself
         server.process.wait(10)
         wait_for(lambda: not pid_alive(engine_pid), 10, "the orphaned engine to exit")
+
+
+def test_model_vocabulary_past_the_tokenizer(tiny_model: Path, tmp_path: Path) -> None:
+    """A checkpoint whose embedding is padded past its tokenizer (DeepSeek's is: 129,280
+    rows): sampled ids with no token decode as nothing. On 2026-12-02 the first such id
+    raised in the API process's detokenizer and the whole server answered 503 after it."""
+    import shutil
+
+    from rackserve.model.tokenizer import write_tokenizer
+
+    model = tmp_path / "padded"
+    shutil.copytree(tiny_model, model)
+    write_tokenizer(model, 512)  # the model samples from 4096 ids
+    with run_server(model, tmp_path) as server:
+        for stream in (False, True, False):
+            body = {**BODY, "max_tokens": 24, "temperature": 1.0, "seed": 3, "stream": stream}
+            r = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+        assert httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200
+        usage = httpx.post(
+            f"{server.base_url}/v1/completions", json={**BODY, "max_tokens": 24}, timeout=120
+        ).json()["usage"]
+        assert usage["completion_tokens"] == 24

@@ -35,7 +35,9 @@ class Detokenizer:
     def _to_tokens(self, token_ids: list[int]) -> list[str]:
         if self.skip_special_tokens:
             token_ids = [t for t in token_ids if t not in self.special_ids]
-        return self.tokenizer.convert_ids_to_tokens(token_ids)
+        # ids the tokenizer has no token for (the model's vocabulary padded past the
+        # tokenizer's, as DeepSeek's is; random checkpoints emit them) decode as nothing
+        return [t or "" for t in self.tokenizer.convert_ids_to_tokens(token_ids)]
 
     def append(self, token_id: int) -> str:
         """Add one token; returns the text it completed (possibly empty)."""

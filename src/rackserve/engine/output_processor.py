@@ -17,6 +17,7 @@ Per token it detokenizes incrementally (``engine/detokenizer.py``), checks stop 
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -26,6 +27,8 @@ from rackserve.engine.detokenizer import Detokenizer, special_token_ids
 from rackserve.engine.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, Logprob
 from rackserve.engine.stop import check_stop_strings, stream_holdback_chars
 from rackserve.request import FinishReason, SamplingParams, child_seed
+
+logger = logging.getLogger(__name__)
 
 
 class RequestOutputKind(enum.Enum):
@@ -111,6 +114,9 @@ class ProcessedOutputs:
     abort_ids: list[str]  # engine request ids to abort (stopped by a stop string)
     to_send: list[EngineCoreRequest]  # children released by their sibling's first token
     stats: IterationStats
+    # client requests whose outputs could not be processed: (request id, message); already
+    # forgotten here, their engine requests are in abort_ids. The others are unaffected.
+    failed: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -225,6 +231,10 @@ class OutputProcessor:
             c.request_id for c in parent.children if not c.finished and c.request_id not in unsent
         ]
 
+    def abort_all(self) -> list[str]:
+        """Forget every client request; returns the engine request ids to abort."""
+        return [i for request_id in list(self._parents) for i in self.abort_request(request_id)]
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
 
@@ -253,17 +263,30 @@ class OutputProcessor:
         abort_ids: list[str] = []
         to_send: list[EngineCoreRequest] = []
         changed: dict[str, tuple[_Parent, list[_Child]]] = {}
+        failed: list[tuple[str, str]] = []
         for output in items:
             entry = self._children.get(output.request_id)
             if entry is None or entry[1].finished:
                 continue  # aborted, or stopped by a stop string while tokens were in flight
             parent, child = entry
-            if self._update_child(parent, child, output, now, step_start, stats):
+            try:
+                stopped = self._update_child(parent, child, output, now, step_start, stats)
+            except Exception as e:  # one request's bad output must not take the others down
+                logger.exception("processing the output of request %s failed", parent.request_id)
+                failed.append((parent.request_id, f"output processing failed: {e!r}"))
+                abort_ids.extend(self.abort_request(parent.request_id))
+                changed.pop(parent.request_id, None)
+                continue
+            if stopped:
                 abort_ids.append(child.request_id)
             if child.index == 0 and parent.pending and (child.token_ids or child.finished):
                 to_send.extend(parent.pending)
                 parent.pending = []
             changed.setdefault(parent.request_id, (parent, []))[1].append(child)
+        if failed:  # children a failed request released this step: never sent, so not aborted
+            unsent = {r.request_id for r in to_send} & set(abort_ids)
+            to_send = [r for r in to_send if r.request_id not in unsent]
+            abort_ids = [i for i in abort_ids if i not in unsent]
         request_outputs = []
         for parent, children in changed.values():
             request_output = self._make_output(parent, children)
@@ -273,7 +296,7 @@ class OutputProcessor:
                 self._parents.pop(parent.request_id, None)
                 for child in parent.children:
                     self._children.pop(child.request_id, None)
-        return ProcessedOutputs(request_outputs, abort_ids, to_send, stats)
+        return ProcessedOutputs(request_outputs, abort_ids, to_send, stats, failed)
 
     def _update_child(
         self,

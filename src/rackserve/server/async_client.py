@@ -53,6 +53,10 @@ class RequestRejectedError(ValueError):
     """The engine core refused a request (bad input the API layer did not catch)."""
 
 
+class RequestFailedError(RuntimeError):
+    """This request's outputs could not be processed (a bug, not bad input); the others go on."""
+
+
 class RequestAbortedError(RuntimeError):
     """The request was aborted (client disconnect) while a consumer waited for it."""
 
@@ -311,6 +315,10 @@ class AsyncEngineClient:
                 self._on_request_error(RequestError(output.request_id, output.error))
         # The engine process stamps each batch with its step's monotonic start time.
         processed = self.processor.process_outputs(outputs, step_start=outputs.timestamp or None)
+        for request_id, message in processed.failed:  # forgotten by the processor: a 500
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(RequestFailedError(message))
         for output in processed.request_outputs:
             queue = self._queues.get(output.request_id)
             if queue is not None:

@@ -30,6 +30,7 @@ from rackserve.server.async_client import (
     AsyncEngineClient,
     EngineDeadError,
     RequestAbortedError,
+    RequestFailedError,
     RequestRejectedError,
     ServerShutdownError,
 )
@@ -87,6 +88,9 @@ def as_api_error(error: BaseException) -> ApiError:
         return ApiError(500, "The engine died while serving this request.")
     if isinstance(error, RequestAbortedError):
         return ApiError(499, str(error))
+    if isinstance(error, RequestFailedError):
+        logger.error("request failed: %s", error)
+        return ApiError(500, "Internal server error: this request's output could not be processed.")
     logger.error("request failed", exc_info=error)
     return ApiError(500, "Internal server error.")
 
