@@ -209,6 +209,44 @@ def test_chunked_select_matches_reference(indexer, s, e, k, limit, chunk):
     assert torch.equal(got, reference.paged_indexer_topk(**case, k=k))
 
 
+@pytest.mark.parametrize(
+    "s,e,k,w,levels",
+    [
+        (3, 100, 37, 8, "one"),  # one program per query, its top-k selecting
+        (2, 64, 64, 5, "one"),  # k = E
+        (4, 90, 32, 16, "one"),  # fewer visible entries than k (set below)
+        (2, 300, 20, 3, "chunked"),  # three levels, the last one selecting
+        (3, 130, 16, 8, "torch"),  # torch.topk, then select_entries
+        (2, 40, 0, 4, "one"),  # no picks: the window's validity only
+    ],
+)
+def test_indexer_select_matches_reference(indexer, monkeypatch, s, e, k, w, levels):
+    """``paged_indexer_select``: the last top-k level writes the picks' slots and the
+    [window | picks] validity itself (one launch fewer than top-k, then select_entries);
+    equal to the reference's selection of the reference's picks. Outputs are poisoned:
+    a slot or validity element left unwritten fails."""
+    case = make_case(s, e, 16, 32, seed=e + k + w, dtype=torch.bfloat16, zero_frac=0.5)
+    if e == 90:
+        case["num_visible"] = torch.tensor([7, 0, 31, 90][:s], device=DEVICE)
+    g = torch.Generator().manual_seed(w)
+    window = (torch.rand(s, w, generator=g) < 0.7).to(DEVICE)
+    limit, chunk = {"one": (e, 2048), "chunked": (64, 64), "torch": (0, 0)}[levels]
+    tiling = indexer.IndexerTiling(64, 8, 4, 1, triton_select_max_entries=limit, select_chunk=chunk)
+    sel = importlib.import_module("rackserve.ops.triton.select")
+    outputs = sel.selection_outputs
+
+    def poisoned(*args):  # garbage wherever nothing is written
+        out_slots, valid = outputs(*args)
+        return out_slots.fill_(1 << 40), valid.view(torch.uint8).fill_(7).view(torch.bool)
+
+    monkeypatch.setattr(indexer, "selection_outputs", poisoned)
+    monkeypatch.setattr(sel, "selection_outputs", poisoned)
+    slots, valid = indexer.paged_indexer_select(**case, k=k, window_valid=window, tiling=tiling)
+    ref_slots, ref_valid = reference.paged_indexer_select(**case, k=k, window_valid=window)
+    assert torch.equal(slots, ref_slots)
+    assert torch.equal(valid.view(torch.uint8), ref_valid.view(torch.uint8))
+
+
 def test_all_ties_pick_earliest(indexer):
     """All-zero keys: every visible score is 0.0; the top-k is the first k entries, then
     the invisible ones in order (the reference's rule when fewer than k are visible)."""

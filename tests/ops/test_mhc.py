@@ -222,6 +222,50 @@ def test_gemv_k1_bf16_matches_reference(mhc, t, fused):
         assert not mhc._COUNTERS[torch.device(DEVICE)].any()
 
 
+@pytest.mark.parametrize(
+    "t,dtype,tiling",
+    [
+        (3, torch.bfloat16, None),
+        (37, torch.float32, None),
+        (3, torch.bfloat16, "gpu"),
+        (1, torch.bfloat16, "gemv"),
+        (3, torch.bfloat16, "fused"),
+    ],
+)
+def test_expert_slots_summed_on_load(mhc, t, dtype, tiling):
+    """``hc_post`` / ``hc_post_pre`` given a fused MoE's unsummed slots (``ExpertSlots``:
+    k fp32 rows a token, unrouted ids adding nothing) equal the same calls on the summed
+    output bitwise: the sum is the MoE's own (slot order, fp32, one rounding), moved into
+    the mHC's first kernel."""
+    d, k, e = 256, 3, 8
+    tiling = (
+        None
+        if tiling is None
+        else gpu_like_tiling(mhc, 1, gemv=tiling in ("gemv", "fused"), fused=tiling == "fused")
+    )
+    args = hc_pre_args(t, d, seed=60 + t, dtype=dtype)
+    streams = args[0]
+    _, post, comb = reference.hc_pre(*args)
+    g = torch.Generator().manual_seed(t)
+    ids = torch.randint(0, e + 2, (t, k), generator=g).to(DEVICE)  # ids e, e + 1: unrouted
+    rows = torch.randn(t * k, d, generator=g).to(DEVICE)
+    rows[(ids.view(-1) >= e).nonzero()] = float("nan")  # an unrouted slot is never read
+    slots = reference.ExpertSlots(rows, ids, e, dtype)
+    summed = slots.sum()
+    assert not summed.isnan().any()
+    got = mhc.hc_post(streams, slots, post, comb, tiling=tiling)
+    assert torch.equal(got, mhc.hc_post(streams, summed, post, comb, tiling=tiling))
+    nxt = (*args[1:5], ITERS, HC_EPS, NORM_EPS)
+    got = mhc.hc_post_pre(streams, slots, post, comb, *nxt, tiling=tiling)
+    want = mhc.hc_post_pre(streams, summed, post, comb, *nxt, tiling=tiling)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(
+        reference.hc_post(streams, slots, post, comb),
+        reference.hc_post(streams, summed, post, comb),
+    )
+
+
 def test_strided_streams_and_determinism(mhc):
     """A non-contiguous view gives the contiguous result, and repeated calls are bitwise equal."""
     args = hc_pre_args(37, 256, seed=3, dtype=torch.bfloat16)

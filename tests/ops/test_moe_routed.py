@@ -71,6 +71,22 @@ def test_moe_routed_bf16(seed):
     assert_bf16_close(got, ref16, ref32)
 
 
+@pytest.mark.parametrize("seed", [1, 6, 11, 22])
+def test_deferred_sum_is_the_sum(seed):
+    """``defer_sum``: the unsummed ``ExpertSlots`` (an mHC post sums them) sum to the
+    4-launch output bitwise, bf16 (one rounding) and fp32; the counts are the same."""
+    from rackserve.ops.triton.moe_routed import moe_routed
+
+    t, (e, k), hashed, shared = CASES[seed]
+    for dtype in (torch.bfloat16, torch.float32):
+        router, mask, w13, w2 = _case(seed, t, e, k, hashed, shared, dtype)
+        counts = [torch.zeros(e, dtype=torch.int64, device=DEVICE) for _ in range(2)]
+        out = moe_routed(*router, counts[0], mask, w13, w2, 7.0)
+        slots = moe_routed(*router, counts[1], mask, w13, w2, 7.0, defer_sum=True)
+        assert isinstance(slots, reference.ExpertSlots) and slots.dtype == dtype
+        assert torch.equal(slots.sum(), out) and torch.equal(*counts)
+
+
 def test_moe_routed_rejects_bad_counts():
     from rackserve.ops.triton.moe_routed import moe_routed
 

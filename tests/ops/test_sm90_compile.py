@@ -45,7 +45,7 @@ def _model() -> DeepseekV4ForCausalLM:
 
 @torch.inference_mode()
 def _record_fast_path() -> list[dict]:
-    from rackserve.ops.triton import fp8_gemm, fused_moe_fp4, gemv
+    from rackserve.ops.triton import fp8_gemm, fused_moe_fp4, gemv, indexer
 
     model = _model()
     g = torch.Generator().manual_seed(0)
@@ -57,6 +57,16 @@ def _record_fast_path() -> list[dict]:
                 ids, meta, idx = buffers.eager_step(s.step.inputs, s.step.table_writes)
                 hidden, _ = model(ids, meta, s.caches)
                 model.compute_logits(hidden[idx])
+        # the GPU's top-k: bitonic levels, the last one selecting (the CPU takes torch.topk)
+        keys = torch.randn(40, 32, generator=g).bfloat16()
+        slots = torch.randperm(40, generator=g)[None, :].repeat(2, 1)
+        for limit in (64, 16):
+            indexer.paged_indexer_select(
+                torch.randn(2, 4, 32, generator=g).bfloat16(), keys, slots,
+                torch.randn(2, 4, generator=g), 0.2, torch.tensor([40, 9]), 8,
+                torch.ones(2, 5, dtype=torch.bool),
+                tiling=indexer.IndexerTiling(16, 1, 4, 1, limit, select_chunk=16),
+            )  # fmt: skip
         x = torch.randn(3, 256, generator=g).bfloat16()
         w, scale = quant.quantize_fp8(torch.randn(128, 256, generator=g) / 16)
         fp8_gemm.fp8_linear(x, w, scale)
@@ -83,7 +93,8 @@ def test_fast_path_kernels_compile_for_sm90(monkeypatch):
     kernels = {s["kernel"] for s in specs}
     # the step's kernels, both attention paths, the fp8 writers, the quantized kernels
     for name in ("sparse_attn_kernel", "prefill_attn_kernel", "_compress_kernel",
-                 "moe_gate_up_fp4_kernel", "fp8_gemm_kernel", "gemv_kernel"):  # fmt: skip
+                 "moe_gate_up_fp4_kernel", "fp8_gemm_kernel", "gemv_kernel",
+                 "select_topk_kernel"):  # fmt: skip
         assert any(name in k for k in kernels), (name, sorted(kernels))
     failures = compile_for_sm90(specs)
     assert not failures, "\n".join(

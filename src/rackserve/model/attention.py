@@ -75,20 +75,22 @@ class Indexer(nn.Module):
         key_cache: torch.Tensor,
         slots: torch.Tensor,
         num_visible: torch.Tensor,
-    ) -> torch.Tensor:
-        """Top-k compressed entries per query.
+        window_valid: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top-k compressed entries of each query, as the rows attention reads.
 
         q: [S, heads, Di] the roped index queries (``wq_b(q_residual)``); weights: [S, heads]
         float32 (``weights_proj(x) * heads**-0.5``), both made by the attention prologue;
         key_cache: the [N, C] rows whose first Di columns are index keys; slots: [S, E] rows
-        of entries 0..E-1 of each query's request; num_visible: [S]. Returns entry ids
-        [S, min(topk, E)], best first; ids >= num_visible are not visible (the caller masks).
-        Ties (common with few index heads: relu zeroes whole scores) go to the earliest
-        entry, so the choice never depends on how the prompt was chunked.
+        of entries 0..E-1 of each query's request; num_visible: [S]; window_valid: [S, W].
+        Returns (the picks' slots [S, min(topk, E)], best first; valid [S, W + picks]: the
+        window's, then whether each pick is visible). Ties (common with few index heads:
+        relu zeroes whole scores) go to the earliest entry, so the choice never depends on
+        how the prompt was chunked.
         """
         num = min(self.topk, slots.shape[1])
-        return self.kernels.paged_indexer_topk(
-            q, key_cache, slots, weights, self.head_dim**-0.5, num_visible, num
+        return self.kernels.paged_indexer_select(
+            q, key_cache, slots, weights, self.head_dim**-0.5, num_visible, num, window_valid
         )
 
 
@@ -343,9 +345,9 @@ class Attention(nn.Module):
         if self.kind == CSA:  # entry rows are [kv (Dh) | indexer key (Di)]
             num_visible = plan.num_visible[rows]
             assert q_index is not None and index_weights is not None
-            ids = self.indexer.select(
-                q_index, index_weights, entries[:, self.head_dim :], slots, num_visible
-            )
-            slots, valid = self.kernels.select_entries(ids, slots, num_visible, window_valid)
+            slots, valid = self.indexer.select(
+                q_index, index_weights, entries[:, self.head_dim :], slots, num_visible,
+                window_valid,
+            )  # fmt: skip
             return entries, slots, valid
         return entries, slots, meta.window_and_entries_valid(self.entry_group)[rows]

@@ -100,7 +100,8 @@ class DecoderLayer(nn.Module):
             streams, self.attn(x, meta, caches, rope), post, comb,
             self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.ffn_norm.weight, *hc,
         )  # fmt: skip
-        x = self.ffn(x, input_ids, expert_counts, meta.token_mask)
+        # the experts' slots unsummed on the fast path: the mHC post below sums them
+        x = self.ffn(x, input_ids, expert_counts, meta.token_mask, defer_sum=True)
         if next_layer is None:
             return k.hc_post(streams, x, post, comb), None
         n = next_layer
@@ -187,7 +188,10 @@ class DeepseekV4Model(nn.Module):
         for rotary in (self.rotary_main, self.rotary_compress):
             if any(layer.attn.rotary is rotary for layer in self.layers):
                 rope[rotary] = rotary(meta.positions, streams.dtype)
-        layers, attn_in = list(self.layers), None
+        # the first layer's attention input here: each layer then runs its own attention
+        # and FFN and the next layer's mHC pre (fused with its FFN's post)
+        layers = list(self.layers)
+        attn_in = layers[0].attn_pre(streams) if layers else None
         for i, layer in enumerate(layers):
             counts = None if expert_counts is None else expert_counts[i]
             nxt = layers[i + 1] if i + 1 < len(layers) else None

@@ -190,11 +190,13 @@ class MoE(nn.Module):
         input_ids: torch.Tensor,
         expert_counts: torch.Tensor | None = None,
         token_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        defer_sum: bool = False,
+    ) -> torch.Tensor | ops.ExpertSlots:
         """x: [T, D]; expert_counts: optional [E] accumulator of routed tokens (for EPLB),
-        counting only tokens where ``token_mask`` [T] is True (None: all)."""
+        counting only tokens where ``token_mask`` [T] is True (None: all). ``defer_sum``:
+        the fast path may return the unsummed ``ops.ExpertSlots``, for an mHC post."""
         if self._fast_experts(x):
-            return self._fast_forward(x, input_ids, expert_counts, token_mask)
+            return self._fast_forward(x, input_ids, expert_counts, token_mask, defer_sum)
         ids, weights = self.gate(x, input_ids)
         if self.ep is not None:
             out = self._expert_parallel(x, ids, weights)
@@ -225,9 +227,11 @@ class MoE(nn.Module):
         input_ids: torch.Tensor,
         expert_counts: torch.Tensor | None,
         token_mask: torch.Tensor | None,
-    ) -> torch.Tensor:
+        defer_sum: bool = False,
+    ) -> torch.Tensor | ops.ExpertSlots:
         """The router (with the counts and the shared expert's pick) and every expert in
-        one fused MoE: the logits GEMM + 4 launches where the reference path takes ~20."""
+        one fused MoE: the logits GEMM + 4 launches where the reference path takes ~20
+        (3 with ``defer_sum``: the slots' sum is left to the consumer)."""
         gate, experts = self.gate, self.experts
         w13, w2, shared = experts.w13, experts.w2, None
         folded = self._with_shared()
@@ -249,6 +253,8 @@ class MoE(nn.Module):
             w13,
             w2,
             experts.limit,
+            # an unfolded (FP8) shared expert is added below, to the summed output
+            defer_sum=defer_sum and (folded is not None or self.shared_experts is None),
         )
         if folded is None and self.shared_experts is not None:  # an FP8 shared expert
             out = out + self.shared_experts(x)

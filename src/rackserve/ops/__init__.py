@@ -23,6 +23,7 @@ import torch
 from rackserve.ops import quant, reference
 from rackserve.ops.grouped_moe import grouped_mm_supported, moe_experts_grouped
 from rackserve.ops.reference import (
+    ExpertSlots,
     apply_rope,
     attention_prologue,
     compress_entries,
@@ -40,6 +41,7 @@ from rackserve.ops.reference import (
     linear,
     moe_experts,
     moe_routed,
+    paged_indexer_select,
     paged_indexer_topk,
     paged_sparse_attention,
     rms_norm,
@@ -57,6 +59,7 @@ from rackserve.ops.reference import (
 
 __all__ = [
     "KERNEL_CHOICES",
+    "ExpertSlots",
     "Kernels",
     "apply_rope",
     "attention_prologue",
@@ -76,6 +79,7 @@ __all__ = [
     "linear",
     "moe_experts",
     "moe_routed",
+    "paged_indexer_select",
     "paged_indexer_topk",
     "paged_sparse_attention",
     "rms_norm",
@@ -106,6 +110,7 @@ class Kernels:
     moe_experts: Callable
     paged_sparse_attention: Callable
     paged_indexer_topk: Callable
+    paged_indexer_select: Callable
     compress_pool: Callable
     route: Callable
     route_fused: Callable
@@ -188,9 +193,14 @@ def _moe_routed_for(fused: Callable, route_fused: Callable, experts: Callable) -
     """Decode-sized batches: router + align in one launch and the fused MoE (``fused``);
     larger ones: the router kernel, then ``experts`` (grouped GEMMs on a GPU)."""
 
-    def moe_routed(x, gate_weight, bias, table, input_ids, top_k, scoring, scaling, *rest):
+    def moe_routed(
+        x, gate_weight, bias, table, input_ids, top_k, scoring, scaling, *rest, defer_sum=False
+    ):
         if x.shape[0] <= FUSED_MOE_MAX_TOKENS:
-            return fused(x, gate_weight, bias, table, input_ids, top_k, scoring, scaling, *rest)
+            return fused(
+                x, gate_weight, bias, table, input_ids, top_k, scoring, scaling, *rest,
+                defer_sum=defer_sum,
+            )  # fmt: skip
         shared, counts, mask, w13, w2, limit = rest
         ids, weights = route_fused(
             x, gate_weight, bias, table, input_ids, top_k, scoring, scaling, shared, counts, mask
@@ -246,6 +256,7 @@ def kernels(name: str = "auto") -> Kernels:
         "hc_post_pre": "mhc",
         "paged_sparse_attention": "sparse_attn",
         "paged_indexer_topk": "indexer",
+        "paged_indexer_select": "indexer",
         "compress_pool": "compress",
         "route": "route",
         "route_fused": "route",
@@ -280,6 +291,15 @@ def kernels(name: str = "auto") -> Kernels:
     )
     fast["paged_indexer_topk"] = _by_num_tokens(
         fast["paged_indexer_topk"], prefill_indexer, PREFILL_ATTN_MIN_TOKENS
+    )
+    select_entries = fast["select_entries"]
+
+    def prefill_indexer_select(q, key_cache, slots, weights, scale, num_visible, k, window):
+        ids = prefill_indexer(q, key_cache, slots, weights, scale, num_visible, k)
+        return select_entries(ids, slots, num_visible, window)
+
+    fast["paged_indexer_select"] = _by_num_tokens(
+        fast["paged_indexer_select"], prefill_indexer_select, PREFILL_ATTN_MIN_TOKENS
     )
     fused_moe = _on_cuda(
         "rackserve.ops.triton.fused_moe", "moe_experts", reference.moe_experts, everywhere

@@ -11,6 +11,7 @@ computed in float32 and cast back to the activation dtype once.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -248,10 +249,37 @@ def hc_pre(
     return rms_norm(hc_collapse(streams, pre), norm_weight, norm_eps), post, comb
 
 
+@dataclass(frozen=True)
+class ExpertSlots:
+    """A fused MoE's output before its slot sum (``moe_routed(..., defer_sum=True)`` on the
+    fast path): ``hc_post`` and ``hc_post_pre`` take it as their ``block_out`` and their
+    first kernel sums it, one launch fewer per layer."""
+
+    slots: torch.Tensor  # [T * k, D] fp32: each token's k weighted expert outputs, in order
+    ids: torch.Tensor  # [T, k] expert ids; a slot whose id is outside [0, num_experts) adds 0
+    num_experts: int
+    dtype: torch.dtype  # the sum's (the activations'), rounded to nearest even
+
+    def sum(self) -> torch.Tensor:
+        """[T, D]: the routed slots of each token summed in slot order, in fp32."""
+        t, k = self.ids.shape
+        slots = self.slots.view(t, k, -1)
+        routed = (self.ids >= 0) & (self.ids < self.num_experts)
+        acc = torch.zeros_like(slots[:, 0])
+        for j in range(k):
+            acc = acc + torch.where(routed[:, j, None], slots[:, j], 0.0)
+        return acc.to(self.dtype)
+
+
 def hc_post(
-    streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    streams: torch.Tensor,
+    block_out: torch.Tensor | ExpertSlots,
+    post: torch.Tensor,
+    comb: torch.Tensor,
 ) -> torch.Tensor:
     """mHC after a block (``hc_expand``): streams [T, N, D], block_out [T, D] -> [T, N, D]."""
+    if isinstance(block_out, ExpertSlots):
+        block_out = block_out.sum()
     return hc_expand(streams, block_out, post, comb)
 
 
@@ -310,7 +338,7 @@ def compress_pool(
 
 def hc_post_pre(
     streams: torch.Tensor,
-    block_out: torch.Tensor,
+    block_out: torch.Tensor | ExpertSlots,
     post: torch.Tensor,
     comb: torch.Tensor,
     fn: torch.Tensor,
@@ -523,6 +551,22 @@ def compress_entries(
         entries[dst, out_col : out_col + norm_weight.shape[0]] = as_stored(new, entries.dtype)
 
 
+def paged_indexer_select(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    scale: float,
+    num_visible: torch.Tensor,
+    k: int,
+    window_valid: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CSA rows besides the window: ``select_entries`` of ``paged_indexer_topk``'s picks.
+    Returns (slots [S, k], valid [S, W + k] bool)."""
+    ids = paged_indexer_topk(q, key_cache, slots, weights, scale, num_visible, k)
+    return select_entries(ids, slots, num_visible, window_valid)
+
+
 def select_entries(
     ids: torch.Tensor,
     slots: torch.Tensor,
@@ -600,10 +644,13 @@ def moe_routed(
     w13: torch.Tensor,
     w2: torch.Tensor,
     limit: float,
+    defer_sum: bool = False,
 ) -> torch.Tensor:
     """The MoE of one layer, router included: ``route_fused`` (arguments up to
     token_mask), then ``moe_experts`` over w13 [E (+1), 2I, D], w2 [E (+1), D, I] (the
-    shared expert stacked last when ``shared_expert`` is its id). Returns [T, D]."""
+    shared expert stacked last when ``shared_expert`` is its id). Returns [T, D].
+    ``defer_sum``: the fast path may return :class:`ExpertSlots` instead (the reference
+    always sums)."""
     ids, weights = route_fused(
         x, gate_weight, bias, table, input_ids, top_k, scoring_func, scaling, shared_expert,
         expert_counts, token_mask,

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from rackserve.ops.reference import ExpertSlots
 from rackserve.ops.triton.fused_moe_kernels import (
     moe_down_kernel,
     moe_gate_up_kernel,
@@ -233,13 +234,15 @@ def moe_experts(
     limit: float,
     *,
     tiling: Tiling | None = None,
-) -> torch.Tensor:
+    defer_sum: bool = False,
+) -> torch.Tensor | ExpertSlots:
     """Fused ``ops.reference.moe_experts``: 4 launches (5 for large batches).
 
     x: [T, D] (fp32/bf16/fp16); topk_ids: [T, k] int; topk_weights: [T, k]; w13: [E, 2I, D]
     (gate rows then up rows); w2: [E, D, I], both in x's dtype (any strides). Returns
     [T, D] in x's dtype. A slot whose id is outside [0, E) contributes nothing (the
-    reference rejects it).
+    reference rejects it). ``defer_sum``: one launch fewer, the slots returned unsummed
+    (``ExpertSlots``) when T and k are not 0.
     """
     _check(x, topk_ids, topk_weights, w13, w2)
     num_tokens, hidden = x.shape
@@ -253,8 +256,11 @@ def moe_experts(
     sorted_ids, block_expert = moe_align(
         topk_ids, num_experts, tiling.block_m, tiling.align_segment
     )
-    run_experts(x, topk_ids, topk_weights, sorted_ids, block_expert, w13, w2, limit, tiling, out)
-    return out
+    slots = run_experts(
+        x, topk_ids, topk_weights, sorted_ids, block_expert, w13, w2, limit, tiling,
+        None if defer_sum else out,
+    )  # fmt: skip
+    return out if slots is None else slots
 
 
 def run_experts(
@@ -267,10 +273,11 @@ def run_experts(
     w2: torch.Tensor,
     limit: float,
     tiling: Tiling,
-    out: torch.Tensor,
-) -> None:
+    out: torch.Tensor | None,
+) -> ExpertSlots | None:
     """The 3 launches after the align (gate-up, down, slot sum) into ``out`` [T, D]:
-    arguments as ``moe_experts``, with the align's ``sorted_ids`` / ``block_expert``."""
+    arguments as ``moe_experts``, with the align's ``sorted_ids`` / ``block_expert``.
+    ``out`` None: 2 launches, and the slots returned unsummed (their consumer sums them)."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
@@ -311,6 +318,8 @@ def run_experts(
         num_stages=tiling.down_stages,
     )  # fmt: skip
 
+    if out is None:
+        return ExpertSlots(slots, topk_ids, num_experts, x.dtype)
     block_d = min(tiling.sum_block_d, triton.next_power_of_2(hidden))
     moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_d))](
         slots, topk_ids.view(-1), out, top_k, hidden, num_experts, slots.stride(0),
@@ -318,3 +327,4 @@ def run_experts(
         BLOCK_D=block_d,
         num_warps=4,
     )  # fmt: skip
+    return None

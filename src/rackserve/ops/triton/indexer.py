@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from rackserve.ops.triton.fp8 import FP8_KV_DTYPE, widen
+from rackserve.ops.triton.select import select_entries, selection_outputs, store_selection
 
 
 @dataclass(frozen=True)
@@ -167,15 +168,26 @@ def select_topk_kernel(
     chunk,  # entries per program along axis 1 (E when one program holds the row)
     stride_ps,
     stride_os,
+    # SELECT: the picks as ``select_entries`` returns them (out_ptr: their slots [S, k])
+    slots_ptr,  # [S, E] int64 entry slots
+    num_visible_ptr,  # [S] int
+    window_ptr,  # [S, W] uint8 (bool) window mask
+    valid_ptr,  # [S, W + k] uint8 (bool) out
+    stride_ss,
+    stride_window,
+    W,
     BLOCK_N: tl.constexpr,  # next_pow2(chunk)
     BLOCK_K: tl.constexpr,  # next_pow2(k) <= BLOCK_N
     OUT_KEYS: tl.constexpr,
+    SELECT: tl.constexpr,
+    BLOCK_W: tl.constexpr,
 ):
     """Bitonic top-BLOCK_K of entries [p * chunk, (p + 1) * chunk) of one query's packed
     row; the keys are distinct, so the sorted answer is ``torch.topk``'s, and the entry id
     is recovered from the low 32 bits. OUT_KEYS: write the BLOCK_K best keys (padding
     included: it sorts after every real key) to slot p of a candidate row, for a merge
-    level: the top k of the union of the chunks' top k is the top k of the row."""
+    level: the top k of the union of the chunks' top k is the top k of the row. SELECT (the
+    last level): the picks' slots and the [window | picks] validity instead of the ids."""
     s = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     e = part * chunk + tl.arange(0, BLOCK_N)
@@ -188,7 +200,13 @@ def select_topk_kernel(
         tl.store(out_ptr + s * stride_os + part * BLOCK_K + pick, best)
     else:
         ids = 0x7FFFFFFF - (best & 0xFFFFFFFF)
-        tl.store(out_ptr + s * stride_os + pick, ids, mask=pick < k)
+        if SELECT:
+            store_selection(
+                s, ids, pick, pick < k, slots_ptr, stride_ss, num_visible_ptr, window_ptr,
+                stride_window, out_ptr, valid_ptr, k, W, BLOCK_W,
+            )  # fmt: skip
+        else:
+            tl.store(out_ptr + s * stride_os + pick, ids, mask=pick < k)
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -322,17 +340,85 @@ def paged_indexer_topk(
     return topk_packed(packed, k, tiling)
 
 
+def paged_indexer_select(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    scale: float,
+    num_visible: torch.Tensor,
+    k: int,
+    window_valid: torch.Tensor,
+    *,
+    tiling: IndexerTiling | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused ``ops.reference.paged_indexer_select``: the logits launch, then one top-k
+    launch that also writes the picks' slots and the [window | picks] validity (rows that
+    fit one program; longer rows add their chunk-wise levels first). Inputs as
+    ``paged_indexer_topk``, plus window_valid [S, W] bool; returns (slots [S, k], valid
+    [S, W + k] bool), as ``select_entries``."""
+    if not 0 <= k <= slots.shape[-1]:
+        raise ValueError(f"k={k} must be in [0, E={slots.shape[-1]}]")
+    tiling = tiling or default_tiling(q.shape[0], slots.shape[-1], q.device)
+    packed = indexer_logits(
+        q, key_cache, slots, weights, scale, num_visible, packed=True, tiling=tiling
+    )
+    return select_packed(packed, k, slots, num_visible, window_valid, tiling)
+
+
 def topk_packed(packed: torch.Tensor, k: int, tiling: IndexerTiling | None = None) -> torch.Tensor:
     """The ``k`` largest packed earliest-tie keys of each row, best first, as entry ids:
     one bitonic top-k launch (E <= ``tiling.triton_select_max_entries``), chunk-wise levels
     for longer rows, or ``torch.topk``. packed: [S, E] int64 -> [S, k] int64."""
+    last = _last_level(packed, k, tiling)
+    if last is None:
+        return packed.topk(k, dim=-1).indices
+    packed, num_entries, block_k = last
+    ids = _empty((packed.shape[0], k), torch.int64, packed.device)
+    _select(packed, ids, num_entries, k, num_entries, block_k, (packed.shape[0], 1), False)
+    return ids
+
+
+def select_packed(
+    packed: torch.Tensor,
+    k: int,
+    slots: torch.Tensor,
+    num_visible: torch.Tensor,
+    window_valid: torch.Tensor,
+    tiling: IndexerTiling | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``select_entries(topk_packed(packed, k), slots, num_visible, window_valid)``, the
+    selection done by the last top-k level itself (one launch fewer)."""
+    num_queries = packed.shape[0]
+    last = _last_level(packed, k, tiling) if num_queries else None
+    if last is None:
+        ids = packed.topk(k, dim=-1).indices
+        return select_entries(ids, slots, num_visible, window_valid)
+    out_slots, valid = selection_outputs(num_queries, k, slots, num_visible, window_valid)
+    packed, num_entries, block_k = last
+    slots = slots if slots.stride(1) == 1 else slots.contiguous()
+    window = window_valid if window_valid.stride(1) == 1 else window_valid.contiguous()
+    selection = (slots, num_visible.contiguous(), window.view(torch.uint8), valid.view(torch.uint8))
+    _select(
+        packed, out_slots, num_entries, k, num_entries, block_k, (num_queries, 1), False,
+        selection,
+    )  # fmt: skip
+    return out_slots, valid
+
+
+def _last_level(
+    packed: torch.Tensor, k: int, tiling: IndexerTiling | None
+) -> tuple[torch.Tensor, int, int] | None:
+    """Runs the chunk-wise levels a row too long for one program needs; returns what the
+    last (one program per query) level selects from: (keys, their number, BLOCK_K), or
+    None when ``torch.topk`` does the selection."""
     num_queries, num_entries = packed.shape
     tiling = tiling or default_tiling(num_queries, num_entries, packed.device)
     limit = tiling.triton_select_max_entries
     if k == 0 or num_queries == 0 or (num_entries > limit and tiling.select_chunk <= 0):
-        return packed.topk(k, dim=-1).indices
+        return None
     if limit < max(2, triton.next_power_of_2(k)):  # one program must hold k candidates
-        return packed.topk(k, dim=-1).indices
+        return None
     block_k = max(2, triton.next_power_of_2(k))  # tl.topk needs k >= 2
     # rows longer than the limit: a level of chunk-wise top-k programs (grid S x P) writes
     # the P x BLOCK_K best keys, until one program can hold what is left
@@ -344,9 +430,7 @@ def topk_packed(packed: torch.Tensor, k: int, tiling: IndexerTiling | None = Non
         packed, num_entries = picks, parts * block_k
         if parts == 1:
             break
-    ids = _empty((num_queries, k), torch.int64, packed.device)
-    _select(packed, ids, num_entries, k, num_entries, block_k, (num_queries, 1), False)
-    return ids
+    return packed, num_entries, block_k
 
 
 def _select(
@@ -358,9 +442,13 @@ def _select(
     block_k: int,
     grid: tuple[int, int],
     out_keys: bool,
+    selection: tuple[torch.Tensor, ...] | None = None,
 ) -> None:
-    """One ``select_topk_kernel`` launch over chunks of ``chunk`` entries."""
+    """One ``select_topk_kernel`` launch over chunks of ``chunk`` entries; ``selection``:
+    (slots, num_visible, window uint8, valid uint8 out) for a selecting last level."""
     block_n = max(block_k, triton.next_power_of_2(chunk))
+    slots, num_visible, window, valid = selection or (packed, packed, packed, packed)
+    width = window.shape[1] if selection else 0
     select_topk_kernel[grid](
         packed,
         out,
@@ -369,8 +457,17 @@ def _select(
         chunk,
         packed.stride(0),
         out.stride(0),
+        slots,
+        num_visible,
+        window,
+        valid,
+        slots.stride(0),
+        window.stride(0),
+        width,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         OUT_KEYS=out_keys,
+        SELECT=selection is not None,
+        BLOCK_W=max(2, triton.next_power_of_2(width)),
         num_warps=4 if block_n <= 1024 else 8 if block_n <= 4096 else 16,
     )

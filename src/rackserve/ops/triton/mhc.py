@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from rackserve.ops.reference import ExpertSlots
 from rackserve.ops.triton.mhc_finish_kernels import hc_finish_kernel, hc_fused_kernel
 from rackserve.ops.triton.mhc_kernels import hc_post_kernel, prenorm_gemm_kernel
 
@@ -157,24 +158,54 @@ def _param(name: str, t: torch.Tensor, shape: tuple[int, ...], like: torch.Tenso
     return t.to(torch.float32).contiguous()
 
 
+@dataclass(frozen=True)
+class _BlockOut:
+    """A block output as the kernels read it: rows [T, D] in the streams' dtype, or (an
+    ``ExpertSlots``) fp32 slot rows [T * k, D] with their expert ids, summed on load."""
+
+    rows: torch.Tensor
+    ids: torch.Tensor  # [T * k] (a placeholder for plain rows)
+    top_k: int  # 0: plain rows
+    num_experts: int
+
+
 def _post_inputs(
-    streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Checked block_out [T, D] (the streams' dtype), post [T, N], comb [T, N, N] (fp32).
-    Shapes and dtypes first, devices last: a call gets the same message on every device."""
+    streams: torch.Tensor,
+    block_out: torch.Tensor | ExpertSlots,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+) -> tuple[_BlockOut, torch.Tensor, torch.Tensor]:
+    """Checked block_out [T, D] (the streams' dtype) or its unsummed slots, post [T, N],
+    comb [T, N, N] (fp32). Shapes and dtypes first, devices last: a call gets the same
+    message on every device."""
     num_tokens, n, hidden = streams.shape
-    if tuple(block_out.shape) != (num_tokens, hidden) or block_out.dtype != streams.dtype:
+    if isinstance(block_out, ExpertSlots):
+        k = block_out.ids.shape[1] if block_out.ids.dim() == 2 else -1
+        slots = block_out.slots
+        ok = block_out.ids.shape[0] == num_tokens and block_out.dtype == streams.dtype
+        if not ok or tuple(slots.shape) != (num_tokens * k, hidden) or slots.dtype != torch.float32:
+            raise ValueError(
+                f"block_out slots must be [{num_tokens} * k, {hidden}] float32 with ids "
+                f"[{num_tokens}, k] summing to {streams.dtype}, got {tuple(slots.shape)} "
+                f"{slots.dtype}, ids {tuple(block_out.ids.shape)}, {block_out.dtype}"
+            )
+        rows = _BlockOut(
+            slots.contiguous(), block_out.ids.contiguous().view(-1), k, block_out.num_experts
+        )
+    elif tuple(block_out.shape) != (num_tokens, hidden) or block_out.dtype != streams.dtype:
         raise ValueError(
             f"block_out must be [{num_tokens}, {hidden}] {streams.dtype}, "
             f"got {tuple(block_out.shape)} {block_out.dtype}"
         )
+    else:
+        rows = _BlockOut(block_out.contiguous(), block_out, 0, 0)
     _check_shape("post", post, (num_tokens, n))
     _check_shape("comb", comb, (num_tokens, n, n))
-    if block_out.device != streams.device:
-        raise ValueError(f"block_out is on {block_out.device}, streams on {streams.device}")
+    if rows.rows.device != streams.device or rows.ids.device != streams.device:
+        raise ValueError(f"block_out is on {rows.rows.device}, streams on {streams.device}")
     post = _param("post", post, (num_tokens, n), streams)
     comb = _param("comb", comb, (num_tokens, n, n), streams)
-    return block_out.contiguous(), post, comb
+    return rows, post, comb
 
 
 def _block_params(
@@ -210,7 +241,7 @@ def _launch(
     hc_eps: float,
     norm_eps: float,
     head: bool,
-    expand: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    expand: tuple[_BlockOut, torch.Tensor, torch.Tensor] | None,
     tiling: Tiling | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """K1 + K2 on checked inputs -> (streams K2 read, x, post, comb); post/comb None for head.
@@ -239,7 +270,8 @@ def _launch(
     splits = triton.cdiv(hidden, d_per_split)  # no split without columns
     mix = _empty((splits, num_tokens, block_m), torch.float32, device)
     sq = _empty((splits, num_tokens), torch.float32, device)
-    block_out, prev_post, prev_comb = expand if expand is not None else (x, x, x)
+    bo, prev_post, prev_comb = expand if expand is not None else (_BlockOut(x, x, 0, 0), x, x)
+    block_out, slot_args = bo.rows, (bo.ids, max(1, bo.top_k), bo.num_experts)
     finish_block_d = min(tiling.finish_block_d, triton.next_power_of_2(hidden))
     block_s = min(128, triton.next_power_of_2(splits))
     counters = _counters(device, num_tokens) if tiling.fused and tiling.gemm_gemv else None
@@ -250,10 +282,11 @@ def _launch(
             num_tokens, hidden, fn.shape[0], d_per_split,
             1.0 / (n * hidden), hc_eps, norm_eps, sinkhorn_iters,
             streams.stride(0), streams.stride(1), fn.stride(0),
-            mix.stride(0), mix.stride(1), sq.stride(0), block_out.stride(0),
+            mix.stride(0), mix.stride(1), sq.stride(0), block_out.stride(0), *slot_args,
             new.stride(0), new.stride(1), x.stride(0),
             N=n, BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_D=block_d,
             FINISH_BLOCK_D=finish_block_d, BLOCK_S=block_s, FUSE_POST=expand is not None,
+            SLOTS=bo.top_k > 0,
             HEAD=head, SINGLE_PASS=finish_block_d >= hidden,
             num_warps=max(tiling.gemm_warps, tiling.finish_warps),
         )  # fmt: skip
@@ -262,9 +295,10 @@ def _launch(
         streams, fn, mix, sq, block_out, prev_post, prev_comb, new,
         num_tokens, hidden, fn.shape[0], d_per_split,
         streams.stride(0), streams.stride(1), fn.stride(0),
-        mix.stride(0), mix.stride(1), sq.stride(0), block_out.stride(0),
+        mix.stride(0), mix.stride(1), sq.stride(0), block_out.stride(0), *slot_args,
         N=n, BLOCK_N=block_n, BLOCK_T=gemm_block_t, BLOCK_M=block_m, BLOCK_D=block_d,
-        FUSE_POST=expand is not None, PRECISION=tiling.gemm_precision, GEMV=tiling.gemm_gemv,
+        FUSE_POST=expand is not None, SLOTS=bo.top_k > 0, PRECISION=tiling.gemm_precision,
+        GEMV=tiling.gemm_gemv,
         num_warps=tiling.gemm_warps,
     )  # fmt: skip
     hc_finish_kernel[(triton.cdiv(num_tokens, tiling.finish_block_t),)](
@@ -308,7 +342,7 @@ def hc_pre(
 
 def hc_post_pre(
     streams: torch.Tensor,
-    block_out: torch.Tensor,
+    block_out: torch.Tensor | ExpertSlots,
     post: torch.Tensor,
     comb: torch.Tensor,
     fn: torch.Tensor,
@@ -360,7 +394,7 @@ def hc_head(
 
 def hc_post(
     streams: torch.Tensor,
-    block_out: torch.Tensor,
+    block_out: torch.Tensor | ExpertSlots,
     post: torch.Tensor,
     comb: torch.Tensor,
     *,
@@ -372,7 +406,7 @@ def hc_post(
     (comb[j, k] weighs input stream j into output stream k). Returns [T, N, D].
     """
     streams = _check_streams(streams)
-    block_out, post, comb = _post_inputs(streams, block_out, post, comb)
+    bo, post, comb = _post_inputs(streams, block_out, post, comb)
     num_tokens, n, hidden = streams.shape
     out = _empty((num_tokens, n, hidden), streams.dtype, streams.device)
     if num_tokens == 0:
@@ -381,9 +415,10 @@ def hc_post(
     block_d = min(tiling.post_block_d, triton.next_power_of_2(hidden))
     grid = (triton.cdiv(num_tokens, tiling.post_block_t), triton.cdiv(hidden, block_d))
     hc_post_kernel[grid](
-        streams, block_out, post, comb, out, num_tokens, hidden,
-        streams.stride(0), streams.stride(1), block_out.stride(0), post.stride(0), comb.stride(0),
+        streams, bo.rows, post, comb, out, num_tokens, hidden,
+        streams.stride(0), streams.stride(1), bo.rows.stride(0), post.stride(0), comb.stride(0),
+        bo.ids, max(1, bo.top_k), bo.num_experts,
         N=n, BLOCK_N=triton.next_power_of_2(n), BLOCK_T=tiling.post_block_t, BLOCK_D=block_d,
-        num_warps=tiling.post_warps,
+        SLOTS=bo.top_k > 0, num_warps=tiling.post_warps,
     )  # fmt: skip
     return out

@@ -123,6 +123,9 @@ def hc_fused_kernel(
     stride_mix_t,
     stride_sq_s,
     stride_bt,
+    slot_ids_ptr,  # [T * k] SLOTS only: block_out_ptr is [T * k, D] fp32 expert slots
+    top_k,
+    num_experts,
     stride_nt,
     stride_nn,
     stride_ot,
@@ -133,6 +136,7 @@ def hc_fused_kernel(
     FINISH_BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     FUSE_POST: tl.constexpr,
+    SLOTS: tl.constexpr,
     HEAD: tl.constexpr,
     SINGLE_PASS: tl.constexpr,
 ):
@@ -142,8 +146,9 @@ def hc_fused_kernel(
     _prenorm_partials(pid_t, pid_s, x_ptr, w_ptr, mix_ptr, sq_ptr, block_out_ptr,
                       prev_post_ptr, prev_comb_ptr, new_ptr, num_tokens, hidden, num_mixes,
                       d_per_split, stride_xt, stride_xn, stride_wm, stride_mix_s,
-                      stride_mix_t, stride_sq_s, stride_bt, N, BLOCK_N, 1, BLOCK_M, BLOCK_D,
-                      FUSE_POST, "ieee", True)  # fmt: skip
+                      stride_mix_t, stride_sq_s, stride_bt, slot_ids_ptr, top_k, num_experts,
+                      N, BLOCK_N, 1, BLOCK_M, BLOCK_D, FUSE_POST, SLOTS, "ieee",
+                      True)  # fmt: skip
     tl.debug_barrier()  # every thread's partial stores before the release below
     arrived = tl.atomic_add(counter_ptr + pid_t, 1, sem="acq_rel", scope="gpu")
     if arrived == num_splits - 1:  # the token's other splits are all stored

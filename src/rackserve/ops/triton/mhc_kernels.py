@@ -29,6 +29,32 @@ def to_output(y, out_ptr):
 
 
 @triton.jit
+def load_block_out(
+    block_out_ptr, slot_ids_ptr, tok, tok_ok, d, td_ok, stride_bt, top_k, num_experts, out_ptr,
+    SLOTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """A block output's [BLOCK_T, BLOCK_D] tile in fp32: loaded, or (SLOTS: an unsummed
+    ``ExpertSlots``, rows [T * k, D] fp32 and ids [T * k]) summed over each token's routed
+    slots in slot order and rounded to out_ptr's type, as the fused MoE's sum kernel does."""
+    tok64 = tok.to(tl.int64)
+    if SLOTS:
+        acc = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
+        for j in range(top_k):
+            pair = tok64 * top_k + j
+            expert = tl.load(slot_ids_ptr + pair, mask=tok_ok, other=-1)
+            routed = (expert >= 0) & (expert < num_experts)
+            acc += tl.load(
+                block_out_ptr + pair[:, None] * stride_bt + d[None, :],
+                mask=td_ok & routed[:, None],
+                other=0.0,
+            )
+        return to_output(acc, out_ptr).to(tl.float32)
+    else:
+        rows = block_out_ptr + tok64[:, None] * stride_bt + d[None, :]
+        return tl.load(rows, mask=td_ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def prenorm_gemm_kernel(
     x_ptr,  # [T, N, D] streams (FUSE_POST: the streams before the expand)
     w_ptr,  # [M, N*D] fp32
@@ -49,12 +75,16 @@ def prenorm_gemm_kernel(
     stride_mix_t,
     stride_sq_s,
     stride_bt,
+    slot_ids_ptr,  # [T * k] SLOTS only: block_out_ptr is [T * k, D] fp32 expert slots
+    top_k,
+    num_experts,
     N: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     FUSE_POST: tl.constexpr,
+    SLOTS: tl.constexpr,
     PRECISION: tl.constexpr,
     GEMV: tl.constexpr,  # BLOCK_T = 1: elementwise FMA + row sums instead of tl.dot
 ):
@@ -80,12 +110,16 @@ def prenorm_gemm_kernel(
         stride_mix_t,
         stride_sq_s,
         stride_bt,
+        slot_ids_ptr,
+        top_k,
+        num_experts,
         N,
         BLOCK_N,
         BLOCK_T,
         BLOCK_M,
         BLOCK_D,
         FUSE_POST,
+        SLOTS,
         PRECISION,
         GEMV,
     )
@@ -114,12 +148,16 @@ def _prenorm_partials(
     stride_mix_t,
     stride_sq_s,
     stride_bt,
+    slot_ids_ptr,
+    top_k,
+    num_experts,
     N: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     FUSE_POST: tl.constexpr,
+    SLOTS: tl.constexpr,
     PRECISION: tl.constexpr,
     GEMV: tl.constexpr,  # BLOCK_T = 1: elementwise FMA + row sums instead of tl.dot
 ):
@@ -145,10 +183,11 @@ def _prenorm_partials(
         tnd_ok = tn_ok[:, :, None] & d_ok[None, None, :]
         if FUSE_POST:
             # new[t, k, d] = post[t, k] * block_out[t, d] + sum_j comb[t, j, k] * x[t, j, d]
-            bo = tl.load(
-                block_out_ptr + tok64[:, None] * stride_bt + d[None, :], mask=td_ok, other=0.0
-            )
-            x = post[:, :, None] * bo.to(tl.float32)[:, None, :]
+            bo = load_block_out(
+                block_out_ptr, slot_ids_ptr, tok, tok_ok, d, td_ok, stride_bt, top_k,
+                num_experts, new_ptr, SLOTS, BLOCK_T, BLOCK_D,
+            )  # fmt: skip
+            x = post[:, :, None] * bo[:, None, :]
             for j in tl.static_range(N):
                 x_j = tl.load(
                     x_ptr + tok64[:, None] * stride_xt + j * stride_xn + d[None, :],
@@ -197,10 +236,14 @@ def hc_post_kernel(
     stride_bt,
     stride_pt,
     stride_ct,
+    slot_ids_ptr,  # [T * k] SLOTS only: block_out_ptr is [T * k, D] fp32 expert slots
+    top_k,
+    num_experts,
     N: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SLOTS: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -215,8 +258,11 @@ def hc_post_kernel(
     tk_ok = tok_ok[:, None] & k_ok[None, :]
     # out[t, k, d] = post[t, k] * block_out[t, d] + sum_j comb[t, j, k] * streams[t, j, d]
     post = tl.load(post_ptr + tok[:, None] * stride_pt + k[None, :], mask=tk_ok, other=0.0)
-    bo = tl.load(block_out_ptr + tok64[:, None] * stride_bt + d[None, :], mask=td_ok, other=0.0)
-    acc = post[:, :, None] * bo.to(tl.float32)[:, None, :]  # [BT, BN, BD]
+    bo = load_block_out(
+        block_out_ptr, slot_ids_ptr, tok, tok_ok, d, td_ok, stride_bt, top_k, num_experts,
+        out_ptr, SLOTS, BLOCK_T, BLOCK_D,
+    )  # fmt: skip
+    acc = post[:, :, None] * bo[:, None, :]  # [BT, BN, BD]
     for j in tl.static_range(N):
         s_j = tl.load(
             streams_ptr + tok64[:, None] * stride_st + j * stride_sn + d[None, :],

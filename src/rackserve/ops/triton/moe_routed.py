@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from rackserve.ops.reference import ExpertSlots
 from rackserve.ops.triton import fused_moe
 from rackserve.ops.triton.moe_align_kernels import align_pairs
 from rackserve.ops.triton.route import _SCORING, route_fused, route_tokens
@@ -83,8 +84,10 @@ def moe_routed(
     w13: torch.Tensor,
     w2: torch.Tensor,
     limit: float,
-) -> torch.Tensor:
-    """See ``reference.moe_routed``."""
+    defer_sum: bool = False,
+) -> torch.Tensor | ExpertSlots:
+    """See ``reference.moe_routed``; ``defer_sum``: the unsummed :class:`ExpertSlots`
+    (``hc_post`` / ``hc_post_pre`` sum them), one launch fewer, when T > 0."""
     num_tokens = x.shape[0]
     cols = top_k + int(shared_expert is not None)
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
@@ -102,7 +105,9 @@ def moe_routed(
             x, gate_weight, bias, table, input_ids, top_k, scoring_func, scaling,
             shared_expert, expert_counts, token_mask,
         )  # fmt: skip
-        return fused_moe.moe_experts(x, ids, weights, w13, w2, limit, tiling=tiling)
+        return fused_moe.moe_experts(
+            x, ids, weights, w13, w2, limit, tiling=tiling, defer_sum=defer_sum
+        )
     routed = gate_weight.shape[0]
     if (table is None) == (bias is None):
         raise ValueError("moe_routed: give the bias (learned routing) or the table (hashed)")
@@ -136,6 +141,8 @@ def moe_routed(
         ALIGN_E=align_e, CHUNK=chunk, BLOCK_B=max(16, min(128, 8192 // align_e)),
         num_warps=8 if align_e >= 128 else 4,
     )  # fmt: skip
-    out = fused_moe._empty((num_tokens, x.shape[1]), x.dtype, x.device)
-    fused_moe.run_experts(x, ids, weights, sorted_ids, block_expert, w13, w2, limit, tiling, out)
-    return out
+    out = None if defer_sum else fused_moe._empty((num_tokens, x.shape[1]), x.dtype, x.device)
+    slots = fused_moe.run_experts(
+        x, ids, weights, sorted_ids, block_expert, w13, w2, limit, tiling, out
+    )
+    return out if slots is None else slots

@@ -19,6 +19,23 @@ import triton.language as tl
 
 
 @triton.jit
+def store_selection(
+    s, ids, k, k_ok, slots_ptr, stride_slots, num_visible_ptr, window_ptr, stride_window,
+    out_slots_ptr, out_valid_ptr, K, W, BLOCK_W: tl.constexpr,
+):  # fmt: skip
+    """Query ``s``'s picks ``ids`` (at positions ``k``, ``k_ok``) as slots, and its
+    [window | picks] validity: what ``reference.select_entries`` returns for that row."""
+    slot = tl.load(slots_ptr + s * stride_slots + ids, mask=k_ok, other=0)
+    tl.store(out_slots_ptr + s * K + k, slot, mask=k_ok)
+    visible = tl.load(num_visible_ptr + s)
+    tl.store(out_valid_ptr + s * (W + K) + W + k, (ids < visible).to(tl.uint8), mask=k_ok)
+    w = tl.arange(0, BLOCK_W)
+    w_ok = w < W
+    window = tl.load(window_ptr + s * stride_window + w, mask=w_ok, other=0)
+    tl.store(out_valid_ptr + s * (W + K) + w, window, mask=w_ok)
+
+
+@triton.jit
 def _select_kernel(
     ids_ptr,  # [S, K] int picks (entry ids), unit column stride
     slots_ptr,  # [S, E] int64 entry slots
@@ -38,14 +55,10 @@ def _select_kernel(
     k = tl.arange(0, BLOCK_K)
     k_ok = k < K
     ids = tl.load(ids_ptr + s * stride_ids + k, mask=k_ok, other=0)
-    slot = tl.load(slots_ptr + s * stride_slots + ids, mask=k_ok, other=0)
-    tl.store(out_slots_ptr + s * K + k, slot, mask=k_ok)
-    visible = tl.load(num_visible_ptr + s)
-    tl.store(out_valid_ptr + s * (W + K) + W + k, (ids < visible).to(tl.uint8), mask=k_ok)
-    w = tl.arange(0, BLOCK_W)
-    w_ok = w < W
-    window = tl.load(window_ptr + s * stride_window + w, mask=w_ok, other=0)
-    tl.store(out_valid_ptr + s * (W + K) + w, window, mask=w_ok)
+    store_selection(
+        s, ids, k, k_ok, slots_ptr, stride_slots, num_visible_ptr, window_ptr, stride_window,
+        out_slots_ptr, out_valid_ptr, K, W, BLOCK_W,
+    )  # fmt: skip
 
 
 def select_entries(
@@ -56,17 +69,7 @@ def select_entries(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See ``reference.select_entries``."""
     s, k = ids.shape
-    e, w = slots.shape[1], window_valid.shape[1]
-    if slots.shape[0] != s or num_visible.shape != (s,) or window_valid.shape[0] != s:
-        raise ValueError(
-            f"select_entries: slots [{s}, E], num_visible [{s}] and window_valid [{s}, W] "
-            f"expected, got {tuple(slots.shape)}, {tuple(num_visible.shape)}, "
-            f"{tuple(window_valid.shape)}"
-        )
-    if window_valid.dtype != torch.bool or k > e:
-        raise ValueError(f"select_entries: window_valid must be bool and K={k} <= E={e}")
-    out_slots = torch.empty(s, k, dtype=slots.dtype, device=slots.device)
-    valid = torch.empty(s, w + k, dtype=torch.bool, device=slots.device)
+    out_slots, valid = selection_outputs(s, k, slots, num_visible, window_valid)
     if s == 0:
         return out_slots, valid
     ids = ids if ids.stride(1) == 1 else ids.contiguous()
@@ -83,9 +86,26 @@ def select_entries(
         slots.stride(0),
         window.stride(0),
         k,
-        w,
+        window.shape[1],
         BLOCK_K=max(2, triton.next_power_of_2(k)),
-        BLOCK_W=max(2, triton.next_power_of_2(w)),
+        BLOCK_W=max(2, triton.next_power_of_2(window.shape[1])),
         num_warps=4,
     )
     return out_slots, valid
+
+
+def selection_outputs(
+    s: int, k: int, slots: torch.Tensor, num_visible: torch.Tensor, window_valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checked shapes; the empty (slots [S, K], valid [S, W + K]) a selection fills."""
+    e, w = slots.shape[1], window_valid.shape[1]
+    if slots.shape[0] != s or num_visible.shape != (s,) or window_valid.shape[0] != s:
+        raise ValueError(
+            f"select_entries: slots [{s}, E], num_visible [{s}] and window_valid [{s}, W] "
+            f"expected, got {tuple(slots.shape)}, {tuple(num_visible.shape)}, "
+            f"{tuple(window_valid.shape)}"
+        )
+    if window_valid.dtype != torch.bool or k > e:
+        raise ValueError(f"select_entries: window_valid must be bool and K={k} <= E={e}")
+    out_slots = torch.empty(s, k, dtype=slots.dtype, device=slots.device)
+    return out_slots, torch.empty(s, w + k, dtype=torch.bool, device=slots.device)
