@@ -129,13 +129,24 @@ def test_admission_cap_from_step_records(tiny, prompts):
         consumer.shutdown()
 
 
-@pytest.mark.parametrize("fault", ["corrupt_chunk", "drop_connection", "delay:3"])
+@pytest.mark.parametrize(
+    "fault,transport",
+    [
+        ("corrupt_chunk", "tcp"),
+        ("drop_connection", "tcp"),
+        ("delay:3", "tcp"),
+        ("corrupt_chunk", "nccl"),  # streamed over the pair (gloo here): its checksum
+        ("drop_connection", "nccl"),
+    ],
+)
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_failures(tiny, prompts, expected, fault, policy):
+def test_failures(tiny, prompts, expected, fault, transport, policy):
     extra = {"inject_fault": fault}
-    producer = make_core(tiny, producer_config(kv_connector_extra_config=extra))
+    producer = make_core(tiny, producer_config(transport, kv_connector_extra_config=extra))
     lease = 1.0 if fault.startswith("delay") else 30.0
-    consumer = make_core(tiny, consumer_config(kv_load_failure_policy=policy, lease_s=lease))
+    consumer = make_core(
+        tiny, consumer_config(transport, kv_load_failure_policy=policy, lease_s=lease)
+    )
     subset = {k: prompts[k] for k in ("r0", "r1", "r2")}
     try:
         prefill(producer, subset, PARAMS)

@@ -5,7 +5,7 @@ Prefill side (producer), on the loop::
     request with do_remote_decode --> prompt[:N-1], max_tokens 1 (the decode side computes
     the last prompt token itself: its logits give the first output token); its KVStore entry
     opens under transfer_key(transfer_id, prompt[:N-1])
-    each step while it prefills (tcp), once a streaming pull waits on it --> the rows of
+    each step while it prefills (tcp, nccl), once a streaming pull waits on it --> the rows of
     every block whose positions are all computed (every group: compressed pages, the
     sliding-window and compressor-state pages the decode side will hold, the MTP layer's
     rows in "swa") join the entry as a Piece; the pull sends them while the next chunks
@@ -42,7 +42,14 @@ import torch
 
 from rackserve.config import DisaggConfig
 from rackserve.disagg.store import KVStore, Piece
-from rackserve.disagg.transports import Fault, FetchJob, KVClient, KVServer, TransferError
+from rackserve.disagg.transports import (
+    STREAMING_TRANSPORTS,
+    Fault,
+    FetchJob,
+    KVClient,
+    KVServer,
+    TransferError,
+)
 from rackserve.disagg.wire import transfer_key
 from rackserve.engine.outputs import EngineCoreRequest
 from rackserve.engine.scheduler import Scheduler
@@ -118,7 +125,9 @@ class KVConnector:
         self._prefills: dict[str, _Prefill] = {}  # producer: requests prefilling now
         # blocks stream out during the prefill on the stream transport (the others pull the
         # whole region at the end); every group must have its spec for the block rule
-        self._streaming = self.transport == "tcp" and len(scheduler.kv.specs) == len(caches.groups)
+        self._streaming = self.transport in STREAMING_TRANSPORTS and len(scheduler.kv.specs) == len(
+            caches.groups
+        )
         # (layers, elements per slot per layer) of each group: a streamed pull's layout
         self.layout = tuple(
             (len(caches.tensors[name]), next(iter(caches.tensors[name].values()))[0].numel())

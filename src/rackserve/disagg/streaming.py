@@ -1,4 +1,5 @@
-"""Streaming pulls (``tcp``): KV leaves the prefill side block by block while it prefills.
+"""Streaming pulls (``tcp``, ``nccl``): KV leaves the prefill side block by block while it
+prefills.
 
 Producer (a server thread, ``send_streamed``): waits on the store for the entry's pieces (the
 rows of blocks whose positions the prefill has computed, added by the engine loop after each
@@ -14,6 +15,11 @@ Consumer (a transfer thread, ``recv_streamed``): places each piece's rows by slo
 buffer per group and returns the region laid out as ``export_blocks`` lays it out, so the
 engine loop imports it exactly as a whole-region pull. A piece's arrival is logged
 (``PieceLog``): tests read when the decode side had rows.
+
+The control messages (``Rows`` headers, ``Waiting``, ``End``) always go over the TCP
+connection. A piece's data follows on it (``tcp``), or as one ``send``/``recv`` on the
+pair's two-rank process group (``nccl``; gloo on CPU), device memory to device memory; the
+pair is held for the whole pull, so its sends and receives match in order.
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -82,23 +90,47 @@ class StreamStats:
     bytes_tail: int = 0
 
 
+def _pair_op(op: Callable[[], Any]) -> Any:
+    try:
+        return op()
+    except TransferError:
+        raise
+    except Exception as e:  # a broken pair: the caller drops it, it is rebuilt next pull
+        raise TransferError(f"pair transfer failed: {e}") from None
+
+
 def send_streamed(
-    conn: socket.socket, store: KVStore, pull: Pull, fault: str, delay_s: float, stats: StreamStats
+    conn: socket.socket,
+    store: KVStore,
+    pull: Pull,
+    fault: str,
+    delay_s: float,
+    stats: StreamStats,
+    pair: Callable[[], Any] | None = None,
 ) -> int:
-    """Serve one streaming pull; returns the bytes sent (the caller waits for the Ack)."""
+    """Serve one streaming pull; returns the bytes sent (the caller waits for the Ack).
+    ``pair``: the two-rank group the pieces' data go through (built once the consumer has
+    the reply); None: on ``conn``."""
     if not store.wait_for(pull.key, min(store.lease_s, UNKNOWN_KEY_WAIT_S)):
         send_message(conn, PullReply(False, f"no KV held for {pull.key} (lease over?)"))
         return -1
     send_message(conn, PullReply(True))
+    group = None if pair is None else _pair_op(pair)
     store.watching(pull.key, +1)
     try:
-        return _send_pieces(conn, store, pull, fault, delay_s, stats)
+        return _send_pieces(conn, store, pull, fault, delay_s, stats, group)
     finally:
         store.watching(pull.key, -1)
 
 
 def _send_pieces(
-    conn: socket.socket, store: KVStore, pull: Pull, fault: str, delay_s: float, stats: StreamStats
+    conn: socket.socket,
+    store: KVStore,
+    pull: Pull,
+    fault: str,
+    delay_s: float,
+    stats: StreamStats,
+    group: Any,
 ) -> int:
     if delay_s:
         time.sleep(delay_s)
@@ -106,18 +138,28 @@ def _send_pieces(
     sent: list[set[int]] = [set() for _ in wanted]
     num_seen = nbytes = num_pieces = 0
 
-    def send(group: int, slots: list[int], rows: list[torch.Tensor], tail: bool) -> None:
+    def send(group_id: int, slots: list[int], rows: list[torch.Tensor], tail: bool) -> None:
         nonlocal nbytes, num_pieces
-        data = _as_bytes(torch.stack(rows).cpu()) if rows else memoryview(b"")
-        checksum = crc32(data) ^ (1 if fault == "corrupt_chunk" and num_pieces == 0 else 0)
-        send_message(conn, Rows(group, slots, len(data), checksum))
-        conn.sendall(data)
+        flip = 1 if fault == "corrupt_chunk" and num_pieces == 0 else 0
+        if group is None:  # the bytes on the connection
+            data = _as_bytes(torch.stack(rows).cpu()) if rows else memoryview(b"")
+            size = len(data)
+            send_message(conn, Rows(group_id, slots, size, crc32(data) ^ flip))
+            conn.sendall(data)
+        else:  # device to device on the pair (a checksum only for CPU tensors: gloo)
+            data = torch.stack(rows).contiguous() if rows else None
+            size = 0 if data is None else data.numel() * data.element_size()
+            on_cpu = data is not None and data.device.type == "cpu"
+            checksum = crc32(_as_bytes(data)) if on_cpu else 0
+            send_message(conn, Rows(group_id, slots, size, checksum ^ flip))
+            if data is not None:
+                _pair_op(lambda: group.send([data.view(-1)], 1, 0).wait())
         if fault == "drop_connection" and num_pieces == 0:
             conn.shutdown(socket.SHUT_RDWR)
             raise TransferError("fault injected: connection dropped")
         num_pieces += 1
-        nbytes += len(data)
-        sent[group].update(slots)
+        nbytes += size
+        sent[group_id].update(slots)
         if tail:
             stats.bytes_tail += len(data)
         else:
@@ -168,13 +210,17 @@ def recv_streamed(
     layout: list[tuple[int, int]],
     dtype: torch.dtype,
     log: PieceLog,
+    group: Any = None,
+    device: torch.device | None = None,
 ) -> tuple[torch.Tensor, int]:
-    """(the region (CPU) from Rows pieces, the prefill side's prefix hit); ``layout[g]``:
-    (layers, elements per slot per layer) of group g on this side. TransferError on a bad
-    piece, a checksum or a missing slot."""
+    """(the region from Rows pieces, the prefill side's prefix hit); ``layout[g]``:
+    (layers, elements per slot per layer) of group g on this side. ``group``: the pair the
+    pieces' data arrive on, into ``device`` memory (None: on ``conn``, into CPU memory).
+    TransferError on a bad piece, a checksum or a missing slot."""
     element_size = torch.empty(0, dtype=dtype).element_size()
-    buffers = [torch.empty(layers, len(slots), n, dtype=dtype) for (layers, n), slots in
-               zip(layout, group_slots, strict=True)]  # fmt: skip
+    device = torch.device("cpu") if group is None or device is None else device
+    buffers = [torch.empty(layers, len(slots), n, dtype=dtype, device=device)
+               for (layers, n), slots in zip(layout, group_slots, strict=True)]  # fmt: skip
     position = [{s: i for i, s in enumerate(slots)} for slots in group_slots]
     filled: list[set[int]] = [set() for _ in group_slots]
     while True:
@@ -197,13 +243,19 @@ def recv_streamed(
                 f"layout mismatch in group {g}: {message.nbytes} bytes for {len(slots)} slots "
                 "(different models or dtypes?)"
             )
-        data = recv_exact(conn, message.nbytes)
-        if crc32(data) != message.crc32:
-            raise TransferError(f"a piece of group {g} failed its checksum")
+        if group is None:
+            data = recv_exact(conn, message.nbytes)
+            if crc32(data) != message.crc32:
+                raise TransferError(f"a piece of group {g} failed its checksum")
+            rows = torch.frombuffer(data, dtype=torch.uint8).view(dtype) if slots else None
+        elif slots:
+            rows = torch.empty(message.nbytes // element_size, dtype=dtype, device=device)
+            _pair_op(lambda rows=rows: group.recv([rows], 0, 0).wait())
+            if message.crc32 and device.type == "cpu" and crc32(_as_bytes(rows)) != message.crc32:
+                raise TransferError(f"a piece of group {g} failed its checksum")
         if slots:
-            rows = torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(layers, len(slots), n)
-            index = torch.tensor([position[g][s] for s in slots], dtype=torch.long)
-            buffers[g][:, index] = rows
+            index = torch.tensor([position[g][s] for s in slots], dtype=torch.long, device=device)
+            buffers[g][:, index] = rows.view(layers, len(slots), n)
         filled[g].update(slots)
         log.add(PieceRecord(key, time.monotonic(), g, len(slots), message.nbytes))
     for g, slots in enumerate(group_slots):

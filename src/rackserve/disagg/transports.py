@@ -7,7 +7,8 @@ All share the control path of wire.py over TCP (a producer's ``KVServer`` on kv_
 - ``shm``: the producer writes the region into a shared-memory segment, the consumer copies
   it out (one host, no socket copy of the data); the producer unlinks it after the ack.
 - ``nccl``: ``send``/``recv`` on a two-rank process group per (producer, consumer) pair,
-  built on first use through a TCPStore the consumer hosts (gloo on CPU: the tests).
+  built on first use through a TCPStore the consumer hosts (gloo on CPU: the tests); the
+  pieces stream as on ``tcp``, their data on the pair (streaming.py).
 - ``nixl``: a NIXL READ of the producer's registered region (disagg/nixl.py) when
   ``import nixl`` works; otherwise a clear error at start-up.
 
@@ -134,8 +135,19 @@ class KVServer:
     def _pull(self, conn: socket.socket, pull: Pull) -> None:
         if pull.stream:
             delay = self.fault.delay_s if self.fault.kind == "delay" else 0.0
-            stats = self.stream_stats
-            nbytes = send_streamed(conn, self.store, pull, self.fault.kind, delay, stats)
+            stats, peer = self.stream_stats, pull.rendezvous
+            on_pair = pull.transport == "nccl"
+            pair_lock = self.pairs.lock(peer) if on_pair else contextlib.nullcontext()
+            with pair_lock:  # the pair's sends in this pull's order
+                try:
+                    nbytes = send_streamed(
+                        conn, self.store, pull, self.fault.kind, delay, stats,
+                        (lambda: self.pairs.group(peer, 0, peer)) if on_pair else None,
+                    )  # fmt: skip
+                except TransferError:
+                    if on_pair:
+                        self.pairs.drop(peer)
+                    raise
             ack = recv_message(conn) if nbytes >= 0 else None
             if isinstance(ack, Ack) and ack.ok:
                 self.store.done(pull.key, nbytes)
@@ -255,6 +267,10 @@ class KVServer:
 # ---- consumer ---------------------------------------------------------------------------
 
 
+# transports whose pulls stream block by block while the prefill runs (streaming.py)
+STREAMING_TRANSPORTS = ("tcp", "nccl")
+
+
 @dataclass(frozen=True)
 class FetchJob:
     host: str
@@ -278,8 +294,8 @@ class KVClient:
         self.local_ip = local_ip
         self.pairs = PairGroups(backend, timeout_s=lease_s)
         self._rendezvous: dict[str, str] = {}
-        self.pieces = PieceLog()  # streamed pieces' arrivals (tcp)
-        self.remote_hits: dict[str, int] = {}  # key -> the prefill side's hit (tcp)
+        self.pieces = PieceLog()  # streamed pieces' arrivals (tcp, nccl)
+        self.remote_hits: dict[str, int] = {}  # key -> the prefill side's hit (streamed)
 
     def _connect(self, host: str, port: int) -> socket.socket:
         try:
@@ -301,7 +317,7 @@ class KVClient:
                     if peer not in self._rendezvous:
                         self._rendezvous[peer] = self.pairs.host_store(peer, self.local_ip)
                     rendezvous = self._rendezvous[peer]
-                stream = self.transport == "tcp" and bool(job.layout)
+                stream = self.transport in STREAMING_TRANSPORTS and bool(job.layout)
                 pull = Pull(
                     job.key, job.group_slots, job.numel, str(job.dtype), self.transport,
                     rendezvous, stream,
@@ -311,10 +327,7 @@ class KVClient:
                 if not isinstance(reply, PullReply) or not reply.ok:
                     raise TransferError(getattr(reply, "message", "unexpected reply"))
                 if stream:
-                    region, hit = recv_streamed(
-                        conn, job.key, job.group_slots, list(job.layout), job.dtype, self.pieces
-                    )
-                    region = region.to(job.device)
+                    region, hit = self._recv_streamed(conn, peer, job)
                     self.remote_hits[job.key] = hit
                     if region.numel() != job.numel:
                         raise TransferError(f"received {region.numel()} of {job.numel} elements")
@@ -332,6 +345,28 @@ class KVClient:
             raise TransferError(f"no progress from {peer} for {self.lease_s:g} s") from None
         except OSError as e:
             raise TransferError(f"connection to {peer} failed: {e}") from None
+
+    def _recv_streamed(
+        self, conn: socket.socket, peer: str, job: FetchJob
+    ) -> tuple[torch.Tensor, int]:
+        group = None
+        try:
+            if self.transport == "nccl":
+                group = self.pairs.group(peer, 1)
+            region, hit = recv_streamed(
+                conn, job.key, job.group_slots, list(job.layout), job.dtype, self.pieces,
+                group, job.device,
+            )  # fmt: skip
+        except TransferError:
+            if self.transport == "nccl":
+                self.pairs.drop(peer)
+                self._rendezvous.pop(peer, None)
+            raise
+        except Exception as e:  # building the pair failed
+            self.pairs.drop(peer)
+            self._rendezvous.pop(peer, None)
+            raise TransferError(f"pair with {peer} failed: {e}") from None
+        return region.to(job.device), hit
 
     def _recv_stream(self, conn: socket.socket, job: FetchJob, reply: PullReply) -> torch.Tensor:
         nbytes = job.numel * torch.empty(0, dtype=job.dtype).element_size()
