@@ -119,6 +119,8 @@ def test_decode_side_receives_blocks_before_the_last_chunk(tiny, transport):
             keys[req_id] = log.records(_key(req_id, prompts[req_id]))
         stats = producer.kv_connector.server.stream_stats
         assert stats.bytes_streamed > 0 and stats.bytes_tail > 0
+        received = sum(r.nbytes for records in keys.values() for r in records)
+        assert stats.bytes_streamed + stats.bytes_tail == received
         for req_id in prompts:
             records = keys[req_id]
             assert len(records) > before_last[req_id] >= 2

@@ -161,9 +161,9 @@ def _send_pieces(
         nbytes += size
         sent[group_id].update(slots)
         if tail:
-            stats.bytes_tail += len(data)
+            stats.bytes_tail += size
         else:
-            stats.bytes_streamed += len(data)
+            stats.bytes_streamed += size
 
     while True:
         held, pieces, final = store.watch(pull.key, num_seen, store.lease_s / 3)
