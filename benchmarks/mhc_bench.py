@@ -70,6 +70,13 @@ def _variants(t: int, device: torch.device) -> dict[str, mhc.Tiling]:
         )
     elif t <= 64:
         variants["gemv_on"] = rep(base, gemm_gemv=True)
+    if t >= 1024:  # prefill: wider token tiles in K1, several tokens per K2 program
+        variants["gemm_t128"] = rep(base, gemm_block_t=128)
+        variants["gemm_t128_w8"] = rep(base, gemm_block_t=128, gemm_warps=8)
+        variants["gemm_w8"] = rep(base, gemm_warps=8)
+        variants["finish_t2"] = rep(base, finish_block_t=2)
+        variants["finish_t4_w8"] = rep(base, finish_block_t=4, finish_warps=8)
+        variants["post_t4"] = rep(base, post_block_t=4)
     return variants
 
 

@@ -95,6 +95,8 @@ def variants(device: torch.device) -> dict[str, prefill_attn.PrefillTiling]:
         "bn16_stages4": rep(base, block_n=16, num_stages=4),
         "bh32": rep(base, block_h=32),
         "dv4": rep(base, num_dv=4),
+        "dv1_rows_bn16": rep(base, block_n=16, num_dv=1, num_stages=4, pv="rows"),  # 40 B stack
+        "dv2_rows_bn16": rep(base, block_n=16, num_stages=4, pv="rows"),  # no spills
     }
 
 
@@ -253,6 +255,17 @@ def run_moe(device: str = "cuda", tokens: tuple[int, ...] = (2048, 8192)) -> lis
     return stamped(records, dev)
 
 
+def run_once(spec: str, device: str = "cuda") -> None:
+    """``KIND:S:C:VARIANT`` (VARIANT "default" or a key of ``variants``): two launches of one
+    tiling on one case, for a profiler (``ncu --launch-skip 1 --launch-count 1``)."""
+    kind, s, cached, name = spec.split(":")
+    args = _inputs(int(s), int(cached), kind, device)
+    tiling = None if name == "default" else variants(torch.device(device))[name]
+    for _ in range(2):
+        prefill_attn.paged_sparse_attention(*args, tiling=tiling)
+    torch.cuda.synchronize()
+
+
 def _plain_us(fn: Callable[[], object]) -> float:
     """do_bench median in microseconds (prefill runs eager: no graph timing)."""
     return triton.testing.do_bench(fn, return_mode="median") * 1e3
@@ -260,9 +273,14 @@ def _plain_us(fn: Callable[[], object]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--output", required=True)
+    parser.add_argument("--output")
     parser.add_argument("--no-sweep", action="store_true", help="default tiling only")
+    parser.add_argument("--once", metavar="KIND:S:C:VARIANT", help="two launches (run_once)")
     args = parser.parse_args()
+    if args.once:
+        return run_once(args.once)
+    if not args.output:
+        parser.error("--output is required")
     everything = run(sweep=not args.no_sweep)
     with open(args.output, "w") as f:
         json.dump(everything, f, indent=1)
