@@ -74,9 +74,11 @@ def _variants(t: int, device: torch.device) -> dict[str, mhc.Tiling]:
         variants["gemm_t128"] = rep(base, gemm_block_t=128)
         variants["gemm_t128_w8"] = rep(base, gemm_block_t=128, gemm_warps=8)
         variants["gemm_w8"] = rep(base, gemm_warps=8)
-        variants["finish_t2"] = rep(base, finish_block_t=2)
-        variants["finish_t4_w8"] = rep(base, finish_block_t=4, finish_warps=8)
-        variants["post_t4"] = rep(base, post_block_t=4)
+        variants["gemm_t32"] = rep(base, gemm_block_t=32)
+        variants["gemm_t16"] = rep(base, gemm_block_t=16)
+        variants["finish_t16_d256_w8"] = rep(base, finish_block_t=16, finish_block_d=256,
+                                             finish_warps=8)  # fmt: skip
+        variants["post_fused"] = rep(base, post_apart=False)  # K1 expands the streams
     return variants
 
 

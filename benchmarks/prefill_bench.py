@@ -86,17 +86,11 @@ def variants(device: torch.device) -> dict[str, prefill_attn.PrefillTiling]:
     base = prefill_attn.default_tiling(H, DH, torch.bfloat16, device)
     rep = dataclasses.replace
     return {
-        "dv1_rows": rep(base, num_dv=1, pv="rows"),  # 1x FLOPs, bf16 p, no spills
-        "dv1_fp16": rep(base, num_dv=1),  # spills
-        "dv1_split": rep(base, num_dv=1, pv="split"),  # spills
-        "pv_split": rep(base, pv="split"),
-        "pv_rows": rep(base, pv="rows"),
+        "dv2_fp16": rep(base, num_dv=2, pv="fp16"),  # the default until 2026-12-02
+        "fp16": rep(base, pv="fp16"),  # spills (728 bytes)
         "stages2": rep(base, num_stages=2),
         "bn16_stages4": rep(base, block_n=16, num_stages=4),
-        "bh32": rep(base, block_h=32),
-        "dv4": rep(base, num_dv=4),
-        "dv1_rows_bn16": rep(base, block_n=16, num_dv=1, num_stages=4, pv="rows"),  # 40 B stack
-        "dv2_rows_bn16": rep(base, block_n=16, num_stages=4, pv="rows"),  # no spills
+        "bn64_stages2": rep(base, block_n=64, num_stages=2),  # spills (440 bytes)
     }
 
 

@@ -9,6 +9,7 @@ for at least 99.9% of the elements.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import itertools
 
@@ -219,7 +220,31 @@ def test_gemv_k1_bf16_matches_reference(mhc, t, fused):
     for g, rb, rf in zip(new[1:], *refs, strict=True):
         assert_bf16_close(g, rb, rf)
     if fused:
-        assert not mhc._COUNTERS[torch.device(DEVICE)].any()
+        assert not mhc._COUNTERS[streams.device].any()  # keyed by the tensors' device
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("slots", [False, True])
+def test_post_apart_equals_the_fused_prologue(mhc, dtype, slots):
+    """``Tiling.post_apart`` (the streams expanded by hc_post's kernel, then K1 on them: the
+    default from ``POST_APART_MIN_TOKENS`` tokens) gives hc_post_pre's outputs bitwise, with
+    a plain block output and with a fused MoE's unsummed slots."""
+    t, d, k, e = 5, 256, 3, 8
+    args = hc_pre_args(t, d, seed=61, dtype=dtype)
+    _, post, comb = reference.hc_pre(*args)
+    g = torch.Generator().manual_seed(62)
+    if slots:
+        ids = torch.randint(0, e + 1, (t, k), generator=g)  # e: an unrouted slot
+        rows = torch.randn(t * k, d, generator=g).to(DEVICE)
+        block_out = reference.ExpertSlots(rows, ids.to(DEVICE), e, dtype)
+    else:
+        block_out = torch.randn(t, d, generator=g).to(device=DEVICE, dtype=dtype)
+    call = (args[0], block_out, post, comb, *args[1:])
+    fused = gpu_like_tiling(mhc, 2)
+    apart = dataclasses.replace(fused, post_apart=True)
+    want, got = mhc.hc_post_pre(*call, tiling=fused), mhc.hc_post_pre(*call, tiling=apart)
+    for a, b in zip(want, got, strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize(

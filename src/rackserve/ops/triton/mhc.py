@@ -27,7 +27,10 @@ from rackserve.ops.triton.mhc_finish_kernels import hc_finish_kernel, hc_fused_k
 from rackserve.ops.triton.mhc_kernels import hc_post_kernel, prenorm_gemm_kernel
 
 _ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-FUSED_ENV = "RACKSERVE_MHC_FUSED"  # "1": default_tiling fuses K1 + K2 for T <= 4 (GPU)
+FUSED_ENV = "RACKSERVE_MHC_FUSED"
+# from this many tokens hc_post_pre expands the streams in hc_post's kernel (3.9 TB/s at
+# 8192 tokens) and runs K1 on them: 155 + 673 us against 1007 us fused (H200, 2026-12-02)
+POST_APART_MIN_TOKENS = 1024  # "1": default_tiling fuses K1 + K2 for T <= 4 (GPU)
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,10 @@ class Tiling:
     # with gemm_gemv: K1 + K2 in one launch (``hc_fused_kernel``: the last split of a token
     # finishes it, through an int32 counter per token)
     fused: bool = False
+    # hc_post_pre: expand the streams with ``hc_post``'s kernel, then K1 on the stored streams
+    # (the same values: K1's fused prologue computes them in the same order), instead of in
+    # K1's prologue: three launches, faster for many tokens (``default_tiling``)
+    post_apart: bool = False
 
 
 @functools.lru_cache(maxsize=8)
@@ -76,7 +83,8 @@ def default_tiling(
     program with FMA row sums (``gemm_gemv``: a 16-row dot tile would be mostly padding,
     and the fp32 FMA dot cost 3 us more than tf32x3 at T = 1), in one launch with K2 when
     ``$RACKSERVE_MHC_FUSED`` is "1" (opt-in until measured). K2 keeps a token's N x D streams
-    in registers up to 16K values and loops over D beyond. On CPU (the Triton interpreter)
+    in registers up to 16K values and loops over D beyond. From ``POST_APART_MIN_TOKENS``
+    tokens hc_post_pre expands the streams in a launch of its own. On CPU (the Triton interpreter)
     larger token tiles keep the number of interpreted programs small.
     """
     block_n = triton.next_power_of_2(num_streams)
@@ -111,6 +119,7 @@ def default_tiling(
         post_warps=4,
         gemm_gemv=num_tokens <= 4,
         fused=num_tokens <= 4 and os.environ.get(FUSED_ENV, "0") == "1",
+        post_apart=num_tokens >= POST_APART_MIN_TOKENS,
     )
 
 
@@ -247,12 +256,15 @@ def _launch(
     """K1 + K2 on checked inputs -> (streams K2 read, x, post, comb); post/comb None for head.
 
     expand: (block_out, post, comb) of the previous block: K1 first expands the streams
-    (``hc_post``), writes them and runs on them.
+    (``hc_post``), writes them and runs on them; with ``tiling.post_apart`` hc_post's own
+    kernel expands them first.
     """
     num_tokens, n, hidden = streams.shape
     fn, base, scale, norm_weight = params
     device = streams.device
     tiling = tiling or default_tiling(num_tokens, n, hidden, device, streams.dtype)
+    if expand is not None and tiling.post_apart and not (tiling.fused and tiling.gemm_gemv):
+        streams, expand = _expand(streams, *expand, tiling), None
     new = streams if expand is None else _empty(streams.shape, streams.dtype, device)
     x = _empty((num_tokens, hidden), streams.dtype, device)
     post = None if head else _empty((num_tokens, n), torch.float32, device)
@@ -406,12 +418,19 @@ def hc_post(
     (comb[j, k] weighs input stream j into output stream k). Returns [T, N, D].
     """
     streams = _check_streams(streams)
-    bo, post, comb = _post_inputs(streams, block_out, post, comb)
+    num_tokens, n, hidden = streams.shape
+    tiling = tiling or default_tiling(num_tokens, n, hidden, streams.device, streams.dtype)
+    return _expand(streams, *_post_inputs(streams, block_out, post, comb), tiling)
+
+
+def _expand(
+    streams: torch.Tensor, bo: _BlockOut, post: torch.Tensor, comb: torch.Tensor, tiling: Tiling
+) -> torch.Tensor:
+    """``hc_post``'s kernel on checked inputs -> the new streams [T, N, D]."""
     num_tokens, n, hidden = streams.shape
     out = _empty((num_tokens, n, hidden), streams.dtype, streams.device)
     if num_tokens == 0:
         return out
-    tiling = tiling or default_tiling(num_tokens, n, hidden, streams.device, streams.dtype)
     block_d = min(tiling.post_block_d, triton.next_power_of_2(hidden))
     grid = (triton.cdiv(num_tokens, tiling.post_block_t), triton.cdiv(hidden, block_d))
     hc_post_kernel[grid](
