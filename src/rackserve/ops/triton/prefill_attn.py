@@ -69,22 +69,23 @@ def default_tiling(
 
     16-bit on a GPU: every head of a query in a program (64 heads: the M of the wgmma) and
     the whole Dh in it, so each gathered row tile feeds QK and PV once (1x the minimal
-    FLOPs), 32-row tiles, 3 stages, PV with a bf16 p (``pv="rows"``, as FlashAttention
-    rounds P). On the H200 (``benchmarks/prefill_bench.py``, 2026-12-02) this took the CSA
-    layer at 8192 queries from 10.2 ms (output columns in two programs, fp16 PV: the QK dot
-    repeated) to 4.8 ms, and HCA from 3.6 to 1.8 ms; ptxas for sm_90: 255 registers, 24
-    bytes of stack. Its error stays under the bf16 reference's own (median 4e-4 against
-    1.0-1.4e-3 in the interpreter), with 0.07-0.09% of elements past the element-wise bf16
-    rule (the limit is 0.1%). fp32 (IEEE dots, no tensor cores): 32 heads, 16-row tiles,
-    2 stages (117 KB). On CPU (the interpreter): small programs.
-    ``benchmarks/prefill_bench.py`` sweeps the alternatives.
+    FLOPs), 32-row tiles, 3 stages, PV in fp16 (11 bits of p). On the H200
+    (``benchmarks/prefill_bench.py``, 2026-12-02) this took the CSA layer at 8192 queries
+    from 10.2 ms (output columns in two programs: the QK dot repeated) to 7.4 ms; ptxas for
+    sm_90: 255 registers, 728 bytes of stack. A bf16 p (``pv="rows"``, as FlashAttention
+    rounds P; no conversion of the row tile) takes 4.8 ms, and its median error is below the
+    bf16 reference's own (4e-4 against 1.0-1.4e-3 in the interpreter), but 0.04-0.39% of
+    elements fall outside the element-wise bf16 rule (the limit is 0.1%), so it stays a
+    variant. fp32 (IEEE dots, no tensor cores): 32 heads, 16-row tiles, 2 stages (117 KB).
+    On CPU (the interpreter): small programs. ``benchmarks/prefill_bench.py`` sweeps the
+    alternatives.
     """
     block_h = min(64, max(16, triton.next_power_of_2(max(num_heads, 1))))
     if device.type != "cuda":
         return PrefillTiling(block_h, 32, 1, 4, 1)
     if dtype == torch.float32:
         return PrefillTiling(min(block_h, 32), 16, 2, 8, 2)
-    return PrefillTiling(block_h, 32, 1, 8, 3, pv="rows")
+    return PrefillTiling(block_h, 32, 1, 8, 3)
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
