@@ -172,6 +172,8 @@ def _moe_for(fused: Callable) -> Callable:
 # split-KV; the indexer with query tiles sharing key tiles. Smaller (decode) batches keep
 # the decode kernels, whose splits fill the SMs when queries are few.
 PREFILL_ATTN_MIN_TOKENS = 512
+# The attention's own threshold (``PREFILL_ATTN_MIN_TOKENS`` until measured otherwise).
+PREFILL_ATTENTION_MIN_TOKENS = PREFILL_ATTN_MIN_TOKENS
 
 
 def _by_num_tokens(small: Callable, large: Callable, min_tokens: int) -> Callable:
@@ -281,7 +283,7 @@ def kernels(name: str = "auto") -> Kernels:
         everywhere,
     )
     fast["paged_sparse_attention"] = _by_num_tokens(
-        fast["paged_sparse_attention"], prefill_attn, PREFILL_ATTN_MIN_TOKENS
+        fast["paged_sparse_attention"], prefill_attn, PREFILL_ATTENTION_MIN_TOKENS
     )
     prefill_indexer = _on_cuda(
         "rackserve.ops.triton.prefill_indexer",
