@@ -172,8 +172,12 @@ def _moe_for(fused: Callable) -> Callable:
 # split-KV; the indexer with query tiles sharing key tiles. Smaller (decode) batches keep
 # the decode kernels, whose splits fill the SMs when queries are few.
 PREFILL_ATTN_MIN_TOKENS = 512
-# The attention's own threshold (``PREFILL_ATTN_MIN_TOKENS`` until measured otherwise).
-PREFILL_ATTENTION_MIN_TOKENS = PREFILL_ATTN_MIN_TOKENS
+# The attention's own threshold, None: the decode kernel at every size. The prefill
+# attention kernel's tiling inside the bf16 rule (fp16 PV) was slower than the split-KV
+# decode kernel at every measured size (H200, 2026-12-02, bench forward: prefill:2048
+# 16.07 vs 16.39 ms, prefill:8192 57.81 vs 59.42, prefill:8192@65536 93.89 vs 101.25); its
+# bf16-p tiling is 1.5-2x faster than either but outside the rule (prefill_attn.py).
+PREFILL_ATTENTION_MIN_TOKENS: int | None = None
 
 
 def _by_num_tokens(small: Callable, large: Callable, min_tokens: int) -> Callable:
@@ -282,9 +286,10 @@ def kernels(name: str = "auto") -> Kernels:
         ref.paged_sparse_attention,
         everywhere,
     )
-    fast["paged_sparse_attention"] = _by_num_tokens(
-        fast["paged_sparse_attention"], prefill_attn, PREFILL_ATTENTION_MIN_TOKENS
-    )
+    if PREFILL_ATTENTION_MIN_TOKENS is not None:
+        fast["paged_sparse_attention"] = _by_num_tokens(
+            fast["paged_sparse_attention"], prefill_attn, PREFILL_ATTENTION_MIN_TOKENS
+        )
     prefill_indexer = _on_cuda(
         "rackserve.ops.triton.prefill_indexer",
         "paged_indexer_topk",
