@@ -167,10 +167,9 @@ def _moe_for(fused: Callable) -> Callable:
     return moe
 
 
-# Attention and the indexer over at least this many queries (prefill and mixed steps) take
-# the prefill kernels: attention with one program per query holding every head, no
-# split-KV; the indexer with query tiles sharing key tiles. Smaller (decode) batches keep
-# the decode kernels, whose splits fill the SMs when queries are few.
+# The indexer over at least this many queries (prefill and mixed steps) takes the prefill
+# kernels, with query tiles sharing key tiles. Smaller (decode) batches keep the decode
+# kernels, whose splits fill the SMs when queries are few.
 PREFILL_ATTN_MIN_TOKENS = 512
 # The attention's own threshold, None: the decode kernel at every size. The prefill
 # attention kernel's tiling inside the bf16 rule (fp16 PV) was slower than the split-KV

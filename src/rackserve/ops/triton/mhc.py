@@ -27,10 +27,10 @@ from rackserve.ops.triton.mhc_finish_kernels import hc_finish_kernel, hc_fused_k
 from rackserve.ops.triton.mhc_kernels import hc_post_kernel, prenorm_gemm_kernel
 
 _ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-FUSED_ENV = "RACKSERVE_MHC_FUSED"
+FUSED_ENV = "RACKSERVE_MHC_FUSED"  # "1": default_tiling fuses K1 + K2 for T <= 4 (GPU)
 # from this many tokens hc_post_pre expands the streams in hc_post's kernel (3.9 TB/s at
 # 8192 tokens) and runs K1 on them: 155 + 673 us against 1007 us fused (H200, 2026-12-02)
-POST_APART_MIN_TOKENS = 1024  # "1": default_tiling fuses K1 + K2 for T <= 4 (GPU)
+POST_APART_MIN_TOKENS = 1024
 
 
 @dataclass(frozen=True)
@@ -84,8 +84,8 @@ def default_tiling(
     and the fp32 FMA dot cost 3 us more than tf32x3 at T = 1), in one launch with K2 when
     ``$RACKSERVE_MHC_FUSED`` is "1" (opt-in until measured). K2 keeps a token's N x D streams
     in registers up to 16K values and loops over D beyond. From ``POST_APART_MIN_TOKENS``
-    tokens hc_post_pre expands the streams in a launch of its own. On CPU (the Triton interpreter)
-    larger token tiles keep the number of interpreted programs small.
+    tokens hc_post_pre expands the streams in a launch of its own. On CPU (the Triton
+    interpreter) larger token tiles keep the number of interpreted programs small.
     """
     block_n = triton.next_power_of_2(num_streams)
     d_pow2 = triton.next_power_of_2(hidden)

@@ -71,7 +71,7 @@ def default_tiling(
     the whole Dh in it, so each gathered row tile feeds QK and PV once (1x the minimal
     FLOPs), 32-row tiles, 3 stages, PV in fp16 (11 bits of p). On the H200
     (``benchmarks/prefill_bench.py``, 2026-12-02) this took the CSA layer at 8192 queries
-    from 10.2 ms (output columns in two programs: the QK dot repeated) to 7.4 ms; ptxas for
+    from 10.2 ms (output columns in two programs: the QK dot repeated) to 7.4-8.0 ms; ptxas for
     sm_90: 255 registers, 728 bytes of stack. A bf16 p (``pv="rows"``, as FlashAttention
     rounds P; no conversion of the row tile) takes 4.8 ms, and its median error is below the
     bf16 reference's own (4e-4 against 1.0-1.4e-3 in the interpreter), but 0.04-0.39% of
