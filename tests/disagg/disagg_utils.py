@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -10,13 +9,8 @@ from pathlib import Path
 from rackserve.config import CacheConfig, DisaggConfig, EngineConfig, ModelConfig, SchedulerConfig
 from rackserve.engine.core import EngineCore
 from rackserve.engine.outputs import EngineCoreRequest
+from rackserve.parallel.groups import free_port_block
 from rackserve.request import KVTransferParams, SamplingParams
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_core(
@@ -43,7 +37,7 @@ def make_core(
 
 def producer_config(transport: str = "tcp", **kwargs) -> DisaggConfig:
     return DisaggConfig(
-        kv_role="kv_producer", kv_connector=transport, kv_port=free_port(), **kwargs
+        kv_role="kv_producer", kv_connector=transport, kv_port=free_port_block(4), **kwargs
     )
 
 

@@ -2,18 +2,19 @@
 
 8 requests decode; the KV of 32 more (prompt 200, 4 output tokens) is pulled and lands
 together. Every running request gets one token per step, so their ITL is the step gap and
-a step's cost grows with the tokens it schedules. With the admission cap
-(--max-kv-loads-per-step 4) at most 4 join a step: the batch grows by 4 a step and never
+a step's cost grows with the tokens it schedules and the KV it imports. With the admission
+cap (--max-kv-loads-per-step 4) at most 4 join a step: the batch grows by 4 a step and never
 holds more than 8 + 4 x 4 tokens; without it (0) all 32 join one step and every step the burst
-lives in schedules 40. Asserted from step records: joins per step and tokens per step (exact),
-and the running requests' step gaps (process CPU time, so that other processes on a shared
-machine do not inflate it) degrade against the pre-burst baseline without the cap.
+lives in schedules 40. Asserted from step records: joins per step and tokens per step (exact).
 
-On the CPU's tiny model a step's fixed cost dominates, so the cap's gain in seconds is small
-and noisy (measured on 2 shared cores, step CPU s median/max over 6 runs: cap 4
-0.024-0.045/0.035-0.063, no cap 0.024-0.045/0.036-0.054, baseline with 8 running
-0.016-0.023): only the degradation against the baseline is asserted in seconds;
-benchmarks/gpu_pd.sh measures the cap's effect on GPUs.
+In seconds (the engine thread's CPU time, so that other processes and the transfer threads
+do not count): without the cap the step that imports all 32 regions and joins all 32
+requests is a spike of 2.3-3.8x the pre-burst gap (6 runs on 2 shared cores), asserted at
+1.5x. The cap's gain does not show in seconds on the CPU: there a step in which requests
+join costs about twice a pure decode step whatever its size (measured 2026-12-02: 12 tokens
+with 4 joining 0.019 s, 40 tokens decoding 0.015 s, 8 decoding 0.010 s), so the capped
+burst's 8 joining steps cost more in all than the uncapped one; benchmarks/gpu_pd.sh
+measures the cap on GPUs.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def tiny(tmp_path_factory):
 
 @dataclass
 class Burst:
-    gaps: list[float]  # the running requests' step gaps (CPU s) while the burst lived
+    gaps: list[float]  # the running requests' step gaps (engine thread CPU s), burst alive
     baseline: float  # median gap before the burst
     joined: list[int]  # burst requests that joined the batch, per step that loaded any
     tokens: list[int]  # tokens scheduled per step while the burst lived
@@ -64,9 +65,9 @@ def run_burst(tiny, cap: int, num_burst: int, prompt_len: int) -> Burst:
     )  # fmt: skip
 
     def step() -> tuple[float, set[str]]:
-        start = time.process_time()
+        start = time.thread_time()
         outputs = consumer.step().outputs
-        return time.process_time() - start, {o.request_id for o in outputs}
+        return time.thread_time() - start, {o.request_id for o in outputs}
 
     try:
         prefill(producer, burst, params)
@@ -74,7 +75,7 @@ def run_burst(tiny, cap: int, num_burst: int, prompt_len: int) -> Burst:
         for i in range(NUM_RUNNING):
             ids = torch.randint(10, 4000, (64,), generator=g).tolist()
             consumer.add_request(EngineCoreRequest(f"run{i}", ids, running, time.time()))
-        before = [step()[0] for _ in range(6)][2:]  # the running requests decode
+        before = [step()[0] for _ in range(8)][2:]  # the running requests decode
         host, port = producer.kv_connector.server.address
         for req_id, ids in burst.items():
             kv = KVTransferParams(
@@ -107,7 +108,7 @@ def check(tiny, num_burst: int, prompt_len: int) -> None:
     uncapped = run_burst(tiny, 0, num_burst, prompt_len)
     med = statistics.median
     print(
-        f"running requests' ITL (CPU s) median/max: cap 4 {med(capped.gaps):.3f}/"
+        f"running requests' ITL (thread CPU s) median/max: cap 4 {med(capped.gaps):.3f}/"
         f"{max(capped.gaps):.3f}, no cap {med(uncapped.gaps):.3f}/{max(uncapped.gaps):.3f}, "
         f"baseline {capped.baseline:.3f}/{uncapped.baseline:.3f}; tokens per step max: "
         f"cap {max(capped.tokens)}, no cap {max(uncapped.tokens)}"
@@ -119,18 +120,18 @@ def check(tiny, num_burst: int, prompt_len: int) -> None:
     # (4 join a step, each lives 4 steps), all 40 at once without it
     assert max(capped.tokens) <= NUM_RUNNING + 4 * 4 < max(uncapped.tokens)
     assert max(uncapped.tokens) == NUM_RUNNING + num_burst
-    # the running requests' ITL degrades without the cap (40 requests a step from the first
-    # step on); with it the steps' sizes, and so the gaps, rise 4 requests at a time
-    assert med(uncapped.gaps) > 1.2 * uncapped.baseline, (uncapped.gaps, uncapped.baseline)
+    # without the cap the running requests wait for one step that lands the whole burst;
+    # with it the steps' sizes rise 4 requests at a time
+    assert uncapped.gaps[0] > 1.5 * uncapped.baseline, (uncapped.gaps, uncapped.baseline)
     first = capped.tokens.index(max(capped.tokens))
     assert capped.tokens[: first + 1] == sorted(capped.tokens[: first + 1])  # gradual
     assert uncapped.tokens[0] == max(uncapped.tokens)  # at once
 
 
-def test_admission_cap_keeps_itl_flat(tiny):
+def test_admission_cap_spreads_a_burst_of_32(tiny):
     check(tiny, num_burst=32, prompt_len=200)
 
 
 @pytest.mark.slow
-def test_admission_cap_keeps_itl_flat_long_prompts(tiny):
+def test_admission_cap_spreads_a_burst_of_32_long_prompts(tiny):
     check(tiny, num_burst=32, prompt_len=900)

@@ -17,7 +17,7 @@ from rackserve.engine.dp_client import DPAsyncEngineClient, merge_stats
 from rackserve.engine.dp_process import run_headless
 from rackserve.engine.output_processor import RequestOutputKind
 from rackserve.engine.outputs import SchedulerStats
-from rackserve.parallel.groups import free_port
+from rackserve.parallel.groups import free_port_block
 from rackserve.request import SamplingParams
 
 from dep_utils import MAX_TOKENS, create_model, engine_config, prompts, single_rank
@@ -162,7 +162,7 @@ def test_dp2_front_end_equals_one_rank(model_dir):
 
 
 def _two_hosts(model_dir: Path, world: int, requests: dict) -> dict:
-    port = free_port()
+    port = free_port_block(2 + 2 * world)  # the rpc port, the rendezvous, 2 per rank
     common = {
         "data_parallel_size": world,
         "data_parallel_size_local": world // 2,

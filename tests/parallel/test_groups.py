@@ -1,10 +1,19 @@
 """Parallel layout and groups: validation, EP group membership over real processes."""
 
+import socket
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
 
-from rackserve.parallel.groups import ParallelGroups, ParallelLayout, default_backend, free_port
+from rackserve.parallel.groups import (
+    ParallelGroups,
+    ParallelLayout,
+    default_backend,
+    free_port,
+    free_port_block,
+)
 from rackserve.parallel.launch import run_ranks
 
 
@@ -24,6 +33,27 @@ def test_single_and_backend():
     assert default_backend("cpu") == "gloo"
     assert default_backend("cuda") == "nccl"
     assert 0 < free_port() < 65536
+
+
+def test_free_port_block_is_bindable_and_skips_taken_ports(monkeypatch):
+    base = free_port_block(6)
+    floor = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert base >= 1024 and base + 6 <= floor  # below the ephemeral range
+    held = []
+    for port in range(base, base + 6):  # every port of the block binds
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", port))
+        held.append(sock)
+    # while the block is held, a draw that lands on it moves on to a free one
+    draws = iter([base + 3, base + 3, base - 40, base + 1, base + 4])
+    monkeypatch.setattr("rackserve.parallel.groups.random.randrange", lambda a, b: next(draws))
+    try:
+        assert free_port_block(6) == base - 40
+        with pytest.raises(RuntimeError, match="no 2 consecutive free ports"):
+            free_port_block(2, attempts=2)  # base + 1, base + 4: both held
+    finally:
+        for sock in held:
+            sock.close()
 
 
 def _sum_worker(groups) -> tuple[int, int, int]:

@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,18 +15,14 @@ from pathlib import Path
 
 import httpx
 
+from rackserve.parallel.groups import free_port
+
 ENGINE_ARGS = (
     "--max-model-len", "1024", "--max-num-seqs", "48", "--max-num-batched-tokens", "512",
     "--kv-cache-memory", "32M", "--disable-uvicorn-access-log", "--served-model-name", "tiny",
     "--disable-log-stats",
 )  # fmt: skip
 STARTUP_TIMEOUT_S = 180
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def serve_router_app(router) -> tuple[object, str]:

@@ -13,7 +13,9 @@ import time
 import httpx
 import pytest
 
-from router_utils import free_port, running, start_engine, start_router
+from rackserve.parallel.groups import free_port_block
+
+from router_utils import running, start_engine, start_router
 
 BLOCK_TOKENS = 32  # the tiny model's anchor block (test_kv_events_routing.py)
 
@@ -36,7 +38,7 @@ def complete(base: str, prompt: str, headers: dict[str, str] | None = None) -> h
 
 
 def test_dp2_engine_sessions_return_to_their_rank(tiny, tmp_path):
-    events = f"tcp://127.0.0.1:{free_port()}"  # rank 1 publishes on the next port
+    events = f"tcp://127.0.0.1:{free_port_block(2)}"  # rank 1 publishes on the next port
     engine = start_engine(
         tiny, tmp_path, "--data-parallel-size", "2", "--kv-events-endpoint", events
     )

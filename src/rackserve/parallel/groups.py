@@ -9,6 +9,7 @@ returned ``ParallelGroups`` and passes it on. Backend: gloo on CPU, NCCL on GPUs
 
 from __future__ import annotations
 
+import random
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -72,6 +73,43 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands out to outgoing connections and ``bind(0)``."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def free_port_block(count: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
+    """The first of ``count`` consecutive TCP ports free right now on ``host``, for launches
+    that derive ports from one base (``--data-parallel-rpc-port`` and the ports after it).
+
+    ``free_port() + 1`` may be taken: ``bind(0)`` and outgoing connections draw from the
+    kernel's ephemeral range, so a port beside a fresh one is often another socket's. The
+    block is drawn below that range instead, where only explicit binds go, and each port
+    is checked by binding it.
+    """
+    floor = _ephemeral_floor()
+    low = max(1024, min(20000, floor - 10000))
+    for _ in range(attempts):
+        base = random.randrange(low, floor - count)
+        socks: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(sock)
+                sock.bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free ports on {host} in {attempts} attempts")
 
 
 def init_distributed(
