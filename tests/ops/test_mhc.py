@@ -253,6 +253,34 @@ def test_post_apart_equals_the_fused_prologue(mhc, dtype, slots):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,d,mixes_block_t", [(37, 256, 16), (5, 320, 32), (1, 64, 16)])
+def test_mixes_apart_equals_one_finish_launch(mhc, t, d, mixes_block_t, dtype):
+    """``Tiling.mixes_block_t`` (K2 as a mixes launch of many tokens a program, storing pre,
+    then a collapse launch reading it) gives hc_pre's, hc_head's and hc_post_pre's outputs
+    bitwise: the same per-token arithmetic in the same order, in two programs instead of
+    one. Token counts leave a partial mixes tile (37 of 48, 5 of 32, 1 of 16), D = 320 loops
+    the collapse over D (two passes), and the outputs start as NaN."""
+    one = gpu_like_tiling(mhc, 1)
+    two = dataclasses.replace(one, mixes_block_t=mixes_block_t)
+    args = hc_pre_args(t, d, seed=70 + t, dtype=dtype)
+    want, got = mhc.hc_pre(*args, tiling=one), mhc.hc_pre(*args, tiling=two)
+    for a, b in zip(want, got, strict=True):
+        assert torch.equal(a, b)
+    if dtype == torch.float32:
+        for g, r in zip(got, reference.hc_pre(*args), strict=True):
+            assert_fp32_close(g, r)
+    streams, fn, base, scale, norm_weight = args[:5]
+    head = (streams, fn[:N], base[:N], scale[:1], HC_EPS, NORM_EPS, norm_weight)
+    assert torch.equal(mhc.hc_head(*head, tiling=one), mhc.hc_head(*head, tiling=two))
+    block_out = torch.randn(t, d, device=DEVICE).to(dtype)
+    call = (streams, block_out, want[1], want[2], *args[1:])
+    for a, b in zip(
+        mhc.hc_post_pre(*call, tiling=one), mhc.hc_post_pre(*call, tiling=two), strict=True
+    ):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize(
     "t,dtype,tiling",
     [

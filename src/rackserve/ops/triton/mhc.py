@@ -56,6 +56,11 @@ class Tiling:
     # (the same values: K1's fused prologue computes them in the same order), instead of in
     # K1's prologue: three launches, faster for many tokens (``default_tiling``)
     post_apart: bool = False
+    # K2 as two launches from this many tokens a program (0: one launch): the mixes, a token
+    # a thread, store pre [T, N]; then the collapse + RMSNorm, ``finish_block_t`` tokens a
+    # program. A program of one token runs the 4 x 4 Sinkhorn chain in every thread: about
+    # 0.2 of K2's 0.29 ms at 8192 tokens (sm_90 PTX, 2026-12-02)
+    mixes_block_t: int = 0
 
 
 @functools.lru_cache(maxsize=8)
@@ -313,15 +318,27 @@ def _launch(
         GEMV=tiling.gemm_gemv,
         num_warps=tiling.gemm_warps,
     )  # fmt: skip
-    hc_finish_kernel[(triton.cdiv(num_tokens, tiling.finish_block_t),)](
-        new, mix, sq, base, scale, norm_weight,
-        x, x if head else post, x if head else comb,
-        num_tokens, splits, hidden, 1.0 / (n * hidden), hc_eps, norm_eps, sinkhorn_iters,
-        new.stride(0), new.stride(1), mix.stride(0), mix.stride(1), sq.stride(0), x.stride(0),
-        N=n, BLOCK_N=block_n, BLOCK_T=tiling.finish_block_t,
-        BLOCK_S=block_s, BLOCK_D=finish_block_d,
-        HEAD=head, SINGLE_PASS=finish_block_d >= hidden, num_warps=tiling.finish_warps,
-    )  # fmt: skip
+
+    def finish(pre: torch.Tensor, block_t: int, warps: int, mixes: bool, collapse: bool):
+        """One K2 launch: the mixes, the collapse or both; pre [T, BLOCK_N] carries pre
+        from a mixes-only launch to a collapse-only one."""
+        hc_finish_kernel[(triton.cdiv(num_tokens, block_t),)](
+            new, mix, sq, base, scale, norm_weight,
+            x, x if head else post, x if head else comb, pre,
+            num_tokens, splits, hidden, 1.0 / (n * hidden), hc_eps, norm_eps, sinkhorn_iters,
+            new.stride(0), new.stride(1), mix.stride(0), mix.stride(1), sq.stride(0),
+            x.stride(0),
+            N=n, BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_D=finish_block_d,
+            HEAD=head, SINGLE_PASS=finish_block_d >= hidden, MIXES=mixes, COLLAPSE=collapse,
+            num_warps=warps,
+        )  # fmt: skip
+
+    if tiling.mixes_block_t:  # a token a thread for the mixes, then the collapse
+        pre = _empty((num_tokens, block_n), torch.float32, device)
+        finish(pre, tiling.mixes_block_t, max(1, min(4, tiling.mixes_block_t // 32)), True, False)
+        finish(pre, tiling.finish_block_t, tiling.finish_warps, False, True)
+    else:
+        finish(x, tiling.finish_block_t, tiling.finish_warps, True, True)
     return new, x, post, comb
 
 

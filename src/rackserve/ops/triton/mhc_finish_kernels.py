@@ -1,11 +1,15 @@
 """The finish of the fused mHC ops (K2) and the one-launch K1 + K2 for few tokens;
 ``mhc.py`` validates inputs, tiles and launches. Shape legend as ``mhc_kernels.py``.
 
-K2 ``hc_finish_kernel``, grid (cdiv(T, BLOCK_T),): sums the S partials in a fixed order
-    (deterministic, no atomics), sigmoid / softmax, the Sinkhorn iterations on [N, N] in
-    registers (N = 4: 16 separate per-token values, no cross-thread sums), collapses the
-    streams with ``pre`` and applies the block RMSNorm in fp32, rounding x once. HEAD=True:
-    the hyper head (pre only, no post / comb / Sinkhorn).
+K2 ``hc_finish_kernel``, grid (cdiv(T, BLOCK_T),): the mixes (sums the S partials in a
+    fixed order: deterministic, no atomics; sigmoid / softmax, the Sinkhorn iterations on
+    [N, N] in registers, N = 4: 16 separate per-token values, no cross-thread sums), then
+    the collapse of the streams with ``pre`` and the block RMSNorm in fp32, rounding x once.
+    HEAD=True: the hyper head (pre only, no post / comb / Sinkhorn). MIXES / COLLAPSE pick
+    the halves: for many tokens the mixes run as their own launch, BLOCK_T tokens a
+    program (a token a thread), and store pre [T, BLOCK_N] for a collapse launch of a token
+    a program (``Tiling.mixes_block_t``: a program of one token runs its Sinkhorn chain in
+    every thread).
 ``hc_fused_kernel``, grid (T, S) (one token per program, the GEMV K1): K1's split, then
     the split's program that arrives last at a per-token counter (an int32 atomic, the
     only atomic; values are summed in a fixed order, so results stay deterministic) runs
@@ -35,6 +39,7 @@ def hc_finish_kernel(
     x_ptr,  # [T, D] out, the streams' dtype
     post_ptr,  # [T, N] fp32 out (unused when HEAD)
     comb_ptr,  # [T, N, N] fp32 out (unused when HEAD)
+    pre_ptr,  # [T, BLOCK_N] fp32: out (mixes only), in (collapse only); else unused
     num_tokens,
     num_splits,
     hidden,
@@ -55,6 +60,8 @@ def hc_finish_kernel(
     BLOCK_D: tl.constexpr,
     HEAD: tl.constexpr,
     SINGLE_PASS: tl.constexpr,
+    MIXES: tl.constexpr,
+    COLLAPSE: tl.constexpr,
 ):
     _finish_tokens(
         tl.program_id(0),
@@ -67,6 +74,7 @@ def hc_finish_kernel(
         x_ptr,
         post_ptr,
         comb_ptr,
+        pre_ptr,
         num_tokens,
         num_splits,
         hidden,
@@ -87,6 +95,8 @@ def hc_finish_kernel(
         BLOCK_D,
         HEAD,
         SINGLE_PASS,
+        MIXES,
+        COLLAPSE,
         "",
     )
 
@@ -154,10 +164,11 @@ def hc_fused_kernel(
     if arrived == num_splits - 1:  # the token's other splits are all stored
         tl.store(counter_ptr + pid_t, 0)
         _finish_tokens(pid_t, new_ptr, mix_ptr, sq_ptr, base_ptr, scale_ptr, norm_w_ptr,
-                       out_x_ptr, post_ptr, comb_ptr, num_tokens, num_splits, hidden,
-                       inv_num_cols, hc_eps, norm_eps, sinkhorn_iters, stride_nt, stride_nn,
-                       stride_mix_s, stride_mix_t, stride_sq_s, stride_ot, N, BLOCK_N, 1,
-                       BLOCK_S, FINISH_BLOCK_D, HEAD, SINGLE_PASS, ".cg")  # fmt: skip
+                       out_x_ptr, post_ptr, comb_ptr, out_x_ptr, num_tokens, num_splits,
+                       hidden, inv_num_cols, hc_eps, norm_eps, sinkhorn_iters, stride_nt,
+                       stride_nn, stride_mix_s, stride_mix_t, stride_sq_s, stride_ot, N,
+                       BLOCK_N, 1, BLOCK_S, FINISH_BLOCK_D, HEAD, SINGLE_PASS, True, True,
+                       ".cg")  # fmt: skip
 
 
 @triton.jit
@@ -172,6 +183,7 @@ def _finish_tokens(
     x_ptr,  # [T, D] out, the streams' dtype
     post_ptr,  # [T, N] fp32 out (unused when HEAD)
     comb_ptr,  # [T, N, N] fp32 out (unused when HEAD)
+    pre_ptr,  # [T, BLOCK_N] fp32: out when only MIXES, in when only COLLAPSE
     num_tokens,
     num_splits,
     hidden,
@@ -192,21 +204,19 @@ def _finish_tokens(
     BLOCK_D: tl.constexpr,
     HEAD: tl.constexpr,
     SINGLE_PASS: tl.constexpr,
+    MIXES: tl.constexpr,  # compute pre (and post, comb) from K1's partials
+    COLLAPSE: tl.constexpr,  # collapse the streams with pre and norm them into x
     CACHE: tl.constexpr,  # ".cg" for rows other programs of this launch wrote (fused)
 ):
     tok = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = tok < num_tokens
     n = tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    tn_ok = tok_ok[:, None] & n_ok[None, :]  # [BT, BN]
-    jk_ok = n_ok[:, None] & n_ok[None, :]  # [BN, BN]
-    tjk_ok = tok_ok[:, None, None] & jk_ok[None, :, :]  # [BT, BN, BN]
-    mix_tok = mix_ptr + tok * stride_mix_t  # [BT]
-    jk = n[:, None] * N + n[None, :]  # comb mix m = 2N + j*N + k
+    tn_ok = tok_ok[:, None] & (n < N)[None, :]  # [BT, BN]
+    pre_rows = pre_ptr + tok[:, None] * BLOCK_N + n[None, :]  # [BT, BN]
     s_rows = (
         streams_ptr + tok[:, None, None].to(tl.int64) * stride_st + n[None, :, None] * stride_sn
     )
-    if SINGLE_PASS:  # issue the row loads first: they arrive while the mixes are reduced
+    if COLLAPSE and SINGLE_PASS:  # the row loads first: they arrive while the mixes reduce
         d = tl.arange(0, BLOCK_D)
         d_ok = d < hidden
         s_all = tl.load(
@@ -216,6 +226,88 @@ def _finish_tokens(
             cache_modifier=CACHE,
         )
         w_all = tl.load(norm_w_ptr + d, mask=d_ok, other=0.0)
+    if MIXES:
+        pre = _mixes(tok, mix_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, num_tokens,
+                     num_splits, inv_num_cols, hc_eps, norm_eps, sinkhorn_iters, stride_mix_s,
+                     stride_mix_t, stride_sq_s, N, BLOCK_N, BLOCK_T, BLOCK_S, HEAD,
+                     CACHE)  # fmt: skip
+    else:
+        pre = tl.load(pre_rows, mask=tok_ok[:, None], other=0.0)
+    if not COLLAPSE:
+        tl.store(pre_rows, pre, mask=tok_ok[:, None])  # padded streams' lanes hold 0
+    else:
+        # Collapse the streams with pre, then RMSNorm over D with the block's weight (fp32).
+        x_rows = x_ptr + tok[:, None].to(tl.int64) * stride_xt
+        pre3 = pre[:, :, None]
+        if SINGLE_PASS:
+            c = tl.sum(pre3 * s_all.to(tl.float32), axis=1)  # [BT, BD]; masked lanes are 0
+            inv = tl.rsqrt(tl.sum(c * c, axis=1) / hidden + norm_eps)
+            y = c * inv[:, None] * w_all[None, :]
+            tl.store(x_rows + d[None, :], to_output(y, x_ptr), mask=tok_ok[:, None] & d_ok)
+        else:
+            ssq = tl.zeros((BLOCK_T,), tl.float32)
+            for d0 in range(0, hidden, BLOCK_D):
+                d = d0 + tl.arange(0, BLOCK_D)
+                d_ok = d < hidden
+                s = tl.load(
+                    s_rows + d[None, None, :],
+                    mask=tn_ok[:, :, None] & d_ok[None, None, :],
+                    other=0.0,
+                    cache_modifier=CACHE,
+                )
+                c = tl.sum(pre3 * s.to(tl.float32), axis=1)
+                ssq += tl.sum(c * c, axis=1)
+            inv = tl.rsqrt(ssq / hidden + norm_eps)
+            # Second pass: the program's own rows were just read, so they come from cache.
+            for d0 in range(0, hidden, BLOCK_D):
+                d = d0 + tl.arange(0, BLOCK_D)
+                d_ok = d < hidden
+                s = tl.load(
+                    s_rows + d[None, None, :],
+                    mask=tn_ok[:, :, None] & d_ok[None, None, :],
+                    other=0.0,
+                    cache_modifier=CACHE,
+                )
+                c = tl.sum(pre3 * s.to(tl.float32), axis=1)
+                w = tl.load(norm_w_ptr + d, mask=d_ok, other=0.0)
+                y = c * inv[:, None] * w[None, :]
+                tl.store(x_rows + d[None, :], to_output(y, x_ptr), mask=tok_ok[:, None] & d_ok)
+
+
+@triton.jit
+def _mixes(
+    tok,  # [BT] token ids
+    mix_ptr,  # [S, T, BLOCK_M] fp32 from K1
+    sq_ptr,  # [S, T] fp32 from K1
+    base_ptr,
+    scale_ptr,
+    post_ptr,  # [T, N] fp32 out (unused when HEAD)
+    comb_ptr,  # [T, N, N] fp32 out (unused when HEAD)
+    num_tokens,
+    num_splits,
+    inv_num_cols,
+    hc_eps,
+    norm_eps,
+    sinkhorn_iters,
+    stride_mix_s,
+    stride_mix_t,
+    stride_sq_s,
+    N: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HEAD: tl.constexpr,
+    CACHE: tl.constexpr,
+):
+    """pre [BT, BN] (0 in padded streams' lanes); stores post and comb unless HEAD."""
+    tok_ok = tok < num_tokens
+    n = tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    tn_ok = tok_ok[:, None] & n_ok[None, :]  # [BT, BN]
+    jk_ok = n_ok[:, None] & n_ok[None, :]  # [BN, BN]
+    tjk_ok = tok_ok[:, None, None] & jk_ok[None, :, :]  # [BT, BN, BN]
+    mix_tok = mix_ptr + tok * stride_mix_t  # [BT]
+    jk = n[:, None] * N + n[None, :]  # comb mix m = 2N + j*N + k
 
     # Reduce the split partials, BLOCK_S splits per step (one step when S <= BLOCK_S):
     # a fixed order, so results are deterministic.
@@ -283,43 +375,7 @@ def _finish_tokens(
                 comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
             comb_out = comb_ptr + tok[:, None, None] * (N * N) + jk[None, :, :]
             tl.store(comb_out, comb, mask=tjk_ok)
-
-    # Collapse the streams with pre, then RMSNorm over D with the block's weight (fp32).
-    x_rows = x_ptr + tok[:, None].to(tl.int64) * stride_xt
-    pre3 = pre[:, :, None]
-    if SINGLE_PASS:
-        c = tl.sum(pre3 * s_all.to(tl.float32), axis=1)  # [BT, BD]; masked lanes are 0
-        inv = tl.rsqrt(tl.sum(c * c, axis=1) / hidden + norm_eps)
-        y = c * inv[:, None] * w_all[None, :]
-        tl.store(x_rows + d[None, :], to_output(y, x_ptr), mask=tok_ok[:, None] & d_ok)
-    else:
-        ssq = tl.zeros((BLOCK_T,), tl.float32)
-        for d0 in range(0, hidden, BLOCK_D):
-            d = d0 + tl.arange(0, BLOCK_D)
-            d_ok = d < hidden
-            s = tl.load(
-                s_rows + d[None, None, :],
-                mask=tn_ok[:, :, None] & d_ok[None, None, :],
-                other=0.0,
-                cache_modifier=CACHE,
-            )
-            c = tl.sum(pre3 * s.to(tl.float32), axis=1)
-            ssq += tl.sum(c * c, axis=1)
-        inv = tl.rsqrt(ssq / hidden + norm_eps)
-        # Second pass: the program's own rows were just read, so they come from cache.
-        for d0 in range(0, hidden, BLOCK_D):
-            d = d0 + tl.arange(0, BLOCK_D)
-            d_ok = d < hidden
-            s = tl.load(
-                s_rows + d[None, None, :],
-                mask=tn_ok[:, :, None] & d_ok[None, None, :],
-                other=0.0,
-                cache_modifier=CACHE,
-            )
-            c = tl.sum(pre3 * s.to(tl.float32), axis=1)
-            w = tl.load(norm_w_ptr + d, mask=d_ok, other=0.0)
-            y = c * inv[:, None] * w[None, :]
-            tl.store(x_rows + d[None, :], to_output(y, x_ptr), mask=tok_ok[:, None] & d_ok)
+    return pre
 
 
 @triton.jit
