@@ -9,7 +9,7 @@ read once, every output written once), the median time with ``triton.testing.do_
 the max |kernel - reference| of the bf16 output x (or the streams, for hc_post).
 
     from benchmarks.mhc_bench import run; records = run()      # the lead's one-call script
-    python benchmarks/mhc_bench.py --output $OUT/mhc_bench.json
+    python benchmarks/mhc_bench.py --output $OUT/mhc_bench.json [--tokens 2048 8192]
 """
 
 from __future__ import annotations
@@ -79,6 +79,10 @@ def _variants(t: int, device: torch.device) -> dict[str, mhc.Tiling]:
         variants["finish_t16_d256_w8"] = rep(base, finish_block_t=16, finish_block_d=256,
                                              finish_warps=8)  # fmt: skip
         variants["post_fused"] = rep(base, post_apart=False)  # K1 expands the streams
+        # K2 as two launches: the mixes a token a thread (128 or 64 a program), the collapse
+        variants["mixes128"] = rep(base, mixes_block_t=128)
+        variants["mixes64"] = rep(base, mixes_block_t=64)
+        variants["mixes128_w4"] = rep(base, mixes_block_t=128, finish_warps=4)
     return variants
 
 
@@ -158,8 +162,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--output", required=True)
     parser.add_argument("--no-sweep", action="store_true", help="default tiling only")
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     args = parser.parse_args()
-    records = run(sweep=not args.no_sweep)
+    records = run(tokens=tuple(args.tokens), sweep=not args.no_sweep)
     with open(args.output, "w") as f:
         json.dump(records, f, indent=1)
     for r in records:

@@ -86,10 +86,13 @@ def _record_fast_path() -> list[dict]:
 
 
 def test_fast_path_kernels_compile_for_sm90(monkeypatch):
+    from rackserve.ops.triton import mhc
+
     # prefill kernels (attention, indexer, grouped MoE) from 24 tokens instead of 512 / 257
     monkeypatch.setattr(ops, "PREFILL_ATTN_MIN_TOKENS", 24)
     monkeypatch.setattr(ops, "PREFILL_ATTENTION_MIN_TOKENS", 24)  # off by default
     monkeypatch.setattr(ops, "FUSED_MOE_MAX_TOKENS", 24)
+    monkeypatch.setattr(mhc, "MIXES_APART_MIN_TOKENS", 24)  # K2 as two launches
     specs = gpu_variants(_record_fast_path())
     kernels = {s["kernel"] for s in specs}
     # the step's kernels, both attention paths, the fp8 writers, the quantized kernels
@@ -97,6 +100,9 @@ def test_fast_path_kernels_compile_for_sm90(monkeypatch):
                  "moe_gate_up_fp4_kernel", "fp8_gemm_kernel", "gemv_kernel",
                  "select_topk_kernel"):  # fmt: skip
         assert any(name in k for k in kernels), (name, sorted(kernels))
+    halves = {(s["constexprs"]["MIXES"], s["constexprs"]["COLLAPSE"]) for s in specs
+              if s["kernel"] == "hc_finish_kernel"}  # fmt: skip
+    assert halves == {(True, True), (True, False), (False, True)}, halves
     failures = compile_for_sm90(specs)
     assert not failures, "\n".join(
         f"{f['kernel']} {f['constexprs']}: {f['error']}" for f in failures

@@ -31,6 +31,10 @@ FUSED_ENV = "RACKSERVE_MHC_FUSED"  # "1": default_tiling fuses K1 + K2 for T <= 
 # from this many tokens hc_post_pre expands the streams in hc_post's kernel (3.9 TB/s at
 # 8192 tokens) and runs K1 on them: 155 + 673 us against 1007 us fused (H200, 2026-12-02)
 POST_APART_MIN_TOKENS = 1024
+# from this many tokens K2 runs as a mixes launch and a collapse launch (``Tiling``'s
+# ``mixes_block_t``); None: never (not measured on a GPU yet: benchmarks/mhc_bench.py's
+# "mixes*" variants time it)
+MIXES_APART_MIN_TOKENS: int | None = None
 
 
 @dataclass(frozen=True)
@@ -89,11 +93,13 @@ def default_tiling(
     and the fp32 FMA dot cost 3 us more than tf32x3 at T = 1), in one launch with K2 when
     ``$RACKSERVE_MHC_FUSED`` is "1" (opt-in until measured). K2 keeps a token's N x D streams
     in registers up to 16K values and loops over D beyond. From ``POST_APART_MIN_TOKENS``
-    tokens hc_post_pre expands the streams in a launch of its own. On CPU (the Triton
+    tokens hc_post_pre expands the streams in a launch of its own; from
+    ``MIXES_APART_MIN_TOKENS`` K2 is two launches. On CPU (the Triton
     interpreter) larger token tiles keep the number of interpreted programs small.
     """
     block_n = triton.next_power_of_2(num_streams)
     d_pow2 = triton.next_power_of_2(hidden)
+    mixes_apart = MIXES_APART_MIN_TOKENS is not None and num_tokens >= MIXES_APART_MIN_TOKENS
     if device.type != "cuda":
         return Tiling(
             gemm_block_t=min(64, max(16, triton.next_power_of_2(num_tokens))),
@@ -107,6 +113,7 @@ def default_tiling(
             post_block_t=16,
             post_block_d=d_pow2,
             post_warps=4,
+            mixes_block_t=16 if mixes_apart else 0,
         )
     gemm_block_t = 16 if num_tokens <= 16 else 32 if num_tokens <= 128 else 64
     finish_block_d = min(d_pow2, max(256, 16384 // block_n))
@@ -125,6 +132,7 @@ def default_tiling(
         gemm_gemv=num_tokens <= 4,
         fused=num_tokens <= 4 and os.environ.get(FUSED_ENV, "0") == "1",
         post_apart=num_tokens >= POST_APART_MIN_TOKENS,
+        mixes_block_t=128 if mixes_apart else 0,
     )
 
 

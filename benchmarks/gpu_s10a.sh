@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Session 10's prepared call (~4 minutes): the mHC finish as two launches
+# (Tiling.mixes_block_t) at prefill sizes. The mHC GPU tests (the split against one launch
+# and the reference), mhc_bench at 2048 and 8192 tokens (its "mixes*" variants against the
+# default), then bench forward of the prefill cases and decode:64 with K2 split from 1024
+# tokens (MIXES_APART_MIN_TOKENS set in-process) and without, to pick the default.
+# Every file goes into $OUT/s10a.tgz, refreshed after each section.
+# Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/gpu_s10a.sh     (BUDGET_S: total seconds)
+set -uo pipefail
+OUT=${OUT:-out/gpu}
+R="$OUT/r"
+mkdir -p "$R"
+BUDGET_S=${BUDGET_S:-260}
+source "$(dirname "$0")/device_env.sh"
+pack() { tar czf "$OUT/s10a.tgz" -C "$OUT" r; }
+echo "commit ${RACKSERVE_COMMIT:-unknown}" | tee "$R/commit.txt"
+forward() {  # $1: MIXES_APART_MIN_TOKENS ("none": off), $2: output name
+  python3 -c "import sys, rackserve.ops.triton.mhc as m
+m.MIXES_APART_MIN_TOKENS = None if sys.argv[1] == 'none' else int(sys.argv[1])
+from rackserve.cli import main; sys.exit(main(sys.argv[2:]))" "$1" bench forward \
+    --preset v4-flash --layers 4 --experts 64 --iters 10 --warmup 2 --batch prefill:2048 \
+    --batch prefill:8192 --batch prefill:8192@65536 --batch decode:64@4096 \
+    --output "$R/$2.json" 2>&1 | grep -E "^prefill|^decode|Error"
+}
+
+t=$(cap 70); echo "== mHC GPU tests (${t}s)"
+((t)) && timeout "$t" python3 -m pytest -v -p no:cacheprovider -m "gpu or not gpu" -rf \
+  tests/ops/test_mhc.py -k "mixes_apart or v4_flash or graph" > "$R/pytest_mhc.log" 2>&1
+grep -E "PASSED|FAILED|ERROR" "$R/pytest_mhc.log" | awk '{print $2}' | sort | uniq -c
+grep -E "^E  " "$R/pytest_mhc.log" | head -6
+pack
+t=$(cap 60); echo "== mhc_bench 2048, 8192 tokens (${t}s)"
+((t)) && timeout "$t" python3 benchmarks/mhc_bench.py --tokens 2048 8192 \
+  --output "$R/mhc_bench.json" 2>&1 | grep -E "hc_pre|hc_post_pre|Error" | head -40
+pack
+t=$(cap 55); echo "== forward, K2 split from 1024 tokens (${t}s)"
+((t)) && timeout "$t" bash -c "$(declare -f forward); R=$R; forward 1024 forward_mixes_apart"
+pack
+t=$(cap 55); echo "== forward, K2 one launch (${t}s)"
+((t)) && timeout "$t" bash -c "$(declare -f forward); R=$R; forward none forward_one_finish"
+pack
+echo "== done in ${SECONDS}s"
