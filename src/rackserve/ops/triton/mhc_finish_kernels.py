@@ -247,31 +247,26 @@ def _finish_tokens(
         else:
             ssq = tl.zeros((BLOCK_T,), tl.float32)
             for d0 in range(0, hidden, BLOCK_D):
-                d = d0 + tl.arange(0, BLOCK_D)
-                d_ok = d < hidden
-                s = tl.load(
-                    s_rows + d[None, None, :],
-                    mask=tn_ok[:, :, None] & d_ok[None, None, :],
-                    other=0.0,
-                    cache_modifier=CACHE,
-                )
-                c = tl.sum(pre3 * s.to(tl.float32), axis=1)
+                c = _collapsed(s_rows, pre3, tn_ok, d0, hidden, BLOCK_D, CACHE)
                 ssq += tl.sum(c * c, axis=1)
             inv = tl.rsqrt(ssq / hidden + norm_eps)
             # Second pass: the program's own rows were just read, so they come from cache.
             for d0 in range(0, hidden, BLOCK_D):
+                c = _collapsed(s_rows, pre3, tn_ok, d0, hidden, BLOCK_D, CACHE)
                 d = d0 + tl.arange(0, BLOCK_D)
                 d_ok = d < hidden
-                s = tl.load(
-                    s_rows + d[None, None, :],
-                    mask=tn_ok[:, :, None] & d_ok[None, None, :],
-                    other=0.0,
-                    cache_modifier=CACHE,
-                )
-                c = tl.sum(pre3 * s.to(tl.float32), axis=1)
                 w = tl.load(norm_w_ptr + d, mask=d_ok, other=0.0)
                 y = c * inv[:, None] * w[None, :]
                 tl.store(x_rows + d[None, :], to_output(y, x_ptr), mask=tok_ok[:, None] & d_ok)
+
+
+@triton.jit
+def _collapsed(s_rows, pre3, tn_ok, d0, hidden, BLOCK_D: tl.constexpr, CACHE: tl.constexpr):
+    """The streams' columns [d0, d0 + BLOCK_D) collapsed with pre: [BT, BD] fp32 (0 past D)."""
+    d = d0 + tl.arange(0, BLOCK_D)
+    mask = tn_ok[:, :, None] & (d < hidden)[None, None, :]
+    s = tl.load(s_rows + d[None, None, :], mask=mask, other=0.0, cache_modifier=CACHE)
+    return tl.sum(pre3 * s.to(tl.float32), axis=1)
 
 
 @triton.jit
