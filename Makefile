@@ -20,7 +20,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/ruff format --check src tests
-	$(PY) -m pytest -q
+	# two workers, a test file each at a time (module fixtures such as servers start once)
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests && $(VENV)/bin/ruff format --check src tests
