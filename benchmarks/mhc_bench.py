@@ -59,6 +59,7 @@ def _variants(t: int, device: torch.device) -> dict[str, mhc.Tiling]:
         "gemm_d/2": rep(base, gemm_block_d=max(1, base.gemm_block_d // 2)),
         "gemm_d*2": rep(base, gemm_block_d=base.gemm_block_d * 2),
         "tf32x3": rep(base, gemm_precision="tf32x3"),
+        "bf16x3": rep(base, gemm_precision="bf16x3", gemm_gemv=False, fused=False),
         "finish_d1024": rep(base, finish_block_d=1024, finish_warps=4),
         "post_d2048_w8": rep(base, post_block_d=2048, post_warps=8),
     }

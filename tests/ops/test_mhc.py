@@ -253,6 +253,49 @@ def test_post_apart_equals_the_fused_prologue(mhc, dtype, slots):
             assert torch.equal(a, b)
 
 
+def test_split_bf16x3_carries_fn_to_fp32_precision(mhc):
+    fn = make_block_params(256, seed=80, mixes=(2 + N) * N)[0]
+    fn[0, :3] = torch.tensor([1e-30, -3e5, 0.0])  # tiny, large and zero weights too
+    pieces = mhc.split_bf16x3(fn)
+    assert pieces.shape == (3, *fn.shape) and pieces.dtype == torch.bfloat16
+    total = pieces.double().sum(0)
+    assert ((total - fn.double()).abs() <= 2.0**-24 * fn.double().abs()).all()
+    assert (pieces[1].float().abs() <= 2.0**-8 * fn.abs()).all()  # each piece the rest's
+
+
+@pytest.mark.parametrize("t,d", [(37, 256), (5, 320)])
+def test_bf16x3_k1_has_fp32_accuracy(mhc, t, d):
+    """``gemm_precision="bf16x3"``: K1's dots of the bf16 streams against fn's three bf16
+    pieces give the mixes of the fp32 GEMM of the same values, so post and comb meet the
+    fp32 tolerance against the fp32 reference on the bf16 streams' values (the bf16 rule
+    allows far more), x the bf16 rule; hc_head, and hc_post_pre with K1's fused expand.
+    Under the interpreter the dots run in fp32 on the pieces' values (the same products)."""
+    tiling = dataclasses.replace(gpu_like_tiling(mhc, 1), gemm_precision="bf16x3")
+    args = hc_pre_args(t, d, seed=81 + t, dtype=torch.bfloat16)
+    streams, fn, base, scale, norm_weight = args[:5]
+    x, post, comb = mhc.hc_pre(*args, tiling=tiling)
+    ref32 = reference.hc_pre(streams.float(), *args[1:])
+    assert_fp32_close(post, ref32[1])
+    assert_fp32_close(comb, ref32[2])
+    assert_bf16_close(x, reference.hc_pre(*args)[0], ref32[0])
+    head = (fn[:N], base[:N], scale[:1], HC_EPS, NORM_EPS, norm_weight)
+    assert_bf16_close(
+        mhc.hc_head(streams, *head, tiling=tiling),
+        reference.hc_head(streams, *head),
+        reference.hc_head(streams.float(), *head),
+    )
+    block_out = torch.randn(t, d, device=DEVICE).bfloat16()
+    new, _, post2, comb2 = mhc.hc_post_pre(streams, block_out, post, comb, *args[1:], tiling=tiling)
+    assert torch.equal(new, mhc.hc_post(streams, block_out, post, comb, tiling=tiling))
+    ref32 = reference.hc_pre(new.float(), *args[1:])
+    assert_fp32_close(post2, ref32[1])
+    assert_fp32_close(comb2, ref32[2])
+    with pytest.raises(ValueError, match=r"bf16x3.*needs bf16 streams"):
+        mhc.hc_pre(streams.float(), *args[1:], tiling=tiling)
+    with pytest.raises(ValueError, match="gemm_gemv=False"):
+        mhc.hc_pre(*args, tiling=dataclasses.replace(tiling, gemm_gemv=True))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t,d,mixes_block_t", [(37, 256, 16), (5, 320, 32), (1, 64, 16)])
 def test_mixes_apart_equals_one_finish_launch(mhc, t, d, mixes_block_t, dtype):
@@ -376,14 +419,17 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @needs_cuda
 @pytest.mark.parametrize("t", [1, 64, 256, 8192])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3", "bf16x3"])
 def test_v4_flash_sizes_on_gpu(mhc, t, dtype, precision):
-    """V4-Flash shapes (N=4, D=4096) with the GPU tiling; the same tolerances."""
-    import dataclasses
-
+    """V4-Flash shapes (N=4, D=4096) with the GPU tiling; the same tolerances ("bf16x3":
+    bf16 streams only, with a dot K1 at every T)."""
+    if precision == "bf16x3" and dtype != torch.bfloat16:
+        pytest.skip("bf16x3 dots take bf16 streams")
     d = 4096
     tiling = mhc.default_tiling(t, N, d, torch.device(DEVICE))
     tiling = dataclasses.replace(tiling, gemm_precision=precision)
+    if precision == "bf16x3":
+        tiling = dataclasses.replace(tiling, gemm_gemv=False, fused=False)
     args = hc_pre_args(t, d, seed=t, dtype=dtype)
     streams, fn, base, scale, norm_weight = args[:5]
     head_args = (fn[:N], base[:N], scale[:1], HC_EPS, NORM_EPS, norm_weight)

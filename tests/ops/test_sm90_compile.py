@@ -45,7 +45,7 @@ def _model() -> DeepseekV4ForCausalLM:
 
 @torch.inference_mode()
 def _record_fast_path() -> list[dict]:
-    from rackserve.ops.triton import fp8_gemm, fused_moe_fp4, gemv, indexer
+    from rackserve.ops.triton import fp8_gemm, fused_moe_fp4, gemv, indexer, mhc
 
     model = _model()
     g = torch.Generator().manual_seed(0)
@@ -67,6 +67,13 @@ def _record_fast_path() -> list[dict]:
                 torch.ones(2, 5, dtype=torch.bool),
                 tiling=indexer.IndexerTiling(16, 1, 4, 1, limit, select_chunk=16),
             )  # fmt: skip
+        # K1's bf16x3 dots (mhc.BF16_DOT_PRECISION's alternative): tensor-core bf16 on sm_90
+        streams = torch.randn(20, 4, 64, generator=g).bfloat16()
+        fn, base = torch.randn(24, 256, generator=g) / 16, torch.randn(24, generator=g)
+        tiling = dataclasses.replace(
+            mhc.default_tiling(20, 4, 64, streams.device), gemm_precision="bf16x3"
+        )
+        mhc.hc_pre(streams, fn, base, torch.ones(3), torch.ones(64), 3, 1e-6, 1e-6, tiling=tiling)
         x = torch.randn(3, 256, generator=g).bfloat16()
         w, scale = quant.quantize_fp8(torch.randn(128, 256, generator=g) / 16)
         fp8_gemm.fp8_linear(x, w, scale)
@@ -103,6 +110,10 @@ def test_fast_path_kernels_compile_for_sm90(monkeypatch):
     halves = {(s["constexprs"]["MIXES"], s["constexprs"]["COLLAPSE"]) for s in specs
               if s["kernel"] == "hc_finish_kernel"}  # fmt: skip
     assert halves == {(True, True), (True, False), (False, True)}, halves
+    assert any(
+        s["kernel"] == "prenorm_gemm_kernel" and s["constexprs"]["PRECISION"] == "bf16x3"
+        and s["constexprs"]["NATIVE_BF16"] for s in specs
+    )  # fmt: skip
     failures = compile_for_sm90(specs)
     assert not failures, "\n".join(
         f"{f['kernel']} {f['constexprs']}: {f['error']}" for f in failures

@@ -35,6 +35,9 @@ POST_APART_MIN_TOKENS = 1024
 # ``mixes_block_t``); None: never (not measured on a GPU yet: benchmarks/mhc_bench.py's
 # "mixes*" variants time it)
 MIXES_APART_MIN_TOKENS: int | None = None
+# K1's dot for bf16 streams on a GPU: "tf32x3" (measured) or "bf16x3" (sm_90 PTX: half the
+# wgmma instructions and no tf32 conversions; not timed yet: mhc_bench's "bf16x3" variants)
+BF16_DOT_PRECISION = "tf32x3"
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,9 @@ class Tiling:
     gemm_block_d: int  # K1 hidden columns per loop step (of all N streams: K = N * this)
     gemm_programs: int  # K1 target program count: sets the split count S
     gemm_warps: int
-    gemm_precision: str  # "ieee" (fp32 FMA) or "tf32x3" (tensor cores, ~fp32 accuracy)
+    # "ieee" (fp32 FMA), "tf32x3" (tensor cores, ~fp32 accuracy) or, for bf16 streams and a
+    # dot K1, "bf16x3" (bf16 tensor-core dots against fn's three bf16 pieces: fp32 accuracy)
+    gemm_precision: str
     finish_block_t: int  # K2 tokens per program
     finish_block_d: int  # K2 hidden chunk; >= next_pow2(D) keeps the row in registers
     finish_warps: int
@@ -85,7 +90,8 @@ def default_tiling(
     K1's dot: "tf32x3" (three tf32 passes, about fp32 accuracy) for 16-bit streams, where
     the H200 measured it 1.3-3x faster than fp32 FMA at the same output error (hc_pre
     11.7 vs 14.9 us at T=1, 24 vs 55 us at T=256, 478 vs 1500 us at T=8192;
-    benchmarks/results/2026-12-01-h200-m2.md); "ieee" for fp32 streams (the strict gates).
+    benchmarks/results/2026-12-01-h200-m2.md); "ieee" for fp32 streams (the strict gates);
+    for bf16 streams and a dot K1, ``BF16_DOT_PRECISION``.
 
     On a GPU, K1 aims at two programs per SM: few tokens -> many splits of D (at T=1 the
     1.5 MB fn read is the whole cost), many tokens -> few; T <= 4: one token per K1
@@ -116,13 +122,16 @@ def default_tiling(
             mixes_block_t=16 if mixes_apart else 0,
         )
     gemm_block_t = 16 if num_tokens <= 16 else 32 if num_tokens <= 128 else 64
+    precision = "ieee" if dtype == torch.float32 else "tf32x3"
+    if dtype == torch.bfloat16 and num_tokens > 4:  # a dot K1 (T <= 4: the GEMV)
+        precision = BF16_DOT_PRECISION
     finish_block_d = min(d_pow2, max(256, 16384 // block_n))
     return Tiling(
         gemm_block_t=gemm_block_t,
         gemm_block_d=max(1, (128 if gemm_block_t <= 32 else 64) // block_n),
         gemm_programs=2 * _num_sms(device),
         gemm_warps=4,
-        gemm_precision="ieee" if dtype == torch.float32 else "tf32x3",
+        gemm_precision=precision,
         finish_block_t=1,
         finish_block_d=finish_block_d,
         finish_warps=8 if block_n * finish_block_d >= 8192 else 4,
@@ -152,6 +161,17 @@ def _counters(device: torch.device, num_tokens: int) -> torch.Tensor | None:
         buf = torch.zeros(max(256, num_tokens), dtype=torch.int32, device=device)
         _COUNTERS[device] = buf
     return buf
+
+
+def split_bf16x3(fn: torch.Tensor) -> torch.Tensor:
+    """fn [M, K] fp32 -> [3, M, K] bf16 pieces (hi, mid, lo), each the rounding of what the
+    ones before leave: hi + mid + lo carries fn's 24 significant bits (to within 2^-24 of
+    each |fn|), so bf16 dots of bf16 rows against the pieces, summed in fp32, are as exact
+    as the fp32 products."""
+    hi = fn.to(torch.bfloat16)
+    rest = fn - hi.float()
+    mid = rest.to(torch.bfloat16)
+    return torch.stack((hi, mid, (rest - mid.float()).to(torch.bfloat16)))
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -316,14 +336,22 @@ def _launch(
             num_warps=max(tiling.gemm_warps, tiling.finish_warps),
         )  # fmt: skip
         return new, x, post, comb
+    w = fn
+    if tiling.gemm_precision == "bf16x3":
+        if streams.dtype != torch.bfloat16 or tiling.gemm_gemv:
+            raise ValueError(
+                f"gemm_precision 'bf16x3' needs bf16 streams and gemm_gemv=False, got "
+                f"{streams.dtype} streams, gemm_gemv={tiling.gemm_gemv}"
+            )
+        w = split_bf16x3(fn)
     prenorm_gemm_kernel[(t_blocks, splits)](
-        streams, fn, mix, sq, block_out, prev_post, prev_comb, new,
+        streams, w, mix, sq, block_out, prev_post, prev_comb, new,
         num_tokens, hidden, fn.shape[0], d_per_split,
         streams.stride(0), streams.stride(1), fn.stride(0),
         mix.stride(0), mix.stride(1), sq.stride(0), block_out.stride(0), *slot_args,
         N=n, BLOCK_N=block_n, BLOCK_T=gemm_block_t, BLOCK_M=block_m, BLOCK_D=block_d,
         FUSE_POST=expand is not None, SLOTS=bo.top_k > 0, PRECISION=tiling.gemm_precision,
-        GEMV=tiling.gemm_gemv,
+        GEMV=tiling.gemm_gemv, NATIVE_BF16=device.type == "cuda",
         num_warps=tiling.gemm_warps,
     )  # fmt: skip
 

@@ -158,7 +158,7 @@ def hc_fused_kernel(
                       d_per_split, stride_xt, stride_xn, stride_wm, stride_mix_s,
                       stride_mix_t, stride_sq_s, stride_bt, slot_ids_ptr, top_k, num_experts,
                       N, BLOCK_N, 1, BLOCK_M, BLOCK_D, FUSE_POST, SLOTS, "ieee",
-                      True)  # fmt: skip
+                      True, False)  # fmt: skip
     tl.debug_barrier()  # every thread's partial stores before the release below
     arrived = tl.atomic_add(counter_ptr + pid_t, 1, sem="acq_rel", scope="gpu")
     if arrived == num_splits - 1:  # the token's other splits are all stored

@@ -6,7 +6,10 @@ Shape legend: T tokens, N streams, D hidden, K = N*D input columns, M mixes per 
 K1 ``prenorm_gemm_kernel``, grid (cdiv(T, BLOCK_T), S): split s of the K columns writes
     mix[s, t, m] = sum_k streams[t, k] * fn[m, k] and sq[s, t] = sum_k streams[t, k]^2.
     The dot runs in fp32 with input_precision "ieee" (FMA, no TF32: the mixes feed a softmax
-    and 20 Sinkhorn steps, and the spec is fp32) or "tf32x3"; GEMV (one token per program,
+    and 20 Sinkhorn steps, and the spec is fp32) or "tf32x3", or ("bf16x3", bf16 streams)
+    as three bf16 dots of the streams' own tiles against fn split into bf16 pieces
+    hi + mid + lo (``split_bf16x3``: 24 bits of fn, exact bf16 products, fp32 accumulation,
+    so fp32 accuracy with no conversion of the streams' tile); GEMV (one token per program,
     for T <= 4): fp32 products summed per mix, without a 16-row dot tile of which 15 rows
     would be padding. Dividing by the rms after the GEMM equals
     the reference's GEMM of the normalized rows, so the streams are read once.
@@ -57,7 +60,7 @@ def load_block_out(
 @triton.jit
 def prenorm_gemm_kernel(
     x_ptr,  # [T, N, D] streams (FUSE_POST: the streams before the expand)
-    w_ptr,  # [M, N*D] fp32
+    w_ptr,  # [M, N*D] fp32 ("bf16x3": [3, M, N*D] bf16, hi / mid / lo)
     mix_ptr,  # [S, T, BLOCK_M] fp32 out: partial mixes
     sq_ptr,  # [S, T] fp32 out: partial sums of squares
     block_out_ptr,  # [T, D]     FUSE_POST only
@@ -87,6 +90,7 @@ def prenorm_gemm_kernel(
     SLOTS: tl.constexpr,
     PRECISION: tl.constexpr,
     GEMV: tl.constexpr,  # BLOCK_T = 1: elementwise FMA + row sums instead of tl.dot
+    NATIVE_BF16: tl.constexpr,  # "bf16x3" dots on the tensor cores (else fp32 ones: CPU)
 ):
     _prenorm_partials(
         tl.program_id(0),
@@ -122,6 +126,7 @@ def prenorm_gemm_kernel(
         SLOTS,
         PRECISION,
         GEMV,
+        NATIVE_BF16,
     )
 
 
@@ -160,6 +165,7 @@ def _prenorm_partials(
     SLOTS: tl.constexpr,
     PRECISION: tl.constexpr,
     GEMV: tl.constexpr,  # BLOCK_T = 1: elementwise FMA + row sums instead of tl.dot
+    NATIVE_BF16: tl.constexpr,
 ):
     # A split owns hidden columns [d_start, d_start + d_per_split) of all N streams, so the
     # FUSE_POST prologue (which mixes the streams per column) has everything it needs.
@@ -201,21 +207,31 @@ def _prenorm_partials(
             new = to_output(x, new_ptr)
             new_rows = new_ptr + tok64[:, None, None] * (N * hidden) + n[None, :, None] * hidden
             tl.store(new_rows + d[None, None, :], new, mask=tnd_ok)
-            x = tl.where(tnd_ok, new.to(tl.float32), 0.0)  # the GEMM sees the stored streams
+            x16 = tl.where(tnd_ok, new, 0.0)  # the GEMM sees the stored streams
         else:
             x_rows = x_ptr + tok64[:, None, None] * stride_xt + n[None, :, None] * stride_xn
-            x = tl.load(x_rows + d[None, None, :], mask=tnd_ok, other=0.0).to(tl.float32)
-        w_rows = w_ptr + m[:, None, None] * stride_wm + n[None, :, None] * hidden
-        w = tl.load(
-            w_rows + d[None, None, :], mask=mn_ok[:, :, None] & d_ok[None, None, :], other=0.0
-        )
+            x16 = tl.load(x_rows + d[None, None, :], mask=tnd_ok, other=0.0)
+        x = x16.to(tl.float32)
+        w_rows = w_ptr + m[:, None, None] * stride_wm + n[None, :, None] * hidden + d[None, None, :]
+        w_ok = mn_ok[:, :, None] & d_ok[None, None, :]
         # [BT, BN, BD] . [BM, BN, BD] over (n, d): one dot with K = BN * BD
         x2 = tl.reshape(x, (BLOCK_T, BLOCK_N * BLOCK_D))
-        w2 = tl.reshape(w, (BLOCK_M, BLOCK_N * BLOCK_D))
-        if GEMV:  # few tokens: fp32 FMA products summed per mix, no dot tile of 16 rows
-            acc += tl.sum(x2[:, None, :] * w2[None, :, :], axis=2)
+        if PRECISION == "bf16x3":  # lo, mid, hi: the small pieces' sums first
+            x2_16 = tl.reshape(x16, (BLOCK_T, BLOCK_N * BLOCK_D))
+            for piece in tl.static_range(2, -1, -1):
+                w = tl.load(w_rows + piece * num_mixes * stride_wm, mask=w_ok, other=0.0)
+                w2 = tl.trans(tl.reshape(w, (BLOCK_M, BLOCK_N * BLOCK_D)))
+                if NATIVE_BF16:
+                    acc = tl.dot(x2_16, w2, acc)
+                else:  # the same exact products, summed in fp32
+                    acc = tl.dot(x2, w2.to(tl.float32), acc, input_precision="ieee")
         else:
-            acc = tl.dot(x2, tl.trans(w2), acc, input_precision=PRECISION)
+            w = tl.load(w_rows, mask=w_ok, other=0.0)
+            w2 = tl.reshape(w, (BLOCK_M, BLOCK_N * BLOCK_D))
+            if GEMV:  # few tokens: fp32 FMA products summed per mix, no dot tile of 16 rows
+                acc += tl.sum(x2[:, None, :] * w2[None, :, :], axis=2)
+            else:
+                acc = tl.dot(x2, tl.trans(w2), acc, input_precision=PRECISION)
         sq += tl.sum(tl.sum(x * x, axis=2), axis=1)
     mix_out = mix_ptr + pid_s * stride_mix_s + tok[:, None] * stride_mix_t + m[None, :]
     tl.store(mix_out, acc, mask=tok_ok[:, None])
