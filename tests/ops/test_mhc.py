@@ -254,10 +254,13 @@ def test_post_apart_equals_the_fused_prologue(mhc, dtype, slots):
 
 
 def test_split_bf16x3_carries_fn_to_fp32_precision(mhc):
+    """The pieces' sum is fn within 2^-24 |fn| (the reference), and the one-launch kernel
+    gives the reference's pieces bitwise (its output starts as NaN)."""
     fn = make_block_params(256, seed=80, mixes=(2 + N) * N)[0]
     fn[0, :3] = torch.tensor([1e-30, -3e5, 0.0])  # tiny, large and zero weights too
-    pieces = mhc.split_bf16x3(fn)
+    pieces = reference.split_bf16x3(fn)
     assert pieces.shape == (3, *fn.shape) and pieces.dtype == torch.bfloat16
+    assert torch.equal(mhc.split_bf16x3(fn), pieces)
     total = pieces.double().sum(0)
     assert ((total - fn.double()).abs() <= 2.0**-24 * fn.double().abs()).all()
     assert (pieces[1].float().abs() <= 2.0**-8 * fn.abs()).all()  # each piece the rest's

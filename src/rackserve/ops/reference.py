@@ -165,6 +165,17 @@ def hc_weights(
     return pre, post, sinkhorn(comb, sinkhorn_iters, hc_eps)
 
 
+def split_bf16x3(fn: torch.Tensor) -> torch.Tensor:
+    """fn [M, K] fp32 -> [3, M, K] bf16 pieces (hi, mid, lo), each the nearest bf16 to what
+    the ones before leave (the differences are exact in fp32): hi + mid + lo carries fn's 24
+    significant bits, to within 2^-24 |fn|, so bf16 dots of bf16 rows against the pieces,
+    summed in fp32, are as exact as the fp32 products (the mHC K1's "bf16x3")."""
+    hi = fn.to(torch.bfloat16)
+    rest = fn - hi.float()
+    mid = rest.to(torch.bfloat16)
+    return torch.stack((hi, mid, (rest - mid.float()).to(torch.bfloat16)))
+
+
 def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """streams: [T, N, D], pre: [T, N] -> [T, D] in the streams' dtype."""
     return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)

@@ -24,7 +24,11 @@ import triton
 
 from rackserve.ops.reference import ExpertSlots
 from rackserve.ops.triton.mhc_finish_kernels import hc_finish_kernel, hc_fused_kernel
-from rackserve.ops.triton.mhc_kernels import hc_post_kernel, prenorm_gemm_kernel
+from rackserve.ops.triton.mhc_kernels import (
+    hc_post_kernel,
+    prenorm_gemm_kernel,
+    split_bf16x3_kernel,
+)
 
 _ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FUSED_ENV = "RACKSERVE_MHC_FUSED"  # "1": default_tiling fuses K1 + K2 for T <= 4 (GPU)
@@ -38,6 +42,7 @@ MIXES_APART_MIN_TOKENS: int | None = None
 # K1's dot for bf16 streams on a GPU: "tf32x3" (measured) or "bf16x3" (sm_90 PTX: half the
 # wgmma instructions and no tf32 conversions; not timed yet: mhc_bench's "bf16x3" variants)
 BF16_DOT_PRECISION = "tf32x3"
+SPLIT_BLOCK = 1024  # fn elements per program of the bf16x3 split
 
 
 @dataclass(frozen=True)
@@ -164,14 +169,11 @@ def _counters(device: torch.device, num_tokens: int) -> torch.Tensor | None:
 
 
 def split_bf16x3(fn: torch.Tensor) -> torch.Tensor:
-    """fn [M, K] fp32 -> [3, M, K] bf16 pieces (hi, mid, lo), each the rounding of what the
-    ones before leave: hi + mid + lo carries fn's 24 significant bits (to within 2^-24 of
-    each |fn|), so bf16 dots of bf16 rows against the pieces, summed in fp32, are as exact
-    as the fp32 products."""
-    hi = fn.to(torch.bfloat16)
-    rest = fn - hi.float()
-    mid = rest.to(torch.bfloat16)
-    return torch.stack((hi, mid, (rest - mid.float()).to(torch.bfloat16)))
+    """``ops.reference.split_bf16x3`` in one launch: fn [M, K] fp32 -> [3, M, K] bf16."""
+    out = _empty((3, *fn.shape), torch.bfloat16, fn.device)
+    numel = fn.numel()
+    split_bf16x3_kernel[(triton.cdiv(numel, SPLIT_BLOCK),)](fn, out, numel, BLOCK=SPLIT_BLOCK)
+    return out
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

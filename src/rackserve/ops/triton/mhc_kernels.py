@@ -15,6 +15,7 @@ K1 ``prenorm_gemm_kernel``, grid (cdiv(T, BLOCK_T), S): split s of the K columns
     the reference's GEMM of the normalized rows, so the streams are read once.
 K2 ``hc_finish_kernel`` and the one-launch ``hc_fused_kernel``: ``mhc_finish_kernels.py``.
 ``hc_post_kernel``, grid (cdiv(T, BLOCK_T), cdiv(D, BLOCK_D)): the elementwise expand.
+``split_bf16x3_kernel``: fn's three bf16 pieces for the "bf16x3" K1 (elementwise).
 """
 
 from __future__ import annotations
@@ -294,3 +295,18 @@ def hc_post_kernel(
     )
     mask = tk_ok[:, :, None] & d_ok[None, None, :]
     tl.store(out, to_output(acc, out_ptr), mask=mask)
+
+
+@triton.jit
+def split_bf16x3_kernel(fn_ptr, out_ptr, numel, BLOCK: tl.constexpr):
+    """out [3, numel] bf16 = ``ops.reference.split_bf16x3`` of fn [numel] fp32."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < numel
+    w = tl.load(fn_ptr + offs, mask=ok, other=0.0)
+    hi = round_as(w, tl.bfloat16)
+    rest = w - hi  # exact: hi is the nearest bf16
+    mid = round_as(rest, tl.bfloat16)
+    lo = round_as(rest - mid, tl.bfloat16)
+    tl.store(out_ptr + offs, hi.to(tl.bfloat16), mask=ok)
+    tl.store(out_ptr + numel + offs, mid.to(tl.bfloat16), mask=ok)
+    tl.store(out_ptr + 2 * numel + offs, lo.to(tl.bfloat16), mask=ok)
