@@ -149,9 +149,9 @@ class InlineDevice:
 
 
 class DelayedDevice:
-    """A fake slow device for tests and ``bench decode --fake-forward-ms``: one worker
-    thread runs launched steps in order (like a stream), each taking at least
-    ``delay_s`` longer, off the engine's thread."""
+    """A fake slow device for the CPU tests of asynchronous scheduling: one worker thread
+    runs launched steps in order (like a stream), each taking at least ``delay_s``, off the
+    engine's thread."""
 
     def __init__(self, delay_s: float) -> None:
         self.delay_s = delay_s
