@@ -29,9 +29,10 @@ def engines(tiny, tmp_path_factory):
         yield list(procs)
 
 
-def run_sessions(base: str, num_sessions: int, num_turns: int, seed: int) -> dict:
+def run_sessions(base: str, num_sessions: int, num_turns: int, seed: int, workers: int = 8) -> dict:
     """Returns prompt tokens, cached tokens and the theoretical reusable tokens (turn k+1
-    could reuse turn k's prompt and output), over all turns."""
+    could reuse turn k's prompt and output), over all turns. ``workers`` sessions are in
+    flight at once; with 1 the engines see one order, so the hit rates repeat exactly."""
     rng = random.Random(seed)
     words = [f"w{seed}x{i}" for i in range(300)]
 
@@ -56,7 +57,7 @@ def run_sessions(base: str, num_sessions: int, num_turns: int, seed: int) -> dic
         # A new order each turn: in a fixed one, round-robin over 4 engines would send
         # session s to engine s % 4 every turn (32 % 4 == 0), i.e. act as session affinity.
         order = rng.sample(range(num_sessions), num_sessions)
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             results = list(pool.map(turn, order))
         for s, output, usage in results:
             totals["prompt"] += usage["prompt_tokens"]
@@ -67,13 +68,13 @@ def run_sessions(base: str, num_sessions: int, num_turns: int, seed: int) -> dic
     return totals
 
 
-def check_policies(engines, tmp_path, num_sessions: int, num_turns: int) -> dict:
+def check_policies(engines, tmp_path, num_sessions: int, num_turns: int, workers: int = 8) -> dict:
     urls = ",".join(e.url for e in engines)
     rates = {}
     for seed, policy in enumerate(("kv-aware", "round-robin")):
         router = start_router(tmp_path, "--engines", urls, "--policy", policy)
         with running(router):
-            totals = run_sessions(router.url, num_sessions, num_turns, seed)
+            totals = run_sessions(router.url, num_sessions, num_turns, seed, workers)
         rates[policy] = totals["cached"] / totals["prompt"]
         rates["theoretical"] = totals["reusable"] / totals["prompt"]
     print("hit rates:", rates)
@@ -83,7 +84,10 @@ def check_policies(engines, tmp_path, num_sessions: int, num_turns: int) -> dict
 
 
 def test_kv_aware_beats_round_robin(engines, tmp_path):
-    check_policies(engines, tmp_path, num_sessions=8, num_turns=4)
+    # one request at a time: with 8 in flight, the order they reach round-robin varies, and
+    # over 24 reusable turns its hit rate spread past the margin (0.40 against a limit of
+    # 0.39, CI 2026-12-02); the concurrent form is the 32-session one
+    check_policies(engines, tmp_path, num_sessions=8, num_turns=4, workers=1)
 
 
 @pytest.mark.slow
