@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from rackserve.config import ParallelConfig
 from rackserve.engine.dp import DPLoadTracker, LeastLoad, RoundRobin, make_policy
 from rackserve.engine.dp_client import DPAsyncEngineClient, merge_stats
-from rackserve.engine.dp_process import run_headless
+from rackserve.engine.dp_process import num_dp_ports, run_headless
 from rackserve.engine.output_processor import RequestOutputKind
 from rackserve.engine.outputs import SchedulerStats
 from rackserve.parallel.groups import free_port_block
@@ -162,7 +162,7 @@ def test_dp2_front_end_equals_one_rank(model_dir):
 
 
 def _two_hosts(model_dir: Path, world: int, requests: dict) -> dict:
-    port = free_port_block(2 + 2 * world)  # the rpc port, the rendezvous, 2 per rank
+    port = free_port_block(num_dp_ports(world))
     common = {
         "data_parallel_size": world,
         "data_parallel_size_local": world // 2,

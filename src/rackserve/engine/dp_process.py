@@ -55,6 +55,12 @@ def dp_addresses(parallel: ParallelConfig, rank: int) -> tuple[str, str]:
     return f"tcp://{host}:{base}", f"tcp://{host}:{base + 1}"
 
 
+def num_dp_ports(data_parallel_size: int) -> int:
+    """Ports from ``data_parallel_rpc_port`` on that a launch of this DP size uses: the
+    rpc port, the rendezvous (``dist_port``) and each rank's two (``dp_addresses``)."""
+    return 2 + 2 * data_parallel_size
+
+
 def dist_port(parallel: ParallelConfig) -> int:
     assert parallel.data_parallel_rpc_port is not None
     return parallel.data_parallel_rpc_port + 1
