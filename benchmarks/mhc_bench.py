@@ -104,8 +104,24 @@ def _record(op: str, impl: str, t: int, nbytes: int, fn: Callable[[], object]) -
     }
 
 
-def run(device: str = "cuda", tokens: tuple[int, ...] = TOKENS, sweep: bool = True) -> list[dict]:
-    """Benchmark records for hc_pre / hc_post / hc_head (see the module docstring)."""
+def _line(r: dict) -> str:
+    graph = r["graph_time_us"]
+    return (
+        f"{r['op']:8s} T={r['tokens']:5d} {r['impl']:26s} {r['time_us']:9.1f} us "
+        f"graph {graph if graph is None else round(graph, 1)} us {r['gb_per_s']:7.1f} GB/s"
+    )
+
+
+def run(
+    device: str = "cuda",
+    tokens: tuple[int, ...] = TOKENS,
+    sweep: bool = True,
+    variants: tuple[str, ...] | None = None,
+    verbose: bool = False,
+) -> list[dict]:
+    """Benchmark records for hc_pre / hc_post / hc_head (see the module docstring);
+    ``variants`` keeps only those tiling variants, ``verbose`` prints each record as it is
+    measured (a sweep at prefill sizes runs for minutes)."""
     dev = torch.device(device)
     records = []
     for t in tokens:
@@ -146,7 +162,11 @@ def run(device: str = "cuda", tokens: tuple[int, ...] = TOKENS, sweep: bool = Tr
         }
         tilings = {"triton": None}
         if sweep:
-            tilings |= {f"triton:{k}": v for k, v in _variants(t, dev).items()}
+            tilings |= {
+                f"triton:{k}": v
+                for k, v in _variants(t, dev).items()
+                if variants is None or k in variants
+            }
         for op, (nbytes, kernel, ref) in ops.items():
             expected = ref().float()
             for impl, tiling in tilings.items():
@@ -155,7 +175,11 @@ def run(device: str = "cuda", tokens: tuple[int, ...] = TOKENS, sweep: bool = Tr
                 rec = _record(op, impl, t, nbytes, lambda k=kernel, ti=tiling: k(ti))
                 rec["max_abs_err"] = (kernel(tiling).float() - expected).abs().max().item()
                 records.append(rec)
+                if verbose:
+                    print(_line(rec), flush=True)
             records.append(_record(op, "reference", t, nbytes, ref))
+            if verbose:
+                print(_line(records[-1]), flush=True)
     return stamped(records, dev)
 
 
@@ -164,16 +188,13 @@ def main() -> None:
     parser.add_argument("--output", required=True)
     parser.add_argument("--no-sweep", action="store_true", help="default tiling only")
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    parser.add_argument("--variants", nargs="+", help="only these tiling variants")
     args = parser.parse_args()
-    records = run(tokens=tuple(args.tokens), sweep=not args.no_sweep)
+    variants = tuple(args.variants) if args.variants else None
+    records = run(tokens=tuple(args.tokens), sweep=not args.no_sweep, variants=variants,
+                  verbose=True)  # fmt: skip
     with open(args.output, "w") as f:
         json.dump(records, f, indent=1)
-    for r in records:
-        graph = r["graph_time_us"]
-        print(
-            f"{r['op']:8s} T={r['tokens']:5d} {r['impl']:26s} {r['time_us']:9.1f} us "
-            f"graph {graph if graph is None else round(graph, 1)} us {r['gb_per_s']:7.1f} GB/s"
-        )
 
 
 if __name__ == "__main__":

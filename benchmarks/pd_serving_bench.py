@@ -183,10 +183,15 @@ def main() -> None:
     args.logs.mkdir(parents=True, exist_ok=True)
     decode_gpu, share = ("1", 1.0) if args.gpus > 1 else ("0", 0.5)
     result: dict = {"lengths": args.lengths, "gpus": args.gpus, "transport": args.transport}
+
+    def save() -> None:  # after every section: a call cut short keeps what it measured
+        args.out.write_text(json.dumps(result, indent=1))
+
     with engine(args, "0", None, args.logs / "aggregated.log") as agg:
         ttft(agg, args.lengths[:1], 1, seed=1)  # warm-up (graphs, allocator)
         result["ttft_aggregated_s"] = ttft(agg, args.lengths, args.repeats, seed=10)
     print("aggregated TTFT", result["ttft_aggregated_s"], flush=True)
+    save()
     for cap in (4, 0):
         with (
             engine(args, "0", "kv_producer", args.logs / f"prefill{cap}.log", share=share) as pre,
@@ -203,6 +208,7 @@ def main() -> None:
                     n: pd[n] / result["ttft_aggregated_s"][n] - 1 for n in args.lengths
                 }
                 print("P/D TTFT", pd, "overhead", result["ttft_overhead"], flush=True)
+                save()
                 # the decode request sent with the prefill one: the transfer overlaps the
                 # prefill's chunks (streamed on tcp; nccl moves the region at the end)
                 with router(pre, dec, args.logs / "router_overlap.log", overlap=True) as over:
@@ -213,9 +219,10 @@ def main() -> None:
                     n: pd[n] / result["ttft_aggregated_s"][n] - 1 for n in args.lengths
                 }
                 print("P/D TTFT overlapped", pd, result["ttft_overlap_overhead"], flush=True)
+                save()
             result[f"burst_itl_cap{cap}"] = burst_itl(base, args)
             print(f"ITL under a burst, cap {cap}:", result[f"burst_itl_cap{cap}"], flush=True)
-    args.out.write_text(json.dumps(result, indent=1))
+            save()
     print(f"wrote {args.out}")
 
 
