@@ -102,16 +102,23 @@ def test_chat_template_file_or_text(tmp_path: Path) -> None:
 
 
 def test_gpu_memory_utilization_is_a_share_of_total(monkeypatch) -> None:
+    """A per-instance share of the GPU's total memory, as in vLLM: memory other processes
+    held before this instance loaded comes off neither its share nor its KV budget."""
     from rackserve.config import EngineConfig
 
     gib = 1 << 30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (60 * gib, 100 * gib))
     config = EngineConfig.__new__(EngineConfig)
     object.__setattr__(config, "cache", CacheConfig(gpu_memory_utilization=0.9))
-    # 90 GiB for the instance, 40 GiB already in use (weights): 50 GiB for the KV cache
+    # alone on the GPU: 90 GiB for the instance, 40 GiB in use (its weights): 50 GiB of KV
     assert kv_budget_bytes(config, torch.device("cuda")) == 50 * gib
+    # a second engine beside one holding 30 GiB: 0.45 of 100 GiB, less its 10 GiB of weights
+    object.__setattr__(config, "cache", CacheConfig(gpu_memory_utilization=0.45))
+    assert kv_budget_bytes(config, torch.device("cuda"), in_use_at_start=30 * gib) == 35 * gib
+    with pytest.raises(ValueError, match="were free at start"):  # 45 GiB asked, 40 free
+        kv_budget_bytes(config, torch.device("cuda"), in_use_at_start=60 * gib)
     object.__setattr__(config, "cache", CacheConfig(gpu_memory_utilization=0.3))
-    with pytest.raises(ValueError, match="already in use"):
+    with pytest.raises(ValueError, match=r"weights already take 40\.0 GiB"):
         kv_budget_bytes(config, torch.device("cuda"))
 
 

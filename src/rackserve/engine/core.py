@@ -53,22 +53,43 @@ logger = logging.getLogger(__name__)
 GRAMMAR_POLL_S = 0.01
 
 
-def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
-    """``--kv-cache-memory-bytes``, else what ``--gpu-memory-utilization`` leaves: as in
-    vLLM, the whole instance (weights, activations, KV cache) may use that fraction of the
-    GPU's total memory, so the memory in use once the weights are loaded comes off."""
+def device_memory_in_use(device: torch.device) -> int:
+    """Bytes of the GPU in use by every process (0 off a GPU): taken before the weights
+    load, it is what this instance's ``--gpu-memory-utilization`` share does not cover."""
+    if device.type != "cuda":
+        return 0
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
+def kv_budget_bytes(config: EngineConfig, device: torch.device, in_use_at_start: int = 0) -> int:
+    """``--kv-cache-memory-bytes``, else what ``--gpu-memory-utilization`` leaves. As in
+    vLLM, the fraction is a per-instance limit: this instance (weights, activations, KV
+    cache) may use that share of the GPU's total memory, whatever other processes on the
+    GPU hold, so two engines at 0.45 each share one GPU. ``in_use_at_start``: the GPU's
+    memory in use before this instance loaded anything (``device_memory_in_use``); what has
+    been added since is this instance's own and comes off its share."""
     if config.cache.kv_cache_memory is not None:
         return config.cache.kv_cache_memory
     if device.type != "cuda":
         return CPU_KV_CACHE_MEMORY
     free, total = torch.cuda.mem_get_info(device)
     utilization = config.cache.gpu_memory_utilization
-    budget = int(total * utilization) - (total - free)
+    share = int(total * utilization)
+    if share > total - in_use_at_start:
+        raise ValueError(
+            f"--gpu-memory-utilization {utilization} asks for {share / 2**30:.1f} GiB, but "
+            f"only {(total - in_use_at_start) / 2**30:.1f} GiB of the GPU were free at start "
+            f"(other processes held {in_use_at_start / 2**30:.1f} GiB): lower it, or give "
+            "--kv-cache-memory-bytes"
+        )
+    own = (total - free) - in_use_at_start
+    budget = share - own
     if budget <= 0:
         raise ValueError(
-            f"--gpu-memory-utilization {utilization} allows {total * utilization / 2**30:.1f} "
-            f"GiB, but {(total - free) / 2**30:.1f} GiB are already in use (weights, other "
-            "processes): raise it, or give --kv-cache-memory-bytes"
+            f"--gpu-memory-utilization {utilization} allows this instance "
+            f"{share / 2**30:.1f} GiB, but its weights already take {own / 2**30:.1f} GiB: "
+            "raise it, or give --kv-cache-memory-bytes"
         )
     return budget
 
@@ -129,6 +150,7 @@ class EngineCore:
             torch.set_num_threads(config.cpu_threads)
         self.groups = groups or ParallelGroups.single()
         # EP state per model (moe/ep.py): "main" (self.ep) and the MTP layers' "mtp"
+        in_use_at_start = device_memory_in_use(device)  # other processes' share of the GPU
         self.ep_models = expert_parallel_models(config, self.groups, device)
         self.ep = self.ep_models.get("main")
         self.model = load_model(
@@ -144,7 +166,9 @@ class EngineCore:
         self.eos_token_ids = cfg.eos_token_id
         self.max_model_len = config.scheduler.max_model_len
         sched = config.scheduler
-        groups, num_blocks = plan_kv_cache(config, dtype, kv_budget_bytes(config, device))
+        groups, num_blocks = plan_kv_cache(
+            config, dtype, kv_budget_bytes(config, device, in_use_at_start)
+        )
         interval = config.cache.checkpoint_interval
         cache = config.cache
         kv = KVCacheManager(

@@ -57,6 +57,8 @@ class StepTimer:
     def elapsed_s(self) -> float:
         if self.cuda:
             assert self.start is not None and self.end is not None
+            # a step that sampled nothing (prefill chunks only) was never waited on
+            self.end.synchronize()
             return self.start.elapsed_time(self.end) / 1e3
         return self.seconds
 
