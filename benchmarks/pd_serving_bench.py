@@ -109,6 +109,10 @@ def prompt_of(length: int, seed: int) -> list[int]:
 
 
 def ttft(base: str, lengths: list[int], repeats: int, seed: int) -> dict[int, float]:
+    """Median TTFT per prompt length, after one untimed request of each length (the first
+    request of a length pays one-off costs: kernel compiles for its shapes, allocations)."""
+    for length in lengths:
+        stream(base, prompt_of(length, seed + 500), 2)
     out = {}
     for length in lengths:
         values = []
@@ -117,6 +121,25 @@ def ttft(base: str, lengths: list[int], repeats: int, seed: int) -> dict[int, fl
             values.append(times[1] - times[0])
         out[length] = statistics.median(values)
     return out
+
+
+def steady_itl(base: str, tokens: int) -> dict:
+    """The ITL of 8 streams decoding together with nothing arriving: the floor a burst's
+    ITL is read against."""
+    gaps: list[float] = []
+
+    def runner(i: int) -> None:
+        times = stream(base, prompt_of(128, 900 + i), tokens)
+        gaps.extend(b - a for a, b in itertools.pairwise(times[1:]))
+
+    threads = [threading.Thread(target=runner, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    gaps.sort()
+    return {"p50_ms": 1e3 * gaps[len(gaps) // 2], "p99_ms": 1e3 * gaps[int(0.99 * len(gaps))],
+            "count": len(gaps)}  # fmt: skip
 
 
 def burst_itl(base: str, args) -> dict:
@@ -190,7 +213,9 @@ def main() -> None:
     with engine(args, "0", None, args.logs / "aggregated.log") as agg:
         ttft(agg, args.lengths[:1], 1, seed=1)  # warm-up (graphs, allocator)
         result["ttft_aggregated_s"] = ttft(agg, args.lengths, args.repeats, seed=10)
-    print("aggregated TTFT", result["ttft_aggregated_s"], flush=True)
+        print("aggregated TTFT", result["ttft_aggregated_s"], flush=True)
+        result["steady_itl_aggregated"] = steady_itl(agg, 200)
+        print("aggregated ITL of 8 streams", result["steady_itl_aggregated"], flush=True)
     save()
     for cap in (4, 0):
         with (
@@ -202,6 +227,8 @@ def main() -> None:
         ):
             ttft(base, args.lengths[:1], 1, seed=2)
             if cap:
+                result["steady_itl_pd"] = steady_itl(base, 200)
+                print("P/D ITL of 8 streams", result["steady_itl_pd"], flush=True)
                 pd = ttft(base, args.lengths, args.repeats, seed=10)
                 result["ttft_pd_s"] = pd
                 result["ttft_overhead"] = {
