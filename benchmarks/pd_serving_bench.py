@@ -92,9 +92,11 @@ def router(prefill: str, decode: str, log: Path, overlap: bool = False):
 
 
 def stream(base: str, prompt: list[int], max_tokens: int) -> list[float]:
-    """Arrival times (perf_counter) of each streamed chunk; [0] is the request's start."""
+    """Arrival times (perf_counter) of each streamed chunk; [0] is the request's start.
+    With logprobs asked for, every token is a chunk of its own: a random checkpoint samples
+    many ids its tokenizer decodes to no text, and the server sends no chunk for those."""
     body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
+            "ignore_eos": True, "stream": True, "logprobs": 1}  # fmt: skip
     times = [time.perf_counter()]
     with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=600) as r:
         r.raise_for_status()
