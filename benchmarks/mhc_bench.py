@@ -50,8 +50,10 @@ def _inputs(t: int, device: str) -> dict[str, torch.Tensor]:
 
 
 def _variants(t: int, device: torch.device) -> dict[str, mhc.Tiling]:
-    """A few tilings around the default, to pick defaults from the first GPU run."""
-    base = mhc.default_tiling(t, N, D, device)
+    """A few tilings around the default (of the bf16 streams timed here: without the
+    dtype, default_tiling is the fp32 one, whose K1 dot is "ieee", and every variant but
+    those naming a precision carried that 3x slower K1 until 2026-12-02)."""
+    base = mhc.default_tiling(t, N, D, device, torch.bfloat16)
     rep = dataclasses.replace
     variants = {
         "programs/2": rep(base, gemm_programs=max(1, base.gemm_programs // 2)),

@@ -299,32 +299,49 @@ def test_bf16x3_k1_has_fp32_accuracy(mhc, t, d):
         mhc.hc_pre(*args, tiling=dataclasses.replace(tiling, gemm_gemv=True))
 
 
+def assert_same_sums(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Bitwise on the interpreter. On a GPU the mixes' sums run in another order (a token
+    a thread against a token across a program's threads; measured on the H200 at
+    2026-12-02: fp32 outputs apart by a few ulps, bf16 x by one bf16 ulp in 669 of 33.5M
+    elements at 8192 x 4096): fp32 within 1e-5 of the largest value, bf16 within one ulp."""
+    assert a.dtype == b.dtype and a.shape == b.shape
+    if DEVICE == "cpu":
+        assert torch.equal(a, b)
+        return
+    diff = (a.float() - b.float()).abs()
+    if a.dtype == torch.bfloat16:  # one ulp of x is at most 2^-7 |x|
+        assert (diff <= 2.0**-7 * torch.maximum(a.float().abs(), b.float().abs())).all()
+    else:
+        assert (diff <= 1e-5 * a.abs().max()).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t,d,mixes_block_t", [(37, 256, 16), (5, 320, 32), (1, 64, 16)])
 def test_mixes_apart_equals_one_finish_launch(mhc, t, d, mixes_block_t, dtype):
     """``Tiling.mixes_block_t`` (K2 as a mixes launch of many tokens a program, storing pre,
-    then a collapse launch reading it) gives hc_pre's, hc_head's and hc_post_pre's outputs
-    bitwise: the same per-token arithmetic in the same order, in two programs instead of
-    one. Token counts leave a partial mixes tile (37 of 48, 5 of 32, 1 of 16), D = 320 loops
-    the collapse over D (two passes), and the outputs start as NaN."""
+    then a collapse launch reading it) gives hc_pre's, hc_head's and hc_post_pre's outputs:
+    the same per-token arithmetic in two programs instead of one, bitwise on the
+    interpreter (``assert_same_sums`` on a GPU). Token counts leave a partial mixes tile
+    (37 of 48, 5 of 32, 1 of 16), D = 320 loops the collapse over D (two passes), and the
+    outputs start as NaN."""
     one = gpu_like_tiling(mhc, 1)
     two = dataclasses.replace(one, mixes_block_t=mixes_block_t)
     args = hc_pre_args(t, d, seed=70 + t, dtype=dtype)
     want, got = mhc.hc_pre(*args, tiling=one), mhc.hc_pre(*args, tiling=two)
     for a, b in zip(want, got, strict=True):
-        assert torch.equal(a, b)
+        assert_same_sums(a, b)
     if dtype == torch.float32:
         for g, r in zip(got, reference.hc_pre(*args), strict=True):
             assert_fp32_close(g, r)
     streams, fn, base, scale, norm_weight = args[:5]
     head = (streams, fn[:N], base[:N], scale[:1], HC_EPS, NORM_EPS, norm_weight)
-    assert torch.equal(mhc.hc_head(*head, tiling=one), mhc.hc_head(*head, tiling=two))
+    assert_same_sums(mhc.hc_head(*head, tiling=one), mhc.hc_head(*head, tiling=two))
     block_out = torch.randn(t, d, device=DEVICE).to(dtype)
     call = (streams, block_out, want[1], want[2], *args[1:])
     for a, b in zip(
         mhc.hc_post_pre(*call, tiling=one), mhc.hc_post_pre(*call, tiling=two), strict=True
     ):
-        assert torch.equal(a, b)
+        assert_same_sums(a, b)
 
 
 @pytest.mark.parametrize(

@@ -36,11 +36,14 @@ FUSED_ENV = "RACKSERVE_MHC_FUSED"  # "1": default_tiling fuses K1 + K2 for T <= 
 # 8192 tokens) and runs K1 on them: 155 + 673 us against 1007 us fused (H200, 2026-12-02)
 POST_APART_MIN_TOKENS = 1024
 # from this many tokens K2 runs as a mixes launch and a collapse launch (``Tiling``'s
-# ``mixes_block_t``); None: never (not measured on a GPU yet: benchmarks/mhc_bench.py's
-# "mixes*" variants time it)
+# ``mixes_block_t``); None: never. At 1024, bench forward's prefill:8192 took 54.5 ms
+# against 56.2 (H200, 2026-12-02), inside run-to-run spread; mhc_bench's "mixes*" variants
+# of that day carried the fp32 K1 and do not count (benchmarks/results/*-s11.md)
 MIXES_APART_MIN_TOKENS: int | None = None
-# K1's dot for bf16 streams on a GPU: "tf32x3" (measured) or "bf16x3" (sm_90 PTX: half the
-# wgmma instructions and no tf32 conversions; not timed yet: mhc_bench's "bf16x3" variants)
+# K1's dot for bf16 streams on a GPU: "tf32x3" or "bf16x3" (half the wgmma instructions,
+# no tf32 conversions, plus a launch that splits fn). H200, 2026-12-02, hc_pre: 630 against
+# 672 us at 8192 tokens, 201 against 210 at 2048; hc_post_pre at 2048 slower outside a
+# graph (339 against 306 us): kept off until fn's split is cached with the weights
 BF16_DOT_PRECISION = "tf32x3"
 SPLIT_BLOCK = 1024  # fn elements per program of the bf16x3 split
 
