@@ -92,8 +92,12 @@ def consumer(args, port: int, queue, results) -> None:
         tables = block_tables(groups, length)
         slots = [[i for i, b in enumerate(t) if b] for t in tables]
         ids = tuple([b for b in t if b] for t in tables)
+        layout = ()  # whole: the region in one piece after the prefill (shm, and --whole)
+        if args.transport in ("tcp", "nccl") and not args.whole:  # as serving pulls: in pieces
+            tensors = [list(caches.tensors[name].values()) for name in caches.groups]
+            layout = tuple((len(ts), ts[0][0].numel()) for ts in tensors)
         job = FetchJob("127.0.0.1", port, f"len{length}", slots, packed_numel(caches, ids),
-                       dtype, device)  # fmt: skip
+                       dtype, device, layout)  # fmt: skip
         times = []
         for i in range(args.repeats + 1):
             if device.type == "cuda":
@@ -111,7 +115,7 @@ def consumer(args, port: int, queue, results) -> None:
             "tokens": length, "bytes": nbytes, "best_s": best, "median_s": median,
             "gb_per_s": nbytes / median / 1e9, "transport": args.transport,
             "producer": args.producer_device, "consumer": args.consumer_device,
-            "preset": args.preset, "dtype": args.dtype,
+            "preset": args.preset, "dtype": args.dtype, "streamed": bool(layout),
         })  # fmt: skip
         print(f"{length:>7} tokens {nbytes / 2**20:9.1f} MiB  {nbytes / median / 1e9:7.2f} GB/s",
               flush=True)  # fmt: skip
@@ -127,6 +131,9 @@ def main() -> None:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--lengths", default="1024,4096,16384,32768,65536,131072")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--whole", action="store_true", help="tcp/nccl: the region in one piece (serving streams)"
+    )
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]

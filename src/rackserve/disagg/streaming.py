@@ -24,6 +24,7 @@ pair is held for the whole pull, so its sends and receives match in order.
 
 from __future__ import annotations
 
+import math
 import socket
 import threading
 import time
@@ -42,7 +43,7 @@ from rackserve.disagg.wire import (
     TransferError,
     Waiting,
     crc32,
-    recv_exact,
+    recv_into_exact,
     recv_message,
     send_message,
 )
@@ -141,11 +142,14 @@ def _send_pieces(
     def send(group_id: int, slots: list[int], rows: list[torch.Tensor], tail: bool) -> None:
         nonlocal nbytes, num_pieces
         flip = 1 if fault == "corrupt_chunk" and num_pieces == 0 else 0
-        if group is None:  # the bytes on the connection
-            data = _as_bytes(torch.stack(rows).cpu()) if rows else memoryview(b"")
-            size = len(data)
-            send_message(conn, Rows(group_id, slots, size, crc32(data) ^ flip))
-            conn.sendall(data)
+        if group is None:  # the bytes on the connection, a layer after another (no stacking)
+            parts = [_as_bytes(t.cpu()) for t in rows]
+            size, checksum = 0, 0
+            for part in parts:
+                size, checksum = size + len(part), crc32(part, checksum)
+            send_message(conn, Rows(group_id, slots, size, checksum ^ flip))
+            for part in parts:
+                conn.sendall(part)
         else:  # device to device on the pair (a checksum only for CPU tensors: gloo)
             data = torch.stack(rows).contiguous() if rows else None
             size = 0 if data is None else data.numel() * data.element_size()
@@ -219,8 +223,12 @@ def recv_streamed(
     TransferError on a bad piece, a checksum or a missing slot."""
     element_size = torch.empty(0, dtype=dtype).element_size()
     device = torch.device("cpu") if group is None or device is None else device
-    buffers = [torch.empty(layers, len(slots), n, dtype=dtype, device=device)
-               for (layers, n), slots in zip(layout, group_slots, strict=True)]  # fmt: skip
+    # the region as export_blocks lays it out, each group's [layers, slots, n] a view of it
+    pairs = zip(layout, group_slots, strict=True)
+    shapes = [(layers, len(slots), n) for (layers, n), slots in pairs]
+    sizes = [math.prod(shape) for shape in shapes]
+    region = torch.empty(sum(sizes), dtype=dtype, device=device)
+    buffers = [part.view(shape) for part, shape in zip(region.split(sizes), shapes, strict=True)]
     position = [{s: i for i, s in enumerate(slots)} for slots in group_slots]
     filled: list[set[int]] = [set() for _ in group_slots]
     while True:
@@ -243,24 +251,45 @@ def recv_streamed(
                 f"layout mismatch in group {g}: {message.nbytes} bytes for {len(slots)} slots "
                 "(different models or dtypes?)"
             )
-        if group is None:
-            data = recv_exact(conn, message.nbytes)
-            if crc32(data) != message.crc32:
-                raise TransferError(f"a piece of group {g} failed its checksum")
-            rows = torch.frombuffer(data, dtype=torch.uint8).view(dtype) if slots else None
-        elif slots:
-            rows = torch.empty(message.nbytes // element_size, dtype=dtype, device=device)
-            _pair_op(lambda rows=rows: group.recv([rows], 0, 0).wait())
-            if message.crc32 and device.type == "cpu" and crc32(_as_bytes(rows)) != message.crc32:
-                raise TransferError(f"a piece of group {g} failed its checksum")
         if slots:
-            index = torch.tensor([position[g][s] for s in slots], dtype=torch.long, device=device)
-            buffers[g][:, index] = rows.view(layers, len(slots), n)
+            at = [position[g][s] for s in slots]
+            if group is None:
+                _recv_rows(conn, buffers[g], at, message.crc32, g)
+            else:
+                rows = torch.empty(message.nbytes // element_size, dtype=dtype, device=device)
+                _pair_op(lambda rows=rows: group.recv([rows], 0, 0).wait())
+                checked = message.crc32 and device.type == "cpu"
+                if checked and crc32(_as_bytes(rows)) != message.crc32:
+                    raise TransferError(f"a piece of group {g} failed its checksum")
+                index = torch.tensor(at, dtype=torch.long, device=device)
+                buffers[g][:, index] = rows.view(layers, len(slots), n)
         filled[g].update(slots)
         log.add(PieceRecord(key, time.monotonic(), g, len(slots), message.nbytes))
     for g, slots in enumerate(group_slots):
         if len(filled[g]) != len(slots):
             raise TransferError(f"group {g}: {len(slots) - len(filled[g])} slots never arrived")
-    if not buffers:
-        return torch.empty(0, dtype=dtype), num_cached
-    return torch.cat([b.flatten() for b in buffers]), num_cached
+    return region, num_cached
+
+
+def _recv_rows(
+    conn: socket.socket, buffer: torch.Tensor, at: list[int], checksum: int, g: int
+) -> None:
+    """A piece's bytes ([layers, len(at), n], the layers in order) from the connection into
+    rows ``at`` of ``buffer`` [layers, slots, n] (CPU). Consecutive rows, the usual case
+    (a run of blocks), are received in place, a layer at a time; others through one
+    scratch copy. The CRC covers the piece's bytes in the order sent."""
+    layers, k = buffer.shape[0], len(at)
+    running = 0
+    if at == list(range(at[0], at[0] + k)):
+        for layer in range(layers):
+            view = _as_bytes(buffer[layer, at[0] : at[0] + k])
+            recv_into_exact(conn, view)
+            running = crc32(view, running)
+    else:
+        rows = torch.empty(layers, k, buffer.shape[2], dtype=buffer.dtype)
+        view = _as_bytes(rows)
+        recv_into_exact(conn, view)
+        running = crc32(view)
+        buffer[:, torch.tensor(at, dtype=torch.long)] = rows
+    if running != checksum:
+        raise TransferError(f"a piece of group {g} failed its checksum")

@@ -46,7 +46,7 @@ from rackserve.disagg.wire import (
     PullReply,
     TransferError,
     crc32,
-    recv_exact,
+    recv_into_exact,
     recv_message,
     send_message,
 )
@@ -369,23 +369,22 @@ class KVClient:
         return region.to(job.device), hit
 
     def _recv_stream(self, conn: socket.socket, job: FetchJob, reply: PullReply) -> torch.Tensor:
-        nbytes = job.numel * torch.empty(0, dtype=job.dtype).element_size()
-        buffer = bytearray(nbytes)
-        offset = 0
+        region = torch.empty(job.numel, dtype=job.dtype)
+        buffer = _as_bytes(region)  # the chunks land in the region itself
+        nbytes, offset = len(buffer), 0
         for i in range(reply.num_chunks):
             chunk = recv_message(conn)
             if not isinstance(chunk, Chunk) or chunk.index != i:
                 raise TransferError("chunks out of order")
             if offset + chunk.nbytes > nbytes:
                 raise TransferError("the producer sent more bytes than asked")
-            data = recv_exact(conn, chunk.nbytes)
+            data = buffer[offset : offset + chunk.nbytes]
+            recv_into_exact(conn, data)
             if crc32(data) != chunk.crc32:
                 raise TransferError(f"chunk {i} failed its checksum")
-            buffer[offset : offset + chunk.nbytes] = data
             offset += chunk.nbytes
         if offset != nbytes:
             raise TransferError(f"received {offset} of {nbytes} bytes")
-        region = torch.frombuffer(buffer, dtype=torch.uint8).view(job.dtype)
         return region.to(job.device)
 
     def _recv_shm(self, job: FetchJob, reply: PullReply) -> torch.Tensor:

@@ -121,14 +121,18 @@ def send_message(sock: socket.socket, message: Message) -> None:
 def recv_exact(sock: socket.socket, nbytes: int) -> bytearray:
     """Exactly ``nbytes`` (TransferError when the peer closes first)."""
     buffer = bytearray(nbytes)
-    view = memoryview(buffer)
-    got = 0
+    recv_into_exact(sock, memoryview(buffer))
+    return buffer
+
+
+def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` (bytes) from the socket: KV data lands in its destination, no copy."""
+    got, nbytes = 0, len(view)
     while got < nbytes:
         n = sock.recv_into(view[got:], nbytes - got)
         if n == 0:
             raise TransferError(f"the peer closed the connection ({got} of {nbytes} bytes)")
         got += n
-    return buffer
 
 
 def recv_message(sock: socket.socket) -> Message:
@@ -141,5 +145,7 @@ def recv_message(sock: socket.socket) -> Message:
         raise TransferError(f"malformed control frame: {e}") from None
 
 
-def crc32(data: bytes | bytearray | memoryview) -> int:
-    return zlib.crc32(data) & 0xFFFFFFFF
+def crc32(data: bytes | bytearray | memoryview, running: int = 0) -> int:
+    """CRC32 of ``data``; ``running``: the CRC of the bytes before it (pieces sent in parts
+    check as one)."""
+    return zlib.crc32(data, running) & 0xFFFFFFFF
