@@ -9,3 +9,10 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/src:$PWD/benchmarks PYTHONUNBU
 # seconds a step of a budgeted script may take ($BUDGET_S in all, counted by $SECONDS): its
 # own limit $1, cut to what is left of the budget; 0 (skip it) under 20 s
 cap() { local left=$((BUDGET_S - SECONDS)); ((left > $1)) && echo "$1" || echo $((left > 20 ? left : 0)); }
+# a budgeted call's start: results under $R ($OUT/r), the commit it ran recorded there
+start_call() {
+  OUT=${OUT:-out/gpu}
+  R="$OUT/r"
+  mkdir -p "$R"
+  echo "commit ${RACKSERVE_COMMIT:-unknown}" | tee "$R/commit.txt"
+}

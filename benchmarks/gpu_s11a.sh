@@ -8,13 +8,10 @@
 # admission cap). Needs `scripts/device_wheels.sh all` (the server stack) in .whl/.
 # Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/gpu_s11a.sh     (BUDGET_S: total seconds)
 set -uo pipefail
-OUT=${OUT:-out/gpu}
-R="$OUT/r"
-mkdir -p "$R"
 BUDGET_S=${BUDGET_S:-480}
 source "$(dirname "$0")/device_env.sh"
+start_call
 export PYTHONPATH=$PYTHONPATH:$PWD/tests:$PWD/tests/ops
-echo "commit ${RACKSERVE_COMMIT:-unknown}" | tee "$R/commit.txt"
 
 t=$(cap 60); echo "== split K2 against one launch (${t}s)"
 ((t)) && timeout "$t" python3 - > "$R/mixes_check.txt" 2>&1 <<'PY'

@@ -8,12 +8,9 @@
 # the decode side's admission cap 4 and without it. Needs `scripts/device_wheels.sh all`.
 # Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/gpu_s11b.sh     (BUDGET_S: total seconds)
 set -uo pipefail
-OUT=${OUT:-out/gpu}
-R="$OUT/r"
-mkdir -p "$R"
 BUDGET_S=${BUDGET_S:-420}
 source "$(dirname "$0")/device_env.sh"
-echo "commit ${RACKSERVE_COMMIT:-unknown}" | tee "$R/commit.txt"
+start_call
 python3 -m rackserve.cli model create --preset v4-flash --layers 4 --experts 16 \
   --dtype bfloat16 --out /tmp/pd_model > "$R/model_create.log" 2>&1
 t=$(cap 400); echo "== P/D serving on one GPU over TCP (${t}s)"
