@@ -45,7 +45,7 @@ def _model() -> DeepseekV4ForCausalLM:
 
 @torch.inference_mode()
 def _record_fast_path() -> list[dict]:
-    from rackserve.ops.triton import fp8_gemm, fused_moe_fp4, gemv, indexer, mhc
+    from rackserve.ops.triton import fp8_gemm, fused_moe_fp4, gemv, indexer, mhc, sparse_attn
 
     model = _model()
     g = torch.Generator().manual_seed(0)
@@ -74,6 +74,25 @@ def _record_fast_path() -> list[dict]:
             mhc.default_tiling(20, 4, 64, streams.device), gemm_precision="bf16x3"
         )
         mhc.hc_pre(streams, fn, base, torch.ones(3), torch.ones(64), 3, 1e-6, 1e-6, tiling=tiling)
+        # the wide attention kernel at V4-Flash's heads (64 x 512), split p and fp16 PV
+        q, kv = torch.randn(1, 64, 512, generator=g).bfloat16(), torch.randn(40, 512).bfloat16()
+        slots, valid = torch.arange(32)[None, :], torch.ones(1, 32, dtype=torch.bool)
+        wide = sparse_attn.wide_tiling(1, 64, 512, 32, q.device)
+        for fp16 in (False, True):
+            sparse_attn.paged_sparse_attention(
+                q, kv, slots[:, :16], kv, slots[:, 16:], valid, torch.zeros(64), 0.04,
+                tiling=dataclasses.replace(wide, num_dv=2, num_warps=4, num_stages=3, pv_fp16=fp16),
+            )  # fmt: skip
+        # the wide attention kernel at V4-Flash's heads (64 x 512), split p and fp16 PV, as
+        # the GPU tiles it (two head-dim programs, 4 warps, 3 stages)
+        q = torch.randn(1, 64, 512, generator=g).bfloat16()
+        kv, rows = torch.randn(40, 512, generator=g).bfloat16(), torch.arange(32)[None, :]
+        wide = sparse_attn.Tiling(64, 32, 2, 1, 4, 3, 16, 4, prefetch=False, kernel="wide")
+        for fp16 in (False, True):
+            sparse_attn.paged_sparse_attention(
+                q, kv, rows[:, :16], kv, rows[:, 16:], torch.ones(1, 32, dtype=torch.bool),
+                torch.zeros(64), 0.04, tiling=dataclasses.replace(wide, pv_fp16=fp16),
+            )  # fmt: skip
         x = torch.randn(3, 256, generator=g).bfloat16()
         w, scale = quant.quantize_fp8(torch.randn(128, 256, generator=g) / 16)
         fp8_gemm.fp8_linear(x, w, scale)
@@ -114,6 +133,9 @@ def test_fast_path_kernels_compile_for_sm90(monkeypatch):
         s["kernel"] == "prenorm_gemm_kernel" and s["constexprs"]["PRECISION"] == "bf16x3"
         and s["constexprs"]["NATIVE_BF16"] for s in specs
     )  # fmt: skip
+    assert any(
+        s["kernel"] == "sparse_attn_wide_kernel" and s["constexprs"]["PV_FP16"] for s in specs
+    )
     failures = compile_for_sm90(specs)
     assert not failures, "\n".join(
         f"{f['kernel']} {f['constexprs']}: {f['error']}" for f in failures

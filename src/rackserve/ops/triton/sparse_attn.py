@@ -49,6 +49,7 @@ class Tiling:
     combine_block_h: int
     combine_warps: int
     split_p: bool = True  # 16-bit rows: PV with p = hi + lo (exact to ~16 bits; 1.5x FLOPs)
+    pv_fp16: bool = False  # 16-bit rows, "wide" only: one PV dot of fp16 p and rows (11 bits)
     prefetch: bool = True  # load row tile i+1 into registers while tile i computes
     # "heads": ``sparse_attn_kernel`` (BLOCK_H heads per program); "wide": every head in one
     # program (``sparse_attn_wide_kernel``; block_h and prefetch unused there, num_dv 1 or 2);
@@ -63,6 +64,11 @@ def _num_sms(device: torch.device) -> int:
 
 
 KERNEL_ENV = "RACKSERVE_SPARSE_ATTN"  # "heads" (the default) or "wide": default_tiling's kernel
+# from this many queries the wide kernel's PV is one fp16 dot (``Tiling.pv_fp16``), not
+# split p's two: at prefill the QK dot runs in both head-dim programs, so a step does 2x
+# the minimal FLOPs with split p and 1.5x with fp16 PV. None: never (not timed on a GPU
+# yet; the prefill kernel's fp16 PV met the bf16 rule, benchmarks/results/*-s9.md)
+PV_FP16_MIN_QUERIES: int | None = None
 
 
 def default_tiling(
@@ -130,7 +136,10 @@ def wide_tiling(
     block_n, num_dv = 32, 2
     tiles = max(1, triton.cdiv(num_rows, block_n))
     splits = max(1, min(tiles, triton.cdiv(2 * sms, num_queries * num_dv)))
-    return Tiling(64, block_n, num_dv, splits, 4, 3, 16, 4, prefetch=False, kernel="wide")
+    fp16 = PV_FP16_MIN_QUERIES is not None and num_queries >= PV_FP16_MIN_QUERIES
+    return Tiling(
+        64, block_n, num_dv, splits, 4, 3, 16, 4, prefetch=False, kernel="wide", pv_fp16=fp16
+    )
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -295,7 +304,7 @@ def paged_sparse_attention(
             *tensors, *partials, num_heads, width_a, width_b, rows_per_split, rope_start,
             qk_scale, *strides, HEAD_DIM=head_dim, HALF=block_d // 2,
             BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_N=tiling.block_n,
-            NUM_DV=num_dv, **common,
+            NUM_DV=num_dv, PV_FP16=tiling.pv_fp16 and q.dtype != torch.float32, **common,
         )  # fmt: skip
         num_dv, block_dv = 1, block_d  # the combine's own column split
     else:

@@ -17,7 +17,11 @@ repeats the QK dots). The tile loads are pipelined by ``tl.range(num_stages=...)
 shared memory (no register double-buffering: the registers hold the accumulators).
 Numerics as the head-blocked kernel: online softmax in the log2 domain, invalid rows never
 loaded, SPLIT_P (p = hi + lo for 16-bit rows), FP32_DOTS (IEEE fp32 dots for fp32 inputs
-and in the interpreter).
+and in the interpreter). PV_FP16 (16-bit rows, ``sparse_attn_wide_kernel`` only) replaces
+SPLIT_P's two PV dots by one of p and the rows in fp16, as the prefill kernel's default:
+11 bits of p, and bf16 -> fp16 is exact for rows in fp16's normal range (|v| in [2^-14,
+65504]; smaller values keep 10 bits past 2^-24, larger ones would overflow, and KV rows
+come out of RMSNorm'd projections, far inside it).
 """
 
 from __future__ import annotations
@@ -31,9 +35,15 @@ from rackserve.ops.triton.sparse_attn_kernels import _inverse_rope, _round_to
 
 
 @triton.jit
-def _pv(p, v, acc, SPLIT_P: tl.constexpr, FP32_DOTS: tl.constexpr):
+def _pv(p, v, acc, SPLIT_P: tl.constexpr, FP32_DOTS: tl.constexpr, PV_FP16: tl.constexpr):
     """acc + p @ v for p [BH, BN] fp32, v [BN, HALF] in the rows' dtype (see the module doc)."""
-    if FP32_DOTS:  # p rounded to the rows' dtype as on the tensor-core path
+    if PV_FP16:  # p and the rows in fp16: one dot with 11 bits of p
+        if FP32_DOTS:
+            v16 = _round_to(v.to(tl.float32), tl.float16)
+            acc = tl.dot(_round_to(p, tl.float16), v16, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(tl.float16), v.to(tl.float16), acc)
+    elif FP32_DOTS:  # p rounded to the rows' dtype as on the tensor-core path
         v32 = v.to(tl.float32)
         p_hi = _round_to(p, v.dtype)
         acc = tl.dot(p_hi, v32, acc, input_precision="ieee")
@@ -105,6 +115,7 @@ def sparse_attn_wide_kernel(
     ROPE: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     SPLIT_P: tl.constexpr,
+    PV_FP16: tl.constexpr,  # 16-bit rows: one fp16 PV dot instead of SPLIT_P's two
     FP32_DOTS: tl.constexpr,
 ):
     dv = tl.program_id(0)  # the half this program owns (0 when NUM_DV == 1)
@@ -166,9 +177,9 @@ def sparse_attn_wide_kernel(
         alpha = tl.exp2(m - m_ref)
         p = tl.exp2(scores - m_ref[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        acc_own = _pv(p, k_own, acc_own * alpha[:, None], SPLIT_P, FP32_DOTS)
+        acc_own = _pv(p, k_own, acc_own * alpha[:, None], SPLIT_P, FP32_DOTS, PV_FP16)
         if NUM_DV == 1:
-            acc_oth = _pv(p, k_oth, acc_oth * alpha[:, None], SPLIT_P, FP32_DOTS)
+            acc_oth = _pv(p, k_oth, acc_oth * alpha[:, None], SPLIT_P, FP32_DOTS, PV_FP16)
         m = m_new
 
     if SINGLE:
