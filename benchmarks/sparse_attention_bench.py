@@ -81,6 +81,7 @@ def _wide_variants(s: int, wb: int, device: torch.device) -> dict[str, sparse_at
         "wide_bn64": rep(wide, block_n=64),
         "wide_st2": rep(wide, num_stages=2),
         "wide_bf16_p": rep(wide, split_p=False),
+        "wide_fp16_pv": rep(wide, pv_fp16=True),  # one PV dot of fp16 p and rows
         "wide_splits*2": rep(wide, num_splits=wide.num_splits * 2),
         "wide_splits/2": rep(wide, num_splits=max(1, wide.num_splits // 2)),
         # one program per (query, split), transposed dots (out^T = rows^T . p^T): experimental
@@ -96,8 +97,26 @@ def _wide_variants(s: int, wb: int, device: torch.device) -> dict[str, sparse_at
     }
 
 
-def run(device: str = "cuda", queries: tuple[int, ...] = QUERIES, sweep: bool = True) -> list[dict]:
-    """Benchmark records (see the module docstring)."""
+def _line(r: dict) -> str:
+    if "error" in r:
+        return f"S={r['queries']:4d} Wb={r['wb']:4d} {r['impl']:24s} {r['error']}"
+    graph = r["graph_time_us"]
+    return (
+        f"S={r['queries']:4d} Wb={r['wb']:4d} {r['impl']:24s} {r['time_us']:8.1f} us "
+        f"graph {graph if graph is None else round(graph, 1)} us "
+        f"{r['gb_per_s']:7.1f} GB/s {100 * r['roofline_fraction']:5.1f}%"
+    )
+
+
+def run(
+    device: str = "cuda",
+    queries: tuple[int, ...] = QUERIES,
+    sweep: bool = True,
+    variants: tuple[str, ...] | None = None,
+    verbose: bool = False,
+) -> list[dict]:
+    """Benchmark records (see the module docstring); ``variants`` keeps only those tiling
+    variants, ``verbose`` prints each record as it is measured."""
     dev = torch.device(device)
     records = []
     for wb in COMPRESSED:
@@ -109,7 +128,11 @@ def run(device: str = "cuda", queries: tuple[int, ...] = QUERIES, sweep: bool = 
             expected = reference.paged_sparse_attention(*args).float()
             tilings: dict[str, sparse_attn.Tiling | None] = {"triton": None}
             if sweep:
-                tilings |= {f"triton:{k}": v for k, v in _variants(s, wb, dev).items()}
+                tilings |= {
+                    f"triton:{k}": v
+                    for k, v in _variants(s, wb, dev).items()
+                    if variants is None or k in variants
+                }
             impls: dict[str, Callable[[], torch.Tensor]] = {
                 name: lambda t=t, a=args: sparse_attn.paged_sparse_attention(*a, tiling=t)
                 for name, t in tilings.items()
@@ -121,6 +144,8 @@ def run(device: str = "cuda", queries: tuple[int, ...] = QUERIES, sweep: bool = 
                     plain, graph = time_us(fn)
                 except Exception as e:  # a variant that does not compile (smem, registers)
                     records.append({"impl": impl, "queries": s, "wb": wb, "error": repr(e)[:300]})
+                    if verbose:
+                        print(_line(records[-1]), flush=True)
                     continue
                 best = graph if graph is not None else plain
                 records.append(
@@ -142,6 +167,8 @@ def run(device: str = "cuda", queries: tuple[int, ...] = QUERIES, sweep: bool = 
                         "max_abs_err": None if impl == "reference" else err,
                     }
                 )
+                if verbose:
+                    print(_line(records[-1]), flush=True)
     return stamped(records, dev)
 
 
@@ -149,20 +176,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--output", required=True)
     parser.add_argument("--no-sweep", action="store_true", help="default tiling only")
+    parser.add_argument("--queries", type=int, nargs="+", default=list(QUERIES))
+    parser.add_argument("--variants", nargs="+", help="only these tiling variants")
     args = parser.parse_args()
-    records = run(sweep=not args.no_sweep)
+    variants = tuple(args.variants) if args.variants else None
+    records = run(queries=tuple(args.queries), sweep=not args.no_sweep, variants=variants,
+                  verbose=True)  # fmt: skip
     with open(args.output, "w") as f:
         json.dump(records, f, indent=1)
-    for r in records:
-        if "error" in r:
-            print(f"S={r['queries']:4d} Wb={r['wb']:4d} {r['impl']:24s} {r['error']}")
-            continue
-        graph = r["graph_time_us"]
-        print(
-            f"S={r['queries']:4d} Wb={r['wb']:4d} {r['impl']:24s} {r['time_us']:8.1f} us "
-            f"graph {graph if graph is None else round(graph, 1)} us "
-            f"{r['gb_per_s']:7.1f} GB/s {100 * r['roofline_fraction']:5.1f}%"
-        )
 
 
 if __name__ == "__main__":

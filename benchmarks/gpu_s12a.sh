@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Prepared in session 11 for the next device call (~8.5 minutes): fair A/Bs of the switches
+# that are off (or were picked from a biased microbenchmark), each variant twice in
+# alternation so the spread between runs shows. 1. the GPU tests of the wide kernel's fp16 PV
+# and the split K2; 2. sparse_attention_bench at 256 and 2048 queries, split p against fp16
+# PV; 3. mhc_bench at 8192 (its variants now start from the bf16 tiling); 4. bench forward
+# (prefill:2048, prefill:8192, decode:64@4096) as now / fp16 PV from 64 queries / K2 split
+# from 1024 tokens / hc_post_pre's expand fused in K1 again (POST_APART off), then again.
+# Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/gpu_s12a.sh     (BUDGET_S: total seconds)
+set -uo pipefail
+BUDGET_S=${BUDGET_S:-510}
+source "$(dirname "$0")/device_env.sh"
+start_call
+pack() { tar czf "$OUT/s12a.tgz" -C "$OUT" r; }
+forward() {  # $1: python assignments run before the CLI (module switches), $2: record name
+  python3 -c "import sys
+import rackserve.ops.triton.mhc as mhc, rackserve.ops.triton.sparse_attn as attn
+exec(sys.argv[1])
+from rackserve.cli import main; sys.exit(main(sys.argv[2:]))" "$1" bench forward \
+    --preset v4-flash --layers 4 --experts 64 --iters 10 --warmup 2 --batch prefill:2048 \
+    --batch prefill:8192 --batch decode:64@4096 --output "$R/$2.json" 2>&1 \
+    | grep -E "^prefill|^decode|Error"
+}
+
+t=$(cap 100); echo "== GPU tests: wide fp16 PV, split K2 (${t}s)"
+((t)) && timeout "$t" python3 -m pytest -v -p no:cacheprovider -m "gpu or not gpu" -rf \
+  tests/ops/test_sparse_attn.py tests/ops/test_mhc.py \
+  -k "fp16 or (test_sparse_attn and v4_flash) or mixes_apart" > "$R/pytest.log" 2>&1
+grep -E "PASSED|FAILED|ERROR" "$R/pytest.log" | awk '{print $2}' | sort | uniq -c
+grep -E "^E  " "$R/pytest.log" | head -6
+pack
+t=$(cap 60); echo "== sparse_attention_bench 256, 2048 queries (${t}s)"
+((t)) && timeout "$t" python3 benchmarks/sparse_attention_bench.py --queries 256 2048 \
+  --variants wide_fp16_pv --output "$R/sparse_attention_bench.json" 2>&1 | grep -v reference
+pack
+t=$(cap 45); echo "== mhc_bench 8192 (${t}s)"
+((t)) && timeout "$t" python3 benchmarks/mhc_bench.py --tokens 8192 --output "$R/mhc_bench.json" \
+  --variants mixes128 mixes64 post_fused bf16x3 2>&1 | grep -E "hc_pre |hc_post_pre|Error"
+pack
+for pass in 1 2; do
+  for v in "as_now|pass" "pv_fp16|attn.PV_FP16_MIN_QUERIES = 64" \
+           "mixes_apart|mhc.MIXES_APART_MIN_TOKENS = 1024" \
+           "post_fused|mhc.POST_APART_MIN_TOKENS = 10**9"; do
+    name=${v%%|*}; code=${v#*|}
+    t=$(cap 40); echo "== forward $name, pass $pass (${t}s)"
+    ((t)) && timeout "$t" bash -c "$(declare -f forward); R=$R; forward '$code' ${name}_$pass"
+    pack
+  done
+done
+echo "== done in ${SECONDS}s"
