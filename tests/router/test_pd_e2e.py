@@ -11,6 +11,8 @@ import time
 import httpx
 import pytest
 
+from rackserve.parallel.groups import free_port
+
 from router_utils import kv_config, running, start_engine, start_router
 
 
@@ -239,6 +241,33 @@ def test_prefill_killed_requests_recompute(tmp_path, pd):
         assert strip_usage(got) == strip_usage(want)
         health = httpx.get(f"{router.url}/health")
         assert health.status_code == 503 and "prefill" in health.json()["error"]["message"]
+        usage = [
+            line for line in httpx.get(f"{decode.url}/metrics").text.splitlines()
+            if line.startswith("rackserve:kv_cache_usage_perc")
+        ]  # fmt: skip
+        assert float(usage[0].split()[-1]) == 0.0
+
+
+def test_failed_kv_load_is_a_server_error(tiny, tmp_path):
+    """Under kv_load_failure_policy "fail" a request whose prefill engine cannot be reached
+    ends with a 500 naming the cause and the policy that would have recomputed it (the
+    input was fine: not a 400); the engine serves the next request and its KV is idle."""
+    dead = free_port()  # nothing listens there
+    decode = start_engine(
+        tiny, tmp_path, "--kv-transfer-config",
+        kv_config("kv_consumer", kv_load_failure_policy="fail"),
+    )  # fmt: skip
+    with running(decode):
+        params = {"do_remote_prefill": True, "transfer_id": "gone", "remote_host": "127.0.0.1",
+                  "remote_port": dead}  # fmt: skip
+        body = {"model": "tiny", "prompt": "the prefill side is gone", "max_tokens": 4}
+        r = httpx.post(f"{decode.url}/v1/completions", json=body | {"kv_transfer_params": params},
+                       timeout=60)  # fmt: skip
+        assert r.status_code == 500, r.text
+        message = r.json()["error"]["message"]
+        assert "KV transfer from the prefill engine failed" in message and "recompute" in message
+        r = httpx.post(f"{decode.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"]
         usage = [
             line for line in httpx.get(f"{decode.url}/metrics").text.splitlines()
             if line.startswith("rackserve:kv_cache_usage_perc")

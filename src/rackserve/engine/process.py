@@ -65,6 +65,8 @@ class EngineReady(msgspec.Struct, array_like=True):
 class RequestError(msgspec.Struct, array_like=True):
     request_id: str
     message: str
+    # the engine's side failed, not the request (a KV transfer under policy "fail"): a 5xx
+    server_side: bool = False
 
 
 class EngineDead(msgspec.Struct, array_like=True):
@@ -210,7 +212,7 @@ class EngineCoreProc:
         self._send_outputs(self.core.step(), step_start)
         take_errors = getattr(self.core, "take_request_errors", None)  # P/D: failed loads
         for request_id, message in take_errors() if take_errors is not None else ():
-            self.send(MessageType.REQUEST_ERROR, RequestError(request_id, message))
+            self.send(MessageType.REQUEST_ERROR, RequestError(request_id, message, True))
 
     def _send_outputs(self, outputs, step_start: float | None = None) -> None:
         """Send a step's outputs when there are any or the stats changed."""

@@ -57,6 +57,10 @@ class RequestFailedError(RuntimeError):
     """This request's outputs could not be processed (a bug, not bad input); the others go on."""
 
 
+class KVLoadFailedError(RuntimeError):
+    """The request's KV could not be loaded from its prefill engine (P/D, policy "fail")."""
+
+
 class RequestAbortedError(RuntimeError):
     """The request was aborted (client disconnect) while a consumer waited for it."""
 
@@ -353,7 +357,8 @@ class AsyncEngineClient:
             self._send(MessageType.ABORT, engine_ids)
         queue = self._queues.get(parent_id)
         if queue is not None:
-            queue.put_nowait(RequestRejectedError(error.message))
+            kind = KVLoadFailedError if error.server_side else RequestRejectedError
+            queue.put_nowait(kind(error.message))
 
     def _on_process_exit(self) -> None:
         asyncio.get_running_loop().remove_reader(self.process.sentinel)

@@ -29,6 +29,7 @@ from rackserve.runner.structured_output import check_structured_outputs
 from rackserve.server.async_client import (
     AsyncEngineClient,
     EngineDeadError,
+    KVLoadFailedError,
     RequestAbortedError,
     RequestFailedError,
     RequestRejectedError,
@@ -88,6 +89,9 @@ def as_api_error(error: BaseException) -> ApiError:
         return ApiError(500, "The engine died while serving this request.")
     if isinstance(error, RequestAbortedError):
         return ApiError(499, str(error))
+    if isinstance(error, KVLoadFailedError):  # the cause is the deployment's, not the input
+        logger.error("%s", error)
+        return ApiError(500, f"{error} (kv_load_failure_policy 'recompute' computes it here)")
     if isinstance(error, RequestFailedError):
         logger.error("request failed: %s", error)
         return ApiError(500, "Internal server error: this request's output could not be processed.")
