@@ -3,7 +3,7 @@
 # that are off (or were picked from a biased microbenchmark), each variant twice in
 # alternation so the spread between runs shows. 1. the GPU tests of the wide kernel's fp16 PV
 # and the split K2; 2. sparse_attention_bench at 256 and 2048 queries, split p against fp16
-# PV; 3. mhc_bench at 8192 (its variants now start from the bf16 tiling); 4. bench forward
+# PV and the untimed transposed wide_t kernel; 3. mhc_bench at 8192 (its variants now start from the bf16 tiling); 4. bench forward
 # (prefill:2048, prefill:8192, decode:64@4096) as now / fp16 PV from 64 queries / K2 split
 # from 1024 tokens / hc_post_pre's expand fused in K1 again (POST_APART off), then again.
 # Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/gpu_s12a.sh     (BUDGET_S: total seconds)
@@ -31,7 +31,7 @@ grep -E "^E  " "$R/pytest.log" | head -6
 pack
 t=$(cap 60); echo "== sparse_attention_bench 256, 2048 queries (${t}s)"
 ((t)) && timeout "$t" python3 benchmarks/sparse_attention_bench.py --queries 256 2048 \
-  --variants wide_fp16_pv --output "$R/sparse_attention_bench.json" 2>&1 | grep -v reference
+  --variants wide_fp16_pv wide_t --output "$R/sparse_attention_bench.json" 2>&1 | grep -v reference
 pack
 t=$(cap 45); echo "== mhc_bench 8192 (${t}s)"
 ((t)) && timeout "$t" python3 benchmarks/mhc_bench.py --tokens 8192 --output "$R/mhc_bench.json" \
