@@ -2,10 +2,11 @@
 # Prepared in session 11 for the next device call (~8.5 minutes): fair A/Bs of the switches
 # that are off (or were picked from a biased microbenchmark), each variant twice in
 # alternation so the spread between runs shows. 1. the GPU tests of the wide kernel's fp16 PV
-# and the split K2; 2. sparse_attention_bench at 256 and 2048 queries, split p against fp16
-# PV and the untimed transposed wide_t kernel; 3. mhc_bench at 8192 (its variants now start from the bf16 tiling); 4. bench forward
-# (prefill:2048, prefill:8192, decode:64@4096) as now / fp16 PV from 64 queries / K2 split
-# from 1024 tokens / hc_post_pre's expand fused in K1 again (POST_APART off), then again.
+# and the split K2; 2. sparse_attention_bench at 256 and 2048 queries: split p against fp16
+# PV and against the never-timed transposed kernel (wide_t); 3. mhc_bench at 8192 (its
+# variants now start from the bf16 tiling); 4. bench forward (prefill:2048, prefill:8192,
+# decode:64@4096) as now / fp16 PV from 64 queries / K2 split from 1024 tokens /
+# hc_post_pre's expand fused in K1 again (POST_APART off), then all four again.
 # Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/gpu_s12a.sh     (BUDGET_S: total seconds)
 set -uo pipefail
 BUDGET_S=${BUDGET_S:-510}
