@@ -125,6 +125,47 @@ def ttft(base: str, lengths: list[int], repeats: int, seed: int) -> dict[int, fl
     return out
 
 
+def _sums(url: str, names: tuple[str, ...]) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each histogram in an engine's /metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    out = {}
+    for name in names:
+        values = [0.0, 0.0]
+        for line in text.splitlines():
+            for k, suffix in enumerate(("_sum", "_count")):
+                if line.startswith(f"rackserve:{name}{suffix}"):
+                    values[k] += float(line.split()[-1])
+        out[name] = (values[0], values[1])
+    return out
+
+
+def _mean_since(before: dict, after: dict, name: str) -> float | None:
+    count = after[name][1] - before[name][1]
+    return (after[name][0] - before[name][0]) / count if count else None
+
+
+def pd_ttft_parts(base: str, pre: str, dec: str, lengths: list[int], repeats: int, seed: int):
+    """P/D TTFT per length (median, as ``ttft``) and where it goes, as the engines' own
+    histograms saw it over the same requests (means): the prefill engine's TTFT (its
+    prompt's compute) and the decode engine's queue time (arrival to first scheduled: the
+    wait for the KV, then admission)."""
+    for length in lengths:
+        stream(base, prompt_of(length, seed + 500), 2)
+    names = ("time_to_first_token_seconds", "request_queue_time_seconds")
+    medians, parts = {}, {}
+    for length in lengths:
+        p0, d0 = _sums(pre, names), _sums(dec, names)
+        values = [stream(base, prompt_of(length, seed + r), 4) for r in range(repeats)]
+        p1, d1 = _sums(pre, names), _sums(dec, names)
+        medians[length] = statistics.median(t[1] - t[0] for t in values)
+        parts[length] = {
+            "prefill_engine_ttft_s": _mean_since(p0, p1, names[0]),
+            "decode_engine_ttft_s": _mean_since(d0, d1, names[0]),
+            "decode_queue_s": _mean_since(d0, d1, names[1]),
+        }
+    return medians, parts
+
+
 def steady_itl(base: str, tokens: int) -> dict:
     """The ITL of 8 streams decoding together with nothing arriving: the floor a burst's
     ITL is read against."""
@@ -231,23 +272,29 @@ def main() -> None:
             if cap:
                 result["steady_itl_pd"] = steady_itl(base, 200)
                 print("P/D ITL of 8 streams", result["steady_itl_pd"], flush=True)
-                pd = ttft(base, args.lengths, args.repeats, seed=10)
+                pd, result["ttft_pd_parts"] = pd_ttft_parts(
+                    base, pre, dec, args.lengths, args.repeats, seed=10
+                )
                 result["ttft_pd_s"] = pd
                 result["ttft_overhead"] = {
                     n: pd[n] / result["ttft_aggregated_s"][n] - 1 for n in args.lengths
                 }
                 print("P/D TTFT", pd, "overhead", result["ttft_overhead"], flush=True)
+                print("  where it went", result["ttft_pd_parts"], flush=True)
                 save()
                 # the decode request sent with the prefill one: the transfer overlaps the
                 # prefill's chunks (streamed on tcp; nccl moves the region at the end)
                 with router(pre, dec, args.logs / "router_overlap.log", overlap=True) as over:
                     ttft(over, args.lengths[:1], 2, seed=3)  # the first teaches the address
-                    pd = ttft(over, args.lengths, args.repeats, seed=20)
+                    pd, result["ttft_pd_overlap_parts"] = pd_ttft_parts(
+                        over, pre, dec, args.lengths, args.repeats, seed=20
+                    )
                 result["ttft_pd_overlap_s"] = pd
                 result["ttft_overlap_overhead"] = {
                     n: pd[n] / result["ttft_aggregated_s"][n] - 1 for n in args.lengths
                 }
                 print("P/D TTFT overlapped", pd, result["ttft_overlap_overhead"], flush=True)
+                print("  where it went", result["ttft_pd_overlap_parts"], flush=True)
                 save()
             result[f"burst_itl_cap{cap}"] = burst_itl(base, args)
             print(f"ITL under a burst, cap {cap}:", result[f"burst_itl_cap{cap}"], flush=True)
