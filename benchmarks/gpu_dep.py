@@ -15,6 +15,10 @@ others still run):
 4. ``eplb``: the same model with Zipf-skewed routing: balancedness before and after a
    rebalance (and the uniform-routing reference), and the slowest step while the weights
    move (one layer per step) against the median step.
+5. ``memory`` (issue 20): the whole V4-Flash (43 layers + MTP, 256 experts) in its own
+   format (FP8 block-scaled linears, FP4 experts) built on each GPU with expert parallelism
+   over the two: the bytes each GPU holds (``torch.cuda.memory_allocated``) against the
+   weight bytes counted from its parameters, and the full model's count on one device.
 
 ``--smoke``: the same code on the CPU, gloo, tiny sizes (seconds): what CI-less machines
 and reviewers run before a device call.
@@ -31,7 +35,7 @@ import tempfile
 import time
 import traceback
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -403,12 +407,63 @@ def eplb_worker(groups: ParallelGroups, sizes: Sizes) -> dict:
     }
 
 
+# ---- 5. memory ---------------------------------------------------------------------------
+def _format_config(sizes: Sizes):
+    """V4-Flash whole (the tiny model with --smoke) in its own format: FP8 linears, FP4
+    experts."""
+    from rackserve.config import QuantConfig
+
+    cfg = preset_config("v4-flash") if sizes.device == "cuda" else tiny_config(num_experts=8)
+    return replace(cfg, quantization=QuantConfig())
+
+
+def _quantized(cfg, device: torch.device, groups: ParallelGroups | None = None):
+    """The model on ``device`` (experts split over ``groups`` when given, the MTP layers'
+    too): FP4 experts are built packed, the dense linears in bf16 then quantized to FP8.
+    The values stay uninitialised: only the bytes are measured."""
+    from rackserve.model.quant import fp8_linear_names, quantize_linears_
+
+    ep = mtp = None
+    if groups is not None:
+        e, layers = cfg.n_routed_experts, cfg.num_hidden_layers
+        ep = ExpertParallel(layers, e, e, groups, device)
+        mtp = ExpertParallel(cfg.num_nextn_predict_layers, e, e, groups, device,
+                             first_layer=layers, name="mtp")  # fmt: skip
+    with torch.device(device):
+        model = DeepseekV4ForCausalLM(
+            cfg, with_mtp=True, expert_parallel=ep, mtp_expert_parallel=mtp
+        )
+        model.cast(torch.bfloat16)
+        quantize_linears_(model, fp8_linear_names(model), model.kernels)
+    return model
+
+
+def memory_worker(groups: ParallelGroups, sizes: Sizes) -> dict:
+    from rackserve.model.quant import weight_memory
+
+    device = _set_device(groups, sizes)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+    model = _quantized(_format_config(sizes), device, groups)
+    record = {"rank": groups.rank, "counted": weight_memory(model), "allocated": None}
+    if cuda:
+        torch.cuda.synchronize(device)
+        record |= {
+            "allocated": torch.cuda.memory_allocated(device) - before,
+            "peak_allocated": torch.cuda.max_memory_allocated(device),
+            "gpu_total": torch.cuda.get_device_properties(device).total_memory,
+        }
+    return record
+
+
 # ---- driver -----------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="directory for dep.json")
     parser.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny sizes")
-    parser.add_argument("--parts", default="equality,dispatch,decode,eplb")
+    parser.add_argument("--parts", default="equality,dispatch,decode,eplb,memory")
     parser.add_argument("--layers", type=int, help="decode/EPLB model layers (default 4)")
     parser.add_argument("--tie-tol", type=float, default=0.05, help="bf16 top-2 logprob gap")
     args = parser.parse_args(argv)
@@ -461,6 +516,12 @@ def _run_part(part: str, sizes: Sizes, work: Path, tie_tol: float) -> dict:
         }
     if part == "eplb":
         return {"ranks": run_ranks(eplb_worker, 2, sizes, backend=sizes.backend)}
+    if part == "memory":
+        from rackserve.model.quant import weight_memory
+
+        whole = weight_memory(_quantized(_format_config(sizes), torch.device("meta")))
+        return {"one_device_counted": whole,
+                "ranks": run_ranks(memory_worker, 2, sizes, backend=sizes.backend)}  # fmt: skip
     raise ValueError(f"unknown part {part!r}")  # fmt: skip
 
 
@@ -481,6 +542,16 @@ def _summary(part: str, r: dict) -> str:
             f"DEP1 {one['tok_s_per_gpu']:.0f} tok/s/GPU {one['step_ms']}; DEP2 "
             f"{two['tok_s_per_gpu']:.0f} tok/s/GPU {two['step_ms']}; "
             f"ratio {r['dep2_over_dep1_per_gpu']:.2f}"
+        )
+    if part == "memory":
+        gib = 2**30
+        return (
+            "; ".join(
+                f"rank {x['rank']}: counted {x['counted']['total'] / gib:.1f} GiB"
+                + (f", allocated {x['allocated'] / gib:.1f} GiB" if x["allocated"] else "")
+                for x in r["ranks"]
+            )
+            + f"; one device would hold {r['one_device_counted']['total'] / gib:.1f} GiB"
         )
     if part == "eplb":
         x = r["ranks"][0]
