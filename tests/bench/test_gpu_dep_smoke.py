@@ -35,3 +35,14 @@ def test_every_part(tmp_path: Path) -> None:
     eplb = result["eplb"]["ranks"][0]
     assert min(eplb["balancedness_after"]) > min(eplb["balancedness_before"])
     assert eplb["rearranging_steps"] >= 1
+
+
+def test_memory_part(tmp_path: Path) -> None:
+    """Each rank holds half the routed experts (the MTP layer's too) and all the rest."""
+    assert gpu_dep.main(["--smoke", "--out", str(tmp_path), "--parts", "memory"]) == 0
+    result = json.loads((tmp_path / "dep.json").read_text())["memory"]
+    whole = result["one_device_counted"]
+    for rank in result["ranks"]:
+        assert 2 * rank["counted"]["experts"] == whole["experts"] > 0
+        assert rank["counted"]["fp8_linears"] == whole["fp8_linears"] > 0
+        assert rank["counted"]["other"] == whole["other"]
