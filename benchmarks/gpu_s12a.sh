@@ -4,7 +4,8 @@
 # alternation so the spread between runs shows. 1. the GPU tests of the wide kernel's fp16 PV
 # and the split K2; 2. sparse_attention_bench at 256 and 2048 queries: split p against fp16
 # PV and against the never-timed transposed kernel (wide_t); 3. mhc_bench at 8192 (its
-# variants now start from the bf16 tiling); 4. bench forward (prefill:2048, prefill:8192,
+# variants now start from the bf16 tiling: K1's tilings were never compared fairly);
+# 4. bench forward (prefill:2048, prefill:8192,
 # decode:64@4096) as now / fp16 PV from 64 queries / K2 split from 1024 tokens /
 # hc_post_pre's expand fused in K1 again (POST_APART off), then all four again.
 # Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/gpu_s12a.sh     (BUDGET_S: total seconds)
@@ -34,9 +35,10 @@ t=$(cap 60); echo "== sparse_attention_bench 256, 2048 queries (${t}s)"
 ((t)) && timeout "$t" python3 benchmarks/sparse_attention_bench.py --queries 256 2048 \
   --variants wide_fp16_pv wide_t --output "$R/sparse_attention_bench.json" 2>&1 | grep -v reference
 pack
-t=$(cap 45); echo "== mhc_bench 8192 (${t}s)"
+t=$(cap 60); echo "== mhc_bench 8192: K1 / K2 tilings, fairly now (${t}s)"
 ((t)) && timeout "$t" python3 benchmarks/mhc_bench.py --tokens 8192 --output "$R/mhc_bench.json" \
-  --variants mixes128 mixes64 post_fused bf16x3 2>&1 | grep -E "hc_pre |hc_post_pre|Error"
+  --ops hc_pre hc_post_pre --variants mixes128 mixes64 post_fused bf16x3 gemm_d*2 gemm_t128 \
+  gemm_t128_w8 gemm_w8 gemm_t32 programs/2 programs*2 2>&1 | grep -E "hc_pre |hc_post_pre|Error"
 pack
 for pass in 1 2; do
   for v in "as_now|pass" "pv_fp16|attn.PV_FP16_MIN_QUERIES = 64" \

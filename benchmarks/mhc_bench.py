@@ -120,10 +120,11 @@ def run(
     sweep: bool = True,
     variants: tuple[str, ...] | None = None,
     verbose: bool = False,
+    op_names: tuple[str, ...] | None = None,
 ) -> list[dict]:
     """Benchmark records for hc_pre / hc_post / hc_head (see the module docstring);
-    ``variants`` keeps only those tiling variants, ``verbose`` prints each record as it is
-    measured (a sweep at prefill sizes runs for minutes)."""
+    ``variants`` keeps only those tiling variants, ``op_names`` only those ops, ``verbose``
+    prints each record as it is measured (a sweep at prefill sizes runs for minutes)."""
     dev = torch.device(device)
     records = []
     for t in tokens:
@@ -170,6 +171,8 @@ def run(
                 if variants is None or k in variants
             }
         for op, (nbytes, kernel, ref) in ops.items():
+            if op_names is not None and op not in op_names:
+                continue
             expected = ref().float()
             for impl, tiling in tilings.items():
                 if (":post" in impl) != (op == "hc_post") and impl != "triton":
@@ -191,10 +194,12 @@ def main() -> None:
     parser.add_argument("--no-sweep", action="store_true", help="default tiling only")
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     parser.add_argument("--variants", nargs="+", help="only these tiling variants")
+    parser.add_argument("--ops", nargs="+", help="only these ops (hc_pre, hc_post, ...)")
     args = parser.parse_args()
     variants = tuple(args.variants) if args.variants else None
+    op_names = tuple(args.ops) if args.ops else None
     records = run(tokens=tuple(args.tokens), sweep=not args.no_sweep, variants=variants,
-                  verbose=True)  # fmt: skip
+                  verbose=True, op_names=op_names)  # fmt: skip
     with open(args.output, "w") as f:
         json.dump(records, f, indent=1)
 
