@@ -5,7 +5,7 @@
 # and the split K2; 2. sparse_attention_bench at 256 and 2048 queries: split p against fp16
 # PV and against the never-timed transposed kernel (wide_t); 3. mhc_bench at 8192 (its
 # variants now start from the bf16 tiling: K1's tilings were never compared fairly), and
-# ncu of K1 there (611 us for 268 MB of streams: why); 4. bench forward (prefill:2048,
+# ncu of K1 there (about 380 us for 268 MB of streams: why); 4. bench forward (prefill:2048,
 # prefill:8192, decode:64@4096) as now / fp16 PV from 64 queries / K2 split from 1024
 # tokens / hc_post_pre's expand fused in K1 again (POST_APART off), then all four again.
 # Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/gpu_s12a.sh     (BUDGET_S: total seconds)
