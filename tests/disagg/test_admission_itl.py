@@ -9,12 +9,13 @@ lives in schedules 40. Asserted from step records: joins per step and tokens per
 
 In seconds (the engine thread's CPU time, so that other processes and the transfer threads
 do not count): without the cap the step that imports all 32 regions and joins all 32
-requests is a spike of 2.3-3.8x the pre-burst gap (6 runs on 2 shared cores), asserted at
-1.5x. The cap's gain does not show in seconds on the CPU: there a step in which requests
-join costs about twice a pure decode step whatever its size (measured 2026-12-02: 12 tokens
-with 4 joining 0.019 s, 40 tokens decoding 0.015 s, 8 decoding 0.010 s), so the capped
-burst's 8 joining steps cost more in all than the uncapped one; benchmarks/gpu_pd.sh
-measures the cap on GPUs.
+requests is a spike of 2.3-3.8x the pre-burst gap (6 runs on 2 shared cores) and 1.4-1.6x
+the steps decoding the same 40 tokens after it (with another test process beside it),
+asserted at 1.2x the latter on each step's least gap over three runs. The cap's gain does
+not show in seconds on the CPU: there a step in which requests join costs about twice a
+pure decode step whatever its size (measured 2026-12-02: 12 tokens with 4 joining 0.019 s,
+40 tokens decoding 0.015 s, 8 decoding 0.010 s), so the capped burst's 8 joining steps
+cost more in all than the uncapped one; benchmarks/gpu_pd.sh measures the cap on GPUs.
 """
 
 from __future__ import annotations
@@ -120,12 +121,20 @@ def check(tiny, num_burst: int, prompt_len: int) -> None:
     # (4 join a step, each lives 4 steps), all 40 at once without it
     assert max(capped.tokens) <= NUM_RUNNING + 4 * 4 < max(uncapped.tokens)
     assert max(uncapped.tokens) == NUM_RUNNING + num_burst
-    # without the cap the running requests wait for one step that lands the whole burst;
-    # with it the steps' sizes rise 4 requests at a time
-    assert uncapped.gaps[0] > 1.5 * uncapped.baseline, (uncapped.gaps, uncapped.baseline)
+    # Without the cap the running requests wait for one step that lands the whole burst:
+    # the slowest of the run, above the steps that decode the same 40 tokens after it (read
+    # against its neighbours, not the pre-burst gap: a fresh-clone run on 2 shared cores
+    # measured that baseline at 0.015 and 0.025 s in the two runs of one test). Each step's
+    # gap is its least over three uncapped runs: on shared cores a neighbour's work lands on
+    # some step of some run (1 run in 8 had a later step as slow).
+    runs = [uncapped.gaps] + [run_burst(tiny, 0, num_burst, prompt_len).gaps for _ in range(2)]
+    gaps = [min(step) for step in zip(*runs, strict=True)]
+    spike, after = gaps[0], statistics.median(gaps[1:])
+    assert spike == max(gaps) and spike > 1.2 * after, runs
+    # with the cap the steps' sizes rise 4 requests at a time; without it all join at once
     first = capped.tokens.index(max(capped.tokens))
-    assert capped.tokens[: first + 1] == sorted(capped.tokens[: first + 1])  # gradual
-    assert uncapped.tokens[0] == max(uncapped.tokens)  # at once
+    assert capped.tokens[: first + 1] == sorted(capped.tokens[: first + 1])
+    assert uncapped.tokens[0] == max(uncapped.tokens)
 
 
 def test_admission_cap_spreads_a_burst_of_32(tiny):
