@@ -76,6 +76,8 @@ def engine(args, gpu: str, role: str | None, log: Path, cap: int | None = None, 
         cmd += ["--kv-transfer-config", json.dumps(config)]
     if cap is not None:
         cmd += ["--max-kv-loads-per-step", str(cap)]
+    if role == "kv_producer" and args.prefill_chunk:  # its KV streams while later chunks run
+        cmd += ["--long-prefill-token-threshold", str(args.prefill_chunk)]
     env = dict(os.environ)
     if args.device == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = gpu
@@ -242,6 +244,8 @@ def main() -> None:
     p.add_argument("--burst-length", type=int, default=4096)
     p.add_argument("--burst-delay-s", type=float, default=3.0)
     p.add_argument("--running-tokens", type=int, default=400)
+    p.add_argument("--prefill-chunk", type=int, default=0,
+                   help="the prefill engine's --long-prefill-token-threshold (0: off)")  # fmt: skip
     p.add_argument("--logs", type=Path, default=Path("."))
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()

@@ -97,6 +97,10 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # schedule step N+1 while step N runs (engine/async_scheduling.py), as vLLM names it
     async_scheduling: bool = False
+    # at most this many of a request's tokens a step (0: no cap), as vLLM's
+    # --long-prefill-token-threshold: long prompts prefill in chunks beside the decodes, and
+    # on a P/D prefill engine a prompt's first chunks' KV streams out while later ones compute
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
@@ -109,6 +113,10 @@ class SchedulerConfig:
             raise ConfigError(
                 "without chunked prefill --max-num-batched-tokens must be >= --max-model-len"
             )
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError("--long-prefill-token-threshold must be >= 0 (0: no cap)")
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            raise ConfigError("--long-prefill-token-threshold chunks prompts: it needs chunking on")
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ def make_core(
     max_num_seqs: int = 48,
     max_num_batched_tokens: int = 512,
     kv_cache_memory: int | None = 32 << 20,
+    long_prefill_token_threshold: int = 0,
 ) -> EngineCore:
     config = EngineConfig(
         model=str(model_dir),
@@ -28,6 +29,7 @@ def make_core(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=1024,
+            long_prefill_token_threshold=long_prefill_token_threshold,
         ),
         device="cpu",
         kv_transfer=kv_transfer,

@@ -20,7 +20,7 @@ from rackserve.request import KVTransferParams, SamplingParams
 from disagg_utils import consumer_config, drain, make_core, producer_config
 
 PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-CHUNK = 64  # the prefill side's token budget per step: a 400-token prompt takes 7 steps
+CHUNK = 64  # the prefill side's chunk: a 400-token prompt takes 7 steps
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +32,14 @@ def request(req_id: str, ids: list[int], kv: KVTransferParams | None) -> EngineC
     return EngineCoreRequest(req_id, ids, replace(PARAMS, kv_transfer_params=kv), time.time())
 
 
-@pytest.mark.parametrize("transport", ["tcp", "nccl"])  # nccl: its gloo pair on CPU
-def test_decode_side_receives_blocks_before_the_last_chunk(tiny, transport):
+@pytest.mark.parametrize(
+    "transport, chunking",
+    [("tcp", "budget"), ("nccl", "budget"), ("tcp", "threshold")],  # nccl: its gloo pair
+)
+def test_decode_side_receives_blocks_before_the_last_chunk(tiny, transport, chunking):
+    """chunking "budget": the prefill side's step budget is CHUNK tokens; "threshold": a
+    512-token budget with --long-prefill-token-threshold CHUNK, so the two prompts prefill
+    side by side, CHUNK tokens each a step."""
     g = torch.Generator().manual_seed(3)
     prompts = {
         "early": torch.randint(10, 4000, (400,), generator=g).tolist(),  # pull first
@@ -42,7 +48,12 @@ def test_decode_side_receives_blocks_before_the_last_chunk(tiny, transport):
     if transport == "nccl":  # a pair carries one pull at a time: "late" would wait on "early"
         del prompts["late"]
     aggregated = make_core(tiny)
-    producer = make_core(tiny, producer_config(transport), max_num_batched_tokens=CHUNK)
+    chunks = (
+        {"max_num_batched_tokens": CHUNK}
+        if chunking == "budget"
+        else {"long_prefill_token_threshold": CHUNK}
+    )
+    producer = make_core(tiny, producer_config(transport), **chunks)
     consumer = make_core(tiny, consumer_config(transport))
     try:
         for req_id, ids in prompts.items():

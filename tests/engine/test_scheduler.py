@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rackserve.config import SchedulerConfig
+from rackserve.config import ConfigError, SchedulerConfig
 from rackserve.engine.outputs import RunnerOutput, SchedulerOutput
 from rackserve.engine.scheduler import Scheduler
 from rackserve.kv.manager import KVCacheManager
@@ -58,6 +58,32 @@ def test_token_budget_and_chunked_prefill():
     out = step(sched)
     assert out.num_scheduled_tokens == {"a": 1, "b": 2}  # a decodes, b completes its prompt
     assert sched.requests["a"].output_token_ids == [TOKEN, TOKEN]
+
+
+def test_long_prefill_token_threshold_caps_a_request_per_step():
+    """--long-prefill-token-threshold 24: a long prompt takes at most 24 tokens a step, new or
+    running, so a short one beside it fits the same step; decodes are not touched."""
+    sched = make_scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=24)
+    sched.add_request(request("a", 70))
+    sched.add_request(request("b", 10))
+    assert step(sched).num_scheduled_tokens == {"a": 24, "b": 10}
+    assert step(sched).num_scheduled_tokens == {"a": 24, "b": 1}
+    assert step(sched).num_scheduled_tokens == {"a": 22, "b": 1}  # a's prompt ends
+    assert step(sched).num_scheduled_tokens == {"a": 1, "b": 1}
+    assert sched.requests["a"].output_token_ids == [TOKEN, TOKEN]
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"long_prefill_token_threshold": -1}, "must be >= 0"),
+        ({"long_prefill_token_threshold": 8, "enable_chunked_prefill": False,
+          "max_num_batched_tokens": 256}, "needs chunking on"),
+    ],
+)  # fmt: skip
+def test_long_prefill_token_threshold_errors(config, message):
+    with pytest.raises(ConfigError, match=message):
+        SchedulerConfig(max_model_len=256, **config)
 
 
 def test_max_num_seqs():

@@ -40,8 +40,10 @@ def test_counts_as_vllm_reads_them() -> None:
     for bad in ("1.5K", "12x", "-3", "1.5"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_count(bad)
-    resolved = options("m", "--max-model-len", "32k", "--max-num-batched-tokens", "16K")
+    resolved = options("m", "--max-model-len", "32k", "--max-num-batched-tokens", "16K",
+                       "--long-prefill-token-threshold", "1K")  # fmt: skip
     assert resolved["max_model_len"] == 32000 and resolved["max_num_batched_tokens"] == 16384
+    assert resolved["long_prefill_token_threshold"] == 1024
 
 
 @pytest.mark.parametrize(

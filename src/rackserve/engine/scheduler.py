@@ -216,6 +216,7 @@ class Scheduler:
         cached_ids, cached_blocks = cached.req_ids, cached.new_block_ids
         cached_computed = cached.num_computed_tokens
         lookahead = self.num_lookahead_tokens
+        long_prefill = self.config.long_prefill_token_threshold  # a request's most a step
         spec_tokens: dict[str, list[int]] = {}
 
         # 1. Running requests, in order; preempt from the back when the cache is full
@@ -236,6 +237,8 @@ class Scheduler:
             num_new = wanted - num_computed
             if num_new > budget:
                 num_new = budget
+            if 0 < long_prefill < num_new:
+                num_new = long_prefill
             if num_new <= 0:
                 i += 1
                 continue
@@ -316,6 +319,8 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
+            if 0 < long_prefill < num_new:
+                num_new = long_prefill
             new_blocks = self.kv.allocate_slots(req, num_new + lookahead, num_hit, hit)
             if new_blocks is None:
                 loading = self.offload is not None and self.offload.num_loading

@@ -31,6 +31,7 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "max_model_len": None,
     "max_num_seqs": 256,
     "max_num_batched_tokens": 8192,
+    "long_prefill_token_threshold": 0,
     "kv_cache_memory": None,
     "kv_cache_dtype": "auto",
     "gpu_memory_utilization": 0.9,
@@ -172,6 +173,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--max-num-seqs", type=int, help="most requests in one batch (default 256)")
     add("--max-num-batched-tokens", type=parse_count, help="token budget of one step (8192)")
     add(
+        "--long-prefill-token-threshold", type=parse_count,
+        help="most tokens of one request a step (default 0: no cap); long prompts then "
+        "prefill in chunks, and a P/D prefill engine streams their KV while later chunks run",
+    )  # fmt: skip
+    add(
         "--kv-cache-memory-bytes", "--kv-cache-memory", dest="kv_cache_memory",
         type=parse_bytes, help="KV cache bytes, e.g. 64M, 20G (default: from the GPU share)",
     )  # fmt: skip
@@ -293,7 +299,8 @@ def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
             bytes_options = ("kv_cache_memory", "kv_offload_memory", "max_request_body_bytes")
             if name in bytes_options and value is not None:
                 value = parse_bytes(value)
-            if name in ("max_model_len", "max_num_batched_tokens") and value is not None:
+            counts = ("max_model_len", "max_num_batched_tokens", "long_prefill_token_threshold")
+            if name in counts and value is not None:
                 value = parse_count(value)
             if name == "dtype" and value is not None:
                 value = _config_value(args.config, key, parse_dtype_name, value)
@@ -389,6 +396,7 @@ def build_engine_config(options: dict[str, Any]) -> Any:
         scheduler=SchedulerConfig(
             max_num_seqs=options["max_num_seqs"],
             max_num_batched_tokens=options["max_num_batched_tokens"],
+            long_prefill_token_threshold=options["long_prefill_token_threshold"],
             max_model_len=max_model_len,
             policy=options["scheduling_policy"],
             async_scheduling=options["async_scheduling"],
