@@ -67,3 +67,14 @@ def test_chat_uses_the_template(llm):
     )
     assert out.prompt.endswith("<｜Assistant｜>")
     assert len(out.outputs[0].token_ids) <= 3
+
+
+def test_long_prefill_token_threshold_leaves_greedy_tokens(llm, tmp_path):
+    """A 300-token prompt prefilled 32 tokens a step gives the tokens of one whole step."""
+    path = create_checkpoint(tiny_config(), tmp_path / "tiny", seed=0)
+    chunked = LLM(str(path), max_num_seqs=16, max_model_len=2048, long_prefill_token_threshold=32)
+    prompt = [{"prompt_token_ids": [10 + (i * 37) % 3000 for i in range(300)]}]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = llm.generate(prompt, params)[0].outputs[0].token_ids
+    assert chunked.generate(prompt, params)[0].outputs[0].token_ids == want
+    assert chunked.engine.scheduler.config.long_prefill_token_threshold == 32

@@ -52,10 +52,12 @@ class LLM:
         kv_cache_dtype: str = "auto",
         speculative_config: str | dict[str, Any] | SpecConfig | None = None,
         async_scheduling: bool = False,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         """``speculative_config``: as ``--speculative-config`` (JSON text or a dict, e.g.
         ``{"method": "mtp", "num_speculative_tokens": 3}``), or a SpecConfig.
-        ``async_scheduling``: as ``--async-scheduling`` (engine/async_scheduling.py)."""
+        ``async_scheduling``: as ``--async-scheduling`` (engine/async_scheduling.py);
+        ``long_prefill_token_threshold``: as ``--long-prefill-token-threshold``."""
         parallel = parallel or ParallelConfig()
         speculative = (
             speculative_config
@@ -84,6 +86,7 @@ class LLM:
                     max_num_batched_tokens=max(max_num_batched_tokens, 1),
                     max_model_len=max_len,
                     async_scheduling=async_scheduling,
+                    long_prefill_token_threshold=long_prefill_token_threshold,
                 ),
                 dtype=dtype,
                 device=device,
