@@ -42,6 +42,7 @@ from rackserve.disagg.wire import (
     Rows,
     TransferError,
     Waiting,
+    as_bytes,
     crc32,
     recv_into_exact,
     recv_message,
@@ -77,10 +78,6 @@ class PieceLog:
     def records(self, key: str | None = None) -> list[PieceRecord]:
         with self._lock:
             return [r for r in self._records if key is None or r.key == key]
-
-
-def _as_bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
 
 
 @dataclass
@@ -143,7 +140,7 @@ def _send_pieces(
         nonlocal nbytes, num_pieces
         flip = 1 if fault == "corrupt_chunk" and num_pieces == 0 else 0
         if group is None:  # the bytes on the connection, a layer after another (no stacking)
-            parts = [_as_bytes(t.cpu()) for t in rows]
+            parts = [as_bytes(t.cpu()) for t in rows]
             size, checksum = 0, 0
             for part in parts:
                 size, checksum = size + len(part), crc32(part, checksum)
@@ -154,7 +151,7 @@ def _send_pieces(
             data = torch.stack(rows).contiguous() if rows else None
             size = 0 if data is None else data.numel() * data.element_size()
             on_cpu = data is not None and data.device.type == "cpu"
-            checksum = crc32(_as_bytes(data)) if on_cpu else 0
+            checksum = crc32(as_bytes(data)) if on_cpu else 0
             send_message(conn, Rows(group_id, slots, size, checksum ^ flip))
             if data is not None:
                 _pair_op(lambda: group.send([data.view(-1)], 1, 0).wait())
@@ -259,7 +256,7 @@ def recv_streamed(
                 rows = torch.empty(message.nbytes // element_size, dtype=dtype, device=device)
                 _pair_op(lambda rows=rows: group.recv([rows], 0, 0).wait())
                 checked = message.crc32 and device.type == "cpu"
-                if checked and crc32(_as_bytes(rows)) != message.crc32:
+                if checked and crc32(as_bytes(rows)) != message.crc32:
                     raise TransferError(f"a piece of group {g} failed its checksum")
                 index = torch.tensor(at, dtype=torch.long, device=device)
                 buffers[g][:, index] = rows.view(layers, len(slots), n)
@@ -282,12 +279,12 @@ def _recv_rows(
     running = 0
     if at == list(range(at[0], at[0] + k)):
         for layer in range(layers):
-            view = _as_bytes(buffer[layer, at[0] : at[0] + k])
+            view = as_bytes(buffer[layer, at[0] : at[0] + k])
             recv_into_exact(conn, view)
             running = crc32(view, running)
     else:
         rows = torch.empty(layers, k, buffer.shape[2], dtype=buffer.dtype)
-        view = _as_bytes(rows)
+        view = as_bytes(rows)
         recv_into_exact(conn, view)
         running = crc32(view)
         buffer[:, torch.tensor(at, dtype=torch.long)] = rows

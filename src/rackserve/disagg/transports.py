@@ -45,6 +45,7 @@ from rackserve.disagg.wire import (
     Pull,
     PullReply,
     TransferError,
+    as_bytes,
     crc32,
     recv_into_exact,
     recv_message,
@@ -81,11 +82,6 @@ def _dtype(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise TransferError(f"unknown dtype {name!r}")
     return dtype
-
-
-def _as_bytes(t: torch.Tensor) -> memoryview:
-    """A CPU tensor's bytes without a copy (any dtype: viewed as uint8)."""
-    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
 
 
 # ---- producer ---------------------------------------------------------------------------
@@ -188,7 +184,7 @@ class KVServer:
             self.store.done(pull.key, region.numel() * region.element_size())
 
     def _send_stream(self, conn: socket.socket, region: torch.Tensor) -> None:
-        data = _as_bytes(region.cpu())
+        data = as_bytes(region.cpu())
         num_chunks = max(1, -(-len(data) // CHUNK_BYTES))
         send_message(conn, PullReply(True, num_chunks=num_chunks))
         for i in range(num_chunks):
@@ -203,7 +199,7 @@ class KVServer:
             conn.sendall(chunk)
 
     def _send_shm(self, conn: socket.socket, pull: Pull, region: torch.Tensor) -> None:
-        data = _as_bytes(region.cpu())
+        data = as_bytes(region.cpu())
         segment = shared_memory.SharedMemory(create=True, size=max(1, len(data)))
         try:
             segment.buf[: len(data)] = data
@@ -224,7 +220,7 @@ class KVServer:
         from rackserve.disagg.nixl import agent
 
         region = region.contiguous()
-        checksum = crc32(_as_bytes(region)) if region.device.type == "cpu" else 0
+        checksum = crc32(as_bytes(region)) if region.device.type == "cpu" else 0
         checksum ^= 1 if self.fault.kind == "corrupt_chunk" else 0
         nixl = agent("producer")
         metadata, descs, registration = nixl.expose(region)
@@ -243,7 +239,7 @@ class KVServer:
     def _send_pair(self, conn: socket.socket, pull: Pull, region: torch.Tensor) -> None:
         peer = pull.rendezvous
         with self.pairs.lock(peer):
-            checksum = crc32(_as_bytes(region)) if region.device.type == "cpu" else 0
+            checksum = crc32(as_bytes(region)) if region.device.type == "cpu" else 0
             if self.fault.kind == "corrupt_chunk":
                 checksum ^= 1
             send_message(conn, PullReply(True, num_chunks=1, crc32=checksum))
@@ -370,7 +366,7 @@ class KVClient:
 
     def _recv_stream(self, conn: socket.socket, job: FetchJob, reply: PullReply) -> torch.Tensor:
         region = torch.empty(job.numel, dtype=job.dtype)
-        buffer = _as_bytes(region)  # the chunks land in the region itself
+        buffer = as_bytes(region)  # the chunks land in the region itself
         nbytes, offset = len(buffer), 0
         for i in range(reply.num_chunks):
             chunk = recv_message(conn)
@@ -412,7 +408,7 @@ class KVClient:
             agent("consumer").read(reply.nixl_agent, reply.nixl_descs, region, self.lease_s)
         except Exception as e:  # NIXL raises its own types: any failure fails the pull
             raise TransferError(f"NIXL read failed: {e}") from None
-        if reply.crc32 and region.device.type == "cpu" and crc32(_as_bytes(region)) != reply.crc32:
+        if reply.crc32 and region.device.type == "cpu" and crc32(as_bytes(region)) != reply.crc32:
             raise TransferError("the region failed its checksum")
         return region
 
@@ -425,7 +421,7 @@ class KVClient:
             self.pairs.drop(peer)
             self._rendezvous.pop(peer, None)
             raise TransferError(f"pair receive from {peer} failed: {e}") from None
-        if reply.crc32 and region.device.type == "cpu" and crc32(_as_bytes(region)) != reply.crc32:
+        if reply.crc32 and region.device.type == "cpu" and crc32(as_bytes(region)) != reply.crc32:
             raise TransferError("the region failed its checksum")
         return region
 

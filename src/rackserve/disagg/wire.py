@@ -31,6 +31,7 @@ import struct
 import zlib
 
 import msgspec
+import torch
 
 MAX_FRAME_BYTES = 64 << 20  # control frames are small; a larger length is a broken peer
 CHUNK_BYTES = 4 << 20  # data chunk size on the stream (each checksummed)
@@ -143,6 +144,12 @@ def recv_message(sock: socket.socket) -> Message:
         return _decoder.decode(recv_exact(sock, length))
     except msgspec.DecodeError as e:
         raise TransferError(f"malformed control frame: {e}") from None
+
+
+def as_bytes(t: torch.Tensor) -> memoryview:
+    """A CPU tensor's bytes without a copy (any dtype, viewed as uint8). For a contiguous
+    tensor the view is its own memory: received bytes land in the tensor."""
+    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
 
 
 def crc32(data: bytes | bytearray | memoryview, running: int = 0) -> int:
