@@ -85,7 +85,11 @@ def _variants(t: int, device: torch.device) -> dict[str, mhc.Tiling]:
         # K2 as two launches: the mixes a token a thread (128 or 64 a program), the collapse
         variants["mixes128"] = rep(base, mixes_block_t=128)
         variants["mixes64"] = rep(base, mixes_block_t=64)
+        variants["mixes32"] = rep(base, mixes_block_t=32)
         variants["mixes128_w4"] = rep(base, mixes_block_t=128, finish_warps=4)
+        variants["one_k2"] = rep(base, mixes_block_t=0)  # K2 in one launch (session 11's)
+        variants["k1_t64"] = rep(base, gemm_block_t=64)  # session 11's K1 tiles
+        variants["s11"] = rep(base, gemm_block_t=64, mixes_block_t=0)  # both
     return variants
 
 

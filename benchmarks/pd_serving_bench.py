@@ -246,6 +246,8 @@ def main() -> None:
     p.add_argument("--running-tokens", type=int, default=400)
     p.add_argument("--prefill-chunk", type=int, default=0,
                    help="the prefill engine's --long-prefill-token-threshold (0: off)")  # fmt: skip
+    p.add_argument("--ttft-only", action="store_true",
+                   help="TTFT alone: no steady ITL, no bursts, the capped pair")  # fmt: skip
     p.add_argument("--logs", type=Path, default=Path("."))
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
@@ -261,10 +263,11 @@ def main() -> None:
         ttft(agg, args.lengths[:1], 1, seed=1)  # warm-up (graphs, allocator)
         result["ttft_aggregated_s"] = ttft(agg, args.lengths, args.repeats, seed=10)
         print("aggregated TTFT", result["ttft_aggregated_s"], flush=True)
-        result["steady_itl_aggregated"] = steady_itl(agg, 200)
-        print("aggregated ITL of 8 streams", result["steady_itl_aggregated"], flush=True)
+        if not args.ttft_only:
+            result["steady_itl_aggregated"] = steady_itl(agg, 200)
+            print("aggregated ITL of 8 streams", result["steady_itl_aggregated"], flush=True)
     save()
-    for cap in (4, 0):
+    for cap in (4,) if args.ttft_only else (4, 0):
         with (
             engine(args, "0", "kv_producer", args.logs / f"prefill{cap}.log", share=share) as pre,
             engine(
@@ -273,9 +276,10 @@ def main() -> None:
             router(pre, dec, args.logs / f"router{cap}.log") as base,
         ):
             ttft(base, args.lengths[:1], 1, seed=2)
-            if cap:
+            if cap and not args.ttft_only:
                 result["steady_itl_pd"] = steady_itl(base, 200)
                 print("P/D ITL of 8 streams", result["steady_itl_pd"], flush=True)
+            if cap:
                 pd, result["ttft_pd_parts"] = pd_ttft_parts(
                     base, pre, dec, args.lengths, args.repeats, seed=10
                 )
@@ -300,9 +304,10 @@ def main() -> None:
                 print("P/D TTFT overlapped", pd, result["ttft_overlap_overhead"], flush=True)
                 print("  where it went", result["ttft_pd_overlap_parts"], flush=True)
                 save()
-            result[f"burst_itl_cap{cap}"] = burst_itl(base, args)
-            print(f"ITL under a burst, cap {cap}:", result[f"burst_itl_cap{cap}"], flush=True)
-            save()
+            if not args.ttft_only:
+                result[f"burst_itl_cap{cap}"] = burst_itl(base, args)
+                print(f"ITL under a burst, cap {cap}:", result[f"burst_itl_cap{cap}"], flush=True)
+                save()
     print(f"wrote {args.out}")
 
 

@@ -84,16 +84,6 @@ def _wide_variants(s: int, wb: int, device: torch.device) -> dict[str, sparse_at
         "wide_fp16_pv": rep(wide, pv_fp16=True),  # one PV dot of fp16 p and rows
         "wide_splits*2": rep(wide, num_splits=wide.num_splits * 2),
         "wide_splits/2": rep(wide, num_splits=max(1, wide.num_splits // 2)),
-        # one program per (query, split), transposed dots (out^T = rows^T . p^T): experimental
-        "wide_t": rep(
-            wide,
-            kernel="wide_t",
-            block_n=64,
-            num_dv=1,
-            num_warps=8,
-            num_stages=2,
-            num_splits=max(1, wide.num_splits * 2),
-        ),
     }
 
 

@@ -12,7 +12,15 @@ import pytest
 import torch
 
 from rackserve.disagg.streaming import PieceLog, recv_streamed
-from rackserve.disagg.wire import End, Rows, TransferError, crc32, send_message
+from rackserve.disagg.wire import (
+    End,
+    Rows,
+    TransferError,
+    crc32,
+    host_empty,
+    send_message,
+    to_host,
+)
 
 LAYOUT = [(2, 6), (3, 4)]  # per group: (layers, elements per slot per layer)
 SLOTS = [[0, 1, 2, 3], [5, 7, 9]]
@@ -69,3 +77,23 @@ def test_a_bad_checksum_fails_the_pull(first: str) -> None:
     rest = (1, [5, 7, 9], g1) if first == "run" else (0, [0, 1, 2, 3], g0)
     with pytest.raises(TransferError, match="failed its checksum"):
         _pull([head, rest], flip=1)
+
+
+def test_host_buffers_on_a_cpu_only_host():
+    """Without CUDA, bytes land in plain CPU memory and CPU tensors go out as they are."""
+    buffer = host_empty(12, torch.bfloat16)
+    assert buffer.device.type == "cpu" and buffer.numel() == 12
+    assert buffer.dtype == torch.bfloat16
+    t = torch.arange(6, dtype=torch.float32)
+    assert to_host(t) is t
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_buffers_are_pinned_where_cuda_is():
+    """Pinned staging: received bytes land in mapped pages, device rows leave through them."""
+    assert host_empty(1 << 20, torch.uint8).is_pinned()
+    rows = torch.randn(3, 5, 7, device="cuda").bfloat16()
+    host = to_host(rows)
+    assert host.is_pinned() and host.shape == rows.shape
+    assert torch.equal(host, rows.cpu())

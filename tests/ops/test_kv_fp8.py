@@ -1,7 +1,7 @@
 """``--kv-cache-dtype fp8`` in the Triton kernels: e4m3 cache rows against the reference's
 fp8 path (``reference.*`` reads ``cache.to(q.dtype)`` and writes ``row.to(cache.dtype)``).
 
-Readers (decode sparse attention in its head-blocked / wide / wide_t forms, prefill
+Readers (decode sparse attention in its head-blocked and wide forms, prefill
 attention, the decode and prefill indexers) get e4m3 caches built from the sibling tests'
 cases (NaN rows stay NaN in e4m3, so invalid rows still poison a kernel that reads them)
 and must meet the section-5 tolerances against the reference on the same fp8 caches.
@@ -91,13 +91,13 @@ def test_e4m3_encoding_equals_torch_cast():
         (9, 16, 24, "split3"),
         (9, 16, 24, "dv2_split2"),
         (3, 16, 8, "wide_dv2_split3"),
-        (3, 16, 8, "wide_t_split3"),
+        (3, 16, 8, "wide_split_every_tile"),
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_reads_fp8_rows(s, h, wb, tiling, dtype):
     attn = importlib.import_module("rackserve.ops.triton.sparse_attn")
-    rope = 16 if tiling in ("dv2_split2", "wide_t_split3") else 0
+    rope = 16 if tiling in ("dv2_split2", "wide_split_every_tile") else 0
     args = decode_cases.make_case(s, h, wb, dtype, seed=s + h + wb, rope_dim=rope)
     args = fp8_caches(args, (1, 3))
     decode_cases.check(attn, args, decode_cases.tilings(attn)[tiling] if tiling else None)

@@ -127,13 +127,10 @@ def tilings(attn) -> dict[str, object]:
         "wide_dv2_split3_fp16": t(
             16, 16, 2, 3, 4, 2, 16, 4, prefetch=False, kernel="wide", pv_fp16=True
         ),
-        "wide_t": t(16, 16, 1, 1, 4, 2, 16, 4, prefetch=False, kernel="wide_t"),
-        "wide_t_split3": t(16, 16, 1, 3, 4, 2, 16, 4, prefetch=False, kernel="wide_t"),
     }
 
 
-WIDE = ["wide", "wide_dv2_split3", "wide_split_every_tile", "wide_fp16", "wide_dv2_split3_fp16",
-        "wide_t", "wide_t_split3"]  # fmt: skip
+WIDE = ["wide", "wide_dv2_split3", "wide_split_every_tile", "wide_fp16", "wide_dv2_split3_fp16"]
 
 
 @pytest.mark.parametrize(
@@ -147,9 +144,8 @@ def test_tilings_match_reference(attn, name, dtype):
 
 @pytest.mark.parametrize(
     "name",
-    [None, "split3", "dv2_split2", "wide", "wide_dv2_split3", "wide_dv2_split3_fp16",
-     "wide_t_split3"],
-)  # fmt: skip
+    [None, "split3", "dv2_split2", "wide", "wide_dv2_split3", "wide_dv2_split3_fp16"],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inverse_rope_epilogue(attn, name, dtype):
     tiling = tilings(attn)[name] if name else None
@@ -180,7 +176,6 @@ def test_odd_head_dim_and_many_rows(attn):
     check(attn, args, tilings(attn)["split3"])
     check(attn, args, tilings(attn)["wide"])
     check(attn, args, tilings(attn)["wide_dv2_split3"])
-    check(attn, args, tilings(attn)["wide_t_split3"])
 
 
 @pytest.mark.parametrize("s,h,wb", [(1, 4, 8), (3, 16, 0), (9, 16, 24)])

@@ -44,9 +44,11 @@ from rackserve.disagg.wire import (
     Waiting,
     as_bytes,
     crc32,
+    host_empty,
     recv_into_exact,
     recv_message,
     send_message,
+    to_host,
 )
 
 UNKNOWN_KEY_WAIT_S = 5.0  # a pull may arrive before the prefill engine has the request
@@ -140,7 +142,7 @@ def _send_pieces(
         nonlocal nbytes, num_pieces
         flip = 1 if fault == "corrupt_chunk" and num_pieces == 0 else 0
         if group is None:  # the bytes on the connection, a layer after another (no stacking)
-            parts = [as_bytes(t.cpu()) for t in rows]
+            parts = [as_bytes(to_host(t)) for t in rows]
             size, checksum = 0, 0
             for part in parts:
                 size, checksum = size + len(part), crc32(part, checksum)
@@ -224,7 +226,10 @@ def recv_streamed(
     pairs = zip(layout, group_slots, strict=True)
     shapes = [(layers, len(slots), n) for (layers, n), slots in pairs]
     sizes = [math.prod(shape) for shape in shapes]
-    region = torch.empty(sum(sizes), dtype=dtype, device=device)
+    if device.type == "cpu":
+        region = host_empty(sum(sizes), dtype)
+    else:
+        region = torch.empty(sum(sizes), dtype=dtype, device=device)
     buffers = [part.view(shape) for part, shape in zip(region.split(sizes), shapes, strict=True)]
     position = [{s: i for i, s in enumerate(slots)} for slots in group_slots]
     filled: list[set[int]] = [set() for _ in group_slots]

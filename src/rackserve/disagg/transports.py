@@ -47,9 +47,11 @@ from rackserve.disagg.wire import (
     TransferError,
     as_bytes,
     crc32,
+    host_empty,
     recv_into_exact,
     recv_message,
     send_message,
+    to_host,
 )
 
 logger = logging.getLogger(__name__)
@@ -184,7 +186,7 @@ class KVServer:
             self.store.done(pull.key, region.numel() * region.element_size())
 
     def _send_stream(self, conn: socket.socket, region: torch.Tensor) -> None:
-        data = as_bytes(region.cpu())
+        data = as_bytes(to_host(region))
         num_chunks = max(1, -(-len(data) // CHUNK_BYTES))
         send_message(conn, PullReply(True, num_chunks=num_chunks))
         for i in range(num_chunks):
@@ -199,7 +201,7 @@ class KVServer:
             conn.sendall(chunk)
 
     def _send_shm(self, conn: socket.socket, pull: Pull, region: torch.Tensor) -> None:
-        data = as_bytes(region.cpu())
+        data = as_bytes(to_host(region))
         segment = shared_memory.SharedMemory(create=True, size=max(1, len(data)))
         try:
             segment.buf[: len(data)] = data
@@ -365,7 +367,7 @@ class KVClient:
         return region.to(job.device), hit
 
     def _recv_stream(self, conn: socket.socket, job: FetchJob, reply: PullReply) -> torch.Tensor:
-        region = torch.empty(job.numel, dtype=job.dtype)
+        region = host_empty(job.numel, job.dtype)
         buffer = as_bytes(region)  # the chunks land in the region itself
         nbytes, offset = len(buffer), 0
         for i in range(reply.num_chunks):

@@ -36,10 +36,15 @@ FUSED_ENV = "RACKSERVE_MHC_FUSED"  # "1": default_tiling fuses K1 + K2 for T <= 
 # 8192 tokens) and runs K1 on them: 155 + 673 us against 1007 us fused (H200, 2026-12-02)
 POST_APART_MIN_TOKENS = 1024
 # from this many tokens K2 runs as a mixes launch and a collapse launch (``Tiling``'s
-# ``mixes_block_t``); None: never. At 1024, bench forward's prefill:8192 took 54.5 ms
-# against 56.2 (H200, 2026-12-02), inside run-to-run spread; mhc_bench's "mixes*" variants
-# of that day carried the fp32 K1 and do not count (benchmarks/results/*-s11.md)
-MIXES_APART_MIN_TOKENS: int | None = None
+# ``mixes_block_t``); None: never. H200, 2026-12-02 (benchmarks/results/*-s12.md): hc_pre
+# 672 -> 448 us and hc_post_pre 827 -> 598 us at 8192 tokens (mhc_bench, fair tilings);
+# bench forward's prefill:8192 56.8 / 57.1 -> 55.8 / 55.8 ms in two alternating passes;
+# prefill:2048 inside the spread (17.2 / 15.6 against 16.2 / 16.3), hence 4096
+MIXES_APART_MIN_TOKENS: int | None = 4096
+# from this many tokens K1 takes 128-token tiles (64 below): fn's [K, mixes] tile is loaded
+# once for twice the tokens (ncu at 8192 tokens, 64-token tiles: L1/TEX 82% busy, DRAM
+# 16%). H200, 2026-12-02, mhc_bench at 8192: hc_pre 672 -> 603 us, hc_post_pre 827 -> 753
+K1_WIDE_TILE_MIN_TOKENS = 4096
 # K1's dot for bf16 streams on a GPU: "tf32x3" or "bf16x3" (half the wgmma instructions,
 # no tf32 conversions, plus a launch that splits fn). H200, 2026-12-02, hc_pre: 630 against
 # 672 us at 8192 tokens, 201 against 210 at 2048; hc_post_pre at 2048 slower outside a
@@ -106,7 +111,8 @@ def default_tiling(
     program with FMA row sums (``gemm_gemv``: a 16-row dot tile would be mostly padding,
     and the fp32 FMA dot cost 3 us more than tf32x3 at T = 1), in one launch with K2 when
     ``$RACKSERVE_MHC_FUSED`` is "1" (opt-in until measured). K2 keeps a token's N x D streams
-    in registers up to 16K values and loops over D beyond. From ``POST_APART_MIN_TOKENS``
+    in registers up to 16K values and loops over D beyond. From ``K1_WIDE_TILE_MIN_TOKENS``
+    K1's token tiles are 128 wide. From ``POST_APART_MIN_TOKENS``
     tokens hc_post_pre expands the streams in a launch of its own; from
     ``MIXES_APART_MIN_TOKENS`` K2 is two launches. On CPU (the Triton
     interpreter) larger token tiles keep the number of interpreted programs small.
@@ -130,6 +136,8 @@ def default_tiling(
             mixes_block_t=16 if mixes_apart else 0,
         )
     gemm_block_t = 16 if num_tokens <= 16 else 32 if num_tokens <= 128 else 64
+    if num_tokens >= K1_WIDE_TILE_MIN_TOKENS:
+        gemm_block_t = 128
     precision = "ieee" if dtype == torch.float32 else "tf32x3"
     if dtype == torch.bfloat16 and num_tokens > 4:  # a dot K1 (T <= 4: the GEMV)
         precision = BF16_DOT_PRECISION

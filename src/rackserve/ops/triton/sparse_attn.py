@@ -27,10 +27,7 @@ import triton
 
 from rackserve.ops.triton.fp8 import FP8_KV_DTYPE
 from rackserve.ops.triton.sparse_attn_kernels import sparse_attn_combine_kernel, sparse_attn_kernel
-from rackserve.ops.triton.sparse_attn_wide_kernels import (
-    sparse_attn_wide_kernel,
-    sparse_attn_wide_t_kernel,
-)
+from rackserve.ops.triton.sparse_attn_wide_kernels import sparse_attn_wide_kernel
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -52,9 +49,7 @@ class Tiling:
     pv_fp16: bool = False  # 16-bit rows, "wide" only: one PV dot of fp16 p and rows (11 bits)
     prefetch: bool = True  # load row tile i+1 into registers while tile i computes
     # "heads": ``sparse_attn_kernel`` (BLOCK_H heads per program); "wide": every head in one
-    # program (``sparse_attn_wide_kernel``; block_h and prefetch unused there, num_dv 1 or 2);
-    # "wide_t": the transposed one-program form (``sparse_attn_wide_t_kernel``; experimental:
-    # ptxas sm_90 at 64 rows, 8 warps: 205 KB shared memory, 255 registers, small spills)
+    # program (``sparse_attn_wide_kernel``; block_h and prefetch unused there, num_dv 1 or 2)
     kernel: str = "heads"
 
 
@@ -65,10 +60,11 @@ def _num_sms(device: torch.device) -> int:
 
 KERNEL_ENV = "RACKSERVE_SPARSE_ATTN"  # "heads" (the default) or "wide": default_tiling's kernel
 # from this many queries the wide kernel's PV is one fp16 dot (``Tiling.pv_fp16``), not
-# split p's two: at prefill the QK dot runs in both head-dim programs, so a step does 2x
-# the minimal FLOPs with split p and 1.5x with fp16 PV. None: never (not timed on a GPU
-# yet; the prefill kernel's fp16 PV met the bf16 rule, benchmarks/results/*-s9.md)
-PV_FP16_MIN_QUERIES: int | None = None
+# split p's two (2x the minimal FLOPs at prefill, where both head-dim programs compute QK;
+# 1.5x with fp16 PV). H200, bench forward, v4-flash, 4 layers, two alternating passes
+# (2026-12-02-h200-s12.md): decode:64@4096 4.632 / 4.676 -> 4.560 / 4.527 ms; prefill
+# unchanged (57.1 / 57.5 against 56.8 / 57.1 ms at 8192). None: never
+PV_FP16_MIN_QUERIES: int | None = 64
 
 
 def default_tiling(
@@ -244,11 +240,9 @@ def paged_sparse_attention(
     rope_start = head_dim - (cos.shape[1] * 2 if rope else 0)
 
     block_d = max(16, triton.next_power_of_2(head_dim))
-    wide = tiling.kernel in ("wide", "wide_t")
-    if tiling.kernel not in ("heads", "wide", "wide_t"):
-        raise ValueError(
-            f"tiling.kernel must be 'heads', 'wide' or 'wide_t', got {tiling.kernel!r}"
-        )
+    wide = tiling.kernel == "wide"
+    if tiling.kernel not in ("heads", "wide"):
+        raise ValueError(f"tiling.kernel must be 'heads' or 'wide', got {tiling.kernel!r}")
     if wide and num_heads > 128:
         raise ValueError(f"the wide kernel holds every head in one program: H={num_heads} > 128")
     num_dv = max(1, min(tiling.num_dv, 2 if wide else block_d // 16))
@@ -291,15 +285,7 @@ def paged_sparse_attention(
         stride_ps,
     )
     qk_scale = scale * math.log2(math.e)
-    if tiling.kernel == "wide_t":
-        sparse_attn_wide_t_kernel[(1, num_queries, num_splits)](
-            *tensors, *partials, num_heads, width_a, width_b, rows_per_split, rope_start,
-            qk_scale, *strides, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_N=tiling.block_n,
-            **common,
-        )  # fmt: skip
-        num_dv, block_dv = 1, block_d
-    elif wide:
+    if wide:
         sparse_attn_wide_kernel[(num_dv, num_queries, num_splits)](
             *tensors, *partials, num_heads, width_a, width_b, rows_per_split, rope_start,
             qk_scale, *strides, HEAD_DIM=head_dim, HALF=block_d // 2,
