@@ -35,15 +35,17 @@ FUSED_ENV = "RACKSERVE_MHC_FUSED"  # "1": default_tiling fuses K1 + K2 for T <= 
 # from this many tokens hc_post_pre expands the streams in hc_post's kernel (3.9 TB/s at
 # 8192 tokens) and runs K1 on them: 155 + 673 us against 1007 us fused (H200, 2026-12-02)
 POST_APART_MIN_TOKENS = 1024
-# from this many tokens K2 runs as a mixes launch and a collapse launch (``Tiling``'s
-# ``mixes_block_t``); None: never. H200, 2026-12-02 (benchmarks/results/*-s12.md): hc_pre
-# 672 -> 448 us and hc_post_pre 827 -> 598 us at 8192 tokens (mhc_bench, fair tilings);
-# bench forward's prefill:8192 56.8 / 57.1 -> 55.8 / 55.8 ms in two alternating passes;
-# prefill:2048 inside the spread (17.2 / 15.6 against 16.2 / 16.3), hence 4096
-MIXES_APART_MIN_TOKENS: int | None = 4096
+# from this many tokens K2 runs as a mixes launch (``MIXES_BLOCK_T`` tokens a program) and
+# a collapse launch; None: never. H200, 2026-12-02 (benchmarks/results/*-s12.md), graph
+# replay: hc_pre 204 -> 154 us at 2048 tokens and 665 -> 444 at 8192, hc_post_pre 243 ->
+# 193 and 814 -> 591 (32, 64 and 128 tokens a mixes program within 1%); bench forward's
+# prefill:8192 56.8 / 57.1 -> 55.8 / 55.8 ms in two alternating passes
+MIXES_APART_MIN_TOKENS: int | None = 2048
+MIXES_BLOCK_T = 64
 # from this many tokens K1 takes 128-token tiles (64 below): fn's [K, mixes] tile is loaded
 # once for twice the tokens (ncu at 8192 tokens, 64-token tiles: L1/TEX 82% busy, DRAM
-# 16%). H200, 2026-12-02, mhc_bench at 8192: hc_pre 672 -> 603 us, hc_post_pre 827 -> 753
+# 16%). H200, 2026-12-02, mhc_bench at 8192 with the split K2: hc_pre 440 -> 386 us,
+# hc_post_pre 589 -> 537 (not timed at 2048 yet)
 K1_WIDE_TILE_MIN_TOKENS = 4096
 # K1's dot for bf16 streams on a GPU: "tf32x3" or "bf16x3" (half the wgmma instructions,
 # no tf32 conversions, plus a launch that splits fn). H200, 2026-12-02, hc_pre: 630 against
@@ -157,7 +159,7 @@ def default_tiling(
         gemm_gemv=num_tokens <= 4,
         fused=num_tokens <= 4 and os.environ.get(FUSED_ENV, "0") == "1",
         post_apart=num_tokens >= POST_APART_MIN_TOKENS,
-        mixes_block_t=128 if mixes_apart else 0,
+        mixes_block_t=MIXES_BLOCK_T if mixes_apart else 0,
     )
 
 

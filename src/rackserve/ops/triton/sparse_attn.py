@@ -61,10 +61,11 @@ def _num_sms(device: torch.device) -> int:
 KERNEL_ENV = "RACKSERVE_SPARSE_ATTN"  # "heads" (the default) or "wide": default_tiling's kernel
 # from this many queries the wide kernel's PV is one fp16 dot (``Tiling.pv_fp16``), not
 # split p's two (2x the minimal FLOPs at prefill, where both head-dim programs compute QK;
-# 1.5x with fp16 PV). H200, bench forward, v4-flash, 4 layers, two alternating passes
-# (2026-12-02-h200-s12.md): decode:64@4096 4.632 / 4.676 -> 4.560 / 4.527 ms; prefill
-# unchanged (57.1 / 57.5 against 56.8 / 57.1 ms at 8192). None: never
-PV_FP16_MIN_QUERIES: int | None = 64
+# 1.5x with fp16 PV). None: never. H200, bench forward, v4-flash, 4 layers, from 64 queries
+# against never, two alternating passes in each of two calls (2026-12-02-h200-s12.md):
+# decode:64@4096 4.56 / 4.53 against 4.63 / 4.68 ms, then 4.50 / 4.50 against 4.45 / 4.46;
+# prefill:2048 15.6 / 15.7 against 15.4 / 15.4: inside the spread, so it stays off
+PV_FP16_MIN_QUERIES: int | None = None
 
 
 def default_tiling(
