@@ -44,9 +44,9 @@ MIXES_APART_MIN_TOKENS: int | None = 2048
 MIXES_BLOCK_T = 64
 # from this many tokens K1 takes 128-token tiles (64 below): fn's [K, mixes] tile is loaded
 # once for twice the tokens (ncu at 8192 tokens, 64-token tiles: L1/TEX 82% busy, DRAM
-# 16%). H200, 2026-12-02, mhc_bench at 8192 with the split K2: hc_pre 440 -> 386 us,
-# hc_post_pre 589 -> 537 (not timed at 2048 yet)
-K1_WIDE_TILE_MIN_TOKENS = 4096
+# 16%). H200, 2026-12-02, mhc_bench with the split K2, graph replay: hc_pre 440 -> 386 us
+# and hc_post_pre 589 -> 537 at 8192 tokens, 154 -> 85 and 194 -> 126 at 2048
+K1_WIDE_TILE_MIN_TOKENS = 2048
 # K1's dot for bf16 streams on a GPU: "tf32x3" or "bf16x3" (half the wgmma instructions,
 # no tf32 conversions, plus a launch that splits fn). H200, 2026-12-02, hc_pre: 630 against
 # 672 us at 8192 tokens, 201 against 210 at 2048; hc_post_pre at 2048 slower outside a
