@@ -16,3 +16,16 @@ start_call() {
   mkdir -p "$R"
   echo "commit ${RACKSERVE_COMMIT:-unknown}" | tee "$R/commit.txt"
 }
+# bench forward of the v4-flash preset (4 layers, 64 experts) with module switches set in
+# the process first: $1 python statements (``mhc`` and ``attn`` are rackserve.ops.triton's
+# mhc and sparse_attn), $2 the record's path, the rest bench forward's own flags
+forward_with() {
+  local code=$1 output=$2
+  shift 2
+  python3 -c "import sys
+import rackserve.ops.triton.mhc as mhc, rackserve.ops.triton.sparse_attn as attn
+exec(sys.argv[1])
+from rackserve.cli import main; sys.exit(main(sys.argv[2:]))" "$code" bench forward \
+    --preset v4-flash --layers 4 --experts 64 --output "$output" "$@" 2>&1 \
+    | grep -E "^prefill|^decode|Error"
+}

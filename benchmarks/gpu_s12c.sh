@@ -12,15 +12,6 @@ BUDGET_S=${BUDGET_S:-540}
 source "$(dirname "$0")/device_env.sh"
 start_call
 pack() { tar czf "$OUT/s12c.tgz" -C "$OUT" r; }
-forward() {  # $1: python assignments run before the CLI (module switches), $2: record name
-  python3 -c "import sys
-import rackserve.ops.triton.mhc as mhc, rackserve.ops.triton.sparse_attn as attn
-exec(sys.argv[1])
-from rackserve.cli import main; sys.exit(main(sys.argv[2:]))" "$1" bench forward \
-    --preset v4-flash --layers 4 --experts 64 --iters 10 --warmup 2 --batch prefill:2048 \
-    --batch prefill:8192 --batch decode:64@4096 --output "$R/$2.json" 2>&1 \
-    | grep -E "^prefill|^decode|Error"
-}
 
 t=$(cap 70); echo "== GPU tests (${t}s)"
 ((t)) && timeout "$t" python3 -m pytest -v -p no:cacheprovider -m "gpu or not gpu" -rf \
@@ -40,7 +31,8 @@ for pass in 1 2; do
     name=${v%%|*}; code=${v#*|}
     limit=40; [[ $pass$name == 1as_now ]] && limit=60  # the first compiles the prefill kernels
     t=$(cap $limit); echo "== forward $name, pass $pass (${t}s)"
-    ((t)) && timeout "$t" bash -c "$(declare -f forward); R=$R; forward '$code' ${name}_$pass"
+    ((t)) && timeout "$t" bash -c "$(declare -f forward_with); forward_with '$code' $R/${name}_$pass.json \
+      --iters 10 --warmup 2 --batch prefill:2048 --batch prefill:8192 --batch decode:64@4096"
     pack
   done
 done

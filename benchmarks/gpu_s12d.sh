@@ -19,15 +19,12 @@ for v in "as_now|pass" \
          "s11|mhc.MIXES_APART_MIN_TOKENS = None; mhc.K1_WIDE_TILE_MIN_TOKENS = 10**9"; do
   name=${v%%|*}; code=${v#*|}
   t=$(cap 55); echo "== forward $name (${t}s)"
-  ((t)) && timeout "$t" python3 -c "import sys
-import rackserve.ops.triton.mhc as mhc
-exec(sys.argv[1])
-from rackserve.cli import main; sys.exit(main(sys.argv[2:]))" "$code" bench forward "${FLASH[@]}" \
-    --iters 10 --warmup 2 --batch prefill:2048 --batch prefill:8192 --batch decode:64@4096 \
-    --output "$R/forward_$name.json" 2>&1 | grep -E "^prefill|^decode|Error"
+  ((t)) && timeout "$t" bash -c "$(declare -f forward_with); forward_with '$code' \
+    $R/forward_$name.json --iters 10 --warmup 2 --batch prefill:2048 --batch prefill:8192 \
+    --batch decode:64@4096"
   pack
 done
-t=$(cap 60); echo "== model create, bench decode (${t}s)"
+t=$(cap 170); echo "== model create, bench decode (${t}s)"  # 60 s cut the create short (call 4)
 ((t)) && timeout "$t" "${rs[@]}" model create "${FLASH[@]}" --dtype bfloat16 --no-mtp \
   --out /tmp/flash4 2>&1 | tail -1
 for c in 1 64; do
@@ -40,21 +37,6 @@ pack
 t=$(cap 120); echo "== transformers (${t}s)"
 ((t)) && [[ -d /tmp/flash4 ]] && timeout "$t" python3 benchmarks/hf_decode.py \
   --model /tmp/flash4 --batch 1,64 --context 512 --output "$R/hf_decode.json" 2>&1 | tail -2
-python3 - "$R" <<'PY'
-import json, sys, pathlib
-out = pathlib.Path(sys.argv[1])
-try:
-    hf = {r["batch"]: r["step_ms"] for r in json.loads((out / "hf_decode.json").read_text())}
-except (OSError, ValueError, KeyError) as e:
-    sys.exit(f"no transformers comparison: {e}")
-for c in (1, 64):
-    try:
-        d = json.loads((out / f"decode_{c}.json").read_text())
-    except (OSError, ValueError) as e:
-        print(f"decode_{c}: no engine record ({e})")
-        continue
-    print(f"decode {c} @512: engine step {d['median_step_ms']:.2f} ms, transformers "
-          f"{hf[c]:.2f} ms -> {hf[c] / d['median_step_ms']:.1f}x")
-PY
+python3 benchmarks/hf_ratio.py "$R" 1 64
 pack
 echo "== done in ${SECONDS}s"

@@ -127,15 +127,18 @@ def ttft(base: str, lengths: list[int], repeats: int, seed: int) -> dict[int, fl
     return out
 
 
-def _sums(url: str, names: tuple[str, ...]) -> dict[str, tuple[float, float]]:
-    """(sum, count) of each histogram in an engine's /metrics."""
+def _sums(
+    url: str, names: tuple[str, ...], prefix: str = "rackserve:"
+) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each histogram in a server's /metrics (an engine's names start with
+    "rackserve:", the router's with "rackserve_router_")."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
     out = {}
     for name in names:
         values = [0.0, 0.0]
         for line in text.splitlines():
             for k, suffix in enumerate(("_sum", "_count")):
-                if line.startswith(f"rackserve:{name}{suffix}"):
+                if line.startswith(f"{prefix}{name}{suffix}"):
                     values[k] += float(line.split()[-1])
         out[name] = (values[0], values[1])
     return out
@@ -154,16 +157,23 @@ def pd_ttft_parts(base: str, pre: str, dec: str, lengths: list[int], repeats: in
     for length in lengths:
         stream(base, prompt_of(length, seed + 500), 2)
     names = ("time_to_first_token_seconds", "request_queue_time_seconds")
+    hops = ("prefill_seconds", "first_byte_seconds")
     medians, parts = {}, {}
     for length in lengths:
         p0, d0 = _sums(pre, names), _sums(dec, names)
+        r0 = _sums(base, hops, "rackserve_router_")
         values = [stream(base, prompt_of(length, seed + r), 4) for r in range(repeats)]
         p1, d1 = _sums(pre, names), _sums(dec, names)
+        r1 = _sums(base, hops, "rackserve_router_")
         medians[length] = statistics.median(t[1] - t[0] for t in values)
         parts[length] = {
             "prefill_engine_ttft_s": _mean_since(p0, p1, names[0]),
             "decode_engine_ttft_s": _mean_since(d0, d1, names[0]),
             "decode_queue_s": _mean_since(d0, d1, names[1]),
+            # the router's view: its prefill request's round trip, and the client's request
+            # received to the decode side's first byte sent on
+            "router_prefill_s": _mean_since(r0, r1, hops[0]),
+            "router_first_byte_s": _mean_since(r0, r1, hops[1]),
         }
     return medians, parts
 

@@ -125,6 +125,14 @@ def check_pd_equals_aggregated(tiny, tmp_path, pd, num: int) -> None:
         assert strip_usage(got) == strip_usage(want)
         metrics = httpx.get(f"{router.url}/metrics").text
         assert 'rackserve_router_kv_source_total{source="prefill=' in metrics
+        # where TTFT goes outside the engines: every request's prefill step and first byte
+        counts = {
+            line.split()[0]: float(line.split()[-1]) for line in metrics.splitlines()
+            if line.startswith(("rackserve_router_prefill_seconds_count",
+                                "rackserve_router_first_byte_seconds_count"))
+        }  # fmt: skip
+        assert counts["rackserve_router_prefill_seconds_count"] >= 1
+        assert counts['rackserve_router_first_byte_seconds_count{role="decode"}'] == len(requests)
         received = [
             line for line in httpx.get(f"{decode.url}/metrics").text.splitlines()
             if line.startswith("rackserve:kv_transfer_bytes_received_total")

@@ -41,19 +41,21 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from rackserve.router.engines import Choice, EnginePool
 from rackserve.server.protocol import error_body
 
 logger = logging.getLogger(__name__)
 RETRY_STATUSES = (502, 503)  # the engine is going away: nothing of the request ran
+LATENCY_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 
 
 class NotStarted(Exception):
@@ -117,6 +119,17 @@ class Router:
             "rackserve_router_engine_up", "1 when the engine is healthy.", ["engine", "role"],
             registry=registry,
         )  # fmt: skip
+        # where a P/D request's TTFT goes outside the engines (pd_serving_bench reads both)
+        self.prefill_seconds = Histogram(
+            "rackserve_router_prefill_seconds",
+            "P/D step 1: the prefill request sent to its answer parsed.",
+            buckets=LATENCY_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.first_byte_seconds = Histogram(
+            "rackserve_router_first_byte_seconds",
+            "The request received to the first byte of the engine's response sent on.",
+            ["role"], buckets=LATENCY_BUCKETS, registry=registry,
+        )  # fmt: skip
 
     # ---- app ------------------------------------------------------------------------------
     def build_app(self) -> web.Application:
@@ -176,6 +189,7 @@ class Router:
 
     # ---- requests -------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        request["received_at"] = time.perf_counter()
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -220,12 +234,14 @@ class Router:
             try:
                 url = f"{choice.engine.url}{path}"
                 send_headers = {**headers, **choice.engine.headers}
+                sent_at = time.perf_counter()
                 async with self.session.post(url, json=first, headers=send_headers) as upstream:
                     if upstream.status in RETRY_STATUSES:
                         raise NotStarted(f"HTTP {upstream.status}")
                     payload = await upstream.json(content_type=None)
                     if upstream.status != 200:  # the client's error: decode says it too
                         return "decode", body
+                self.prefill_seconds.observe(time.perf_counter() - sent_at)
             except (TimeoutError, aiohttp.ClientError, OSError, NotStarted) as e:
                 self.prefill.mark_down(choice.index, str(e) or type(e).__name__)
                 self.retries.inc()
@@ -295,10 +311,12 @@ class Router:
         try:
             url = f"{choice.engine.url}{path}"
             send_headers = {**headers, **choice.engine.headers}
+            sent_at = time.perf_counter()
             async with self.session.post(url, json=first, headers=send_headers) as upstream:
                 payload = await upstream.json(content_type=None)
                 if upstream.status in RETRY_STATUSES:
                     raise NotStarted(f"HTTP {upstream.status}")
+            self.prefill_seconds.observe(time.perf_counter() - sent_at)
             params = payload.get("kv_transfer_params") if isinstance(payload, dict) else None
             if isinstance(params, dict):
                 self._learn(choice.engine.label, params)
@@ -344,6 +362,12 @@ class Router:
         self.failures.inc()
         return error_response(503, f"no engine could take the request ({last_error})")
 
+    def _first_byte(self, request: web.Request) -> None:
+        received_at = request.get("received_at")
+        if received_at is not None:
+            role = "engine" if self.engines is not None else "decode"
+            self.first_byte_seconds.labels(role).observe(time.perf_counter() - received_at)
+
     async def _relay(
         self,
         request: web.Request,
@@ -372,6 +396,7 @@ class Router:
                     data = await upstream.read()
                 except (TimeoutError, aiohttp.ClientError, OSError) as e:
                     raise NotStarted(f"lost before the response: {e}") from None
+                self._first_byte(request)
                 return web.Response(
                     body=data,
                     status=upstream.status,
@@ -381,9 +406,13 @@ class Router:
             response = web.StreamResponse(status=upstream.status, headers=response_headers)
             response.content_type = upstream.content_type
             await response.prepare(request)
+            first = True
             try:
                 async for data in upstream.content.iter_any():
                     await response.write(data)
+                    if first:
+                        self._first_byte(request)
+                        first = False
             except (TimeoutError, aiohttp.ClientError, OSError) as e:
                 # Started: the client has tokens already, so no retry; an error event ends it.
                 error = error_body(f"the engine failed mid-stream: {e}", "InternalServerError")
