@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import json
 import os
@@ -93,14 +94,23 @@ def router(prefill: str, decode: str, log: Path, overlap: bool = False):
     return proc(cmd, f"http://127.0.0.1:{port}", log)
 
 
+@functools.cache
+def _client() -> httpx.Client:
+    """One client for every request (thread-safe): ``httpx.stream`` builds a client per call,
+    and building one (its SSL context) took 17-30 ms on the CI host, inside every TTFT
+    measured before 2026-12-02's session 12."""
+    return httpx.Client(timeout=600)
+
+
 def stream(base: str, prompt: list[int], max_tokens: int) -> list[float]:
     """Arrival times (perf_counter) of each streamed chunk; [0] is the request's start.
     With logprobs asked for, every token is a chunk of its own: a random checkpoint samples
     many ids its tokenizer decodes to no text, and the server sends no chunk for those."""
     body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "logprobs": 1}  # fmt: skip
+    client = _client()
     times = [time.perf_counter()]
-    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=600) as r:
+    with client.stream("POST", f"{base}/v1/completions", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
