@@ -9,11 +9,11 @@ P/D mode (``--prefill`` + ``--decode``), the two steps of vLLM's disaggregated p
     client <-- the decode side's response, streamed through (X-KV-Source says where the
                prompt's KV came from)
 
-With ``--overlap-transfer`` the two steps start together once the router knows the prefill
-candidate's KV address (learned from its earlier answers; a DP prefill engine's rank r,
-pinned by the router, serves on kv_port + r, so each rank candidate learns its own): the
-decode side's streaming pull then receives each block while the prefill computes the next
-chunks (disagg/streaming.py) and learns the prefill side's hit at the end of the pull.
+Step 1 is router/prefill_step.py's. With ``--overlap-transfer`` the two steps start together
+once the router knows the prefill candidate's KV address (learned from its earlier
+answers): the decode side's streaming pull then receives each block while the prefill
+computes the next chunks (disagg/streaming.py) and learns the prefill side's hit at the end
+of the pull.
 
 ``usage.prompt_tokens_details.cached_tokens`` of a P/D request is the rule one aggregated
 engine that served the same requests would follow: prompt tokens found in a prefix cache,
@@ -42,7 +42,6 @@ import contextlib
 import json
 import logging
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,15 +50,11 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from rackserve.router.engines import Choice, EnginePool
+from rackserve.router.prefill_step import RETRY_STATUSES, NotStarted, PrefillStep
 from rackserve.server.protocol import error_body
 
 logger = logging.getLogger(__name__)
-RETRY_STATUSES = (502, 503)  # the engine is going away: nothing of the request ran
 LATENCY_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
-
-
-class NotStarted(Exception):
-    """The engine could not take the request (unreachable, or 502/503): retry elsewhere."""
 
 
 @dataclass(frozen=True)
@@ -90,9 +85,6 @@ class Router:
         self.engines, self.prefill, self.decode = engines, prefill, decode
         self.settings = settings or RouterSettings()
         self.pools = [p for p in (engines, prefill, decode) if p is not None]
-        # prefill engine URL -> its KV address, None once two answers named different ones
-        self.kv_addresses: dict[str, tuple[str, int] | None] = {}
-        self._prefills: set[asyncio.Task] = set()  # overlapped prefills still running
         self.session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
         registry = self.registry = CollectorRegistry()
@@ -130,6 +122,11 @@ class Router:
             "The request received to the first byte of the engine's response sent on.",
             ["role"], buckets=LATENCY_BUCKETS, registry=registry,
         )  # fmt: skip
+        self.prefill_step = (
+            None
+            if prefill is None
+            else PrefillStep(prefill, self.requests, self.retries, self.prefill_seconds)
+        )
 
     # ---- app ------------------------------------------------------------------------------
     def build_app(self) -> web.Application:
@@ -149,9 +146,8 @@ class Router:
         self._health_task = asyncio.create_task(self._health_loop())
 
     async def _stop(self, app: web.Application) -> None:
-        for task in list(self._prefills):
-            task.cancel()
-        await asyncio.gather(*self._prefills, return_exceptions=True)
+        if self.prefill_step is not None:
+            await self.prefill_step.close()
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -202,128 +198,18 @@ class Router:
         headers = _forward_headers(request)
         if self.engines is not None:
             return await self._proxy(request, self.engines, path, body, session, headers, {})
+        assert self.prefill_step is not None and self.decode is not None
+        assert self.session is not None
+        step = self.prefill_step
+        started = None
         if self.settings.overlap_transfer:
-            response = await self._overlapped(request, path, body, session, headers)
-            if response is not None:
-                return response
-        source, body = await self._prefill(path, body, session, headers)
+            started = step.start_overlapped(self.session, path, body, session, headers)
+        if started is None:
+            started = await step.run(self.session, path, body, session, headers)
+        source, body = started
         self.kv_sources.labels(source).inc()
         extra = {"X-KV-Source": source}
-        assert self.decode is not None
         return await self._proxy(request, self.decode, path, body, session, headers, extra)
-
-    async def _prefill(
-        self, path: str, body: dict[str, Any], session: str | None, headers: dict[str, str]
-    ) -> tuple[str, dict[str, Any]]:
-        """Step 1 of P/D: the prompt on a prefill engine; returns (where the KV comes from,
-        the decode request). Requests that need every prompt position's logits, and a
-        prefill side that is all down, are computed by the decode side alone."""
-        assert self.prefill is not None and self.session is not None
-        if body.get("prompt_logprobs") is not None or body.get("echo"):
-            return "decode", body
-        first = _prefill_body(body, uuid.uuid4().hex)
-        tried: set[int] = set()
-        for _ in range(len(self.prefill.engines)):
-            try:
-                choice = self.prefill.choose(first, session, tried)
-            except ValueError:
-                break
-            tried.add(choice.index)
-            self.prefill.start(choice, session)
-            self.requests.labels(choice.engine.label, "prefill").inc()
-            try:
-                url = f"{choice.engine.url}{path}"
-                send_headers = {**headers, **choice.engine.headers}
-                sent_at = time.perf_counter()
-                async with self.session.post(url, json=first, headers=send_headers) as upstream:
-                    if upstream.status in RETRY_STATUSES:
-                        raise NotStarted(f"HTTP {upstream.status}")
-                    payload = await upstream.json(content_type=None)
-                    if upstream.status != 200:  # the client's error: decode says it too
-                        return "decode", body
-                self.prefill_seconds.observe(time.perf_counter() - sent_at)
-            except (TimeoutError, aiohttp.ClientError, OSError, NotStarted) as e:
-                self.prefill.mark_down(choice.index, str(e) or type(e).__name__)
-                self.retries.inc()
-                continue
-            finally:
-                self.prefill.finish(choice)
-            params = payload.get("kv_transfer_params") if isinstance(payload, dict) else None
-            if not isinstance(params, dict):
-                return "decode", body
-            self._learn(choice.engine.label, params)
-            return f"prefill={choice.engine.label}", dict(body, kv_transfer_params=params)
-        return "decode (prefill down)", body
-
-    def _learn(self, url: str, params: dict[str, Any]) -> None:
-        """``url``: the prefill candidate's label (a DP rank, pinned, keeps its address)."""
-        host, port = params.get("remote_host"), params.get("remote_port")
-        if not isinstance(host, str) or not isinstance(port, int):
-            return
-        if url not in self.kv_addresses:
-            self.kv_addresses[url] = (host, port)
-        elif self.kv_addresses[url] != (host, port):
-            self.kv_addresses[url] = None  # unpinned DP ranks: the port varies
-
-    async def _overlapped(
-        self,
-        request: web.Request,
-        path: str,
-        body: dict[str, Any],
-        session: str | None,
-        headers: dict[str, str],
-    ) -> web.StreamResponse | None:
-        """Both steps at once; None (nothing sent) when the prefill engine's KV address is
-        not known yet or the request needs the decode side alone."""
-        assert self.prefill is not None and self.decode is not None
-        if body.get("prompt_logprobs") is not None or body.get("echo"):
-            return None
-        first = _prefill_body(body, uuid.uuid4().hex)
-        try:
-            choice = self.prefill.choose(first, session, set())
-        except ValueError:
-            return None
-        address = self.kv_addresses.get(choice.engine.label)
-        if address is None:
-            return None
-        self.prefill.start(choice, session)
-        self.requests.labels(choice.engine.label, "prefill").inc()
-        task = asyncio.create_task(self._send_prefill(choice, path, first, headers))
-        self._prefills.add(task)
-        task.add_done_callback(self._prefills.discard)
-        params = {
-            "do_remote_prefill": True, "transfer_id": first["kv_transfer_params"]["transfer_id"],
-            "remote_host": address[0], "remote_port": address[1],
-        }  # fmt: skip
-        source = f"prefill={choice.engine.label} (overlapped)"
-        self.kv_sources.labels(source).inc()
-        decode_body = dict(body, kv_transfer_params=params)
-        return await self._proxy(
-            request, self.decode, path, decode_body, session, headers, {"X-KV-Source": source}
-        )
-
-    async def _send_prefill(
-        self, choice: Choice, path: str, first: dict[str, Any], headers: dict[str, str]
-    ) -> None:
-        """An overlapped prefill: its answer only teaches the address (a failure leaves the
-        decode side's pull to fail and apply its policy)."""
-        assert self.prefill is not None and self.session is not None
-        try:
-            url = f"{choice.engine.url}{path}"
-            send_headers = {**headers, **choice.engine.headers}
-            sent_at = time.perf_counter()
-            async with self.session.post(url, json=first, headers=send_headers) as upstream:
-                payload = await upstream.json(content_type=None)
-                if upstream.status in RETRY_STATUSES:
-                    raise NotStarted(f"HTTP {upstream.status}")
-            self.prefill_seconds.observe(time.perf_counter() - sent_at)
-            params = payload.get("kv_transfer_params") if isinstance(payload, dict) else None
-            if isinstance(params, dict):
-                self._learn(choice.engine.label, params)
-        except (TimeoutError, aiohttp.ClientError, OSError, NotStarted, ValueError) as e:
-            self.prefill.mark_down(choice.index, str(e) or type(e).__name__)
-        finally:
-            self.prefill.finish(choice)
 
     async def _proxy(
         self,
@@ -422,19 +308,6 @@ class Router:
             return response
         finally:
             await upstream_cm.__aexit__(None, None, None)
-
-
-def _prefill_body(body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
-    """Step 1's request: the prompt, one token, not streamed, the transfer parameters."""
-    first = dict(body, stream=False, max_tokens=1, n=1, min_tokens=0)
-    first.pop("stream_options", None)
-    if "max_completion_tokens" in first:
-        first["max_completion_tokens"] = 1
-    n = body.get("n") if isinstance(body.get("n"), int) else 1
-    first["kv_transfer_params"] = {
-        "do_remote_decode": True, "transfer_id": transfer_id, "num_consumers": max(1, n),
-    }  # fmt: skip
-    return first
 
 
 def _forward_headers(request: web.Request) -> dict[str, str]:
