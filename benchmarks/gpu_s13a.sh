@@ -8,8 +8,6 @@ set -uo pipefail
 BUDGET_S=${BUDGET_S:-540}
 source "$(dirname "$0")/device_env.sh"
 start_call
-rs=(python3 -c 'import sys; from rackserve.cli import main; sys.exit(main(sys.argv[1:]))')
-FLASH=(--preset v4-flash --layers 4 --experts 64)
 pack() { tar czf "$OUT/s13a.tgz" -C "$OUT" r; }
 python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' | tee "$R/env.txt"
 t=$(cap 100); echo "== bench forward (${t}s)"
@@ -17,19 +15,6 @@ t=$(cap 100); echo "== bench forward (${t}s)"
   --iters 10 --warmup 2 --batch decode:1@4096 --batch decode:64@4096 --batch decode:256@4096 \
   --batch prefill:2048 --batch prefill:8192"
 pack
-t=$(cap 170); echo "== model create (${t}s)"
-((t)) && timeout "$t" "${rs[@]}" model create "${FLASH[@]}" --dtype bfloat16 --no-mtp \
-  --out /tmp/flash4 2>&1 | tail -1
-for c in 1 64; do
-  t=$(cap 45); echo "== bench decode, $c requests (${t}s)"
-  ((t)) && [[ -d /tmp/flash4 ]] && timeout "$t" "${rs[@]}" bench decode --model /tmp/flash4 \
-    --concurrency $c --context 512 --steps 30 --warmup 5 --kv-cache-memory 8000000000 \
-    --output "$R/decode_$c.json" 2>&1 | tail -1
-done
-pack
-t=$(cap 150); echo "== transformers (${t}s)"
-((t)) && [[ -d /tmp/flash4 ]] && timeout "$t" python3 benchmarks/hf_decode.py \
-  --model /tmp/flash4 --batch 1,64 --context 512 --output "$R/hf_decode.json" 2>&1 | tail -2
-python3 benchmarks/hf_ratio.py "$R" 1 64
+decode_vs_transformers
 pack
 echo "== done in ${SECONDS}s"
