@@ -83,26 +83,18 @@ class PrefillStep:
             self.pool.start(choice, session)
             self.requests.labels(choice.engine.label, "prefill").inc()
             try:
-                url = f"{choice.engine.url}{path}"
-                send_headers = {**headers, **choice.engine.headers}
-                sent_at = time.perf_counter()
-                async with http.post(url, json=first, headers=send_headers) as upstream:
-                    if upstream.status in RETRY_STATUSES:
-                        raise NotStarted(f"HTTP {upstream.status}")
-                    payload = await upstream.json(content_type=None)
-                    if upstream.status != 200:  # the client's error: decode says it too
-                        return "decode", body
-                self.seconds.observe(time.perf_counter() - sent_at)
+                status, payload = await self._post(http, choice, path, first, headers)
             except (TimeoutError, aiohttp.ClientError, OSError, NotStarted) as e:
                 self.pool.mark_down(choice.index, str(e) or type(e).__name__)
                 self.retries.inc()
                 continue
             finally:
                 self.pool.finish(choice)
-            params = payload.get("kv_transfer_params") if isinstance(payload, dict) else None
-            if not isinstance(params, dict):
+            if status != 200:  # the client's error: decode says it too
                 return "decode", body
-            self._learn(choice.engine.label, params)
+            params = self._learn(choice.engine.label, payload)
+            if params is None:
+                return "decode", body
             return f"prefill={choice.engine.label}", dict(body, kv_transfer_params=params)
         return "decode (prefill down)", body
 
@@ -155,28 +147,44 @@ class PrefillStep:
         """An overlapped prefill: its answer only teaches the address (a failure leaves the
         decode side's pull to fail and apply its policy)."""
         try:
-            url = f"{choice.engine.url}{path}"
-            send_headers = {**headers, **choice.engine.headers}
-            sent_at = time.perf_counter()
-            async with http.post(url, json=first, headers=send_headers) as upstream:
-                payload = await upstream.json(content_type=None)
-                if upstream.status in RETRY_STATUSES:
-                    raise NotStarted(f"HTTP {upstream.status}")
-            self.seconds.observe(time.perf_counter() - sent_at)
-            params = payload.get("kv_transfer_params") if isinstance(payload, dict) else None
-            if isinstance(params, dict):
-                self._learn(choice.engine.label, params)
+            _, payload = await self._post(http, choice, path, first, headers)
+            self._learn(choice.engine.label, payload)
         except (TimeoutError, aiohttp.ClientError, OSError, NotStarted, ValueError) as e:
             self.pool.mark_down(choice.index, str(e) or type(e).__name__)
         finally:
             self.pool.finish(choice)
 
-    def _learn(self, label: str, params: dict[str, Any]) -> None:
-        """``label``: the prefill candidate's (a DP rank, pinned, keeps its address)."""
+    async def _post(
+        self,
+        http: aiohttp.ClientSession,
+        choice: Choice,
+        path: str,
+        first: dict[str, Any],
+        headers: dict[str, str],
+    ) -> tuple[int, Any]:
+        """The prefill request to ``choice``: (HTTP status, the parsed answer); NotStarted
+        on 502/503 (nothing ran there). Times the round trip."""
+        url = f"{choice.engine.url}{path}"
+        send_headers = {**headers, **choice.engine.headers}
+        sent_at = time.perf_counter()
+        async with http.post(url, json=first, headers=send_headers) as upstream:
+            if upstream.status in RETRY_STATUSES:
+                raise NotStarted(f"HTTP {upstream.status}")
+            payload = await upstream.json(content_type=None)
+        self.seconds.observe(time.perf_counter() - sent_at)
+        return upstream.status, payload
+
+    def _learn(self, label: str, payload: Any) -> dict[str, Any] | None:
+        """The answer's ``kv_transfer_params`` (None without them); remembers the KV address
+        they name for ``label``, the prefill candidate (a DP rank, pinned, keeps its
+        address)."""
+        params = payload.get("kv_transfer_params") if isinstance(payload, dict) else None
+        if not isinstance(params, dict):
+            return None
         host, port = params.get("remote_host"), params.get("remote_port")
-        if not isinstance(host, str) or not isinstance(port, int):
-            return
-        if label not in self.kv_addresses:
-            self.kv_addresses[label] = (host, port)
-        elif self.kv_addresses[label] != (host, port):
-            self.kv_addresses[label] = None  # unpinned DP ranks: the port varies
+        if isinstance(host, str) and isinstance(port, int):
+            if label not in self.kv_addresses:
+                self.kv_addresses[label] = (host, port)
+            elif self.kv_addresses[label] != (host, port):
+                self.kv_addresses[label] = None  # unpinned DP ranks: the port varies
+        return params
