@@ -122,18 +122,23 @@ def prompt_of(length: int, seed: int) -> list[int]:
     return [(seed * 7919 + i * 104729) % 4000 + 10 for i in range(length)]
 
 
-def ttft(base: str, lengths: list[int], repeats: int, seed: int) -> dict[int, float]:
+def ttft(
+    base: str, lengths: list[int], repeats: int, seed: int, second: dict | None = None
+) -> dict[int, float]:
     """Median TTFT per prompt length, after one untimed request of each length (the first
-    request of a length pays one-off costs: kernel compiles for its shapes, allocations)."""
+    request of a length pays one-off costs: kernel compiles for its shapes, allocations).
+    ``second`` gets the median time to the second token (P/D: the first comes with the
+    prefill engine's answer, the second waits for the KV and the decode side's step)."""
     for length in lengths:
         stream(base, prompt_of(length, seed + 500), 2)
     out = {}
     for length in lengths:
         values = []
         for r in range(repeats):
-            times = stream(base, prompt_of(length, seed + r), 4)  # new prompts: no cache hits
-            values.append(times[1] - times[0])
-        out[length] = statistics.median(values)
+            values.append(stream(base, prompt_of(length, seed + r), 4))  # new prompts: no hits
+        out[length] = statistics.median(t[1] - t[0] for t in values)
+        if second is not None:
+            second[length] = statistics.median(t[2] - t[0] for t in values)
     return out
 
 
@@ -177,6 +182,7 @@ def pd_ttft_parts(base: str, pre: str, dec: str, lengths: list[int], repeats: in
         r1 = _sums(base, hops, "rackserve_router_")
         medians[length] = statistics.median(t[1] - t[0] for t in values)
         parts[length] = {
+            "second_token_s": statistics.median(t[2] - t[0] for t in values),
             "prefill_engine_ttft_s": _mean_since(p0, p1, names[0]),
             "decode_engine_ttft_s": _mean_since(d0, d1, names[0]),
             "decode_queue_s": _mean_since(d0, d1, names[1]),
@@ -281,7 +287,10 @@ def main() -> None:
 
     with engine(args, "0", None, args.logs / "aggregated.log") as agg:
         ttft(agg, args.lengths[:1], 1, seed=1)  # warm-up (graphs, allocator)
-        result["ttft_aggregated_s"] = ttft(agg, args.lengths, args.repeats, seed=10)
+        result["second_token_aggregated_s"] = {}
+        result["ttft_aggregated_s"] = ttft(
+            agg, args.lengths, args.repeats, seed=10, second=result["second_token_aggregated_s"]
+        )
         print("aggregated TTFT", result["ttft_aggregated_s"], flush=True)
         if not args.ttft_only:
             result["steady_itl_aggregated"] = steady_itl(agg, 200)

@@ -101,7 +101,12 @@ class KVTransferParams:
     ``do_remote_decode`` (run the prompt, keep its KV for ``num_consumers`` pulls). To a
     decode engine: ``do_remote_prefill`` and where the KV waits (``remote_host:remote_port``,
     ``transfer_id``). The router copies the prefill response's params into the decode
-    request; ``num_cached_tokens`` is the prefill side's prefix hit, reported by decode."""
+    request; ``num_cached_tokens`` is the prefill side's prefix hit, reported by decode.
+
+    ``first_token_ids`` (with ``first_logprobs`` when logprobs were asked: the token ids,
+    logprobs and rank of ``Logprob``) is the token the prefill engine sampled after the
+    prompt: the decode engine emits it on arrival, before the KV lands, so the first token's
+    latency does not wait for the transfer or a decode step."""
 
     do_remote_decode: bool = False
     do_remote_prefill: bool = False
@@ -111,6 +116,8 @@ class KVTransferParams:
     remote_engine_id: str | None = None
     num_consumers: int = 1
     num_cached_tokens: int = 0
+    first_token_ids: tuple[int, ...] = ()
+    first_logprobs: tuple[tuple[tuple[int, ...], tuple[float, ...], int], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.do_remote_decode and self.do_remote_prefill:
@@ -125,6 +132,17 @@ class KVTransferParams:
             raise ValueError("kv_transfer_params: num_cached_tokens must be >= 0")
         if self.remote_port is not None and not 0 < self.remote_port <= 65535:
             raise ValueError("kv_transfer_params: remote_port must be in [1, 65535]")
+        if len(self.first_token_ids) > 1 or any(t < 0 for t in self.first_token_ids):
+            raise ValueError("kv_transfer_params.first_token_ids must be one token id >= 0")
+        logprobs = self.first_logprobs
+        if logprobs is not None and (
+            len(logprobs) != len(self.first_token_ids)
+            or any(
+                ids[:1] != (t,)
+                for (ids, _, _), t in zip(logprobs, self.first_token_ids, strict=True)
+            )
+        ):
+            raise ValueError("kv_transfer_params.first_logprobs must describe first_token_ids")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> KVTransferParams:
@@ -134,10 +152,66 @@ class KVTransferParams:
         known = {k: raw[k] for k in cls.__dataclass_fields__ if raw.get(k) is not None}
         types = {"transfer_id": str, "remote_host": str, "remote_engine_id": str}
         for name, value in known.items():
+            if name in ("first_token_ids", "first_logprobs"):
+                continue
             want = types.get(name, bool if name.startswith("do_") else int)
             if not isinstance(value, want) or (want is int and isinstance(value, bool)):
                 raise ValueError(f"kv_transfer_params.{name} must be a {want.__name__}")
+        if "first_token_ids" in known:
+            known["first_token_ids"] = _int_tuple(known["first_token_ids"], "first_token_ids")
+        if "first_logprobs" in known:
+            known["first_logprobs"] = tuple(map(_logprob_entry, _items(known["first_logprobs"])))
         return cls(**known)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object ``from_dict`` reads (fields at their defaults left out)."""
+        out = {
+            k: getattr(self, k)
+            for k, f in self.__dataclass_fields__.items()
+            if getattr(self, k) != f.default
+        }
+        if "first_token_ids" in out:
+            out["first_token_ids"] = list(self.first_token_ids)
+        if self.first_logprobs is not None:
+            out["first_logprobs"] = [
+                {"token_ids": list(ids), "logprobs": list(values), "rank": rank}
+                for ids, values, rank in self.first_logprobs
+            ]
+        return out
+
+
+def _items(value: Any) -> list[Any]:
+    if not isinstance(value, list):
+        raise ValueError("kv_transfer_params.first_logprobs must be a list")
+    return value
+
+
+def _int_tuple(value: Any, name: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or any(
+        not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= INT64_MAX for v in value
+    ):
+        raise ValueError(f"kv_transfer_params.{name} must be a list of token ids")
+    return tuple(value)
+
+
+def _logprob_entry(raw: Any) -> tuple[tuple[int, ...], tuple[float, ...], int]:
+    """One ``first_logprobs`` entry: {"token_ids": [...], "logprobs": [...], "rank": r}."""
+    message = "kv_transfer_params.first_logprobs entries are {token_ids, logprobs, rank}"
+    if not isinstance(raw, dict):
+        raise ValueError(message)
+    ids = _int_tuple(raw.get("token_ids"), "first_logprobs.token_ids")
+    values, rank = raw.get("logprobs"), raw.get("rank")
+    if (
+        not ids
+        or not isinstance(values, list)
+        or len(values) != len(ids)
+        or any(not isinstance(v, int | float) or isinstance(v, bool) for v in values)
+        or not isinstance(rank, int)
+        or isinstance(rank, bool)
+        or rank < 1
+    ):
+        raise ValueError(message)
+    return ids, tuple(float(v) for v in values), rank
 
 
 @dataclass(frozen=True)
@@ -253,6 +327,14 @@ class SamplingParams:
         bad = [t for t in self.logit_bias or {} if t >= vocab_size]
         if bad:
             raise ValueError(f"logit_bias keys must be in [0, {vocab_size}), got {bad[0]}")
+        kv = self.kv_transfer_params
+        if kv is not None:
+            carried = [*kv.first_token_ids, *(t for e in kv.first_logprobs or () for t in e[0])]
+            bad = [t for t in carried if t >= vocab_size]
+            if bad:
+                raise ValueError(
+                    f"kv_transfer_params.first_token_ids must be in [0, {vocab_size}), got {bad[0]}"
+                )
 
     @property
     def is_greedy(self) -> bool:
@@ -334,6 +416,9 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None  # time.monotonic() when first admitted
+    # P/D prefill side: 1. The decode side recomputes the last prompt token, so a step's
+    # commit stops one token short and that token's window stays in the table to be sent.
+    kv_commit_lag: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -55,13 +55,18 @@ def drain(core: EngineCore, outputs: dict[str, list[int]], timeout_s: float = 60
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
 
 
-def prefill(core: EngineCore, prompts: dict[str, list[int]], params: SamplingParams) -> None:
-    """The router's first step: every prompt through the prefill engine (max_tokens 1)."""
+def prefill(
+    core: EngineCore, prompts: dict[str, list[int]], params: SamplingParams
+) -> dict[str, list[int]]:
+    """The router's first step: every prompt through the prefill engine (max_tokens 1).
+    Returns the token each sampled (t1)."""
     for req_id, ids in prompts.items():
         kv = KVTransferParams(do_remote_decode=True, transfer_id=req_id)
         p = replace(params, kv_transfer_params=kv)
         core.add_request(EngineCoreRequest(req_id, ids, p, time.time()))
-    drain(core, {})
+    firsts: dict[str, list[int]] = {}
+    drain(core, firsts)
+    return firsts
 
 
 def decode(
@@ -70,14 +75,17 @@ def decode(
     prompts: dict[str, list[int]],
     params: SamplingParams,
     outputs: dict[str, list[int]] | None = None,
+    firsts: dict[str, list[int]] | None = None,
 ) -> dict[str, list[int]]:
-    """The router's second step: the decode engine pulls each prompt's KV and generates."""
+    """The router's second step: the decode engine pulls each prompt's KV and generates;
+    ``firsts`` (from :func:`prefill`) go along as the answer's first tokens."""
     host, port = producer.kv_connector.server.address
     outputs = {} if outputs is None else outputs
     for req_id, ids in prompts.items():
         kv = KVTransferParams(
-            do_remote_prefill=True, transfer_id=req_id, remote_host=host, remote_port=port
-        )
+            do_remote_prefill=True, transfer_id=req_id, remote_host=host, remote_port=port,
+            first_token_ids=tuple((firsts or {}).get(req_id, ())),
+        )  # fmt: skip
         p = replace(params, kv_transfer_params=kv)
         core.add_request(EngineCoreRequest(req_id, ids, p, time.time()))
     drain(core, outputs)

@@ -5,6 +5,7 @@ failures with both policies; no leaked blocks."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from rackserve.config import ConfigError, DisaggConfig
 from rackserve.engine.outputs import EngineCoreRequest
 from rackserve.model.create import create_checkpoint
 from rackserve.model.presets import tiny_config
-from rackserve.request import SamplingParams
+from rackserve.request import KVTransferParams, SamplingParams
 
 from disagg_utils import consumer_config, decode, drain, make_core, prefill, producer_config
 
@@ -70,6 +71,97 @@ def test_pd_equals_aggregated(tiny, prompts, expected, transport):
     finally:
         producer.shutdown()
         consumer.shutdown()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_first_token_is_emitted_before_the_kv_lands(tiny, prompts, expected, transport):
+    """The prefill engine's t1 rides in the decode request's kv_transfer_params: the decode
+    side emits it at its first step, while the (delayed) pull is still in flight; then it
+    computes the last prompt token and t1 together, and the rest equals an aggregated
+    engine's."""
+    extra = {"inject_fault": "delay:1"}
+    producer = make_core(tiny, producer_config(transport, kv_connector_extra_config=extra))
+    consumer = make_core(tiny, consumer_config(transport))
+    subset = {k: prompts[k] for k in ("r0", "r1", "one")}
+    try:
+        firsts = prefill(producer, subset, PARAMS)
+        assert firsts == {k: expected[k][:1] for k in subset}  # the whole prompt ran there
+        host, port = producer.kv_connector.server.address
+        for req_id, ids in subset.items():
+            kv = KVTransferParams(
+                do_remote_prefill=True, transfer_id=req_id, remote_host=host,
+                remote_port=port, first_token_ids=tuple(firsts[req_id]),
+            )  # fmt: skip
+            p = replace(PARAMS, kv_transfer_params=kv)
+            consumer.add_request(EngineCoreRequest(req_id, ids, p, time.time()))
+        outputs: dict[str, list[int]] = {}
+        for out in consumer.step().outputs:
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert {k: v[:1] for k, v in outputs.items() if k != "one"} == {
+            k: firsts[k] for k in ("r0", "r1")
+        }
+        assert consumer.kv_connector.num_loads == 0  # their KV has not landed yet
+        drain(consumer, outputs)
+        assert outputs == {k: expected[k] for k in subset}
+        assert consumer.kv_connector.num_loads == 2 and idle(consumer)
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+
+
+def test_first_token_that_ends_the_request(tiny, prompts, expected):
+    """max_tokens 1, or t1 a stop token: the request ends on arrival and nothing is pulled
+    (the prefill side's copy goes with its lease)."""
+    producer = make_core(tiny, producer_config(lease_s=0.5))
+    consumer = make_core(tiny, consumer_config())
+    subset = {k: prompts[k] for k in ("r0", "r1")}
+    try:
+        firsts = prefill(producer, subset, PARAMS)
+        one = replace(PARAMS, max_tokens=1)
+        assert decode(consumer, producer, {"r0": subset["r0"]}, one, firsts=firsts) == {
+            "r0": expected["r0"][:1]
+        }
+        stop = replace(PARAMS, ignore_eos=False, stop_token_ids=firsts["r1"])
+        consumer.add_request(
+            EngineCoreRequest("r1", subset["r1"], replace(stop, kv_transfer_params=KVTransferParams(
+                do_remote_prefill=True, transfer_id="r1", remote_host="127.0.0.1",
+                remote_port=1, first_token_ids=tuple(firsts["r1"]),
+            )), time.time())
+        )  # fmt: skip
+        finished = [o for o in consumer.step().outputs if o.request_id == "r1"]
+        assert [(o.new_token_ids, o.finish_reason, o.stop_reason) for o in finished] == [
+            (firsts["r1"], "stop", firsts["r1"][0])
+        ]
+        assert consumer.kv_connector.num_loads == 0 and idle(consumer)
+        time.sleep(0.7)
+        producer.kv_connector.store.expire()
+        assert len(producer.kv_connector.store) == 0 and idle(producer)
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+
+
+def test_min_tokens_keeps_eos_masked_for_the_first_token(tiny, prompts):
+    """EOS made the argmax (logit_bias) and min_tokens 2: the prefill side's t1 is not EOS,
+    as an aggregated engine's is not; the P/D output equals it, EOS third."""
+    aggregated = make_core(tiny)
+    eos = aggregated.eos_token_ids[0]
+    params = SamplingParams(temperature=0, max_tokens=6, min_tokens=2, logit_bias={eos: 50.0})
+    producer = make_core(tiny, producer_config())
+    consumer = make_core(tiny, consumer_config())
+    subset = {k: prompts[k] for k in ("r0", "r2")}
+    try:
+        for req_id, ids in subset.items():
+            aggregated.add_request(EngineCoreRequest(req_id, ids, params, time.time()))
+        want: dict[str, list[int]] = {}
+        drain(aggregated, want)
+        assert all(len(v) == 3 and v[-1] == eos for v in want.values())
+        firsts = prefill(producer, subset, params)
+        assert firsts == {k: v[:1] for k, v in want.items()}
+        assert decode(consumer, producer, subset, params, firsts=firsts) == want
+    finally:
+        for core in (aggregated, producer, consumer):
+            core.shutdown()
 
 
 def test_decode_pulls_only_blocks_it_lacks(tiny, prompts):

@@ -53,6 +53,10 @@ def mixed_requests(num: int) -> list[tuple[str, dict]]:
             body["stop"] = [" the", "e"]
         if i % 5 == 4:
             body["n"] = 2
+        if i % 6 == 2:  # the first token's logprobs come from the prefill engine
+            body.update({"logprobs": True, "top_logprobs": 2} if i % 2 else {"logprobs": 2})
+        if i % 7 == 3:
+            body["min_tokens"] = 3
         body["stream"] = i % 3 == 1
         if i % 2:
             out.append(
@@ -63,8 +67,24 @@ def mixed_requests(num: int) -> list[tuple[str, dict]]:
     return out
 
 
+def _logprobs(c: dict) -> list:
+    """A choice's (token, logprob to 4 places, top tokens) per position (chat or completion)."""
+    lp = c.get("logprobs")
+    if not lp:
+        return []
+    if "content" in lp:  # chat
+        return [
+            (e["token"], round(e["logprob"], 4), [t["token"] for t in e["top_logprobs"]])
+            for e in lp["content"]
+        ]
+    return [
+        (t, round(v, 4), sorted(top)) for t, v, top in
+        zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True)
+    ]  # fmt: skip
+
+
 def call(base: str, path: str, body: dict) -> dict:
-    """Texts per choice index, finish reasons and usage (streamed or not)."""
+    """Texts per choice index, finish reasons, logprobs and usage (streamed or not)."""
     if not body.get("stream"):
         r = httpx.post(base + path, json=body, timeout=120)
         assert r.status_code == 200, r.text
@@ -74,9 +94,11 @@ def call(base: str, path: str, body: dict) -> dict:
             for c in data["choices"]
         }
         reasons = {c["index"]: c["finish_reason"] for c in data["choices"]}
-        return {"texts": texts, "reasons": reasons, "usage": data["usage"]}
+        logprobs = {c["index"]: _logprobs(c) for c in data["choices"]}
+        return {"texts": texts, "reasons": reasons, "logprobs": logprobs, "usage": data["usage"]}
     texts: dict[int, str] = {}
     reasons: dict[int, str] = {}
+    logprobs: dict[int, list] = {}
     with httpx.stream("POST", base + path, json=body, timeout=120) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
@@ -87,9 +109,10 @@ def call(base: str, path: str, body: dict) -> dict:
             for c in chunk["choices"]:
                 piece = c["delta"].get("content") if "delta" in c else c.get("text")
                 texts[c["index"]] = texts.get(c["index"], "") + (piece or "")
+                logprobs.setdefault(c["index"], []).extend(_logprobs(c))
                 if c.get("finish_reason"):
                     reasons[c["index"]] = c["finish_reason"]
-    return {"texts": texts, "reasons": reasons}
+    return {"texts": texts, "reasons": reasons, "logprobs": logprobs}
 
 
 def run_all(base: str, requests: list[tuple[str, dict]]) -> list[dict]:
@@ -203,6 +226,40 @@ def test_pd_equals_aggregated(tiny, tmp_path, pd):
 @pytest.mark.slow
 def test_pd_equals_aggregated_64(tiny, tmp_path, pd):
     check_pd_equals_aggregated(tiny, tmp_path, pd, 64)
+
+
+def test_prefill_answer_carries_the_first_token(pd):
+    """The prefill engine's answer names the token it sampled (with its logprobs when asked)
+    for the decode side to emit; n > 1 carries none (each completion samples its own). A
+    decode engine refuses a malformed or out-of-vocabulary one with a 400."""
+    prefill, decode = pd
+    body = {"model": "tiny", "prompt": "alpha beta gamma delta", "max_tokens": 1,
+            "temperature": 0, "logprobs": 2}  # fmt: skip
+    params = {"do_remote_decode": True, "transfer_id": "carry"}
+    r = httpx.post(f"{prefill.url}/v1/completions", timeout=60,
+                   json=body | {"kv_transfer_params": params})  # fmt: skip
+    assert r.status_code == 200, r.text
+    answer = r.json()["kv_transfer_params"]
+    (token,) = answer["first_token_ids"]
+    (entry,) = answer["first_logprobs"]
+    assert entry["token_ids"][0] == token and len(entry["token_ids"]) == 3
+    assert entry["rank"] >= 1 and entry["logprobs"][0] <= 0
+    fan_out = params | {"transfer_id": "fan-out", "num_consumers": 2}
+    r = httpx.post(
+        f"{prefill.url}/v1/completions", timeout=60, json=body | {"kv_transfer_params": fan_out}
+    )
+    assert r.status_code == 200 and "first_token_ids" not in r.json()["kv_transfer_params"]
+    without_logprobs = {k: v for k, v in answer.items() if k != "first_logprobs"}
+    for bad, needle in (([1 << 40], "first_token_ids must be in [0,"),
+                        (["x"], "first_token_ids must be a list of token ids"),
+                        ([1, 2], "must be one token id")):  # fmt: skip
+        r = httpx.post(
+            f"{decode.url}/v1/completions",
+            timeout=60,
+            json=body | {"kv_transfer_params": without_logprobs | {"first_token_ids": bad}},
+        )
+        assert r.status_code == 400, r.text
+        assert needle in r.json()["error"]["message"]
 
 
 def test_router_errors(tmp_path):

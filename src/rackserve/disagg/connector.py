@@ -2,29 +2,34 @@
 
 Prefill side (producer), on the loop::
 
-    request with do_remote_decode --> prompt[:N-1], max_tokens 1 (the decode side computes
-    the last prompt token itself: its logits give the first output token); its KVStore entry
-    opens under transfer_key(transfer_id, prompt[:N-1])
+    request with do_remote_decode --> the whole prompt, max_tokens 1: its token t1 goes back
+    in the answer (the decode side emits it on arrival); the KV of prompt[:N-1] is sent
+    (the decode side computes the last prompt token again, beside t1: its window and the
+    MTP row it writes need t1's step), so commits stop one token short
+    (``Request.kv_commit_lag``) and that token's window pages stay in the table; the
+    KVStore entry opens under transfer_key(transfer_id, prompt[:N-1])
     each step while it prefills (tcp, nccl), once a streaming pull waits on it --> the rows of
     every block whose positions are all computed (every group: compressed pages, the
     sliding-window and compressor-state pages the decode side will hold, the MTP layer's
     rows in "swa") join the entry as a Piece; the pull sends them while the next chunks
     compute
-    finished --> the rest copied out (ExportedRows, the tail), blocks freed at once
+    finished --> the rest copied out (ExportedRows, the tail) with t1, blocks freed at once
 
 Decode side (consumer), each step (``step``), never waiting on a transfer::
 
-    add: request WAITING_FOR_REMOTE_KV, held here (not in the scheduler's queue)
+    add: request WAITING_FOR_REMOTE_KV, held here (not in the scheduler's queue); a t1
+        carried in its kv_transfer_params is emitted now (Scheduler.take_first_tokens)
     admit (<= max_kv_loads_per_step a step): prefix lookup, blocks reserved for [0, N-1),
         only the slots the hit lacks are asked for; the pull runs on a transfer thread
-    land (<= max_kv_loads_per_step a step): region written into the reserved blocks, the
-        request joins the running batch with N-1 tokens computed
+    land (<= max_kv_loads_per_step a step): region written into the reserved blocks (a t1
+        that came with the pull's end is emitted now), the request joins the running batch
+        with N-1 tokens computed: its next step computes the last prompt token and t1
     failure (peer gone, lease over, checksum, unknown key): blocks freed, then the request
         recomputes its prompt (policy recompute) or ends with an error (policy fail)
 
 Prefix hits cover whole blocks: positions ::
 
-    [0 ........ B)[B ................ N-1)[N-1]
+    [0 ........ B)[B ................ N-1)[N-1][t1]
      local hit     pulled from prefill     computed here
 """
 
@@ -51,7 +56,7 @@ from rackserve.disagg.transports import (
     TransferError,
 )
 from rackserve.disagg.wire import transfer_key
-from rackserve.engine.outputs import EngineCoreRequest
+from rackserve.engine.outputs import EngineCoreRequest, Logprob
 from rackserve.engine.scheduler import Scheduler
 from rackserve.model.batch import KVCacheTensors
 from rackserve.request import KVTransferParams, Request, RequestStatus
@@ -150,26 +155,25 @@ class KVConnector:
 
     # ---- both sides: requests in ----------------------------------------------------------
     def prepare(self, request: EngineCoreRequest) -> EngineCoreRequest | None:
-        """A prefill request rewritten (prompt[:N-1], one token); None when ``request`` is
-        a decode-side one the connector takes (``add_remote``)."""
+        """A prefill request rewritten (one token); None when ``request`` is a decode-side
+        one the connector takes (``add_remote``)."""
         params = request.sampling_params.kv_transfer_params
         if params is None or not (params.do_remote_decode or params.do_remote_prefill):
             return request
         if params.do_remote_decode:
             if not self.config.is_producer:
                 raise ValueError("do_remote_decode: this engine is not a kv_producer")
+            # min_tokens 1 keeps EOS masked for t1 as the aggregated engine would
+            min_tokens = min(request.sampling_params.min_tokens, 1)
+            sampling = replace(request.sampling_params, max_tokens=1, min_tokens=min_tokens, n=1)
             if len(request.prompt_token_ids) < 2:  # nothing to send: decode computes it all
-                sampling = replace(request.sampling_params, kv_transfer_params=None)
-                return msgspec.structs.replace(request, sampling_params=sampling)
-            sampling = replace(request.sampling_params, max_tokens=1, min_tokens=0, n=1)
-            if self.store is not None:
+                sampling = replace(sampling, kv_transfer_params=None)
+            elif self.store is not None:
                 key = transfer_key(params.transfer_id, request.prompt_token_ids[:-1])
                 self.store.open(key, params.num_consumers)
                 groups = [set[int]() for _ in self.caches.groups]
                 self._prefills[request.request_id] = _Prefill(key, groups)
-            return msgspec.structs.replace(
-                request, prompt_token_ids=request.prompt_token_ids[:-1], sampling_params=sampling
-            )
+            return msgspec.structs.replace(request, sampling_params=sampling)
         if not self.config.is_consumer:
             raise ValueError("do_remote_prefill: this engine is not a kv_consumer")
         return None
@@ -183,11 +187,31 @@ class KVConnector:
         if num_tokens < 1 or req.sampling_params.prompt_logprobs is not None:
             # Nothing to pull, or every prompt position's logits are wanted: compute here.
             self.scheduler.add_request(req)
+            self._take_first(req, params.first_token_ids, params.first_logprobs)
             return
         self.scheduler.add_waiting_for_kv(req)
         key = transfer_key(params.transfer_id, req.prompt_token_ids[:num_tokens])
         req.num_cached_tokens = params.num_cached_tokens
+        if self._take_first(req, params.first_token_ids, params.first_logprobs):
+            return  # t1 ended it (EOS, a stop token, max_tokens 1): nothing to pull
         self.pending.append(RemoteKV(req, params, key, num_tokens))
+
+    def _take_first(
+        self,
+        req: Request,
+        token_ids: tuple[int, ...] | list[int],
+        logprobs: tuple[tuple[tuple[int, ...], tuple[float, ...], int], ...] | None,
+    ) -> bool:
+        """Emit the prefill side's t1 as ``req``'s first token (once; only for n = 1: each
+        of n > 1 samples its own). True when that finished the request."""
+        if not token_ids or req.output_token_ids:
+            return False
+        entries = None
+        if req.sampling_params.logprobs is not None:
+            if logprobs is None:  # asked for, not carried: the decode side computes t1
+                return False
+            entries = [Logprob(list(ids), list(values), rank) for ids, values, rank in logprobs]
+        return self.scheduler.take_first_tokens(req, list(token_ids), entries)
 
     # ---- prefill side ----------------------------------------------------------------------
     def _request_finished(self, req: Request, block_ids: tuple[list[int], ...]) -> None:
@@ -196,12 +220,16 @@ class KVConnector:
         if params is None or not params.do_remote_decode or self.store is None:
             return
         self._prefills.pop(req.request_id, None)
-        key = transfer_key(params.transfer_id, req.prompt_token_ids)
+        key = transfer_key(params.transfer_id, req.prompt_token_ids[:-1])
         if req.status not in _COMPLETED:
             self.store.discard(key)  # aborted: a waiting pull fails now
             return
         rows = ExportedRows(self.caches, block_ids)
-        self.store.put(key, rows, params.num_consumers, req.num_cached_tokens)
+        # t1 for a pull sent before the answer (router overlap); its logprobs travel only in
+        # the answer, so a request that wants them computes t1 on the decode side then
+        carry = params.num_consumers == 1 and req.sampling_params.logprobs is None
+        first = list(req.output_token_ids) if carry else []
+        self.store.put(key, rows, params.num_consumers, req.num_cached_tokens, first)
 
     def _stream_blocks(self) -> None:
         """Producer, at the start of a step (the previous step's chunk is computed, or, on a
@@ -228,7 +256,8 @@ class KVConnector:
             for g, (spec, name, table) in enumerate(
                 zip(specs, self.caches.groups, tables, strict=True)
             ):
-                first = spec.first_live_slot(req.num_prompt_tokens) if spec.is_sliding else 0
+                # the decode side holds the window of N-1 tokens (it computes token N-1)
+                first = spec.first_live_slot(req.num_prompt_tokens - 1) if spec.is_sliding else 0
                 last = min(done // spec.block_tokens, len(table))
                 sent = prefill.sent[g]
                 new = [i for i in range(first, last) if i not in sent and table[i] != NULL_BLOCK_ID]
@@ -277,7 +306,7 @@ class KVConnector:
             if not self._alive(remote):  # aborted meanwhile: its blocks are already freed
                 del self.inflight[req_id]
                 if self.client is not None:
-                    self.client.remote_hits.pop(remote.key, None)
+                    self.client.remote_ends.pop(remote.key, None)
                 continue
             if remote.future is None or not remote.future.done():
                 continue
@@ -289,16 +318,21 @@ class KVConnector:
                 self._fail(remote, str(e))
                 record.num_failed += 1
                 continue
-            # the prefill side's hit, when the pull went out before its answer (router overlap)
-            hit = self.client.remote_hits.pop(remote.key, 0) if self.client else 0
+            # the prefill side's hit and t1, when the pull went out before its answer
+            # (router overlap)
+            end = self.client.remote_ends.pop(remote.key, None) if self.client else None
             req = remote.request
-            req.num_cached_tokens = max(req.num_cached_tokens, hit)
             self.num_bytes_received += region.numel() * region.element_size()
             for g, ids in enumerate(remote.block_ids):
                 self.num_blocks_received[g] += len(ids)
-            self.scheduler.run_with_kv(remote.request, remote.num_tokens)
             self.num_loads += 1
             record.num_loaded += 1
+            ended = False  # by t1 (its blocks are freed then)
+            if end is not None:
+                req.num_cached_tokens = max(req.num_cached_tokens, end.num_cached_tokens)
+                ended = self._take_first(req, end.first_token_ids, None)
+            if not ended:
+                self.scheduler.run_with_kv(req, remote.num_tokens)
             if record.num_loaded >= cap:
                 break
 

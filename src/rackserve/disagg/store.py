@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rackserve.disagg.wire import End
 from rackserve.runner.kv_transfer import ExportedRows
 
 
@@ -42,6 +43,7 @@ class StoredKV:
     expires_at: float  # time.monotonic()
     pieces: list[Piece] = field(default_factory=list)
     num_cached_tokens: int = 0  # the prefill side's prefix hit (the decode side reports it)
+    first_token_ids: list[int] = field(default_factory=list)  # what the prefill sampled
 
 
 class KVStore:
@@ -72,9 +74,15 @@ class KVStore:
             self._changed.notify_all()
 
     def put(
-        self, key: str, rows: ExportedRows, num_consumers: int, num_cached_tokens: int = 0
+        self,
+        key: str,
+        rows: ExportedRows,
+        num_consumers: int,
+        num_cached_tokens: int = 0,
+        first_token_ids: list[int] | None = None,
     ) -> None:
-        """The finished request's rows (an open entry keeps its pieces)."""
+        """The finished request's rows (an open entry keeps its pieces), its prefix hit and
+        the token it sampled (both go to a streamed pull with its ``End``)."""
         with self._lock:
             self._expire_locked()
             entry = self._entries.get(key)
@@ -84,12 +92,17 @@ class KVStore:
             else:
                 entry.rows, entry.consumers_left, entry.expires_at = rows, num_consumers, expires_at
             entry.num_cached_tokens = num_cached_tokens
+            entry.first_token_ids = list(first_token_ids or ())
             self._changed.notify_all()
 
-    def num_cached_tokens(self, key: str) -> int:
+    def end(self, key: str) -> End:
+        """A streamed pull's last message: its prefix hit and first token (none if gone)."""
         with self._lock:
             entry = self._entries.get(key)
-            return 0 if entry is None else entry.num_cached_tokens
+            if entry is None:
+                return End(True)
+            return End(True, num_cached_tokens=entry.num_cached_tokens,
+                       first_token_ids=entry.first_token_ids)  # fmt: skip
 
     def discard(self, key: str) -> None:
         """The prefill ended without KV (aborted, refused): waiting pulls fail now."""

@@ -202,7 +202,7 @@ def _send_pieces(
                 return -1
             index = torch.tensor([position[s] for s in rest], dtype=torch.long)
             send(g, rest, [t[index.to(t.device)] for t in final.rows[g]], tail=True)
-        send_message(conn, End(True, num_cached_tokens=store.num_cached_tokens(pull.key)))
+        send_message(conn, store.end(pull.key))
         return nbytes
 
 
@@ -215,8 +215,9 @@ def recv_streamed(
     log: PieceLog,
     group: Any = None,
     device: torch.device | None = None,
-) -> tuple[torch.Tensor, int]:
-    """(the region from Rows pieces, the prefill side's prefix hit); ``layout[g]``:
+) -> tuple[torch.Tensor, End]:
+    """(the region from Rows pieces, the producer's ``End``: its prefix hit and first
+    token); ``layout[g]``:
     (layers, elements per slot per layer) of group g on this side. ``group``: the pair the
     pieces' data arrive on, into ``device`` memory (None: on ``conn``, into CPU memory).
     TransferError on a bad piece, a checksum or a missing slot."""
@@ -240,7 +241,7 @@ def recv_streamed(
         if isinstance(message, End):
             if not message.ok:
                 raise TransferError(message.message)
-            num_cached = message.num_cached_tokens
+            end = message
             break
         if not isinstance(message, Rows) or not 0 <= message.group < len(buffers):
             raise TransferError("unexpected message in a streamed pull")
@@ -270,7 +271,7 @@ def recv_streamed(
     for g, slots in enumerate(group_slots):
         if len(filled[g]) != len(slots):
             raise TransferError(f"group {g}: {len(slots) - len(filled[g])} slots never arrived")
-    return region, num_cached
+    return region, end
 
 
 def _recv_rows(

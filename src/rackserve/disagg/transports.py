@@ -40,6 +40,7 @@ from rackserve.disagg.wire import (
     CHUNK_BYTES,
     Ack,
     Chunk,
+    End,
     Heartbeat,
     HeartbeatReply,
     Pull,
@@ -293,7 +294,8 @@ class KVClient:
         self.pairs = PairGroups(backend, timeout_s=lease_s)
         self._rendezvous: dict[str, str] = {}
         self.pieces = PieceLog()  # streamed pieces' arrivals (tcp, nccl)
-        self.remote_hits: dict[str, int] = {}  # key -> the prefill side's hit (streamed)
+        # key -> a streamed pull's End: the prefill side's hit and first token
+        self.remote_ends: dict[str, End] = {}
 
     def _connect(self, host: str, port: int) -> socket.socket:
         try:
@@ -325,8 +327,8 @@ class KVClient:
                 if not isinstance(reply, PullReply) or not reply.ok:
                     raise TransferError(getattr(reply, "message", "unexpected reply"))
                 if stream:
-                    region, hit = self._recv_streamed(conn, peer, job)
-                    self.remote_hits[job.key] = hit
+                    region, end = self._recv_streamed(conn, peer, job)
+                    self.remote_ends[job.key] = end
                     if region.numel() != job.numel:
                         raise TransferError(f"received {region.numel()} of {job.numel} elements")
                 elif self.transport == "nccl":
@@ -346,12 +348,12 @@ class KVClient:
 
     def _recv_streamed(
         self, conn: socket.socket, peer: str, job: FetchJob
-    ) -> tuple[torch.Tensor, int]:
+    ) -> tuple[torch.Tensor, End]:
         group = None
         try:
             if self.transport == "nccl":
                 group = self.pairs.group(peer, 1)
-            region, hit = recv_streamed(
+            region, end = recv_streamed(
                 conn, job.key, job.group_slots, list(job.layout), job.dtype, self.pieces,
                 group, job.device,
             )  # fmt: skip
@@ -364,7 +366,7 @@ class KVClient:
             self.pairs.drop(peer)
             self._rendezvous.pop(peer, None)
             raise TransferError(f"pair with {peer} failed: {e}") from None
-        return region.to(job.device), hit
+        return region.to(job.device), end
 
     def _recv_stream(self, conn: socket.socket, job: FetchJob, reply: PullReply) -> torch.Tensor:
         region = host_empty(job.numel, job.dtype)

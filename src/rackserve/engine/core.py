@@ -244,6 +244,9 @@ class EngineCore:
                 return
             request = prepared
         req = self._request(request)
+        params = request.sampling_params.kv_transfer_params
+        if params is not None and params.do_remote_decode:
+            req.kv_commit_lag = 1  # the decode side recomputes the last prompt token
         structured = request.sampling_params.structured_outputs
         # the compile _request started (the compiler's cache finds it)
         grammar = self.grammar_compiler.submit(structured) if structured is not None else None
@@ -282,8 +285,10 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        # a step still in flight is collected by one more step()
-        return self.scheduler.num_unfinished > 0 or self._in_flight is not None
+        # a step still in flight is collected by one more step(), as are outputs made
+        # between steps (a P/D request's first token, which may also have finished it)
+        sched = self.scheduler
+        return sched.num_unfinished > 0 or self._in_flight is not None or sched.has_outputs
 
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:

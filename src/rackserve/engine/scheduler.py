@@ -159,6 +159,47 @@ class Scheduler:
         self._add_running(req)
         self._unannounced.add(req.request_id)
 
+    def take_first_tokens(
+        self, req: Request, token_ids: list[int], logprobs: list[Logprob] | None
+    ) -> bool:
+        """P/D decode side: the tokens the prefill engine sampled after the prompt become
+        ``req``'s first output, sent with the next step's outputs as if a step had sampled
+        them (stop checks included). True when they finished it (its blocks are freed)."""
+        params, num_output = req.sampling_params, len(req.output_token_ids)
+        if num_output or not token_ids:
+            return False
+        decision = None
+        for j, token in enumerate(token_ids, 1):
+            decision = check_stop_token(
+                params, token, j, self.eos_token_ids, req.num_tokens + j, self.config.max_model_len
+            )
+            if decision is not None:
+                token_ids = token_ids[:j]
+                break
+        req.append_output_token_ids(token_ids)
+        out = EngineCoreOutput(
+            request_id=req.request_id,
+            new_token_ids=list(token_ids),
+            num_cached_tokens=req.num_cached_tokens,
+            first_scheduled_time=time.monotonic(),
+        )
+        if logprobs is not None:
+            out.new_logprobs = logprobs[: len(token_ids)]
+        self._finished_outputs.append(out)
+        if decision is None:
+            return False
+        status = (
+            RequestStatus.FINISHED_STOPPED
+            if decision.kind == "stop"
+            else RequestStatus.FINISHED_LENGTH_CAPPED
+        )
+        out.finish_reason = status.finish_reason.value
+        out.stop_reason = req.stop_reason = decision.stop_reason
+        self.running = [r for r in self.running if r is not req]
+        self.waiting.remove({req.request_id})
+        self._free(req, status)
+        return True
+
     def requeue(self, req: Request) -> None:
         """Compute it here after all (its KV transfer failed, or its prefix is cached):
         blocks reserved for the transfer are freed, unkeyed; it waits like a new request."""
@@ -194,6 +235,11 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return len(self.requests)
+
+    @property
+    def has_outputs(self) -> bool:
+        """Outputs made outside a step wait for the next :meth:`update`."""
+        return bool(self._finished_outputs)
 
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -437,7 +483,7 @@ class Scheduler:
                 req.num_computed_tokens -= len(drafts) + 1 - len(sampled)
                 self._observe_drafts(len(drafts), len(sampled) - 1)
             elif req.num_computed_tokens >= idle_until[req_id]:  # else a no-op
-                commit(req, req.num_computed_tokens)
+                commit(req, req.num_computed_tokens - req.kv_commit_lag)
             if not sampled:
                 continue  # a prefill chunk short of the prompt's end
             params = req.sampling_params

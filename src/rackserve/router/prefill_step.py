@@ -29,8 +29,12 @@ class NotStarted(Exception):
 
 
 def prefill_body(body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
-    """Step 1's request: the prompt, one token, not streamed, the transfer parameters."""
-    first = dict(body, stream=False, max_tokens=1, n=1, min_tokens=0)
+    """Step 1's request: the prompt, one token, not streamed, the transfer parameters. The
+    token is the request's first (the decode side emits it): min_tokens >= 1 keeps EOS
+    masked for it, as an aggregated engine would."""
+    min_tokens = body.get("min_tokens")
+    wants_one = isinstance(min_tokens, int) and not isinstance(min_tokens, bool) and min_tokens > 0
+    first = dict(body, stream=False, max_tokens=1, n=1, min_tokens=1 if wants_one else 0)
     first.pop("stream_options", None)
     if "max_completion_tokens" in first:
         first["max_completion_tokens"] = 1

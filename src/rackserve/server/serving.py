@@ -24,7 +24,7 @@ from rackserve.engine.output_processor import (
     RequestOutputKind,
     TokenLogprob,
 )
-from rackserve.request import MAX_NUM_LOGPROBS, SamplingParams
+from rackserve.request import MAX_NUM_LOGPROBS, KVTransferParams, SamplingParams
 from rackserve.runner.structured_output import check_structured_outputs
 from rackserve.server.async_client import (
     AsyncEngineClient,
@@ -441,17 +441,18 @@ class OpenAIServing:
         }
         if prepared.chat:
             response["prompt_logprobs"] = prompt_logprobs_json(finals[0].prompt_logprobs)
-        kv_params = self._kv_transfer_params(prepared, num_cached, finals[0].request_id)
+        kv_params = self._kv_transfer_params(prepared, num_cached, finals)
         if kv_params is not None:
             response["kv_transfer_params"] = kv_params
         return response
 
     def _kv_transfer_params(
-        self, prepared: Prepared, num_cached: int, request_id: str
+        self, prepared: Prepared, num_cached: int, finals: dict[int, RequestOutput]
     ) -> dict | None:
         """A prefill engine's answer to ``do_remote_decode``: where the decode engine pulls
         the prompt's KV from (the router passes it on as vLLM's proxy does); with DP ranks,
-        the port of the rank that ran it."""
+        the port of the rank that ran it. One prompt, one completion: the token it sampled
+        too, which the decode engine emits on arrival (``KVTransferParams``)."""
         params = prepared.params.kv_transfer_params
         config = getattr(self.client, "engine_config", None)
         disagg = None if config is None else config.kv_transfer
@@ -459,15 +460,30 @@ class OpenAIServing:
             return None
         port = disagg.kv_port
         if hasattr(self.client, "kv_transfer_port"):  # DP ranks (engine/dp_client.py)
-            port = self.client.kv_transfer_port(request_id, port)
-        return {
-            "do_remote_prefill": True,
-            "transfer_id": params.transfer_id,
-            "remote_host": disagg.kv_ip,
-            "remote_port": port,
-            "remote_engine_id": disagg.engine_id or f"{disagg.kv_ip}:{port}",
-            "num_cached_tokens": num_cached,
-        }
+            port = self.client.kv_transfer_port(finals[0].request_id, port)
+        answer = KVTransferParams(
+            do_remote_prefill=True,
+            transfer_id=params.transfer_id,
+            remote_host=disagg.kv_ip,
+            remote_port=port,
+            remote_engine_id=disagg.engine_id or f"{disagg.kv_ip}:{port}",
+            num_cached_tokens=num_cached,
+        )
+        outputs = finals[0].outputs
+        if len(finals) == 1 and params.num_consumers == 1 and len(outputs) == 1:
+            first = outputs[0]
+            if len(first.token_ids) == 1 and first.finish_reason != "abort":
+                logprobs = None
+                if first.logprobs is not None:
+                    logprobs = tuple(
+                        ((e.token_id, *(t for t, _, _ in e.top)),
+                         (e.logprob, *(v for _, _, v in e.top)), e.rank)
+                        for e in first.logprobs
+                    )  # fmt: skip
+                answer = replace(
+                    answer, first_token_ids=tuple(first.token_ids), first_logprobs=logprobs
+                )
+        return answer.to_dict()
 
     @staticmethod
     def _generated(prepared: Prepared, c: CompletionOutput) -> CompletionOutput:
