@@ -6,7 +6,14 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from rackserve.config import CacheConfig, DisaggConfig, EngineConfig, ModelConfig, SchedulerConfig
+from rackserve.config import (
+    CacheConfig,
+    DisaggConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpecConfig,
+)
 from rackserve.engine.core import EngineCore
 from rackserve.engine.outputs import EngineCoreRequest
 from rackserve.parallel.groups import free_port_block
@@ -20,6 +27,7 @@ def make_core(
     max_num_batched_tokens: int = 512,
     kv_cache_memory: int | None = 32 << 20,
     long_prefill_token_threshold: int = 0,
+    speculative: SpecConfig | None = None,
 ) -> EngineCore:
     config = EngineConfig(
         model=str(model_dir),
@@ -33,6 +41,7 @@ def make_core(
         ),
         device="cpu",
         kv_transfer=kv_transfer,
+        speculative=speculative,
     )
     return EngineCore(config, log_stats=False)
 

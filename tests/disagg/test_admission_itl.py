@@ -2,12 +2,10 @@
 
 8 requests decode; the KV of 32 more (prompt 200, 4 output tokens) is pulled and lands
 together. Every running request gets one token per step, so their ITL is the step gap and
-a step's cost grows with the tokens it schedules and the KV it imports. A landed request's
-first token came with its KV (the prefill engine sampled it); its first step computes the
-last prompt token and that one (2 tokens), the next two 1 each. With the admission cap
-(--max-kv-loads-per-step 4) at most 4 join a step: the batch never holds more than
-8 + 4 x 2 + 2 x 4 tokens; without it (0) all 32 join one step (8 + 32 x 2 tokens). Asserted
-from step records: joins per step and tokens per step (exact).
+a step's cost grows with the tokens it schedules and the KV it imports. With the admission
+cap (--max-kv-loads-per-step 4) at most 4 join a step: the batch grows by 4 a step and never
+holds more than 8 + 4 x 4 tokens; without it (0) all 32 join one step and every step the burst
+lives in schedules 40. Asserted from step records: joins per step and tokens per step (exact).
 
 In seconds (the engine thread's CPU time, so that other processes and the transfer threads
 do not count): without the cap the step that imports all 32 regions and joins all 32
@@ -119,10 +117,10 @@ def check(tiny, num_burst: int, prompt_len: int) -> None:
     # step records: the cap spreads the burst; without it, it joins in one step
     assert max(capped.joined) <= 4 and len(capped.joined) >= num_burst // 4
     assert max(uncapped.joined) == num_burst
-    # tokens per step: at most the running requests + the burst alive under the cap (4
-    # join a step with 2 tokens each, each lives 3 steps), all at once without it
-    assert max(capped.tokens) <= NUM_RUNNING + 4 * 2 + 2 * 4 < max(uncapped.tokens)
-    assert max(uncapped.tokens) == NUM_RUNNING + 2 * num_burst
+    # tokens per step: at most the running requests + the burst alive under the cap
+    # (4 join a step, each lives 4 steps), all 40 at once without it
+    assert max(capped.tokens) <= NUM_RUNNING + 4 * 4 < max(uncapped.tokens)
+    assert max(uncapped.tokens) == NUM_RUNNING + num_burst
     # Without the cap the running requests wait for one step that lands the whole burst:
     # the slowest of the run, above the steps that decode the same 40 tokens after it (read
     # against its neighbours, not the pre-burst gap: a fresh-clone run on 2 shared cores

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from rackserve.config import ConfigError, DisaggConfig
+from rackserve.config import ConfigError, DisaggConfig, SpecConfig
 from rackserve.engine.outputs import EngineCoreRequest
 from rackserve.model.create import create_checkpoint
 from rackserve.model.presets import tiny_config
@@ -76,9 +76,9 @@ def test_pd_equals_aggregated(tiny, prompts, expected, transport):
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_first_token_is_emitted_before_the_kv_lands(tiny, prompts, expected, transport):
     """The prefill engine's t1 rides in the decode request's kv_transfer_params: the decode
-    side emits it at its first step, while the (delayed) pull is still in flight; then it
-    computes the last prompt token and t1 together, and the rest equals an aggregated
-    engine's."""
+    side emits it at its first step, while the (delayed) pull is still in flight; the KV of
+    the whole prompt lands, so t1's step computes t1 alone (a decode step); the rest equals
+    an aggregated engine's."""
     extra = {"inject_fault": "delay:1"}
     producer = make_core(tiny, producer_config(transport, kv_connector_extra_config=extra))
     consumer = make_core(tiny, consumer_config(transport))
@@ -101,12 +101,45 @@ def test_first_token_is_emitted_before_the_kv_lands(tiny, prompts, expected, tra
             k: firsts[k] for k in ("r0", "r1")
         }
         assert consumer.kv_connector.num_loads == 0  # their KV has not landed yet
-        drain(consumer, outputs)
+        scheduled: dict[str, list[int]] = {}  # tokens per step of r0 and r1 once they run
+        deadline = time.monotonic() + 60
+        while consumer.has_unfinished_requests():
+            assert time.monotonic() < deadline
+            for out in consumer.step().outputs:
+                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            for req_id, n in consumer.last_step.num_scheduled_tokens.items():
+                scheduled.setdefault(req_id, []).append(n)
         assert outputs == {k: expected[k] for k in subset}
+        assert scheduled["r0"] == scheduled["r1"] == [1] * (len(expected["r0"]) - 1)
         assert consumer.kv_connector.num_loads == 2 and idle(consumer)
     finally:
         producer.shutdown()
         consumer.shutdown()
+
+
+@pytest.mark.parametrize("carried", [True, False])
+def test_pd_with_mtp_equals_aggregated(tiny, prompts, carried):
+    """Speculating with the MTP layer (its rows travel in the window group): the decode side
+    computes the last prompt token again (with t1 when carried), and the output equals an
+    aggregated engine's that speculates alike."""
+    spec = SpecConfig("mtp", 2)
+    subset = {k: prompts[k] for k in ("r0", "r1", "r3", "one")}
+    aggregated = make_core(tiny, speculative=spec)
+    producer = make_core(tiny, producer_config(), speculative=spec)
+    consumer = make_core(tiny, consumer_config(), speculative=spec)
+    try:
+        for req_id, ids in subset.items():
+            aggregated.add_request(EngineCoreRequest(req_id, ids, PARAMS, time.time()))
+        want: dict[str, list[int]] = {}
+        drain(aggregated, want)
+        firsts = prefill(producer, subset, PARAMS)
+        got = decode(consumer, producer, subset, PARAMS, firsts=firsts if carried else None)
+        assert got == want
+        assert consumer.scheduler.spec_stats.num_draft_tokens > 0  # it did speculate
+        assert consumer.kv_connector.num_loads == len(subset) - 1 and idle(consumer)
+    finally:
+        for core in (aggregated, producer, consumer):
+            core.shutdown()
 
 
 def test_first_token_that_ends_the_request(tiny, prompts, expected):

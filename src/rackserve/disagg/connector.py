@@ -3,11 +3,11 @@
 Prefill side (producer), on the loop::
 
     request with do_remote_decode --> the whole prompt, max_tokens 1: its token t1 goes back
-    in the answer (the decode side emits it on arrival); the KV of prompt[:N-1] is sent
-    (the decode side computes the last prompt token again, beside t1: its window and the
-    MTP row it writes need t1's step), so commits stop one token short
-    (``Request.kv_commit_lag``) and that token's window pages stay in the table; the
-    KVStore entry opens under transfer_key(transfer_id, prompt[:N-1])
+    in the answer (the decode side emits it on arrival). The decode side takes the KV of
+    N tokens, or of N-1 when it computes the last prompt token again (t1 not carried: n > 1,
+    a pull sent before the answer; or a drafter, whose rows need that step), so commits
+    stop one token short (``Request.kv_commit_lag``): the windows of both stay in the
+    table. The KVStore entry opens under transfer_key(transfer_id, prompt[:N-1])
     each step while it prefills (tcp, nccl), once a streaming pull waits on it --> the rows of
     every block whose positions are all computed (every group: compressed pages, the
     sliding-window and compressor-state pages the decode side will hold, the MTP layer's
@@ -19,18 +19,20 @@ Decode side (consumer), each step (``step``), never waiting on a transfer::
 
     add: request WAITING_FOR_REMOTE_KV, held here (not in the scheduler's queue); a t1
         carried in its kv_transfer_params is emitted now (Scheduler.take_first_tokens)
-    admit (<= max_kv_loads_per_step a step): prefix lookup, blocks reserved for [0, N-1),
-        only the slots the hit lacks are asked for; the pull runs on a transfer thread
-    land (<= max_kv_loads_per_step a step): region written into the reserved blocks (a t1
-        that came with the pull's end is emitted now), the request joins the running batch
-        with N-1 tokens computed: its next step computes the last prompt token and t1
+    admit (<= max_kv_loads_per_step a step): prefix lookup, blocks reserved for [0, N) with
+        t1 here ([0, N-1) without), only the slots the hit lacks are asked for; the pull
+        runs on a transfer thread
+    land (<= max_kv_loads_per_step a step): region written into the reserved blocks, the
+        request joins the running batch with N (N-1) tokens computed: its next step
+        computes t1 (the last prompt token)
     failure (peer gone, lease over, checksum, unknown key): blocks freed, then the request
         recomputes its prompt (policy recompute) or ends with an error (policy fail)
 
 Prefix hits cover whole blocks: positions ::
 
     [0 ........ B)[B ................ N-1)[N-1][t1]
-     local hit     pulled from prefill     computed here
+     local hit     pulled from prefill     |    computed here
+                                           pulled with t1 here, else computed here
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ class RemoteKV:
     request: Request
     params: KVTransferParams
     key: str
-    num_tokens: int  # N-1: tokens whose KV is pulled (or hit locally)
+    num_tokens: int  # tokens whose KV is pulled (or hit locally): N-1, or N with t1 here
     num_hit: int = 0
     block_ids: tuple[list[int], ...] = ()  # receiver ids of the slots asked for, per group
     future: Future | None = None
@@ -194,6 +196,12 @@ class KVConnector:
         req.num_cached_tokens = params.num_cached_tokens
         if self._take_first(req, params.first_token_ids, params.first_logprobs):
             return  # t1 ended it (EOS, a stop token, max_tokens 1): nothing to pull
+        if req.output_token_ids and not self.scheduler.num_lookahead_tokens:
+            # t1 is here: the KV of the whole prompt comes (the prefill side holds both
+            # windows), and t1's step is a plain decode step, a CUDA-graph one. A drafter
+            # would also need the rows t1 wrote there (the MTP row N), so speculating, the
+            # last prompt token is computed here again.
+            num_tokens += 1
         self.pending.append(RemoteKV(req, params, key, num_tokens))
 
     def _take_first(
@@ -225,11 +233,7 @@ class KVConnector:
             self.store.discard(key)  # aborted: a waiting pull fails now
             return
         rows = ExportedRows(self.caches, block_ids)
-        # t1 for a pull sent before the answer (router overlap); its logprobs travel only in
-        # the answer, so a request that wants them computes t1 on the decode side then
-        carry = params.num_consumers == 1 and req.sampling_params.logprobs is None
-        first = list(req.output_token_ids) if carry else []
-        self.store.put(key, rows, params.num_consumers, req.num_cached_tokens, first)
+        self.store.put(key, rows, params.num_consumers, req.num_cached_tokens)
 
     def _stream_blocks(self) -> None:
         """Producer, at the start of a step (the previous step's chunk is computed, or, on a
@@ -318,21 +322,17 @@ class KVConnector:
                 self._fail(remote, str(e))
                 record.num_failed += 1
                 continue
-            # the prefill side's hit and t1, when the pull went out before its answer
-            # (router overlap)
+            # the prefill side's hit, when the pull went out before its answer (router overlap)
             end = self.client.remote_ends.pop(remote.key, None) if self.client else None
             req = remote.request
+            if end is not None:
+                req.num_cached_tokens = max(req.num_cached_tokens, end.num_cached_tokens)
             self.num_bytes_received += region.numel() * region.element_size()
             for g, ids in enumerate(remote.block_ids):
                 self.num_blocks_received[g] += len(ids)
+            self.scheduler.run_with_kv(req, remote.num_tokens)
             self.num_loads += 1
             record.num_loaded += 1
-            ended = False  # by t1 (its blocks are freed then)
-            if end is not None:
-                req.num_cached_tokens = max(req.num_cached_tokens, end.num_cached_tokens)
-                ended = self._take_first(req, end.first_token_ids, None)
-            if not ended:
-                self.scheduler.run_with_kv(req, remote.num_tokens)
             if record.num_loaded >= cap:
                 break
 

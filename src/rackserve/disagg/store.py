@@ -43,7 +43,6 @@ class StoredKV:
     expires_at: float  # time.monotonic()
     pieces: list[Piece] = field(default_factory=list)
     num_cached_tokens: int = 0  # the prefill side's prefix hit (the decode side reports it)
-    first_token_ids: list[int] = field(default_factory=list)  # what the prefill sampled
 
 
 class KVStore:
@@ -79,10 +78,9 @@ class KVStore:
         rows: ExportedRows,
         num_consumers: int,
         num_cached_tokens: int = 0,
-        first_token_ids: list[int] | None = None,
     ) -> None:
-        """The finished request's rows (an open entry keeps its pieces), its prefix hit and
-        the token it sampled (both go to a streamed pull with its ``End``)."""
+        """The finished request's rows (an open entry keeps its pieces) and its prefix hit
+        (a streamed pull's ``End`` carries it)."""
         with self._lock:
             self._expire_locked()
             entry = self._entries.get(key)
@@ -92,17 +90,13 @@ class KVStore:
             else:
                 entry.rows, entry.consumers_left, entry.expires_at = rows, num_consumers, expires_at
             entry.num_cached_tokens = num_cached_tokens
-            entry.first_token_ids = list(first_token_ids or ())
             self._changed.notify_all()
 
     def end(self, key: str) -> End:
-        """A streamed pull's last message: its prefix hit and first token (none if gone)."""
+        """A streamed pull's last message, with the prefill side's prefix hit."""
         with self._lock:
             entry = self._entries.get(key)
-            if entry is None:
-                return End(True)
-            return End(True, num_cached_tokens=entry.num_cached_tokens,
-                       first_token_ids=entry.first_token_ids)  # fmt: skip
+            return End(True, num_cached_tokens=0 if entry is None else entry.num_cached_tokens)
 
     def discard(self, key: str) -> None:
         """The prefill ended without KV (aborted, refused): waiting pulls fail now."""

@@ -216,8 +216,7 @@ def recv_streamed(
     group: Any = None,
     device: torch.device | None = None,
 ) -> tuple[torch.Tensor, End]:
-    """(the region from Rows pieces, the producer's ``End``: its prefix hit and first
-    token); ``layout[g]``:
+    """(the region from Rows pieces, the producer's ``End``: its prefix hit); ``layout[g]``:
     (layers, elements per slot per layer) of group g on this side. ``group``: the pair the
     pieces' data arrive on, into ``device`` memory (None: on ``conn``, into CPU memory).
     TransferError on a bad piece, a checksum or a missing slot."""

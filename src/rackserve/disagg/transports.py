@@ -294,7 +294,7 @@ class KVClient:
         self.pairs = PairGroups(backend, timeout_s=lease_s)
         self._rendezvous: dict[str, str] = {}
         self.pieces = PieceLog()  # streamed pieces' arrivals (tcp, nccl)
-        # key -> a streamed pull's End: the prefill side's hit and first token
+        # key -> a streamed pull's End: the prefill side's prefix hit
         self.remote_ends: dict[str, End] = {}
 
     def _connect(self, host: str, port: int) -> socket.socket:

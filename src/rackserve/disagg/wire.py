@@ -87,7 +87,6 @@ class End(msgspec.Struct, tag="end"):
     ok: bool
     message: str = ""
     num_cached_tokens: int = 0  # the prefill side's prefix hit (a pull sent before it answered)
-    first_token_ids: list[int] = []  # the token it sampled (emitted when the pull lands)
 
 
 class Ack(msgspec.Struct, tag="ack"):

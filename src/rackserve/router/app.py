@@ -60,7 +60,10 @@ LATENCY_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
 @dataclass(frozen=True)
 class RouterSettings:
     health_interval_s: float = 1.0
-    health_timeout_s: float = 2.0
+    # above an engine's own /health budget (its loop answers a ping between steps, within
+    # 10 s): an engine in a long step (a kernel compile, a long prefill chunk) is busy, not
+    # down. A dead one is found at once (connection refused) or by its own 503.
+    health_timeout_s: float = 15.0
     request_timeout_s: float = 600.0
     max_retries: int = 3
     overlap_transfer: bool = False  # send the decode request with the prefill one
