@@ -29,23 +29,27 @@ from rackserve.cli import main; sys.exit(main(sys.argv[2:]))" "$code" bench forw
     --preset v4-flash --layers 4 --experts 64 --output "$output" "$@" 2>&1 \
     | grep -E "^prefill|^decode|Error"
 }
-# bench decode at 1 and 64 requests next to transformers' decode step on the same checkpoint
-# (v4-flash, 4 layers, 64 experts, context 512), records and the ratios under $R; the steps'
-# limits cut to what is left of $BUDGET_S
+# bench decode at 1 and 64 requests (synchronous and --async-scheduling) next to
+# transformers' decode step on the same checkpoint (v4-flash, 4 layers, 64 experts, context
+# 512), records and the ratios under $R; the steps' limits cut to what is left of $BUDGET_S
 decode_vs_transformers() {
   local rs=(python3 -c 'import sys; from rackserve.cli import main; sys.exit(main(sys.argv[1:]))')
   local t c
   t=$(cap 170); echo "== model create (${t}s)"
   ((t)) && timeout "$t" "${rs[@]}" model create --preset v4-flash --layers 4 --experts 64 \
     --dtype bfloat16 --no-mtp --out /tmp/flash4 2>&1 | tail -1
+  local mode flag
   for c in 1 64; do
-    t=$(cap 45); echo "== bench decode, $c requests (${t}s)"
-    ((t)) && [[ -d /tmp/flash4 ]] && timeout "$t" "${rs[@]}" bench decode --model /tmp/flash4 \
-      --concurrency $c --context 512 --steps 30 --warmup 5 --kv-cache-memory 8000000000 \
-      --output "$R/decode_$c.json" 2>&1 | tail -1
+    for mode in sync async; do  # the gates' figures are the async ones (sessions 6, 8)
+      flag=(); [[ $mode == async ]] && flag=(--async-scheduling)
+      t=$(cap 45); echo "== bench decode, $c requests, $mode (${t}s)"
+      ((t)) && [[ -d /tmp/flash4 ]] && timeout "$t" "${rs[@]}" bench decode --model /tmp/flash4 \
+        --concurrency $c --context 512 --steps 30 --warmup 5 --kv-cache-memory 8000000000 \
+        "${flag[@]}" --output "$R/decode_${c}_$mode.json" 2>&1 | tail -1
+    done
   done
   t=$(cap 150); echo "== transformers (${t}s)"
   ((t)) && [[ -d /tmp/flash4 ]] && timeout "$t" python3 benchmarks/hf_decode.py \
     --model /tmp/flash4 --batch 1,64 --context 512 --output "$R/hf_decode.json" 2>&1 | tail -2
-  python3 benchmarks/hf_ratio.py "$R" 1 64
+  python3 benchmarks/hf_ratio.py "$R" 1_sync 1_async 64_sync 64_async
 }
