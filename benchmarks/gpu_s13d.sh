@@ -13,6 +13,7 @@ python3 -m rackserve.cli model create --preset v4-flash --layers 4 --experts 16 
 t=$(cap 420); echo "== P/D ITL under a burst over tcp (${t}s)"
 ((t)) && timeout "$t" python3 benchmarks/pd_serving_bench.py --model /tmp/pd_model \
   --gpus 1 --transport tcp --lengths 1024 --repeats 3 --burst 32 --burst-length 4096 \
+  --running-tokens 1500 --burst-delay-s 2 \
   --logs "$R/pd_logs" --out "$R/pd_serving.json" 2>&1 | grep -vE "^INFO|^\s*$" | tail -14
 for f in "$R"/pd_logs/*.log; do
   grep -vE "^INFO|tensor/s|capturing CUDA" "$f" | tail -c 20000 > "$f.tail" && mv "$f.tail" "$f"

@@ -63,7 +63,8 @@ def engine(args, gpu: str, role: str | None, log: Path, cap: int | None = None, 
     port = free_port()
     cmd = [
         sys.executable, "-m", "rackserve.cli", "serve", args.model, "--port", str(port),
-        "--served-model-name", "m", "--max-model-len", str(max(args.lengths) + 512),
+        "--served-model-name", "m",
+        "--max-model-len", str(max(*args.lengths, args.burst_length) + 512),
         "--disable-uvicorn-access-log", "--disable-log-stats", "--device", args.device,
     ]  # fmt: skip
     if args.device == "cuda":
@@ -217,6 +218,7 @@ def burst_itl(base: str, args) -> dict:
     """8 streams decoding; then ``args.burst`` requests at once; ITL of the 8 during it."""
     burst_window: list[float] = []
     gaps_at: list[tuple[float, float]] = []  # (arrival, gap since the previous chunk)
+    failed: list[int] = []  # HTTP statuses of burst requests that did not succeed
 
     def runner(i: int) -> None:
         times = stream(base, prompt_of(128, 1000 + i), args.running_tokens)
@@ -231,9 +233,11 @@ def burst_itl(base: str, args) -> dict:
     with httpx.Client(timeout=600) as client:
 
         def one(i: int) -> None:
-            client.post(f"{base}/v1/completions", json={
+            r = client.post(f"{base}/v1/completions", json={
                 "model": "m", "prompt": prompt_of(length, 5000 + i), "max_tokens": 4,
                 "temperature": 0})  # fmt: skip
+            if r.status_code != 200:
+                failed.append(r.status_code)
 
         burst = [threading.Thread(target=one, args=(i,)) for i in range(args.burst)]
         for t in burst:
@@ -254,8 +258,10 @@ def burst_itl(base: str, args) -> dict:
                 "p99_ms": 1e3 * values[min(len(values) - 1, int(0.99 * len(values)))],
                 "max_ms": 1e3 * values[-1], "count": len(values)}  # fmt: skip
 
+    if failed:
+        print(f"burst: {len(failed)} requests failed (HTTP {sorted(set(failed))})", flush=True)
     return {"before_burst": stats(before), "during_burst": stats(during),
-            "burst_s": burst_window[1] - burst_window[0]}  # fmt: skip
+            "burst_s": burst_window[1] - burst_window[0], "burst_failed": len(failed)}  # fmt: skip
 
 
 def main() -> None:
