@@ -290,6 +290,15 @@ class EngineCore:
         sched = self.scheduler
         return sched.num_unfinished > 0 or self._in_flight is not None or sched.has_outputs
 
+    def take_outputs(self) -> EngineCoreOutputs | None:
+        """Outputs made between steps (a P/D request's first token, emitted on arrival),
+        for the loop to send before the next step's work; None when there are none."""
+        outputs = self.scheduler.take_outputs()
+        if not outputs:
+            return None
+        stats = self.scheduler.stats()
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=time.time())
+
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
         connector = self.kv_connector

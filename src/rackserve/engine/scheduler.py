@@ -238,8 +238,14 @@ class Scheduler:
 
     @property
     def has_outputs(self) -> bool:
-        """Outputs made outside a step wait for the next :meth:`update`."""
+        """Outputs made outside a step wait for the next :meth:`update` (or
+        :meth:`take_outputs`)."""
         return bool(self._finished_outputs)
+
+    def take_outputs(self) -> list[EngineCoreOutput]:
+        """The outputs made outside a step so far (a P/D request's first token)."""
+        outputs, self._finished_outputs = self._finished_outputs, []
+        return outputs
 
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

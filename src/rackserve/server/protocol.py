@@ -267,7 +267,9 @@ class SamplingRequest(OpenAIModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # list[int] before list[str]: pydantic's smart union then validates a token-id prompt
+    # 8x faster (16K ids: 3.6 -> 0.46 ms, paid on every hop of a P/D request)
+    prompt: str | list[int] | list[str] | list[list[int]]
     # 0: score the prompt only (echo + logprobs), as lm-eval's loglikelihood requests do
     max_tokens: int | None = Field(None, ge=0)
     echo: bool = False
