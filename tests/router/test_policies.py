@@ -96,6 +96,31 @@ def test_text_keyer_prefix_property():
     assert salted[0] != k1[0]
 
 
+def test_text_keyer_keys_token_id_prompts():
+    """A prompt of token ids is keyed by its ids (it used to key as the text of its first
+    id: no blocks, so no prefix routing); prefixes share keys; a batch keys its first."""
+    keyer = TextKeyer()
+    ids = list(range(1000, 1000 + 80))
+    k1, block = keyer.keys({"prompt": ids})
+    k2, _ = keyer.keys({"prompt": ids + [7] * 40})
+    assert block == 64 and len(k1) == 5 and len(k2) == 7 and k2[:5] == k1
+    assert keyer.keys({"prompt": [ids, [1, 2]]})[0] == k1
+    changed, _ = keyer.keys({"prompt": [*ids[:79], 5]})  # the last id differs
+    assert changed[:4] == k1[:4] and changed[4] != k1[4]
+    assert not set(k1) & set(keyer.keys({"prompt": "x" * 640})[0])
+    pool = EnginePool([f"http://e{i}" for i in range(3)], "engine", "kv-aware")
+    homes = []
+    for s in range(3):
+        choice = pool.choose({"prompt": [s] * 200}, None, set())
+        pool.start(choice, None)
+        pool.finish(choice)
+        homes.append(choice.index)
+    assert len(set(homes)) == 3
+    for s, home in enumerate(homes):  # a longer turn of each goes where its prefix is
+        assert pool.choose({"prompt": [s] * 200 + [9] * 50}, None, set()).index == home
+    assert pool.choose({"prompt": ["not", "ids", 3]}, None, set()).units == 1  # by load
+
+
 def test_pool_routes_sessions_to_their_prefix_and_around_down_engines():
     pool = EnginePool([f"http://e{i}" for i in range(4)], "engine", "kv-aware")
     bodies = [{"prompt": f"session {s} " + "z" * 300} for s in range(8)]

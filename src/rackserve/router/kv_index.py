@@ -23,12 +23,16 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 logger = logging.getLogger(__name__)
 TEXT_BLOCK_CHARS = 64  # approximate mode: prefix blocks of this many characters
+# a prompt of token ids: blocks of this many ids, counted as TEXT_BLOCK_CHARS characters
+# (about 4 a token) so that the load term weighs both kinds of prompt alike
+TOKEN_BLOCK_IDS = 16
 DEFAULT_APPROX_CAPACITY = 200_000  # approximate mode: blocks remembered per engine
 
 
@@ -39,13 +43,21 @@ class TextKeyer:
     block_chars = TEXT_BLOCK_CHARS
 
     def keys(self, body: dict[str, Any]) -> tuple[list[bytes], int]:
-        text = prompt_text(body)
+        """(the chained block hashes, the characters a block counts for). A prompt of token
+        ids is keyed by its ids (8 bytes each, TOKEN_BLOCK_IDS a block); anything that is
+        neither raises (the caller routes by load then)."""
         salt = str(body.get("cache_salt") or "").encode()
-        parent = hashlib.sha256(b"rackserve/router/text" + salt).digest()
+        ids = prompt_ids(body)
+        if ids is not None:
+            data, step = array("q", ids).tobytes(), 8 * TOKEN_BLOCK_IDS
+            parent = hashlib.sha256(b"rackserve/router/ids" + salt).digest()
+        else:
+            data = prompt_text(body).encode("utf-8", "surrogatepass")
+            step = self.block_chars
+            parent = hashlib.sha256(b"rackserve/router/text" + salt).digest()
         hashes = []
-        for start in range(0, len(text) - self.block_chars + 1, self.block_chars):
-            chunk = text[start : start + self.block_chars].encode("utf-8", "surrogatepass")
-            parent = hashlib.blake2b(parent + chunk, digest_size=16).digest()
+        for start in range(0, len(data) - step + 1, step):
+            parent = hashlib.blake2b(parent + data[start : start + step], digest_size=16).digest()
             hashes.append(parent)
         return hashes, self.block_chars
 
@@ -93,6 +105,16 @@ class TokenKeyer:
         step = self.block_tokens
         ends = range(step, chain.num_tokens + 1, step)
         return [chain.prefix_hash(end) for end in ends], step
+
+
+def prompt_ids(body: dict[str, Any]) -> list[int] | None:
+    """A completion's prompt given as token ids (the first of a batch), else None."""
+    prompt = body.get("prompt")
+    if not isinstance(prompt, list) or not prompt:
+        return None
+    if isinstance(prompt[0], list):  # a batch of token-id prompts
+        prompt = prompt[0]
+    return prompt if not prompt or isinstance(prompt[0], int) else None
 
 
 def prompt_text(body: dict[str, Any]) -> str:

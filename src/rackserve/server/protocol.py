@@ -63,7 +63,9 @@ class OpenAIModel(BaseModel):
             value = getattr(self, name)
             if isinstance(value, OpenAIModel):
                 names += value.ignored_fields(f"{prefix}{name}.")
-            elif isinstance(value, list):
+            elif isinstance(value, list) and value and isinstance(value[0], OpenAIModel):
+                # lists of models (messages, content parts); not a prompt's token ids, which
+                # a walk item by item took 3 ms for at 16K tokens
                 for i, item in enumerate(value):
                     if isinstance(item, OpenAIModel):
                         names += item.ignored_fields(f"{prefix}{name}.{i}.")
