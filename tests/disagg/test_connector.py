@@ -174,6 +174,31 @@ def test_first_token_that_ends_the_request(tiny, prompts, expected):
         consumer.shutdown()
 
 
+def test_prompt_logprobs_ignore_a_carried_first_token(tiny, prompts, expected):
+    """Prompt logprobs are computed here (every prompt position), and they go out with the
+    first token this engine samples: a carried t1 is not taken, so none goes missing."""
+    producer = make_core(tiny, producer_config())
+    consumer = make_core(tiny, consumer_config())
+    try:
+        firsts = prefill(producer, {"r0": prompts["r0"]}, PARAMS)
+        params = replace(PARAMS, prompt_logprobs=1, kv_transfer_params=KVTransferParams(
+            do_remote_prefill=True, transfer_id="r0", remote_host="127.0.0.1", remote_port=1,
+            first_token_ids=tuple(firsts["r0"])))  # fmt: skip
+        consumer.add_request(EngineCoreRequest("r0", prompts["r0"], params, time.time()))
+        tokens, with_prompt_logprobs = [], 0
+        deadline = time.monotonic() + 60
+        while consumer.has_unfinished_requests():
+            assert time.monotonic() < deadline
+            for out in consumer.step().outputs:
+                tokens += out.new_token_ids
+                with_prompt_logprobs += out.prompt_logprobs is not None
+        assert tokens == expected["r0"] and with_prompt_logprobs == 1
+        assert consumer.kv_connector.num_loads == 0 and idle(consumer)
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+
+
 def test_min_tokens_keeps_eos_masked_for_the_first_token(tiny, prompts):
     """EOS made the argmax (logit_bias) and min_tokens 2: the prefill side's t1 is not EOS,
     as an aggregated engine's is not; the P/D output equals it, EOS third."""

@@ -260,6 +260,9 @@ def test_prefill_answer_carries_the_first_token(pd):
         )
         assert r.status_code == 400, r.text
         assert needle in r.json()["error"]["message"]
+    r = httpx.post(f"{decode.url}/v1/completions", timeout=60,
+                   json=body | {"n": 2, "kv_transfer_params": without_logprobs})  # fmt: skip
+    assert r.status_code == 400 and "needs one prompt and n = 1" in r.json()["error"]["message"]
 
 
 def test_router_errors(tmp_path):

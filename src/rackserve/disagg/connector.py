@@ -187,9 +187,11 @@ class KVConnector:
         assert params is not None
         num_tokens = req.num_prompt_tokens - 1
         if num_tokens < 1 or req.sampling_params.prompt_logprobs is not None:
-            # Nothing to pull, or every prompt position's logits are wanted: compute here.
+            # Nothing to pull, or every prompt position's logits are wanted: compute here
+            # (the prompt logprobs go out with the first token this engine samples).
             self.scheduler.add_request(req)
-            self._take_first(req, params.first_token_ids, params.first_logprobs)
+            if req.sampling_params.prompt_logprobs is None:
+                self._take_first(req, params.first_token_ids, params.first_logprobs)
             return
         self.scheduler.add_waiting_for_kv(req)
         key = transfer_key(params.transfer_id, req.prompt_token_ids[:num_tokens])

@@ -309,6 +309,13 @@ class OpenAIServing:
         if body.stop_token_ids:
             self.check_token_ids(body.stop_token_ids, "stop_token_ids")
         params = body.sampling_params(max_tokens, logprobs)
+        kv = params.kv_transfer_params
+        if kv is not None and kv.first_token_ids and (params.n > 1 or len(prompts) > 1):
+            raise ParamError(
+                "kv_transfer_params.first_token_ids is one completion's first token: it needs "
+                "one prompt and n = 1 (each completion samples its own)",
+                "kv_transfer_params",
+            )
         try:  # an invalid schema, regex or grammar is the client's 400, not the engine's
             check_structured_outputs(params.structured_outputs)
         except ValueError as e:
