@@ -95,6 +95,11 @@ class StructuredOutputsParams:
         return kind, text, self.disable_any_whitespace
 
 
+# one carried token's logprobs: (token ids, logprobs, rank), the sampled token first, as
+# engine.outputs.Logprob holds them
+CarriedLogprob = tuple[tuple[int, ...], tuple[float, ...], int]
+
+
 @dataclass(frozen=True)
 class KVTransferParams:
     """The P/D handshake (vLLM's ``kv_transfer_params``). To a prefill engine:
@@ -117,7 +122,7 @@ class KVTransferParams:
     num_consumers: int = 1
     num_cached_tokens: int = 0
     first_token_ids: tuple[int, ...] = ()
-    first_logprobs: tuple[tuple[tuple[int, ...], tuple[float, ...], int], ...] | None = None
+    first_logprobs: tuple[CarriedLogprob, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.do_remote_decode and self.do_remote_prefill:
@@ -194,7 +199,7 @@ def _int_tuple(value: Any, name: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _logprob_entry(raw: Any) -> tuple[tuple[int, ...], tuple[float, ...], int]:
+def _logprob_entry(raw: Any) -> CarriedLogprob:
     """One ``first_logprobs`` entry: {"token_ids": [...], "logprobs": [...], "rank": r}."""
     message = "kv_transfer_params.first_logprobs entries are {token_ids, logprobs, rank}"
     if not isinstance(raw, dict):

@@ -61,7 +61,7 @@ from rackserve.disagg.wire import transfer_key
 from rackserve.engine.outputs import EngineCoreRequest, Logprob
 from rackserve.engine.scheduler import Scheduler
 from rackserve.model.batch import KVCacheTensors
-from rackserve.request import KVTransferParams, Request, RequestStatus
+from rackserve.request import CarriedLogprob, KVTransferParams, Request, RequestStatus
 from rackserve.runner.kv_transfer import NULL_BLOCK_ID, ExportedRows, import_blocks, packed_numel
 
 logger = logging.getLogger(__name__)
@@ -210,7 +210,7 @@ class KVConnector:
         self,
         req: Request,
         token_ids: tuple[int, ...] | list[int],
-        logprobs: tuple[tuple[tuple[int, ...], tuple[float, ...], int], ...] | None,
+        logprobs: tuple[CarriedLogprob, ...] | None,
     ) -> bool:
         """Emit the prefill side's t1 as ``req``'s first token (once; only for n = 1: each
         of n > 1 samples its own). True when that finished the request."""

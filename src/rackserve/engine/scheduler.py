@@ -27,7 +27,7 @@ from rackserve.engine.outputs import (
     SchedulerStats,
 )
 from rackserve.engine.request_queue import WaitingQueue
-from rackserve.engine.stop import check_stop_token
+from rackserve.engine.stop import StopDecision, check_stop_token
 from rackserve.kv.manager import KVCacheManager
 from rackserve.kv.offload import KVOffloader, LoadStart
 from rackserve.request import Request, RequestStatus
@@ -35,6 +35,18 @@ from rackserve.runner.structured_output import GrammarWait
 from rackserve.spec_decode.stats import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
+
+
+def _stopped(req: Request, out: EngineCoreOutput, decision: StopDecision) -> RequestStatus:
+    """The finished status a stop decision gives; its reasons go on ``out`` and ``req``."""
+    status = (
+        RequestStatus.FINISHED_STOPPED
+        if decision.kind == "stop"
+        else RequestStatus.FINISHED_LENGTH_CAPPED
+    )
+    out.finish_reason = status.finish_reason.value
+    out.stop_reason = req.stop_reason = decision.stop_reason
+    return status
 
 
 def _urgency(req: Request) -> tuple[int, float]:
@@ -188,16 +200,7 @@ class Scheduler:
         self._finished_outputs.append(out)
         if decision is None:
             return False
-        status = (
-            RequestStatus.FINISHED_STOPPED
-            if decision.kind == "stop"
-            else RequestStatus.FINISHED_LENGTH_CAPPED
-        )
-        out.finish_reason = status.finish_reason.value
-        out.stop_reason = req.stop_reason = decision.stop_reason
-        self.running = [r for r in self.running if r is not req]
-        self.waiting.remove({req.request_id})
-        self._free(req, status)
+        self.finish_requests([req.request_id], _stopped(req, out, decision))
         return True
 
     def requeue(self, req: Request) -> None:
@@ -550,16 +553,8 @@ class Scheduler:
                     for lp in prompt_logprobs[req_id]
                 ]
             if decision is not None:
-                status = (
-                    RequestStatus.FINISHED_STOPPED
-                    if decision.kind == "stop"
-                    else RequestStatus.FINISHED_LENGTH_CAPPED
-                )
-                out.finish_reason = status.finish_reason.value
-                out.stop_reason = decision.stop_reason
-                req.stop_reason = decision.stop_reason
                 finished.add(req_id)
-                self._free(req, status)
+                self._free(req, _stopped(req, out, decision))
             outputs.append(out)
         if finished:
             self.running = [r for r in self.running if r.request_id not in finished]
