@@ -210,13 +210,20 @@ def _logprob_entry(raw: Any) -> CarriedLogprob:
         not ids
         or not isinstance(values, list)
         or len(values) != len(ids)
-        or any(not isinstance(v, int | float) or isinstance(v, bool) for v in values)
+        or not all(_is_logprob(v) for v in values)
         or not isinstance(rank, int)
         or isinstance(rank, bool)
-        or rank < 1
+        or not 1 <= rank <= INT64_MAX  # the engine's outputs hold it as a 64-bit int
     ):
         raise ValueError(message)
     return ids, tuple(float(v) for v in values), rank
+
+
+def _is_logprob(value: Any) -> bool:
+    """A finite number (an int too large for a float would fail float())."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return isinstance(value, int) and not isinstance(value, bool) and abs(value) <= 2**53
 
 
 @dataclass(frozen=True)

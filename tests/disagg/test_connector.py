@@ -412,6 +412,19 @@ def test_request_params_are_checked():
         KVTransferParams.from_dict({"remote_port": "80"})
     params = KVTransferParams.from_dict({"do_remote_decode": True, "transfer_id": "t", "x": 1})
     assert params.do_remote_decode and params.num_consumers == 1
+    carried = {"do_remote_prefill": True, "transfer_id": "t", "remote_host": "h",
+               "remote_port": 1, "first_token_ids": [3]}  # fmt: skip
+    ok = {"token_ids": [3, 9], "logprobs": [-0.5, -2], "rank": 1}
+    assert KVTransferParams.from_dict(carried | {"first_logprobs": [ok]}).first_logprobs == (
+        ((3, 9), (-0.5, -2.0), 1),
+    )
+    bads = ({"logprobs": [10**400, -2]}, {"logprobs": [float("inf"), -2]}, {"rank": 2**64},
+            {"rank": 0}, {"logprobs": [-0.5]}, {"token_ids": [4, 9]})  # fmt: skip
+    for bad in bads:
+        with pytest.raises(ValueError, match="first_logprobs"):
+            KVTransferParams.from_dict(carried | {"first_logprobs": [ok | bad]})
+    with pytest.raises(ValueError, match="first_token_ids"):
+        KVTransferParams.from_dict(carried | {"first_token_ids": [2**64]})
 
 
 def test_engine_without_config_refuses_kv_params(tiny):
