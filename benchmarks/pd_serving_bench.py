@@ -80,6 +80,7 @@ def engine(args, gpu: str, role: str | None, log: Path, cap: int | None = None, 
         cmd += ["--max-kv-loads-per-step", str(cap)]
     if role == "kv_producer" and args.prefill_chunk:  # its KV streams while later chunks run
         cmd += ["--long-prefill-token-threshold", str(args.prefill_chunk)]
+    cmd += args.engine_arg
     env = dict(os.environ)
     if args.device == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = gpu
@@ -278,6 +279,8 @@ def main() -> None:
     p.add_argument("--running-tokens", type=int, default=400)
     p.add_argument("--prefill-chunk", type=int, default=0,
                    help="the prefill engine's --long-prefill-token-threshold (0: off)")  # fmt: skip
+    p.add_argument("--engine-arg", action="append", default=[],
+                   help="one more argument of every engine's serve (repeat it)")  # fmt: skip
     p.add_argument("--ttft-only", action="store_true",
                    help="TTFT alone: no steady ITL, no bursts, the capped pair")  # fmt: skip
     p.add_argument("--logs", type=Path, default=Path("."))
