@@ -68,6 +68,30 @@ def test_bf16_keeps_reference_fp32_params(tiny_dir: Path):
     assert layer.attn.attn_sink.dtype == torch.float32
     assert layer.hc_attn_fn.dtype == torch.float32
     assert layer.attn_norm.weight.dtype == torch.float32
+    # every value is the checkpoint's, rounded once: as an fp32 load cast afterwards
+    fp32 = load_model(tiny_dir).cast(torch.bfloat16)
+    for (name, got), (_, want) in zip(
+        model.state_dict().items(), fp32.state_dict().items(), strict=True
+    ):
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+
+
+def test_bf16_model_is_never_held_in_fp32(tiny_dir: Path, monkeypatch):
+    """The loader makes each parameter in the model dtype as it is registered, so no fp32
+    copy of the model exists at once (a 30 GB bf16 checkpoint took 60 GiB of the GPU)."""
+    made: list[torch.dtype] = []
+    register = torch.nn.Module.register_parameter
+
+    def spy(module, name, param):
+        register(module, name, param)
+        if param is not None:
+            made.append(getattr(module, name).dtype)
+
+    monkeypatch.setattr(torch.nn.Module, "register_parameter", spy)
+    load_model(tiny_dir, dtype=torch.bfloat16)
+    assert made and set(made) == {torch.bfloat16}  # fp32 ones go back to fp32 in cast
+    assert torch.nn.Module.register_parameter is spy  # the loader's hook is gone again
+    assert torch.nn.Linear(4, 4).weight.dtype == torch.float32
 
 
 def _rewrite(path: Path, edit) -> None:

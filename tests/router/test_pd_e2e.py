@@ -265,6 +265,69 @@ def test_prefill_answer_carries_the_first_token(pd):
     assert r.status_code == 400 and "needs one prompt and n = 1" in r.json()["error"]["message"]
 
 
+def chunks(base: str, path: str, body: dict) -> list[dict]:
+    """Every chunk of a streamed response, parsed ([DONE] last, checked)."""
+    with httpx.stream("POST", base + path, json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+
+
+def test_streamed_first_token_comes_from_the_prefill_answer(tiny, tmp_path, pd):
+    """The router sends a streamed request's first chunks from the prefill engine's answer
+    (router/first_token.py): chunk for chunk what one aggregated engine streams (one id
+    throughout), logprobs, usage and a first token that ends the request included; the
+    switch turns it off."""
+    prefill, decode = pd
+    aggregated = start_engine(tiny, tmp_path)
+    router = start_router(tmp_path, "--prefill", prefill.url, "--decode", decode.url)
+    plain = start_router(tmp_path, "--prefill", prefill.url, "--decode", decode.url,
+                         "--no-first-token-from-prefill")  # fmt: skip
+    base = {"model": "tiny", "temperature": 0, "stream": True, "ignore_eos": True}
+    usage = {"stream_options": {"include_usage": True}}
+
+    def requests(word: str) -> list[tuple[str, dict]]:  # new prompts: no prefix hits
+        return [
+            ("/v1/completions", base | usage | {"prompt": f"orbit {word} " * 9, "max_tokens": 6,
+                                                 "logprobs": 2}),
+            ("/v1/completions", base | {"prompt": [len(word), *range(40, 95)], "max_tokens": 5,
+                                        "logprobs": 0}),
+            ("/v1/chat/completions", base | usage | {
+                "messages": [{"role": "user", "content": f"nebula {word} " * 7}],
+                "max_tokens": 6, "logprobs": True, "top_logprobs": 2}),
+            ("/v1/chat/completions", base | {
+                "messages": [{"role": "user", "content": f"pulsar {word} " * 6}],
+                "max_tokens": 4}),
+        ]  # fmt: skip
+
+    with running(aggregated, router, plain):
+        for proxy, word in ((router, "comet"), (plain, "quasar")):
+            for path, body in requests(word):
+                want = chunks(aggregated.url, path, body)
+                got = chunks(proxy.url, path, body)
+                assert len({c["id"] for c in got}) == 1, "one id throughout"
+                assert [c["choices"] for c in got] == [c["choices"] for c in want]
+                assert [c.get("usage") for c in got] == [c.get("usage") for c in want]
+        # t1 ends the request: its text and logprobs come early, its reason after
+        body = base | {"prompt": "meteor " * 10, "max_tokens": 1, "logprobs": 1}
+        want = [c["choices"][0] for c in chunks(aggregated.url, "/v1/completions", body)]
+        got = [c["choices"][0] for c in chunks(router.url, "/v1/completions", body)]
+        assert len(want) == 1 and len(got) == 2
+        assert got[0] == want[0] | {"finish_reason": None, "stop_reason": None}
+        assert got[1] == want[0] | {"text": "", "logprobs": None}
+
+        def early(proxy) -> float:
+            name = "rackserve_router_first_tokens_from_prefill_total"
+            lines = httpx.get(f"{proxy.url}/metrics").text.splitlines()
+            return next(float(x.split()[-1]) for x in lines if x.startswith(name))
+
+        # the three with logprobs and the final one, at least (t1 of the fourth may decode
+        # to no text: then the decode side's stream goes whole)
+        assert early(router) >= 4
+        assert early(plain) == 0
+
+
 def test_router_errors(tmp_path):
     router = start_router(tmp_path, "--engines", "http://127.0.0.1:9")  # nothing listens
     with _no_wait(router):

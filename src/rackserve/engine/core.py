@@ -162,6 +162,8 @@ class EngineCore:
         )
         if config.parallel.skewed_routing > 0:
             apply_skewed_routing(self.model, config.parallel.skewed_routing, seed=config.seed)
+        if device.type == "cuda":  # blocks the loading freed (casts, reads) are no weights
+            torch.cuda.empty_cache()
         cfg = self.model.cfg
         self.eos_token_ids = cfg.eos_token_id
         self.max_model_len = config.scheduler.max_model_len

@@ -267,14 +267,17 @@ class DeepseekV4ForCausalLM(nn.Module):
         return layer.hc_head(x, layer.norm), x
 
     def cast(self, dtype: torch.dtype) -> DeepseekV4ForCausalLM:
-        """Cast to ``dtype``, keeping the reference's float32 parameters in float32 and
+        """Cast to ``dtype``, with the reference's float32 parameters in float32 and
         quantized weights (float8) as they are; then (fast path) fuse the weights, so that
         loading a checkpoint afterwards copies into the fused tensors and no forward has to
         build them."""
         for name, param in self.named_parameters():
             stored = param.element_size() == 1  # quantized weights (model/quant.py) stay
-            if not name.endswith(FP32_PARAM_SUFFIXES) and param.is_floating_point() and not stored:
-                param.data = param.data.to(dtype)
+            if not param.is_floating_point() or stored:
+                continue
+            target = torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype
+            if param.dtype != target:  # (made in the model dtype: loader.parameters_made_in)
+                param.data = param.data.to(target)
         return self.fuse_weights()
 
     def fuse_weights(self) -> DeepseekV4ForCausalLM:

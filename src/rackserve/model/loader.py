@@ -23,13 +23,15 @@ model dtype. Scales may be float32 or ue8m0.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from tqdm import tqdm
 
 from rackserve.config import ModelConfig
@@ -139,7 +141,7 @@ def load_model(
         cfg = ModelConfig.from_pretrained(model_dir)
         files = checkpoint_files(model_dir)
         names = open_shards(files)
-        with torch.device(device):
+        with torch.device(device), parameters_made_in(dtype):
             with_mtp = any(k.startswith("mtp.") for _, k in names)
             model = DeepseekV4ForCausalLM(
                 cfg,
@@ -162,6 +164,30 @@ def load_model(
             lambda name: handles[name].get_tensor(name) if name in handles else None,
         )
     return model.eval()
+
+
+@contextlib.contextmanager
+def parameters_made_in(dtype: torch.dtype) -> Iterator[None]:
+    """Floating-point parameters registered inside are stored in ``dtype`` as each module
+    makes them: building the model in float32 and casting afterwards held the whole model
+    in float32 at once, twice a bf16 checkpoint's bytes (a 30 GB one took 60 GiB of the GPU,
+    counted against the KV budget). The float32 parameters of the reference
+    (``FP32_PARAM_SUFFIXES``) go back to float32 in ``cast``; loading fills every value."""
+    if dtype == torch.float32:
+        yield
+        return
+    register = nn.Module.register_parameter
+
+    def register_in_dtype(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.is_floating_point() and param.element_size() > 1:
+            param = nn.Parameter(param.data.to(dtype), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_in_dtype  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
 def check_checkpoint(model_dir: str | Path) -> None:

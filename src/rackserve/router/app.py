@@ -42,6 +42,7 @@ import contextlib
 import json
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,9 +52,11 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from rackserve.router.engines import Choice, EnginePool
+from rackserve.router.first_token import DecodeFilter, eligible
 from rackserve.router.prefill_step import (
     JSON_HEADERS,
     RETRY_STATUSES,
+    FirstTokenSent,
     NotStarted,
     PrefillStep,
     json_bytes,
@@ -74,6 +77,8 @@ class RouterSettings:
     request_timeout_s: float = 600.0
     max_retries: int = 3
     overlap_transfer: bool = False  # send the decode request with the prefill one
+    # a streamed request's first token from the prefill engine's answer (router/first_token.py)
+    first_token_from_prefill: bool = True
 
 
 def error_response(
@@ -109,6 +114,11 @@ class Router:
         self.kv_sources = Counter(
             "rackserve_router_kv_source", "Where each P/D request's KV came from.", ["source"],
             registry=registry,
+        )  # fmt: skip
+        self.early_first_tokens = Counter(
+            "rackserve_router_first_tokens_from_prefill",
+            "Streamed P/D requests whose first token went to the client from the prefill "
+            "engine's answer.", registry=registry,
         )  # fmt: skip
         self.hit_units = Counter(
             "rackserve_router_expected_hit_units", "Prompt units expected cached.",
@@ -214,12 +224,90 @@ class Router:
         started = None
         if self.settings.overlap_transfer:
             started = step.start_overlapped(self.session, path, body, session, headers)
+        chat = path.endswith("/chat/completions")
+        if started is None and self.settings.first_token_from_prefill and eligible(body, chat):
+            return await self._first_token_from_prefill(request, path, body, session, headers)
         if started is None:
             started = await step.run(self.session, path, body, session, headers)
         source, body = started
         self.kv_sources.labels(source).inc()
         extra = {"X-KV-Source": source}
         return await self._proxy(request, self.decode, path, body, session, headers, extra)
+
+    async def _first_token_from_prefill(
+        self,
+        request: web.Request,
+        path: str,
+        body: dict[str, Any],
+        session: str | None,
+        headers: dict[str, str],
+    ) -> web.StreamResponse:
+        """A streamed P/D request whose first chunks come from the prefill engine's answer
+        (router/first_token.py): the client's response starts when they arrive; the decode
+        engine's stream follows without them. Both engines get one X-Request-Id, so the
+        chunks carry one id."""
+        assert self.prefill_step is not None and self.decode is not None
+        assert self.session is not None
+        headers = {"X-Request-Id": uuid.uuid4().hex, **headers}
+        try:  # the decode engine now, so the response's headers can name it
+            decode_choice = self.decode.choose(body, session, set())
+        except ValueError as e:
+            self.failures.inc()
+            return error_response(503, f"no engine could take the request ({e})")
+        response: web.StreamResponse | None = None
+
+        async def send_first(chunks: bytes, label: str) -> None:
+            nonlocal response
+            response = web.StreamResponse(
+                status=200, headers=self._routed_headers(decode_choice, f"prefill={label}")
+            )
+            response.content_type = "text/event-stream"
+            await response.prepare(request)
+            await response.write(chunks)
+            self._first_byte(request)
+            self.early_first_tokens.inc()
+
+        try:
+            source, body = await self.prefill_step.run(
+                self.session, path, body, session, headers, on_first=send_first
+            )
+        except FirstTokenSent as e:
+            assert response is not None
+            return await self._end_with_error(response, str(e))
+        self.kv_sources.labels(source).inc()
+        extra = {"X-KV-Source": source}
+        if response is None:  # no chunk to send early: the decode side's stream, whole
+            return await self._proxy(
+                request, self.decode, path, body, session, headers, extra, first=decode_choice
+            )
+        params = body.get("kv_transfer_params")
+        if not isinstance(params, dict) or not params.get("first_token_ids"):
+            message = "the prefill engine streamed a first token it did not hand over"
+            return await self._end_with_error(response, message)
+        return await self._proxy(
+            request, self.decode, path, body, session, headers, extra, first=decode_choice,
+            started=(response, DecodeFilter(path.endswith("/chat/completions"))),
+        )  # fmt: skip
+
+    async def _end_with_error(
+        self, response: web.StreamResponse, message: str
+    ) -> web.StreamResponse:
+        """A started stream's end after a failure: an error event (no retry can take back
+        what the client has)."""
+        error = error_body(message, "InternalServerError")
+        await response.write(f"data: {json.dumps(error)}\n\n".encode())
+        await response.write_eof()
+        self.failures.inc()
+        return response
+
+    @staticmethod
+    def _routed_headers(choice: Choice, source: str | None) -> dict[str, str]:
+        headers = {"X-Routed-To": choice.engine.url}
+        if source is not None:
+            headers["X-KV-Source"] = source
+        if choice.engine.rank is not None:
+            headers["X-Routed-Rank"] = str(choice.engine.rank)
+        return headers
 
     async def _proxy(
         self,
@@ -230,33 +318,43 @@ class Router:
         session: str | None,
         headers: dict[str, str],
         extra_headers: dict[str, str],
+        first: Choice | None = None,
+        started: tuple[web.StreamResponse, DecodeFilter] | None = None,
     ) -> web.StreamResponse:
-        """Send ``body`` to an engine of ``pool`` and pass its response through; retried
-        on another engine while nothing has been returned."""
+        """Send ``body`` to an engine of ``pool`` (``first``, if given, before the policy's
+        picks) and pass its response through; retried on another engine while nothing has
+        been returned. ``started``: the client's response, begun already, and the filter
+        for what the engine streams (router/first_token.py)."""
         assert self.session is not None
         tried: set[int] = set()
         last_error = "no healthy engine"
         for _ in range(self.settings.max_retries + 1):
             try:
-                choice = pool.choose(body, session, tried)
+                choice = first if first is not None else pool.choose(body, session, tried)
             except ValueError as e:
                 last_error = str(e)
                 break
+            first = None
             tried.add(choice.index)
             pool.start(choice, session)
             self.requests.labels(choice.engine.label, pool.role).inc()
             self.prompt_units.inc(choice.units)
             self.hit_units.inc(choice.hit_units)
             try:
-                return await self._relay(request, choice, path, body, headers, extra_headers)
+                return await self._relay(
+                    request, choice, path, body, headers, extra_headers, started
+                )
             except NotStarted as e:
                 last_error = f"{choice.engine.label}: {e}"
                 pool.mark_down(choice.index, str(e))
                 self.retries.inc()
             finally:
                 pool.finish(choice)
+        message = f"no engine could take the request ({last_error})"
+        if started is not None:
+            return await self._end_with_error(started[0], message)
         self.failures.inc()
-        return error_response(503, f"no engine could take the request ({last_error})")
+        return error_response(503, message)
 
     def _first_byte(self, request: web.Request) -> None:
         received_at = request.get("received_at")
@@ -272,6 +370,7 @@ class Router:
         body: dict[str, Any],
         headers: dict[str, str],
         extra_headers: dict[str, str],
+        started: tuple[web.StreamResponse, DecodeFilter] | None = None,
     ) -> web.StreamResponse:
         assert self.session is not None
         url = f"{choice.engine.url}{path}"
@@ -284,9 +383,9 @@ class Router:
         try:
             if upstream.status in RETRY_STATUSES:
                 raise NotStarted(f"HTTP {upstream.status}")
-            response_headers = {"X-Routed-To": choice.engine.url, **extra_headers}
-            if choice.engine.rank is not None:
-                response_headers["X-Routed-Rank"] = str(choice.engine.rank)
+            if started is not None:
+                return await self._relay_rest(upstream, *started)
+            response_headers = {**self._routed_headers(choice, None), **extra_headers}
             if not body.get("stream"):
                 try:
                     data = await upstream.read()
@@ -318,6 +417,24 @@ class Router:
             return response
         finally:
             await upstream_cm.__aexit__(None, None, None)
+
+    async def _relay_rest(
+        self, upstream: aiohttp.ClientResponse, response: web.StreamResponse, keep: DecodeFilter
+    ) -> web.StreamResponse:
+        """The decode engine's stream into a response that has its first chunks already."""
+        if upstream.status != 200:  # refused what the prefill side took: too late for a status
+            detail = (await upstream.read()).decode(errors="replace")[:500]
+            message = f"the decode engine refused the request (HTTP {upstream.status}): {detail}"
+            return await self._end_with_error(response, message)
+        try:
+            async for data in upstream.content.iter_any():
+                out = keep.feed(data)
+                if out:
+                    await response.write(out)
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            return await self._end_with_error(response, f"the engine failed mid-stream: {e}")
+        await response.write_eof()
+        return response
 
 
 def _forward_headers(request: web.Request) -> dict[str, str]:

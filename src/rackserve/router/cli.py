@@ -39,6 +39,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="P/D: send the decode request with the prefill one (its KV streams in while the "
         "prompt is prefilled) once the prefill engine's KV address is known",
     )  # fmt: skip
+    p.add_argument(
+        "--no-first-token-from-prefill", dest="first_token_from_prefill", action="store_false",
+        help="P/D: stream every chunk from the decode engine (by default a streamed request's "
+        "first token goes to the client from the prefill engine's answer)",
+    )  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -70,6 +75,7 @@ def build_router(args: argparse.Namespace):
     settings = RouterSettings(
         health_interval_s=args.health_interval, max_retries=max(0, args.max_retries),
         overlap_transfer=args.overlap_transfer,
+        first_token_from_prefill=args.first_token_from_prefill,
     )  # fmt: skip
     if engines:
         pool = EnginePool(engines, "engine", args.policy, load_weight=args.load_weight, **kwargs)

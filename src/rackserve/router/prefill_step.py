@@ -12,8 +12,10 @@ address.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -21,6 +23,7 @@ import msgspec
 from prometheus_client import Counter, Histogram
 
 from rackserve.router.engines import Choice, EnginePool
+from rackserve.router.first_token import PrefillStream
 
 RETRY_STATUSES = (502, 503)  # the engine is going away: nothing of the request ran
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -35,14 +38,24 @@ class NotStarted(Exception):
     """The engine could not take the request (unreachable, or 502/503): retry elsewhere."""
 
 
-def prefill_body(body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
-    """Step 1's request: the prompt, one token, not streamed, the transfer parameters. The
-    token is the request's first (the decode side emits it): min_tokens >= 1 keeps EOS
+class FirstTokenSent(NotStarted):
+    """A streamed prefill answer broke after its first chunks went to the client: no retry
+    can take them back, so the request ends with an error event."""
+
+
+OnFirst = Callable[..., Awaitable[None]]  # (chunks: bytes, label: str) -> None
+
+
+def prefill_body(body: dict[str, Any], transfer_id: str, stream: bool = False) -> dict[str, Any]:
+    """Step 1's request: the prompt, one token, the transfer parameters; streamed (with the
+    client's stream options) when its first chunks go to the client (router/first_token.py).
+    The token is the request's first (the decode side emits it): min_tokens >= 1 keeps EOS
     masked for it, as an aggregated engine would."""
     min_tokens = body.get("min_tokens")
     wants_one = isinstance(min_tokens, int) and not isinstance(min_tokens, bool) and min_tokens > 0
-    first = dict(body, stream=False, max_tokens=1, n=1, min_tokens=1 if wants_one else 0)
-    first.pop("stream_options", None)
+    first = dict(body, stream=stream, max_tokens=1, n=1, min_tokens=1 if wants_one else 0)
+    if not stream:
+        first.pop("stream_options", None)
     if "max_completion_tokens" in first:
         first["max_completion_tokens"] = 1
     n = body.get("n") if isinstance(body.get("n"), int) else 1
@@ -78,12 +91,15 @@ class PrefillStep:
         body: dict[str, Any],
         session: str | None,
         headers: dict[str, str],
+        on_first: OnFirst | None = None,
     ) -> tuple[str, dict[str, Any]]:
         """(where the KV comes from, the decode request). A prefill side that is all down,
-        or a request for the decode side alone, leaves the decode side to compute it."""
+        or a request for the decode side alone, leaves the decode side to compute it.
+        ``on_first``: the answer is streamed, and its first chunks go to it as they arrive
+        (with the prefill engine's label); once it ran, the client has the first token."""
         if decode_alone(body):
             return "decode", body
-        first = prefill_body(body, uuid.uuid4().hex)
+        first = prefill_body(body, uuid.uuid4().hex, stream=on_first is not None)
         tried: set[int] = set()
         for _ in range(len(self.pool.engines)):
             try:
@@ -93,11 +109,16 @@ class PrefillStep:
             tried.add(choice.index)
             self.pool.start(choice, session)
             self.requests.labels(choice.engine.label, "prefill").inc()
+            forward = None
+            if on_first is not None:
+                forward = functools.partial(on_first, label=choice.engine.label)
             try:
-                status, payload = await self._post(http, choice, path, first, headers)
+                status, payload = await self._post(http, choice, path, first, headers, forward)
             except (TimeoutError, aiohttp.ClientError, OSError, NotStarted) as e:
                 self.pool.mark_down(choice.index, str(e) or type(e).__name__)
                 self.retries.inc()
+                if isinstance(e, FirstTokenSent):
+                    raise
                 continue
             finally:
                 self.pool.finish(choice)
@@ -172,16 +193,34 @@ class PrefillStep:
         path: str,
         first: dict[str, Any],
         headers: dict[str, str],
+        forward: Callable[[bytes], Awaitable[None]] | None = None,
     ) -> tuple[int, Any]:
-        """The prefill request to ``choice``: (HTTP status, the parsed answer); NotStarted
-        on 502/503 (nothing ran there). Times the round trip."""
+        """The prefill request to ``choice``: (HTTP status, the parsed answer, for a streamed
+        one {"kv_transfer_params": ...} from its last event); NotStarted on 502/503 (nothing
+        ran there), FirstTokenSent if a streamed answer broke after ``forward`` sent its
+        first chunks. Times the round trip."""
         url = f"{choice.engine.url}{path}"
         send_headers = {**headers, **choice.engine.headers, **JSON_HEADERS}
         sent_at = time.perf_counter()
         async with http.post(url, data=json_bytes(first), headers=send_headers) as upstream:
             if upstream.status in RETRY_STATUSES:
                 raise NotStarted(f"HTTP {upstream.status}")
-            payload = await upstream.json(content_type=None)
+            if forward is None or upstream.status != 200:
+                payload = await upstream.json(content_type=None)
+            else:
+                reader = PrefillStream(path.endswith("/chat/completions"))
+                try:
+                    async for data in upstream.content.iter_any():
+                        ready = reader.feed(data)
+                        if ready is not None:
+                            await forward(ready)
+                except (TimeoutError, aiohttp.ClientError, OSError) as e:
+                    if reader.first is not None:
+                        raise FirstTokenSent(f"the prefill answer broke: {e}") from e
+                    raise
+                if reader.first is not None and reader.params is None:
+                    raise FirstTokenSent("the prefill answer ended without kv_transfer_params")
+                payload = {"kv_transfer_params": reader.params, "first_sent": reader.first}
         self.seconds.observe(time.perf_counter() - sent_at)
         return upstream.status, payload
 

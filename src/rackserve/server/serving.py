@@ -538,6 +538,7 @@ class OpenAIServing:
             "model": prepared.model,
         }
         num_completion, cached = 0, [0] * len(prepared.prompts)
+        latest: dict[int, RequestOutput] = {}  # each prompt's last output (kv_transfer_params)
         text_offsets: dict[int, int] = {}
         tool_parsers: dict[int, ToolCallParser | None] = {}
 
@@ -555,6 +556,7 @@ class OpenAIServing:
                 yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
         async for i, output in self._outputs(prepared, RequestOutputKind.DELTA):
             cached[i] = output.num_cached_tokens
+            latest[i] = output
             for c in output.outputs:
                 if not chat:
                     c = self._generated(prepared, c)
@@ -605,6 +607,11 @@ class OpenAIServing:
             yield sse(
                 {**head, "choices": [], "usage": usage(num_prompt, num_completion, sum(cached))}
             )
+        # a prefill engine's streamed answer to do_remote_decode (the router streams its
+        # first token to the client at once): the transfer parameters come last, on their own
+        kv_params = self._kv_transfer_params(prepared, sum(cached), latest)
+        if kv_params is not None:
+            yield sse({**head, "choices": [], "kv_transfer_params": kv_params})
         yield SSE_DONE
 
     # ---- small endpoints -------------------------------------------------------------------
