@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 14, call 1 (~8 minutes): issue 17's TTFT on a model of V4-Flash's depth. The
+# Session 14, calls 1 and 3 (~7 minutes): issue 17's TTFT on a model of V4-Flash's depth. The
 # 4-layer checkpoint's prefill is 16-106 ms, so two HTTP hops weigh more there than they
 # would on the real model; here 43 layers (8 routed experts: a prefill's FLOPs follow the
 # top-6, not the expert count) against the same P/D pair. Engines eager: TTFT is a prefill
@@ -16,7 +16,8 @@ tail -2 "$R/model_create.log"; du -sh /tmp/deep; echo "at ${SECONDS}s"
 t=$(cap 480); echo "== P/D TTFT, 43 layers (${t}s)"
 ((t)) && timeout "$t" python3 benchmarks/pd_serving_bench.py --model /tmp/deep \
   --gpus 1 --transport tcp --lengths 1024,4096,16384 --repeats 3 --ttft-only \
-  --engine-arg=--enforce-eager --logs "$R/pd_logs" --out "$R/pd_serving_deep.json" 2>&1 \
+  --engine-arg=--enforce-eager --alt-routers plain --logs "$R/pd_logs" \
+  --out "$R/pd_serving_deep.json" 2>&1 \
   | grep -vE "^INFO|^\s*$" | tail -12
 for f in "$R"/pd_logs/*.log; do
   grep -vE "^INFO|tensor/s|capturing CUDA" "$f" | tail -c 20000 > "$f.tail" && mv "$f.tail" "$f"

@@ -87,11 +87,17 @@ def engine(args, gpu: str, role: str | None, log: Path, cap: int | None = None, 
     return proc(cmd, f"http://127.0.0.1:{port}", log, env)
 
 
-def router(prefill: str, decode: str, log: Path, overlap: bool = False):
+# the routers measured beside the default one: the decode request sent with the prefill one
+# (the transfer overlaps the prefill's chunks), and every chunk from the decode engine (the
+# first token not sent from the prefill engine's answer)
+ALT_ROUTERS = {"overlap": "--overlap-transfer", "plain": "--no-first-token-from-prefill"}
+
+
+def router(prefill: str, decode: str, log: Path, flag: str | None = None):
     port = free_port()
     cmd = [
         sys.executable, "-m", "rackserve.cli", "router", "--port", str(port),
-        "--prefill", prefill, "--decode", decode, *(["--overlap-transfer"] if overlap else []),
+        "--prefill", prefill, "--decode", decode, *([flag] if flag else []),
     ]  # fmt: skip
     return proc(cmd, f"http://127.0.0.1:{port}", log)
 
@@ -279,6 +285,11 @@ def main() -> None:
     p.add_argument("--running-tokens", type=int, default=400)
     p.add_argument("--prefill-chunk", type=int, default=0,
                    help="the prefill engine's --long-prefill-token-threshold (0: off)")  # fmt: skip
+    p.add_argument(
+        "--alt-routers",
+        default="plain,overlap",
+        help=f"routers measured beside the default one: of {sorted(ALT_ROUTERS)}",
+    )
     p.add_argument("--engine-arg", action="append", default=[],
                    help="one more argument of every engine's serve (repeat it)")  # fmt: skip
     p.add_argument("--ttft-only", action="store_true",
@@ -287,6 +298,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]
+    args.alt_routers = [x for x in args.alt_routers.split(",") if x]
     args.logs.mkdir(parents=True, exist_ok=True)
     decode_gpu, share = ("1", 1.0) if args.gpus > 1 else ("0", 0.5)
     result: dict = {"lengths": args.lengths, "gpus": args.gpus, "transport": args.transport}
@@ -328,20 +340,20 @@ def main() -> None:
                 print("P/D TTFT", pd, "overhead", result["ttft_overhead"], flush=True)
                 print("  where it went", result["ttft_pd_parts"], flush=True)
                 save()
-                # the decode request sent with the prefill one: the transfer overlaps the
-                # prefill's chunks (streamed on tcp; nccl moves the region at the end)
-                with router(pre, dec, args.logs / "router_overlap.log", overlap=True) as over:
-                    ttft(over, args.lengths[:1], 2, seed=3)  # the first teaches the address
-                    pd, result["ttft_pd_overlap_parts"] = pd_ttft_parts(
-                        over, pre, dec, args.lengths, args.repeats, seed=20
-                    )
-                result["ttft_pd_overlap_s"] = pd
-                result["ttft_overlap_overhead"] = {
-                    n: pd[n] / result["ttft_aggregated_s"][n] - 1 for n in args.lengths
-                }
-                print("P/D TTFT overlapped", pd, result["ttft_overlap_overhead"], flush=True)
-                print("  where it went", result["ttft_pd_overlap_parts"], flush=True)
-                save()
+                for name in args.alt_routers:
+                    flag = ALT_ROUTERS[name]
+                    with router(pre, dec, args.logs / f"router_{name}.log", flag) as alt:
+                        ttft(alt, args.lengths[:1], 2, seed=3)  # overlap: teaches the address
+                        pd, result[f"ttft_pd_{name}_parts"] = pd_ttft_parts(
+                            alt, pre, dec, args.lengths, args.repeats, seed=20
+                        )
+                    result[f"ttft_pd_{name}_s"] = pd
+                    result[f"ttft_{name}_overhead"] = {
+                        n: pd[n] / result["ttft_aggregated_s"][n] - 1 for n in args.lengths
+                    }
+                    print(f"P/D TTFT, router {flag}", pd, result[f"ttft_{name}_overhead"])
+                    print("  where it went", result[f"ttft_pd_{name}_parts"], flush=True)
+                    save()
             if not args.ttft_only:
                 result[f"burst_itl_cap{cap}"] = burst_itl(base, args)
                 print(f"ITL under a burst, cap {cap}:", result[f"burst_itl_cap{cap}"], flush=True)
