@@ -116,7 +116,7 @@ def test_fast_path_kernels_compile_for_sm90(monkeypatch):
 
     # prefill kernels (attention, indexer, grouped MoE) from 24 tokens instead of 512 / 257
     monkeypatch.setattr(ops, "PREFILL_ATTN_MIN_TOKENS", 24)
-    monkeypatch.setattr(ops, "PREFILL_ATTENTION_MIN_TOKENS", 24)  # off by default
+    monkeypatch.setattr(ops, "PREFILL_ATTENTION_MIN_TOKENS", 24)
     monkeypatch.setattr(ops, "FUSED_MOE_MAX_TOKENS", 24)
     monkeypatch.setattr(mhc, "MIXES_APART_MIN_TOKENS", 24)  # K2 as two launches
     specs = gpu_variants(_record_fast_path())

@@ -269,8 +269,10 @@ class KVConnector:
                 new = [i for i in range(first, last) if i not in sent and table[i] != NULL_BLOCK_ID]
                 if not new:
                     continue
+                tensors = list(self.caches.tensors[name].values())
                 index = torch.tensor([table[i] for i in new], dtype=torch.long)
-                rows = [t[index.to(t.device)].clone() for t in self.caches.tensors[name].values()]
+                index = index.to(tensors[0].device) if tensors else index
+                rows = [t.index_select(0, index.to(t.device)) for t in tensors]
                 self.store.add_piece(prefill.key, Piece(g, new, rows))
                 sent.update(new)
 

@@ -171,12 +171,13 @@ def _moe_for(fused: Callable) -> Callable:
 # kernels, with query tiles sharing key tiles. Smaller (decode) batches keep the decode
 # kernels, whose splits fill the SMs when queries are few.
 PREFILL_ATTN_MIN_TOKENS = 512
-# The attention's own threshold, None: the decode kernel at every size. The prefill
-# attention kernel's tiling inside the bf16 rule (fp16 PV) was slower than the split-KV
-# decode kernel at every measured size (H200, 2026-12-02, bench forward: prefill:2048
-# 16.07 vs 16.39 ms, prefill:8192 57.81 vs 59.42, prefill:8192@65536 93.89 vs 101.25); its
-# bf16-p tiling is 1.5-2x faster than either but outside the rule (prefill_attn.py).
-PREFILL_ATTENTION_MIN_TOKENS: int | None = None
+# The attention's own threshold (None: the decode kernel at every size). From 512 queries the
+# prefill kernel with a bf16 p (prefill_attn.default_tiling): on the H200 (2026-12-02, one
+# layer at 8192 queries) CSA 4.50 ms and HCA 1.88 ms against the split-KV decode kernel's
+# 6.35 and 2.39, with 0.000-0.005% of outputs outside the bf16 rule at these shapes (the
+# limit is 0.1%). Sessions 9-13 kept the decode kernel, reading the rule from Dh-64 test
+# shapes (0.04-0.39% outside there).
+PREFILL_ATTENTION_MIN_TOKENS: int | None = 512
 
 
 def _by_num_tokens(small: Callable, large: Callable, min_tokens: int) -> Callable:

@@ -15,7 +15,10 @@ from rackserve.model.batch import KVCacheTensors
 NULL_BLOCK_ID = 0
 
 
-def _live(block_ids: list[int], device: torch.device) -> torch.Tensor:
+def _live(block_ids: list[int], tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The table's live block ids, on the group's device: made once per group, since on a
+    GPU a tensor made from a list is a copy from host memory on the engine loop."""
+    device = tensors[0].device if tensors else None
     return torch.tensor(
         [b for b in block_ids if b != NULL_BLOCK_ID], dtype=torch.long, device=device
     )
@@ -33,8 +36,9 @@ def export_blocks(caches: KVCacheTensors, block_ids: tuple[list[int], ...]) -> t
     """block_ids: per group, a request's block table -> [numel] one contiguous region."""
     parts = []
     for name, ids in zip(caches.groups, block_ids, strict=True):
-        for t in caches.tensors[name].values():
-            parts.append(t[_live(ids, t.device)].flatten())
+        tensors = list(caches.tensors[name].values())
+        live = _live(ids, tensors)
+        parts += [t.index_select(0, live.to(t.device)).flatten() for t in tensors]
     return torch.cat(parts)
 
 
@@ -49,8 +53,10 @@ def import_blocks(
         )
     offset = 0
     for name, ids in zip(caches.groups, block_ids, strict=True):
-        for t in caches.tensors[name].values():
-            live = _live(ids, t.device)
+        tensors = list(caches.tensors[name].values())
+        group_live = _live(ids, tensors)
+        for t in tensors:
+            live = group_live.to(t.device)
             n = live.numel() * t[0].numel()
             t[live] = packed[offset : offset + n].view(len(live), *t.shape[1:]).to(t.dtype)
             offset += n
@@ -70,9 +76,14 @@ class ExportedRows:
         for name, ids in zip(caches.groups, block_ids, strict=True):
             live = [i for i, b in enumerate(ids) if b != NULL_BLOCK_ID]
             self.slots.append(live)
-            tensors = caches.tensors[name].values()
-            index = [ids[i] for i in live]
-            self.rows.append([t[torch.tensor(index, device=t.device)].clone() for t in tensors])
+            tensors = list(caches.tensors[name].values())
+            # one index per group, not per layer: on a GPU each made from a list is a copy
+            # from host memory on the engine loop, between the request's last step and its
+            # output (43 layers: hundreds of them)
+            index = torch.tensor([ids[i] for i in live], dtype=torch.long)
+            if tensors:
+                index = index.to(tensors[0].device)
+            self.rows.append([t.index_select(0, index.to(t.device)) for t in tensors])
         self._position = [{slot: i for i, slot in enumerate(s)} for s in self.slots]
 
     @property
@@ -90,9 +101,11 @@ class ExportedRows:
             missing = [s for s in wanted if s not in self._position[g]]
             if missing:
                 raise KeyError(f"group {g} has no rows for slots {missing[:4]}")
-            index = [self._position[g][s] for s in wanted]
+            index = torch.tensor([self._position[g][s] for s in wanted], dtype=torch.long)
+            if self.rows[g]:
+                index = index.to(self.rows[g][0].device)
             for t in self.rows[g]:
-                parts.append(t[torch.tensor(index, dtype=torch.long, device=t.device)].flatten())
+                parts.append(t.index_select(0, index.to(t.device)).flatten())
         if not parts:
             return torch.empty(0)
         return torch.cat(parts)

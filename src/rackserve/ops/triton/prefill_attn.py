@@ -69,14 +69,15 @@ def default_tiling(
 
     16-bit on a GPU: every head of a query in a program (64 heads: the M of the wgmma) and
     the whole Dh in it, so each gathered row tile feeds QK and PV once (1x the minimal
-    FLOPs), 32-row tiles, 3 stages, PV in fp16 (11 bits of p). On the H200
-    (``benchmarks/prefill_bench.py``, 2026-12-02) this took the CSA layer at 8192 queries
-    from 10.2 ms (output columns in two programs: the QK dot repeated) to 7.4-8.0 ms; ptxas for
-    sm_90: 255 registers, 728 bytes of stack. A bf16 p (``pv="rows"``, as FlashAttention
-    rounds P; no conversion of the row tile) takes 4.8 ms, and its median error is below the
-    bf16 reference's own (4e-4 against 1.0-1.4e-3 in the interpreter), but 0.04-0.39% of
-    elements fall outside the element-wise bf16 rule (the limit is 0.1%), so it stays a
-    variant. fp32 (IEEE dots, no tensor cores): 32 heads, 16-row tiles, 2 stages (117 KB).
+    FLOPs), 64-row tiles, 2 stages, a bf16 p (``pv="rows"``, as FlashAttention rounds P: the
+    row tile feeds both dots as loaded, no conversion). On the H200
+    (``benchmarks/prefill_bench.py --attention-only``, 2026-12-02, 8192 queries) the CSA layer
+    takes 4.50 ms (4.81 with 32-row tiles; 7.44 with PV in fp16, 12.8 with one warpgroup per
+    program and the output columns in two), HCA 1.88 ms; 0.000% (CSA) and 0.005% (HCA) of
+    the outputs fall outside the bf16 rule (the limit is 0.1%). At the interpreter tests'
+    Dh 64 a bf16 p leaves 0.04-0.39% outside, which is why PV in fp16 ("fp16": 11 bits of
+    p) was the default until then. fp32 (IEEE dots, no tensor cores): 32 heads, 16-row
+    tiles, 2 stages (117 KB).
     On CPU (the interpreter): small programs. ``benchmarks/prefill_bench.py`` sweeps the
     alternatives.
     """
@@ -85,7 +86,7 @@ def default_tiling(
         return PrefillTiling(block_h, 32, 1, 4, 1)
     if dtype == torch.float32:
         return PrefillTiling(min(block_h, 32), 16, 2, 8, 2)
-    return PrefillTiling(block_h, 32, 1, 8, 3)
+    return PrefillTiling(block_h, 64, 1, 8, 2, pv="rows")
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
