@@ -15,7 +15,7 @@ echo "== model create, 43 layers"
 tail -2 "$R/model_create.log"; du -sh /tmp/deep; echo "at ${SECONDS}s"
 t=$(cap 480); echo "== P/D TTFT, 43 layers (${t}s)"
 ((t)) && timeout "$t" python3 benchmarks/pd_serving_bench.py --model /tmp/deep \
-  --gpus 1 --transport tcp --lengths 1024,4096,16384 --repeats 3 --ttft-only \
+  --gpus 1 --transport tcp --lengths ${LENGTHS:-1024,4096,16384} --repeats ${REPEATS:-3} --ttft-only \
   --engine-arg=--enforce-eager --alt-routers plain --logs "$R/pd_logs" \
   --out "$R/pd_serving_deep.json" 2>&1 \
   | grep -vE "^INFO|^\s*$" | tail -12
