@@ -9,11 +9,19 @@ P/D mode (``--prefill`` + ``--decode``), the two steps of vLLM's disaggregated p
     client <-- the decode side's response, streamed through (X-KV-Source says where the
                prompt's KV came from)
 
-Step 1 is router/prefill_step.py's. With ``--overlap-transfer`` the two steps start together
-once the router knows the prefill candidate's KV address (learned from its earlier
-answers): the decode side's streaming pull then receives each block while the prefill
-computes the next chunks (disagg/streaming.py) and learns the prefill side's hit at the end
-of the pull.
+Step 1 is router/prefill_step.py's.
+
+A streamed request that ``first_token.eligible`` accepts (one prompt, n = 1, no stop strings,
+no tools, no echo or prompt logprobs) gets its first token from the prefill engine
+(router/first_token.py; ``--no-first-token-from-prefill`` turns it off). Step 1 is then
+streamed itself (``prefill_body(..., stream=True)``). The role chunk and the first token's
+chunk go to the client as soon as they arrive, with finish_reason and stop_reason cleared
+(``PrefillStream``). Step 2's stream follows without them (``DecodeFilter``).
+
+With ``--overlap-transfer`` the two steps start together once the router knows the prefill
+candidate's KV address (learned from its earlier answers): the decode side's streaming pull
+then receives each block while the prefill computes the next chunks (disagg/streaming.py)
+and learns the prefill side's hit at the end of the pull.
 
 ``usage.prompt_tokens_details.cached_tokens`` of a P/D request is the rule one aggregated
 engine that served the same requests would follow: prompt tokens found in a prefix cache,
