@@ -98,12 +98,6 @@ def variants(device: torch.device) -> dict[str, prefill_attn.PrefillTiling]:
         "dv2_w4_bn64": rep(base, num_dv=2, num_warps=4, block_n=64, num_stages=2),
         "rows_bn64": rep(base, block_n=64, num_stages=2, pv="rows"),
         "rows_bn16_stages4": rep(base, block_n=16, num_stages=4, pv="rows"),
-        "rows_bn32_stages3": rep(base, block_n=32, num_stages=3, pv="rows"),
-        # the next tile's rows loaded into registers a tile ahead (no Triton pipeliner: it
-        # keeps one gathered tile in flight and waits for it at the top of each tile)
-        "prefetch_bn16": rep(base, block_n=16, pv="rows", prefetch=True),
-        "prefetch_bn32": rep(base, block_n=32, pv="rows", prefetch=True),
-        "prefetch_bn64": rep(base, block_n=64, pv="rows", prefetch=True),
     }
 
 

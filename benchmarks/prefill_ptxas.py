@@ -8,7 +8,6 @@ Integer arguments are given the divisibility-by-16 that Triton specializes on at
 
     python benchmarks/prefill_ptxas.py                      # the default and the sweep
     python benchmarks/prefill_ptxas.py 64,32,2,8,3,fp16     # block_h,block_n,num_dv,warps,stages,pv
-    python benchmarks/prefill_ptxas.py 64,32,1,8,1,rows,1   # ... and prefetch (0 / 1)
 """
 
 from __future__ import annotations
@@ -60,12 +59,11 @@ def compile_tiling(t: prefill_attn.PrefillTiling, dtype: str = "bf16", head_dim:
         "NUM_STAGES": t.num_stages,
         "PV": _PV[t.pv] if dtype != "fp32" else 0,
         "FP32_DOTS": dtype == "fp32",
-        "PREFETCH": t.prefetch,
     }
     src = ASTSource(
         fn=prefill_attn.prefill_attn_kernel, signature=sig, constexprs=consts, attrs=attrs
     )
-    options = {"num_warps": t.num_warps, "num_stages": 1 if t.prefetch else t.num_stages}
+    options = {"num_warps": t.num_warps, "num_stages": t.num_stages}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
@@ -98,17 +96,14 @@ def resources(kernel) -> dict[str, object]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "tilings", nargs="*", help="block_h,block_n,num_dv,warps,stages,pv[,prefetch]"
-    )
+    parser.add_argument("tilings", nargs="*", help="block_h,block_n,num_dv,warps,stages,pv")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     args = parser.parse_args()
     if args.tilings:
         tilings = {}
         for text in args.tilings:
-            fields = text.split(",")
-            ints, pv, prefetch = fields[:5], fields[5], fields[6:] == ["1"]
-            tilings[text] = prefill_attn.PrefillTiling(*map(int, ints), pv=pv, prefetch=prefetch)
+            *ints, pv = text.split(",")
+            tilings[text] = prefill_attn.PrefillTiling(*map(int, ints), pv=pv)
     else:
         import torch
         from prefill_bench import variants

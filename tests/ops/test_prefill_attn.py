@@ -12,7 +12,6 @@ relative; bf16 |kernel - ref_fp32| <= 2 |ref_bf16 - ref_fp32| + 1e-3 for >= 99.9
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import itertools
 
@@ -147,15 +146,10 @@ def tilings(attn) -> dict[str, object]:
         "heads32": t(32, 16, 1, 8, 2),
         "split_p": t(16, 16, 1, 4, 2, pv="split"),
         "bf16_p": t(16, 16, 1, 4, 2, pv="rows"),
-        "prefetch": t(16, 16, 1, 4, 1, prefetch=True),
-        "prefetch_dv2": t(16, 32, 2, 4, 1, prefetch=True),
     }
 
 
-@pytest.mark.parametrize(
-    "name",
-    ["bn16_stages3", "dv2", "dv4", "heads32", "split_p", "bf16_p", "prefetch", "prefetch_dv2"],
-)
+@pytest.mark.parametrize("name", ["bn16_stages3", "dv2", "dv4", "heads32", "split_p", "bf16_p"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tilings_match_reference(attn, name, dtype):
     valid = prefill_mask([(3, 9), (0, 6)], WA, 24, 2)
@@ -166,18 +160,6 @@ def test_tilings_match_reference(attn, name, dtype):
         assert (got.float() - ref).abs().max().item() < 3e-2
         return
     check(attn, args, tilings(attn)[name])
-
-
-def test_prefetch_computes_what_the_pipeline_computes(attn):
-    """The prefetching loop (rows of tile i + 1 loaded while tile i computes) walks the same
-    tiles in the same order: bitwise the same outputs, including tiles past the last valid
-    row and a span shorter than one tile."""
-    t = attn.PrefillTiling
-    for lengths, wb in (([(3, 9), (0, 6)], 24), ([(0, 1)], 8), ([(40, 70)], 40)):
-        args = make_case(prefill_mask(lengths, WA, wb, 2), 16, torch.float32, seed=5, rope_dim=16)
-        plain = attn.paged_sparse_attention(*args, tiling=t(16, 16, 1, 4, 2))
-        prefetched = attn.paged_sparse_attention(*args, tiling=t(16, 16, 1, 4, 1, prefetch=True))
-        assert torch.equal(plain, prefetched)
 
 
 def test_agrees_with_the_decode_kernel(attn):
@@ -241,19 +223,13 @@ def test_bad_input_raises_clear_errors(attn):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("wb", [64, 512])
-def test_v4_flash_sizes_on_gpu(attn, wb, prefetch):
-    """H 64, Dh 512 (64 rope), Wa 128, a 2048-token prompt after 1024 cached, bf16; the
-    default tiling, and the prefetching loop at 32-row tiles."""
+def test_v4_flash_sizes_on_gpu(attn, wb):
+    """H 64, Dh 512 (64 rope), Wa 128, a 2048-token prompt after 1024 cached, bf16."""
     if DEVICE != "cuda":
         pytest.skip("needs a GPU")
     valid = prefill_mask([(1024, 2048)], 128, wb, 4 if wb == 512 else 128)
-    args = make_case(valid, 64, torch.bfloat16, seed=1, dh=512, rope_dim=64, wa=128)
-    tiling = attn.default_tiling(64, 512, torch.bfloat16, torch.device(DEVICE))
-    if prefetch:
-        tiling = dataclasses.replace(tiling, block_n=32, prefetch=True)
-    check(attn, args, tiling)
+    check(attn, make_case(valid, 64, torch.bfloat16, seed=1, dh=512, rope_dim=64, wa=128))
 
 
 def test_dispatch_by_number_of_queries():

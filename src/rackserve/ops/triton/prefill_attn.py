@@ -60,7 +60,6 @@ class PrefillTiling:
     num_warps: int
     num_stages: int  # software-pipelining depth of the row gathers
     pv: str = "fp16"  # 16-bit rows: the PV operands, "fp16" | "split" | "rows" (docstring)
-    prefetch: bool = False  # the next tile's rows loaded into registers (NUM_STAGES unused)
 
 
 def default_tiling(
@@ -154,9 +153,7 @@ def paged_sparse_attention(
         NUM_STAGES=tiling.num_stages,
         PV=_PV_MODES[tiling.pv] if q.dtype != torch.float32 else 0,
         FP32_DOTS=q.dtype == torch.float32 or q.device.type != "cuda",
-        PREFETCH=tiling.prefetch,
         num_warps=tiling.num_warps,
-        **({"num_stages": 1} if tiling.prefetch else {}),  # no pipeliner: the loop prefetches
     )  # fmt: skip
     return out
 
@@ -216,7 +213,6 @@ def prefill_attn_kernel(
     NUM_STAGES: tl.constexpr,
     PV: tl.constexpr,  # 0 p in the rows' dtype, 1 p = hi + lo, 2 p and rows in fp16
     FP32_DOTS: tl.constexpr,
-    PREFETCH: tl.constexpr,  # the next tile's rows loaded into registers a tile ahead
 ):
     pid_h = tl.program_id(0)
     s = tl.program_id(1).to(tl.int64)
@@ -245,25 +241,63 @@ def prefill_attn_kernel(
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_sum = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_DV), tl.float32)
-    tile = (valid_row, slots_a_ptr + s * stride_sa, slots_b_ptr + s * stride_sb, kv_a_ptr,
-            kv_b_ptr, last, width_a, stride_a, stride_b)  # fmt: skip
-    if PREFETCH:  # rows of tile i + 1 in flight (registers) while tile i computes
-        ok, row_ptr = _tile_rows(first, *tile, BLOCK_N)
-        kv = _load_rows(row_ptr, ok, cols, col_ok, q_ptr.dtype.element_ty)
-        ok_next, ptr_next = _tile_rows(first + BLOCK_N, *tile, BLOCK_N)
-        for n0 in range(first, last + 1, BLOCK_N):
-            kv_next = _load_rows(ptr_next, ok_next, cols, col_ok, q_ptr.dtype.element_ty)
-            ok_after, ptr_after = _tile_rows(n0 + 2 * BLOCK_N, *tile, BLOCK_N)
-            m, l_sum, acc = _attend(q, kv, ok, row_ptr, m, l_sum, acc, dv_cols, dv_ok, qk_scale,
-                                    q_ptr.dtype.element_ty, NUM_DV, PV, FP32_DOTS)  # fmt: skip
-            kv, ok, row_ptr = kv_next, ok_next, ptr_next
-            ok_next, ptr_next = ok_after, ptr_after
-    else:  # Triton's software pipeline (NUM_STAGES)
-        for n0 in tl.range(first, last + 1, BLOCK_N, num_stages=NUM_STAGES):
-            ok, row_ptr = _tile_rows(n0, *tile, BLOCK_N)
-            kv = _load_rows(row_ptr, ok, cols, col_ok, q_ptr.dtype.element_ty)
-            m, l_sum, acc = _attend(q, kv, ok, row_ptr, m, l_sum, acc, dv_cols, dv_ok, qk_scale,
-                                    q_ptr.dtype.element_ty, NUM_DV, PV, FP32_DOTS)  # fmt: skip
+    for n0 in tl.range(first, last + 1, BLOCK_N, num_stages=NUM_STAGES):
+        rows = n0 + tl.arange(0, BLOCK_N)
+        in_span = rows <= last
+        ok = tl.load(valid_row + rows, mask=in_span, other=0) != 0
+        in_a = rows < width_a
+        # slots load alongside ``valid``; invalid rows are masked before the row load, so
+        # whatever their slot holds (garbage, -1, NaN rows) never reaches a dot
+        slot_a = tl.load(slots_a_ptr + s * stride_sa + rows, mask=in_a & in_span, other=0)
+        slot_b = tl.load(
+            slots_b_ptr + s * stride_sb + (rows - width_a), mask=~in_a & in_span, other=0
+        )
+        row_ptr = tl.where(
+            in_a,
+            kv_a_ptr + slot_a.to(tl.int64) * stride_a,
+            kv_b_ptr + slot_b.to(tl.int64) * stride_b,
+        )
+        kv_mask = ok[:, None] & col_ok[None, :]
+        kv = tl.load(row_ptr[:, None] + cols[None, :], mask=kv_mask, other=0.0)
+        kv = widen(kv, q_ptr.dtype.element_ty)  # fp8 rows: upcast in registers
+        if FP32_DOTS:
+            scores = tl.dot(q, tl.trans(kv.to(tl.float32)), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(kv))
+        scores = tl.where(ok[None, :], scores * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid row yet: no NaN
+        alpha = tl.exp2(m - m_ref)
+        p = tl.exp2(scores - m_ref[:, None])
+        if PV == 0:  # normalise by the weights PV uses: the rounded p sum to 1 exactly
+            l_sum = l_sum * alpha + tl.sum(round_as(p, kv.dtype), axis=1)
+        else:
+            l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        if NUM_DV == 1:
+            v = kv
+        else:  # this program's output columns of the same rows (L2 hits)
+            v_mask = ok[:, None] & dv_ok[None, :]
+            v = tl.load(row_ptr[:, None] + dv_cols[None, :], mask=v_mask, other=0.0)
+            v = widen(v, q_ptr.dtype.element_ty)
+        acc = acc * alpha[:, None]
+        if FP32_DOTS:  # p (and v) rounded as on the tensor-core path
+            if PV == 2:
+                v32 = round_as(v.to(tl.float32), tl.float16)
+                acc = tl.dot(round_as(p, tl.float16), v32, acc, input_precision="ieee")
+            else:
+                v32 = v.to(tl.float32)
+                p_hi = round_as(p, v.dtype)
+                acc = tl.dot(p_hi, v32, acc, input_precision="ieee")
+                if PV == 1:
+                    acc = tl.dot(round_as(p - p_hi, v.dtype), v32, acc, input_precision="ieee")
+        elif PV == 2:
+            acc = tl.dot(p.to(tl.float16), v.to(tl.float16), acc)
+        else:
+            p_hi = p.to(v.dtype)
+            acc = tl.dot(p_hi, v, acc)
+            if PV == 1:  # the rounding error of p as a second 16-bit operand
+                acc = tl.dot((p - p_hi.to(tl.float32)).to(v.dtype), v, acc)
+        m = m_new
 
     sink = tl.load(sinks_ptr + heads, mask=head_ok, other=0.0) * 1.4426950408889634
     m_all = tl.maximum(m, sink)
@@ -275,74 +309,3 @@ def prefill_attn_kernel(
     out_ty = out_ptr.dtype.element_ty
     out_ptrs = out_ptr + s * stride_os + heads[:, None] * stride_oh + dv_cols[None, :]
     tl.store(out_ptrs, round_as(o, out_ty).to(out_ty), mask=head_ok[:, None] & dv_ok[None, :])
-
-
-@triton.jit
-def _tile_rows(n0, valid_row, slots_a_row, slots_b_row, kv_a_ptr, kv_b_ptr, last, width_a,
-               stride_a, stride_b, BLOCK_N: tl.constexpr):  # fmt: skip
-    """The tile of rows n0.. of a query's [window | compressed] list: (ok [BLOCK_N], the
-    rows' pointers [BLOCK_N]); rows past ``last`` are not ok (nothing is read for them)."""
-    rows = n0 + tl.arange(0, BLOCK_N)
-    in_span = rows <= last
-    ok = tl.load(valid_row + rows, mask=in_span, other=0) != 0
-    in_a = rows < width_a
-    # slots load alongside ``valid``; invalid rows are masked before the row load, so
-    # whatever their slot holds (garbage, -1, NaN rows) never reaches a dot
-    slot_a = tl.load(slots_a_row + rows, mask=in_a & in_span, other=0)
-    slot_b = tl.load(slots_b_row + (rows - width_a), mask=~in_a & in_span, other=0)
-    row_ptr = tl.where(
-        in_a, kv_a_ptr + slot_a.to(tl.int64) * stride_a, kv_b_ptr + slot_b.to(tl.int64) * stride_b
-    )
-    return ok, row_ptr
-
-
-@triton.jit
-def _load_rows(row_ptr, ok, cols, col_ok, dtype: tl.constexpr):
-    """The tile's rows [BLOCK_N, BLOCK_D] in q's dtype (fp8 rows widened in registers)."""
-    kv = tl.load(row_ptr[:, None] + cols[None, :], mask=ok[:, None] & col_ok[None, :], other=0.0)
-    return widen(kv, dtype)
-
-
-@triton.jit
-def _attend(q, kv, ok, row_ptr, m, l_sum, acc, dv_cols, dv_ok, qk_scale, dtype: tl.constexpr,
-            NUM_DV: tl.constexpr, PV: tl.constexpr, FP32_DOTS: tl.constexpr):  # fmt: skip
-    """One tile's online-softmax step: (m, l_sum, acc) after the rows ``kv`` (module
-    docstring: the PV modes)."""
-    if FP32_DOTS:
-        scores = tl.dot(q, tl.trans(kv.to(tl.float32)), input_precision="ieee")
-    else:
-        scores = tl.dot(q, tl.trans(kv))
-    scores = tl.where(ok[None, :], scores * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
-    m_new = tl.maximum(m, tl.max(scores, axis=1))
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid row yet: no NaN
-    alpha = tl.exp2(m - m_ref)
-    p = tl.exp2(scores - m_ref[:, None])
-    if PV == 0:  # normalise by the weights PV uses: the rounded p sum to 1 exactly
-        l_sum = l_sum * alpha + tl.sum(round_as(p, kv.dtype), axis=1)
-    else:
-        l_sum = l_sum * alpha + tl.sum(p, axis=1)
-    if NUM_DV == 1:
-        v = kv
-    else:  # this program's output columns of the same rows (L2 hits)
-        v = tl.load(row_ptr[:, None] + dv_cols[None, :], mask=ok[:, None] & dv_ok[None, :],
-                    other=0.0)  # fmt: skip
-        v = widen(v, dtype)
-    acc = acc * alpha[:, None]
-    if FP32_DOTS:  # p (and v) rounded as on the tensor-core path
-        if PV == 2:
-            v32 = round_as(v.to(tl.float32), tl.float16)
-            acc = tl.dot(round_as(p, tl.float16), v32, acc, input_precision="ieee")
-        else:
-            v32 = v.to(tl.float32)
-            p_hi = round_as(p, v.dtype)
-            acc = tl.dot(p_hi, v32, acc, input_precision="ieee")
-            if PV == 1:
-                acc = tl.dot(round_as(p - p_hi, v.dtype), v32, acc, input_precision="ieee")
-    elif PV == 2:
-        acc = tl.dot(p.to(tl.float16), v.to(tl.float16), acc)
-    else:
-        p_hi = p.to(v.dtype)
-        acc = tl.dot(p_hi, v, acc)
-        if PV == 1:  # the rounding error of p as a second 16-bit operand
-            acc = tl.dot((p - p_hi.to(tl.float32)).to(v.dtype), v, acc)
-    return m_new, l_sum, acc
