@@ -1,5 +1,5 @@
 """Times the split-K Triton GEMV (``ops/triton/gemv.py``) against cuBLAS (``torch.matmul``
-through ``F.linear``) at the V4-Flash projection sizes, bf16, 1..16 tokens.
+through ``F.linear``) at the V4-Flash projection sizes, bf16, 1..64 tokens.
 
 Shapes (N outputs x K inputs): the fused input projections of an HCA layer (2560 x 4096)
 and a CSA layer (4160 x 4096), wq_b (32768 x 1024) and CSA's fused wq_b + indexer wq_b
@@ -7,7 +7,7 @@ and a CSA layer (4160 x 4096), wq_b (32768 x 1024) and CSA's fused wq_b + indexe
 ("triton" | "triton:<variant>" | "cublas"), tokens, the compulsory bytes (weights + x + y),
 FLOPs, the median time from ``triton.testing.do_bench`` and ``do_bench_cudagraph``, and the
 fraction of the H200's 4.8 TB/s the graph time reaches (weights dominate the bytes). The
-GEMV goes live through ``$RACKSERVE_GEMV=1`` (ops/__init__.py) once it beats cuBLAS here.
+op table (ops/__init__.py) takes the GEMV below ``GEMV_MAX_TOKENS`` where it splits K.
 
     from benchmarks.gemv_bench import run; records = run()      # the one-call GPU script
     python benchmarks/gemv_bench.py --output $OUT/gemv_bench.json [--no-sweep]
@@ -121,8 +121,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--output", required=True)
     parser.add_argument("--no-sweep", action="store_true", help="default tiling only")
+    parser.add_argument("--tokens", help="comma-separated token counts (default: 1..16)")
+    parser.add_argument("--shapes", help=f"comma-separated, of {', '.join(SHAPES)}")
     args = parser.parse_args()
-    records = run(sweep=not args.no_sweep)
+    tokens = tuple(int(t) for t in args.tokens.split(",")) if args.tokens else TOKENS
+    shapes = tuple(args.shapes.split(",")) if args.shapes else tuple(SHAPES)
+    records = run(tokens=tokens, sweep=not args.no_sweep, shapes=shapes)
     with open(args.output, "w") as f:
         json.dump(records, f, indent=1)
     for r in records:

@@ -1,4 +1,4 @@
-"""The split-K GEMV (``ops/triton/gemv.py``) against ``reference.linear``: T = 1..16 tokens,
+"""The split-K GEMV (``ops/triton/gemv.py``) against ``reference.linear``: T = 1..64 tokens,
 ragged N and K (not multiples of the tiles), one split and many, strided inputs; fp32 at
 1e-4 and bf16 within twice the bf16 reference's own error; outputs poisoned (NaN) first."""
 
@@ -26,6 +26,9 @@ CASES = [  # (T, N, K, splits)
     (16, 96, 384, 6),
     (1, 257, 33, 1),
     (6, 64, 2048, 16),
+    (17, 40, 256, 4),
+    (33, 72, 200, 2),
+    (64, 64, 512, 8),
 ]
 
 
@@ -42,8 +45,8 @@ def test_gemv_matches_reference(seed, monkeypatch):
         w = torch.randn(n, k + 5, generator=g)[:, :k] / k**0.5  # row stride > K
     x, w = x.to(DEVICE, dtype), w.to(DEVICE, dtype)
     base = gemv.default_tiling(n, k, x.device)
-    # every third case: the one-launch reduce (the last split of a column block sums)
-    tiling = gemv.GemvTiling(base.block_n, base.block_k, splits, fused_reduce=seed % 3 == 2)
+    # every third case: the two-launch reduce (the default: the last split of a block sums)
+    tiling = gemv.GemvTiling(base.block_n, base.block_k, splits, fused_reduce=seed % 3 != 2)
     real_empty = torch.empty
 
     def poisoned(*a, **kw):
@@ -83,7 +86,7 @@ def test_gemv_rejects_bad_inputs():
     with pytest.raises(ValueError, match="weight"):
         gemv.gemv(x, torch.zeros(4, 9, device=DEVICE))
     with pytest.raises(ValueError, match="at most"):
-        gemv.gemv(torch.zeros(17, 8, device=DEVICE), torch.zeros(4, 8, device=DEVICE))
+        gemv.gemv(torch.zeros(65, 8, device=DEVICE), torch.zeros(4, 8, device=DEVICE))
     with pytest.raises(ValueError, match="dtype"):
         gemv.gemv(x, torch.zeros(4, 8, dtype=torch.float64, device=DEVICE))
 
@@ -103,18 +106,24 @@ def test_gemv_v4_flash_sizes_on_gpu(tokens, n, k):
     assert torch.equal(got, gemv.gemv(x, w))
 
 
-def test_linear_dispatch_is_opt_in_and_off_on_cpu(monkeypatch):
+def test_linear_dispatch_default_on_off_on_cpu_and_only_where_k_splits(monkeypatch):
     from rackserve import ops
 
-    monkeypatch.delenv(ops.GEMV_ENV, raising=False)
+    monkeypatch.setenv(ops.GEMV_ENV, "0")
     assert ops.kernels("auto").linear is reference.linear
-    monkeypatch.setenv(ops.GEMV_ENV, "1")
+    monkeypatch.delenv(ops.GEMV_ENV)
     k = ops.kernels("triton")
+    assert k.linear is not reference.linear
     x = torch.randn(2, 8).to(torch.bfloat16)
     w = torch.randn(4, 8).to(torch.bfloat16)
     assert torch.equal(k.linear(x, w), reference.linear(x, w))  # the CPU keeps the reference
     if DEVICE == "cuda":
         from rackserve.ops.triton import gemv
 
-        xc, wc = x.cuda(), w.cuda()
-        assert torch.equal(k.linear(xc, wc), gemv.gemv(xc, wc))
+        g = torch.Generator(device="cuda").manual_seed(0)
+        xs = torch.randn(2, 8192, generator=g, device="cuda").to(torch.bfloat16)
+        ws = torch.randn(4096, 8192, generator=g, device="cuda").to(torch.bfloat16)
+        assert gemv.default_tiling(4096, 8192, xs.device).splits > 1  # wo_b: the GEMV
+        assert torch.equal(k.linear(xs, ws), gemv.gemv(xs, ws))
+        xc, wc = x.cuda(), w.cuda()  # one split: cuBLAS
+        assert torch.equal(k.linear(xc, wc), reference.linear(xc, wc))

@@ -216,17 +216,21 @@ def _moe_routed_for(fused: Callable, route_fused: Callable, experts: Callable) -
     return moe_routed
 
 
-# Projections of fewer than GEMV_MAX_TOKENS rows (16-bit, on a GPU) take the split-K Triton
-# GEMV (``ops/triton/gemv.py``) when $RACKSERVE_GEMV is "1" when the table is made: opt-in
-# until benchmarks/gemv_bench.py shows it ahead of cuBLAS at the V4-Flash sizes.
+# Projections of fewer than GEMV_MAX_TOKENS rows (16-bit, on a GPU) whose K the split-K
+# Triton GEMV (``ops/triton/gemv.py``) splits take it: one launch with its reduce, where
+# cuBLAS takes two (``splitKreduce_kernel``: the launches over issue 12's 20 per decoder layer
+# on the H200). In graph replay it ties cuBLAS there (2026-12-01, ``benchmarks/gemv_bench.py``
+# at T = 1 and 8: 7.9 against 8.3 us for an HCA layer's input projection, 9.2 against 10.5 for
+# CSA's, 20.5 against 21.8 for wo_b). Shapes it does not split (wq_b, the lm_head) stay on
+# cuBLAS. $RACKSERVE_GEMV=0 when the table is made: cuBLAS for every projection.
 GEMV_ENV = "RACKSERVE_GEMV"
 GEMV_MAX_TOKENS = 16
 
 
 def _linear_gemv() -> Callable:
-    """``reference.linear``, or the GEMV for decode-sized 16-bit inputs on CUDA (never on
-    the CPU, where the interpreter would only be slower)."""
-    fast: list[Callable] = []
+    """``reference.linear``, or the GEMV for decode-sized 16-bit inputs on CUDA where it
+    splits K (never on the CPU, where the interpreter would only be slower)."""
+    module: list = []
 
     def linear(x, weight):
         if (
@@ -236,9 +240,11 @@ def _linear_gemv() -> Callable:
             and x.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == x.dtype
         ):
-            if not fast:
-                fast.append(importlib.import_module("rackserve.ops.triton.gemv").gemv)
-            return fast[0](x, weight)
+            if not module:
+                module.append(importlib.import_module("rackserve.ops.triton.gemv"))
+            gemv = module[0]
+            if gemv.default_tiling(weight.shape[0], weight.shape[1], x.device).splits > 1:
+                return gemv.gemv(x, weight)
         return reference.linear(x, weight)
 
     return linear
@@ -315,7 +321,7 @@ def kernels(name: str = "auto") -> Kernels:
     routed = _on_cuda(
         "rackserve.ops.triton.moe_routed", "moe_routed", reference.moe_routed, everywhere
     )
-    fast["linear"] = _linear_gemv() if os.environ.get(GEMV_ENV) == "1" else reference.linear
+    fast["linear"] = _linear_gemv() if os.environ.get(GEMV_ENV, "1") == "1" else reference.linear
     return Kernels(
         name,
         moe_experts=experts,

@@ -1,17 +1,18 @@
 """Split-K GEMV for decode-sized batches (equals ``reference.linear``: ``x @ weight.T``).
 
-Below 16 tokens a projection is a weight stream: [N, K] bf16 read once, a few FLOPs per
+At decode sizes a projection is a weight stream: [N, K] bf16 read once, a few FLOPs per
 byte. cuBLAS picks tiles for such shapes at 1-2 launches (``nvjet_*_splitK`` +
-``splitKreduce_kernel`` in the H200 profiles). Here:
+``splitKreduce_kernel`` in the H200 profiles: 1-3 extra launches per decoder layer). Here:
 
     gemv_kernel   grid (N / BLOCK_N, S): program (n, s) streams weight rows n of K-slice s
                   and multiplies the [T, K-slice] tokens with one tl.dot (T padded to 16
-                  rows: tensor cores, the padding costs no bytes);
-                  S = 1: writes y directly; S > 1: writes fp32 partials [S, T, N]
-    gemv_reduce   (S > 1 only) sums the partials in split order: deterministic, no atomics
-                  in values. ``GemvTiling.fused_reduce`` (opt-in until measured): no second
-                  launch; the split that arrives last at its column block's int32 counter
-                  sums the partials (same order) and writes y, as the fused mHC does
+                  rows at least: tensor cores, the padding costs no bytes);
+                  S = 1: writes y directly; S > 1: writes fp32 partials [S, T, N] and, with
+                  ``GemvTiling.fused_reduce`` (the default), the split that arrives last at
+                  its column block's int32 counter sums the partials in split order and
+                  writes y, as the fused mHC does: one launch, deterministic
+    gemv_reduce   (S > 1 without the fused reduce, or while a graph is captured with no
+                  counters yet) sums the partials in split order: no atomics in values
 
 S is chosen so that about two programs per SM stream weights (the lm_head's 2,020 column
 blocks need no split; wo_b's 64 take 8 splits of its 8,192 inputs). fp32 accumulation,
@@ -30,7 +31,7 @@ import triton.language as tl
 from rackserve.ops.triton.common import round_as
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-MAX_TOKENS = 16  # tl.dot's smallest M: the kernel holds at most this many token rows
+MAX_TOKENS = 64  # token rows one program holds (tl.dot's M: 16 at least)
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class GemvTiling:
     splits: int  # K slices (1: no partials, one launch)
     num_warps: int = 4
     num_stages: int = 4
-    fused_reduce: bool = False  # S > 1: the last split reduces (one launch), see above
+    fused_reduce: bool = True  # S > 1: the last split reduces (one launch), see above
 
 
 @functools.lru_cache(maxsize=8)
@@ -164,8 +165,8 @@ def gemv_reduce_kernel(
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, *, tiling: GemvTiling | None = None
 ) -> torch.Tensor:
-    """``x @ weight.T``: x [T, K] with T <= 16, weight [N, K] (same dtype, fp32/bf16/fp16);
-    returns [T, N] in x's dtype."""
+    """``x @ weight.T``: x [T, K] with T <= ``MAX_TOKENS``, weight [N, K] (same dtype,
+    fp32/bf16/fp16); returns [T, N] in x's dtype."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(
             f"gemv: x [T, K] and weight [N, K] expected, got {tuple(x.shape)}, "
@@ -197,7 +198,7 @@ def gemv(
     gemv_kernel[(blocks_n, splits)](
         x, weight, part, out, counters if counters is not None else part, t, n, k, k_per_split,
         x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_T=MAX_TOKENS, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
+        BLOCK_T=max(16, triton.next_power_of_2(t)), BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
         SPLIT=splits > 1, FUSED=counters is not None,
         FP32_DOT=x.dtype == torch.float32 or x.device.type != "cuda",
         OUT_DTYPE=out_dtype, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
