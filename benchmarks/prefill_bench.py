@@ -98,6 +98,8 @@ def variants(device: torch.device) -> dict[str, prefill_attn.PrefillTiling]:
         "dv2_w4_bn64": rep(base, num_dv=2, num_warps=4, block_n=64, num_stages=2),
         "rows_bn64": rep(base, block_n=64, num_stages=2, pv="rows"),
         "rows_bn16_stages4": rep(base, block_n=16, num_stages=4, pv="rows"),
+        "rows_bn32": rep(base, block_n=32, num_stages=2, pv="rows"),
+        "rows_bn32_stages3": rep(base, block_n=32, num_stages=3, pv="rows"),
     }
 
 

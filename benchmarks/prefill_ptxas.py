@@ -37,7 +37,7 @@ def signature(dtype: str) -> dict[str, str]:
     sig |= {f"stride_{s}": "i32" for s in _STRIDES}
     sig |= {"cos_ptr": f"*{dtype}", "sin_ptr": f"*{dtype}", "stride_cs": "i32", "stride_ss": "i32"}
     consts = ("BLOCK_H", "BLOCK_N", "BLOCK_D", "BLOCK_DV", "NUM_DV", "BLOCK_V", "ROPE")
-    return sig | {c: "constexpr" for c in (*consts, "NUM_STAGES", "PV", "FP32_DOTS")}
+    return sig | {c: "constexpr" for c in (*consts, "EVEN_D", "NUM_STAGES", "PV", "FP32_DOTS")}
 
 
 def compile_tiling(t: prefill_attn.PrefillTiling, dtype: str = "bf16", head_dim: int = 512):
@@ -59,6 +59,7 @@ def compile_tiling(t: prefill_attn.PrefillTiling, dtype: str = "bf16", head_dim:
         "NUM_STAGES": t.num_stages,
         "PV": _PV[t.pv] if dtype != "fp32" else 0,
         "FP32_DOTS": dtype == "fp32",
+        "EVEN_D": head_dim == triton.next_power_of_2(head_dim),
     }
     src = ASTSource(
         fn=prefill_attn.prefill_attn_kernel, signature=sig, constexprs=consts, attrs=attrs

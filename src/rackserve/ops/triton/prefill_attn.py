@@ -150,6 +150,7 @@ def paged_sparse_attention(
         NUM_DV=num_dv,
         BLOCK_V=min(1024, max(16, triton.next_power_of_2(max(width, 1)))),
         ROPE=rope,
+        EVEN_D=head_dim == block_d,
         NUM_STAGES=tiling.num_stages,
         PV=_PV_MODES[tiling.pv] if q.dtype != torch.float32 else 0,
         FP32_DOTS=q.dtype == torch.float32 or q.device.type != "cuda",
@@ -210,6 +211,7 @@ def prefill_attn_kernel(
     NUM_DV: tl.constexpr,
     BLOCK_V: tl.constexpr,  # valid flags scanned at a time for the row span
     ROPE: tl.constexpr,
+    EVEN_D: tl.constexpr,  # Dh = BLOCK_D: row loads without a column mask
     NUM_STAGES: tl.constexpr,
     PV: tl.constexpr,  # 0 p in the rows' dtype, 1 p = hi + lo, 2 p and rows in fp16
     FP32_DOTS: tl.constexpr,
@@ -225,14 +227,18 @@ def prefill_attn_kernel(
     dv_ok = dv_cols < head_dim
     valid_row = valid_ptr + s * stride_vs
 
-    # the span [first, last] of valid rows: tiles outside it hold no valid row
+    # the span [first, last] of valid rows: tiles outside it hold no valid row; when every
+    # row in it is valid (a prefill's always are) the tiles load no flags
     first = tl.full((), 0, tl.int32) + width  # int32 scalars (loop-carried)
     last = tl.full((), -1, tl.int32)
+    count = tl.full((), 0, tl.int32)
     for v0 in range(0, width, BLOCK_V):
         idx = v0 + tl.arange(0, BLOCK_V)
         ok = tl.load(valid_row + idx, mask=idx < width, other=0) != 0
         first = tl.minimum(first, tl.min(tl.where(ok, idx, width), axis=0))
         last = tl.maximum(last, tl.max(tl.where(ok, idx, -1), axis=0))
+        count += tl.sum(ok.to(tl.int32), axis=0)
+    contiguous = count == last - first + 1
 
     q_rows = q_ptr + s * stride_qs + heads[:, None] * stride_qh
     q = tl.load(q_rows + cols[None, :], mask=head_ok[:, None] & col_ok[None, :], other=0.0)
@@ -241,63 +247,38 @@ def prefill_attn_kernel(
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_sum = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_DV), tl.float32)
-    for n0 in tl.range(first, last + 1, BLOCK_N, num_stages=NUM_STAGES):
-        rows = n0 + tl.arange(0, BLOCK_N)
-        in_span = rows <= last
-        ok = tl.load(valid_row + rows, mask=in_span, other=0) != 0
-        in_a = rows < width_a
-        # slots load alongside ``valid``; invalid rows are masked before the row load, so
-        # whatever their slot holds (garbage, -1, NaN rows) never reaches a dot
-        slot_a = tl.load(slots_a_ptr + s * stride_sa + rows, mask=in_a & in_span, other=0)
-        slot_b = tl.load(
-            slots_b_ptr + s * stride_sb + (rows - width_a), mask=~in_a & in_span, other=0
+    # the window's rows [first, min(last + 1, Wa)) in tiles, then the compressed rows from Wa
+    # on: each tile reads one slot list and one cache, chosen per tile (scalars). Rows are
+    # loaded unmasked: a row past the span or in a hole of the mask reads a valid row of its
+    # list instead (the first valid row for the window, the last for the compressed entries:
+    # each list with a tile holds that row) and its score is -inf, so no invalid slot is
+    # ever followed and no flag or mask is evaluated per element
+    a_stop = tl.minimum(last + 1, width_a)
+    b_start = tl.maximum(first, width_a) - width_a
+    b_stop = last + 1 - width_a
+    a_tiles = tl.cdiv(tl.maximum(a_stop - first, 0), BLOCK_N)
+    b_tiles = tl.cdiv(tl.maximum(b_stop - b_start, 0), BLOCK_N)
+    slots_a_row = slots_a_ptr + s * stride_sa
+    slots_b_row = slots_b_ptr + s * stride_sb
+    safe_a = tl.load(slots_a_row + first, mask=a_tiles > 0, other=0)
+    safe_b = tl.load(slots_b_row + (last - width_a), mask=b_tiles > 0, other=0)
+    for t in tl.range(0, a_tiles + b_tiles, num_stages=NUM_STAGES):
+        in_a = t < a_tiles
+        rows = tl.where(in_a, first + t * BLOCK_N, b_start + (t - a_tiles) * BLOCK_N)
+        rows += tl.arange(0, BLOCK_N)
+        stop = tl.where(in_a, a_stop, b_stop)
+        ok = rows < stop
+        # a mask with holes: its flags (no load at all for one run of valid rows)
+        flags = tl.where(in_a, valid_row, valid_row + width_a) + rows
+        ok = ok & (tl.load(flags, mask=ok & ~contiguous, other=1) != 0)
+        slot = tl.load(tl.where(in_a, slots_a_row, slots_b_row) + tl.minimum(rows, stop - 1))
+        slot = tl.where(ok, slot, tl.where(in_a, safe_a, safe_b))
+        row_ptr = tl.where(in_a, kv_a_ptr, kv_b_ptr) + slot.to(tl.int64) * tl.where(
+            in_a, stride_a, stride_b
         )
-        row_ptr = tl.where(
-            in_a,
-            kv_a_ptr + slot_a.to(tl.int64) * stride_a,
-            kv_b_ptr + slot_b.to(tl.int64) * stride_b,
-        )
-        kv_mask = ok[:, None] & col_ok[None, :]
-        kv = tl.load(row_ptr[:, None] + cols[None, :], mask=kv_mask, other=0.0)
-        kv = widen(kv, q_ptr.dtype.element_ty)  # fp8 rows: upcast in registers
-        if FP32_DOTS:
-            scores = tl.dot(q, tl.trans(kv.to(tl.float32)), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(kv))
-        scores = tl.where(ok[None, :], scores * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid row yet: no NaN
-        alpha = tl.exp2(m - m_ref)
-        p = tl.exp2(scores - m_ref[:, None])
-        if PV == 0:  # normalise by the weights PV uses: the rounded p sum to 1 exactly
-            l_sum = l_sum * alpha + tl.sum(round_as(p, kv.dtype), axis=1)
-        else:
-            l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        if NUM_DV == 1:
-            v = kv
-        else:  # this program's output columns of the same rows (L2 hits)
-            v_mask = ok[:, None] & dv_ok[None, :]
-            v = tl.load(row_ptr[:, None] + dv_cols[None, :], mask=v_mask, other=0.0)
-            v = widen(v, q_ptr.dtype.element_ty)
-        acc = acc * alpha[:, None]
-        if FP32_DOTS:  # p (and v) rounded as on the tensor-core path
-            if PV == 2:
-                v32 = round_as(v.to(tl.float32), tl.float16)
-                acc = tl.dot(round_as(p, tl.float16), v32, acc, input_precision="ieee")
-            else:
-                v32 = v.to(tl.float32)
-                p_hi = round_as(p, v.dtype)
-                acc = tl.dot(p_hi, v32, acc, input_precision="ieee")
-                if PV == 1:
-                    acc = tl.dot(round_as(p - p_hi, v.dtype), v32, acc, input_precision="ieee")
-        elif PV == 2:
-            acc = tl.dot(p.to(tl.float16), v.to(tl.float16), acc)
-        else:
-            p_hi = p.to(v.dtype)
-            acc = tl.dot(p_hi, v, acc)
-            if PV == 1:  # the rounding error of p as a second 16-bit operand
-                acc = tl.dot((p - p_hi.to(tl.float32)).to(v.dtype), v, acc)
-        m = m_new
+        m, l_sum, acc = _attend(q, m, l_sum, acc, row_ptr, ok, cols, col_ok, dv_cols, dv_ok,
+                                qk_scale, q_ptr.dtype.element_ty, EVEN_D, NUM_DV, PV,
+                                FP32_DOTS)  # fmt: skip
 
     sink = tl.load(sinks_ptr + heads, mask=head_ok, other=0.0) * 1.4426950408889634
     m_all = tl.maximum(m, sink)
@@ -309,3 +290,70 @@ def prefill_attn_kernel(
     out_ty = out_ptr.dtype.element_ty
     out_ptrs = out_ptr + s * stride_os + heads[:, None] * stride_oh + dv_cols[None, :]
     tl.store(out_ptrs, round_as(o, out_ty).to(out_ty), mask=head_ok[:, None] & dv_ok[None, :])
+
+
+@triton.jit
+def _widen_16(x):
+    """A 16-bit float tensor as fp32 by its bits (bf16: the high half of the fp32 pattern;
+    fp16 through the cast): the compiler folds ``x.to(fp32)`` of a just-rounded value into
+    an integer rounding of the fp32 input, ~5 instructions an element on sm_90."""
+    if x.dtype == tl.bfloat16:
+        bits = x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16
+        return bits.to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _attend(q, m, l_sum, acc, row_ptr, ok, cols, col_ok, dv_cols, dv_ok, qk_scale,
+            dtype: tl.constexpr, EVEN_D: tl.constexpr, NUM_DV: tl.constexpr, PV: tl.constexpr,
+            FP32_DOTS: tl.constexpr):  # fmt: skip
+    """One tile of rows into the online softmax: ``row_ptr`` [BLOCK_N] (every one a valid
+    row of the cache), ``ok`` [BLOCK_N] the rows that count. Returns (m, l_sum, acc)."""
+    if EVEN_D:  # Dh = BLOCK_D: no mask
+        kv = tl.load(row_ptr[:, None] + cols[None, :])
+    else:
+        kv = tl.load(row_ptr[:, None] + cols[None, :], mask=col_ok[None, :], other=0.0)
+    kv = widen(kv, dtype)  # fp8 rows: upcast in registers
+    if FP32_DOTS:
+        scores = tl.dot(q, tl.trans(kv.to(tl.float32)), input_precision="ieee")
+    else:
+        scores = tl.dot(q, tl.trans(kv))
+    scores = scores * qk_scale + tl.where(ok, 0.0, float("-inf"))[None, :]  # [BLOCK_H, BLOCK_N]
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid row yet: no NaN
+    alpha = tl.exp2(m - m_ref)
+    p = tl.exp2(scores - m_ref[:, None])
+    if NUM_DV == 1:
+        v = kv
+    else:  # this program's output columns of the same rows (L2 hits)
+        v = tl.load(row_ptr[:, None] + dv_cols[None, :], mask=dv_ok[None, :], other=0.0)
+        v = widen(v, dtype)
+    acc = acc * alpha[:, None]
+    if FP32_DOTS:  # p (and v) rounded as on the tensor-core path
+        if PV == 2:
+            l_sum = l_sum * alpha + tl.sum(p, axis=1)
+            v32 = round_as(v.to(tl.float32), tl.float16)
+            acc = tl.dot(round_as(p, tl.float16), v32, acc, input_precision="ieee")
+        else:
+            p_hi = round_as(p, v.dtype)
+            if PV == 0:  # normalised by the weights PV uses: the rounded p sum to 1
+                l_sum = l_sum * alpha + tl.sum(p_hi, axis=1)
+            else:
+                l_sum = l_sum * alpha + tl.sum(p, axis=1)
+            v32 = v.to(tl.float32)
+            acc = tl.dot(p_hi, v32, acc, input_precision="ieee")
+            if PV == 1:
+                acc = tl.dot(round_as(p - p_hi, v.dtype), v32, acc, input_precision="ieee")
+    elif PV == 2:
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(tl.float16), v.to(tl.float16), acc)
+    else:
+        p_hi = p.to(v.dtype)  # the hardware's round-to-nearest-even
+        if PV == 0:  # the sum of the weights PV uses (one conversion serves both)
+            l_sum = l_sum * alpha + tl.sum(_widen_16(p_hi), axis=1)
+        else:
+            l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p_hi, v, acc)
+        if PV == 1:  # the rounding error of p as a second 16-bit operand
+            acc = tl.dot((p - p_hi.to(tl.float32)).to(v.dtype), v, acc)
+    return m_new, l_sum, acc
