@@ -172,9 +172,9 @@ def _moe_for(fused: Callable) -> Callable:
 # kernels, whose splits fill the SMs when queries are few.
 PREFILL_ATTN_MIN_TOKENS = 512
 # The attention's own threshold (None: the decode kernel at every size). From 512 queries the
-# prefill kernel with a bf16 p (prefill_attn.default_tiling): on the H200 (2026-12-02, one
-# layer at 8192 queries) CSA 4.50 ms and HCA 1.88 ms against the split-KV decode kernel's
-# 6.35 and 2.39, with 0.000-0.005% of outputs outside the bf16 rule at these shapes (the
+# prefill kernel with a bf16 p (prefill_attn.default_tiling): on the H200 (2026-12-03, one
+# layer at 8192 queries) CSA 4.53 ms and HCA 1.73 ms against the split-KV decode kernel's
+# 6.44 and 2.41, with 0.000-0.004% of outputs outside the bf16 rule at these shapes (the
 # limit is 0.1%). Sessions 9-13 kept the decode kernel, reading the rule from Dh-64 test
 # shapes (0.04-0.39% outside there).
 PREFILL_ATTENTION_MIN_TOKENS: int | None = 512

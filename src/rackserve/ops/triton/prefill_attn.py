@@ -68,16 +68,18 @@ def default_tiling(
     """Launch shape from H, Dh, the dtype and the device (host ints only).
 
     16-bit on a GPU: every head of a query in a program (64 heads: the M of the wgmma) and
-    the whole Dh in it, so each gathered row tile feeds QK and PV once (1x the minimal
-    FLOPs), 64-row tiles, 2 stages, a bf16 p (``pv="rows"``, as FlashAttention rounds P: the
-    row tile feeds both dots as loaded, no conversion). On the H200
-    (``benchmarks/prefill_bench.py --attention-only``, 2026-12-02, 8192 queries) the CSA layer
-    takes 4.50 ms (4.81 with 32-row tiles; 7.44 with PV in fp16, 12.8 with one warpgroup per
-    program and the output columns in two), HCA 1.88 ms; 0.000% (CSA) and 0.005% (HCA) of
-    the outputs fall outside the bf16 rule (the limit is 0.1%). At the interpreter tests'
-    Dh 64 a bf16 p leaves 0.04-0.39% outside, which is why PV in fp16 ("fp16": 11 bits of
-    p) was the default until then. fp32 (IEEE dots, no tensor cores): 32 heads, 16-row
-    tiles, 2 stages (117 KB).
+    the whole Dh in it, so each gathered row tile feeds QK and PV once, 32-row tiles, 2
+    stages, a bf16 p (``pv="rows"``, as FlashAttention rounds P: the row tile feeds both
+    dots as loaded, no conversion). On the H200 (``benchmarks/prefill_bench.py
+    --attention-only``, 8192 queries, 2026-12-03) the HCA layer takes 1.73 ms (1.94 with
+    64-row tiles), CSA 4.53 ms (4.60); 0.004% (HCA) and 0.000% (CSA) of the outputs fall
+    outside the bf16 rule (the limit is 0.1%). The kernel is latency-bound, not
+    issue-bound: cutting the 64-row loop's instructions by a quarter (this version) left
+    its time where it was. ncu of the CSA layer: one 8-warp program per SM (255 registers),
+    1.22 instructions a cycle, ALU the busiest pipe at 32%, tensor cores at ~14% of peak.
+    At the interpreter tests' Dh 64 a bf16 p leaves 0.04-0.39% outside, which is why PV in
+    fp16 ("fp16": 11 bits of p) was the default until 2026-12-02. fp32 (IEEE dots, no
+    tensor cores): 32 heads, 16-row tiles, 2 stages (117 KB).
     On CPU (the interpreter): small programs. ``benchmarks/prefill_bench.py`` sweeps the
     alternatives.
     """
@@ -86,7 +88,7 @@ def default_tiling(
         return PrefillTiling(block_h, 32, 1, 4, 1)
     if dtype == torch.float32:
         return PrefillTiling(min(block_h, 32), 16, 2, 8, 2)
-    return PrefillTiling(block_h, 64, 1, 8, 2, pv="rows")
+    return PrefillTiling(block_h, 32, 1, 8, 2, pv="rows")
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
