@@ -13,7 +13,9 @@ Prefill side (producer), on the loop::
     sliding-window and compressor-state pages the decode side will hold, the MTP layer's
     rows in "swa") join the entry as a Piece; the pull sends them while the next chunks
     compute
-    finished --> the rest copied out (ExportedRows, the tail) with t1, blocks freed at once
+    finished --> blocks freed at once; the rest (ExportedRows, the tail) is copied out after
+    the step's outputs are sent (``export_finished``: t1's answer never waits on a gather
+    per layer), before anything can reuse those blocks
 
 Decode side (consumer), each step (``step``), never waiting on a transfer::
 
@@ -62,7 +64,13 @@ from rackserve.engine.outputs import EngineCoreRequest, Logprob
 from rackserve.engine.scheduler import Scheduler
 from rackserve.model.batch import KVCacheTensors
 from rackserve.request import CarriedLogprob, KVTransferParams, Request, RequestStatus
-from rackserve.runner.kv_transfer import NULL_BLOCK_ID, ExportedRows, import_blocks, packed_numel
+from rackserve.runner.kv_transfer import (
+    NULL_BLOCK_ID,
+    ExportedRows,
+    device_index,
+    import_blocks,
+    packed_numel,
+)
 
 logger = logging.getLogger(__name__)
 MAX_TRANSFER_THREADS = 8
@@ -90,6 +98,17 @@ class _Prefill:
 
     key: str
     sent: list[set[int]]  # per group, the table slots already added as pieces
+
+
+@dataclass(frozen=True)
+class _Export:
+    """A finished prefill whose rows are copied out once its output is sent: ``block_ids``
+    are freed already, and untouched until the next ``schedule()`` or KV import."""
+
+    key: str
+    block_ids: tuple[list[int], ...]
+    num_consumers: int
+    num_cached_tokens: int
 
 
 @dataclass
@@ -130,6 +149,7 @@ class KVConnector:
             self.server = KVServer(self.store, config.kv_ip, config.kv_port, fault, backend)
             scheduler.on_finish = self._request_finished
         self._prefills: dict[str, _Prefill] = {}  # producer: requests prefilling now
+        self._exports: deque[_Export] = deque()  # producer: finished, rows not copied yet
         # blocks stream out during the prefill on the stream transport (the others pull the
         # whole region at the end); every group must have its spec for the block rule
         self._streaming = self.transport in STREAMING_TRANSPORTS and len(scheduler.kv.specs) == len(
@@ -172,6 +192,7 @@ class KVConnector:
                 sampling = replace(sampling, kv_transfer_params=None)
             elif self.store is not None:
                 key = transfer_key(params.transfer_id, request.prompt_token_ids[:-1])
+                self.export_finished()  # the store sees its changes in the order they came
                 self.store.open(key, params.num_consumers)
                 groups = [set[int]() for _ in self.caches.groups]
                 self._prefills[request.request_id] = _Prefill(key, groups)
@@ -225,17 +246,39 @@ class KVConnector:
 
     # ---- prefill side ----------------------------------------------------------------------
     def _request_finished(self, req: Request, block_ids: tuple[list[int], ...]) -> None:
-        """Scheduler hook before a request's blocks are freed: keep a copy for the pulls."""
+        """Scheduler hook before a request's blocks are freed: a copy for the pulls is due
+        (``export_finished``; its open store entry keeps pulls waiting meanwhile)."""
         params = req.sampling_params.kv_transfer_params
         if params is None or not params.do_remote_decode or self.store is None:
             return
-        self._prefills.pop(req.request_id, None)
-        key = transfer_key(params.transfer_id, req.prompt_token_ids[:-1])
+        prefill = self._prefills.pop(req.request_id, None)
+        if prefill is not None:  # the key prepare made (hashing the prompt again: O(prompt))
+            key = prefill.key
+        else:
+            key = transfer_key(params.transfer_id, req.prompt_token_ids[:-1])
         if req.status not in _COMPLETED:
+            self.export_finished()
             self.store.discard(key)  # aborted: a waiting pull fails now
             return
-        rows = ExportedRows(self.caches, block_ids)
-        self.store.put(key, rows, params.num_consumers, req.num_cached_tokens)
+        self._exports.append(_Export(key, block_ids, params.num_consumers, req.num_cached_tokens))
+
+    @property
+    def has_pending_exports(self) -> bool:
+        return bool(self._exports)
+
+    def export_finished(self) -> None:
+        """Copy the rows of the prefills finished since the last call into the store (a
+        gather per cache tensor: on a GPU, launches per layer). Called once their outputs
+        are sent (``EngineCore.flush_kv_exports``) and before anything can write the freed
+        blocks or change the store: each step's start, after ``schedule()`` (a request it
+        finished), before a KV import (``add_request_with_kv``), an open or a discard."""
+        if not self._exports:
+            return
+        assert self.store is not None  # only a producer's hook adds exports
+        while self._exports:
+            export = self._exports.popleft()
+            rows = ExportedRows(self.caches, export.block_ids)
+            self.store.put(export.key, rows, export.num_consumers, export.num_cached_tokens)
 
     def _stream_blocks(self) -> None:
         """Producer, at the start of a step (the previous step's chunk is computed, or, on a
@@ -270,8 +313,7 @@ class KVConnector:
                 if not new:
                     continue
                 tensors = list(self.caches.tensors[name].values())
-                index = torch.tensor([table[i] for i in new], dtype=torch.long)
-                index = index.to(tensors[0].device) if tensors else index
+                index = device_index([table[i] for i in new], tensors)
                 rows = [t.index_select(0, index.to(t.device)) for t in tensors]
                 self.store.add_piece(prefill.key, Piece(g, new, rows))
                 sent.update(new)
@@ -431,6 +473,7 @@ class KVConnector:
         return errors
 
     def close(self) -> None:
+        self._exports.clear()
         if self.server is not None:
             self.server.close()
         if self.store is not None:

@@ -257,6 +257,7 @@ class EngineCore:
     def add_request_with_kv(self, request: EngineCoreRequest, num_computed_tokens: int) -> bool:
         """Admit a request whose first tokens' KV lands straight in its blocks (P/D decode
         side, ``bench decode``'s synthetic contexts); False when there is no room now."""
+        self.flush_kv_exports()  # the blocks it gets may be ones a finished prefill held
         added = self.scheduler.add_request_with_kv(self._request(request), num_computed_tokens)
         self.kv_events.drain()  # blocks it evicted are copied before its KV overwrites them
         return added
@@ -288,9 +289,23 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         # a step still in flight is collected by one more step(), as are outputs made
-        # between steps (a P/D request's first token, which may also have finished it)
-        sched = self.scheduler
-        return sched.num_unfinished > 0 or self._in_flight is not None or sched.has_outputs
+        # between steps (a P/D request's first token, which may also have finished it) and
+        # the KV exports of finished prefills that no loop ran after sending (flush_kv_exports)
+        sched, connector = self.scheduler, self.kv_connector
+        return (
+            sched.num_unfinished > 0
+            or self._in_flight is not None
+            or sched.has_outputs
+            or (connector is not None and connector.has_pending_exports)
+        )
+
+    def flush_kv_exports(self) -> None:
+        """P/D prefill side: copy the KV of the requests the last step finished into the
+        store. Their blocks are freed at once, but the copy (a gather per cache tensor) waits
+        until the loop has sent the step's outputs: t1's answer leaves first. ``step()``
+        runs it first too, so a loop that never calls it only answers later."""
+        if self.kv_connector is not None:
+            self.kv_connector.export_finished()
 
     def take_outputs(self) -> EngineCoreOutputs | None:
         """Outputs made between steps (a P/D request's first token, emitted on arrival),
@@ -305,9 +320,12 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         connector = self.kv_connector
         if connector is not None:
+            connector.export_finished()  # the last step's prefills, if the loop did not
             connector.wait()  # naps only when nothing but remote-KV requests exist
             connector.step()
         sched = self.scheduler.schedule()
+        if connector is not None:  # a prefill schedule() finished: copied before the forward
+            connector.export_finished()
         self.last_step = sched
         if (
             not sched.total_num_scheduled_tokens

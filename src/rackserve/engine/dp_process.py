@@ -108,6 +108,7 @@ class DPEngineCoreProc(EngineCoreProc):
         )
         if outputs is not None and not shutdown:
             self._send_outputs(outputs)
+            self._after_send()
         return not shutdown
 
 

@@ -210,6 +210,7 @@ class EngineCoreProc:
     def _step(self) -> None:
         step_start = time.monotonic()
         self._send_outputs(self.core.step(), step_start)
+        self._after_send()
         take_errors = getattr(self.core, "take_request_errors", None)  # P/D: failed loads
         for request_id, message in take_errors() if take_errors is not None else ():
             self.send(MessageType.REQUEST_ERROR, RequestError(request_id, message, True))
@@ -224,6 +225,13 @@ class EngineCoreProc:
                 outputs.timestamp = step_start
             self.send(MessageType.OUTPUTS, outputs)
             self.last_stats = stats
+
+    def _after_send(self) -> None:
+        """The work a step leaves for after its outputs are queued: a P/D prefill's KV
+        export (``EngineCore.flush_kv_exports``), so its answer does not wait on it."""
+        flush = getattr(self.core, "flush_kv_exports", None)  # (test cores may lack it)
+        if flush is not None:
+            flush()
 
     @property
     def name(self) -> str:

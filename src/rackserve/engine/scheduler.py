@@ -85,7 +85,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.waiting_for_grammar = GrammarWait()  # WAITING_FOR_FSM: not in `waiting` yet
         # P/D prefill side (disagg/connector.py): sees a finished request's block tables
-        # before they are freed, to copy its KV out for the decode side.
+        # before they are freed; it copies the KV out of them for the decode side after the
+        # step's outputs are sent, before any forward or import can reuse them.
         self.on_finish: Callable[[Request, tuple[list[int], ...]], None] | None = None
 
     # ---- requests in and out ----------------------------------------------------------------

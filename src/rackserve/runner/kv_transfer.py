@@ -15,13 +15,22 @@ from rackserve.model.batch import KVCacheTensors
 NULL_BLOCK_ID = 0
 
 
+def device_index(ids: list[int], tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``ids`` as a long index on the tensors' device (made once per group: on a GPU each is
+    a copy from host memory). Pinned and non-blocking there: a copy from pageable memory
+    waits for the whole stream, so the engine loop would wait for the step in flight."""
+    index = torch.tensor(ids, dtype=torch.long)
+    if not tensors:
+        return index
+    device = tensors[0].device
+    if device.type != "cuda":
+        return index.to(device)
+    return index.pin_memory().to(device, non_blocking=True)
+
+
 def _live(block_ids: list[int], tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The table's live block ids, on the group's device: made once per group, since on a
-    GPU a tensor made from a list is a copy from host memory on the engine loop."""
-    device = tensors[0].device if tensors else None
-    return torch.tensor(
-        [b for b in block_ids if b != NULL_BLOCK_ID], dtype=torch.long, device=device
-    )
+    """The table's live block ids, on the group's device."""
+    return device_index([b for b in block_ids if b != NULL_BLOCK_ID], tensors)
 
 
 def packed_numel(caches: KVCacheTensors, block_ids: tuple[list[int], ...]) -> int:
@@ -77,12 +86,7 @@ class ExportedRows:
             live = [i for i, b in enumerate(ids) if b != NULL_BLOCK_ID]
             self.slots.append(live)
             tensors = list(caches.tensors[name].values())
-            # one index per group, not per layer: on a GPU each made from a list is a copy
-            # from host memory on the engine loop, between the request's last step and its
-            # output (43 layers: hundreds of them)
-            index = torch.tensor([ids[i] for i in live], dtype=torch.long)
-            if tensors:
-                index = index.to(tensors[0].device)
+            index = device_index([ids[i] for i in live], tensors)  # one per group, not layer
             self.rows.append([t.index_select(0, index.to(t.device)) for t in tensors])
         self._position = [{slot: i for i, slot in enumerate(s)} for s in self.slots]
 
@@ -101,9 +105,7 @@ class ExportedRows:
             missing = [s for s in wanted if s not in self._position[g]]
             if missing:
                 raise KeyError(f"group {g} has no rows for slots {missing[:4]}")
-            index = torch.tensor([self._position[g][s] for s in wanted], dtype=torch.long)
-            if self.rows[g]:
-                index = index.to(self.rows[g][0].device)
+            index = device_index([self._position[g][s] for s in wanted], self.rows[g])
             for t in self.rows[g]:
                 parts.append(t.index_select(0, index.to(t.device)).flatten())
         if not parts:
