@@ -39,6 +39,12 @@ def variants(t: int) -> dict[str, fp4.Fp4Tiling]:
         "scaled_bn64": dataclasses.replace(
             base, dot_scaled=True, gate_up_block_n=64, down_block_n=128
         ),
+        # two weights per instruction pair in inline PTX (``_fp4_decode_asm``)
+        "asm": dataclasses.replace(base, dot_scaled=False, asm_decode=True),
+        "asm_bn64": dataclasses.replace(
+            base, dot_scaled=False, asm_decode=True, gate_up_block_n=64, down_block_n=128
+        ),
+        "asm_bk256": dataclasses.replace(base, dot_scaled=False, asm_decode=True, block_k=256),
     }
 
 

@@ -100,6 +100,10 @@ def variants(device: torch.device) -> dict[str, prefill_attn.PrefillTiling]:
         "rows_bn16_stages4": rep(base, block_n=16, num_stages=4, pv="rows"),
         "rows_bn32": rep(base, block_n=32, num_stages=2, pv="rows"),
         "rows_bn32_stages3": rep(base, block_n=32, num_stages=3, pv="rows"),
+        # two programs per SM (112 KB of shared memory and 128 x 255 registers each): the
+        # output columns in two programs of one warpgroup, QK repeated in each
+        "dv2_w4_bn16": rep(base, num_dv=2, num_warps=4, block_n=16, num_stages=2),
+        "dv2_w4_bn16_stages3": rep(base, num_dv=2, num_warps=4, block_n=16, num_stages=3),
     }
 
 

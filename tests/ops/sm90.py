@@ -32,7 +32,7 @@ _TYPES = {
     torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv",
 }  # fmt: skip
 # constexprs that only a GPU turns on (ops the interpreter lacks, e.g. tl.dot_scaled)
-GPU_ONLY_FLAGS = ("DOT_SCALED", "NATIVE_BF16")
+GPU_ONLY_FLAGS = ("DOT_SCALED", "NATIVE_BF16", "ASM_DECODE")
 _OPTIONS = ("num_warps", "num_stages")
 
 
@@ -100,7 +100,8 @@ def recorded_launches() -> Iterator[list[dict]]:
 
 def gpu_variants(specs: list[dict]) -> list[dict]:
     """The distinct specs, plus for 16-bit launches the same with the fp32-dot flags off,
-    plus for launches with GPU-only flags the same with those on (and fp32 dots off)."""
+    plus for launches with GPU-only flags the same with each of those on (and fp32 dots
+    off)."""
     out: dict[str, dict] = {}
     for spec in specs:
         variants = [spec]
@@ -109,9 +110,8 @@ def gpu_variants(specs: list[dict]) -> list[dict]:
         flags = dict.fromkeys((f for f in FP32_DOT_FLAGS if consts.get(f) is True), False)
         if sixteen and flags:
             variants.append(spec | {"constexprs": consts | flags})
-        gpu_only = dict.fromkeys((f for f in GPU_ONLY_FLAGS if consts.get(f) is False), True)
-        if gpu_only:
-            variants.append(spec | {"constexprs": consts | flags | gpu_only})
+        for flag in (f for f in GPU_ONLY_FLAGS if consts.get(f) is False):  # one at a time
+            variants.append(spec | {"constexprs": consts | flags | {flag: True}})
         for v in variants:
             out.setdefault(json.dumps(v, sort_keys=True), v)
     return list(out.values())

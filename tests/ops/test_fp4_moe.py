@@ -100,6 +100,21 @@ def test_dot_scaled(fm4, t):
     check(fm4, args, dataclasses.replace(base, dot_scaled=True, block_k=64, num_stages=2))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE == "cpu", reason="inline PTX: the interpreter runs none")
+@pytest.mark.parametrize("t", [1, 17, 64, 300])
+def test_asm_decode(fm4, t):
+    """The inline-PTX decoder (two weights per bf16x2 instruction pair): within the rule
+    against the reference, and bitwise the fp16-bits decoder's result (both dequantize
+    exactly, and the dots are the same)."""
+    args = make_case(t, 8, 256, 128, 3, seed=t, dtype=torch.bfloat16, ue8m0=True)
+    base = fm4.default_tiling(t, 3, 8, torch.device(DEVICE))
+    tiling = dataclasses.replace(base, dot_scaled=False, asm_decode=True)
+    got = check(fm4, args, tiling)
+    fp16_bits = dataclasses.replace(tiling, asm_decode=False, fp16_bits=True)
+    assert torch.equal(got, fm4.moe_experts_fp4(*args, LIMIT, tiling=fp16_bits))
+
+
 def test_unrouted_slots_add_nothing(fm4):
     x, ids, weights, *w = make_case(5, 4, 64, 32, 2, seed=1, dtype=torch.float32, ue8m0=True)
     ids = ids.clone()

@@ -55,6 +55,10 @@ class Fp4Tiling:
     # already is): the compiler's own nibble upcast, then the dot. GPU with ue8m0 scales
     # only (the interpreter has no dot_scaled); ignored elsewhere.
     dot_scaled: bool = False
+    # decode two weights per 32-bit register in inline PTX (``_fp4_decode_asm``): bf16
+    # activations and ue8m0 scales on a GPU only (the interpreter runs no PTX); ignored
+    # elsewhere, and under ``dot_scaled``
+    asm_decode: bool = False
 
 
 def default_tiling(num_tokens: int, top_k: int, num_experts: int, device: torch.device):
@@ -126,6 +130,53 @@ def _fp4_decode(packed, scale, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
         return _e2m1(packed & 15) * scale, _e2m1(packed >> 4) * scale
 
 
+# Two e2m1 codes per 16-bit lane pair -> bf16x2, scaled. Per 32-bit input (4 packed bytes,
+# elements 0-3): the bytes spread to one per 16-bit lane (prmt), each code's sign to bit 15
+# of its lane and its 3 magnitude bits to bits 8:6 (the bf16's low exponent bits and top
+# mantissa bit), which makes the bf16 value e2m1 * 2^-126 exactly (e = 0 lands in the
+# subnormals: m * 2^-127 = 0.5 m * 2^-126); then * 2^126 and * the scale (bf16 fma with -0:
+# exact, the scale a power of two). Outputs: even inputs (low nibbles) of elements 0-1 and
+# 2-3, then odd inputs (high nibbles); inputs: the packed bytes, the scales of elements 0-1
+# and 2-3 (bf16x2). 7 instructions per 2 weights, against ~20 for the fp32 decoders.
+_E2M1X2_ASM = tl.constexpr(
+    """
+{
+.reg .b32 x, t, s, m, c, z;
+mov.b32 m, 0x01C001C0;
+mov.b32 c, 0x7E807E80;
+mov.b32 z, 0x80008000;
+prmt.b32 x, $4, 0, 0x4140;
+and.b32 s, x, 0x00080008; shl.b32 s, s, 12; shl.b32 t, x, 6; lop3.b32 t, t, m, s, 0xEA;
+fma.rn.bf16x2 t, t, c, z; fma.rn.bf16x2 $0, t, $5, z;
+and.b32 s, x, 0x00800080; shl.b32 s, s, 8; shl.b32 t, x, 2; lop3.b32 t, t, m, s, 0xEA;
+fma.rn.bf16x2 t, t, c, z; fma.rn.bf16x2 $2, t, $5, z;
+prmt.b32 x, $4, 0, 0x4342;
+and.b32 s, x, 0x00080008; shl.b32 s, s, 12; shl.b32 t, x, 6; lop3.b32 t, t, m, s, 0xEA;
+fma.rn.bf16x2 t, t, c, z; fma.rn.bf16x2 $1, t, $6, z;
+and.b32 s, x, 0x00800080; shl.b32 s, s, 8; shl.b32 t, x, 2; lop3.b32 t, t, m, s, 0xEA;
+fma.rn.bf16x2 t, t, c, z; fma.rn.bf16x2 $3, t, $6, z;
+}
+"""
+)
+
+
+@triton.jit
+def _fp4_decode_asm(packed, scale, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``_fp4_decode`` for bf16 dots with ue8m0 scales: (even, odd) [BK / 2, BN] bf16, the
+    dequantized weights exactly (an e2m1 value times a power of two), two per instruction
+    pair (``_E2M1X2_ASM``). The scale byte b is 2^(b - 127): the bf16 whose exponent field
+    is b (b = 0: the subnormal 2^-127)."""
+    b = scale.to(tl.int32)
+    bits = tl.where(b == 0, 0x40, b << 7).to(tl.int16)
+    scale = bits.to(tl.bfloat16, bitcast=True)
+    scale = tl.broadcast_to(scale[:, None, :], (BLOCK_K // 32, 16, BLOCK_N))
+    scale = tl.reshape(scale, (BLOCK_K // 2, BLOCK_N))
+    return tl.inline_asm_elementwise(
+        _E2M1X2_ASM, "=r,=r,=r,=r,r,r,r", [packed, scale], dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=True, pack=4,
+    )  # fmt: skip
+
+
 @triton.jit
 def _step_raw(w_rows, s_rows, k0, width, col_ok, BLOCK_K: tl.constexpr):
     """The raw tile of the K step at input ``k0`` (of ``width``) for the weight rows
@@ -187,6 +238,7 @@ def moe_gate_up_fp4_kernel(
     FP16_BITS: tl.constexpr,
     PREFETCH: tl.constexpr,
     DOT_SCALED: tl.constexpr,
+    ASM_DECODE: tl.constexpr,  # bf16 x, ue8m0 scales on a GPU: _fp4_decode_asm
 ):
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert >= num_experts:
@@ -222,9 +274,15 @@ def moe_gate_up_fp4_kernel(
             else:
                 cur_gate_w, cur_gate_s = _step_raw(w_gate, s_gate, k0, hidden, col_ok, BLOCK_K)
                 cur_up_w, cur_up_s = _step_raw(w_up, s_up, k0, hidden, col_ok, BLOCK_K)
-            even, odd = _fp4_decode(cur_gate_w, cur_gate_s, BLOCK_K, BLOCK_N, FP16_BITS)
+            if ASM_DECODE:
+                even, odd = _fp4_decode_asm(cur_gate_w, cur_gate_s, BLOCK_K, BLOCK_N)
+            else:
+                even, odd = _fp4_decode(cur_gate_w, cur_gate_s, BLOCK_K, BLOCK_N, FP16_BITS)
             acc_gate = _dot2(a_even, a_odd, even, odd, acc_gate, IEEE)
-            even, odd = _fp4_decode(cur_up_w, cur_up_s, BLOCK_K, BLOCK_N, FP16_BITS)
+            if ASM_DECODE:
+                even, odd = _fp4_decode_asm(cur_up_w, cur_up_s, BLOCK_K, BLOCK_N)
+            else:
+                even, odd = _fp4_decode(cur_up_w, cur_up_s, BLOCK_K, BLOCK_N, FP16_BITS)
             acc_up = _dot2(a_even, a_odd, even, odd, acc_up, IEEE)
     store_swiglu(acc_gate, acc_up, limit, h_ptr, rows, cols, col_ok, stride_ht)
 
@@ -256,6 +314,7 @@ def moe_down_fp4_kernel(
     FP16_BITS: tl.constexpr,
     PREFETCH: tl.constexpr,
     DOT_SCALED: tl.constexpr,
+    ASM_DECODE: tl.constexpr,
 ):
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert >= num_experts:
@@ -286,7 +345,10 @@ def moe_down_fp4_kernel(
                 next_w, next_s = _step_raw(w_base, s_base, k0 + BLOCK_K, inter, col_ok, BLOCK_K)
             else:
                 cur_w, cur_s = _step_raw(w_base, s_base, k0, inter, col_ok, BLOCK_K)
-            even, odd = _fp4_decode(cur_w, cur_s, BLOCK_K, BLOCK_N, FP16_BITS)
+            if ASM_DECODE:
+                even, odd = _fp4_decode_asm(cur_w, cur_s, BLOCK_K, BLOCK_N)
+            else:
+                even, odd = _fp4_decode(cur_w, cur_s, BLOCK_K, BLOCK_N, FP16_BITS)
             if IEEE:
                 acc = _dot2(a_even, a_odd, even, odd, acc, IEEE)
             else:  # h = hi + lo in the 16-bit type: two dots keep h's fp32 precision
@@ -367,6 +429,8 @@ def moe_experts_fp4(
     ieee = x.dtype == torch.float32 or x.device.type == "cpu"
     dot_scaled = t.dot_scaled and not ieee and x.dtype == torch.bfloat16
     dot_scaled = dot_scaled and w13_scale.dtype == torch.uint8
+    asm_decode = t.asm_decode and not dot_scaled and not ieee and x.dtype == torch.bfloat16
+    asm_decode = asm_decode and w13_scale.dtype == torch.uint8
 
     h = _empty((num_blocks * bm, inter), torch.float32, x.device)
     moe_gate_up_fp4_kernel[(num_blocks, triton.cdiv(inter, t.gate_up_block_n))](
@@ -376,7 +440,7 @@ def moe_experts_fp4(
         h.stride(0),
         BLOCK_M=bm, BLOCK_N=t.gate_up_block_n, BLOCK_K=t.block_k, IEEE=ieee,
         FP16_BITS=t.fp16_bits, PREFETCH=t.prefetch, DOT_SCALED=dot_scaled,
-        num_warps=t.num_warps, num_stages=t.num_stages,
+        ASM_DECODE=asm_decode, num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     slots = _empty((num_pairs, hidden), torch.float32, x.device)
     moe_down_fp4_kernel[(num_blocks, triton.cdiv(hidden, t.down_block_n))](
@@ -386,7 +450,8 @@ def moe_experts_fp4(
         slots.stride(0),
         BLOCK_M=bm, BLOCK_N=t.down_block_n, BLOCK_K=t.block_k, IEEE=ieee,
         ACT_DTYPE=_TL_DTYPES[x.dtype], FP16_BITS=t.fp16_bits, PREFETCH=t.prefetch,
-        DOT_SCALED=dot_scaled, num_warps=t.num_warps, num_stages=t.num_stages,
+        DOT_SCALED=dot_scaled, ASM_DECODE=asm_decode, num_warps=t.num_warps,
+        num_stages=t.num_stages,
     )  # fmt: skip
     block_d = min(1024, triton.next_power_of_2(hidden))
     moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_d))](
