@@ -52,6 +52,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument("--output", default=None)
+    p.add_argument("--variants", nargs="+", help="these variants only (default first)")
     args = p.parse_args()
     g = torch.Generator(device="cuda").manual_seed(1)
     w13, s13 = quant.quantize_fp4(torch.randn(E, 2 * INTER, D, device="cuda", generator=g) / 64)
@@ -66,6 +67,8 @@ def main() -> None:
         nbytes = hit * 3 * D * INTER * (0.5 + 1 / 32) + 4 * t * D
         ref = None
         for name, tiling in variants(t).items():
+            if args.variants and name != "default" and name not in args.variants:
+                continue
             fn = partial(
                 fp4.moe_experts_fp4, x, ids, weights, w13, s13, w2, s2, LIMIT, tiling=tiling
             )

@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# Session 15, call 4 (~7 minutes): issue 13's prefill attention at two programs per SM (the
-# output columns in two one-warpgroup programs, 16-row tiles: 112 KB of shared memory
-# each), against the default; then issue 17's TTFT on the 43-layer checkpoint with seven
-# repeats (session 14's call 4 had three: the prefill engine's TTFT moved by ~10 ms between
-# runs), after the prefill engine's export moved behind its answer.
+# Session 15, call 4 (~3 minutes): issue 20's FP4 MoE with the inline-PTX nibble decoder
+# (two weights per bf16x2 instruction pair) against the default, its GPU tests, and bench
+# forward with FP4 experts; issue 13's prefill attention at two programs per SM (the output
+# columns in two one-warpgroup programs, 16-row tiles: 112 KB of shared memory each).
 # Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/gpu_s15d.sh     (BUDGET_S: total seconds)
 set -uo pipefail
-BUDGET_S=${BUDGET_S:-560}
+BUDGET_S=${BUDGET_S:-300}
 source "$(dirname "$0")/device_env.sh"
 start_call
-t=$(cap 90); echo "== prefill attention at 8192 queries (${t}s)"
+t=$(cap 60); echo "== GPU tests of the FP4 MoE (${t}s)"
+((t)) && timeout "$t" python3 -m pytest -q -m gpu tests/ops/test_fp4_moe.py -p no:cacheprovider \
+  2>&1 | tail -3 | tee "$R/pytest_gpu.log"
+t=$(cap 90); echo "== FP4 MoE at V4-Flash sizes (${t}s)"
+((t)) && timeout "$t" python3 benchmarks/fp4_moe_sweep.py --tokens 1 64 256 \
+  --variants asm asm_bn64 asm_bk256 --output "$R/fp4_moe_sweep.json" 2>&1 | grep -E "^T=|Error"
+t=$(cap 70); echo "== prefill attention at 8192 queries, two programs per SM (${t}s)"
 ((t)) && timeout "$t" python3 benchmarks/prefill_bench.py --output "$R/prefill_attn.json" \
   --attention-only dv2_w4_bn16,dv2_w4_bn16_stages3 2>&1 | tail -8
-OUT=$OUT BUDGET_S=$((BUDGET_S - SECONDS)) LENGTHS=${LENGTHS:-1024,4096} REPEATS=${REPEATS:-7} \
-  bash "$(dirname "$0")/gpu_s14a.sh"
+echo "== done in ${SECONDS}s"
