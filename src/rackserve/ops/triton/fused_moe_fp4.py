@@ -70,14 +70,16 @@ def default_tiling(num_tokens: int, top_k: int, num_experts: int, device: torch.
     # as fused_moe measured on the H200: one align launch up to 512 pairs, then 256-pair
     # segments; 128-wide down tiles once blocks hold 32 rows (half the re-reads of h)
     segment = 512 if pairs <= 512 else 256
-    # V4-Flash sizes on the H200 (fp4_moe_sweep.py, 2026-12-02): the fp16-bits decoder took
-    # T = 1 from 192 to 111 us; at T = 256, 64-wide gate-up tiles through tl.dot_scaled
-    # (where it applies) from 3,203 to 1,168 us
+    # V4-Flash sizes on the H200 (fp4_moe_sweep.py): the fp16-bits decoder took T = 1 from
+    # 192 to 111 us (2026-12-02); the inline-PTX decoder (where it applies: bf16, ue8m0) from
+    # 110 to 89 us, T = 64 from 954 to 683, T = 256 from 1,167 (tl.dot_scaled) to 1,075
+    # (2026-12-03); prefill-sized blocks keep tl.dot_scaled (the PTX decoder is not timed
+    # there)
     if pairs >= 64 * num_experts:
         return Fp4Tiling(64, 64, 128, 128, 8, 3, segment, fp16_bits=True, dot_scaled=True)
     if pairs <= 16 * num_experts:
-        return Fp4Tiling(16, 32, 64, 128, 4, 4, segment, fp16_bits=True)
-    return Fp4Tiling(32, 64, 128, 128, 4, 3, segment, fp16_bits=True, dot_scaled=True)
+        return Fp4Tiling(16, 32, 64, 128, 4, 4, segment, fp16_bits=True, asm_decode=True)
+    return Fp4Tiling(32, 64, 128, 128, 4, 3, segment, fp16_bits=True, asm_decode=True)
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
