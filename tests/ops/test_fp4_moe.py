@@ -21,7 +21,7 @@ from rackserve.ops import quant
 
 from kernel_checks import DEVICE, assert_bf16_close, assert_fp32_close
 
-fp4_kernels = importlib.import_module("rackserve.ops.triton.fused_moe_fp4")
+fp4_kernels = importlib.import_module("rackserve.ops.triton.fp4_tiles")
 
 LIMIT = 7.0
 POISON_INT = 1 << 29
