@@ -13,7 +13,7 @@ import pytest
 import torch
 import zmq
 
-import rackserve.disagg.connector as connector_module
+import rackserve.disagg.prefill_side as prefill_side_module
 from rackserve.disagg.wire import transfer_key
 from rackserve.engine.outputs import EngineCoreOutputs, EngineCoreRequest
 from rackserve.engine.process import EngineCoreProc, EngineProcessConfig, MessageType
@@ -63,7 +63,7 @@ def _slow_exports(monkeypatch, on_export) -> list[float]:
             time.sleep(SLOW_EXPORT_S)
             super().__init__(caches, block_ids)
 
-    monkeypatch.setattr(connector_module, "ExportedRows", SlowRows)
+    monkeypatch.setattr(prefill_side_module, "ExportedRows", SlowRows)
     return started
 
 

@@ -114,8 +114,8 @@ def test_decode_side_receives_blocks_before_the_last_chunk(tiny, transport, chun
                 if remaining[req_id] <= CHUNK:
                     # the next step may compute its last chunk: the blocks finished so far
                     # (added to the store when this step starts) reach the decode side first
-                    producer.kv_connector._stream_blocks()
-                    sent = producer.kv_connector._prefills[req_id].sent
+                    producer.kv_connector.prefill.stream_blocks()
+                    sent = producer.kv_connector.prefill.prefills[req_id].sent
                     deadline = time.monotonic() + 10
                     while not arrived(log.records(_key(req_id, prompts[req_id])), sent):
                         assert time.monotonic() < deadline, "no piece before the last chunk"

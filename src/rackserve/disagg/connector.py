@@ -1,6 +1,6 @@
 """The KV connector of one engine: P/D roles between the engine loop and the transports.
 
-Prefill side (producer), on the loop::
+Prefill side (producer, ``prefill_side.py``), on the loop::
 
     request with do_remote_decode --> the whole prompt, max_tokens 1: its token t1 goes back
     in the answer (the decode side emits it on arrival). The decode side takes the KV of
@@ -50,9 +50,9 @@ import msgspec
 import torch
 
 from rackserve.config import DisaggConfig
-from rackserve.disagg.store import KVStore, Piece
+from rackserve.disagg.prefill_side import PrefillSide
+from rackserve.disagg.store import KVStore
 from rackserve.disagg.transports import (
-    STREAMING_TRANSPORTS,
     Fault,
     FetchJob,
     KVClient,
@@ -64,17 +64,10 @@ from rackserve.engine.outputs import EngineCoreRequest, Logprob
 from rackserve.engine.scheduler import Scheduler
 from rackserve.model.batch import KVCacheTensors
 from rackserve.request import CarriedLogprob, KVTransferParams, Request, RequestStatus
-from rackserve.runner.kv_transfer import (
-    NULL_BLOCK_ID,
-    ExportedRows,
-    device_index,
-    import_blocks,
-    packed_numel,
-)
+from rackserve.runner.kv_transfer import NULL_BLOCK_ID, import_blocks, packed_numel
 
 logger = logging.getLogger(__name__)
 MAX_TRANSFER_THREADS = 8
-_COMPLETED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 IDLE_WAIT_S = 0.005  # an engine with only remote-KV requests naps this long per step
 
 
@@ -90,25 +83,6 @@ class RemoteKV:
     block_ids: tuple[list[int], ...] = ()  # receiver ids of the slots asked for, per group
     future: Future | None = None
     started: float = field(default_factory=time.monotonic)
-
-
-@dataclass
-class _Prefill:
-    """A prefill-side request whose finished blocks stream out (``_stream_blocks``)."""
-
-    key: str
-    sent: list[set[int]]  # per group, the table slots already added as pieces
-
-
-@dataclass(frozen=True)
-class _Export:
-    """A finished prefill whose rows are copied out once its output is sent: ``block_ids``
-    are freed already, and untouched until the next ``schedule()`` or KV import."""
-
-    key: str
-    block_ids: tuple[list[int], ...]
-    num_consumers: int
-    num_cached_tokens: int
 
 
 @dataclass
@@ -141,20 +115,13 @@ class KVConnector:
             check_nixl()  # ConfigError naming the fix when the package is missing
         backend = "nccl" if device.type == "cuda" else "gloo"
         extra = config.kv_connector_extra_config
-        self.store: KVStore | None = None
+        self.prefill: PrefillSide | None = None
+        self.store: KVStore | None = None  # the producer's (its peers pull from it)
         self.server: KVServer | None = None
         if config.is_producer:
-            self.store = KVStore(config.lease_s)
             fault = Fault.parse(extra.get("inject_fault"))
-            self.server = KVServer(self.store, config.kv_ip, config.kv_port, fault, backend)
-            scheduler.on_finish = self._request_finished
-        self._prefills: dict[str, _Prefill] = {}  # producer: requests prefilling now
-        self._exports: deque[_Export] = deque()  # producer: finished, rows not copied yet
-        # blocks stream out during the prefill on the stream transport (the others pull the
-        # whole region at the end); every group must have its spec for the block rule
-        self._streaming = self.transport in STREAMING_TRANSPORTS and len(scheduler.kv.specs) == len(
-            caches.groups
-        )
+            self.prefill = PrefillSide(config, scheduler, caches, fault, backend)
+            self.store, self.server = self.prefill.store, self.prefill.server
         # (layers, elements per slot per layer) of each group: a streamed pull's layout
         self.layout = tuple(
             (len(caches.tensors[name]), next(iter(caches.tensors[name].values()))[0].numel())
@@ -190,12 +157,8 @@ class KVConnector:
             sampling = replace(request.sampling_params, max_tokens=1, min_tokens=min_tokens, n=1)
             if len(request.prompt_token_ids) < 2:  # nothing to send: decode computes it all
                 sampling = replace(sampling, kv_transfer_params=None)
-            elif self.store is not None:
-                key = transfer_key(params.transfer_id, request.prompt_token_ids[:-1])
-                self.export_finished()  # the store sees its changes in the order they came
-                self.store.open(key, params.num_consumers)
-                groups = [set[int]() for _ in self.caches.groups]
-                self._prefills[request.request_id] = _Prefill(key, groups)
+            elif self.prefill is not None:
+                self.prefill.open(request, params)
             return msgspec.structs.replace(request, sampling_params=sampling)
         if not self.config.is_consumer:
             raise ValueError("do_remote_prefill: this engine is not a kv_consumer")
@@ -244,79 +207,15 @@ class KVConnector:
             entries = [Logprob(list(ids), list(values), rank) for ids, values, rank in logprobs]
         return self.scheduler.take_first_tokens(req, list(token_ids), entries)
 
-    # ---- prefill side ----------------------------------------------------------------------
-    def _request_finished(self, req: Request, block_ids: tuple[list[int], ...]) -> None:
-        """Scheduler hook before a request's blocks are freed: a copy for the pulls is due
-        (``export_finished``; its open store entry keeps pulls waiting meanwhile)."""
-        params = req.sampling_params.kv_transfer_params
-        if params is None or not params.do_remote_decode or self.store is None:
-            return
-        prefill = self._prefills.pop(req.request_id, None)
-        if prefill is not None:  # the key prepare made (hashing the prompt again: O(prompt))
-            key = prefill.key
-        else:
-            key = transfer_key(params.transfer_id, req.prompt_token_ids[:-1])
-        if req.status not in _COMPLETED:
-            self.export_finished()
-            self.store.discard(key)  # aborted: a waiting pull fails now
-            return
-        self._exports.append(_Export(key, block_ids, params.num_consumers, req.num_cached_tokens))
-
+    # ---- prefill side (disagg/prefill_side.py) ----------------------------------------------
     @property
     def has_pending_exports(self) -> bool:
-        return bool(self._exports)
+        return self.prefill is not None and self.prefill.has_pending_exports
 
     def export_finished(self) -> None:
-        """Copy the rows of the prefills finished since the last call into the store (a
-        gather per cache tensor: on a GPU, launches per layer). Called once their outputs
-        are sent (``EngineCore.flush_kv_exports``) and before anything can write the freed
-        blocks or change the store: each step's start, after ``schedule()`` (a request it
-        finished), before a KV import (``add_request_with_kv``), an open or a discard."""
-        if not self._exports:
-            return
-        assert self.store is not None  # only a producer's hook adds exports
-        while self._exports:
-            export = self._exports.popleft()
-            rows = ExportedRows(self.caches, export.block_ids)
-            self.store.put(export.key, rows, export.num_consumers, export.num_cached_tokens)
-
-    def _stream_blocks(self) -> None:
-        """Producer, at the start of a step (the previous step's chunk is computed, or, on a
-        GPU, queued before any copy made here): the rows of newly finished blocks join the
-        request's store entry. A block of group g at slot i is finished when its positions
-        [i*T, (i+1)*T) lie below L - 1 (L computed tokens; the MTP layer writes row p + 1
-        with position p's chunk, hence the one spare position). Sliding and state groups
-        send only the slots still live when the prompt ends (the decode side holds no
-        others)."""
-        assert self.store is not None
-        sched, specs = self.scheduler, self.scheduler.kv.specs
-        for req_id, prefill in list(self._prefills.items()):
-            req = sched.requests.get(req_id)
-            if req is None:  # refused when it was added: nothing will come
-                del self._prefills[req_id]
-                self.store.discard(prefill.key)
-                continue
-            done = req.num_computed_tokens - 1
-            if req.status != RequestStatus.RUNNING or done <= 0:
-                continue
-            if not self.store.is_watched(prefill.key):  # nobody pulls yet: the tail sends all
-                continue
-            tables = sched.kv.get_block_ids(req)
-            for g, (spec, name, table) in enumerate(
-                zip(specs, self.caches.groups, tables, strict=True)
-            ):
-                # the decode side holds the window of N-1 tokens (it computes token N-1)
-                first = spec.first_live_slot(req.num_prompt_tokens - 1) if spec.is_sliding else 0
-                last = min(done // spec.block_tokens, len(table))
-                sent = prefill.sent[g]
-                new = [i for i in range(first, last) if i not in sent and table[i] != NULL_BLOCK_ID]
-                if not new:
-                    continue
-                tensors = list(self.caches.tensors[name].values())
-                index = device_index([table[i] for i in new], tensors)
-                rows = [t.index_select(0, index.to(t.device)) for t in tensors]
-                self.store.add_piece(prefill.key, Piece(g, new, rows))
-                sent.update(new)
+        """The finished prefills' KV into the store (``PrefillSide.export_finished``)."""
+        if self.prefill is not None:
+            self.prefill.export_finished()
 
     # ---- decode side: one step -------------------------------------------------------------
     @property
@@ -326,8 +225,8 @@ class KVConnector:
     def step(self) -> StepRecord:
         """Land finished pulls, then admit waiting requests; both under the cap."""
         record = StepRecord()
-        if self._prefills and self._streaming:
-            self._stream_blocks()
+        if self.prefill is not None:
+            self.prefill.stream_blocks()
         if self.client is None:
             return record
         cap = self.config.max_kv_loads_per_step or len(self.inflight) + len(self.pending)
@@ -473,7 +372,8 @@ class KVConnector:
         return errors
 
     def close(self) -> None:
-        self._exports.clear()
+        if self.prefill is not None:
+            self.prefill.close()
         if self.server is not None:
             self.server.close()
         if self.store is not None:
