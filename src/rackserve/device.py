@@ -31,3 +31,12 @@ def resolve(device: str | None, dtype: str | None) -> tuple[torch.device, torch.
     """The device ("auto"/None: cuda when available) and dtype ("auto"/None: by device)."""
     name = default_device() if device in (None, "auto") else device
     return torch.device(name), parse_dtype(dtype, torch.device(name).type)
+
+
+def upload(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Host -> device without a stream sync on a GPU (pinned, non-blocking): a copy from
+    pageable memory waits for everything queued on the stream, so the engine loop would wait
+    for the step in flight (async scheduling, a P/D export)."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from rackserve.device import upload
 from rackserve.model.batch import KVCacheTensors
 
 NULL_BLOCK_ID = 0
@@ -17,15 +18,9 @@ NULL_BLOCK_ID = 0
 
 def device_index(ids: list[int], tensors: list[torch.Tensor]) -> torch.Tensor:
     """``ids`` as a long index on the tensors' device (made once per group: on a GPU each is
-    a copy from host memory). Pinned and non-blocking there: a copy from pageable memory
-    waits for the whole stream, so the engine loop would wait for the step in flight."""
+    a copy from host memory, made without a stream sync: ``device.upload``)."""
     index = torch.tensor(ids, dtype=torch.long)
-    if not tensors:
-        return index
-    device = tensors[0].device
-    if device.type != "cuda":
-        return index.to(device)
-    return index.pin_memory().to(device, non_blocking=True)
+    return upload(index, tensors[0].device) if tensors else index
 
 
 def _live(block_ids: list[int], tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rackserve.device import upload
 from rackserve.request import SamplingParams
 
 __all__ = ["SamplingParamTable", "SamplingTensors", "noise_seed", "pad_token_ids"]
@@ -30,14 +31,6 @@ def pad_token_ids(
     width = max((len(row) for row in rows), default=0) or 1
     packed = [list(row) + [pad_id] * (width - len(row)) for row in rows]
     return torch.tensor(packed, dtype=torch.int64, device=device)
-
-
-def _upload(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """Host -> device without a stream sync on a GPU (pinned, non-blocking): with async
-    scheduling the previous step's forward is still running (engine/async_scheduling.py)."""
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def noise_seed(seed: int) -> int:
@@ -214,7 +207,7 @@ class SamplingParamTable:
             return [ids[n:] for ids, n in zip(token_ids, prompt_lens, strict=True)]
 
         def column(values: np.ndarray, dtype: np.dtype) -> torch.Tensor:
-            return _upload(torch.from_numpy(values.astype(dtype)), device)
+            return upload(torch.from_numpy(values.astype(dtype)), device)
 
         is_greedy = self.is_greedy[rows]
         top_k = self.top_k[rows]
@@ -238,7 +231,7 @@ class SamplingParamTable:
         positions = np.fromiter(map(len, token_ids), dtype=np.int64, count=len(token_ids))
         return SamplingTensors(
             temperature=column(self.temperature[rows], np.float32),
-            is_greedy=_upload(torch.from_numpy(is_greedy), device),
+            is_greedy=upload(torch.from_numpy(is_greedy), device),
             top_k=column(top_k, np.int64) if (top_k < vocab_size).any() else None,
             top_p=column(top_p, np.float32) if (top_p < 1.0).any() else None,
             min_p=column(min_p, np.float32) if (min_p > 0.0).any() else None,

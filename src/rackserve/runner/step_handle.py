@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from rackserve.device import upload
 from rackserve.runner.sampler import LogprobsTensors, SamplerOutput
 
 if TYPE_CHECKING:
@@ -119,9 +120,8 @@ def feeder(
         assert result.device_token_ids is not None, "a placeholder's step sampled nothing"
         tokens = result.device_token_ids  # [S'] on the device
         at, src = torch.from_numpy(index), torch.from_numpy(rows)
-        if tokens.device.type == "cuda":  # pinned: a pageable copy could wait for step N
-            at = at.pin_memory().to(tokens.device, non_blocking=True)
-            src = src.pin_memory().to(tokens.device, non_blocking=True)
+        # pinned on a GPU: a pageable copy could wait for step N
+        at, src = upload(at, tokens.device), upload(src, tokens.device)
         input_ids[at] = tokens[src].to(input_ids.dtype)
 
     return feed
