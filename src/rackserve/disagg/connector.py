@@ -116,12 +116,9 @@ class KVConnector:
         backend = "nccl" if device.type == "cuda" else "gloo"
         extra = config.kv_connector_extra_config
         self.prefill: PrefillSide | None = None
-        self.store: KVStore | None = None  # the producer's (its peers pull from it)
-        self.server: KVServer | None = None
         if config.is_producer:
             fault = Fault.parse(extra.get("inject_fault"))
             self.prefill = PrefillSide(config, scheduler, caches, fault, backend)
-            self.store, self.server = self.prefill.store, self.prefill.server
         # (layers, elements per slot per layer) of each group: a streamed pull's layout
         self.layout = tuple(
             (len(caches.tensors[name]), next(iter(caches.tensors[name].values()))[0].numel())
@@ -208,6 +205,15 @@ class KVConnector:
         return self.scheduler.take_first_tokens(req, list(token_ids), entries)
 
     # ---- prefill side (disagg/prefill_side.py) ----------------------------------------------
+    @property
+    def store(self) -> KVStore | None:
+        """The producer's store (its peers pull from it)."""
+        return self.prefill.store if self.prefill is not None else None
+
+    @property
+    def server(self) -> KVServer | None:
+        return self.prefill.server if self.prefill is not None else None
+
     @property
     def has_pending_exports(self) -> bool:
         return self.prefill is not None and self.prefill.has_pending_exports
@@ -374,9 +380,5 @@ class KVConnector:
     def close(self) -> None:
         if self.prefill is not None:
             self.prefill.close()
-        if self.server is not None:
-            self.server.close()
-        if self.store is not None:
-            self.store.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)

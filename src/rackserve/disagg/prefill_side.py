@@ -150,3 +150,5 @@ class PrefillSide:
 
     def close(self) -> None:
         self.exports.clear()
+        self.server.close()
+        self.store.clear()
