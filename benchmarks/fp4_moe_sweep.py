@@ -39,7 +39,7 @@ def variants(t: int) -> dict[str, fp4.Fp4Tiling]:
         "scaled_bn64": dataclasses.replace(
             base, dot_scaled=True, gate_up_block_n=64, down_block_n=128
         ),
-        # two weights per instruction pair in inline PTX (``_fp4_decode_asm``)
+        # two weights per instruction pair in inline PTX (``fp4_tiles.fp4_decode_bf16``)
         "asm": dataclasses.replace(base, dot_scaled=False, asm_decode=True),
         "asm_bn64": dataclasses.replace(
             base, dot_scaled=False, asm_decode=True, gate_up_block_n=64, down_block_n=128

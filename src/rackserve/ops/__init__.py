@@ -243,8 +243,9 @@ def _linear_gemv() -> Callable:
             if not module:
                 module.append(importlib.import_module("rackserve.ops.triton.gemv"))
             gemv = module[0]
-            if gemv.default_tiling(weight.shape[0], weight.shape[1], x.device).splits > 1:
-                return gemv.gemv(x, weight)
+            tiling = gemv.default_tiling(weight.shape[0], weight.shape[1], x.device)
+            if tiling.splits > 1:
+                return gemv.gemv(x, weight, tiling=tiling)
         return reference.linear(x, weight)
 
     return linear

@@ -6,7 +6,7 @@ scale per 32 inputs of a row ([N, K / 32], fp32 or ue8m0 bytes). A decoded tile 
 inputs, odd inputs) [BK / 2, BN], so the dots need no interleaving shuffle. Decoders: e2m1
 by arithmetic (``_e2m1``), through fp16 bit patterns (``_e2m1_bits``), and for bf16 dots with
 ue8m0 scales on a GPU two weights per bf16x2 instruction pair in inline PTX
-(``fp4_decode_asm``); the first two give fp32 values, scaled in fp32.
+(``fp4_decode_bf16``); the first two give fp32 values, scaled in fp32.
 """
 
 from __future__ import annotations
@@ -43,17 +43,25 @@ def _fp4_raw(w_ptrs, w_mask, s_ptrs, s_mask):
 
 
 @triton.jit
+def _per_input(scale, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BK / 32, BN] scales -> [BK / 2, BN]: each scale row covers 16 bytes (32 inputs)."""
+    scale = tl.broadcast_to(scale[:, None, :], (BLOCK_K // 32, 16, BLOCK_N))
+    return tl.reshape(scale, (BLOCK_K // 2, BLOCK_N))
+
+
+@triton.jit
 def fp4_decode(packed, scale, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                FP16_BITS: tl.constexpr):  # fmt: skip
-    """A raw tile -> (even inputs, odd inputs) [BK / 2, BN], scaled, fp32. Each scale row
-    covers 16 bytes (32 inputs); masked scales load as 0 and their bytes as 0: value 0."""
+               FP16_BITS: tl.constexpr):  # fmt: skip
+    """A raw tile -> (even inputs, odd inputs) [BK / 2, BN], scaled, fp32 (FP16_BITS:
+    through fp16 bit patterns). Masked scales load as 0 and their bytes as 0: value 0.
+    (``fp4_decode_bf16`` is the inline-PTX one: a separate function, since a jitted
+    function's branches must return one type.)"""
     packed = packed.to(tl.int32)
     if scale.dtype == tl.uint8:  # ue8m0: 2 ** (byte - 127) exactly, the float's exponent
         scale = (scale.to(tl.int32) << 23).to(tl.float32, bitcast=True)
     else:
         scale = scale.to(tl.float32)
-    scale = tl.broadcast_to(scale[:, None, :], (BLOCK_K // 32, 16, BLOCK_N))
-    scale = tl.reshape(scale, (BLOCK_K // 2, BLOCK_N))
+    scale = _per_input(scale, BLOCK_K, BLOCK_N)
     if FP16_BITS:
         return _e2m1_bits(packed & 15) * scale, _e2m1_bits(packed >> 4) * scale
     else:
@@ -91,16 +99,14 @@ fma.rn.bf16x2 t, t, c, z; fma.rn.bf16x2 $3, t, $6, z;
 
 
 @triton.jit
-def fp4_decode_asm(packed, scale, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+def fp4_decode_bf16(packed, scale, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """``fp4_decode`` for bf16 dots with ue8m0 scales: (even, odd) [BK / 2, BN] bf16, the
     dequantized weights exactly (an e2m1 value times a power of two), two per instruction
     pair (``_E2M1X2_ASM``). The scale byte b is 2^(b - 127): the bf16 whose exponent field
     is b (b = 0: the subnormal 2^-127)."""
     b = scale.to(tl.int32)
     bits = tl.where(b == 0, 0x40, b << 7).to(tl.int16)
-    scale = bits.to(tl.bfloat16, bitcast=True)
-    scale = tl.broadcast_to(scale[:, None, :], (BLOCK_K // 32, 16, BLOCK_N))
-    scale = tl.reshape(scale, (BLOCK_K // 2, BLOCK_N))
+    scale = _per_input(bits.to(tl.bfloat16, bitcast=True), BLOCK_K, BLOCK_N)
     return tl.inline_asm_elementwise(
         _E2M1X2_ASM, "=r,=r,=r,=r,r,r,r", [packed, scale], dtype=(tl.bfloat16, tl.bfloat16),
         is_pure=True, pack=4,

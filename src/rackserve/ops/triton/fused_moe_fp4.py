@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rackserve.ops.triton.fp4_tiles import fp4_decode, fp4_decode_asm, step_raw
+from rackserve.ops.triton.fp4_tiles import fp4_decode, fp4_decode_bf16, step_raw
 from rackserve.ops.triton.fused_moe import moe_align
 from rackserve.ops.triton.fused_moe_kernels import (
     block_tile,
@@ -55,7 +55,7 @@ class Fp4Tiling:
     # already is): the compiler's own nibble upcast, then the dot. GPU with ue8m0 scales
     # only (the interpreter has no dot_scaled); ignored elsewhere.
     dot_scaled: bool = False
-    # decode two weights per 32-bit register in inline PTX (``_fp4_decode_asm``): bf16
+    # decode two weights per 32-bit register in inline PTX (``fp4_tiles.fp4_decode_bf16``): bf16
     # activations and ue8m0 scales on a GPU only (the interpreter runs no PTX); ignored
     # elsewhere, and under ``dot_scaled``
     asm_decode: bool = False
@@ -133,7 +133,7 @@ def moe_gate_up_fp4_kernel(
     FP16_BITS: tl.constexpr,
     PREFETCH: tl.constexpr,
     DOT_SCALED: tl.constexpr,
-    ASM_DECODE: tl.constexpr,  # bf16 x, ue8m0 scales on a GPU: _fp4_decode_asm
+    ASM_DECODE: tl.constexpr,  # bf16 x, ue8m0 scales on a GPU: the inline-PTX decoder
 ):
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert >= num_experts:
@@ -170,12 +170,12 @@ def moe_gate_up_fp4_kernel(
                 cur_gate_w, cur_gate_s = step_raw(w_gate, s_gate, k0, hidden, col_ok, BLOCK_K)
                 cur_up_w, cur_up_s = step_raw(w_up, s_up, k0, hidden, col_ok, BLOCK_K)
             if ASM_DECODE:
-                even, odd = fp4_decode_asm(cur_gate_w, cur_gate_s, BLOCK_K, BLOCK_N)
+                even, odd = fp4_decode_bf16(cur_gate_w, cur_gate_s, BLOCK_K, BLOCK_N)
             else:
                 even, odd = fp4_decode(cur_gate_w, cur_gate_s, BLOCK_K, BLOCK_N, FP16_BITS)
             acc_gate = _dot2(a_even, a_odd, even, odd, acc_gate, IEEE)
             if ASM_DECODE:
-                even, odd = fp4_decode_asm(cur_up_w, cur_up_s, BLOCK_K, BLOCK_N)
+                even, odd = fp4_decode_bf16(cur_up_w, cur_up_s, BLOCK_K, BLOCK_N)
             else:
                 even, odd = fp4_decode(cur_up_w, cur_up_s, BLOCK_K, BLOCK_N, FP16_BITS)
             acc_up = _dot2(a_even, a_odd, even, odd, acc_up, IEEE)
@@ -241,7 +241,7 @@ def moe_down_fp4_kernel(
             else:
                 cur_w, cur_s = step_raw(w_base, s_base, k0, inter, col_ok, BLOCK_K)
             if ASM_DECODE:
-                even, odd = fp4_decode_asm(cur_w, cur_s, BLOCK_K, BLOCK_N)
+                even, odd = fp4_decode_bf16(cur_w, cur_s, BLOCK_K, BLOCK_N)
             else:
                 even, odd = fp4_decode(cur_w, cur_s, BLOCK_K, BLOCK_N, FP16_BITS)
             if IEEE:
