@@ -58,6 +58,46 @@ def _kernels(fn) -> dict[str, list[float]]:
     return dict(totals)
 
 
+def _timeline(fn, runs: int = 5) -> dict:
+    """One call of ``fn`` kernel by kernel, in GPU order: name, duration and the idle time
+    before it (the median of ``runs`` profiled calls per position), with the totals: the
+    span from the first kernel's start to the last one's end, the summed kernel time and
+    the summed gaps."""
+    per_run: list[list[tuple[str, float, float]]] = []
+    for _ in range(runs):
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        events = sorted(
+            (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+            key=lambda e: e.time_range.start,
+        )
+        rows, end = [], None
+        for e in events:
+            gap = 0.0 if end is None else max(0.0, e.time_range.start - end)
+            rows.append((e.name, e.time_range.end - e.time_range.start, gap))
+            end = e.time_range.end if end is None else max(end, e.time_range.end)
+        per_run.append(rows)
+    n = min(len(r) for r in per_run)
+    kernels = [
+        {
+            "name": per_run[0][i][0][:100],
+            "us": round(statistics.median(r[i][1] for r in per_run), 2),
+            "gap_us": round(statistics.median(r[i][2] for r in per_run), 2),
+        }
+        for i in range(n)
+    ]
+    busy = sum(k["us"] for k in kernels)
+    gaps = sum(k["gap_us"] for k in kernels)
+    return {
+        "span_us": round(busy + gaps, 1),
+        "busy_us": round(busy, 1),
+        "gaps_us": round(gaps, 1),
+        "kernels": kernels,
+    }
+
+
 def _summary(kernels: dict[str, list[float]]) -> dict:
     return {
         "kernels": int(sum(c for c, _ in kernels.values())),
@@ -97,6 +137,7 @@ def _variant(model, s, fast_metadata: bool) -> dict:
     replay = _events(graph.replay)
     replay_kernels = _kernels(graph.replay)
     region_kernels = _kernels(lambda: graphs.forward(*key))
+    timeline = _timeline(graph.replay) if fast_metadata else None
     busy = _summary(replay_kernels)["kernel_ms"]
     return {
         "fast_metadata": fast_metadata,
@@ -107,6 +148,7 @@ def _variant(model, s, fast_metadata: bool) -> dict:
         "gap_ms": replay - busy,
         "captured_region_eager": _summary(region_kernels),
         "_replay": replay_kernels,
+        "_timeline": timeline,
         "_region": region_kernels,
     }
 
@@ -140,6 +182,7 @@ def measure(batch: str) -> dict:
         "diff_eager_vs_replay": _diff(eager_kernels, main["_replay"]),
         "diff_region_vs_replay": _diff(main["_region"], main["_replay"]),
         "diff_torch_vs_fast_metadata_replay": _diff(variants[1]["_replay"], main["_replay"]),
+        "replay_timeline": main["_timeline"],
     }
     return record
 
@@ -154,12 +197,19 @@ def main() -> None:
         with open(args.output, "w") as f:
             json.dump(records, f, indent=1)
     for r in records:
-        short = {k: v for k, v in r.items() if not k.startswith("diff_")}
+        short = {k: v for k, v in r.items() if not k.startswith(("diff_", "replay_timeline"))}
         print(json.dumps(short))
         for k in ("diff_eager_vs_replay", "diff_region_vs_replay"):
             print(f"== {r['batch']} {k}: calls [a, b], us [a, b]")
             for row in r[k][:15]:
                 print(f"  {row['calls']} {row['us']} {row['name'][:90]}")
+        t = r["replay_timeline"]
+        print(
+            f"== {r['batch']} replay timeline: span {t['span_us']} us = kernels "
+            f"{t['busy_us']} + gaps {t['gaps_us']} ({len(t['kernels'])} kernels)"
+        )
+        for k in t["kernels"]:
+            print(f"  {k['gap_us']:6.2f} {k['us']:8.2f}  {k['name'][:80]}")
 
 
 if __name__ == "__main__":
