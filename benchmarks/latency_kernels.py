@@ -1,0 +1,118 @@
+"""The short, latency-bound kernels of a batch-1 decode step, timed alone in a CUDA graph
+over launch variants: what each one's serial chain costs and which shape shortens it.
+
+- ``route_align``: ``moe_routed``'s one-program router + align (hash and learned routing,
+  V4-Flash sizes: 64 routed experts + the shared one, k = 6), over (BLOCK_T, CHUNK, warps);
+- ``router_logits``: the router's [T, 4096] x [4096, 64] logits, ``F.linear`` (cuBLAS) against
+  ``ops.triton.gemv``;
+- ``hc_pre``: the mHC pre (K1 + K2) over K2's warps, and with 1 Sinkhorn iteration instead
+  of 20 (the chain's own cost).
+
+    python3 benchmarks/latency_kernels.py --output $OUT/latency_kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+from rackserve.ops.triton import fused_moe, gemv, mhc
+from rackserve.ops.triton.moe_routed import _route_align_kernel
+
+D, E, K, N_STREAMS = 4096, 64, 6, 4
+
+
+def _us(fn) -> float:
+    return round(1e3 * triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median"), 2)
+
+
+def route_align(t: int, hashed: bool, block_t: int, chunk: int, warps: int, x, w, table, bias):
+    cols = K + 1
+    num_experts = E + 1
+    pairs = t * cols
+    tiling = fused_moe.default_tiling(t, cols, num_experts, 2048, x.device, x.dtype)
+    nb = fused_moe.num_blocks_bound(pairs, num_experts, tiling.block_m)
+    ids = torch.empty(t, cols, dtype=torch.int64, device=x.device)
+    weights = torch.empty(t, cols, device=x.device)
+    sorted_ids = torch.empty(nb * tiling.block_m, dtype=torch.int32, device=x.device)
+    block_expert = torch.empty(nb, dtype=torch.int32, device=x.device)
+    logits = F.linear(x, w).contiguous()
+    input_ids = torch.arange(t, device=x.device)
+    align_e = max(16, triton.next_power_of_2(num_experts))
+
+    def run():
+        _route_align_kernel[(1,)](
+            logits, weights if hashed else bias, table if hashed else ids, input_ids,
+            ids, weights, ids, ids, sorted_ids, block_expert,
+            t, 1.5, E, num_experts, pairs, nb,
+            E=E, K=K, SCORING=0, HASHED=hashed, SHARED=1, COUNT=0, BLOCK_T=block_t,
+            BLOCK_E=max(16, triton.next_power_of_2(E)), BLOCK_M=tiling.block_m,
+            ALIGN_E=align_e, CHUNK=chunk, BLOCK_B=max(16, min(128, 8192 // align_e)),
+            num_warps=warps,
+        )  # fmt: skip
+
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--output", required=True)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    records = []
+
+    def add(kind: str, t: int, variant: str, us: float) -> None:
+        records.append({"kernel": kind, "t": t, "variant": variant, "us": us})
+        print(f"{kind:14s} T={t:<4d} {variant:34s} {us:8.2f} us", flush=True)
+
+    w = (torch.randn(E, D, generator=g, device=dev) / D**0.5).bfloat16()
+    bias = torch.randn(E, generator=g, device=dev) * 0.1
+    table = torch.randint(0, E, (1024, K), generator=g, device=dev, dtype=torch.int32)
+    for t in args.tokens:
+        x = torch.randn(t, D, generator=g, device=dev).bfloat16()
+        add("router_logits", t, "F.linear", _us(lambda x=x: F.linear(x, w)))
+        add("router_logits", t, "gemv", _us(lambda x=x: gemv.gemv(x, w)))
+        for hashed in (True, False):
+            for block_t, chunk, warps in (
+                (16, 64, 4), (16, 64, 1), (16, 64, 2), (16, 16, 1), (16, 16, 2),
+                (1, 16, 1), (1, 16, 2), (1, 16, 4), (8, 16, 1), (8, 16, 2), (8, 64, 2),
+            ):  # fmt: skip
+                if block_t < t and block_t != 16:
+                    continue
+                run = route_align(t, hashed, block_t, chunk, warps, x, w, table, bias)
+                name = f"{'hash' if hashed else 'learned'} bt{block_t} c{chunk} w{warps}"
+                add("route_align", t, name, _us(run))
+
+    cols = N_STREAMS * D
+    mixes = (2 + N_STREAMS) * N_STREAMS
+    for t in args.tokens:
+        streams = torch.randn(t, N_STREAMS, D, generator=g, device=dev).bfloat16()
+        fn = torch.randn(mixes, cols, generator=g, device=dev) * (1.5 / cols**0.5)
+        base = torch.randn(mixes, generator=g, device=dev) * 0.5
+        scale = torch.ones(3, device=dev)
+        norm_w = 1 + 0.2 * torch.randn(D, generator=g, device=dev)
+        tiling = mhc.default_tiling(t, N_STREAMS, D, dev, torch.bfloat16)
+        for iters in (20, 1):
+            for warps in (1, 2, 4, 8, 16):
+                args = (streams, fn, base, scale, norm_w, iters, 1e-6, 1e-6)
+                tl_ = dataclasses.replace(tiling, finish_warps=warps)
+
+                def run(args=args, tl_=tl_):
+                    return mhc.hc_pre(*args, tiling=tl_)
+
+                mark = " (default)" if warps == tiling.finish_warps else ""
+                add("hc_pre", t, f"sinkhorn {iters} finish_warps {warps}{mark}", _us(run))
+    with open(args.output, "w") as f:
+        json.dump(records, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
