@@ -54,7 +54,7 @@ def route_align(t: int, hashed: bool, block_t: int, chunk: int, warps: int, x, w
             E=E, K=K, SCORING=0, HASHED=hashed, SHARED=1, COUNT=0, BLOCK_T=block_t,
             BLOCK_E=max(16, triton.next_power_of_2(E)), BLOCK_M=tiling.block_m,
             ALIGN_E=align_e, CHUNK=chunk, BLOCK_B=max(16, min(128, 8192 // align_e)),
-            num_warps=warps,
+            num_warps=warps, PDL=False,
         )  # fmt: skip
 
     return run

@@ -83,7 +83,7 @@ def _launch(kernel: str, p: dict, w13, w2, shape, warmup: bool = False):
                 p["slots"].stride(0))  # fmt: skip
     extra = {"SPLIT_H": True} if kernel == "down" else {}
     grid = (nb, triton.cdiv(n, bn))
-    kw = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FP32_DOT=False, num_warps=warps,
+    kw = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FP32_DOT=False, num_warps=warps, PDL=False,
               num_stages=stages, **extra)  # fmt: skip
     if warmup:
         fn.warmup(*args, grid=grid, **kw)

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rackserve.ops.triton.common import pdl, pdl_wait
 from rackserve.ops.triton.fp8 import as_codes, is_fp8
 from rackserve.ops.triton.norm_rope import _block_rows, norm_rope_rows
 
@@ -72,7 +73,9 @@ def _prologue_kernel(
     BI: tl.constexpr,
     BLOCK_DI: tl.constexpr,
     BW: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     if pid < nq:  # q: the unweighted per-head norm, then RoPE
         norm_rope_rows(
@@ -188,6 +191,6 @@ def attention_prologue(
         BLOCK_HALF=max(1, triton.next_power_of_2(half)),
         COPY=copy, BLOCK_COPY=min(1024, triton.next_power_of_2(max(copy, 1))),
         INDEX=index, HI=hi, DI=di, BI=bi, BLOCK_DI=triton.next_power_of_2(di), BW=bw,
-        num_warps=warps,
+        num_warps=warps, **pdl(q.device),
     )  # fmt: skip
     return q_out, iq_out, w_out

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rackserve.ops.triton.common import round_as
+from rackserve.ops.triton.common import pdl, pdl_wait, round_as
 from rackserve.ops.triton.fp8 import as_codes, is_fp8, to_cache
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -60,7 +60,9 @@ def _compress_kernel(
     OUT_DTYPE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
+    pdl_wait(PDL)
     w = tl.program_id(0)
     if DST:  # straight into the entry cache
         row = tl.load(dst_ptr + w).to(tl.int64)
@@ -251,4 +253,5 @@ def _launch(
         # spilled 544 bytes: 85 us for one HCA window on the H200)
         BLOCK_R=min(triton.next_power_of_2(span), 8),
         num_warps=8,
+        **pdl(state.device),
     )

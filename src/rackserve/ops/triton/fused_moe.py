@@ -24,6 +24,7 @@ import torch
 import triton
 
 from rackserve.ops.reference import ExpertSlots
+from rackserve.ops.triton.common import pdl
 from rackserve.ops.triton.fused_moe_kernels import (
     moe_down_kernel,
     moe_gate_up_kernel,
@@ -97,17 +98,19 @@ def default_tiling(
     # With 32-row blocks each down program re-reads a [32, I] fp32 slab of h per n-tile:
     # 128-wide n-tiles halve that traffic (H200, 256 tokens: 1127 -> 1003 us per layer,
     # benchmarks/results/2026-12-01-h200-s3-moe-sweep.json); 3 stages keep it in SMEM.
+    # 16-row blocks (moe_tiling_sweep.py, H200, 2026-12-03): down 128 x 64 tiles, 42.2 ->
+    # 32.6 us at T = 1 and 321 -> 280 us at T = 64; gate-up at T = 1 3 stages, 69.3 -> 61.8.
     wide_down = block_m >= 32
     return Tiling(
         block_m=block_m,
         gate_up_block_n=32 if narrow else 64,
         gate_up_block_k=block_k,
         gate_up_warps=4,
-        gate_up_stages=4,
-        down_block_n=128 if wide_down else 64,
-        down_block_k=block_k,
+        gate_up_stages=3 if narrow else 4,
+        down_block_n=128,
+        down_block_k=block_k if wide_down else 64,
         down_warps=4,
-        down_stages=3 if wide_down else 4,
+        down_stages=4 if narrow and not wide_down else 3,
         # past PER_EXPERT_ALIGN_MAX_PAIRS: 256-pair segments counted in parallel
         align_segment=256,
         sum_block_d=1024,
@@ -157,7 +160,7 @@ def moe_align(
         moe_align_expert_kernel[(num_experts + 1,)](
             ids, sorted_ids, block_expert, num_pairs, num_experts, num_blocks,
             BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, BLOCK_B=128,
-            num_warps=8 if block_e >= 128 else 4,
+            num_warps=8 if block_e >= 128 else 4, **pdl(ids.device),
         )  # fmt: skip
         return sorted_ids, block_expert
     # a segment no longer than the pairs there are: a decode step's few pairs are one chunk
@@ -167,7 +170,14 @@ def moe_align(
     if num_segments > 1:
         counts = _empty((num_segments, block_e), torch.int32, device)
         moe_count_kernel[(num_segments,)](
-            ids, counts, num_pairs, num_experts, segment, BLOCK_E=block_e, CHUNK=chunk
+            ids,
+            counts,
+            num_pairs,
+            num_experts,
+            segment,
+            BLOCK_E=block_e,
+            CHUNK=chunk,
+            **pdl(ids.device),
         )
     moe_align_kernel[(num_segments,)](
         ids,
@@ -185,6 +195,7 @@ def moe_align(
         BLOCK_B=max(16, min(128, 8192 // block_e)),
         COUNT_HERE=num_segments == 1,
         num_warps=8 if block_e >= 128 else 4,
+        **pdl(ids.device),
     )
     return sorted_ids, block_expert
 
@@ -300,7 +311,7 @@ def run_experts(
         BLOCK_K=tiling.gate_up_block_k,
         FP32_DOT=fp32_dot,
         num_warps=tiling.gate_up_warps,
-        num_stages=tiling.gate_up_stages,
+        num_stages=tiling.gate_up_stages, **pdl(x.device),
     )  # fmt: skip
 
     slots = _empty((num_pairs, hidden), torch.float32, x.device)
@@ -315,7 +326,7 @@ def run_experts(
         FP32_DOT=fp32_dot,
         SPLIT_H=x.dtype != torch.float32,
         num_warps=tiling.down_warps,
-        num_stages=tiling.down_stages,
+        num_stages=tiling.down_stages, **pdl(h.device),
     )  # fmt: skip
 
     if out is None:
@@ -325,6 +336,6 @@ def run_experts(
         slots, topk_ids.view(-1), out, top_k, hidden, num_experts, slots.stride(0),
         out.stride(0),
         BLOCK_D=block_d,
-        num_warps=4,
+        num_warps=4, **pdl(slots.device),
     )  # fmt: skip
     return None

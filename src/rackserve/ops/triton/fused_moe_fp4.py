@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rackserve.ops.triton.common import pdl
 from rackserve.ops.triton.fp4_tiles import fp4_decode, fp4_decode_bf16, step_raw
 from rackserve.ops.triton.fused_moe import moe_align
 from rackserve.ops.triton.fused_moe_kernels import (
@@ -355,6 +356,6 @@ def moe_experts_fp4(
     block_d = min(1024, triton.next_power_of_2(hidden))
     moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_d))](
         slots, topk_ids.view(-1), out, top_k, hidden, num_experts, slots.stride(0),
-        out.stride(0), BLOCK_D=block_d, num_warps=4,
+        out.stride(0), BLOCK_D=block_d, num_warps=4, **pdl(slots.device),
     )  # fmt: skip
     return out

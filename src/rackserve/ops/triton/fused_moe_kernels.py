@@ -27,6 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from rackserve.ops.triton.common import pdl_wait
 from rackserve.ops.triton.mhc_kernels import to_output
 
 
@@ -104,7 +105,9 @@ def moe_gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
+    pdl_wait(PDL)
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert >= num_experts:
         return
@@ -153,7 +156,9 @@ def moe_down_kernel(
     BLOCK_K: tl.constexpr,
     FP32_DOT: tl.constexpr,
     SPLIT_H: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
+    pdl_wait(PDL)
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert >= num_experts:
         return
@@ -190,7 +195,9 @@ def moe_sum_kernel(
     stride_slot,
     stride_out,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
+    pdl_wait(PDL)
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_ok = cols < hidden

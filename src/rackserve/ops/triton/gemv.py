@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rackserve.ops.triton.common import round_as
+from rackserve.ops.triton.common import pdl, pdl_wait, round_as
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 MAX_TOKENS = 64  # token rows one program holds (tl.dot's M: 16 at least)
@@ -104,7 +104,9 @@ def gemv_kernel(
     FUSED: tl.constexpr,  # SPLIT: the last split of a column block reduces
     FP32_DOT: tl.constexpr,  # IEEE fp32 dots: fp32 inputs, and the interpreter
     OUT_DTYPE: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
+    pdl_wait(PDL)
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -152,7 +154,9 @@ def gemv_reduce_kernel(
     stride_out,
     BLOCK: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
+    pdl_wait(PDL)
     t = tl.program_id(1)
     n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     n_ok = n < N
@@ -202,11 +206,12 @@ def gemv(
         SPLIT=splits > 1, FUSED=counters is not None,
         FP32_DOT=x.dtype == torch.float32 or x.device.type != "cuda",
         OUT_DTYPE=out_dtype, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+        **pdl(x.device),
     )  # fmt: skip
     if splits > 1 and counters is None:
         block = min(1024, triton.next_power_of_2(n))
         gemv_reduce_kernel[(triton.cdiv(n, block), t)](
             part, out, t, n, splits, out.stride(0), BLOCK=block, OUT_DTYPE=out_dtype,
-            num_warps=4,
+            num_warps=4, **pdl(part.device),
         )  # fmt: skip
     return out

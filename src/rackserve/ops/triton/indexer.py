@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rackserve.ops.triton.common import pdl, pdl_wait
 from rackserve.ops.triton.fp8 import FP8_KV_DTYPE, widen
 from rackserve.ops.triton.select import select_entries, selection_outputs, store_selection
 
@@ -100,7 +101,9 @@ def indexer_logits_kernel(
     TILES: tl.constexpr,
     PACKED: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
+    pdl_wait(PDL)
     s = tl.program_id(0).to(tl.int64)
     first_tile = tl.program_id(1) * TILES
     heads = tl.arange(0, BLOCK_H)
@@ -181,6 +184,7 @@ def select_topk_kernel(
     OUT_KEYS: tl.constexpr,
     SELECT: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
     """Bitonic top-BLOCK_K of entries [p * chunk, (p + 1) * chunk) of one query's packed
     row; the keys are distinct, so the sorted answer is ``torch.topk``'s, and the entry id
@@ -188,6 +192,7 @@ def select_topk_kernel(
     included: it sorts after every real key) to slot p of a candidate row, for a merge
     level: the top k of the union of the chunks' top k is the top k of the row. SELECT (the
     last level): the picks' slots and the [window | picks] validity instead of the ids."""
+    pdl_wait(PDL)
     s = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     e = part * chunk + tl.arange(0, BLOCK_N)
@@ -307,6 +312,7 @@ def indexer_logits(
         DOT_FP32=torch.float32 in (q.dtype, key_cache.dtype) or q.device.type != "cuda",
         num_warps=tiling.num_warps,
         num_stages=tiling.num_stages,
+        **pdl(q.device),
     )
     return out
 
@@ -470,4 +476,5 @@ def _select(
         SELECT=selection is not None,
         BLOCK_W=max(2, triton.next_power_of_2(width)),
         num_warps=4 if block_n <= 1024 else 8 if block_n <= 4096 else 16,
+        **pdl(packed.device),
     )

@@ -23,6 +23,7 @@ import torch
 import triton
 
 from rackserve.ops.reference import ExpertSlots
+from rackserve.ops.triton.common import pdl
 from rackserve.ops.triton.mhc_finish_kernels import hc_finish_kernel, hc_fused_kernel
 from rackserve.ops.triton.mhc_kernels import (
     hc_post_kernel,
@@ -348,7 +349,7 @@ def _launch(
             FINISH_BLOCK_D=finish_block_d, BLOCK_S=block_s, FUSE_POST=expand is not None,
             SLOTS=bo.top_k > 0,
             HEAD=head, SINGLE_PASS=finish_block_d >= hidden,
-            num_warps=max(tiling.gemm_warps, tiling.finish_warps),
+            num_warps=max(tiling.gemm_warps, tiling.finish_warps), **pdl(streams.device),
         )  # fmt: skip
         return new, x, post, comb
     w = fn
@@ -367,7 +368,7 @@ def _launch(
         N=n, BLOCK_N=block_n, BLOCK_T=gemm_block_t, BLOCK_M=block_m, BLOCK_D=block_d,
         FUSE_POST=expand is not None, SLOTS=bo.top_k > 0, PRECISION=tiling.gemm_precision,
         GEMV=tiling.gemm_gemv, NATIVE_BF16=device.type == "cuda",
-        num_warps=tiling.gemm_warps,
+        num_warps=tiling.gemm_warps, **pdl(streams.device),
     )  # fmt: skip
 
     def finish(pre: torch.Tensor, block_t: int, warps: int, mixes: bool, collapse: bool):
@@ -381,7 +382,7 @@ def _launch(
             x.stride(0),
             N=n, BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_D=finish_block_d,
             HEAD=head, SINGLE_PASS=finish_block_d >= hidden, MIXES=mixes, COLLAPSE=collapse,
-            num_warps=warps,
+            num_warps=warps, **pdl(new.device),
         )  # fmt: skip
 
     if tiling.mixes_block_t:  # a token a thread for the mixes, then the collapse
@@ -506,6 +507,6 @@ def _expand(
         streams.stride(0), streams.stride(1), bo.rows.stride(0), post.stride(0), comb.stride(0),
         bo.ids, max(1, bo.top_k), bo.num_experts,
         N=n, BLOCK_N=triton.next_power_of_2(n), BLOCK_T=tiling.post_block_t, BLOCK_D=block_d,
-        SLOTS=bo.top_k > 0, num_warps=tiling.post_warps,
+        SLOTS=bo.top_k > 0, num_warps=tiling.post_warps, **pdl(streams.device),
     )  # fmt: skip
     return out

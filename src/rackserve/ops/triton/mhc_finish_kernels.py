@@ -25,6 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from rackserve.ops.triton.common import pdl_wait
 from rackserve.ops.triton.mhc_kernels import _prenorm_partials, to_output
 
 
@@ -62,7 +63,9 @@ def hc_finish_kernel(
     SINGLE_PASS: tl.constexpr,
     MIXES: tl.constexpr,
     COLLAPSE: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
+    pdl_wait(PDL)
     _finish_tokens(
         tl.program_id(0),
         streams_ptr,
@@ -149,7 +152,9 @@ def hc_fused_kernel(
     SLOTS: tl.constexpr,
     HEAD: tl.constexpr,
     SINGLE_PASS: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
+    pdl_wait(PDL)
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
     num_splits = tl.num_programs(1)

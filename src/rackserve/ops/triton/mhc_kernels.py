@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from rackserve.ops.triton.common import round_as
+from rackserve.ops.triton.common import pdl_wait, round_as
 
 
 @triton.jit
@@ -92,7 +92,9 @@ def prenorm_gemm_kernel(
     PRECISION: tl.constexpr,
     GEMV: tl.constexpr,  # BLOCK_T = 1: elementwise FMA + row sums instead of tl.dot
     NATIVE_BF16: tl.constexpr,  # "bf16x3" dots on the tensor cores (else fp32 ones: CPU)
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
+    pdl_wait(PDL)
     _prenorm_partials(
         tl.program_id(0),
         tl.program_id(1),
@@ -261,7 +263,9 @@ def hc_post_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SLOTS: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
+    pdl_wait(PDL)
     pid_t = tl.program_id(0)
     pid_d = tl.program_id(1)
     tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)

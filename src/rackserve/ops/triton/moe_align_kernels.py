@@ -26,6 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from rackserve.ops.triton.common import pdl_wait
+
 
 @triton.jit
 def _segment_counts(
@@ -61,7 +63,9 @@ def moe_count_kernel(
     pairs_per_segment,
     BLOCK_E: tl.constexpr,
     CHUNK: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
+    pdl_wait(PDL)
     seg = tl.program_id(0)
     counts = _segment_counts(
         ids_ptr, seg, num_pairs, num_experts, pairs_per_segment, BLOCK_E, CHUNK
@@ -153,7 +157,9 @@ def moe_align_kernel(
     CHUNK: tl.constexpr,
     BLOCK_B: tl.constexpr,
     COUNT_HERE: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
+    pdl_wait(PDL)
     align_pairs(
         tl.program_id(0),
         ids_ptr,
@@ -185,7 +191,9 @@ def moe_align_expert_kernel(
     BLOCK_E: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
+    pdl_wait(PDL)
     e = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
     total = _segment_counts(ids_ptr, 0, num_pairs, num_experts, num_pairs, BLOCK_E, CHUNK)

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from rackserve.ops.reference import ExpertSlots
 from rackserve.ops.triton import fused_moe
+from rackserve.ops.triton.common import pdl, pdl_wait
 from rackserve.ops.triton.moe_align_kernels import align_pairs
 from rackserve.ops.triton.route import _SCORING, route_fused, route_tokens
 
@@ -55,7 +56,9 @@ def _route_align_kernel(
     ALIGN_E: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
+    pdl_wait(PDL)
     for block in range(0, tl.cdiv(num_tokens, BLOCK_T)):
         route_tokens(
             block, logits_ptr, bias_ptr, table_ptr, input_ids_ptr, ids_ptr, w_ptr, counts_ptr,
@@ -93,8 +96,6 @@ def moe_routed(
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     tiling = fused_moe.default_tiling(num_tokens, cols, num_experts, inter, x.device, x.dtype)
     num_pairs = num_tokens * cols
-    align_e = max(16, triton.next_power_of_2(num_experts))
-    chunk = max(16, min(128, 8192 // align_e))
     # One program routes and aligns only for a few tokens: its serial align is cheap there
     # (H200, decode:1: 9 us per layer for both) but at 64 tokens (448 pairs) it took 45 us
     # per layer against ~18 for the router kernel + the align kernel
@@ -126,6 +127,11 @@ def moe_routed(
     block_expert = fused_moe._empty((num_blocks,), torch.int32, x.device)
     logits = F.linear(x, gate_weight).contiguous()  # [T, E] in the activation dtype
     count = 0 if expert_counts is None else (1 if token_mask is None else 2)
+    align_e = max(16, triton.next_power_of_2(num_experts))
+    # tiles no larger than the step's tokens and pairs: the program is a serial chain of
+    # reductions over them (H200, T = 1: 8.3 -> 5.4 us, benchmarks/latency_kernels.py)
+    chunk = max(16, min(128, 8192 // align_e, triton.next_power_of_2(num_pairs)))
+    block_t = min(16, triton.next_power_of_2(num_tokens))
     _route_align_kernel[(1,)](
         logits, bias if bias is not None else weights,
         table.contiguous() if table is not None else ids, input_ids.contiguous(),
@@ -136,10 +142,10 @@ def moe_routed(
         num_tokens, scaling, shared_expert if shared_expert is not None else 0,
         num_experts, num_pairs, num_blocks,
         E=routed, K=top_k, SCORING=_SCORING[scoring_func], HASHED=table is not None,
-        SHARED=int(shared_expert is not None), COUNT=count, BLOCK_T=16,
+        SHARED=int(shared_expert is not None), COUNT=count, BLOCK_T=block_t,
         BLOCK_E=max(16, triton.next_power_of_2(routed)), BLOCK_M=tiling.block_m,
         ALIGN_E=align_e, CHUNK=chunk, BLOCK_B=max(16, min(128, 8192 // align_e)),
-        num_warps=8 if align_e >= 128 else 4,
+        num_warps=4 if num_pairs <= 16 or align_e < 128 else 8, **pdl(logits.device),
     )  # fmt: skip
     out = None if defer_sum else fused_moe._empty((num_tokens, x.shape[1]), x.dtype, x.device)
     slots = fused_moe.run_experts(

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rackserve.ops.triton.common import round_as
+from rackserve.ops.triton.common import pdl, pdl_wait, round_as
 from rackserve.ops.triton.fp8 import as_codes, is_fp8, to_cache
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -169,7 +169,9 @@ def norm_rope_kernel(
     SCATTER: tl.constexpr = False,
     COPY: tl.constexpr = 0,  # columns of the copied rows (0: no copy)
     BLOCK_COPY: tl.constexpr = 16,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (common.pdl)
 ):
+    pdl_wait(PDL)
     norm_rope_rows(
         tl.program_id(0),
         x_ptr,
@@ -305,6 +307,7 @@ def _launch(
         WEIGHTED=weight is not None,
         ROPE=rope,
         num_warps=warps,
+        **pdl(x3.device),
     )
     return out
 
@@ -410,4 +413,5 @@ def kv_insert(
         COPY=copy,
         BLOCK_COPY=min(1024, triton.next_power_of_2(max(copy, 1))),
         num_warps=warps,
+        **pdl(kv.device),
     )

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from rackserve.ops.triton.common import pdl, pdl_wait
+
 _SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 
 
@@ -115,7 +117,9 @@ def _route_kernel(
     COUNT: tl.constexpr,  # 0: no counts; 1: count every token; 2: tokens where mask
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
+    pdl_wait(PDL)
     route_tokens(
         tl.program_id(0),
         logits_ptr,
@@ -213,5 +217,6 @@ def route_fused(
         BLOCK_T=block_t,
         BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
         num_warps=4,
+        **pdl(logits.device),
     )
     return ids, weights

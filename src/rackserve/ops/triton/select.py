@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rackserve.ops.triton.common import pdl, pdl_wait
+
 
 @triton.jit
 def store_selection(
@@ -50,7 +52,9 @@ def _select_kernel(
     W,
     BLOCK_K: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
+    pdl_wait(PDL)
     s = tl.program_id(0).to(tl.int64)
     k = tl.arange(0, BLOCK_K)
     k_ok = k < K
@@ -90,6 +94,7 @@ def select_entries(
         BLOCK_K=max(2, triton.next_power_of_2(k)),
         BLOCK_W=max(2, triton.next_power_of_2(window.shape[1])),
         num_warps=4,
+        **pdl(ids.device),
     )
     return out_slots, valid
 

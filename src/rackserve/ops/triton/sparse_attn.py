@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from rackserve.ops.triton.common import pdl
 from rackserve.ops.triton.fp8 import FP8_KV_DTYPE
 from rackserve.ops.triton.sparse_attn_kernels import sparse_attn_combine_kernel, sparse_attn_kernel
 from rackserve.ops.triton.sparse_attn_wide_kernels import sparse_attn_wide_kernel
@@ -292,6 +293,7 @@ def paged_sparse_attention(
             qk_scale, *strides, HEAD_DIM=head_dim, HALF=block_d // 2,
             BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_N=tiling.block_n,
             NUM_DV=num_dv, PV_FP16=tiling.pv_fp16 and q.dtype != torch.float32, **common,
+            **pdl(q.device),
         )  # fmt: skip
         num_dv, block_dv = 1, block_d  # the combine's own column split
     else:
@@ -300,7 +302,7 @@ def paged_sparse_attention(
             *tensors, *partials, num_heads, head_dim, width_a, width_b, rows_per_split,
             rope_start, qk_scale, *strides, BLOCK_H=tiling.block_h, BLOCK_N=tiling.block_n,
             BLOCK_D=block_d, BLOCK_DV=block_dv, NUM_DV=num_dv, PREFETCH=tiling.prefetch,
-            **common,
+            **common, **pdl(q.device),
         )  # fmt: skip
     if single:
         return out
@@ -325,5 +327,6 @@ def paged_sparse_attention(
         NUM_DV=num_dv,
         ROPE=rope,
         num_warps=tiling.combine_warps,
+        **pdl(part_acc.device),
     )
     return out

@@ -32,6 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from rackserve.ops.triton.common import pdl_wait
 from rackserve.ops.triton.fp8 import widen
 from rackserve.ops.triton.mhc_kernels import to_output
 
@@ -131,7 +132,9 @@ def sparse_attn_kernel(
     PREFETCH: tl.constexpr,  # register double-buffering of the row tiles
     SPLIT_P: tl.constexpr,  # 16-bit rows: p = hi + lo, two PV dots (~16-bit p)
     FP32_DOTS: tl.constexpr,  # fp32 FMA dots: fp32 inputs, and the interpreter (see above)
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
+    pdl_wait(PDL)
     pid_h = tl.program_id(0)
     s = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -292,7 +295,9 @@ def sparse_attn_combine_kernel(
     BLOCK_DV: tl.constexpr,
     NUM_DV: tl.constexpr,
     ROPE: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
+    pdl_wait(PDL)
     pid_h = tl.program_id(0)
     s = tl.program_id(1).to(tl.int64)
     num_s = tl.num_programs(1)

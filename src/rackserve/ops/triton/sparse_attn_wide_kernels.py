@@ -29,6 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from rackserve.ops.triton.common import pdl_wait
 from rackserve.ops.triton.fp8 import widen
 from rackserve.ops.triton.mhc_kernels import to_output
 from rackserve.ops.triton.sparse_attn_kernels import _inverse_rope, _round_to
@@ -117,7 +118,9 @@ def sparse_attn_wide_kernel(
     SPLIT_P: tl.constexpr,
     PV_FP16: tl.constexpr,  # 16-bit rows: one fp16 PV dot instead of SPLIT_P's two
     FP32_DOTS: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
+    pdl_wait(PDL)
     dv = tl.program_id(0)  # the half this program owns (0 when NUM_DV == 1)
     s = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from rackserve.kv.spec import CacheGroupSpec
 from rackserve.model.batch import Compression, Gather, StepMetadata
+from rackserve.ops.triton.common import pdl, pdl_wait
 
 WINDOW, ENTRIES, COMPRESS = 0, 1, 2  # what one launch derives (the KIND constexpr)
 
@@ -75,7 +76,9 @@ def _step_meta_kernel(
     RING: tl.constexpr,  # the first table is a ring (sliding groups); table2 never is
     BLOCK: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     m = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     m_ok = m < M
@@ -169,7 +172,7 @@ def _launch(
         STORE_FLAG=flag, STORE_VEC=vec, HAS_MASK=mask is not None, BOTH="both" in out,
         RING=ring,
         BLOCK=block, BLOCK_W=max(2, triton.next_power_of_2(max(window, 1))),
-        num_warps=4,
+        num_warps=4, **pdl(positions.device),
     )  # fmt: skip
     return out
 
