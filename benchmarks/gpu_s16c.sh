@@ -2,10 +2,10 @@
 # Session 16, call 3 (~5 minutes): the decode step after this session's kernel changes
 # (PDL across the Triton chain, fused-MoE decode tilings, router + align tiles): GPU tests
 # of the fast path with PDL on; bench forward at the decode gates with PDL on, off, on
-# (alternating processes); the replay timeline at batch 1.
+# (alternating processes); the replay timeline at batch 1; the mHC pre's K2 variants.
 # Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/gpu_s16c.sh     (BUDGET_S: total seconds)
 set -uo pipefail
-BUDGET_S=${BUDGET_S:-330}
+BUDGET_S=${BUDGET_S:-390}
 source "$(dirname "$0")/device_env.sh"
 start_call
 t=$(cap 150); echo "== GPU tests (${t}s)"
@@ -21,4 +21,7 @@ t=$(cap 60); echo "== replay timeline (${t}s)"
 ((t)) && timeout "$t" python3 benchmarks/graph_gap.py --batch decode:1@4096 \
   --output "$R/graph_gap.json" > "$R/graph_gap.log" 2>&1
 grep -E "timeline" "$R/graph_gap.log" | cut -c1-300
+t=$(cap 60); echo "== mHC pre variants at one token (${t}s)"
+((t)) && timeout "$t" python3 benchmarks/latency_kernels.py --parts hc --tokens 1 \
+  --output "$R/latency_kernels.json" 2>&1 | tail -10
 echo "== done in ${SECONDS}s"

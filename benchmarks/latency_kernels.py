@@ -5,10 +5,10 @@ over launch variants: what each one's serial chain costs and which shape shorten
   V4-Flash sizes: 64 routed experts + the shared one, k = 6), over (BLOCK_T, CHUNK, warps);
 - ``router_logits``: the router's [T, 4096] x [4096, 64] logits, ``F.linear`` (cuBLAS) against
   ``ops.triton.gemv``;
-- ``hc_pre``: the mHC pre (K1 + K2) over K2's warps, and with 1 Sinkhorn iteration instead
-  of 20 (the chain's own cost).
+- ``hc_pre``: the mHC pre (K1 + K2) over K2's warps and K1's program count (the splits K2
+  reduces), and with 1 Sinkhorn iteration instead of 20 (the chain's own cost).
 
-    python3 benchmarks/latency_kernels.py --output $OUT/latency_kernels.json
+    python3 benchmarks/latency_kernels.py --output $OUT/latency_kernels.json [--parts hc]
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ def route_align(t: int, hashed: bool, block_t: int, chunk: int, warps: int, x, w
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--parts", nargs="+", default=["route", "hc"], choices=["route", "hc"])
     ap.add_argument("--output", required=True)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -76,7 +77,7 @@ def main() -> None:
     w = (torch.randn(E, D, generator=g, device=dev) / D**0.5).bfloat16()
     bias = torch.randn(E, generator=g, device=dev) * 0.1
     table = torch.randint(0, E, (1024, K), generator=g, device=dev, dtype=torch.int32)
-    for t in args.tokens:
+    for t in args.tokens if "route" in args.parts else ():
         x = torch.randn(t, D, generator=g, device=dev).bfloat16()
         add("router_logits", t, "F.linear", _us(lambda x=x: F.linear(x, w)))
         add("router_logits", t, "gemv", _us(lambda x=x: gemv.gemv(x, w)))
@@ -93,23 +94,27 @@ def main() -> None:
 
     cols = N_STREAMS * D
     mixes = (2 + N_STREAMS) * N_STREAMS
-    for t in args.tokens:
+    for t in args.tokens if "hc" in args.parts else ():
         streams = torch.randn(t, N_STREAMS, D, generator=g, device=dev).bfloat16()
         fn = torch.randn(mixes, cols, generator=g, device=dev) * (1.5 / cols**0.5)
         base = torch.randn(mixes, generator=g, device=dev) * 0.5
         scale = torch.ones(3, device=dev)
         norm_w = 1 + 0.2 * torch.randn(D, generator=g, device=dev)
         tiling = mhc.default_tiling(t, N_STREAMS, D, dev, torch.bfloat16)
-        for iters in (20, 1):
-            for warps in (1, 2, 4, 8, 16):
-                args = (streams, fn, base, scale, norm_w, iters, 1e-6, 1e-6)
-                tl_ = dataclasses.replace(tiling, finish_warps=warps)
+        w8, p264 = tiling.finish_warps, tiling.gemm_programs
+        for iters, warps, programs in (
+            (20, w8, p264), (1, w8, p264), (20, 2, p264), (20, 4, p264), (20, 16, p264),
+            (20, w8, p264 // 4), (20, 4, p264 // 4), (20, w8, p264 // 8),
+        ):  # fmt: skip
+            hc = (streams, fn, base, scale, norm_w, iters, 1e-6, 1e-6)
+            tl_ = dataclasses.replace(tiling, finish_warps=warps, gemm_programs=programs)
 
-                def run(args=args, tl_=tl_):
-                    return mhc.hc_pre(*args, tiling=tl_)
+            def run(hc=hc, tl_=tl_):
+                return mhc.hc_pre(*hc, tiling=tl_)
 
-                mark = " (default)" if warps == tiling.finish_warps else ""
-                add("hc_pre", t, f"sinkhorn {iters} finish_warps {warps}{mark}", _us(run))
+            mark = " (default)" if tl_ == tiling else ""
+            name = f"sinkhorn {iters} finish_warps {warps} K1 programs {programs}{mark}"
+            add("hc_pre", t, name, _us(run))
     with open(args.output, "w") as f:
         json.dump(records, f, indent=1)
 
