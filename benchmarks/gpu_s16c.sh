@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Session 16, call 3 (~5 minutes): the decode step after this session's kernel changes
-# (PDL across the Triton chain, fused-MoE decode tilings, router + align tiles): GPU tests
+# (PDL across the Triton chain, fused-MoE decode tilings, router + align tiles, the RoPE
+# tables in one launch): GPU tests
 # of the fast path with PDL on; bench forward at the decode gates with PDL on, off, on
 # (alternating processes); the replay timeline at batch 1; the mHC pre's K2 variants.
 # Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/gpu_s16c.sh     (BUDGET_S: total seconds)
@@ -11,7 +12,7 @@ start_call
 t=$(cap 150); echo "== GPU tests (${t}s)"
 ((t)) && timeout "$t" python3 -m pytest -q -m gpu tests/model/test_gpu_fastpath.py \
   tests/ops/test_fused_moe.py tests/ops/test_mhc.py tests/ops/test_gemv.py \
-  tests/ops/test_sparse_attn.py -p no:cacheprovider -x 2>&1 | tail -4 | tee "$R/pytest_gpu.log"
+  tests/ops/test_sparse_attn.py tests/ops/test_norm_rope.py -p no:cacheprovider -x 2>&1 | tail -4 | tee "$R/pytest_gpu.log"
 for pdl in 1 0 1; do
   t=$(cap 50); echo "== bench forward bf16, RACKSERVE_PDL=$pdl (${t}s)"
   ((t)) && RACKSERVE_PDL=$pdl forward_with "pass" "$R/forward_pdl${pdl}_$SECONDS.json" \

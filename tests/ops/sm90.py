@@ -32,7 +32,7 @@ _TYPES = {
     torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv",
 }  # fmt: skip
 # constexprs that only a GPU turns on (ops the interpreter lacks, e.g. tl.dot_scaled)
-GPU_ONLY_FLAGS = ("DOT_SCALED", "NATIVE_BF16", "ASM_DECODE")
+GPU_ONLY_FLAGS = ("DOT_SCALED", "NATIVE_BF16", "ASM_DECODE", "LIBDEVICE")
 # constexprs that a GPU always turns on (programmatic dependent launch): on in every variant
 GPU_ALWAYS_FLAGS = ("PDL",)
 _OPTIONS = ("num_warps", "num_stages")

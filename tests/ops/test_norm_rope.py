@@ -242,3 +242,38 @@ def test_kv_insert_rejects_bad_input(norm_rope):
         norm_rope.kv_insert(kv, weight, EPS, cos, sin, swa, slots)
     with pytest.raises(ValueError, match="swa_slots"):
         norm_rope.kv_insert(kv, weight, EPS, cos, sin, swa.float(), slots[:2])
+
+
+@pytest.mark.parametrize("t", [1, 5, 70])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_cos_sin_matches_reference(norm_rope, t, dtype):
+    """The step's RoPE tables (one launch): positions up to 1M, a yarn-style scale."""
+    g = torch.Generator().manual_seed(t)
+    positions = torch.randint(0, 2**20, (t,), generator=g).to(DEVICE)
+    positions[0] = 0
+    inv_freq = (1.0 / 10000 ** (torch.arange(0, 64, 2) / 64)).to(DEVICE)
+    cos, sin = norm_rope.rope_cos_sin(positions, inv_freq, 0.75, dtype)
+    ref_cos, ref_sin = reference.rope_cos_sin(positions, inv_freq, 0.75, dtype)
+    assert cos.dtype == dtype and cos.shape == (t, 32)
+    # the same fp32 angle; cos / sin of it within a few ulp (libdevice on a GPU, the
+    # interpreter's numpy on the CPU), then one rounding to dtype
+    tol = 1e-5 if dtype == torch.float32 else 2**-8
+    torch.testing.assert_close(cos.float(), ref_cos.float(), rtol=0, atol=tol)
+    torch.testing.assert_close(sin.float(), ref_sin.float(), rtol=0, atol=tol)
+    empty = norm_rope.rope_cos_sin(positions[:0], inv_freq, 1.0, dtype)
+    assert empty[0].shape == (0, 32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_rope_cos_sin_equals_torch_on_gpu(norm_rope):
+    """libdevice's cosf / sinf against torch's on the GPU, 4096 positions up to 1M: the
+    fast path's tables should be the reference's (fp32 and bf16 both)."""
+    positions = torch.randint(0, 2**20, (4096,), device="cuda")
+    inv_freq = (1.0 / 160000 ** (torch.arange(0, 64, 2) / 64)).cuda()
+    for dtype in (torch.float32, torch.bfloat16):
+        got = norm_rope.rope_cos_sin(positions, inv_freq, 1.0, dtype)
+        ref = reference.rope_cos_sin(positions, inv_freq, 1.0, dtype)
+        for a, b in zip(got, ref, strict=True):
+            diff = (a.float() - b.float()).abs().max().item()
+            assert diff <= (2e-7 if dtype == torch.float32 else 0.0), (dtype, diff)

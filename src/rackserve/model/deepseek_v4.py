@@ -153,8 +153,8 @@ class DeepseekV4Model(nn.Module):
         self.cfg, self.kernels = cfg, kernels
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         rope_dim = cfg.qk_rope_head_dim
-        self.rotary_main = Rotary(cfg.rope_main, rope_dim)
-        self.rotary_compress = Rotary(cfg.rope_compress, rope_dim)
+        self.rotary_main = Rotary(cfg.rope_main, rope_dim, kernels)
+        self.rotary_compress = Rotary(cfg.rope_compress, rope_dim, kernels)
         self.layers = nn.ModuleList(
             DecoderLayer(
                 cfg,

@@ -81,15 +81,16 @@ def rope_inv_freq(rope: RopeConfig, rope_dim: int) -> torch.Tensor:
 class Rotary(nn.Module):
     """cos/sin tables for one rope setting; positions are absolute token positions."""
 
-    def __init__(self, rope: RopeConfig, rope_dim: int) -> None:
+    def __init__(self, rope: RopeConfig, rope_dim: int, kernels: ops.Kernels) -> None:
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(rope, rope_dim), persistent=False)
         self.scale = rope.attention_factor
+        self.kernels = kernels
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.rope_cos_sin(positions, self.inv_freq, self.scale, dtype)
+        return self.kernels.rope_cos_sin(positions, self.inv_freq, self.scale, dtype)
 
 
 def hc_params(cfg: ModelConfig) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:

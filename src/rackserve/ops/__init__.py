@@ -125,6 +125,7 @@ class Kernels:
     moe_experts_fp4: Callable
     moe_routed: Callable
     linear: Callable
+    rope_cos_sin: Callable
 
     def fast(self, x: torch.Tensor) -> bool:
         """Whether ``x`` takes the fast implementations (then the model also fuses its
@@ -280,6 +281,7 @@ def kernels(name: str = "auto") -> Kernels:
         "compress_entries": "compress",
         "select_entries": "select",
         "attention_prologue": "attn_prologue",
+        "rope_cos_sin": "norm_rope",
         **_QUANT_OPS,
     }
     everywhere = name == "triton"

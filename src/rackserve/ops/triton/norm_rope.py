@@ -1,5 +1,6 @@
 """RMSNorm and interleaved RoPE in one Triton kernel: ``rms_norm``, ``apply_rope`` and the
-fused ``rms_norm_rope`` (the q and kv paths of attention), one launch each.
+fused ``rms_norm_rope`` (the q and kv paths of attention), one launch each; and the step's
+RoPE tables (``rope_cos_sin``).
 
 Each equals its ``ops.reference`` namesake, roundings included: the norm rounds to x's
 dtype (the unweighted norm also rounds the rsqrt factor first, as the reference's
@@ -23,6 +24,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from rackserve.ops.triton.common import pdl, pdl_wait, round_as
 from rackserve.ops.triton.fp8 import as_codes, is_fp8, to_cache
@@ -415,3 +417,55 @@ def kv_insert(
         num_warps=warps,
         **pdl(kv.device),
     )
+
+
+@triton.jit
+def rope_table_kernel(
+    pos_ptr,  # [T] int
+    inv_freq_ptr,  # [R/2] fp32
+    cos_ptr,  # [T, R/2] out
+    sin_ptr,  # [T, R/2] out
+    num_tokens,
+    scale,
+    HALF: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    LIBDEVICE: tl.constexpr,  # libdevice's cosf / sinf (a GPU; the interpreter has tl.cos)
+    PDL: tl.constexpr,
+):
+    pdl_wait(PDL)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.arange(0, BLOCK_HALF)
+    t_ok, h_ok = t < num_tokens, h < HALF
+    pos = tl.load(pos_ptr + t, mask=t_ok, other=0).to(tl.float32)
+    angle = pos[:, None] * tl.load(inv_freq_ptr + h, mask=h_ok, other=0.0)[None, :]
+    if LIBDEVICE:
+        cos, sin = libdevice.cos(angle), libdevice.sin(angle)
+    else:
+        cos, sin = tl.cos(angle), tl.sin(angle)
+    offs = t[:, None] * HALF + h[None, :]
+    ok = t_ok[:, None] & h_ok[None, :]
+    tl.store(cos_ptr + offs, (cos * scale).to(cos_ptr.dtype.element_ty), mask=ok)
+    tl.store(sin_ptr + offs, (sin * scale).to(sin_ptr.dtype.element_ty), mask=ok)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference.rope_cos_sin`` in one launch (the reference takes eight): positions [T]
+    -> cos, sin [T, R/2] in ``dtype``, scaled by ``scale``."""
+    half = inv_freq.shape[0]
+    num_tokens = positions.shape[0]
+    cos = _new_output((num_tokens, half), dtype, positions.device)
+    sin = _new_output((num_tokens, half), dtype, positions.device)
+    if num_tokens == 0:
+        return cos, sin
+    block_half = triton.next_power_of_2(half)
+    block_t = max(1, min(64, 2048 // block_half, triton.next_power_of_2(num_tokens)))
+    rope_table_kernel[(triton.cdiv(num_tokens, block_t),)](
+        positions.contiguous(), inv_freq.to(device=positions.device, dtype=torch.float32),
+        cos, sin, num_tokens, float(scale),
+        HALF=half, BLOCK_T=block_t, BLOCK_HALF=block_half,
+        LIBDEVICE=positions.device.type == "cuda", **pdl(positions.device),
+    )  # fmt: skip
+    return cos, sin
