@@ -196,9 +196,12 @@ def _by_num_tokens(small: Callable, large: Callable, min_tokens: int) -> Callabl
 _QUANT_OPS = {"fp8_linear": "fp8_gemm", "moe_experts_fp4": "fused_moe_fp4"}
 
 
-def _moe_routed_for(fused: Callable, route_fused: Callable, experts: Callable) -> Callable:
+def _moe_routed_for(
+    fused: Callable, route_fused: Callable, experts: Callable, linear: Callable
+) -> Callable:
     """Decode-sized batches: router + align in one launch and the fused MoE (``fused``);
-    larger ones: the router kernel, then ``experts`` (grouped GEMMs on a GPU)."""
+    larger ones: the router kernel, then ``experts`` (grouped GEMMs on a GPU). The router's
+    logits go through ``linear`` (the table's: the GEMV for a few tokens on a GPU)."""
 
     def moe_routed(
         x, gate_weight, bias, table, input_ids, top_k, scoring, scaling, *rest, defer_sum=False
@@ -206,11 +209,22 @@ def _moe_routed_for(fused: Callable, route_fused: Callable, experts: Callable) -
         if x.shape[0] <= FUSED_MOE_MAX_TOKENS:
             return fused(
                 x, gate_weight, bias, table, input_ids, top_k, scoring, scaling, *rest,
-                defer_sum=defer_sum,
+                defer_sum=defer_sum, linear=linear,
             )  # fmt: skip
         shared, counts, mask, w13, w2, limit = rest
         ids, weights = route_fused(
-            x, gate_weight, bias, table, input_ids, top_k, scoring, scaling, shared, counts, mask
+            x,
+            gate_weight,
+            bias,
+            table,
+            input_ids,
+            top_k,
+            scoring,
+            scaling,
+            shared,
+            counts,
+            mask,
+            linear,
         )
         return experts(x, ids, weights, w13, w2, limit)
 
@@ -328,6 +342,6 @@ def kernels(name: str = "auto") -> Kernels:
     return Kernels(
         name,
         moe_experts=experts,
-        moe_routed=_moe_routed_for(routed, fast["route_fused"], experts),
+        moe_routed=_moe_routed_for(routed, fast["route_fused"], experts, fast["linear"]),
         **fast,
     )

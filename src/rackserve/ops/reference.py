@@ -10,7 +10,7 @@ computed in float32 and cast back to the activation dtype once.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -380,15 +380,17 @@ def route(
     top_k: int,
     scoring_func: str,
     scaling: float,
+    linear: Callable = F.linear,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The router of one MoE layer: which k experts each token goes to, with what weight.
 
     x: [T, D]; weight: [E, D]; learned routing: bias [E] float32 (selection only: top-k
     of score + bias), table None; hash routing: table [V, k] (``tid2eid``), bias None;
     input_ids: [T]. Weights are the selected scores, normalised, times ``scaling``.
+    ``linear``: the logits projection (the fast path's may be the GEMV).
     Returns ids [T, k] int64, weights [T, k] float32.
     """
-    scores = router_scores(F.linear(x, weight), scoring_func)
+    scores = router_scores(linear(x, weight), scoring_func)
     if table is not None:
         ids = table[input_ids].long()
     else:
@@ -479,6 +481,7 @@ def route_fused(
     shared_expert: int | None = None,
     expert_counts: torch.Tensor | None = None,
     token_mask: torch.Tensor | None = None,
+    linear: Callable = F.linear,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``route``, then the MoE's bookkeeping, so that one kernel can do all of it.
 
@@ -487,7 +490,7 @@ def route_fused(
     shared expert's id (E: its weights stacked after the routed ones) is appended to every
     token's picks with weight 1.0. Returns ids [T, k (+1)] int64, weights [T, k (+1)] f32.
     """
-    ids, weights = route(x, weight, bias, table, input_ids, top_k, scoring_func, scaling)
+    ids, weights = route(x, weight, bias, table, input_ids, top_k, scoring_func, scaling, linear)
     if expert_counts is not None:
         ones = torch.ones_like(ids, dtype=expert_counts.dtype)
         if token_mask is not None:
@@ -656,6 +659,7 @@ def moe_routed(
     w2: torch.Tensor,
     limit: float,
     defer_sum: bool = False,
+    linear: Callable = F.linear,
 ) -> torch.Tensor:
     """The MoE of one layer, router included: ``route_fused`` (arguments up to
     token_mask), then ``moe_experts`` over w13 [E (+1), 2I, D], w2 [E (+1), D, I] (the
@@ -664,7 +668,7 @@ def moe_routed(
     always sums)."""
     ids, weights = route_fused(
         x, gate_weight, bias, table, input_ids, top_k, scoring_func, scaling, shared_expert,
-        expert_counts, token_mask,
+        expert_counts, token_mask, linear,
     )  # fmt: skip
     return moe_experts(x, ids, weights, w13, w2, limit)
 

@@ -11,6 +11,8 @@ align in two launches. Grids depend on the shapes only: CUDA-graph safe.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -88,9 +90,11 @@ def moe_routed(
     w2: torch.Tensor,
     limit: float,
     defer_sum: bool = False,
+    linear: Callable = F.linear,
 ) -> torch.Tensor | ExpertSlots:
     """See ``reference.moe_routed``; ``defer_sum``: the unsummed :class:`ExpertSlots`
-    (``hc_post`` / ``hc_post_pre`` sum them), one launch fewer, when T > 0."""
+    (``hc_post`` / ``hc_post_pre`` sum them), one launch fewer, when T > 0; ``linear``: the
+    router's logits projection (the op table's: the GEMV for a few tokens)."""
     num_tokens = x.shape[0]
     cols = top_k + int(shared_expert is not None)
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
@@ -104,7 +108,7 @@ def moe_routed(
     if num_tokens == 0 or not one_program:
         ids, weights = route_fused(
             x, gate_weight, bias, table, input_ids, top_k, scoring_func, scaling,
-            shared_expert, expert_counts, token_mask,
+            shared_expert, expert_counts, token_mask, linear,
         )  # fmt: skip
         return fused_moe.moe_experts(
             x, ids, weights, w13, w2, limit, tiling=tiling, defer_sum=defer_sum
@@ -125,7 +129,7 @@ def moe_routed(
     num_blocks = fused_moe.num_blocks_bound(num_pairs, num_experts, tiling.block_m)
     sorted_ids = fused_moe._empty((num_blocks * tiling.block_m,), torch.int32, x.device)
     block_expert = fused_moe._empty((num_blocks,), torch.int32, x.device)
-    logits = F.linear(x, gate_weight).contiguous()  # [T, E] in the activation dtype
+    logits = linear(x, gate_weight).contiguous()  # [T, E] in the activation dtype
     count = 0 if expert_counts is None else (1 if token_mask is None else 2)
     align_e = max(16, triton.next_power_of_2(num_experts))
     # tiles no larger than the step's tokens and pairs: the program is a serial chain of

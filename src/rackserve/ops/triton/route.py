@@ -14,6 +14,8 @@ Shape legend: T tokens, D hidden, E experts, k experts per token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -170,6 +172,7 @@ def route_fused(
     shared_expert: int | None = None,
     expert_counts: torch.Tensor | None = None,
     token_mask: torch.Tensor | None = None,
+    linear: Callable = F.linear,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See ``reference.route_fused``: the router, the shared expert as pick k and the
     expert counts (integer atomics) in one kernel after the logits GEMM."""
@@ -192,7 +195,7 @@ def route_fused(
     weights = torch.empty(num_tokens, cols, dtype=torch.float32, device=x.device)
     if num_tokens == 0:
         return ids, weights
-    logits = F.linear(x, weight).contiguous()  # [T, E] in the activation dtype
+    logits = linear(x, weight).contiguous()  # [T, E] in the activation dtype
     block_t = 16
     hashed = table is not None
     count = 0 if expert_counts is None else (1 if token_mask is None else 2)
