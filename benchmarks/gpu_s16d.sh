@@ -15,7 +15,7 @@ t=$(cap 100); echo "== bench forward bf16 (${t}s)"
 t=$(cap 60); echo "== launches per layer (${t}s)"
 ((t)) && timeout "$t" python3 benchmarks/profile_forward.py --batch decode:1@4096 \
   --batch decode:64@4096 --batch decode:256@4096 --output "$R/profile.json" 2>&1 \
-  | grep -iE "kernels|per layer|max" | head -12
+  | grep "^=="
 t=$(cap 80); echo "== bench forward, FP8 linears + FP4 experts (${t}s)"
 ((t)) && forward_with "pass" "$R/forward_fp4.json" --quantization fp8 --expert-dtype fp4 \
   --iters 20 --warmup 3 --batch decode:1@4096 --batch decode:8@4096 --batch decode:64@4096 \
