@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Session 16, call 3 (~10 minutes): GPU tests of the fast path with PDL on; bench forward (bf16) at the
-# decode and prefill gates with PDL on, the decode gates with PDL off; launches per layer;
-# bench decode at 1 and 64 requests next to transformers' decode step.
+# Session 16, call 3 (~10 minutes): GPU tests of the fast path with PDL on; bench forward
+# (bf16) at the decode and prefill gates with PDL on, the decode gates with PDL off; launches
+# per layer; bench decode at 1 and 64 requests next to transformers' decode step.
 # Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/gpu_s16e.sh     (BUDGET_S: total seconds)
 set -uo pipefail
 BUDGET_S=${BUDGET_S:-590}
