@@ -9,7 +9,8 @@ source "$(dirname "$0")/device_env.sh"
 start_call
 t=$(cap 100); echo "== GPU tests (${t}s)"
 ((t)) && timeout "$t" python3 -m pytest -q -m gpu tests/model/test_gpu_fastpath.py \
-  tests/ops/test_fused_moe.py tests/ops/test_norm_rope.py -p no:cacheprovider -x 2>&1 \
+  tests/ops/test_fused_moe.py tests/ops/test_norm_rope.py tests/ops/test_sparse_attn.py \
+  -p no:cacheprovider -x 2>&1 \
   | tail -4 | tee "$R/pytest_gpu.log"
 t=$(cap 80); echo "== bench forward bf16, PDL on (${t}s)"
 ((t)) && forward_with "pass" "$R/forward_bf16.json" --iters 20 --warmup 3 \

@@ -307,6 +307,13 @@ def paged_sparse_attention(
     if single:
         return out
     combine_blocks = triton.cdiv(num_heads, tiling.combine_block_h)
+    if device.type == "cuda":
+        # the combine's own column split, so that enough programs read the partials: at
+        # S = 1, H = 64 the 4 head blocks alone read 0.66 MB (HCA) / 2.6 MB (CSA) from 4 SMs
+        # (5.5 / 11.8 us in the H200's batch-1 replay, 2026-12-03-h200-s16.md)
+        want = triton.cdiv(2 * _num_sms(device), combine_blocks * num_queries)
+        num_dv = max(num_dv, min(block_d // 64, triton.next_power_of_2(want)))
+        block_dv = block_d // num_dv
     sparse_attn_combine_kernel[(combine_blocks * num_dv, num_queries)](
         part_acc,
         part_m,
