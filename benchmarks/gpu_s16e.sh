@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 16, call 3 (~10 minutes): GPU tests of the fast path with PDL on; bench forward
-# (bf16) at the decode and prefill gates with PDL on, the decode gates with PDL off; launches
-# per layer; bench decode at 1 and 64 requests next to transformers' decode step.
+# (bf16) at the decode and prefill gates; bench decode at 1 and 64 requests next to
+# transformers' decode step; launches per layer; the decode gates with PDL off.
 # Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/gpu_s16e.sh     (BUDGET_S: total seconds)
 set -uo pipefail
 BUDGET_S=${BUDGET_S:-590}
@@ -16,11 +16,11 @@ t=$(cap 80); echo "== bench forward bf16, PDL on (${t}s)"
 ((t)) && forward_with "pass" "$R/forward_bf16.json" --iters 20 --warmup 3 \
   --batch decode:1@4096 --batch decode:64@4096 --batch decode:256@4096 \
   --batch decode:64@65536 --batch prefill:2048 --batch prefill:8192
-t=$(cap 40); echo "== bench forward bf16, RACKSERVE_PDL=0 (${t}s)"
-((t)) && RACKSERVE_PDL=0 forward_with "pass" "$R/forward_bf16_pdl0.json" --iters 20 \
-  --warmup 3 --batch decode:1@4096 --batch decode:64@4096 --batch decode:256@4096
+decode_vs_transformers
 t=$(cap 45); echo "== launches per layer (${t}s)"
 ((t)) && timeout "$t" python3 benchmarks/profile_forward.py --batch decode:1@4096 \
   --batch decode:64@4096 --batch decode:256@4096 --output "$R/profile.json" 2>&1 | grep "^=="
-decode_vs_transformers
+t=$(cap 40); echo "== bench forward bf16, RACKSERVE_PDL=0 (${t}s)"
+((t)) && RACKSERVE_PDL=0 forward_with "pass" "$R/forward_bf16_pdl0.json" --iters 20 \
+  --warmup 3 --batch decode:1@4096 --batch decode:64@4096 --batch decode:256@4096
 echo "== done in ${SECONDS}s"
