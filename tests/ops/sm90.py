@@ -33,8 +33,6 @@ _TYPES = {
 }  # fmt: skip
 # constexprs that only a GPU turns on (ops the interpreter lacks, e.g. tl.dot_scaled)
 GPU_ONLY_FLAGS = ("DOT_SCALED", "NATIVE_BF16", "ASM_DECODE", "LIBDEVICE")
-# constexprs that a GPU always turns on (programmatic dependent launch): on in every variant
-GPU_ALWAYS_FLAGS = ("PDL",)
 _OPTIONS = ("num_warps", "num_stages")
 
 
@@ -101,13 +99,11 @@ def recorded_launches() -> Iterator[list[dict]]:
 
 
 def gpu_variants(specs: list[dict]) -> list[dict]:
-    """The distinct specs (``GPU_ALWAYS_FLAGS`` on), plus for 16-bit launches the same with
-    the fp32-dot flags off, plus for launches with GPU-only flags the same with each of those
-    on (and fp32 dots off)."""
+    """The distinct specs, plus for 16-bit launches the same with the fp32-dot flags off,
+    plus for launches with GPU-only flags the same with each of those on (and fp32 dots
+    off)."""
     out: dict[str, dict] = {}
     for spec in specs:
-        on = {f: True for f in GPU_ALWAYS_FLAGS if f in spec["constexprs"]}
-        spec = spec | {"constexprs": spec["constexprs"] | on}
         variants = [spec]
         consts = spec["constexprs"]
         sixteen = any(t in ("*bf16", "*fp16") for t in spec["signature"].values())

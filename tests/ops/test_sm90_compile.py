@@ -137,7 +137,13 @@ def test_fast_path_kernels_compile_for_sm90(monkeypatch):
     assert any(
         s["kernel"] == "sparse_attn_wide_kernel" and s["constexprs"]["PV_FP16"] for s in specs
     )
-    failures = compile_for_sm90(specs)
+    # the opt-in PDL path ($RACKSERVE_PDL=1): each kernel once with PDL on
+    with_pdl: dict[str, dict] = {}
+    for s in specs:
+        if "PDL" in s["constexprs"]:
+            with_pdl.setdefault(s["kernel"], s | {"constexprs": s["constexprs"] | {"PDL": True}})
+    assert {"gemv_kernel", "moe_down_kernel", "hc_finish_kernel"} <= with_pdl.keys()
+    failures = compile_for_sm90(specs + list(with_pdl.values()))
     assert not failures, "\n".join(
         f"{f['kernel']} {f['constexprs']}: {f['error']}" for f in failures
     )

@@ -7,32 +7,35 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_wait
 
-# Programmatic dependent launch (PDL) between the Triton kernels of a step: a kernel
-# launched with it may start while the one before it finishes (its blocks are scheduled and
-# wait in ``pdl_wait``), which hides most of a boundary's launch latency. Inside a CUDA graph
-# on the H200 (benchmarks/pdl_probe.py, 64 one-program kernels): 1.05 -> 0.68 us a
-# boundary. $RACKSERVE_PDL=0: plain launches.
+# Programmatic dependent launch (PDL) between the Triton kernels of a step, opt-in
+# ($RACKSERVE_PDL=1): a kernel launched with it is scheduled while the one before it ends and
+# waits in ``pdl_wait``. It works inside CUDA graphs on the H200 (torch 2.11, CUDA 13, Triton
+# 3.6): 64 one-program kernels in a graph, 1.05 -> 0.68 us a boundary (pdl_probe.py). In the
+# decode step it bought nothing (2026-12-03-h200-s16.md, bench forward decode:1@4096,
+# alternating processes): with the dependents released at the top of each kernel
+# (griddepcontrol.launch_dependents) 1.30-1.36 ms against 1.25 without PDL; released at each
+# kernel's end, as here, 1.22-1.29 against 1.26. The step's gaps are 0.44 us a boundary.
 PDL_ENV = "RACKSERVE_PDL"
 
 
 def pdl(device: torch.device) -> dict[str, bool]:
     """A launch's PDL arguments: the kernels' ``PDL`` constexpr and Triton's ``launch_pdl``
-    (on a CUDA device unless $RACKSERVE_PDL is "0"; never under the interpreter)."""
-    on = device.type == "cuda" and os.environ.get(PDL_ENV, "1") == "1"
+    (on a CUDA device when $RACKSERVE_PDL is "1"; never under the interpreter)."""
+    on = device.type == "cuda" and os.environ.get(PDL_ENV, "0") == "1"
     return {"PDL": on, "launch_pdl": on}
 
 
 @triton.jit
 def pdl_wait(PDL: tl.constexpr):
     """A PDL kernel's first statement: wait until the kernel before it has finished and its
-    writes are visible, then let the next kernel's blocks be scheduled. Every program runs
-    it before anything else (early returns included), so each kernel's body still runs
-    after the whole previous kernel, as without PDL: what overlaps is launch and scheduling."""
+    writes are visible. Every program runs it before anything else (early returns
+    included), so each kernel's body runs after the whole previous kernel, as without PDL:
+    what overlaps is launch and scheduling. The next kernel's blocks are released as this
+    one's exit."""
     if PDL:
         gdc_wait()
-        gdc_launch_dependents()
 
 
 @triton.jit
