@@ -81,7 +81,7 @@ def _launch(kernel: str, p: dict, w13, w2, shape, warmup: bool = False):
         args = (p["h"], w2, p["weights"], p["slots"], p["sorted"], p["block_expert"], t * K, D,
                 INTER, E, p["h"].stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
                 p["slots"].stride(0))  # fmt: skip
-    extra = {"SPLIT_H": True} if kernel == "down" else {}
+    extra = {"SPLIT_H": True, "SKIP_PAD_ROWS": True} if kernel == "down" else {}
     grid = (nb, triton.cdiv(n, bn))
     kw = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FP32_DOT=False, num_warps=warps, PDL=False,
               num_stages=stages, **extra)  # fmt: skip

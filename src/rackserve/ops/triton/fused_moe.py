@@ -325,6 +325,7 @@ def run_experts(
         BLOCK_K=tiling.down_block_k,
         FP32_DOT=fp32_dot,
         SPLIT_H=x.dtype != torch.float32,
+        SKIP_PAD_ROWS=bm == 16,
         num_warps=tiling.down_warps,
         num_stages=tiling.down_stages, **pdl(h.device),
     )  # fmt: skip

@@ -223,8 +223,7 @@ def moe_down_fp4_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     if DOT_SCALED:
         for k0 in range(0, inter, BLOCK_K):  # h = hi + lo in bf16, as below
-            a_mask = row_ok[:, None] & (k0 + kk < inter)[None, :]  # padding rows hold 0
-            a = tl.load(h_row + k0 + kk[None, :], mask=a_mask, other=0.0)
+            a = tl.load(h_row + k0 + kk[None, :], mask=(k0 + kk < inter)[None, :], other=0.0)
             hi = a.to(tl.bfloat16)
             lo = (a - hi.to(tl.float32)).to(tl.bfloat16)
             w, s = step_raw(w_base, s_base, k0, inter, col_ok, BLOCK_K)
@@ -235,10 +234,7 @@ def moe_down_fp4_kernel(
             next_w, next_s = step_raw(w_base, s_base, 0, inter, col_ok, BLOCK_K)
         for k0 in range(0, inter, BLOCK_K):
             a_even, a_odd = _even_odd(
-                h_row + k0 + kk[None, :],
-                row_ok[:, None] & (k0 + kk < inter)[None, :],
-                BLOCK_M,
-                BLOCK_K,
+                h_row + k0 + kk[None, :], (k0 + kk < inter)[None, :], BLOCK_M, BLOCK_K
             )
             if PREFETCH:
                 cur_w, cur_s = next_w, next_s

@@ -156,6 +156,7 @@ def moe_down_kernel(
     BLOCK_K: tl.constexpr,
     FP32_DOT: tl.constexpr,
     SPLIT_H: tl.constexpr,
+    SKIP_PAD_ROWS: tl.constexpr,  # h's padding rows not read (measured with 16-row blocks)
     PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
     pdl_wait(PDL)
@@ -170,8 +171,10 @@ def moe_down_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         k_ok = (k0 + ks) < inter
-        # padding rows hold swiglu(0, 0) = 0: not read (at batch 1, 15 of a block's 16)
-        a = tl.load(h_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if SKIP_PAD_ROWS:  # padding rows hold swiglu(0, 0) = 0 (at batch 1, 15 of 16)
+            a = tl.load(h_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        else:
+            a = tl.load(h_ptrs, mask=k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if SPLIT_H:  # h = hi + lo in w's 16-bit type: two dots keep h's fp32 precision
             hi = a.to(w.dtype)
