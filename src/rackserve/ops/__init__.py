@@ -213,19 +213,9 @@ def _moe_routed_for(
             )  # fmt: skip
         shared, counts, mask, w13, w2, limit = rest
         ids, weights = route_fused(
-            x,
-            gate_weight,
-            bias,
-            table,
-            input_ids,
-            top_k,
-            scoring,
-            scaling,
-            shared,
-            counts,
-            mask,
+            x, gate_weight, bias, table, input_ids, top_k, scoring, scaling, shared, counts, mask,
             linear,
-        )
+        )  # fmt: skip
         return experts(x, ids, weights, w13, w2, limit)
 
     return moe_routed

@@ -18,12 +18,13 @@ from triton.language.extra.cuda import gdc_wait
 # (griddepcontrol.launch_dependents) 1.30-1.36 ms against 1.25 without PDL; released at each
 # kernel's end, as here, 1.22-1.29 against 1.26. The step's gaps are 0.44 us a boundary.
 PDL_ENV = "RACKSERVE_PDL"
+PDL_ON = os.environ.get(PDL_ENV, "0") == "1"  # read once: pdl() runs at every launch
 
 
 def pdl(device: torch.device) -> dict[str, bool]:
     """A launch's PDL arguments: the kernels' ``PDL`` constexpr and Triton's ``launch_pdl``
-    (on a CUDA device when $RACKSERVE_PDL is "1"; never under the interpreter)."""
-    on = device.type == "cuda" and os.environ.get(PDL_ENV, "0") == "1"
+    (on a CUDA device when $RACKSERVE_PDL was "1" at import; never under the interpreter)."""
+    on = PDL_ON and device.type == "cuda"
     return {"PDL": on, "launch_pdl": on}
 
 
