@@ -5,15 +5,18 @@ For each T the align runs once with the default block_m; then ``moe_gate_up_kern
 ``moe_down_kernel`` run alone in a CUDA graph (``do_bench_cudagraph``) at every (BLOCK_N,
 BLOCK_K, warps, stages) whose shared memory fits. Each row: the kernel, T, the shape, the
 time, the hit experts' weight bytes over the time (TB/s) and the fraction of 4.8 TB/s; the
-default tiling's row is marked. Compilation goes first, in ``--jobs`` processes (the Triton
+default tiling's row is marked. ``--block-m`` overrides the default rows per block (the align
+runs with it), e.g. 16-row blocks at T = 256 where the default takes 32. Compilation goes first, in ``--jobs`` processes (the Triton
 cache on disk is shared), so the timing loop only loads kernels.
 
     python3 benchmarks/moe_tiling_sweep.py --tokens 1 64 --output $OUT/moe_tiling.json
+    python3 benchmarks/moe_tiling_sweep.py --tokens 256 --block-m 16 32 --output ...
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import multiprocessing as mp
@@ -30,25 +33,27 @@ HBM = 4.8e12
 SMEM = 220 * 1024
 
 
-def _shapes(kernel: str) -> list[tuple[int, int, int, int]]:
+def _shapes(kernel: str, bm: int) -> list[tuple[int, int, int, int]]:
     out = []
     for bn, bk, warps, stages in itertools.product((16, 32, 64, 128), (64, 128, 256), (4, 8),
                                                    (3, 4, 6)):  # fmt: skip
         w_bytes = bk * bn * 2 * (2 if kernel == "gate_up" else 1)
-        a_bytes = 16 * bk * (2 if kernel == "gate_up" else 4)
+        a_bytes = bm * bk * (2 if kernel == "gate_up" else 4)
         if stages * (w_bytes + a_bytes) > SMEM or bn * bk // (32 * warps) < 8:
             continue
         out.append((bn, bk, warps, stages))
     return out
 
 
-def _problem(t: int, device: str) -> dict:
+def _problem(t: int, device: str, bm: int | None = None) -> dict:
     g = torch.Generator(device=device).manual_seed(t)
     x = torch.randn(t, D, generator=g, device=device).bfloat16()
     routed = torch.rand(t, E - 1, generator=g, device=device).argsort(dim=-1)[:, : K - 1]
     ids = torch.cat([routed, torch.full((t, 1), E - 1, device=device)], 1).int().contiguous()
     weights = torch.rand(t * K, generator=g, device=device)
     base = fused_moe.default_tiling(t, K, E, INTER, torch.device(device))
+    if bm is not None and bm != base.block_m:
+        base = dataclasses.replace(base, block_m=bm)
     sorted_ids, block_expert = fused_moe.moe_align(ids, E, base.block_m)
     nb = block_expert.shape[0]
     return {
@@ -58,6 +63,11 @@ def _problem(t: int, device: str) -> dict:
         "slots": torch.empty(t * K, D, device=device),
         "hit": len(set(ids.view(-1).tolist())),
     }  # fmt: skip
+
+
+def _problem_bm(t: int, bm: int) -> int:
+    """The rows per block of case (t, bm): bm, or the default tiling's when bm is 0."""
+    return bm or fused_moe.default_tiling(t, K, E, INTER, torch.device("cuda")).block_m
 
 
 def _weights(device: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +91,7 @@ def _launch(kernel: str, p: dict, w13, w2, shape, warmup: bool = False):
         args = (p["h"], w2, p["weights"], p["slots"], p["sorted"], p["block_expert"], t * K, D,
                 INTER, E, p["h"].stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
                 p["slots"].stride(0))  # fmt: skip
-    extra = {"SPLIT_H": True, "SKIP_PAD_ROWS": True} if kernel == "down" else {}
+    extra = {"SPLIT_H": True, "SKIP_PAD_ROWS": bm == 16} if kernel == "down" else {}
     grid = (nb, triton.cdiv(n, bn))
     kw = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FP32_DOT=False, num_warps=warps, PDL=False,
               num_stages=stages, **extra)  # fmt: skip
@@ -97,13 +107,13 @@ def _compile(jobs: list) -> int:
     torch.cuda.set_device(0)
     w13 = torch.empty(E, 2 * INTER, D, device="cuda", dtype=torch.bfloat16)
     w2 = torch.empty(E, D, INTER, device="cuda", dtype=torch.bfloat16)
-    problems: dict[int, dict] = {}
+    problems: dict[tuple[int, int], dict] = {}
     done = 0
-    for kernel, t, shape in jobs:
-        if t not in problems:
-            problems[t] = _problem(t, "cuda")
+    for kernel, t, bm, shape in jobs:
+        if (t, bm) not in problems:
+            problems[t, bm] = _problem(t, "cuda", bm)
         try:
-            _launch(kernel, problems[t], w13, w2, shape, warmup=True)
+            _launch(kernel, problems[t, bm], w13, w2, shape, warmup=True)
             done += 1
         except Exception:
             pass
@@ -114,18 +124,20 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--kernels", nargs="+", default=["gate_up", "down"])
+    ap.add_argument("--block-m", type=int, nargs="+", default=[0], help="0: the default")
     ap.add_argument("--jobs", type=int, default=12)
     ap.add_argument("--output", required=True)
     args = ap.parse_args()
-    jobs = [(k, t, s) for k in args.kernels for t in args.tokens for s in _shapes(k)]
+    cases = [(t, _problem_bm(t, bm)) for t in args.tokens for bm in args.block_m]
+    jobs = [(k, t, bm, s) for k in args.kernels for t, bm in cases for s in _shapes(k, bm)]
     ctx = mp.get_context("spawn")
     with ctx.Pool(args.jobs) as pool:
         compiled = sum(pool.map(_compile, [jobs[i :: args.jobs] for i in range(args.jobs)]))
     print(f"compiled {compiled} of {len(jobs)}", flush=True)
     w13, w2 = _weights("cuda")
     records = []
-    for t in args.tokens:
-        p = _problem(t, "cuda")
+    for t, bm in cases:
+        p = _problem(t, "cuda", bm)
         for kernel in args.kernels:
             # the default's gate-up output feeds down, as in the op
             base = p["base"]
@@ -139,7 +151,7 @@ def main() -> None:
             per_expert = 2 * INTER * D * 2 if kernel == "gate_up" else D * INTER * 2
             nbytes = p["hit"] * per_expert
             rows = []
-            for shape in _shapes(kernel):
+            for shape in _shapes(kernel, bm):
                 try:
                     us = 1e3 * triton.testing.do_bench_cudagraph(
                         lambda s=shape, k=kernel, q=p: _launch(k, q, w13, w2, s), rep=20,
@@ -149,16 +161,16 @@ def main() -> None:
                     rows.append({"shape": shape, "error": str(e)[:120]})
                     continue
                 rows.append({
-                    "kernel": kernel, "t": t, "shape": shape, "us": round(us, 2),
+                    "kernel": kernel, "t": t, "block_m": bm, "shape": shape, "us": round(us, 2),
                     "tb_per_s": round(nbytes / us / 1e6, 3),
                     "of_hbm": round(nbytes / us / 1e6 / (HBM / 1e12), 3),
-                    "default": shape == default,
+                    "default": shape == default and bm == _problem_bm(t, 0),
                 })  # fmt: skip
             ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
             records += rows
             best = ok[:5]
             dflt = [r for r in ok if r["default"]]
-            print(f"== {kernel} T={t} ({p['hit']} experts, {nbytes / 1e6:.0f} MB)")
+            print(f"== {kernel} T={t} BM={bm} ({p['hit']} experts, {nbytes / 1e6:.0f} MB)")
             for r in dflt + best:
                 mark = "default" if r["default"] else ""
                 print(f"  {r['shape']} {r['us']:8.2f} us {r['tb_per_s']:.2f} TB/s {mark}")
