@@ -6,8 +6,9 @@ For each T the align runs once with the default block_m; then ``moe_gate_up_kern
 BLOCK_K, warps, stages) whose shared memory fits. Each row: the kernel, T, the shape, the
 time, the hit experts' weight bytes over the time (TB/s) and the fraction of 4.8 TB/s; the
 default tiling's row is marked. ``--block-m`` overrides the default rows per block (the align
-runs with it), e.g. 16-row blocks at T = 256 where the default takes 32. Compilation goes first, in ``--jobs`` processes (the Triton
-cache on disk is shared), so the timing loop only loads kernels.
+runs with it), e.g. 16-row blocks at T = 256 where the default takes 32. Compilation goes
+first, in ``--jobs`` processes (the Triton cache on disk is shared), so the timing loop only
+loads kernels.
 
     python3 benchmarks/moe_tiling_sweep.py --tokens 1 64 --output $OUT/moe_tiling.json
     python3 benchmarks/moe_tiling_sweep.py --tokens 256 --block-m 16 32 --output ...
