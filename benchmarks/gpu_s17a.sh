@@ -20,8 +20,8 @@ t=$(cap 80); echo "== replay timeline, decode:256 (${t}s)"
 ((t)) && timeout "$t" python3 benchmarks/graph_gap.py --batch decode:256@4096 \
   --output "$R/graph_gap.json" > "$R/graph_gap.log" 2>&1; grep -E "timeline|replay_ms" "$R/graph_gap.log" | cut -c1-300
 t=$(cap 180); echo "== MoE tiling sweep, T = 256 (${t}s)"
-((t)) && timeout "$t" python3 benchmarks/moe_tiling_sweep.py --tokens 256 --block-m 16 32 \
-  --jobs 15 --output "$R/moe_tiling.json" 2>&1 | grep -v Warning | tail -30
+((t)) && timeout "$t" python3 benchmarks/moe_tiling_sweep.py --tokens 256 --block-m 32 16 \
+  --kernels down gate_up --jobs 15 --output "$R/moe_tiling.json" 2>&1 | grep -v Warning | tail -30
 t=$(cap 70); echo "== mHC pre variants (${t}s)"
 ((t)) && timeout "$t" python3 benchmarks/latency_kernels.py --parts hc --tokens 1 64 \
   --output "$R/latency_kernels.json" 2>&1 | tail -40

@@ -36,7 +36,8 @@ SMEM = 220 * 1024
 
 def _shapes(kernel: str, bm: int) -> list[tuple[int, int, int, int]]:
     out = []
-    for bn, bk, warps, stages in itertools.product((16, 32, 64, 128), (64, 128, 256), (4, 8),
+    widths = (16, 32, 64, 128) + ((256,) if kernel == "down" and bm > 16 else ())
+    for bn, bk, warps, stages in itertools.product(widths, (64, 128, 256), (4, 8),
                                                    (3, 4, 6)):  # fmt: skip
         w_bytes = bk * bn * 2 * (2 if kernel == "gate_up" else 1)
         a_bytes = bm * bk * (2 if kernel == "gate_up" else 4)
