@@ -6,9 +6,13 @@ over launch variants: what each one's serial chain costs and which shape shorten
 - ``router_logits``: the router's [T, 4096] x [4096, 64] logits, ``F.linear`` (cuBLAS) against
   ``ops.triton.gemv``;
 - ``hc_pre``: the mHC pre (K1 + K2) over K2's warps and K1's program count (the splits K2
-  reduces), and with 1 Sinkhorn iteration instead of 20 (the chain's own cost).
+  reduces), with 1 Sinkhorn iteration instead of 20 (the chain's own cost), and with K2 as
+  a mixes launch (a token a thread) plus a collapse launch (``mixes_block_t``);
+- ``hc_post_pre``: the mHC after a fused MoE (its unsummed fp32 slots, k = 7 with the shared
+  expert, summed in K1's prologue) over K1's token tile, columns per step, programs and
+  warps, the expand as its own launch (``post_apart``) and the split K2.
 
-    python3 benchmarks/latency_kernels.py --output $OUT/latency_kernels.json [--parts hc]
+    python3 benchmarks/latency_kernels.py --output $OUT/latency_kernels.json [--parts hc post]
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
+from rackserve.ops.reference import ExpertSlots
 from rackserve.ops.triton import fused_moe, gemv, mhc
 from rackserve.ops.triton.moe_routed import _route_align_kernel
 
@@ -63,7 +68,7 @@ def route_align(t: int, hashed: bool, block_t: int, chunk: int, warps: int, x, w
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--parts", nargs="+", default=["route", "hc"], choices=["route", "hc"])
+    ap.add_argument("--parts", nargs="+", default=["route", "hc"], choices=["route", "hc", "post"])
     ap.add_argument("--output", required=True)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -102,19 +107,60 @@ def main() -> None:
         norm_w = 1 + 0.2 * torch.randn(D, generator=g, device=dev)
         tiling = mhc.default_tiling(t, N_STREAMS, D, dev, torch.bfloat16)
         w8, p264 = tiling.finish_warps, tiling.gemm_programs
-        for iters, warps, programs in (
-            (20, w8, p264), (1, w8, p264), (20, 2, p264), (20, 4, p264), (20, 16, p264),
-            (20, w8, p264 // 4), (20, 4, p264 // 4), (20, w8, p264 // 8),
+        for iters, warps, programs, mbt in (
+            (20, w8, p264, 0), (1, w8, p264, 0), (20, 2, p264, 0), (20, 4, p264, 0),
+            (20, 16, p264, 0), (20, w8, p264 // 4, 0), (20, 4, p264 // 4, 0),
+            (20, w8, p264 // 8, 0), (20, w8, p264, 16), (20, w8, p264, 32), (20, 4, p264, 32),
+            (20, w8, p264, 64),
         ):  # fmt: skip
+            if mbt and t < 16:
+                continue
             hc = (streams, fn, base, scale, norm_w, iters, 1e-6, 1e-6)
-            tl_ = dataclasses.replace(tiling, finish_warps=warps, gemm_programs=programs)
+            tl_ = dataclasses.replace(
+                tiling, finish_warps=warps, gemm_programs=max(1, programs), mixes_block_t=mbt
+            )
 
             def run(hc=hc, tl_=tl_):
                 return mhc.hc_pre(*hc, tiling=tl_)
 
             mark = " (default)" if tl_ == tiling else ""
-            name = f"sinkhorn {iters} finish_warps {warps} K1 programs {programs}{mark}"
-            add("hc_pre", t, name, _us(run))
+            name = f"sinkhorn {iters} finish_warps {warps} K1 programs {programs}"
+            add("hc_pre", t, f"{name} mixes_block_t {mbt}{mark}", _us(run))
+    for t in args.tokens if "post" in args.parts else ():
+        streams = torch.randn(t, N_STREAMS, D, generator=g, device=dev).bfloat16()
+        fn = torch.randn(mixes, cols, generator=g, device=dev) * (1.5 / cols**0.5)
+        base = torch.randn(mixes, generator=g, device=dev) * 0.5
+        scale = torch.ones(3, device=dev)
+        norm_w = 1 + 0.2 * torch.randn(D, generator=g, device=dev)
+        ids = torch.randint(0, E + 1, (t, K + 1), generator=g, device=dev)
+        slots = ExpertSlots(
+            torch.randn(t * (K + 1), D, generator=g, device=dev), ids, E + 1, torch.bfloat16
+        )
+        post = torch.rand(t, N_STREAMS, generator=g, device=dev) * 2
+        comb = torch.rand(t, N_STREAMS, N_STREAMS, generator=g, device=dev) / N_STREAMS
+        tiling = mhc.default_tiling(t, N_STREAMS, D, dev, torch.bfloat16)
+        p264 = tiling.gemm_programs
+        variants = [{}, {"post_apart": True}, {"mixes_block_t": 32},
+                    {"post_apart": True, "mixes_block_t": 32}]  # fmt: skip
+        if not tiling.gemm_gemv:
+            for bt in (32, 64):
+                for bd in (16, 32, 64):
+                    for programs, warps in ((p264, 4), (p264 // 2, 4), (p264, 8)):
+                        k1 = {"gemm_block_t": bt, "gemm_block_d": bd}
+                        variants.append({**k1, "gemm_programs": programs, "gemm_warps": warps})
+        for v in variants:
+            tl_ = dataclasses.replace(tiling, **v)
+            args_ = (streams, slots, post, comb, fn, base, scale, norm_w, 20, 1e-6, 1e-6)
+
+            def run(args_=args_, tl_=tl_):
+                return mhc.hc_post_pre(*args_, tiling=tl_)
+
+            mark = " (default)" if tl_ == tiling else ""
+            name = " ".join(f"{k} {int(x)}" for k, x in v.items()) or "default"
+            try:
+                add("hc_post_pre", t, name + mark, _us(run))
+            except Exception as e:  # a shape this Triton cannot compile or fit
+                print(f"hc_post_pre    T={t:<4d} {name}: {type(e).__name__} {str(e)[:80]}")
     with open(args.output, "w") as f:
         json.dump(records, f, indent=1)
 
