@@ -24,6 +24,6 @@ t=$(cap 150); echo "== mHC pre and post-pre variants (${t}s)"
 ((t)) && timeout "$t" python3 benchmarks/latency_kernels.py --parts hc post --tokens 64 256 \
   --output "$R/latency_kernels.json" > "$R/latency_kernels.txt" 2>&1; grep -c us "$R/latency_kernels.txt"
 t=$(cap 150); echo "== MoE tiling sweep, T = 256 (${t}s)"
-((t)) && timeout "$t" python3 benchmarks/moe_tiling_sweep.py --tokens 256 --block-m 32 16 \
-  --kernels down gate_up --jobs 15 --output "$R/moe_tiling.json" 2>&1 | grep -v Warning | tail -30
+((t)) && timeout "$t" python3 benchmarks/moe_tiling_sweep.py --tokens 256 --block-m 32 16 --stack-h 0 1 \
+  --kernels down --jobs 15 --output "$R/moe_tiling.json" 2>&1 | grep -v Warning | tail -30
 echo "== done in ${SECONDS}s"

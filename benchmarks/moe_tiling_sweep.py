@@ -6,12 +6,13 @@ For each T the align runs once with the default block_m; then ``moe_gate_up_kern
 BLOCK_K, warps, stages) whose shared memory fits. Each row: the kernel, T, the shape, the
 time, the hit experts' weight bytes over the time (TB/s) and the fraction of 4.8 TB/s; the
 default tiling's row is marked. ``--block-m`` overrides the default rows per block (the align
-runs with it), e.g. 16-row blocks at T = 256 where the default takes 32. Compilation goes
+runs with it), e.g. 16-row blocks at T = 256 where the default takes 32; ``--stack-h 0 1``
+times both h layouts (``fused_moe.Tiling.stack_h``). Compilation goes
 first, in ``--jobs`` processes (the Triton cache on disk is shared), so the timing loop only
 loads kernels.
 
     python3 benchmarks/moe_tiling_sweep.py --tokens 1 64 --output $OUT/moe_tiling.json
-    python3 benchmarks/moe_tiling_sweep.py --tokens 256 --block-m 16 32 --output ...
+    python3 benchmarks/moe_tiling_sweep.py --tokens 256 --block-m 16 32 --stack-h 0 1 ...
 """
 
 from __future__ import annotations
@@ -40,14 +41,14 @@ def _shapes(kernel: str, bm: int) -> list[tuple[int, int, int, int]]:
     for bn, bk, warps, stages in itertools.product(widths, (64, 128, 256), (4, 8),
                                                    (3, 4, 6)):  # fmt: skip
         w_bytes = bk * bn * 2 * (2 if kernel == "gate_up" else 1)
-        a_bytes = bm * bk * (2 if kernel == "gate_up" else 4)
+        a_bytes = bm * bk * (2 if kernel == "gate_up" else 4)  # down's stacked h: the same
         if stages * (w_bytes + a_bytes) > SMEM or bn * bk // (32 * warps) < 8:
             continue
         out.append((bn, bk, warps, stages))
     return out
 
 
-def _problem(t: int, device: str, bm: int | None = None) -> dict:
+def _problem(t: int, device: str, bm: int | None = None, stack: bool = False) -> dict:
     g = torch.Generator(device=device).manual_seed(t)
     x = torch.randn(t, D, generator=g, device=device).bfloat16()
     routed = torch.rand(t, E - 1, generator=g, device=device).argsort(dim=-1)[:, : K - 1]
@@ -61,7 +62,9 @@ def _problem(t: int, device: str, bm: int | None = None) -> dict:
     return {
         "t": t, "x": x, "ids": ids, "weights": weights, "base": base,
         "sorted": sorted_ids, "block_expert": block_expert,
-        "h": torch.zeros(nb * base.block_m, INTER, device=device),
+        "h": torch.zeros(nb * base.block_m * (1 + stack), INTER, device=device,
+                         dtype=torch.bfloat16 if stack else torch.float32),
+        "stack": stack,
         "slots": torch.empty(t * K, D, device=device),
         "hit": len(set(ids.view(-1).tolist())),
     }  # fmt: skip
@@ -94,6 +97,7 @@ def _launch(kernel: str, p: dict, w13, w2, shape, warmup: bool = False):
                 INTER, E, p["h"].stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
                 p["slots"].stride(0))  # fmt: skip
     extra = {"SPLIT_H": True, "SKIP_PAD_ROWS": bm == 16} if kernel == "down" else {}
+    extra["STACK_H"] = p["stack"]
     grid = (nb, triton.cdiv(n, bn))
     kw = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FP32_DOT=False, num_warps=warps, PDL=False,
               num_stages=stages, **extra)  # fmt: skip
@@ -109,13 +113,13 @@ def _compile(jobs: list) -> int:
     torch.cuda.set_device(0)
     w13 = torch.empty(E, 2 * INTER, D, device="cuda", dtype=torch.bfloat16)
     w2 = torch.empty(E, D, INTER, device="cuda", dtype=torch.bfloat16)
-    problems: dict[tuple[int, int], dict] = {}
+    problems: dict[tuple[int, int, bool], dict] = {}
     done = 0
-    for kernel, t, bm, shape in jobs:
-        if (t, bm) not in problems:
-            problems[t, bm] = _problem(t, "cuda", bm)
+    for kernel, t, bm, stack, shape in jobs:
+        if (t, bm, stack) not in problems:
+            problems[t, bm, stack] = _problem(t, "cuda", bm, stack)
         try:
-            _launch(kernel, problems[t, bm], w13, w2, shape, warmup=True)
+            _launch(kernel, problems[t, bm, stack], w13, w2, shape, warmup=True)
             done += 1
         except Exception:
             pass
@@ -127,19 +131,22 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--kernels", nargs="+", default=["gate_up", "down"])
     ap.add_argument("--block-m", type=int, nargs="+", default=[0], help="0: the default")
+    ap.add_argument("--stack-h", type=int, nargs="+", default=[0], choices=[0, 1])
     ap.add_argument("--jobs", type=int, default=12)
     ap.add_argument("--output", required=True)
     args = ap.parse_args()
-    cases = [(t, _problem_bm(t, bm)) for t in args.tokens for bm in args.block_m]
-    jobs = [(k, t, bm, s) for k in args.kernels for t, bm in cases for s in _shapes(k, bm)]
+    cases = [(t, _problem_bm(t, bm), bool(st))
+             for t in args.tokens for bm in args.block_m for st in args.stack_h]  # fmt: skip
+    jobs = [(k, t, bm, st, s) for k in args.kernels for t, bm, st in cases
+            for s in _shapes(k, bm)]  # fmt: skip
     ctx = mp.get_context("spawn")
     with ctx.Pool(args.jobs) as pool:
         compiled = sum(pool.map(_compile, [jobs[i :: args.jobs] for i in range(args.jobs)]))
     print(f"compiled {compiled} of {len(jobs)}", flush=True)
     w13, w2 = _weights("cuda")
     records = []
-    for t, bm in cases:
-        p = _problem(t, "cuda", bm)
+    for t, bm, stack in cases:
+        p = _problem(t, "cuda", bm, stack)
         for kernel in args.kernels:
             # the default's gate-up output feeds down, as in the op
             base = p["base"]
@@ -163,7 +170,8 @@ def main() -> None:
                     rows.append({"shape": shape, "error": str(e)[:120]})
                     continue
                 rows.append({
-                    "kernel": kernel, "t": t, "block_m": bm, "shape": shape, "us": round(us, 2),
+                    "kernel": kernel, "t": t, "block_m": bm, "stack_h": stack, "shape": shape,
+                    "us": round(us, 2),
                     "tb_per_s": round(nbytes / us / 1e6, 3),
                     "of_hbm": round(nbytes / us / 1e6 / (HBM / 1e12), 3),
                     "default": shape == default and bm == _problem_bm(t, 0),
@@ -172,7 +180,8 @@ def main() -> None:
             records += rows
             best = ok[:5]
             dflt = [r for r in ok if r["default"]]
-            print(f"== {kernel} T={t} BM={bm} ({p['hit']} experts, {nbytes / 1e6:.0f} MB)")
+            print(f"== {kernel} T={t} BM={bm} stack_h={int(stack)} ({p['hit']} experts, "
+                  f"{nbytes / 1e6:.0f} MB)")  # fmt: skip
             for r in dflt + best:
                 mark = "default" if r["default"] else ""
                 print(f"  {r['shape']} {r['us']:8.2f} us {r['tb_per_s']:.2f} TB/s {mark}")

@@ -10,6 +10,7 @@ section 5): fp32 within 1e-4 relative; bf16 |kernel - ref_fp32| <= 2 |ref_bf16 -
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
@@ -104,6 +105,17 @@ def test_other_tilings_and_ragged_sizes(fm, dtype, block_m):
     """D=96, I=48: neither a multiple of the k- or n-tiles."""
     tiling = prefill_like_tiling(fm, block_m)
     check(fm, make_case(29, 8, 96, 48, 3, seed=block_m, dtype=dtype), tiling)
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize("t", [1, 29])
+def test_stacked_h_matches_reference(fm, block_m, t):
+    """``Tiling.stack_h``: h stored as bf16 hi and lo rows per block, one dot of 2 * block_m
+    rows a K step; the same tolerance as the split in registers, and fp32 inputs (no split)
+    take the fp32 h as before."""
+    tiling = dataclasses.replace(prefill_like_tiling(fm, block_m), stack_h=True)
+    for dtype in (torch.bfloat16, torch.float32):
+        check(fm, make_case(t, 8, 96, 48, 3, seed=block_m + t, dtype=dtype), tiling)
 
 
 @pytest.mark.parametrize(

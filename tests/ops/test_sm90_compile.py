@@ -45,7 +45,15 @@ def _model() -> DeepseekV4ForCausalLM:
 
 @torch.inference_mode()
 def _record_fast_path() -> list[dict]:
-    from rackserve.ops.triton import fp8_gemm, fused_moe_fp4, gemv, indexer, mhc, sparse_attn
+    from rackserve.ops.triton import (
+        fp8_gemm,
+        fused_moe,
+        fused_moe_fp4,
+        gemv,
+        indexer,
+        mhc,
+        sparse_attn,
+    )
 
     model = _model()
     g = torch.Generator().manual_seed(0)
@@ -109,6 +117,12 @@ def _record_fast_path() -> list[dict]:
             )
             args = (x, ids, weights, w13, s13, w2, s2, 7.0)
             fused_moe_fp4.moe_experts_fp4(*args, tiling=tiling)
+        # the bf16 fused MoE with h's hi / lo parts stacked per block, at GPU-sized tiles
+        w13 = torch.randn(4, 128, 256, generator=g).bfloat16() / 16
+        w2 = torch.randn(4, 256, 64, generator=g).bfloat16() / 8
+        for block_m in (16, 32):
+            tiling = fused_moe.Tiling(block_m, 64, 128, 4, 3, 128, 64, 4, 3, 4096, 256, True)
+            fused_moe.moe_experts(x, ids, weights, w13, w2, 7.0, tiling=tiling)
     return specs
 
 
@@ -137,6 +151,7 @@ def test_fast_path_kernels_compile_for_sm90(monkeypatch):
     assert any(
         s["kernel"] == "sparse_attn_wide_kernel" and s["constexprs"]["PV_FP16"] for s in specs
     )
+    assert any(s["kernel"] == "moe_down_kernel" and s["constexprs"]["STACK_H"] for s in specs)
     # the opt-in PDL path ($RACKSERVE_PDL=1): each kernel once with PDL on
     with_pdl: dict[str, dict] = {}
     for s in specs:

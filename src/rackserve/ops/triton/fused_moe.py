@@ -58,6 +58,9 @@ class Tiling:
     down_stages: int
     align_segment: int  # pairs per align program above PER_EXPERT_ALIGN_MAX_PAIRS pairs
     sum_block_d: int
+    # 16-bit weights: gate-up stores h as its 16-bit hi and lo parts stacked per block, and
+    # down runs one dot of 2 * block_m rows a K step (fused_moe_kernels.py, STACK_H)
+    stack_h: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "gate_up_block_n", "gate_up_block_k", "down_block_n"):
@@ -299,8 +302,12 @@ def run_experts(
     bm = tiling.block_m
     num_blocks = block_expert.shape[0]
     fp32_dot = x.dtype == torch.float32 or x.device.type == "cpu"
+    stack_h = tiling.stack_h and x.dtype != torch.float32
 
-    h = _empty((num_blocks * bm, inter), torch.float32, x.device)
+    if stack_h:  # hi and lo rows of each block
+        h = _empty((2 * num_blocks * bm, inter), w2.dtype, x.device)
+    else:
+        h = _empty((num_blocks * bm, inter), torch.float32, x.device)
     grid = (num_blocks, triton.cdiv(inter, tiling.gate_up_block_n))
     moe_gate_up_kernel[grid](
         x, w13, h, sorted_ids, block_expert,
@@ -310,6 +317,7 @@ def run_experts(
         BLOCK_N=tiling.gate_up_block_n,
         BLOCK_K=tiling.gate_up_block_k,
         FP32_DOT=fp32_dot,
+        STACK_H=stack_h,
         num_warps=tiling.gate_up_warps,
         num_stages=tiling.gate_up_stages, **pdl(x.device),
     )  # fmt: skip
@@ -326,6 +334,7 @@ def run_experts(
         FP32_DOT=fp32_dot,
         SPLIT_H=x.dtype != torch.float32,
         SKIP_PAD_ROWS=bm == 16,
+        STACK_H=stack_h,
         num_warps=tiling.down_warps,
         num_stages=tiling.down_stages, **pdl(h.device),
     )  # fmt: skip

@@ -13,6 +13,11 @@ Align: ``moe_align_kernels.py``.
     (as the reference does) puts 6-10% of bf16 outputs outside the tolerance of
     GPU_FASTPATH.md section 5 (twice the reference's own error), since those h errors are
     uncorrelated with the reference's; the split costs tensor FLOPs, not weight bytes.
+``STACK_H`` (both kernels, 16-bit weights): the gate-up epilogue stores the split itself,
+    h [2R, I] in w's 16-bit type with block b's hi rows at [2b*BM, 2b*BM + BM) and its lo
+    rows right after, so the down kernel's K step is one dot of a [2BM, BK] tile (no fp32
+    loads, no conversions; M = 32 or 64 rows on the tensor cores instead of two dots of
+    BM) and its epilogue adds the two halves of the accumulator.
 ``FP32_DOT``: IEEE fp32 dots (no TF32) for fp32 inputs, and on the interpreter for every
     dtype (its 16-bit tl.dot is wrong); 16-bit inputs on the GPU use tensor cores.
 ``moe_sum_kernel``, grid (T, cdiv(D, BD)): out[t] = sum over slots j = 0..k-1 in that order
@@ -76,6 +81,19 @@ def store_swiglu(acc_gate, acc_up, limit, h_ptr, rows, cols, col_ok, stride_ht):
 
 
 @triton.jit
+def store_swiglu_stacked(acc_gate, acc_up, limit, h_ptr, cols, col_ok, stride_ht,
+                         BLOCK_M: tl.constexpr):  # fmt: skip
+    """``store_swiglu`` as h's 16-bit hi and lo parts, stacked per block (``STACK_H``)."""
+    h = _swiglu(acc_gate, acc_up, limit)
+    hi = h.to(h_ptr.dtype.element_ty)
+    lo = (h - hi.to(tl.float32)).to(h_ptr.dtype.element_ty)
+    hi_rows = tl.program_id(0) * (2 * BLOCK_M) + tl.arange(0, BLOCK_M)
+    h_ptrs = h_ptr + hi_rows[:, None].to(tl.int64) * stride_ht + cols[None, :]
+    tl.store(h_ptrs, hi, mask=col_ok[None, :])
+    tl.store(h_ptrs + BLOCK_M * stride_ht, lo, mask=col_ok[None, :])
+
+
+@triton.jit
 def store_weighted(acc, weights_ptr, slots_ptr, pair, row_ok, cols, col_ok, stride_slot):
     """The down epilogue: acc times the pair's routed weight into its slot row (fp32)."""
     weight = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
@@ -105,6 +123,7 @@ def moe_gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    STACK_H: tl.constexpr,  # h [2R, I] 16-bit, hi and lo stacked per block
     PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
     pdl_wait(PDL)
@@ -131,12 +150,15 @@ def moe_gate_up_kernel(
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K * stride_wk
         up_ptrs += BLOCK_K * stride_wk
-    store_swiglu(acc_gate, acc_up, limit, h_ptr, rows, cols, col_ok, stride_ht)
+    if STACK_H:
+        store_swiglu_stacked(acc_gate, acc_up, limit, h_ptr, cols, col_ok, stride_ht, BLOCK_M)
+    else:
+        store_swiglu(acc_gate, acc_up, limit, h_ptr, rows, cols, col_ok, stride_ht)
 
 
 @triton.jit
 def moe_down_kernel(
-    h_ptr,  # [R, I] fp32
+    h_ptr,  # [R, I] fp32 (STACK_H: [2R, I] in w2's type)
     w2_ptr,  # [E, D, I]
     weights_ptr,  # [P] fp32 routed weights, flattened topk_weights
     slots_ptr,  # [P, D] fp32 out
@@ -157,6 +179,7 @@ def moe_down_kernel(
     FP32_DOT: tl.constexpr,
     SPLIT_H: tl.constexpr,
     SKIP_PAD_ROWS: tl.constexpr,  # h's padding rows not read (measured with 16-row blocks)
+    STACK_H: tl.constexpr,  # h's hi and lo parts stacked per block (SPLIT_H's split, stored)
     PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
     pdl_wait(PDL)
@@ -164,6 +187,11 @@ def moe_down_kernel(
     if expert >= num_experts:
         return
     rows, pair, row_ok, cols, col_ok = block_tile(sorted_ptr, num_pairs, hidden, BLOCK_M, BLOCK_N)
+    if STACK_H:
+        _down_stacked(h_ptr, w2_ptr, weights_ptr, slots_ptr, sorted_ptr, expert, pair, row_ok,
+                      cols, col_ok, num_pairs, inter, stride_ht, stride_we, stride_wn, stride_wk,
+                      stride_slot, BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT, SKIP_PAD_ROWS)  # fmt: skip
+        return
     ks = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_ht + ks[None, :]
     # [BLOCK_K, BLOCK_N]: w2[e, cols, k]^T
@@ -184,6 +212,37 @@ def moe_down_kernel(
             acc = _dot(a, w, acc, FP32_DOT)
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
+    store_weighted(acc, weights_ptr, slots_ptr, pair, row_ok, cols, col_ok, stride_slot)
+
+
+@triton.jit
+def _down_stacked(
+    h_ptr, w2_ptr, weights_ptr, slots_ptr, sorted_ptr, expert, pair, row_ok, cols, col_ok,
+    num_pairs, inter, stride_ht, stride_we, stride_wn, stride_wk, stride_slot,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP32_DOT: tl.constexpr, SKIP_PAD_ROWS: tl.constexpr,
+):  # fmt: skip
+    """The down kernel on stacked h (``STACK_H``): [hi; lo] @ w2[e]^T in one dot a K step,
+    then hi's rows of the accumulator plus lo's."""
+    r2 = tl.arange(0, 2 * BLOCK_M)
+    h_rows = tl.program_id(0) * (2 * BLOCK_M) + r2
+    ks = tl.arange(0, BLOCK_K)
+    h_ptrs = h_ptr + h_rows[:, None].to(tl.int64) * stride_ht + ks[None, :]
+    w_ptrs = expert_rows(w2_ptr, expert, cols, stride_we, stride_wn) + ks[:, None] * stride_wk
+    if SKIP_PAD_ROWS:  # each half's rows: the block's pairs again
+        pair2 = tl.load(sorted_ptr + tl.program_id(0) * BLOCK_M + r2 % BLOCK_M)
+        row2_ok = pair2 < num_pairs
+    else:
+        row2_ok = r2 < 2 * BLOCK_M
+    acc2 = tl.zeros((2 * BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k_ok = (k0 + ks) < inter
+        a = tl.load(h_ptrs, mask=row2_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc2 = _dot(a, w, acc2, FP32_DOT)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    acc = tl.sum(tl.reshape(acc2, (2, BLOCK_M, BLOCK_N)), axis=0)
     store_weighted(acc, weights_ptr, slots_ptr, pair, row_ok, cols, col_ok, stride_slot)
 
 
