@@ -235,6 +235,17 @@ def test_v4_flash_sizes_on_gpu(fm, t, dtype):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("t", [1, 64, 256])
+@pytest.mark.parametrize("stack_h", [False, True])
+def test_v4_flash_sizes_on_gpu_h_layouts(fm, t, stack_h):
+    """Both h layouts (split in registers, stacked by the gate-up) at the GPU tiling."""
+    x = make_case(t, *V4_FLASH, seed=t + 5, dtype=torch.bfloat16)
+    default = fm.default_tiling(t, x[1].shape[1], x[3].shape[0], x[4].shape[2], x[0].device)
+    check(fm, x, dataclasses.replace(default, stack_h=stack_h))
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_cuda_graph_replay_is_bitwise_equal_to_eager(fm):
     """Captured once, replayed on new routing copied into the static buffers."""
     x, ids, weights, w13, w2 = make_case(64, *V4_FLASH, seed=1, dtype=torch.bfloat16)
