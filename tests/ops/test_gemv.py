@@ -1,6 +1,7 @@
 """The split-K GEMV (``ops/triton/gemv.py``) against ``reference.linear``: T = 1..64 tokens,
 ragged N and K (not multiples of the tiles), one split and many, strided inputs; fp32 at
-1e-4 and bf16 within twice the bf16 reference's own error; outputs poisoned (NaN) first."""
+1e-4 and bf16 within twice the bf16 reference's own error; outputs poisoned (NaN) first.
+Also the lm_head's ``logits`` op (fp32 out) of both tables."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import dataclasses
 import pytest
 import torch
 
+from rackserve import ops
 from rackserve.ops import reference
 
 from kernel_checks import DEVICE, assert_bf16_close, assert_fp32_close
@@ -127,3 +129,31 @@ def test_linear_dispatch_default_on_off_on_cpu_and_only_where_k_splits(monkeypat
         assert torch.equal(k.linear(xs, ws), gemv.gemv(xs, ws))
         xc, wc = x.cuda(), w.cuda()  # one split: cuBLAS
         assert torch.equal(k.linear(xc, wc), reference.linear(xc, wc))
+
+
+def test_logits_reference_rounds_like_transformers():
+    """``reference.logits``: the 16-bit GEMM, then a cast to float32 (transformers' head)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 64, generator=g).bfloat16()
+    w = torch.randn(300, 64, generator=g).bfloat16()
+    got = ops.kernels("reference").logits(x, w)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, torch.nn.functional.linear(x, w).float())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("rows", [1, 64, 256])
+def test_logits_fp32_accumulator_on_gpu(rows):
+    """The fast table's lm_head on CUDA writes cuBLAS's fp32 accumulator: float32 out,
+    within the bf16 rule of the fp32 product, and no farther from it than the rounded
+    reference (V4-Flash's 129,280 x 4096 head)."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 4096, generator=g).bfloat16().cuda()
+    w = (torch.randn(129280, 4096, generator=g) / 64).bfloat16().cuda()
+    got = ops.kernels("auto").logits(x, w)
+    ref = ops.kernels("reference").logits(x, w)
+    ref32 = x.float() @ w.float().t()
+    assert got.dtype == torch.float32 and got.shape == (rows, 129280)
+    assert_bf16_close(got, ref, ref32)
+    assert (got - ref32).abs().max() <= (ref - ref32).abs().max()

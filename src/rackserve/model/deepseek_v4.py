@@ -247,7 +247,9 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, D] (only the rows that need logits) -> [S, V] float32
-        return linear(self.kernels, self.head, hidden).float()
+        if type(self.head) is nn.Linear and self.head.bias is None:
+            return self.kernels.logits(hidden, self.head.weight)
+        return linear(self.kernels, self.head, hidden).float()  # a quantized head
 
     def mtp_forward(
         self,

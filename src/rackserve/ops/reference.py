@@ -677,3 +677,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """A projection without bias: x [T, K], weight [N, K] -> [T, N] (``x @ weight.T``, fp32
     accumulation, one rounding to x's dtype). The spec of ``ops/triton/gemv.py``."""
     return F.linear(x, weight)
+
+
+def logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The lm_head: x [S, D], weight [V, D] -> [S, V] float32, rounded to x's dtype first as
+    transformers does (``linear`` then a cast). The fast path's cuBLAS GEMM writes the fp32
+    accumulator instead (no rounding, no [S, V] cast kernel): within the bf16 tolerance."""
+    return F.linear(x, weight).float()
