@@ -9,7 +9,7 @@ BUDGET_S=${BUDGET_S:-540}
 source "$(dirname "$0")/device_env.sh"
 start_call
 t=$(cap 150); echo "== mHC pre and post-pre variants (${t}s)"
-((t)) && timeout "$t" python3 benchmarks/latency_kernels.py --parts hc post --tokens 64 256 \
+((t)) && timeout "$t" python3 benchmarks/latency_kernels.py --parts hc post align --tokens 64 256 \
   --output "$R/latency_kernels.json" > "$R/latency_kernels.txt" 2>&1; grep -c us "$R/latency_kernels.txt"
 t=$(cap 120); echo "== MoE down kernel sweep, T = 256 (${t}s)"
 ((t)) && timeout "$t" python3 benchmarks/moe_tiling_sweep.py --tokens 256 --block-m 32 16 \

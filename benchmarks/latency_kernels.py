@@ -8,11 +8,13 @@ over launch variants: what each one's serial chain costs and which shape shorten
 - ``hc_pre``: the mHC pre (K1 + K2) over K2's warps and K1's program count (the splits K2
   reduces), with 1 Sinkhorn iteration instead of 20 (the chain's own cost), and with K2 as
   a mixes launch (a token a thread) plus a collapse launch (``mixes_block_t``);
+- ``align``: the fused MoE's align past ``PER_EXPERT_ALIGN_MAX_PAIRS`` pairs (count + align
+  over segments of pairs) over the segment length, against one program per expert;
 - ``hc_post_pre``: the mHC after a fused MoE (its unsummed fp32 slots, k = 7 with the shared
   expert, summed in K1's prologue) over K1's token tile, columns per step, programs and
   warps, the expand as its own launch (``post_apart``) and the split K2.
 
-    python3 benchmarks/latency_kernels.py --output $OUT/latency_kernels.json [--parts hc post]
+    python3 benchmarks/latency_kernels.py --output $OUT/latency_kernels.json [--parts hc post align]
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ def route_align(t: int, hashed: bool, block_t: int, chunk: int, warps: int, x, w
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--parts", nargs="+", default=["route", "hc"], choices=["route", "hc", "post"])
+    parts = ["route", "hc", "post", "align"]
+    ap.add_argument("--parts", nargs="+", default=["route", "hc"], choices=parts)
     ap.add_argument("--output", required=True)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -97,6 +100,19 @@ def main() -> None:
                 name = f"{'hash' if hashed else 'learned'} bt{block_t} c{chunk} w{warps}"
                 add("route_align", t, name, _us(run))
 
+    for t in args.tokens if "align" in args.parts else ():
+        routed = torch.rand(t, E, generator=g, device=dev).argsort(dim=-1)[:, :K]
+        ids = torch.cat([routed, torch.full((t, 1), E, device=dev)], 1).int().contiguous()
+        block_m = fused_moe.default_tiling(t, K + 1, E + 1, 2048, dev).block_m
+        for segment in (64, 128, 256, 512, 0):
+            name = f"block_m {block_m} " + (f"segment {segment}" if segment else "per expert")
+            if segment == fused_moe.default_tiling(t, K + 1, E + 1, 2048, dev).align_segment:
+                name += " (default)"
+
+            def run(ids=ids, segment=segment, block_m=block_m):
+                return fused_moe.moe_align(ids, E + 1, block_m, segment or 64, segment == 0)
+
+            add("moe_align", t, name, _us(run))
     cols = N_STREAMS * D
     mixes = (2 + N_STREAMS) * N_STREAMS
     for t in args.tokens if "hc" in args.parts else ():
