@@ -90,7 +90,7 @@ def default_tiling(
     On CPU (the interpreter) wide tiles keep the number of interpreted programs small.
     """
     if device.type != "cuda":
-        return Tiling(16, 64, 64, 4, 1, 64, 64, 4, 1, 4096, 256)
+        return Tiling(16, 64, 64, 4, 1, 64, 64, 4, 1, 4096, 256, stack_h=True)
     pairs = num_tokens * top_k
     if pairs >= 16 * num_experts * 4:  # >= 64 rows per expert on average: prefill-like
         return Tiling(64, 64, 64, 8, 3, 128, 64, 8, 3, 2048, 1024)
@@ -98,12 +98,12 @@ def default_tiling(
     hit_experts = min(num_experts, pairs)
     narrow = hit_experts * triton.cdiv(inter, 64) < 3 * _num_sms(device)
     block_k = 64 if dtype == torch.float32 else 128  # 3 stages of fp32 tiles fill the SMEM
-    # With 32-row blocks each down program re-reads a [32, I] fp32 slab of h per n-tile:
-    # 128-wide n-tiles halve that traffic (H200, 256 tokens: 1127 -> 1003 us per layer,
-    # benchmarks/results/2026-12-01-h200-s3-moe-sweep.json); 3 stages keep it in SMEM.
-    # 16-row blocks (moe_tiling_sweep.py, H200, 2026-12-03): down 128 x 64 tiles, 42.2 ->
-    # 32.6 us at T = 1 and 321 -> 280 us at T = 64; gate-up at T = 1 3 stages, 69.3 -> 61.8.
-    wide_down = block_m >= 32
+    # moe_tiling_sweep.py, H200 (benchmarks/results/2026-12-03-h200-s17.md), the down kernel
+    # alone: h stacked as bf16 hi / lo rows (stack_h) in 128 x 64 tiles, 446.9 -> 350.6 us
+    # at T = 256 (32-row blocks; 128 x 128 tiles on fp32 h before), 279.9 -> 263.3 at T = 64,
+    # 32.6 -> 30.7 at T = 1 (16-row blocks; 4 stages when narrow). Gate-up at T = 1: 3 stages,
+    # 69.3 -> 61.8 us (session 16).
+    stack_h = dtype != torch.float32
     return Tiling(
         block_m=block_m,
         gate_up_block_n=32 if narrow else 64,
@@ -111,12 +111,15 @@ def default_tiling(
         gate_up_warps=4,
         gate_up_stages=3 if narrow else 4,
         down_block_n=128,
-        down_block_k=block_k if wide_down else 64,
+        down_block_k=64 if stack_h or block_m == 16 else block_k,
         down_warps=4,
-        down_stages=4 if narrow and not wide_down else 3,
-        # past PER_EXPERT_ALIGN_MAX_PAIRS: 256-pair segments counted in parallel
-        align_segment=256,
+        down_stages=4 if narrow and block_m == 16 else 3,
+        # past PER_EXPERT_ALIGN_MAX_PAIRS: 64-pair segments counted in parallel (H200, 256
+        # tokens, 1,792 pairs: 11.4 us, against 24.4 with 256-pair segments and 28.5 with a
+        # program per expert; latency_kernels.py)
+        align_segment=64,
         sum_block_d=1024,
+        stack_h=stack_h,
     )
 
 
