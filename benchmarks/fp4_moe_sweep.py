@@ -45,6 +45,11 @@ def variants(t: int) -> dict[str, fp4.Fp4Tiling]:
             base, dot_scaled=False, asm_decode=True, gate_up_block_n=64, down_block_n=128
         ),
         "asm_bk256": dataclasses.replace(base, dot_scaled=False, asm_decode=True, block_k=256),
+        # h stacked as bf16 hi / lo rows, even inputs first: two dots per down step, not four
+        "asm_stack": dataclasses.replace(base, dot_scaled=False, asm_decode=True, stack_h=True),
+        "asm_stack_bn64": dataclasses.replace(
+            base, dot_scaled=False, asm_decode=True, stack_h=True, gate_up_block_n=64
+        ),
     }
 
 

@@ -89,6 +89,31 @@ def test_tilings(fm4, block_k):
     check(fm4, args, fm4.Fp4Tiling(32, 32, 64, block_k, 4, 1, fp16_bits=True, prefetch=True))
 
 
+@pytest.mark.parametrize("block_k", [32, 64])
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_stacked_h(fm4, block_k, ue8m0):
+    """``Fp4Tiling.stack_h``: h stored as bf16 hi / lo rows per block with even inputs first;
+    I = 96 leaves a ragged last step of each half; prefetch on and off, 16- and 32-row
+    blocks; fp32 activations keep the fp32 h (no stacking)."""
+    for t, i in ((9, 64), (17, 96)):
+        args = make_case(t, 4, 96, i, 2, seed=block_k + t, dtype=torch.bfloat16, ue8m0=ue8m0)
+        check(fm4, args, fm4.Fp4Tiling(16, 16, 32, block_k, 4, 1, stack_h=True))
+        check(fm4, args, fm4.Fp4Tiling(32, 32, 64, block_k, 4, 1, prefetch=True, stack_h=True))
+    args = make_case(9, 4, 96, 64, 2, seed=block_k, dtype=torch.float32, ue8m0=ue8m0)
+    check(fm4, args, fm4.Fp4Tiling(16, 16, 32, block_k, 4, 1, stack_h=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE == "cpu", reason="inline PTX: the interpreter runs none")
+@pytest.mark.parametrize("t", [1, 64, 300])
+def test_stacked_h_on_gpu(fm4, t):
+    """The stacked h at the GPU's tilings with the inline-PTX decoder (and fp16 bits)."""
+    args = make_case(t, 8, 256, 128, 3, seed=t + 1, dtype=torch.bfloat16, ue8m0=True)
+    base = fm4.default_tiling(t, 3, 8, torch.device(DEVICE))
+    for asm in (True, False):
+        check(fm4, args, dataclasses.replace(base, dot_scaled=False, asm_decode=asm, stack_h=True))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE == "cpu", reason="tl.dot_scaled: the interpreter has none")
 @pytest.mark.parametrize("t", [1, 17, 64, 300])

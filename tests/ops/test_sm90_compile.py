@@ -117,6 +117,12 @@ def _record_fast_path() -> list[dict]:
             )
             args = (x, ids, weights, w13, s13, w2, s2, 7.0)
             fused_moe_fp4.moe_experts_fp4(*args, tiling=tiling)
+        # the FP4 kernels on stacked h (hi / lo rows, even / odd columns) at the GPU's tiles
+        for block_m, bn, prefetch in ((16, 32, False), (32, 64, True)):
+            tiling = fused_moe_fp4.Fp4Tiling(
+                block_m, bn, 128, 128, 4, 3, fp16_bits=True, prefetch=prefetch, stack_h=True
+            )
+            fused_moe_fp4.moe_experts_fp4(*args, tiling=tiling)
         # the bf16 fused MoE with h's hi / lo parts stacked per block, at GPU-sized tiles
         w13 = torch.randn(4, 128, 256, generator=g).bfloat16() / 16
         w2 = torch.randn(4, 256, 64, generator=g).bfloat16() / 8
@@ -151,7 +157,8 @@ def test_fast_path_kernels_compile_for_sm90(monkeypatch):
     assert any(
         s["kernel"] == "sparse_attn_wide_kernel" and s["constexprs"]["PV_FP16"] for s in specs
     )
-    assert any(s["kernel"] == "moe_down_kernel" and s["constexprs"]["STACK_H"] for s in specs)
+    for name in ("moe_down_kernel", "moe_down_fp4_kernel", "moe_gate_up_fp4_kernel"):
+        assert any(s["kernel"] == name and s["constexprs"]["STACK_H"] for s in specs), name
     # the opt-in PDL path ($RACKSERVE_PDL=1): each kernel once with PDL on
     with_pdl: dict[str, dict] = {}
     for s in specs:

@@ -33,6 +33,7 @@ from rackserve.ops.triton.fused_moe_kernels import (
     expert_rows,
     moe_sum_kernel,
     store_swiglu,
+    store_swiglu_stacked,
     store_weighted,
 )
 
@@ -60,6 +61,11 @@ class Fp4Tiling:
     # activations and ue8m0 scales on a GPU only (the interpreter runs no PTX); ignored
     # elsewhere, and under ``dot_scaled``
     asm_decode: bool = False
+    # 16-bit activations, not under dot_scaled: the gate-up stores h as bf16 hi / lo rows per
+    # block with each row's even inputs before its odd ones, so the down kernel's K step is
+    # two dots of 2 x block_m rows on contiguous tiles (no fp32 loads, no even / odd split,
+    # no hi / lo conversion: four dots before); fused_moe.Tiling.stack_h's layout for FP4
+    stack_h: bool = False
 
 
 def default_tiling(num_tokens: int, top_k: int, num_experts: int, device: torch.device):
@@ -135,6 +141,7 @@ def moe_gate_up_fp4_kernel(
     PREFETCH: tl.constexpr,
     DOT_SCALED: tl.constexpr,
     ASM_DECODE: tl.constexpr,  # bf16 x, ue8m0 scales on a GPU: the inline-PTX decoder
+    STACK_H: tl.constexpr,  # h [2R, I] 16-bit: hi / lo rows per block, even / odd columns
 ):
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert >= num_experts:
@@ -180,12 +187,17 @@ def moe_gate_up_fp4_kernel(
             else:
                 even, odd = fp4_decode(cur_up_w, cur_up_s, BLOCK_K, BLOCK_N, FP16_BITS)
             acc_up = _dot2(a_even, a_odd, even, odd, acc_up, IEEE)
-    store_swiglu(acc_gate, acc_up, limit, h_ptr, rows, cols, col_ok, stride_ht)
+    if STACK_H:
+        store_swiglu_stacked(
+            acc_gate, acc_up, limit, h_ptr, cols, col_ok, stride_ht, inter, BLOCK_M, True
+        )
+    else:
+        store_swiglu(acc_gate, acc_up, limit, h_ptr, rows, cols, col_ok, stride_ht)
 
 
 @triton.jit
 def moe_down_fp4_kernel(
-    h_ptr,  # [R, I] fp32
+    h_ptr,  # [R, I] fp32 (STACK_H: [2R, I] in the activations' type)
     w_ptr,  # [E, D, I / 2] uint8
     s_ptr,  # [E, D, I / 32]
     weights_ptr,  # [P] fp32 routed weights
@@ -211,6 +223,7 @@ def moe_down_fp4_kernel(
     PREFETCH: tl.constexpr,
     DOT_SCALED: tl.constexpr,
     ASM_DECODE: tl.constexpr,
+    STACK_H: tl.constexpr,
 ):
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert >= num_experts:
@@ -221,7 +234,31 @@ def moe_down_fp4_kernel(
     w_base = expert_rows(w_ptr, expert, cols, stride_we, stride_wn)  # [1, BN] row starts
     s_base = expert_rows(s_ptr, expert, cols, stride_se, stride_sn)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    if DOT_SCALED:
+    if STACK_H:
+        # [hi; lo] rows of the block, even inputs at [0, I/2), odd ones at [I/2, I)
+        r2 = tl.arange(0, 2 * BLOCK_M)
+        h2 = h_ptr + (tl.program_id(0) * (2 * BLOCK_M) + r2)[:, None].to(tl.int64) * stride_ht
+        kh = tl.arange(0, BLOCK_K // 2)
+        half = inter // 2
+        acc2 = tl.zeros((2 * BLOCK_M, BLOCK_N), tl.float32)
+        if PREFETCH:
+            next_w, next_s = step_raw(w_base, s_base, 0, inter, col_ok, BLOCK_K)
+        for k0 in range(0, inter, BLOCK_K):
+            k_ok = (k0 // 2 + kh < half)[None, :]
+            a_even = tl.load(h2 + k0 // 2 + kh[None, :], mask=k_ok, other=0.0)
+            a_odd = tl.load(h2 + half + k0 // 2 + kh[None, :], mask=k_ok, other=0.0)
+            if PREFETCH:
+                cur_w, cur_s = next_w, next_s
+                next_w, next_s = step_raw(w_base, s_base, k0 + BLOCK_K, inter, col_ok, BLOCK_K)
+            else:
+                cur_w, cur_s = step_raw(w_base, s_base, k0, inter, col_ok, BLOCK_K)
+            if ASM_DECODE:
+                even, odd = fp4_decode_bf16(cur_w, cur_s, BLOCK_K, BLOCK_N)
+            else:
+                even, odd = fp4_decode(cur_w, cur_s, BLOCK_K, BLOCK_N, FP16_BITS)
+            acc2 = _dot2(a_even, a_odd, even, odd, acc2, IEEE)
+        acc = tl.sum(tl.reshape(acc2, (2, BLOCK_M, BLOCK_N)), axis=0)
+    elif DOT_SCALED:
         for k0 in range(0, inter, BLOCK_K):  # h = hi + lo in bf16, as below
             a = tl.load(h_row + k0 + kk[None, :], mask=(k0 + kk < inter)[None, :], other=0.0)
             hi = a.to(tl.bfloat16)
@@ -327,8 +364,12 @@ def moe_experts_fp4(
     dot_scaled = dot_scaled and w13_scale.dtype == torch.uint8
     asm_decode = t.asm_decode and not dot_scaled and not ieee and x.dtype == torch.bfloat16
     asm_decode = asm_decode and w13_scale.dtype == torch.uint8
+    stack_h = t.stack_h and not dot_scaled and x.dtype != torch.float32
 
-    h = _empty((num_blocks * bm, inter), torch.float32, x.device)
+    if stack_h:  # hi and lo rows of each block, even columns before odd ones
+        h = _empty((2 * num_blocks * bm, inter), x.dtype, x.device)
+    else:
+        h = _empty((num_blocks * bm, inter), torch.float32, x.device)
     moe_gate_up_fp4_kernel[(num_blocks, triton.cdiv(inter, t.gate_up_block_n))](
         x, w13, w13_scale, h, sorted_ids, block_expert,
         num_pairs, top_k, hidden, inter, num_experts, float(limit),
@@ -336,7 +377,7 @@ def moe_experts_fp4(
         h.stride(0),
         BLOCK_M=bm, BLOCK_N=t.gate_up_block_n, BLOCK_K=t.block_k, IEEE=ieee,
         FP16_BITS=t.fp16_bits, PREFETCH=t.prefetch, DOT_SCALED=dot_scaled,
-        ASM_DECODE=asm_decode, num_warps=t.num_warps, num_stages=t.num_stages,
+        ASM_DECODE=asm_decode, STACK_H=stack_h, num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     slots = _empty((num_pairs, hidden), torch.float32, x.device)
     moe_down_fp4_kernel[(num_blocks, triton.cdiv(hidden, t.down_block_n))](
@@ -346,7 +387,7 @@ def moe_experts_fp4(
         slots.stride(0),
         BLOCK_M=bm, BLOCK_N=t.down_block_n, BLOCK_K=t.block_k, IEEE=ieee,
         ACT_DTYPE=_TL_DTYPES[x.dtype], FP16_BITS=t.fp16_bits, PREFETCH=t.prefetch,
-        DOT_SCALED=dot_scaled, ASM_DECODE=asm_decode, num_warps=t.num_warps,
+        DOT_SCALED=dot_scaled, ASM_DECODE=asm_decode, STACK_H=stack_h, num_warps=t.num_warps,
         num_stages=t.num_stages,
     )  # fmt: skip
     block_d = min(1024, triton.next_power_of_2(hidden))

@@ -81,13 +81,17 @@ def store_swiglu(acc_gate, acc_up, limit, h_ptr, rows, cols, col_ok, stride_ht):
 
 
 @triton.jit
-def store_swiglu_stacked(acc_gate, acc_up, limit, h_ptr, cols, col_ok, stride_ht,
-                         BLOCK_M: tl.constexpr):  # fmt: skip
-    """``store_swiglu`` as h's 16-bit hi and lo parts, stacked per block (``STACK_H``)."""
+def store_swiglu_stacked(acc_gate, acc_up, limit, h_ptr, cols, col_ok, stride_ht, inter,
+                         BLOCK_M: tl.constexpr, EVEN_ODD: tl.constexpr):  # fmt: skip
+    """``store_swiglu`` as h's 16-bit hi and lo parts, stacked per block (``STACK_H``);
+    EVEN_ODD: each row's even columns first, then its odd ones (the FP4 down kernel's two
+    dots per step read them as two contiguous tiles)."""
     h = _swiglu(acc_gate, acc_up, limit)
     hi = h.to(h_ptr.dtype.element_ty)
     lo = (h - hi.to(tl.float32)).to(h_ptr.dtype.element_ty)
     hi_rows = tl.program_id(0) * (2 * BLOCK_M) + tl.arange(0, BLOCK_M)
+    if EVEN_ODD:
+        cols = (cols % 2) * (inter // 2) + cols // 2
     h_ptrs = h_ptr + hi_rows[:, None].to(tl.int64) * stride_ht + cols[None, :]
     tl.store(h_ptrs, hi, mask=col_ok[None, :])
     tl.store(h_ptrs + BLOCK_M * stride_ht, lo, mask=col_ok[None, :])
@@ -151,7 +155,9 @@ def moe_gate_up_kernel(
         gate_ptrs += BLOCK_K * stride_wk
         up_ptrs += BLOCK_K * stride_wk
     if STACK_H:
-        store_swiglu_stacked(acc_gate, acc_up, limit, h_ptr, cols, col_ok, stride_ht, BLOCK_M)
+        store_swiglu_stacked(
+            acc_gate, acc_up, limit, h_ptr, cols, col_ok, stride_ht, inter, BLOCK_M, False
+        )
     else:
         store_swiglu(acc_gate, acc_up, limit, h_ptr, rows, cols, col_ok, stride_ht)
 
