@@ -67,6 +67,17 @@ def route_align(t: int, hashed: bool, block_t: int, chunk: int, warps: int, x, w
     return run
 
 
+def _mhc_inputs(t: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """A block's mHC inputs at V4-Flash sizes: streams [t, N, D] bf16, fn, base, scale and
+    the norm weight."""
+    dev, cols, mixes = g.device, N_STREAMS * D, (2 + N_STREAMS) * N_STREAMS
+    streams = torch.randn(t, N_STREAMS, D, generator=g, device=dev).bfloat16()
+    fn = torch.randn(mixes, cols, generator=g, device=dev) * (1.5 / cols**0.5)
+    base = torch.randn(mixes, generator=g, device=dev) * 0.5
+    norm_w = 1 + 0.2 * torch.randn(D, generator=g, device=dev)
+    return streams, fn, base, torch.ones(3, device=dev), norm_w
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
@@ -113,14 +124,8 @@ def main() -> None:
                 return fused_moe.moe_align(ids, E + 1, block_m, segment or 64, segment == 0)
 
             add("moe_align", t, name, _us(run))
-    cols = N_STREAMS * D
-    mixes = (2 + N_STREAMS) * N_STREAMS
     for t in args.tokens if "hc" in args.parts else ():
-        streams = torch.randn(t, N_STREAMS, D, generator=g, device=dev).bfloat16()
-        fn = torch.randn(mixes, cols, generator=g, device=dev) * (1.5 / cols**0.5)
-        base = torch.randn(mixes, generator=g, device=dev) * 0.5
-        scale = torch.ones(3, device=dev)
-        norm_w = 1 + 0.2 * torch.randn(D, generator=g, device=dev)
+        streams, fn, base, scale, norm_w = _mhc_inputs(t, g)
         tiling = mhc.default_tiling(t, N_STREAMS, D, dev, torch.bfloat16)
         w8, p264 = tiling.finish_warps, tiling.gemm_programs
         for iters, warps, programs, mbt in (
@@ -143,11 +148,7 @@ def main() -> None:
             name = f"sinkhorn {iters} finish_warps {warps} K1 programs {programs}"
             add("hc_pre", t, f"{name} mixes_block_t {mbt}{mark}", _us(run))
     for t in args.tokens if "post" in args.parts else ():
-        streams = torch.randn(t, N_STREAMS, D, generator=g, device=dev).bfloat16()
-        fn = torch.randn(mixes, cols, generator=g, device=dev) * (1.5 / cols**0.5)
-        base = torch.randn(mixes, generator=g, device=dev) * 0.5
-        scale = torch.ones(3, device=dev)
-        norm_w = 1 + 0.2 * torch.randn(D, generator=g, device=dev)
+        streams, fn, base, scale, norm_w = _mhc_inputs(t, g)
         ids = torch.randint(0, E + 1, (t, K + 1), generator=g, device=dev)
         slots = ExpertSlots(
             torch.randn(t * (K + 1), D, generator=g, device=dev), ids, E + 1, torch.bfloat16

@@ -32,8 +32,7 @@ from rackserve.ops.triton.fused_moe_kernels import (
     block_tile,
     expert_rows,
     moe_sum_kernel,
-    store_swiglu,
-    store_swiglu_stacked,
+    store_h,
     store_weighted,
 )
 
@@ -187,12 +186,29 @@ def moe_gate_up_fp4_kernel(
             else:
                 even, odd = fp4_decode(cur_up_w, cur_up_s, BLOCK_K, BLOCK_N, FP16_BITS)
             acc_up = _dot2(a_even, a_odd, even, odd, acc_up, IEEE)
-    if STACK_H:
-        store_swiglu_stacked(
-            acc_gate, acc_up, limit, h_ptr, cols, col_ok, stride_ht, inter, BLOCK_M, True
-        )
+    store_h(acc_gate, acc_up, limit, h_ptr, rows, cols, col_ok, stride_ht, inter, BLOCK_M,
+            STACK_H, True)  # fmt: skip
+
+
+@triton.jit
+def _down_weights(
+    w_base, s_base, k0, inter, col_ok, next_w, next_s,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, FP16_BITS: tl.constexpr,
+    PREFETCH: tl.constexpr, ASM_DECODE: tl.constexpr,
+):  # fmt: skip
+    """The down kernel's K step k0 of weights, decoded: (even, odd [BK / 2, BN], and the
+    prefetched raw step carried to the next one; with PREFETCH the step loaded last time
+    is decoded and step k0 + BK loaded, else step k0 is loaded now)."""
+    if PREFETCH:
+        cur_w, cur_s = next_w, next_s
+        next_w, next_s = step_raw(w_base, s_base, k0 + BLOCK_K, inter, col_ok, BLOCK_K)
     else:
-        store_swiglu(acc_gate, acc_up, limit, h_ptr, rows, cols, col_ok, stride_ht)
+        cur_w, cur_s = step_raw(w_base, s_base, k0, inter, col_ok, BLOCK_K)
+    if ASM_DECODE:
+        even, odd = fp4_decode_bf16(cur_w, cur_s, BLOCK_K, BLOCK_N)
+    else:
+        even, odd = fp4_decode(cur_w, cur_s, BLOCK_K, BLOCK_N, FP16_BITS)
+    return even, odd, next_w, next_s
 
 
 @triton.jit
@@ -241,21 +257,18 @@ def moe_down_fp4_kernel(
         kh = tl.arange(0, BLOCK_K // 2)
         half = inter // 2
         acc2 = tl.zeros((2 * BLOCK_M, BLOCK_N), tl.float32)
-        if PREFETCH:
+        if PREFETCH:  # K step 0 loaded before the loop
             next_w, next_s = step_raw(w_base, s_base, 0, inter, col_ok, BLOCK_K)
+        else:  # carried through the loop unread
+            next_w, next_s = w_base, s_base
         for k0 in range(0, inter, BLOCK_K):
             k_ok = (k0 // 2 + kh < half)[None, :]
             a_even = tl.load(h2 + k0 // 2 + kh[None, :], mask=k_ok, other=0.0)
             a_odd = tl.load(h2 + half + k0 // 2 + kh[None, :], mask=k_ok, other=0.0)
-            if PREFETCH:
-                cur_w, cur_s = next_w, next_s
-                next_w, next_s = step_raw(w_base, s_base, k0 + BLOCK_K, inter, col_ok, BLOCK_K)
-            else:
-                cur_w, cur_s = step_raw(w_base, s_base, k0, inter, col_ok, BLOCK_K)
-            if ASM_DECODE:
-                even, odd = fp4_decode_bf16(cur_w, cur_s, BLOCK_K, BLOCK_N)
-            else:
-                even, odd = fp4_decode(cur_w, cur_s, BLOCK_K, BLOCK_N, FP16_BITS)
+            even, odd, next_w, next_s = _down_weights(
+                w_base, s_base, k0, inter, col_ok, next_w, next_s, BLOCK_K, BLOCK_N, FP16_BITS,
+                PREFETCH, ASM_DECODE,
+            )  # fmt: skip
             acc2 = _dot2(a_even, a_odd, even, odd, acc2, IEEE)
         acc = tl.sum(tl.reshape(acc2, (2, BLOCK_M, BLOCK_N)), axis=0)
     elif DOT_SCALED:
@@ -267,21 +280,18 @@ def moe_down_fp4_kernel(
             acc = tl.dot_scaled(hi, None, "bf16", w, tl.trans(s), "e2m1", acc)
             acc = tl.dot_scaled(lo, None, "bf16", w, tl.trans(s), "e2m1", acc)
     else:
-        if PREFETCH:
+        if PREFETCH:  # K step 0 loaded before the loop
             next_w, next_s = step_raw(w_base, s_base, 0, inter, col_ok, BLOCK_K)
+        else:  # carried through the loop unread
+            next_w, next_s = w_base, s_base
         for k0 in range(0, inter, BLOCK_K):
             a_even, a_odd = _even_odd(
                 h_row + k0 + kk[None, :], (k0 + kk < inter)[None, :], BLOCK_M, BLOCK_K
             )
-            if PREFETCH:
-                cur_w, cur_s = next_w, next_s
-                next_w, next_s = step_raw(w_base, s_base, k0 + BLOCK_K, inter, col_ok, BLOCK_K)
-            else:
-                cur_w, cur_s = step_raw(w_base, s_base, k0, inter, col_ok, BLOCK_K)
-            if ASM_DECODE:
-                even, odd = fp4_decode_bf16(cur_w, cur_s, BLOCK_K, BLOCK_N)
-            else:
-                even, odd = fp4_decode(cur_w, cur_s, BLOCK_K, BLOCK_N, FP16_BITS)
+            even, odd, next_w, next_s = _down_weights(
+                w_base, s_base, k0, inter, col_ok, next_w, next_s, BLOCK_K, BLOCK_N, FP16_BITS,
+                PREFETCH, ASM_DECODE,
+            )  # fmt: skip
             if IEEE:
                 acc = _dot2(a_even, a_odd, even, odd, acc, IEEE)
             else:  # h = hi + lo in the 16-bit type: two dots keep h's fp32 precision

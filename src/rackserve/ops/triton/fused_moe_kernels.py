@@ -81,6 +81,19 @@ def store_swiglu(acc_gate, acc_up, limit, h_ptr, rows, cols, col_ok, stride_ht):
 
 
 @triton.jit
+def store_h(acc_gate, acc_up, limit, h_ptr, rows, cols, col_ok, stride_ht, inter,
+            BLOCK_M: tl.constexpr, STACK_H: tl.constexpr, EVEN_ODD: tl.constexpr):  # fmt: skip
+    """The gate-up epilogue into h: fp32 rows (``store_swiglu``), or STACK_H's 16-bit hi / lo
+    rows per block (``store_swiglu_stacked``; EVEN_ODD: even columns first)."""
+    if STACK_H:
+        store_swiglu_stacked(
+            acc_gate, acc_up, limit, h_ptr, cols, col_ok, stride_ht, inter, BLOCK_M, EVEN_ODD
+        )
+    else:
+        store_swiglu(acc_gate, acc_up, limit, h_ptr, rows, cols, col_ok, stride_ht)
+
+
+@triton.jit
 def store_swiglu_stacked(acc_gate, acc_up, limit, h_ptr, cols, col_ok, stride_ht, inter,
                          BLOCK_M: tl.constexpr, EVEN_ODD: tl.constexpr):  # fmt: skip
     """``store_swiglu`` as h's 16-bit hi and lo parts, stacked per block (``STACK_H``);
@@ -154,12 +167,8 @@ def moe_gate_up_kernel(
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K * stride_wk
         up_ptrs += BLOCK_K * stride_wk
-    if STACK_H:
-        store_swiglu_stacked(
-            acc_gate, acc_up, limit, h_ptr, cols, col_ok, stride_ht, inter, BLOCK_M, False
-        )
-    else:
-        store_swiglu(acc_gate, acc_up, limit, h_ptr, rows, cols, col_ok, stride_ht)
+    store_h(acc_gate, acc_up, limit, h_ptr, rows, cols, col_ok, stride_ht, inter, BLOCK_M,
+            STACK_H, False)  # fmt: skip
 
 
 @triton.jit
