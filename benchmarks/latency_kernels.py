@@ -114,10 +114,12 @@ def main() -> None:
     for t in args.tokens if "align" in args.parts else ():
         routed = torch.rand(t, E, generator=g, device=dev).argsort(dim=-1)[:, :K]
         ids = torch.cat([routed, torch.full((t, 1), E, device=dev)], 1).int().contiguous()
-        block_m = fused_moe.default_tiling(t, K + 1, E + 1, 2048, dev).block_m
+        tiling = fused_moe.default_tiling(t, K + 1, E + 1, 2048, dev)
+        block_m = tiling.block_m
+        per_expert = t * (K + 1) <= fused_moe.PER_EXPERT_ALIGN_MAX_PAIRS  # moe_align's choice
         for segment in (64, 128, 256, 512, 0):
             name = f"block_m {block_m} " + (f"segment {segment}" if segment else "per expert")
-            if segment == fused_moe.default_tiling(t, K + 1, E + 1, 2048, dev).align_segment:
+            if segment == (0 if per_expert else tiling.align_segment):
                 name += " (default)"
 
             def run(ids=ids, segment=segment, block_m=block_m):

@@ -26,6 +26,7 @@ from rackserve.model.layers import (
     RMSNorm,
     Rotary,
     hc_params,
+    is_plain_linear,
     linear,
 )
 from rackserve.model.moe import MoE
@@ -247,7 +248,7 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, D] (only the rows that need logits) -> [S, V] float32
-        if type(self.head) is nn.Linear and self.head.bias is None:
+        if is_plain_linear(self.head):
             return self.kernels.logits(hidden, self.head.weight)
         return linear(self.kernels, self.head, hidden).float()  # a quantized head
 

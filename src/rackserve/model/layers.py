@@ -125,10 +125,15 @@ class HyperHead(nn.Module):
         )  # fmt: skip
 
 
+def is_plain_linear(module: nn.Module) -> bool:
+    """A bias-free ``nn.Linear`` (not a quantized module): the op table computes it."""
+    return type(module) is nn.Linear and module.bias is None
+
+
 def linear(kernels: ops.Kernels, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``module(x)``: a plain bias-free ``nn.Linear`` through ``kernels.linear`` (on a GPU,
     the split-K GEMV at decode sizes when enabled); other modules (FP8) as they are."""
-    if type(module) is nn.Linear and module.bias is None:
+    if is_plain_linear(module):
         return kernels.linear(x, module.weight)
     return module(x)
 

@@ -111,7 +111,7 @@ def default_tiling(
         gate_up_warps=4,
         gate_up_stages=3 if narrow else 4,
         down_block_n=128,
-        down_block_k=64 if stack_h or block_m == 16 else block_k,
+        down_block_k=64,  # stacked 16-bit h, or fp32 h (whose block_k is 64 anyway)
         down_warps=4,
         down_stages=4 if narrow and block_m == 16 else 3,
         # past PER_EXPERT_ALIGN_MAX_PAIRS: 64-pair segments counted in parallel (H200, 256

@@ -250,6 +250,10 @@ def moe_down_fp4_kernel(
     w_base = expert_rows(w_ptr, expert, cols, stride_we, stride_wn)  # [1, BN] row starts
     s_base = expert_rows(s_ptr, expert, cols, stride_se, stride_sn)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if PREFETCH and (STACK_H or not DOT_SCALED):  # the loops below that prefetch: K step 0
+        next_w, next_s = step_raw(w_base, s_base, 0, inter, col_ok, BLOCK_K)
+    else:  # carried through the loop unread
+        next_w, next_s = w_base, s_base
     if STACK_H:
         # [hi; lo] rows of the block, even inputs at [0, I/2), odd ones at [I/2, I)
         r2 = tl.arange(0, 2 * BLOCK_M)
@@ -257,10 +261,6 @@ def moe_down_fp4_kernel(
         kh = tl.arange(0, BLOCK_K // 2)
         half = inter // 2
         acc2 = tl.zeros((2 * BLOCK_M, BLOCK_N), tl.float32)
-        if PREFETCH:  # K step 0 loaded before the loop
-            next_w, next_s = step_raw(w_base, s_base, 0, inter, col_ok, BLOCK_K)
-        else:  # carried through the loop unread
-            next_w, next_s = w_base, s_base
         for k0 in range(0, inter, BLOCK_K):
             k_ok = (k0 // 2 + kh < half)[None, :]
             a_even = tl.load(h2 + k0 // 2 + kh[None, :], mask=k_ok, other=0.0)
@@ -280,10 +280,6 @@ def moe_down_fp4_kernel(
             acc = tl.dot_scaled(hi, None, "bf16", w, tl.trans(s), "e2m1", acc)
             acc = tl.dot_scaled(lo, None, "bf16", w, tl.trans(s), "e2m1", acc)
     else:
-        if PREFETCH:  # K step 0 loaded before the loop
-            next_w, next_s = step_raw(w_base, s_base, 0, inter, col_ok, BLOCK_K)
-        else:  # carried through the loop unread
-            next_w, next_s = w_base, s_base
         for k0 in range(0, inter, BLOCK_K):
             a_even, a_odd = _even_odd(
                 h_row + k0 + kk[None, :], (k0 + kk < inter)[None, :], BLOCK_M, BLOCK_K
