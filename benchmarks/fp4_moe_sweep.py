@@ -40,11 +40,19 @@ def variants(t: int) -> dict[str, fp4.Fp4Tiling]:
             base, dot_scaled=True, gate_up_block_n=64, down_block_n=128
         ),
         # two weights per instruction pair in inline PTX (``fp4_tiles.fp4_decode_bf16``)
-        "asm": dataclasses.replace(base, dot_scaled=False, asm_decode=True),
+        # (fp32 h, as before stacked h became the decode default)
+        "asm": dataclasses.replace(base, dot_scaled=False, asm_decode=True, stack_h=False),
         "asm_bn64": dataclasses.replace(
-            base, dot_scaled=False, asm_decode=True, gate_up_block_n=64, down_block_n=128
+            base,
+            dot_scaled=False,
+            asm_decode=True,
+            stack_h=False,
+            gate_up_block_n=64,
+            down_block_n=128,
         ),
-        "asm_bk256": dataclasses.replace(base, dot_scaled=False, asm_decode=True, block_k=256),
+        "asm_bk256": dataclasses.replace(
+            base, dot_scaled=False, asm_decode=True, stack_h=False, block_k=256
+        ),
         # h stacked as bf16 hi / lo rows, even inputs first: two dots per down step, not four
         "asm_stack": dataclasses.replace(base, dot_scaled=False, asm_decode=True, stack_h=True),
         "asm_stack_bn64": dataclasses.replace(

@@ -64,7 +64,7 @@ class Fp4Tiling:
     # block with each row's even inputs before its odd ones, so the down kernel's K step is
     # two dots of 2 x block_m rows on contiguous tiles (no fp32 loads, no even / odd split,
     # no hi / lo conversion: four dots before); fused_moe.Tiling.stack_h's layout for FP4
-    stack_h: bool = False
+    stack_h: bool = False  # default_tiling turns it on for decode on a GPU
 
 
 def default_tiling(num_tokens: int, top_k: int, num_experts: int, device: torch.device):
@@ -80,12 +80,15 @@ def default_tiling(num_tokens: int, top_k: int, num_experts: int, device: torch.
     # 192 to 111 us (2026-12-02); the inline-PTX decoder (where it applies: bf16, ue8m0) from
     # 110 to 89 us, T = 64 from 954 to 683, T = 256 from 1,167 (tl.dot_scaled) to 1,075
     # (2026-12-03); prefill-sized blocks keep tl.dot_scaled (the PTX decoder is not timed
-    # there)
+    # there). Stacked h in both decode tiers: T = 1 from 88.9 to 72.9 us, T = 64 from 679.1
+    # to 593.8, T = 256 from 1,071.5 to 851.7 (2026-12-03-h200-s18.md)
     if pairs >= 64 * num_experts:
         return Fp4Tiling(64, 64, 128, 128, 8, 3, segment, fp16_bits=True, dot_scaled=True)
     if pairs <= 16 * num_experts:
-        return Fp4Tiling(16, 32, 64, 128, 4, 4, segment, fp16_bits=True, asm_decode=True)
-    return Fp4Tiling(32, 64, 128, 128, 4, 3, segment, fp16_bits=True, asm_decode=True)
+        return Fp4Tiling(
+            16, 32, 64, 128, 4, 4, segment, fp16_bits=True, asm_decode=True, stack_h=True
+        )
+    return Fp4Tiling(32, 64, 128, 128, 4, 3, segment, fp16_bits=True, asm_decode=True, stack_h=True)
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
