@@ -100,6 +100,13 @@ def variants(device: torch.device) -> dict[str, prefill_attn.PrefillTiling]:
         "rows_bn16_stages4": rep(base, block_n=16, num_stages=4, pv="rows"),
         "rows_bn32": rep(base, block_n=32, num_stages=2, pv="rows"),
         "rows_bn32_stages3": rep(base, block_n=32, num_stages=3, pv="rows"),
+        # from 5 stages the pipeliner keeps later tiles' gathers in flight during a tile's
+        # dots (async_wait num > 0 in the sm_90 TTGIR); 2-4 stages wait for each tile's rows
+        # right after issuing them
+        "rows_stages5": rep(base, num_stages=5, pv="rows"),  # 164 KB of shared memory
+        "rows_stages6": rep(base, num_stages=6, pv="rows"),
+        "rows_bn16_stages5": rep(base, block_n=16, num_stages=5, pv="rows"),  # 115 KB
+        "rows_bn16_stages7": rep(base, block_n=16, num_stages=7, pv="rows"),  # 131 KB
         # two programs per SM (112 KB of shared memory and 128 x 255 registers each): the
         # output columns in two programs of one warpgroup, QK repeated in each
         "dv2_w4_bn16": rep(base, num_dv=2, num_warps=4, block_n=16, num_stages=2),
