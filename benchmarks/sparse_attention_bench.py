@@ -77,19 +77,17 @@ def _wide_variants(s: int, wb: int, device: torch.device) -> dict[str, sparse_at
     rep = dataclasses.replace
     return {
         "wide": wide,
-        "wide_bn16_st3": rep(wide, block_n=16, num_stages=3),  # 98 KB smem: 2 CTAs per SM
-        "wide_bn64": rep(wide, block_n=64),
-        "wide_st2": rep(wide, num_stages=2),
-        # from 5 stages Triton 3.6's pipeliner leaves the next tiles' gathers in flight
-        # (async_wait num > 0); at 3 or 4 it issues them after the tile's dots and waits for
-        # them at the top of the next iteration (sm_90 TTGIR of this kernel)
-        "wide_st5": rep(wide, num_stages=5),  # 164 KB of shared memory
-        "wide_st6": rep(wide, num_stages=6),
-        "wide_bn16_st5": rep(wide, block_n=16, num_stages=5),  # 115 KB
-        "wide_bn16_st7": rep(wide, block_n=16, num_stages=7),  # 131 KB
+        # the default until 2026-12-03: 32-row tiles, 3 stages (132 KB: one program per SM;
+        # no gather in flight during a tile's dots)
+        "wide_bn32_st3": rep(wide, block_n=32, num_stages=3),
+        "wide_bn32_st5": rep(wide, block_n=32, num_stages=5),  # 164 KB
+        "wide_st6": rep(wide, num_stages=6),  # the same buffers as 5 stages (112 KB)
+        "wide_st3": rep(wide, num_stages=3),  # 98 KB, nothing in flight
+        "wide_st7": rep(wide, num_stages=7),  # 131 KB: one program per SM
         "wide_bf16_p": rep(wide, split_p=False),
         "wide_fp16_pv": rep(wide, pv_fp16=True),  # one PV dot of fp16 p and rows
         "wide_splits*2": rep(wide, num_splits=wide.num_splits * 2),
+        "wide_splits*4": rep(wide, num_splits=wide.num_splits * 4),
         "wide_splits/2": rep(wide, num_splits=max(1, wide.num_splits // 2)),
     }
 

@@ -122,21 +122,28 @@ def wide_tiling(
 
     On a GPU: two programs per (query, split), one per half of the head dim, 4 warps (one
     warpgroup: at H = 64 the dots' M is 64, and with 8 warps Triton 3.6 lays a chained dot
-    out as [8, 1] warps, computing every row twice), 32-row tiles pipelined through shared
-    memory (ptxas for sm_90 at H 64, Dh 512: 3 stages 239 registers, no spills, 132 KB of
-    shared memory; 2 stages spill 64 B in the epilogue; 64-row tiles spill). The rows are
-    split until S x 2 x splits covers the SMs twice (S = 64: 3 splits, S >= 132: none, no
-    combine launch). On CPU: one program per query.
+    out as [8, 1] warps, computing every row twice), 16-row tiles in a 5-stage pipeline
+    through shared memory. Two reasons, read from the sm_90 TTGIR and ptxas (H 64, Dh 512):
+    below 5 stages Triton 3.6 issues a tile's gathers after the previous tile's dots and
+    waits for them at the top of the next iteration (``async_wait`` of everything), so no
+    gather overlaps a dot; from 5 the wait leaves later tiles in flight. And 16-row tiles
+    at 5 stages take 112 KB of shared memory and 219 registers: two programs per SM, one's
+    softmax beside the other's dots (32-row tiles: 164 KB at 5 stages, 132 KB at 3, one
+    program). H200, ``sparse_attention_bench.py`` (graph replay, 2026-12-03-h200-s18.md):
+    S = 256 CSA 223.4 -> 163.1 us, HCA 76.7 -> 56.4; S = 64 CSA 72.4 -> 67.4, HCA 34.2 ->
+    32.5 against 32-row tiles at 3 stages. The rows are split until S x 2 x splits covers
+    the SMs twice (S = 64: 3 splits, S >= 132: none, no combine launch). On CPU: one
+    program per query.
     """
     if device.type != "cuda":
         return Tiling(16, 32, 1, 1, 4, 1, 16, 4, kernel="wide")
     sms = _num_sms(device)
-    block_n, num_dv = 32, 2
+    block_n, num_dv = 16, 2
     tiles = max(1, triton.cdiv(num_rows, block_n))
     splits = max(1, min(tiles, triton.cdiv(2 * sms, num_queries * num_dv)))
     fp16 = PV_FP16_MIN_QUERIES is not None and num_queries >= PV_FP16_MIN_QUERIES
     return Tiling(
-        64, block_n, num_dv, splits, 4, 3, 16, 4, prefetch=False, kernel="wide", pv_fp16=fp16
+        64, block_n, num_dv, splits, 4, 5, 16, 4, prefetch=False, kernel="wide", pv_fp16=fp16
     )
 
 
