@@ -53,3 +53,16 @@ decode_vs_transformers() {
     --model /tmp/flash4 --batch 1,64 --context 512 --output "$R/hf_decode.json" 2>&1 | tail -2
   python3 benchmarks/hf_ratio.py "$R" 1_sync 1_async 64_sync 64_async
 }
+# bench forward A/B, alternating, two passes: $1 $2 the first side's name and module
+# switches (forward_with's $1), $3 $4 the second's, the rest bench forward's flags; records
+# $R/forward_<name>_<pass>.json, each run cut to 60 s of what is left of $BUDGET_S
+forward_ab() {
+  local name_a=$1 code_a=$2 name_b=$3 code_b=$4 pass t
+  shift 4
+  for pass in 1 2; do
+    t=$(cap 60); echo "== bench forward, $name_a, pass $pass (${t}s)"
+    ((t)) && forward_with "$code_a" "$R/forward_${name_a}_$pass.json" "$@"
+    t=$(cap 60); echo "== bench forward, $name_b, pass $pass (${t}s)"
+    ((t)) && forward_with "$code_b" "$R/forward_${name_b}_$pass.json" "$@"
+  done
+}

@@ -23,10 +23,5 @@ t=$(cap 100); echo "== decode attention: stages (${t}s)"
 t=$(cap 100); echo "== prefill attention: stages (${t}s)"
 ((t)) && timeout "$t" python3 benchmarks/prefill_bench.py --output "$R/prefill_sweep.json" \
   --attention-only rows_stages5,rows_stages6,rows_bn16_stages5,rows_bn16_stages7 2>&1 | tail -14
-for pass in 1 2; do
-  t=$(cap 60); echo "== bench forward, defaults, pass $pass (${t}s)"
-  ((t)) && forward_with "pass" "$R/forward_default_$pass.json" "${GATES[@]}"
-  t=$(cap 60); echo "== bench forward, 5 stages, pass $pass (${t}s)"
-  ((t)) && forward_with "$STAGES5" "$R/forward_stages5_$pass.json" "${GATES[@]}"
-done
+forward_ab default "pass" stages5 "$STAGES5" "${GATES[@]}"
 echo "== done in ${SECONDS}s"

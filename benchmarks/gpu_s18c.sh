@@ -24,12 +24,7 @@ t=$(cap 90); echo "== decode attention around the default (${t}s)"
 t=$(cap 60); echo "== prefill attention: the prefill kernel against the wide one (${t}s)"
 ((t)) && timeout "$t" python3 benchmarks/prefill_bench.py --output "$R/prefill_vs_wide.json" \
   --attention-only none 2>&1 | tail -4
-for pass in 1 2; do
-  t=$(cap 60); echo "== bench forward, new default, pass $pass (${t}s)"
-  ((t)) && forward_with "pass" "$R/forward_new_$pass.json" "${GATES[@]}"
-  t=$(cap 60); echo "== bench forward, old wide tiling, pass $pass (${t}s)"
-  ((t)) && forward_with "$OLD" "$R/forward_old_$pass.json" "${GATES[@]}"
-done
+forward_ab new "pass" old "$OLD" "${GATES[@]}"
 t=$(cap 60); echo "== replay timeline, decode:256 (${t}s)"
 ((t)) && timeout "$t" python3 benchmarks/graph_gap.py --batch decode:256@4096 \
   --output "$R/graph_gap.json" > /dev/null 2>&1; ls "$R"
