@@ -129,7 +129,7 @@ def constexpr(name, value):
         return getattr(tl, value.rsplit(".", 1)[1])
     return value
 
-failures, byte_loads = [], []
+failures, byte_loads, resources = [], [], []
 for spec in json.load(sys.stdin):
     fn = getattr(importlib.import_module(spec["module"]), spec["kernel"])
     sig = spec["signature"]
@@ -151,7 +151,13 @@ for spec in json.load(sys.stdin):
     narrow += len(re.findall(r"cp\.async\.c[ag]\.shared\.global[^;]*, 0x1,", ptx))
     byte_loads.append({"kernel": spec["kernel"], "constexprs": spec["constexprs"],
                        "count": narrow})
-print(json.dumps({"failures": failures, "byte_loads": byte_loads}))
+    # shared memory, and the copies each async_wait of the TTGIR leaves in flight
+    ttgir = compiled.asm["ttgir"]
+    waits = [int(n) for n in re.findall(r"ttg\.async_wait[^\n]*\{num = (\d+)", ttgir)]
+    resources.append({"kernel": spec["kernel"], "constexprs": spec["constexprs"],
+                      "options": spec["options"], "shared": compiled.metadata.shared,
+                      "async_waits": waits})
+print(json.dumps({"failures": failures, "byte_loads": byte_loads, "resources": resources}))
 """
 
 
@@ -162,9 +168,12 @@ def compile_for_sm90(specs: list[dict], timeout: float = 900) -> list[dict]:
 
 
 def compile_report(specs: list[dict], timeout: float = 900) -> dict:
-    """``{"failures": [...], "byte_loads": [{kernel, constexprs, count}]}``: the compile
-    failures, and for each spec that compiled its one-byte global loads per thread in the
-    PTX (a packed weight read a byte at a time streams at a few percent of bandwidth)."""
+    """``{"failures": [...], "byte_loads": [{kernel, constexprs, count}], "resources":
+    [{kernel, constexprs, options, shared, async_waits}]}``: the compile failures, and for
+    each spec that compiled its one-byte global loads per thread in the PTX (a packed
+    weight read a byte at a time streams at a few percent of bandwidth), its shared memory
+    in bytes and, per ``ttg.async_wait`` of its TTGIR, the copies that wait leaves in flight
+    (all zero: no gather overlaps the compute that follows it)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
         [sys.executable, "-c", _COMPILER], input=json.dumps(specs), capture_output=True,

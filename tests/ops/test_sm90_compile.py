@@ -92,15 +92,9 @@ def _record_fast_path() -> list[dict]:
                 tiling=dataclasses.replace(wide, num_dv=2, num_warps=4, num_stages=3, pv_fp16=fp16),
             )  # fmt: skip
         # the wide attention kernel at V4-Flash's heads (64 x 512), split p and fp16 PV, as
-        # the GPU tiles it (two head-dim programs, 4 warps, 3 stages)
-        q = torch.randn(1, 64, 512, generator=g).bfloat16()
-        kv, rows = torch.randn(40, 512, generator=g).bfloat16(), torch.arange(32)[None, :]
-        wide = sparse_attn.Tiling(64, 32, 2, 1, 4, 3, 16, 4, prefetch=False, kernel="wide")
+        # the GPU tiles it
         for fp16 in (False, True):
-            sparse_attn.paged_sparse_attention(
-                q, kv, rows[:, :16], kv, rows[:, 16:], torch.ones(1, 32, dtype=torch.bool),
-                torch.zeros(64), 0.04, tiling=dataclasses.replace(wide, pv_fp16=fp16),
-            )  # fmt: skip
+            _wide_attention(dataclasses.replace(_gpu_wide_tiling(), pv_fp16=fp16), g)
         x = torch.randn(3, 256, generator=g).bfloat16()
         w, scale = quant.quantize_fp8(torch.randn(128, 256, generator=g) / 16)
         fp8_gemm.fp8_linear(x, w, scale)
@@ -130,6 +124,51 @@ def _record_fast_path() -> list[dict]:
             tiling = fused_moe.Tiling(block_m, 64, 128, 4, 3, 128, 64, 4, 3, 4096, 256, True)
             fused_moe.moe_experts(x, ids, weights, w13, w2, 7.0, tiling=tiling)
     return specs
+
+
+def _gpu_wide_tiling():
+    """``sparse_attn.wide_tiling`` as it tiles 256 queries over CSA's 640 rows on an H200."""
+    from rackserve.ops.triton import sparse_attn
+
+    sms = sparse_attn._num_sms
+    sparse_attn._num_sms = lambda device: 132
+    try:
+        return sparse_attn.wide_tiling(256, 64, 512, 640, torch.device("cuda"))
+    finally:
+        sparse_attn._num_sms = sms
+
+
+def _wide_attention(tiling, g: torch.Generator) -> None:
+    """One interpreted launch of the wide attention kernel at V4-Flash's heads (64 x 512)."""
+    from rackserve.ops.triton import sparse_attn
+
+    q = torch.randn(1, 64, 512, generator=g).bfloat16()
+    kv, rows = torch.randn(40, 512, generator=g).bfloat16(), torch.arange(32)[None, :]
+    sparse_attn.paged_sparse_attention(
+        q, kv, rows[:, :16], kv, rows[:, 16:], torch.ones(1, 32, dtype=torch.bool),
+        torch.zeros(64), 0.04, tiling=tiling,
+    )  # fmt: skip
+
+
+@torch.inference_mode()
+def test_wide_attention_overlaps_gathers_at_two_programs_per_sm():
+    """The wide decode attention as the GPU tiles it keeps later row tiles' gathers in
+    flight while a tile computes, in shared memory that fits two programs on an SM (228 KB,
+    1 KB reserved per program). Triton 3.6 waits for every copy at the top of each
+    iteration below 5 stages, and 32-row tiles at 5 stages need 164 KB: either alone gave
+    back most of the gain on the H200 (CSA at 256 queries 163 us against 201-242 us,
+    2026-12-03-h200-s18.md)."""
+    tiling = _gpu_wide_tiling()
+    with recorded_launches() as specs:
+        _wide_attention(tiling, torch.Generator().manual_seed(0))
+    specs = [s for s in gpu_variants(specs) if s["constexprs"].get("FP32_DOTS") is False]
+    assert specs and all(s["kernel"] == "sparse_attn_wide_kernel" for s in specs)
+    report = compile_report(specs)
+    assert not report["failures"], report["failures"]
+    for r in report["resources"]:
+        assert r["options"]["num_stages"] == tiling.num_stages
+        assert 2 * (r["shared"] + 1024) <= 228 * 1024, r["shared"]
+        assert max(r["async_waits"]) > 0, r["async_waits"]
 
 
 def test_fast_path_kernels_compile_for_sm90(monkeypatch):
