@@ -18,12 +18,17 @@ start_call() {
 }
 # bench forward of the v4-flash preset (4 layers, 64 experts) with module switches set in
 # the process first: $1 python statements (``mhc`` and ``attn`` are rackserve.ops.triton's
-# mhc and sparse_attn), $2 the record's path, the rest bench forward's own flags
+# mhc and sparse_attn; ``override(module, "default_tiling", field=value, ...)`` makes a
+# tiling function return its dataclass with those fields replaced), $2 the record's path,
+# the rest bench forward's own flags
 forward_with() {
   local code=$1 output=$2
   shift 2
-  python3 -c "import sys
+  python3 -c "import dataclasses, sys
 import rackserve.ops.triton.mhc as mhc, rackserve.ops.triton.sparse_attn as attn
+def override(module, name, **fields):
+    original = getattr(module, name)
+    setattr(module, name, lambda *a, **k: dataclasses.replace(original(*a, **k), **fields))
 exec(sys.argv[1])
 from rackserve.cli import main; sys.exit(main(sys.argv[2:]))" "$code" bench forward \
     --preset v4-flash --layers 4 --experts 64 --output "$output" "$@" 2>&1 \

@@ -9,9 +9,8 @@ set -uo pipefail
 BUDGET_S=${BUDGET_S:-580}
 source "$(dirname "$0")/device_env.sh"
 start_call
-FP4_STACK='import dataclasses, rackserve.ops.triton.fused_moe_fp4 as f4
-_default = f4.default_tiling
-f4.default_tiling = lambda *a, **k: dataclasses.replace(_default(*a, **k), stack_h=True)'
+FP4_STACK='import rackserve.ops.triton.fused_moe_fp4 as f4
+override(f4, "default_tiling", stack_h=True)'
 t=$(cap 100); echo "== GPU tests: FP4 stacked h, fp32 logits (${t}s)"
 ((t)) && timeout "$t" python3 -m pytest -q -m gpu tests/ops/test_fp4_moe.py tests/ops/test_gemv.py \
   -k "stacked or logits" -p no:cacheprovider -rf > "$R/pytest_gpu.log" 2>&1; tail -4 "$R/pytest_gpu.log"

@@ -10,10 +10,9 @@ set -uo pipefail
 BUDGET_S=${BUDGET_S:-450}
 source "$(dirname "$0")/device_env.sh"
 start_call
-STAGES5='import dataclasses, rackserve.ops.triton.prefill_attn as pa
-_wide, _prefill = attn.wide_tiling, pa.default_tiling
-attn.wide_tiling = lambda *a, **k: dataclasses.replace(_wide(*a, **k), num_stages=5)
-pa.default_tiling = lambda *a, **k: dataclasses.replace(_prefill(*a, **k), num_stages=5)'
+STAGES5='import rackserve.ops.triton.prefill_attn as pa
+override(attn, "wide_tiling", num_stages=5)
+override(pa, "default_tiling", num_stages=5)'
 GATES=(--iters 20 --warmup 3 --batch decode:64@4096 --batch decode:256@4096
   --batch prefill:2048 --batch prefill:8192)
 t=$(cap 100); echo "== decode attention: stages (${t}s)"

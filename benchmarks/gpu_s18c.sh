@@ -9,9 +9,7 @@ set -uo pipefail
 BUDGET_S=${BUDGET_S:-520}
 source "$(dirname "$0")/device_env.sh"
 start_call
-OLD='import dataclasses
-_wide = attn.wide_tiling
-attn.wide_tiling = lambda *a, **k: dataclasses.replace(_wide(*a, **k), block_n=32, num_stages=3)'
+OLD='override(attn, "wide_tiling", block_n=32, num_stages=3)'
 GATES=(--iters 20 --warmup 3 --batch decode:1@4096 --batch decode:64@4096
   --batch decode:256@4096 --batch decode:64@65536 --batch prefill:2048 --batch prefill:8192)
 t=$(cap 120); echo "== GPU tests: sparse attention (${t}s)"

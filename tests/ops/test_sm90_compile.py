@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -52,7 +53,6 @@ def _record_fast_path() -> list[dict]:
         gemv,
         indexer,
         mhc,
-        sparse_attn,
     )
 
     model = _model()
@@ -82,19 +82,13 @@ def _record_fast_path() -> list[dict]:
             mhc.default_tiling(20, 4, 64, streams.device), gemm_precision="bf16x3"
         )
         mhc.hc_pre(streams, fn, base, torch.ones(3), torch.ones(64), 3, 1e-6, 1e-6, tiling=tiling)
-        # the wide attention kernel at V4-Flash's heads (64 x 512), split p and fp16 PV
-        q, kv = torch.randn(1, 64, 512, generator=g).bfloat16(), torch.randn(40, 512).bfloat16()
-        slots, valid = torch.arange(32)[None, :], torch.ones(1, 32, dtype=torch.bool)
-        wide = sparse_attn.wide_tiling(1, 64, 512, 32, q.device)
-        for fp16 in (False, True):
-            sparse_attn.paged_sparse_attention(
-                q, kv, slots[:, :16], kv, slots[:, 16:], valid, torch.zeros(64), 0.04,
-                tiling=dataclasses.replace(wide, num_dv=2, num_warps=4, num_stages=3, pv_fp16=fp16),
-            )  # fmt: skip
         # the wide attention kernel at V4-Flash's heads (64 x 512), split p and fp16 PV, as
-        # the GPU tiles it
-        for fp16 in (False, True):
-            _wide_attention(dataclasses.replace(_gpu_wide_tiling(), pv_fp16=fp16), g)
+        # the GPU tiles it and at its earlier 32-row tiles in 3 stages (the sweep's
+        # wide_bn32_st3)
+        gpu_wide = _gpu_wide_tiling()
+        for tiling in (gpu_wide, dataclasses.replace(gpu_wide, block_n=32, num_stages=3)):
+            for fp16 in (False, True):
+                _wide_attention(dataclasses.replace(tiling, pv_fp16=fp16), g)
         x = torch.randn(3, 256, generator=g).bfloat16()
         w, scale = quant.quantize_fp8(torch.randn(128, 256, generator=g) / 16)
         fp8_gemm.fp8_linear(x, w, scale)
@@ -130,12 +124,8 @@ def _gpu_wide_tiling():
     """``sparse_attn.wide_tiling`` as it tiles 256 queries over CSA's 640 rows on an H200."""
     from rackserve.ops.triton import sparse_attn
 
-    sms = sparse_attn._num_sms
-    sparse_attn._num_sms = lambda device: 132
-    try:
+    with mock.patch.object(sparse_attn, "_num_sms", lambda device: 132):
         return sparse_attn.wide_tiling(256, 64, 512, 640, torch.device("cuda"))
-    finally:
-        sparse_attn._num_sms = sms
 
 
 def _wide_attention(tiling, g: torch.Generator) -> None:
