@@ -26,20 +26,27 @@ import multiprocessing as mp
 import torch
 import triton
 import triton.testing
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rackserve.ops.triton import fused_moe
-from rackserve.ops.triton.fused_moe_kernels import moe_down_kernel, moe_gate_up_kernel
+from rackserve.ops.triton.fused_moe_kernels import (
+    moe_down_kernel,
+    moe_down_tma_kernel,
+    moe_gate_up_kernel,
+    moe_gate_up_tma_kernel,
+)
 
 E, K, D, INTER = 65, 7, 4096, 2048  # the shared expert folded in as expert 64
 HBM = 4.8e12
 SMEM = 220 * 1024
 
 
-def _shapes(kernel: str, bm: int) -> list[tuple[int, int, int, int]]:
+def _shapes(kernel: str, bm: int, tma: bool = False) -> list[tuple[int, int, int, int]]:
     out = []
     widths = (16, 32, 64, 128) + ((256,) if kernel == "down" and bm > 16 else ())
-    for bn, bk, warps, stages in itertools.product(widths, (64, 128, 256), (4, 8),
-                                                   (3, 4, 6)):  # fmt: skip
+    # tensor-descriptor tiles: 128 bytes of a row (block_k 64), deeper rings (no registers)
+    depths, ks = ((3, 4, 5, 6, 8), (64,)) if tma else ((3, 4, 6), (64, 128, 256))
+    for bn, bk, warps, stages in itertools.product(widths, ks, (4, 8), depths):
         w_bytes = bk * bn * 2 * (2 if kernel == "gate_up" else 1)
         a_bytes = bm * bk * (2 if kernel == "gate_up" else 4)  # down's stacked h: the same
         if stages * (w_bytes + a_bytes) > SMEM or bn * bk // (32 * warps) < 8:
@@ -81,11 +88,13 @@ def _weights(device: str) -> tuple[torch.Tensor, torch.Tensor]:
     return w13, w2
 
 
-def _launch(kernel: str, p: dict, w13, w2, shape, warmup: bool = False):
+def _launch(kernel: str, p: dict, w13, w2, shape, warmup: bool = False, tma: bool = False):
     bn, bk, warps, stages = shape
     bm = p["base"].block_m
     nb = p["block_expert"].shape[0]
     t = p["t"]
+    if tma:
+        return _launch_tma(kernel, p, w13, w2, shape, warmup)
     if kernel == "gate_up":
         fn, n = moe_gate_up_kernel, INTER
         args = (p["x"], w13, p["h"], p["sorted"], p["block_expert"], t * K, K, D, INTER, E, 10.0,
@@ -107,6 +116,33 @@ def _launch(kernel: str, p: dict, w13, w2, shape, warmup: bool = False):
         fn[grid](*args, **kw)
 
 
+def _launch_tma(kernel: str, p: dict, w13, w2, shape, warmup: bool):
+    """``_launch`` through the tensor-descriptor kernels (``fused_moe.Tiling.tma``; the
+    down kernel on stacked h only)."""
+    bn, bk, warps, stages = shape
+    bm, nb, t = p["base"].block_m, p["block_expert"].shape[0], p["t"]
+    if kernel == "gate_up":
+        fn, n = moe_gate_up_tma_kernel, INTER
+        desc = TensorDescriptor.from_tensor(w13.view(-1, D), [bn, bk])
+        args = (p["x"], desc, p["h"], p["sorted"], p["block_expert"], t * K, K, D, INTER, E,
+                10.0, p["x"].stride(0), p["h"].stride(0))  # fmt: skip
+        extra = {"STACK_H": p["stack"]}
+    else:
+        fn, n = moe_down_tma_kernel, D
+        h_desc = TensorDescriptor.from_tensor(p["h"], [2 * bm, bk])
+        w_desc = TensorDescriptor.from_tensor(w2.view(-1, INTER), [bn, bk])
+        args = (h_desc, w_desc, p["weights"], p["slots"], p["sorted"], p["block_expert"],
+                t * K, D, INTER, E, p["slots"].stride(0))  # fmt: skip
+        extra = {}
+    grid = (nb, triton.cdiv(n, bn))
+    kw = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FP32_DOT=False, num_warps=warps, PDL=False,
+              num_stages=stages, **extra)  # fmt: skip
+    if warmup:
+        fn.warmup(*args, grid=grid, **kw)
+    else:
+        fn[grid](*args, **kw)
+
+
 def _compile(jobs: list) -> int:
     """Worker: compile (no launch) each (kernel, t, shape); small stand-in weights suffice
     (the compile key is dtypes, alignment and the ints)."""
@@ -115,11 +151,11 @@ def _compile(jobs: list) -> int:
     w2 = torch.empty(E, D, INTER, device="cuda", dtype=torch.bfloat16)
     problems: dict[tuple[int, int, bool], dict] = {}
     done = 0
-    for kernel, t, bm, stack, shape in jobs:
+    for kernel, t, bm, stack, shape, tma in jobs:
         if (t, bm, stack) not in problems:
             problems[t, bm, stack] = _problem(t, "cuda", bm, stack)
         try:
-            _launch(kernel, problems[t, bm, stack], w13, w2, shape, warmup=True)
+            _launch(kernel, problems[t, bm, stack], w13, w2, shape, warmup=True, tma=tma)
             done += 1
         except Exception:
             pass
@@ -132,13 +168,16 @@ def main() -> None:
     ap.add_argument("--kernels", nargs="+", default=["gate_up", "down"])
     ap.add_argument("--block-m", type=int, nargs="+", default=[0], help="0: the default")
     ap.add_argument("--stack-h", type=int, nargs="+", default=[0], choices=[0, 1])
+    ap.add_argument("--tma", type=int, nargs="+", default=[0], choices=[0, 1],
+                    help="1: the tensor-descriptor kernels (stacked h)")  # fmt: skip
     ap.add_argument("--jobs", type=int, default=12)
     ap.add_argument("--output", required=True)
     args = ap.parse_args()
     cases = [(t, _problem_bm(t, bm), bool(st))
              for t in args.tokens for bm in args.block_m for st in args.stack_h]  # fmt: skip
-    jobs = [(k, t, bm, st, s) for k in args.kernels for t, bm, st in cases
-            for s in _shapes(k, bm)]  # fmt: skip
+    modes = [bool(m) for m in args.tma]
+    jobs = [(k, t, bm, st, s, m) for k in args.kernels for t, bm, st in cases for m in modes
+            if not (m and not st) for s in _shapes(k, bm, m)]  # fmt: skip
     ctx = mp.get_context("spawn")
     with ctx.Pool(args.jobs) as pool:
         compiled = sum(pool.map(_compile, [jobs[i :: args.jobs] for i in range(args.jobs)]))
@@ -160,21 +199,27 @@ def main() -> None:
             per_expert = 2 * INTER * D * 2 if kernel == "gate_up" else D * INTER * 2
             nbytes = p["hit"] * per_expert
             rows = []
-            for shape in _shapes(kernel, bm):
+            variants = [
+                (m, s) for m in modes if not (m and not stack) for s in _shapes(kernel, bm, m)
+            ]
+            if False not in modes:  # the default's pointer kernel: this call's baseline
+                variants.insert(0, (False, default))
+            for tma, shape in variants:
                 try:
                     us = 1e3 * triton.testing.do_bench_cudagraph(
-                        lambda s=shape, k=kernel, q=p: _launch(k, q, w13, w2, s), rep=20,
-                        return_mode="median",
+                        lambda s=shape, k=kernel, q=p, m=tma: _launch(k, q, w13, w2, s, tma=m),
+                        rep=20, return_mode="median",
                     )  # fmt: skip
                 except Exception as e:  # a shape this Triton cannot compile
-                    rows.append({"shape": shape, "error": str(e)[:120]})
+                    rows.append({"shape": shape, "tma": tma, "error": str(e)[:120]})
                     continue
                 rows.append({
                     "kernel": kernel, "t": t, "block_m": bm, "stack_h": stack, "shape": shape,
+                    "tma": tma,
                     "us": round(us, 2),
                     "tb_per_s": round(nbytes / us / 1e6, 3),
                     "of_hbm": round(nbytes / us / 1e6 / (HBM / 1e12), 3),
-                    "default": shape == default and bm == _problem_bm(t, 0),
+                    "default": shape == default and bm == _problem_bm(t, 0) and not tma,
                 })  # fmt: skip
             ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
             records += rows
@@ -182,8 +227,9 @@ def main() -> None:
             dflt = [r for r in ok if r["default"]]
             print(f"== {kernel} T={t} BM={bm} stack_h={int(stack)} ({p['hit']} experts, "
                   f"{nbytes / 1e6:.0f} MB)")  # fmt: skip
-            for r in dflt + best:
-                mark = "default" if r["default"] else ""
+            best_tma = [r for r in ok if r["tma"]][:3]
+            for r in dflt + best + best_tma:
+                mark = "default" if r["default"] else "tma" if r["tma"] else ""
                 print(f"  {r['shape']} {r['us']:8.2f} us {r['tb_per_s']:.2f} TB/s {mark}")
     with open(args.output, "w") as f:
         json.dump(records, f, indent=1)

@@ -262,6 +262,88 @@ def _down_stacked(
 
 
 @triton.jit
+def moe_gate_up_tma_kernel(
+    x_ptr,  # [T, D]
+    w13_desc,  # TensorDescriptor of w13 as [E * 2I, D], block [BLOCK_N, BLOCK_K]
+    h_ptr,  # [2R, I] 16-bit out (STACK_H) or [R, I] fp32
+    sorted_ptr,  # [R] int32
+    block_expert_ptr,  # [B] int32
+    num_pairs,
+    top_k,
+    hidden,
+    inter,
+    num_experts,
+    limit,
+    stride_xt,
+    stride_ht,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    STACK_H: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """``moe_gate_up_kernel`` with the weight tiles brought by the tensor-memory accelerator
+    (``Tiling.tma``): one bulk copy per tile, no per-element pointers; the gathered x rows
+    stay plain loads. Tiles past an expert's I rows read its neighbour's rows, whose columns
+    are never stored; K past D reads zeros."""
+    pdl_wait(PDL)
+    expert = tl.load(block_expert_ptr + tl.program_id(0))
+    if expert >= num_experts:
+        return
+    rows, pair, row_ok, cols, col_ok = block_tile(sorted_ptr, num_pairs, inter, BLOCK_M, BLOCK_N)
+    token = tl.where(row_ok, pair // top_k, 0)
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + token[:, None].to(tl.int64) * stride_xt + ks[None, :]
+    gate_row = expert * (2 * inter) + tl.program_id(1) * BLOCK_N
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        a = tl.load(x_ptrs, mask=row_ok[:, None] & (k0 + ks < hidden)[None, :], other=0.0)
+        acc_gate = _dot(a, w13_desc.load([gate_row, k0]).T, acc_gate, FP32_DOT)
+        acc_up = _dot(a, w13_desc.load([gate_row + inter, k0]).T, acc_up, FP32_DOT)
+        x_ptrs += BLOCK_K
+    store_h(acc_gate, acc_up, limit, h_ptr, rows, cols, col_ok, stride_ht, inter, BLOCK_M,
+            STACK_H, False)  # fmt: skip
+
+
+@triton.jit
+def moe_down_tma_kernel(
+    h_desc,  # TensorDescriptor of the stacked h [2R, I], block [2 * BLOCK_M, BLOCK_K]
+    w2_desc,  # TensorDescriptor of w2 as [E * D, I], block [BLOCK_N, BLOCK_K]
+    weights_ptr,  # [P] fp32 routed weights
+    slots_ptr,  # [P, D] fp32 out
+    sorted_ptr,  # [R] int32
+    block_expert_ptr,  # [B] int32
+    num_pairs,
+    hidden,
+    inter,
+    num_experts,
+    stride_slot,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """``moe_down_kernel`` on stacked h (``STACK_H``) with both operands' tiles brought by
+    the tensor-memory accelerator (``Tiling.tma``): a K step is two bulk copies and one dot
+    of the block's [hi; lo] rows."""
+    pdl_wait(PDL)
+    expert = tl.load(block_expert_ptr + tl.program_id(0))
+    if expert >= num_experts:
+        return
+    _, pair, row_ok, cols, col_ok = block_tile(sorted_ptr, num_pairs, hidden, BLOCK_M, BLOCK_N)
+    h_row = tl.program_id(0) * (2 * BLOCK_M)
+    w_row = expert * hidden + tl.program_id(1) * BLOCK_N
+    acc2 = tl.zeros((2 * BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        acc2 = _dot(h_desc.load([h_row, k0]), w2_desc.load([w_row, k0]).T, acc2, FP32_DOT)
+    acc = tl.sum(tl.reshape(acc2, (2, BLOCK_M, BLOCK_N)), axis=0)
+    store_weighted(acc, weights_ptr, slots_ptr, pair, row_ok, cols, col_ok, stride_slot)
+
+
+@triton.jit
 def moe_sum_kernel(
     slots_ptr,  # [T*k, D] fp32
     ids_ptr,  # [T*k] expert ids
