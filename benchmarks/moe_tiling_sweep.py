@@ -88,13 +88,14 @@ def _weights(device: str) -> tuple[torch.Tensor, torch.Tensor]:
     return w13, w2
 
 
-def _launch(kernel: str, p: dict, w13, w2, shape, warmup: bool = False, tma: bool = False):
+def _launch(kernel: str, p: dict, w13, w2, shape, warmup: bool = False, tma: bool = False,
+            tile_fastest: bool = False):  # fmt: skip
     bn, bk, warps, stages = shape
     bm = p["base"].block_m
     nb = p["block_expert"].shape[0]
     t = p["t"]
     if tma:
-        return _launch_tma(kernel, p, w13, w2, shape, warmup)
+        return _launch_tma(kernel, p, w13, w2, shape, warmup, tile_fastest)
     if kernel == "gate_up":
         fn, n = moe_gate_up_kernel, INTER
         args = (p["x"], w13, p["h"], p["sorted"], p["block_expert"], t * K, K, D, INTER, E, 10.0,
@@ -108,6 +109,9 @@ def _launch(kernel: str, p: dict, w13, w2, shape, warmup: bool = False, tma: boo
     extra = {"SPLIT_H": True, "SKIP_PAD_ROWS": bm == 16} if kernel == "down" else {}
     extra["STACK_H"] = p["stack"]
     grid = (nb, triton.cdiv(n, bn))
+    if kernel == "down":  # fused_moe.Tiling.down_tile_fastest: the grid (tiles, blocks)
+        extra["TILE_FASTEST"] = tile_fastest
+        grid = grid[::-1] if tile_fastest else grid
     kw = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FP32_DOT=False, num_warps=warps, PDL=False,
               num_stages=stages, **extra)  # fmt: skip
     if warmup:
@@ -116,7 +120,7 @@ def _launch(kernel: str, p: dict, w13, w2, shape, warmup: bool = False, tma: boo
         fn[grid](*args, **kw)
 
 
-def _launch_tma(kernel: str, p: dict, w13, w2, shape, warmup: bool):
+def _launch_tma(kernel: str, p: dict, w13, w2, shape, warmup: bool, tile_fastest: bool):
     """``_launch`` through the tensor-descriptor kernels (``fused_moe.Tiling.tma``; the
     down kernel on stacked h only)."""
     bn, bk, warps, stages = shape
@@ -133,8 +137,10 @@ def _launch_tma(kernel: str, p: dict, w13, w2, shape, warmup: bool):
         w_desc = TensorDescriptor.from_tensor(w2.view(-1, INTER), [bn, bk])
         args = (h_desc, w_desc, p["weights"], p["slots"], p["sorted"], p["block_expert"],
                 t * K, D, INTER, E, p["slots"].stride(0))  # fmt: skip
-        extra = {}
+        extra = {"TILE_FASTEST": tile_fastest}
     grid = (nb, triton.cdiv(n, bn))
+    if tile_fastest:
+        grid = grid[::-1]
     kw = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FP32_DOT=False, num_warps=warps, PDL=False,
               num_stages=stages, **extra)  # fmt: skip
     if warmup:
@@ -151,11 +157,11 @@ def _compile(jobs: list) -> int:
     w2 = torch.empty(E, D, INTER, device="cuda", dtype=torch.bfloat16)
     problems: dict[tuple[int, int, bool], dict] = {}
     done = 0
-    for kernel, t, bm, stack, shape, tma in jobs:
+    for kernel, t, bm, stack, shape, (tma, fast) in jobs:
         if (t, bm, stack) not in problems:
             problems[t, bm, stack] = _problem(t, "cuda", bm, stack)
         try:
-            _launch(kernel, problems[t, bm, stack], w13, w2, shape, warmup=True, tma=tma)
+            _launch(kernel, problems[t, bm, stack], w13, w2, shape, True, tma, fast)
             done += 1
         except Exception:
             pass
@@ -170,14 +176,21 @@ def main() -> None:
     ap.add_argument("--stack-h", type=int, nargs="+", default=[0], choices=[0, 1])
     ap.add_argument("--tma", type=int, nargs="+", default=[0], choices=[0, 1],
                     help="1: the tensor-descriptor kernels (stacked h)")  # fmt: skip
+    ap.add_argument("--tile-fastest", type=int, nargs="+", default=[0], choices=[0, 1],
+                    help="1: the down kernel's grid as (n-tiles, blocks)")  # fmt: skip
     ap.add_argument("--jobs", type=int, default=12)
     ap.add_argument("--output", required=True)
     args = ap.parse_args()
     cases = [(t, _problem_bm(t, bm), bool(st))
              for t in args.tokens for bm in args.block_m for st in args.stack_h]  # fmt: skip
-    modes = [bool(m) for m in args.tma]
-    jobs = [(k, t, bm, st, s, m) for k in args.kernels for t, bm, st in cases for m in modes
-            if not (m and not st) for s in _shapes(k, bm, m)]  # fmt: skip
+
+    def modes(kernel: str, stack: bool) -> list[tuple[bool, bool]]:
+        """(tma, tile_fastest) pairs: TMA on stacked h only, the grid order for down only."""
+        orders = [bool(f) for f in args.tile_fastest] if kernel == "down" else [False]
+        return [(bool(m), f) for m in args.tma if stack or not m for f in orders]
+
+    jobs = [(k, t, bm, st, s, m) for k in args.kernels for t, bm, st in cases
+            for m in modes(k, st) for s in _shapes(k, bm, m[0])]  # fmt: skip
     ctx = mp.get_context("spawn")
     with ctx.Pool(args.jobs) as pool:
         compiled = sum(pool.map(_compile, [jobs[i :: args.jobs] for i in range(args.jobs)]))
@@ -199,15 +212,15 @@ def main() -> None:
             per_expert = 2 * INTER * D * 2 if kernel == "gate_up" else D * INTER * 2
             nbytes = p["hit"] * per_expert
             rows = []
-            variants = [
-                (m, s) for m in modes if not (m and not stack) for s in _shapes(kernel, bm, m)
-            ]
-            if False not in modes:  # the default's pointer kernel: this call's baseline
-                variants.insert(0, (False, default))
-            for tma, shape in variants:
+            variants = [(m, s) for m in modes(kernel, stack) for s in _shapes(kernel, bm, m[0])]
+            if (False, False) not in modes(kernel, stack):  # the default: this call's baseline
+                variants.insert(0, ((False, False), default))
+            for (tma, fast), shape in variants:
                 try:
                     us = 1e3 * triton.testing.do_bench_cudagraph(
-                        lambda s=shape, k=kernel, q=p, m=tma: _launch(k, q, w13, w2, s, tma=m),
+                        lambda s=shape, k=kernel, q=p, m=tma, f=fast: _launch(
+                            k, q, w13, w2, s, False, m, f
+                        ),
                         rep=20, return_mode="median",
                     )  # fmt: skip
                 except Exception as e:  # a shape this Triton cannot compile
@@ -216,10 +229,12 @@ def main() -> None:
                 rows.append({
                     "kernel": kernel, "t": t, "block_m": bm, "stack_h": stack, "shape": shape,
                     "tma": tma,
+                    "tile_fastest": fast,
                     "us": round(us, 2),
                     "tb_per_s": round(nbytes / us / 1e6, 3),
                     "of_hbm": round(nbytes / us / 1e6 / (HBM / 1e12), 3),
-                    "default": shape == default and bm == _problem_bm(t, 0) and not tma,
+                    "default": shape == default and bm == _problem_bm(t, 0) and not tma
+                    and not fast,
                 })  # fmt: skip
             ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
             records += rows
@@ -228,8 +243,10 @@ def main() -> None:
             print(f"== {kernel} T={t} BM={bm} stack_h={int(stack)} ({p['hit']} experts, "
                   f"{nbytes / 1e6:.0f} MB)")  # fmt: skip
             best_tma = [r for r in ok if r["tma"]][:3]
-            for r in dflt + best + best_tma:
+            best_fast = [r for r in ok if r["tile_fastest"]][:3]
+            for r in dflt + best + best_tma + best_fast:
                 mark = "default" if r["default"] else "tma" if r["tma"] else ""
+                mark += " tile-fastest" if r["tile_fastest"] else ""
                 print(f"  {r['shape']} {r['us']:8.2f} us {r['tb_per_s']:.2f} TB/s {mark}")
     with open(args.output, "w") as f:
         json.dump(records, f, indent=1)

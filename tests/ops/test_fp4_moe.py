@@ -103,6 +103,15 @@ def test_stacked_h(fm4, block_k, ue8m0):
     check(fm4, args, fm4.Fp4Tiling(16, 16, 32, block_k, 4, 1, stack_h=True))
 
 
+def test_down_grid_with_tiles_fastest(fm4):
+    """``Fp4Tiling.down_tile_fastest``: the down kernel's grid as (n-tiles, blocks); several
+    blocks and n-tiles, both h layouts."""
+    args = make_case(17, 4, 96, 64, 2, seed=5, dtype=torch.bfloat16, ue8m0=True)
+    for stack in (False, True):
+        tiling = fm4.Fp4Tiling(16, 16, 32, 32, 4, 1, stack_h=stack, down_tile_fastest=True)
+        check(fm4, args, tiling)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE == "cpu", reason="inline PTX: the interpreter runs none")
 @pytest.mark.parametrize("t", [1, 64, 300])

@@ -132,6 +132,16 @@ def test_tma_tiles_match_reference(fm, block_m, t):
         check(fm, make_case(t, 8, 96, 48, 3, seed=block_m + 3 * t, dtype=dtype), tiling)
 
 
+@pytest.mark.parametrize("tma", [False, True])
+def test_down_grid_with_tiles_fastest(fm, tma):
+    """``Tiling.down_tile_fastest``: the down kernel's grid as (n-tiles, blocks), for the
+    pointer kernels (both h layouts) and the tensor-descriptor ones."""
+    base = dataclasses.replace(prefill_like_tiling(fm, 16), down_tile_fastest=True, tma=tma)
+    for stack in (False, True) if not tma else (True,):
+        tiling = dataclasses.replace(base, stack_h=stack)
+        check(fm, make_case(29, 8, 96, 48, 3, seed=11, dtype=torch.bfloat16), tiling)
+
+
 def test_tma_is_refused_where_the_layout_does_not_allow_it(fm):
     w = torch.zeros(4, 8, 64, dtype=torch.bfloat16)
     assert fm._tma_ok(w, 64)
@@ -275,6 +285,7 @@ def test_v4_flash_sizes_on_gpu_tma(fm, t):
     default = fm.default_tiling(t, x[1].shape[1], x[3].shape[0], x[4].shape[2], x[0].device)
     tiling = dataclasses.replace(default, tma=True, gate_up_block_k=64, down_block_k=64)
     got = check(fm, x, tiling)
+    check(fm, x, dataclasses.replace(default, down_tile_fastest=True))
     plain = fm.moe_experts(*x, LIMIT, tiling=dataclasses.replace(tiling, tma=False))
     assert (got.float() - plain.float()).abs().max() <= 1e-2 * plain.float().abs().max()
 

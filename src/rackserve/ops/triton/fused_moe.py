@@ -68,6 +68,9 @@ class Tiling:
     # accelerator (``moe_gate_up_tma_kernel``, ``moe_down_tma_kernel``) where the layout
     # allows it (``_tma_ok``); the block_k of both kernels then at most 128 bytes of a row
     tma: bool = False
+    # the down kernel's grid as (n-tiles, blocks) (``fused_moe_kernels.program_block``): a
+    # block's programs run together and read its h rows from L2 while they are hot
+    down_tile_fastest: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "gate_up_block_n", "gate_up_block_k", "down_block_n"):
@@ -366,11 +369,14 @@ def run_experts(
 
     slots = _empty((num_pairs, hidden), torch.float32, x.device)
     grid = (num_blocks, triton.cdiv(hidden, tiling.down_block_n))
+    if tiling.down_tile_fastest:
+        grid = grid[::-1]
     down = dict(
         BLOCK_M=bm,
         BLOCK_N=tiling.down_block_n,
         BLOCK_K=tiling.down_block_k,
         FP32_DOT=fp32_dot,
+        TILE_FASTEST=tiling.down_tile_fastest,
         num_warps=tiling.down_warps,
         num_stages=tiling.down_stages,
         **pdl(x.device),

@@ -32,6 +32,7 @@ from rackserve.ops.triton.fused_moe_kernels import (
     block_tile,
     expert_rows,
     moe_sum_kernel,
+    program_block,
     store_h,
     store_weighted,
 )
@@ -65,6 +66,9 @@ class Fp4Tiling:
     # two dots of 2 x block_m rows on contiguous tiles (no fp32 loads, no even / odd split,
     # no hi / lo conversion: four dots before); fused_moe.Tiling.stack_h's layout for FP4
     stack_h: bool = False  # default_tiling turns it on for decode on a GPU
+    # the down kernel's grid as (n-tiles, blocks): a block's programs run together and read
+    # its h rows from L2 (fused_moe_kernels.program_block)
+    down_tile_fastest: bool = False
 
 
 def default_tiling(num_tokens: int, top_k: int, num_experts: int, device: torch.device):
@@ -148,7 +152,9 @@ def moe_gate_up_fp4_kernel(
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert >= num_experts:
         return
-    rows, pair, row_ok, cols, col_ok = block_tile(sorted_ptr, num_pairs, inter, BLOCK_M, BLOCK_N)
+    rows, pair, row_ok, cols, col_ok = block_tile(
+        sorted_ptr, num_pairs, inter, tl.program_id(0), tl.program_id(1), BLOCK_M, BLOCK_N
+    )
     token = tl.where(row_ok, pair // top_k, 0)
     kk = tl.arange(0, BLOCK_K)
     x_row = x_ptr + token[:, None].to(tl.int64) * stride_xt
@@ -243,11 +249,15 @@ def moe_down_fp4_kernel(
     DOT_SCALED: tl.constexpr,
     ASM_DECODE: tl.constexpr,
     STACK_H: tl.constexpr,
+    TILE_FASTEST: tl.constexpr,  # grid (tiles, B): see fused_moe_kernels.program_block
 ):
-    expert = tl.load(block_expert_ptr + tl.program_id(0))
+    block, tile = program_block(TILE_FASTEST)
+    expert = tl.load(block_expert_ptr + block)
     if expert >= num_experts:
         return
-    rows, pair, row_ok, cols, col_ok = block_tile(sorted_ptr, num_pairs, hidden, BLOCK_M, BLOCK_N)
+    rows, pair, row_ok, cols, col_ok = block_tile(
+        sorted_ptr, num_pairs, hidden, block, tile, BLOCK_M, BLOCK_N
+    )
     kk = tl.arange(0, BLOCK_K)
     h_row = h_ptr + rows[:, None].to(tl.int64) * stride_ht
     w_base = expert_rows(w_ptr, expert, cols, stride_we, stride_wn)  # [1, BN] row starts
@@ -260,7 +270,7 @@ def moe_down_fp4_kernel(
     if STACK_H:
         # [hi; lo] rows of the block, even inputs at [0, I/2), odd ones at [I/2, I)
         r2 = tl.arange(0, 2 * BLOCK_M)
-        h2 = h_ptr + (tl.program_id(0) * (2 * BLOCK_M) + r2)[:, None].to(tl.int64) * stride_ht
+        h2 = h_ptr + (block * (2 * BLOCK_M) + r2)[:, None].to(tl.int64) * stride_ht
         kh = tl.arange(0, BLOCK_K // 2)
         half = inter // 2
         acc2 = tl.zeros((2 * BLOCK_M, BLOCK_N), tl.float32)
@@ -389,15 +399,16 @@ def moe_experts_fp4(
         ASM_DECODE=asm_decode, STACK_H=stack_h, num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     slots = _empty((num_pairs, hidden), torch.float32, x.device)
-    moe_down_fp4_kernel[(num_blocks, triton.cdiv(hidden, t.down_block_n))](
+    grid = (num_blocks, triton.cdiv(hidden, t.down_block_n))
+    moe_down_fp4_kernel[grid[::-1] if t.down_tile_fastest else grid](
         h, w2, w2_scale, weights, slots, sorted_ids, block_expert,
         num_pairs, hidden, inter, num_experts,
         h.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         slots.stride(0),
         BLOCK_M=bm, BLOCK_N=t.down_block_n, BLOCK_K=t.block_k, IEEE=ieee,
         ACT_DTYPE=_TL_DTYPES[x.dtype], FP16_BITS=t.fp16_bits, PREFETCH=t.prefetch,
-        DOT_SCALED=dot_scaled, ASM_DECODE=asm_decode, STACK_H=stack_h, num_warps=t.num_warps,
-        num_stages=t.num_stages,
+        DOT_SCALED=dot_scaled, ASM_DECODE=asm_decode, STACK_H=stack_h,
+        TILE_FASTEST=t.down_tile_fastest, num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     block_d = min(1024, triton.next_power_of_2(hidden))
     moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_d))](

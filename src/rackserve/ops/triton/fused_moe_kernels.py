@@ -55,13 +55,31 @@ def _dot(a, w, acc, FP32_DOT: tl.constexpr):
 
 
 @triton.jit
-def block_tile(sorted_ptr, num_pairs, num_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The program's tile of an expert GEMM (grid axis 0: blocks of aligned rows, axis 1:
-    output columns): (rows [BLOCK_M] into the aligned order, pair [BLOCK_M] (token * k +
-    slot; >= num_pairs on padding rows), row_ok, cols [BLOCK_N], col_ok)."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+def program_block(TILE_FASTEST: tl.constexpr):
+    """This program's (block of aligned rows, tile of output columns). The grid is (B,
+    tiles): one column tile's programs over every block run together, so an expert's weight
+    tile is read once for all its blocks. TILE_FASTEST: the grid is (tiles, B), one block's
+    programs over every tile run together and re-read its activation rows while they are in
+    L2 (the down kernel at many tokens: its h rows are as large as a tile round's weights)."""
+    if TILE_FASTEST:
+        block = tl.program_id(1)
+        tile = tl.program_id(0)
+    else:
+        block = tl.program_id(0)
+        tile = tl.program_id(1)
+    return block, tile
+
+
+@triton.jit
+def block_tile(
+    sorted_ptr, num_pairs, num_cols, block, tile, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """The program's tile of an expert GEMM (``program_block``): (rows [BLOCK_M] into the
+    aligned order, pair [BLOCK_M] (token * k + slot; >= num_pairs on padding rows), row_ok,
+    cols [BLOCK_N], col_ok)."""
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ptr + rows)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     return rows, pair, pair < num_pairs, cols, cols < num_cols
 
 
@@ -147,7 +165,10 @@ def moe_gate_up_kernel(
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert >= num_experts:
         return
-    rows, pair, row_ok, cols, col_ok = block_tile(sorted_ptr, num_pairs, inter, BLOCK_M, BLOCK_N)
+    block, tile = program_block(False)
+    rows, pair, row_ok, cols, col_ok = block_tile(
+        sorted_ptr, num_pairs, inter, block, tile, BLOCK_M, BLOCK_N
+    )
     token = tl.where(row_ok, pair // top_k, 0)
     ks = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + token[:, None].to(tl.int64) * stride_xt + ks[None, :]
@@ -195,17 +216,22 @@ def moe_down_kernel(
     SPLIT_H: tl.constexpr,
     SKIP_PAD_ROWS: tl.constexpr,  # h's padding rows not read (measured with 16-row blocks)
     STACK_H: tl.constexpr,  # h's hi and lo parts stacked per block (SPLIT_H's split, stored)
+    TILE_FASTEST: tl.constexpr,  # grid (tiles, B): see program_block
     PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
     pdl_wait(PDL)
-    expert = tl.load(block_expert_ptr + tl.program_id(0))
+    block, tile = program_block(TILE_FASTEST)
+    expert = tl.load(block_expert_ptr + block)
     if expert >= num_experts:
         return
-    rows, pair, row_ok, cols, col_ok = block_tile(sorted_ptr, num_pairs, hidden, BLOCK_M, BLOCK_N)
+    rows, pair, row_ok, cols, col_ok = block_tile(
+        sorted_ptr, num_pairs, hidden, block, tile, BLOCK_M, BLOCK_N
+    )
     if STACK_H:
-        _down_stacked(h_ptr, w2_ptr, weights_ptr, slots_ptr, sorted_ptr, expert, pair, row_ok,
-                      cols, col_ok, num_pairs, inter, stride_ht, stride_we, stride_wn, stride_wk,
-                      stride_slot, BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT, SKIP_PAD_ROWS)  # fmt: skip
+        _down_stacked(h_ptr, w2_ptr, weights_ptr, slots_ptr, sorted_ptr, block, expert, pair,
+                      row_ok, cols, col_ok, num_pairs, inter, stride_ht, stride_we, stride_wn,
+                      stride_wk, stride_slot, BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT,
+                      SKIP_PAD_ROWS)  # fmt: skip
         return
     ks = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_ht + ks[None, :]
@@ -232,7 +258,7 @@ def moe_down_kernel(
 
 @triton.jit
 def _down_stacked(
-    h_ptr, w2_ptr, weights_ptr, slots_ptr, sorted_ptr, expert, pair, row_ok, cols, col_ok,
+    h_ptr, w2_ptr, weights_ptr, slots_ptr, sorted_ptr, block, expert, pair, row_ok, cols, col_ok,
     num_pairs, inter, stride_ht, stride_we, stride_wn, stride_wk, stride_slot,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP32_DOT: tl.constexpr, SKIP_PAD_ROWS: tl.constexpr,
@@ -240,12 +266,12 @@ def _down_stacked(
     """The down kernel on stacked h (``STACK_H``): [hi; lo] @ w2[e]^T in one dot a K step,
     then hi's rows of the accumulator plus lo's."""
     r2 = tl.arange(0, 2 * BLOCK_M)
-    h_rows = tl.program_id(0) * (2 * BLOCK_M) + r2
+    h_rows = block * (2 * BLOCK_M) + r2
     ks = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + h_rows[:, None].to(tl.int64) * stride_ht + ks[None, :]
     w_ptrs = expert_rows(w2_ptr, expert, cols, stride_we, stride_wn) + ks[:, None] * stride_wk
     if SKIP_PAD_ROWS:  # each half's rows: the block's pairs again
-        pair2 = tl.load(sorted_ptr + tl.program_id(0) * BLOCK_M + r2 % BLOCK_M)
+        pair2 = tl.load(sorted_ptr + block * BLOCK_M + r2 % BLOCK_M)
         row2_ok = pair2 < num_pairs
     else:
         row2_ok = r2 < 2 * BLOCK_M
@@ -291,11 +317,14 @@ def moe_gate_up_tma_kernel(
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert >= num_experts:
         return
-    rows, pair, row_ok, cols, col_ok = block_tile(sorted_ptr, num_pairs, inter, BLOCK_M, BLOCK_N)
+    block, tile = program_block(False)
+    rows, pair, row_ok, cols, col_ok = block_tile(
+        sorted_ptr, num_pairs, inter, block, tile, BLOCK_M, BLOCK_N
+    )
     token = tl.where(row_ok, pair // top_k, 0)
     ks = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + token[:, None].to(tl.int64) * stride_xt + ks[None, :]
-    gate_row = expert * (2 * inter) + tl.program_id(1) * BLOCK_N
+    gate_row = expert * (2 * inter) + tile * BLOCK_N
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -324,18 +353,22 @@ def moe_down_tma_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    TILE_FASTEST: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """``moe_down_kernel`` on stacked h (``STACK_H``) with both operands' tiles brought by
     the tensor-memory accelerator (``Tiling.tma``): a K step is two bulk copies and one dot
     of the block's [hi; lo] rows."""
     pdl_wait(PDL)
-    expert = tl.load(block_expert_ptr + tl.program_id(0))
+    block, tile = program_block(TILE_FASTEST)
+    expert = tl.load(block_expert_ptr + block)
     if expert >= num_experts:
         return
-    _, pair, row_ok, cols, col_ok = block_tile(sorted_ptr, num_pairs, hidden, BLOCK_M, BLOCK_N)
-    h_row = tl.program_id(0) * (2 * BLOCK_M)
-    w_row = expert * hidden + tl.program_id(1) * BLOCK_N
+    _, pair, row_ok, cols, col_ok = block_tile(
+        sorted_ptr, num_pairs, hidden, block, tile, BLOCK_M, BLOCK_N
+    )
+    h_row = block * (2 * BLOCK_M)
+    w_row = expert * hidden + tile * BLOCK_N
     acc2 = tl.zeros((2 * BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         acc2 = _dot(h_desc.load([h_row, k0]), w2_desc.load([w_row, k0]).T, acc2, FP32_DOT)
