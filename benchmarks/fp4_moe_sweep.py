@@ -58,6 +58,8 @@ def variants(t: int) -> dict[str, fp4.Fp4Tiling]:
         "asm_stack_bn64": dataclasses.replace(
             base, dot_scaled=False, asm_decode=True, stack_h=True, gate_up_block_n=64
         ),
+        # the down kernel's grid as (n-tiles, blocks): a block's h rows re-read from L2
+        "tile_fastest": dataclasses.replace(base, down_tile_fastest=True),
     }
 
 

@@ -7,7 +7,8 @@ BLOCK_K, warps, stages) whose shared memory fits. Each row: the kernel, T, the s
 time, the hit experts' weight bytes over the time (TB/s) and the fraction of 4.8 TB/s; the
 default tiling's row is marked. ``--block-m`` overrides the default rows per block (the align
 runs with it), e.g. 16-row blocks at T = 256 where the default takes 32; ``--stack-h 0 1``
-times both h layouts (``fused_moe.Tiling.stack_h``). Compilation goes
+times both h layouts (``fused_moe.Tiling.stack_h``); ``--tile-fastest 0 1`` both orders of
+the down kernel's grid (``fused_moe.Tiling.down_tile_fastest``). Compilation goes
 first, in ``--jobs`` processes (the Triton cache on disk is shared), so the timing loop only
 loads kernels.
 
@@ -26,14 +27,11 @@ import multiprocessing as mp
 import torch
 import triton
 import triton.testing
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rackserve.ops.triton import fused_moe
 from rackserve.ops.triton.fused_moe_kernels import (
     moe_down_kernel,
-    moe_down_tma_kernel,
     moe_gate_up_kernel,
-    moe_gate_up_tma_kernel,
 )
 
 E, K, D, INTER = 65, 7, 4096, 2048  # the shared expert folded in as expert 64
@@ -41,12 +39,11 @@ HBM = 4.8e12
 SMEM = 220 * 1024
 
 
-def _shapes(kernel: str, bm: int, tma: bool = False) -> list[tuple[int, int, int, int]]:
+def _shapes(kernel: str, bm: int) -> list[tuple[int, int, int, int]]:
     out = []
     widths = (16, 32, 64, 128) + ((256,) if kernel == "down" and bm > 16 else ())
-    # tensor-descriptor tiles: 128 bytes of a row (block_k 64), deeper rings (no registers)
-    depths, ks = ((3, 4, 5, 6, 8), (64,)) if tma else ((3, 4, 6), (64, 128, 256))
-    for bn, bk, warps, stages in itertools.product(widths, ks, (4, 8), depths):
+    for bn, bk, warps, stages in itertools.product(widths, (64, 128, 256), (4, 8),
+                                                   (3, 4, 6)):  # fmt: skip
         w_bytes = bk * bn * 2 * (2 if kernel == "gate_up" else 1)
         a_bytes = bm * bk * (2 if kernel == "gate_up" else 4)  # down's stacked h: the same
         if stages * (w_bytes + a_bytes) > SMEM or bn * bk // (32 * warps) < 8:
@@ -88,14 +85,12 @@ def _weights(device: str) -> tuple[torch.Tensor, torch.Tensor]:
     return w13, w2
 
 
-def _launch(kernel: str, p: dict, w13, w2, shape, warmup: bool = False, tma: bool = False,
+def _launch(kernel: str, p: dict, w13, w2, shape, warmup: bool = False,
             tile_fastest: bool = False):  # fmt: skip
     bn, bk, warps, stages = shape
     bm = p["base"].block_m
     nb = p["block_expert"].shape[0]
     t = p["t"]
-    if tma:
-        return _launch_tma(kernel, p, w13, w2, shape, warmup, tile_fastest)
     if kernel == "gate_up":
         fn, n = moe_gate_up_kernel, INTER
         args = (p["x"], w13, p["h"], p["sorted"], p["block_expert"], t * K, K, D, INTER, E, 10.0,
@@ -120,35 +115,6 @@ def _launch(kernel: str, p: dict, w13, w2, shape, warmup: bool = False, tma: boo
         fn[grid](*args, **kw)
 
 
-def _launch_tma(kernel: str, p: dict, w13, w2, shape, warmup: bool, tile_fastest: bool):
-    """``_launch`` through the tensor-descriptor kernels (``fused_moe.Tiling.tma``; the
-    down kernel on stacked h only)."""
-    bn, bk, warps, stages = shape
-    bm, nb, t = p["base"].block_m, p["block_expert"].shape[0], p["t"]
-    if kernel == "gate_up":
-        fn, n = moe_gate_up_tma_kernel, INTER
-        desc = TensorDescriptor.from_tensor(w13.view(-1, D), [bn, bk])
-        args = (p["x"], desc, p["h"], p["sorted"], p["block_expert"], t * K, K, D, INTER, E,
-                10.0, p["x"].stride(0), p["h"].stride(0))  # fmt: skip
-        extra = {"STACK_H": p["stack"]}
-    else:
-        fn, n = moe_down_tma_kernel, D
-        h_desc = TensorDescriptor.from_tensor(p["h"], [2 * bm, bk])
-        w_desc = TensorDescriptor.from_tensor(w2.view(-1, INTER), [bn, bk])
-        args = (h_desc, w_desc, p["weights"], p["slots"], p["sorted"], p["block_expert"],
-                t * K, D, INTER, E, p["slots"].stride(0))  # fmt: skip
-        extra = {"TILE_FASTEST": tile_fastest}
-    grid = (nb, triton.cdiv(n, bn))
-    if tile_fastest:
-        grid = grid[::-1]
-    kw = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FP32_DOT=False, num_warps=warps, PDL=False,
-              num_stages=stages, **extra)  # fmt: skip
-    if warmup:
-        fn.warmup(*args, grid=grid, **kw)
-    else:
-        fn[grid](*args, **kw)
-
-
 def _compile(jobs: list) -> int:
     """Worker: compile (no launch) each (kernel, t, shape); small stand-in weights suffice
     (the compile key is dtypes, alignment and the ints)."""
@@ -157,11 +123,11 @@ def _compile(jobs: list) -> int:
     w2 = torch.empty(E, D, INTER, device="cuda", dtype=torch.bfloat16)
     problems: dict[tuple[int, int, bool], dict] = {}
     done = 0
-    for kernel, t, bm, stack, shape, (tma, fast) in jobs:
+    for kernel, t, bm, stack, shape, fast in jobs:
         if (t, bm, stack) not in problems:
             problems[t, bm, stack] = _problem(t, "cuda", bm, stack)
         try:
-            _launch(kernel, problems[t, bm, stack], w13, w2, shape, True, tma, fast)
+            _launch(kernel, problems[t, bm, stack], w13, w2, shape, True, fast)
             done += 1
         except Exception:
             pass
@@ -174,8 +140,6 @@ def main() -> None:
     ap.add_argument("--kernels", nargs="+", default=["gate_up", "down"])
     ap.add_argument("--block-m", type=int, nargs="+", default=[0], help="0: the default")
     ap.add_argument("--stack-h", type=int, nargs="+", default=[0], choices=[0, 1])
-    ap.add_argument("--tma", type=int, nargs="+", default=[0], choices=[0, 1],
-                    help="1: the tensor-descriptor kernels (stacked h)")  # fmt: skip
     ap.add_argument("--tile-fastest", type=int, nargs="+", default=[0], choices=[0, 1],
                     help="1: the down kernel's grid as (n-tiles, blocks)")  # fmt: skip
     ap.add_argument("--jobs", type=int, default=12)
@@ -184,13 +148,12 @@ def main() -> None:
     cases = [(t, _problem_bm(t, bm), bool(st))
              for t in args.tokens for bm in args.block_m for st in args.stack_h]  # fmt: skip
 
-    def modes(kernel: str, stack: bool) -> list[tuple[bool, bool]]:
-        """(tma, tile_fastest) pairs: TMA on stacked h only, the grid order for down only."""
-        orders = [bool(f) for f in args.tile_fastest] if kernel == "down" else [False]
-        return [(bool(m), f) for m in args.tma if stack or not m for f in orders]
+    def orders(kernel: str) -> list[bool]:
+        """The down kernel's grid orders to time (tile_fastest); one for gate-up."""
+        return [bool(f) for f in args.tile_fastest] if kernel == "down" else [False]
 
-    jobs = [(k, t, bm, st, s, m) for k in args.kernels for t, bm, st in cases
-            for m in modes(k, st) for s in _shapes(k, bm, m[0])]  # fmt: skip
+    jobs = [(k, t, bm, st, s, f) for k in args.kernels for t, bm, st in cases
+            for f in orders(k) for s in _shapes(k, bm)]  # fmt: skip
     ctx = mp.get_context("spawn")
     with ctx.Pool(args.jobs) as pool:
         compiled = sum(pool.map(_compile, [jobs[i :: args.jobs] for i in range(args.jobs)]))
@@ -207,34 +170,30 @@ def main() -> None:
                  base.gate_up_stages) if kernel == "gate_up"
                 else (base.down_block_n, base.down_block_k, base.down_warps, base.down_stages)
             )  # fmt: skip
+            default_order = kernel == "down" and base.down_tile_fastest
             _launch("gate_up", p, w13, w2, (base.gate_up_block_n, base.gate_up_block_k,
                     base.gate_up_warps, base.gate_up_stages))  # fmt: skip
             per_expert = 2 * INTER * D * 2 if kernel == "gate_up" else D * INTER * 2
             nbytes = p["hit"] * per_expert
             rows = []
-            variants = [(m, s) for m in modes(kernel, stack) for s in _shapes(kernel, bm, m[0])]
-            if (False, False) not in modes(kernel, stack):  # the default: this call's baseline
-                variants.insert(0, ((False, False), default))
-            for (tma, fast), shape in variants:
+            variants = [(f, s) for f in orders(kernel) for s in _shapes(kernel, bm)]
+            for fast, shape in variants:
                 try:
                     us = 1e3 * triton.testing.do_bench_cudagraph(
-                        lambda s=shape, k=kernel, q=p, m=tma, f=fast: _launch(
-                            k, q, w13, w2, s, False, m, f
-                        ),
+                        lambda s=shape, k=kernel, q=p, f=fast: _launch(k, q, w13, w2, s, False, f),
                         rep=20, return_mode="median",
                     )  # fmt: skip
                 except Exception as e:  # a shape this Triton cannot compile
-                    rows.append({"shape": shape, "tma": tma, "error": str(e)[:120]})
+                    rows.append({"shape": shape, "tile_fastest": fast, "error": str(e)[:120]})
                     continue
                 rows.append({
                     "kernel": kernel, "t": t, "block_m": bm, "stack_h": stack, "shape": shape,
-                    "tma": tma,
                     "tile_fastest": fast,
                     "us": round(us, 2),
                     "tb_per_s": round(nbytes / us / 1e6, 3),
                     "of_hbm": round(nbytes / us / 1e6 / (HBM / 1e12), 3),
-                    "default": shape == default and bm == _problem_bm(t, 0) and not tma
-                    and not fast,
+                    "default": shape == default and bm == _problem_bm(t, 0)
+                    and fast == default_order,
                 })  # fmt: skip
             ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
             records += rows
@@ -242,10 +201,8 @@ def main() -> None:
             dflt = [r for r in ok if r["default"]]
             print(f"== {kernel} T={t} BM={bm} stack_h={int(stack)} ({p['hit']} experts, "
                   f"{nbytes / 1e6:.0f} MB)")  # fmt: skip
-            best_tma = [r for r in ok if r["tma"]][:3]
-            best_fast = [r for r in ok if r["tile_fastest"]][:3]
-            for r in dflt + best + best_tma + best_fast:
-                mark = "default" if r["default"] else "tma" if r["tma"] else ""
+            for r in dflt + best:
+                mark = "default" if r["default"] else ""
                 mark += " tile-fastest" if r["tile_fastest"] else ""
                 print(f"  {r['shape']} {r['us']:8.2f} us {r['tb_per_s']:.2f} TB/s {mark}")
     with open(args.output, "w") as f:

@@ -37,13 +37,8 @@ _OPTIONS = ("num_warps", "num_stages")
 
 
 def _arg_type(value: object) -> str:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     if isinstance(value, torch.Tensor):
         return "*" + _TYPES[value.dtype]
-    if isinstance(value, TensorDescriptor):  # as the JIT names a host tensor descriptor
-        block = ", ".join(str(n) for n in value.block_shape)
-        return f"tensordesc<{_TYPES[value.base.dtype]}[{block}]>"
     if isinstance(value, bool):
         return "i1"
     if isinstance(value, int):
@@ -111,10 +106,7 @@ def gpu_variants(specs: list[dict]) -> list[dict]:
     for spec in specs:
         variants = [spec]
         consts = spec["constexprs"]
-        sixteen = any(
-            t in ("*bf16", "*fp16") or t.startswith(("tensordesc<bf16", "tensordesc<fp16"))
-            for t in spec["signature"].values()
-        )
+        sixteen = any(t in ("*bf16", "*fp16") for t in spec["signature"].values())
         flags = dict.fromkeys((f for f in FP32_DOT_FLAGS if consts.get(f) is True), False)
         if sixteen and flags:
             variants.append(spec | {"constexprs": consts | flags})

@@ -22,15 +22,12 @@ from dataclasses import dataclass
 
 import torch
 import triton
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rackserve.ops.reference import ExpertSlots
 from rackserve.ops.triton.common import pdl
 from rackserve.ops.triton.fused_moe_kernels import (
     moe_down_kernel,
-    moe_down_tma_kernel,
     moe_gate_up_kernel,
-    moe_gate_up_tma_kernel,
     moe_sum_kernel,
 )
 from rackserve.ops.triton.moe_align_kernels import (
@@ -64,10 +61,6 @@ class Tiling:
     # 16-bit weights: gate-up stores h as its 16-bit hi and lo parts stacked per block, and
     # down runs one dot of 2 * block_m rows a K step (fused_moe_kernels.py, STACK_H)
     stack_h: bool = False
-    # 16-bit weights, stacked h: the weight (and h) tiles come by the tensor-memory
-    # accelerator (``moe_gate_up_tma_kernel``, ``moe_down_tma_kernel``) where the layout
-    # allows it (``_tma_ok``); the block_k of both kernels then at most 128 bytes of a row
-    tma: bool = False
     # the down kernel's grid as (n-tiles, blocks) (``fused_moe_kernels.program_block``): a
     # block's programs run together and read its h rows from L2 while they are hot
     down_tile_fastest: bool = False
@@ -100,7 +93,9 @@ def default_tiling(
     On CPU (the interpreter) wide tiles keep the number of interpreted programs small.
     """
     if device.type != "cuda":
-        return Tiling(16, 64, 64, 4, 1, 64, 64, 4, 1, 4096, 256, stack_h=True)
+        return Tiling(
+            16, 64, 64, 4, 1, 64, 64, 4, 1, 4096, 256, stack_h=True, down_tile_fastest=True
+        )
     pairs = num_tokens * top_k
     if pairs >= 16 * num_experts * 4:  # >= 64 rows per expert on average: prefill-like
         return Tiling(64, 64, 64, 8, 3, 128, 64, 8, 3, 2048, 1024)
@@ -124,25 +119,17 @@ def default_tiling(
         down_block_k=64,  # stacked 16-bit h, or fp32 h (whose block_k is 64 anyway)
         down_warps=4,
         down_stages=4 if narrow and block_m == 16 else 3,
+        # a block's programs over all n-tiles together, its h rows re-read from L2: ncu at
+        # 256 tokens read 1.37 GB of DRAM for 1.09 GB of weights in block order; the down
+        # kernel alone 347.6 -> 324.9 us at T = 256, 263.3 -> 259.3 at T = 64 (H200,
+        # moe_tiling_sweep.py, 2026-12-04-h200-s19.md)
+        down_tile_fastest=True,
         # past PER_EXPERT_ALIGN_MAX_PAIRS: 64-pair segments counted in parallel (H200, 256
         # tokens, 1,792 pairs: 11.4 us, against 24.4 with 256-pair segments and 28.5 with a
         # program per expert; latency_kernels.py)
         align_segment=64,
         sum_block_d=1024,
         stack_h=stack_h,
-    )
-
-
-def _tma_ok(w: torch.Tensor, block_k: int) -> bool:
-    """Whether expert weights ``w`` [E, N, K] can be read as a [E * N, K] tensor
-    descriptor with ``block_k``-wide tiles: contiguous, 16-byte aligned rows and base, at most
-    128 bytes of a row per tile (one swizzled bulk copy)."""
-    row_bytes = w.shape[-1] * w.element_size()
-    return (
-        w.is_contiguous()
-        and w.data_ptr() % 16 == 0
-        and row_bytes % 16 == 0
-        and block_k * w.element_size() <= 128
     )
 
 
@@ -330,76 +317,41 @@ def run_experts(
     fp32_dot = x.dtype == torch.float32 or x.device.type == "cpu"
     stack_h = tiling.stack_h and x.dtype != torch.float32
 
-    tma = (
-        tiling.tma
-        and stack_h
-        and _tma_ok(w13, tiling.gate_up_block_k)
-        and _tma_ok(w2, tiling.down_block_k)
-    )
     if stack_h:  # hi and lo rows of each block
         h = _empty((2 * num_blocks * bm, inter), w2.dtype, x.device)
     else:
         h = _empty((num_blocks * bm, inter), torch.float32, x.device)
     grid = (num_blocks, triton.cdiv(inter, tiling.gate_up_block_n))
-    gate_up = dict(
+    moe_gate_up_kernel[grid](
+        x, w13, h, sorted_ids, block_expert,
+        num_pairs, top_k, hidden, inter, num_experts, float(limit),
+        x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), h.stride(0),
         BLOCK_M=bm,
         BLOCK_N=tiling.gate_up_block_n,
         BLOCK_K=tiling.gate_up_block_k,
         FP32_DOT=fp32_dot,
         STACK_H=stack_h,
         num_warps=tiling.gate_up_warps,
-        num_stages=tiling.gate_up_stages,
-        **pdl(x.device),
-    )
-    if tma:
-        w13_desc = TensorDescriptor.from_tensor(
-            w13.view(-1, hidden), [tiling.gate_up_block_n, tiling.gate_up_block_k]
-        )
-        moe_gate_up_tma_kernel[grid](
-            x, w13_desc, h, sorted_ids, block_expert,
-            num_pairs, top_k, hidden, inter, num_experts, float(limit),
-            x.stride(0), h.stride(0), **gate_up,
-        )  # fmt: skip
-    else:
-        moe_gate_up_kernel[grid](
-            x, w13, h, sorted_ids, block_expert,
-            num_pairs, top_k, hidden, inter, num_experts, float(limit),
-            x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), h.stride(0), **gate_up,
-        )  # fmt: skip
+        num_stages=tiling.gate_up_stages, **pdl(x.device),
+    )  # fmt: skip
 
     slots = _empty((num_pairs, hidden), torch.float32, x.device)
     grid = (num_blocks, triton.cdiv(hidden, tiling.down_block_n))
-    if tiling.down_tile_fastest:
-        grid = grid[::-1]
-    down = dict(
+    moe_down_kernel[grid[::-1] if tiling.down_tile_fastest else grid](
+        h, w2, weights, slots, sorted_ids, block_expert,
+        num_pairs, hidden, inter, num_experts,
+        h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), slots.stride(0),
         BLOCK_M=bm,
         BLOCK_N=tiling.down_block_n,
         BLOCK_K=tiling.down_block_k,
         FP32_DOT=fp32_dot,
+        SPLIT_H=x.dtype != torch.float32,
+        SKIP_PAD_ROWS=bm == 16,
+        STACK_H=stack_h,
         TILE_FASTEST=tiling.down_tile_fastest,
         num_warps=tiling.down_warps,
-        num_stages=tiling.down_stages,
-        **pdl(x.device),
-    )
-    if tma:
-        h_desc = TensorDescriptor.from_tensor(h, [2 * bm, tiling.down_block_k])
-        w2_desc = TensorDescriptor.from_tensor(
-            w2.view(-1, inter), [tiling.down_block_n, tiling.down_block_k]
-        )
-        moe_down_tma_kernel[grid](
-            h_desc, w2_desc, weights, slots, sorted_ids, block_expert,
-            num_pairs, hidden, inter, num_experts, slots.stride(0), **down,
-        )  # fmt: skip
-    else:
-        moe_down_kernel[grid](
-            h, w2, weights, slots, sorted_ids, block_expert,
-            num_pairs, hidden, inter, num_experts,
-            h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), slots.stride(0),
-            SPLIT_H=x.dtype != torch.float32,
-            SKIP_PAD_ROWS=bm == 16,
-            STACK_H=stack_h,
-            **down,
-        )  # fmt: skip
+        num_stages=tiling.down_stages, **pdl(h.device),
+    )  # fmt: skip
 
     if out is None:
         return ExpertSlots(slots, topk_ids, num_experts, x.dtype)
