@@ -1,6 +1,7 @@
 """The OpenAI-compatible API server: ``rackserve serve`` (see docs/serving.md).
 
-protocol.py      request models (pydantic) and response shapes
+protocol.py      request models (pydantic)
+responses.py     response shapes (plain dicts)
 serving.py       tokenization, length checks, responses and SSE chunks
 api.py           the FastAPI app (``build_app``): routes, errors, auth, limits
 async_client.py  the API process's client of the engine-core process

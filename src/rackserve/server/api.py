@@ -36,8 +36,8 @@ from rackserve.server.protocol import (
     DetokenizeRequest,
     ParamError,
     TokenizeRequest,
-    error_body,
 )
+from rackserve.server.responses import error_body
 from rackserve.server.serving import ApiError
 from rackserve.server.tokenization import TokenizerPool
 

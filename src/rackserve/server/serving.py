@@ -42,6 +42,8 @@ from rackserve.server.protocol import (
     NamedToolChoice,
     ParamError,
     TokenizeRequest,
+)
+from rackserve.server.responses import (
     chat_logprobs,
     completion_logprobs,
     error_body,
