@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import rackserve
 from rackserve.server import serving
 from rackserve.server.async_client import AsyncEngineClient, EngineDeadError
+from rackserve.server.errors import ApiError, as_api_error
 from rackserve.server.limits import RequestLimits
 from rackserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from rackserve.server.middleware import FrontDoor, read_json, validate
@@ -38,7 +39,6 @@ from rackserve.server.protocol import (
     TokenizeRequest,
 )
 from rackserve.server.responses import error_body
-from rackserve.server.serving import ApiError
 from rackserve.server.tokenization import TokenizerPool
 
 logger = logging.getLogger(__name__)
@@ -331,7 +331,7 @@ async def _until_done(request: Request, prepared: serving.Prepared, work: Awaita
         raise ApiError(499, "Client disconnected.")
     error = task.exception()
     if error is not None:
-        raise serving.as_api_error(error)
+        raise as_api_error(error)
     return task.result()
 
 
@@ -349,7 +349,7 @@ async def _with_disconnect(
         async for chunk in chunks:
             yield chunk
     except Exception as e:  # after the first byte the status is sent: report in-band
-        error = serving.as_api_error(e)
+        error = as_api_error(e)
         yield serving.sse(error_body(error.message, error.type, error.param, error.code))
         yield serving.SSE_DONE
     finally:

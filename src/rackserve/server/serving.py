@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import secrets
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
-from fastapi.responses import JSONResponse
 
 from rackserve.engine.output_processor import (
     CompletionOutput,
@@ -26,15 +24,7 @@ from rackserve.engine.output_processor import (
 )
 from rackserve.request import MAX_NUM_LOGPROBS, KVTransferParams, SamplingParams
 from rackserve.runner.structured_output import check_structured_outputs
-from rackserve.server.async_client import (
-    AsyncEngineClient,
-    EngineDeadError,
-    KVLoadFailedError,
-    RequestAbortedError,
-    RequestFailedError,
-    RequestRejectedError,
-    ServerShutdownError,
-)
+from rackserve.server.async_client import AsyncEngineClient
 from rackserve.server.limits import RequestLimits
 from rackserve.server.protocol import (
     ChatCompletionRequest,
@@ -46,7 +36,6 @@ from rackserve.server.protocol import (
 from rackserve.server.responses import (
     chat_logprobs,
     completion_logprobs,
-    error_body,
     now_s,
     prompt_logprobs_json,
     usage,
@@ -55,50 +44,6 @@ from rackserve.server.tokenization import BoundedTokenizer, check_chat_template_
 from rackserve.server.tools import TOOL_PARSERS, ToolCallParser, forced_prefix
 
 SSE_DONE = "data: [DONE]\n\n"
-logger = logging.getLogger(__name__)
-
-
-class ApiError(Exception):
-    """An error answered with OpenAI's envelope ``{"error": {message, type, param, code}}``."""
-
-    def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    @property
-    def type(self) -> str:
-        if self.status >= 500:
-            return "server_error"
-        return "authentication_error" if self.status == 401 else "invalid_request_error"
-
-    def response(self) -> JSONResponse:
-        body = error_body(self.message, self.type, self.param, self.code)
-        return JSONResponse(body, status_code=self.status)
-
-
-def as_api_error(error: BaseException) -> ApiError:
-    """The HTTP error for an exception raised while a request ran."""
-    if isinstance(error, ApiError):
-        return error
-    if isinstance(error, RequestRejectedError):
-        return ApiError(400, str(error))
-    if isinstance(error, ServerShutdownError):
-        return ApiError(503, "The server shut down before this request finished.")
-    if isinstance(error, EngineDeadError):
-        # The reason (a traceback's last line) goes to the server log, not to clients.
-        return ApiError(500, "The engine died while serving this request.")
-    if isinstance(error, RequestAbortedError):
-        return ApiError(499, str(error))
-    if isinstance(error, KVLoadFailedError):  # the cause is the deployment's, not the input
-        logger.error("%s", error)
-        return ApiError(500, f"{error} (kv_load_failure_policy 'recompute' computes it here)")
-    if isinstance(error, RequestFailedError):
-        logger.error("request failed: %s", error)
-        return ApiError(500, "Internal server error: this request's output could not be processed.")
-    logger.error("request failed", exc_info=error)
-    return ApiError(500, "Internal server error.")
 
 
 def sse(payload: Any) -> str:
