@@ -38,7 +38,8 @@ from rackserve.server.protocol import (
     ParamError,
     TokenizeRequest,
 )
-from rackserve.server.responses import error_body
+from rackserve.server.responder import Responder
+from rackserve.server.responses import SSE_DONE, error_body, sse
 from rackserve.server.tokenization import TokenizerPool
 
 logger = logging.getLogger(__name__)
@@ -157,6 +158,7 @@ def build_app(
         auto_tool_parser=settings.auto_tool_parser,
         max_logprobs=settings.max_logprobs,
     )
+    responder = Responder(client, tokenizer)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -226,10 +228,10 @@ def build_app(
             )
         if body.stream:
             return StreamingResponse(
-                _with_disconnect(request, prepared, handler.stream(prepared)),
+                _with_disconnect(request, prepared, responder.stream(prepared)),
                 media_type="text/event-stream",
             )
-        return JSONResponse(await _until_done(request, prepared, handler.collect(prepared)))
+        return JSONResponse(await _until_done(request, prepared, responder.collect(prepared)))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -350,8 +352,8 @@ async def _with_disconnect(
             yield chunk
     except Exception as e:  # after the first byte the status is sent: report in-band
         error = as_api_error(e)
-        yield serving.sse(error_body(error.message, error.type, error.param, error.code))
-        yield serving.SSE_DONE
+        yield sse(error_body(error.message, error.type, error.param, error.code))
+        yield SSE_DONE
     finally:
         watcher.cancel()
         prepared.abort_all()

@@ -1,6 +1,7 @@
 """OpenAI response shapes, built as plain dicts in the exact layout OpenAI and vLLM send:
 the error envelope, ``usage``, the chat and completion ``logprobs``, vLLM's
-``prompt_logprobs`` and the ``created`` timestamp.
+``prompt_logprobs`` and the ``created`` timestamp; and their SSE framing, encoded with
+msgspec, which is fast enough for many concurrent streams on one core.
 """
 
 from __future__ import annotations
@@ -8,7 +9,15 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgspec
+
 from rackserve.engine.output_processor import TokenLogprob
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(payload: Any) -> str:
+    return f"data: {msgspec.json.encode(payload).decode()}\n\n"
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: Any = None) -> dict:
