@@ -8,5 +8,6 @@ api.py           the FastAPI app (``build_app``): routes, errors, auth, limits
 errors.py        ``ApiError`` (OpenAI's error envelope) and the status of each failure
 async_client.py  the API process's client of the engine-core process
 metrics.py       Prometheus metrics with vLLM's names under ``rackserve:``
-cli.py           ``rackserve serve``
+cli.py           ``rackserve serve``: its flags and the command
+options.py       its options: defaults, YAML config, the EngineConfig, preflight checks
 """
