@@ -388,7 +388,7 @@ def test_config_errors():
 
 def test_serve_flags_build_the_config(tiny):
     from rackserve.cli import build_parser
-    from rackserve.server.cli import build_engine_config, resolve_options
+    from rackserve.server.options import build_engine_config, resolve_options
 
     args = build_parser().parse_args(
         ["serve", str(tiny), "--kv-transfer-config", '{"kv_role": "kv_consumer"}',

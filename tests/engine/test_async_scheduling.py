@@ -314,7 +314,7 @@ def test_overlap_with_a_slow_fake_device(tiny):
 def test_flags(tiny):
     """``serve`` and ``generate`` take --async-scheduling; off by default."""
     from rackserve.cli import build_parser
-    from rackserve.server.cli import build_engine_config, resolve_options
+    from rackserve.server.options import build_engine_config, resolve_options
 
     def serve(*argv: str) -> EngineConfig:
         args = build_parser().parse_args(["serve", str(tiny), "--max-model-len", "256", *argv])

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 from rackserve.config import CPU_KV_CACHE_MEMORY, CacheConfig, EngineConfig, SchedulerConfig
-from rackserve.server.cli import SERVE_DEFAULTS
+from rackserve.server.options import SERVE_DEFAULTS
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
 

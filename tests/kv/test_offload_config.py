@@ -14,7 +14,7 @@ from rackserve.config import CacheConfig, ConfigError
 from rackserve.kv.offload.mooncake import MooncakeKVPool, parse_mooncake_url
 from rackserve.model.create import create_checkpoint
 from rackserve.model.presets import tiny_config
-from rackserve.server.cli import build_engine_config, resolve_options
+from rackserve.server.options import build_engine_config, resolve_options
 
 
 def test_cache_config_checks_the_pool_options():

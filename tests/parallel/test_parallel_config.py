@@ -6,7 +6,8 @@ import argparse
 import pytest
 
 from rackserve.config import ConfigError, EPLBConfig, ParallelConfig
-from rackserve.server.cli import register, resolve_options
+from rackserve.server.cli import register
+from rackserve.server.options import resolve_options
 
 
 def test_eplb_config_from_json():

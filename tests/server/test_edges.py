@@ -15,11 +15,11 @@ from pydantic import ValidationError
 from rackserve.engine.outputs import EngineCoreRequest
 from rackserve.request import INT64_MAX, INT64_MIN, SamplingParams, child_seed
 from rackserve.server.async_client import AsyncEngineClient
+from rackserve.server.errors import ApiError
 from rackserve.server.limits import RequestLimits
 from rackserve.server.metrics import ServerMetrics
 from rackserve.server.middleware import MAX_JSON_DEPTH, check_depth
 from rackserve.server.protocol import CompletionRequest, ParamError
-from rackserve.server.serving import ApiError
 
 
 def test_child_seeds_wrap_within_int64() -> None:

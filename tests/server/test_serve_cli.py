@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from rackserve.cli import build_parser
-from rackserve.server.cli import build_engine_config, parse_bytes, resolve_options
+from rackserve.server.options import build_engine_config, parse_bytes, resolve_options
 
 
 def options(*argv: str) -> dict:

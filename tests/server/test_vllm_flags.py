@@ -17,14 +17,14 @@ from rackserve.config import CacheConfig
 from rackserve.engine.core import kv_budget_bytes
 from rackserve.engine.output_processor import FinishedRequestStats, IterationStats
 from rackserve.engine.outputs import SchedulerStats
-from rackserve.server.cli import (
+from rackserve.server.metrics import ServerMetrics, StatsLogLine
+from rackserve.server.options import (
     build_engine_config,
     check_block_size,
     load_chat_template,
     parse_count,
     resolve_options,
 )
-from rackserve.server.metrics import ServerMetrics, StatsLogLine
 
 from conftest import API_KEY, MODEL_NAME, run_server
 

@@ -69,7 +69,7 @@ from rackserve.router.prefill_step import (
     PrefillStep,
     json_bytes,
 )
-from rackserve.server.protocol import error_body
+from rackserve.server.responses import error_body
 
 logger = logging.getLogger(__name__)
 LATENCY_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)

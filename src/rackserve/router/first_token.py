@@ -3,7 +3,7 @@
 The prefill engine runs the whole prompt and samples the first token t1. Streamed, its
 answer to ``do_remote_decode`` is what an aggregated engine would stream first (the chat
 role, then t1's chunk: its text and logprobs), then a last event with the transfer
-parameters (server/serving.py ``stream``). The router sends those chunks on as soon as they
+parameters (server/responder.py ``stream``). The router sends those chunks on as soon as they
 arrive, so the client's TTFT is the prefill engine's plus one hop, not that plus the decode
 request's hop. The decode engine, handed t1 in the parameters, streams the request from the
 start: it emits t1 on arrival, so its stream begins with the same chunks, which
@@ -85,7 +85,7 @@ def _is_role(choice: dict[str, Any]) -> bool:
 
 def _says_something(choice: dict[str, Any], chat: bool) -> bool:
     """Whether an aggregated engine would send t1's chunk while the request runs on: text
-    or logprobs (server/serving.py skips a chunk with neither)."""
+    or logprobs (server/responder.py skips a chunk with neither)."""
     if choice.get("logprobs") is not None:
         return True
     if chat:

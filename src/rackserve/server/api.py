@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import rackserve
 from rackserve.server import serving
 from rackserve.server.async_client import AsyncEngineClient, EngineDeadError
+from rackserve.server.errors import ApiError, as_api_error
 from rackserve.server.limits import RequestLimits
 from rackserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from rackserve.server.middleware import FrontDoor, read_json, validate
@@ -36,9 +37,9 @@ from rackserve.server.protocol import (
     DetokenizeRequest,
     ParamError,
     TokenizeRequest,
-    error_body,
 )
-from rackserve.server.serving import ApiError
+from rackserve.server.responder import Responder
+from rackserve.server.responses import SSE_DONE, error_body, sse
 from rackserve.server.tokenization import TokenizerPool
 
 logger = logging.getLogger(__name__)
@@ -157,6 +158,7 @@ def build_app(
         auto_tool_parser=settings.auto_tool_parser,
         max_logprobs=settings.max_logprobs,
     )
+    responder = Responder(client, tokenizer)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -226,10 +228,10 @@ def build_app(
             )
         if body.stream:
             return StreamingResponse(
-                _with_disconnect(request, prepared, handler.stream(prepared)),
+                _with_disconnect(request, prepared, responder.stream(prepared)),
                 media_type="text/event-stream",
             )
-        return JSONResponse(await _until_done(request, prepared, handler.collect(prepared)))
+        return JSONResponse(await _until_done(request, prepared, responder.collect(prepared)))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -331,7 +333,7 @@ async def _until_done(request: Request, prepared: serving.Prepared, work: Awaita
         raise ApiError(499, "Client disconnected.")
     error = task.exception()
     if error is not None:
-        raise serving.as_api_error(error)
+        raise as_api_error(error)
     return task.result()
 
 
@@ -349,9 +351,9 @@ async def _with_disconnect(
         async for chunk in chunks:
             yield chunk
     except Exception as e:  # after the first byte the status is sent: report in-band
-        error = serving.as_api_error(e)
-        yield serving.sse(error_body(error.message, error.type, error.param, error.code))
-        yield serving.SSE_DONE
+        error = as_api_error(e)
+        yield sse(error_body(error.message, error.type, error.param, error.code))
+        yield SSE_DONE
     finally:
         watcher.cancel()
         prepared.abort_all()

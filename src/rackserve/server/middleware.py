@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rackserve.server.serving import ApiError
+from rackserve.server.errors import ApiError
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping", "/server_info"})
 # Deeper JSON is refused before validation: recursive decoders and validators would

@@ -172,7 +172,7 @@ _CHANNEL_OF = {
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from rackserve.server.cli import parse_bytes
+    from rackserve.server.options import parse_bytes
 
     p = subparsers.add_parser(
         "kv-pool", help="host KV pool server shared by the engines of this host"
