@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rackserve.engine.output_processor import TokenLogprob
+from rackserve.engine.request_output import TokenLogprob
 from rackserve.request import (
     INT64_MAX,
     INT64_MIN,

@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 from fastapi.responses import JSONResponse
 
-from rackserve.engine.output_processor import (
+from rackserve.engine.request_output import (
     CompletionOutput,
     RequestOutput,
     RequestOutputKind,
