@@ -28,7 +28,8 @@ from rackserve.config import (
     SpecConfig,
 )
 from rackserve.engine.core import EngineCore
-from rackserve.engine.output_processor import OutputProcessor, RequestOutput
+from rackserve.engine.output_processor import OutputProcessor
+from rackserve.engine.request_output import RequestOutput
 from rackserve.request import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]

@@ -25,8 +25,8 @@ from rackserve.config import (
 )
 from rackserve.engine.dp_client import DPAsyncEngineClient
 from rackserve.engine.dp_process import kv_transfer_for_rank
-from rackserve.engine.output_processor import RequestOutputKind
 from rackserve.engine.outputs import EngineCoreRequest
+from rackserve.engine.request_output import RequestOutputKind
 from rackserve.model.create import create_checkpoint
 from rackserve.model.presets import tiny_config
 from rackserve.request import KVTransferParams, SamplingParams

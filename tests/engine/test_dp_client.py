@@ -15,8 +15,8 @@ from rackserve.config import ParallelConfig
 from rackserve.engine.dp import DPLoadTracker, LeastLoad, RoundRobin, make_policy
 from rackserve.engine.dp_client import DPAsyncEngineClient, merge_stats
 from rackserve.engine.dp_process import num_dp_ports, run_headless
-from rackserve.engine.output_processor import RequestOutputKind
 from rackserve.engine.outputs import SchedulerStats
+from rackserve.engine.request_output import RequestOutputKind
 from rackserve.parallel.groups import free_port_block
 from rackserve.request import SamplingParams
 

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoTokenizer
 
 from rackserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from rackserve.engine.core import plan_kv_cache
+from rackserve.engine.kv_budget import plan_kv_cache
 from rackserve.engine.outputs import EngineCoreRequest
 from rackserve.kv.spec import capacity_tokens
 from rackserve.model.create import create_checkpoint

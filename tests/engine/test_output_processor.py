@@ -6,8 +6,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from rackserve.engine.detokenizer import Detokenizer, special_token_ids
-from rackserve.engine.output_processor import OutputProcessor, RequestOutputKind
+from rackserve.engine.output_processor import OutputProcessor
 from rackserve.engine.outputs import EngineCoreOutput, EngineCoreOutputs, Logprob
+from rackserve.engine.request_output import RequestOutputKind
 from rackserve.model.tokenizer import EOS_TOKEN_ID, write_tokenizer
 from rackserve.request import SamplingParams
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import random
+
 from rackserve.engine.stop import (
     StopDecision,
     check_stop,
     check_stop_strings,
     check_stop_token,
+    check_stop_tokens,
     stream_holdback_chars,
 )
 from rackserve.request import SamplingParams
@@ -43,6 +46,31 @@ def test_nothing_stops_before_min_tokens():
     assert check_stop_token(params, 9, 2, EOS) is None
     assert check_stop(params, 5, 2, EOS, text="axb", num_new_chars=1) is None
     assert check_stop_token(params, 1, 3, EOS) == StopDecision(kind="stop")
+
+
+def test_several_tokens_stop_at_the_first_that_would_alone():
+    """check_stop_tokens = check_stop_token on each token appended one by one."""
+    rng = random.Random(0)
+    for _ in range(2000):
+        max_tokens = rng.randint(1, 8)
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            min_tokens=rng.randint(0, min(3, max_tokens)),
+            stop_token_ids=rng.sample(range(2, 6), rng.randint(0, 2)),
+            ignore_eos=rng.random() < 0.2,
+        )
+        tokens = [rng.randint(1, 7) for _ in range(rng.randint(1, 5))]
+        num_output, num_tokens, max_model_len = rng.randint(0, 4), rng.randint(5, 12), 14
+        expected = None
+        for j, token in enumerate(tokens, 1):
+            decision = check_stop_token(
+                params, token, num_output + j, EOS, num_tokens + j, max_model_len
+            )
+            if decision is not None:
+                expected = (j, decision)
+                break
+        got = check_stop_tokens(params, tokens, num_output, EOS, num_tokens, max_model_len)
+        assert got == expected, (params, tokens, num_output, num_tokens)
 
 
 def test_stop_string_truncates_text():

@@ -312,7 +312,7 @@ def test_fast_path_on_fp8_caches_matches_the_reference_path(long):
 
 
 def test_engine_takes_fp8_caches_on_every_device():
-    from rackserve.engine.core import kv_cache_dtype
+    from rackserve.engine.kv_budget import kv_cache_dtype
 
     for device in ("cpu", "cuda"):  # the GPU kernels read and write e4m3 rows now
         assert kv_cache_dtype("fp8", torch.device(device)) == FP8

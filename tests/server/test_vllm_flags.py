@@ -14,7 +14,7 @@ from test_api import AUTH
 
 from rackserve.cli import build_parser
 from rackserve.config import CacheConfig
-from rackserve.engine.core import kv_budget_bytes
+from rackserve.engine.kv_budget import kv_budget_bytes
 from rackserve.engine.output_processor import FinishedRequestStats, IterationStats
 from rackserve.engine.outputs import SchedulerStats
 from rackserve.server.metrics import ServerMetrics, StatsLogLine

@@ -11,12 +11,12 @@ and sends the follow-up requests it returns.
                                 prompt is in the prefix cache for them)
 
 Per token it detokenizes incrementally (``engine/detokenizer.py``), checks stop strings
-(``engine/stop.py``), collects logprobs, and records the timings that the metrics need.
+(``engine/stop.py``), collects logprobs, and records the timings that the metrics need. The
+``RequestOutput``s it returns have vLLM's shapes (``engine/request_output.py``).
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from collections.abc import Iterable
@@ -25,60 +25,16 @@ from typing import Any
 
 from rackserve.engine.detokenizer import Detokenizer, special_token_ids
 from rackserve.engine.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, Logprob
+from rackserve.engine.request_output import (
+    CompletionOutput,
+    RequestOutput,
+    RequestOutputKind,
+    TokenLogprob,
+)
 from rackserve.engine.stop import check_stop_strings, stream_holdback_chars
 from rackserve.request import FinishReason, SamplingParams, child_seed
 
 logger = logging.getLogger(__name__)
-
-
-class RequestOutputKind(enum.Enum):
-    """What each RequestOutput carries: only new text/tokens (streaming), everything so far,
-    or one output when the request finished (offline generate)."""
-
-    DELTA = "delta"
-    CUMULATIVE = "cumulative"
-    FINAL_ONLY = "final_only"
-
-
-@dataclass
-class TokenLogprob:
-    """One generated (or prompt) position: the chosen token and the top alternatives."""
-
-    token_id: int
-    token: str  # decoded text of the token
-    logprob: float
-    rank: int  # 1 = the most likely token
-    top: list[tuple[int, str, float]]  # (token id, decoded text, logprob), best first
-
-
-@dataclass
-class CompletionOutput:
-    """One of the n completions of a request (vLLM's shape)."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    cumulative_logprob: float | None
-    logprobs: list[TokenLogprob] | None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class RequestOutput:
-    """The state (or, in DELTA mode, the news) of one client request (vLLM's shape)."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    prompt_logprobs: list[TokenLogprob | None] | None
-    outputs: list[CompletionOutput]
-    finished: bool
-    num_cached_tokens: int = 0
 
 
 @dataclass

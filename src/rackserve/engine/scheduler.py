@@ -27,7 +27,7 @@ from rackserve.engine.outputs import (
     SchedulerStats,
 )
 from rackserve.engine.request_queue import WaitingQueue
-from rackserve.engine.stop import StopDecision, check_stop_token
+from rackserve.engine.stop import StopDecision, check_stop_tokens
 from rackserve.kv.manager import KVCacheManager
 from rackserve.kv.offload import KVOffloader, LoadStart
 from rackserve.request import Request, RequestStatus
@@ -181,14 +181,13 @@ class Scheduler:
         params, num_output = req.sampling_params, len(req.output_token_ids)
         if num_output or not token_ids:
             return False
-        decision = None
-        for j, token in enumerate(token_ids, 1):
-            decision = check_stop_token(
-                params, token, j, self.eos_token_ids, req.num_tokens + j, self.config.max_model_len
-            )
-            if decision is not None:
-                token_ids = token_ids[:j]
-                break
+        decision, max_model_len = None, self.config.max_model_len
+        stop = check_stop_tokens(
+            params, token_ids, num_output, self.eos_token_ids, req.num_tokens, max_model_len
+        )
+        if stop is not None:
+            num_kept, decision = stop
+            token_ids = token_ids[:num_kept]
         req.append_output_token_ids(token_ids)
         out = EngineCoreOutput(
             request_id=req.request_id,
@@ -502,33 +501,18 @@ class Scheduler:
             num_output, num_tokens = len(req.output_token_ids), len(req.all_token_ids)
             num_accepted = len(sampled)
             # Counts only grow with j: when none of the tokens can stop the request (the
-            # usual decode step), the per-token loop is skipped.
+            # usual decode step), the per-token scan (check_stop_tokens) is skipped.
             if (
                 num_output + num_accepted >= params.max_tokens
                 or num_tokens + num_accepted >= max_model_len
                 or not eos_set.isdisjoint(sampled)
                 or (params.stop_token_ids and not set(params.stop_token_ids).isdisjoint(sampled))
             ):
-                for j, token in enumerate(sampled, 1):
-                    # A token can only stop the request if one of these holds; the full check
-                    # (min_tokens, ignore_eos, which reason) runs for those few tokens only.
-                    if (
-                        token in eos_token_ids
-                        or token in params.stop_token_ids
-                        or num_output + j >= params.max_tokens
-                        or num_tokens + j >= max_model_len
-                    ):
-                        decision = check_stop_token(
-                            params,
-                            token,
-                            num_output + j,
-                            eos_token_ids,
-                            num_tokens + j,
-                            max_model_len,
-                        )
-                        if decision is not None:
-                            num_accepted = j
-                            break
+                stop = check_stop_tokens(
+                    params, sampled, num_output, eos_token_ids, num_tokens, max_model_len
+                )
+                if stop is not None:
+                    num_accepted, decision = stop
             # The runner hands its lists over (as vLLM's does): no copy unless cut at a stop.
             accepted = sampled if num_accepted == len(sampled) else sampled[:num_accepted]
             req.append_output_token_ids(accepted)

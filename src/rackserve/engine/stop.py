@@ -2,9 +2,9 @@
 
 Two halves, because they run in different processes: the engine core checks token-level
 conditions (`check_stop_token`: EOS, stop_token_ids, max_tokens, context length) right after
-sampling; the API process checks stop strings (`check_stop_strings`) on the incrementally
-detokenized text and aborts the request when one matches. `check_stop` runs both, for the
-single-process path and tests.
+sampling, `check_stop_tokens` over several tokens appended at once; the API process checks
+stop strings (`check_stop_strings`) on the incrementally detokenized text and aborts the
+request when one matches. `check_stop` runs both, for the single-process path and tests.
 
 A stop-string match wins over a length stop at the same token (vLLM does the same): the text
 is truncated either way and "stop" tells the client why.
@@ -12,7 +12,7 @@ is truncated either way and "stop" tells the client why.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -57,6 +57,41 @@ def check_stop_token(
         return StopDecision(kind="length")
     if num_tokens is not None and max_model_len is not None and num_tokens >= max_model_len:
         return StopDecision(kind="length")
+    return None
+
+
+def check_stop_tokens(
+    params: SamplingParams,
+    token_ids: Sequence[int],
+    num_output_tokens: int,
+    eos_token_ids: Collection[int],
+    num_tokens: int,
+    max_model_len: int,
+) -> tuple[int, StopDecision] | None:
+    """Token-level stop over several tokens appended at once (a step's accepted drafts, the
+    first tokens a P/D prefill engine sampled), as if they were appended one by one:
+    ``num_output_tokens`` and ``num_tokens`` count the tokens before the first of them.
+    Returns how many are kept (up to and including the one that stops the request) and
+    why, or None when none stops it."""
+    for j, token in enumerate(token_ids, 1):
+        # A token can only stop the request if one of these holds; the full check
+        # (min_tokens, ignore_eos, which reason) runs for those few tokens only.
+        if (
+            token in eos_token_ids
+            or token in params.stop_token_ids
+            or num_output_tokens + j >= params.max_tokens
+            or num_tokens + j >= max_model_len
+        ):
+            decision = check_stop_token(
+                params,
+                token,
+                num_output_tokens + j,
+                eos_token_ids,
+                num_tokens + j,
+                max_model_len,
+            )
+            if decision is not None:
+                return j, decision
     return None
 
 

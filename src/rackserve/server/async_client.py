@@ -27,7 +27,7 @@ import zmq
 import zmq.asyncio
 
 from rackserve.config import EngineConfig
-from rackserve.engine.output_processor import OutputProcessor, RequestOutput, RequestOutputKind
+from rackserve.engine.output_processor import OutputProcessor
 from rackserve.engine.outputs import EngineCoreRequest
 from rackserve.engine.process import (
     DEFAULT_CORE_FACTORY,
@@ -41,6 +41,7 @@ from rackserve.engine.process import (
     encode_message,
     run_engine_core,
 )
+from rackserve.engine.request_output import RequestOutput, RequestOutputKind
 from rackserve.request import SamplingParams
 from rackserve.server.metrics import ServerMetrics
 

@@ -305,7 +305,7 @@ def preflight(options: dict[str, Any], engine_config: Any) -> None:
     check_spec_checkpoint(engine_config.speculative, options["model"])
     if engine_config.cache.kv_cache_memory is not None:
         from rackserve.device import resolve
-        from rackserve.engine.core import plan_kv_cache
+        from rackserve.engine.kv_budget import plan_kv_cache
 
         _, dtype = resolve(engine_config.device, engine_config.dtype)
         plan_kv_cache(engine_config, dtype, engine_config.cache.kv_cache_memory)

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
-from rackserve.engine.output_processor import (
+from rackserve.engine.request_output import (
     CompletionOutput,
     RequestOutput,
     RequestOutputKind,

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from rackserve.engine.output_processor import TokenLogprob
+from rackserve.engine.request_output import TokenLogprob
 
 SSE_DONE = "data: [DONE]\n\n"
 
