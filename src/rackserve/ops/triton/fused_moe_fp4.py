@@ -85,14 +85,15 @@ def default_tiling(num_tokens: int, top_k: int, num_experts: int, device: torch.
     # 110 to 89 us, T = 64 from 954 to 683, T = 256 from 1,167 (tl.dot_scaled) to 1,075
     # (2026-12-03); prefill-sized blocks keep tl.dot_scaled (the PTX decoder is not timed
     # there). Stacked h in both decode tiers: T = 1 from 88.9 to 72.9 us, T = 64 from 679.1
-    # to 593.8, T = 256 from 1,071.5 to 851.7 (2026-12-03-h200-s18.md)
+    # to 593.8, T = 256 from 1,071.5 to 851.7 (2026-12-03-h200-s18.md). The down kernel's
+    # grid with the n-tiles fastest, as fused_moe's: the whole op at T = 64 610.5 -> 599.9 us,
+    # T = 256 849.1 -> 845.2 (2026-12-04-h200-s19.md)
     if pairs >= 64 * num_experts:
         return Fp4Tiling(64, 64, 128, 128, 8, 3, segment, fp16_bits=True, dot_scaled=True)
+    decode = dict(fp16_bits=True, asm_decode=True, stack_h=True, down_tile_fastest=True)
     if pairs <= 16 * num_experts:
-        return Fp4Tiling(
-            16, 32, 64, 128, 4, 4, segment, fp16_bits=True, asm_decode=True, stack_h=True
-        )
-    return Fp4Tiling(32, 64, 128, 128, 4, 3, segment, fp16_bits=True, asm_decode=True, stack_h=True)
+        return Fp4Tiling(16, 32, 64, 128, 4, 4, segment, **decode)
+    return Fp4Tiling(32, 64, 128, 128, 4, 3, segment, **decode)
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
