@@ -150,11 +150,12 @@ def moe_gate_up_fp4_kernel(
     ASM_DECODE: tl.constexpr,  # bf16 x, ue8m0 scales on a GPU: the inline-PTX decoder
     STACK_H: tl.constexpr,  # h [2R, I] 16-bit: hi / lo rows per block, even / odd columns
 ):
-    expert = tl.load(block_expert_ptr + tl.program_id(0))
+    block, tile = program_block(False)
+    expert = tl.load(block_expert_ptr + block)
     if expert >= num_experts:
         return
     rows, pair, row_ok, cols, col_ok = block_tile(
-        sorted_ptr, num_pairs, inter, tl.program_id(0), tl.program_id(1), BLOCK_M, BLOCK_N
+        sorted_ptr, num_pairs, inter, block, tile, BLOCK_M, BLOCK_N
     )
     token = tl.where(row_ok, pair // top_k, 0)
     kk = tl.arange(0, BLOCK_K)
@@ -196,8 +197,8 @@ def moe_gate_up_fp4_kernel(
             else:
                 even, odd = fp4_decode(cur_up_w, cur_up_s, BLOCK_K, BLOCK_N, FP16_BITS)
             acc_up = _dot2(a_even, a_odd, even, odd, acc_up, IEEE)
-    store_h(acc_gate, acc_up, limit, h_ptr, rows, cols, col_ok, stride_ht, inter, BLOCK_M,
-            STACK_H, True)  # fmt: skip
+    store_h(acc_gate, acc_up, limit, h_ptr, block, rows, cols, col_ok, stride_ht, inter,
+            BLOCK_M, STACK_H, True)  # fmt: skip
 
 
 @triton.jit

@@ -99,20 +99,30 @@ def store_swiglu(acc_gate, acc_up, limit, h_ptr, rows, cols, col_ok, stride_ht):
 
 
 @triton.jit
-def store_h(acc_gate, acc_up, limit, h_ptr, rows, cols, col_ok, stride_ht, inter,
+def store_h(acc_gate, acc_up, limit, h_ptr, block, rows, cols, col_ok, stride_ht, inter,
             BLOCK_M: tl.constexpr, STACK_H: tl.constexpr, EVEN_ODD: tl.constexpr):  # fmt: skip
     """The gate-up epilogue into h: fp32 rows (``store_swiglu``), or STACK_H's 16-bit hi / lo
     rows per block (``store_swiglu_stacked``; EVEN_ODD: even columns first)."""
     if STACK_H:
         store_swiglu_stacked(
-            acc_gate, acc_up, limit, h_ptr, cols, col_ok, stride_ht, inter, BLOCK_M, EVEN_ODD
+            acc_gate,
+            acc_up,
+            limit,
+            h_ptr,
+            block,
+            cols,
+            col_ok,
+            stride_ht,
+            inter,
+            BLOCK_M,
+            EVEN_ODD,
         )
     else:
         store_swiglu(acc_gate, acc_up, limit, h_ptr, rows, cols, col_ok, stride_ht)
 
 
 @triton.jit
-def store_swiglu_stacked(acc_gate, acc_up, limit, h_ptr, cols, col_ok, stride_ht, inter,
+def store_swiglu_stacked(acc_gate, acc_up, limit, h_ptr, block, cols, col_ok, stride_ht, inter,
                          BLOCK_M: tl.constexpr, EVEN_ODD: tl.constexpr):  # fmt: skip
     """``store_swiglu`` as h's 16-bit hi and lo parts, stacked per block (``STACK_H``);
     EVEN_ODD: each row's even columns first, then its odd ones (the FP4 down kernel's two
@@ -120,7 +130,7 @@ def store_swiglu_stacked(acc_gate, acc_up, limit, h_ptr, cols, col_ok, stride_ht
     h = _swiglu(acc_gate, acc_up, limit)
     hi = h.to(h_ptr.dtype.element_ty)
     lo = (h - hi.to(tl.float32)).to(h_ptr.dtype.element_ty)
-    hi_rows = tl.program_id(0) * (2 * BLOCK_M) + tl.arange(0, BLOCK_M)
+    hi_rows = block * (2 * BLOCK_M) + tl.arange(0, BLOCK_M)
     if EVEN_ODD:
         cols = (cols % 2) * (inter // 2) + cols // 2
     h_ptrs = h_ptr + hi_rows[:, None].to(tl.int64) * stride_ht + cols[None, :]
@@ -162,10 +172,10 @@ def moe_gate_up_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
     pdl_wait(PDL)
-    expert = tl.load(block_expert_ptr + tl.program_id(0))
+    block, tile = program_block(False)
+    expert = tl.load(block_expert_ptr + block)
     if expert >= num_experts:
         return
-    block, tile = program_block(False)
     rows, pair, row_ok, cols, col_ok = block_tile(
         sorted_ptr, num_pairs, inter, block, tile, BLOCK_M, BLOCK_N
     )
@@ -188,8 +198,8 @@ def moe_gate_up_kernel(
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K * stride_wk
         up_ptrs += BLOCK_K * stride_wk
-    store_h(acc_gate, acc_up, limit, h_ptr, rows, cols, col_ok, stride_ht, inter, BLOCK_M,
-            STACK_H, False)  # fmt: skip
+    store_h(acc_gate, acc_up, limit, h_ptr, block, rows, cols, col_ok, stride_ht, inter,
+            BLOCK_M, STACK_H, False)  # fmt: skip
 
 
 @triton.jit
