@@ -23,25 +23,15 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from rackserve.bench.forward import BatchSpec, synthetic_step
-from rackserve.model.create import init_model_
-from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
-from rackserve.model.presets import preset_config
 from rackserve.runner.cuda_graph import DecodeGraphs
 from rackserve.runner.step_buffers import StepBuffers
 
+from bench_timing import bench_model, eager_step, events_ms
 
-def _events(fn, iters: int = 30) -> float:
-    """Median milliseconds of ``fn`` between two CUDA events."""
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+
+def _events(fn) -> float:
+    """Median milliseconds of ``fn`` between two CUDA events (30 calls)."""
+    return statistics.median(events_ms(fn))
 
 
 def _kernels(fn) -> dict[str, list[float]]:
@@ -155,19 +145,9 @@ def _variant(model, s, fast_metadata: bool) -> dict:
 
 @torch.inference_mode()
 def measure(batch: str) -> dict:
-    cfg = preset_config("v4-flash", 4, 64)
-    with torch.device("cuda"):
-        model = DeepseekV4ForCausalLM(cfg, with_mtp=False)
-    init_model_(model.cast(torch.bfloat16), seed=0)
-    s = synthetic_step(model.eval(), BatchSpec.parse(batch))
+    model = bench_model()
     # the eager forward + logits, as profile_forward.py profiles it (metadata built before)
-    buffers = StepBuffers(s.groups, s.input_batch.block_tables, "cuda")
-    input_ids, meta, idx = buffers.eager_step(s.step.inputs, s.step.table_writes)
-
-    def eager() -> None:
-        hidden, _ = model(input_ids, meta, s.caches)
-        model.compute_logits(hidden[idx])
-
+    eager, s = eager_step(model, batch)
     for _ in range(3):
         eager()
     eager_kernels = _kernels(eager)

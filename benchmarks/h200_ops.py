@@ -20,22 +20,17 @@ import statistics
 
 import torch
 
+from bench_timing import events_ms
+
 PEAK_BF16 = 989e12  # H200 SXM datasheet, dense
 PEAK_HBM = 4.8e12  # H200 SXM datasheet
 
 
 def cuda_time(fn, iters: int = 20, warmup: int = 5) -> float:
+    """Median seconds of ``fn`` between CUDA events, after ``warmup`` calls."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    return statistics.median(events_ms(fn, iters)) / 1e3
 
 
 def record(kind: str, shape: str, measured: float, flops: float, nbytes: float) -> dict:

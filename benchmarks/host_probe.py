@@ -23,23 +23,14 @@ import time
 import torch
 
 from rackserve.bench.forward import BatchSpec, synthetic_step
-from rackserve.model.create import init_model_
-from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
-from rackserve.model.presets import preset_config
 from rackserve.runner.cuda_graph import DecodeGraphs
 from rackserve.runner.step_buffers import StepBuffers
 
+from bench_timing import bench_model, eager_step, events_ms
 
-def _events_ms(fn, iters: int = 30) -> float:
-    out = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end))
-    return statistics.median(out)
+
+def _events_ms(fn) -> float:
+    return statistics.median(events_ms(fn))
 
 
 def _host_ms(fn, iters: int = 30) -> float:
@@ -80,14 +71,7 @@ def decode(model, text: str) -> dict:
 
 @torch.inference_mode()
 def prefill(model, text: str, top: int) -> dict:
-    s = synthetic_step(model, BatchSpec.parse(text))
-    buffers = StepBuffers(s.groups, s.input_batch.block_tables, "cuda")
-    input_ids, meta, logits_indices = buffers.eager_step(s.step.inputs, s.step.table_writes)
-
-    def run() -> None:
-        hidden, _ = model(input_ids, meta, s.caches)
-        model.compute_logits(hidden[logits_indices])
-
+    run, _ = eager_step(model, text)
     for _ in range(3):
         run()
     torch.cuda.synchronize()
@@ -113,11 +97,7 @@ def main() -> None:
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--output", default=None)
     args = p.parse_args()
-    cfg = preset_config("v4-flash", 4, 64)
-    with torch.device("cuda"):
-        model = DeepseekV4ForCausalLM(cfg, with_mtp=False)
-    init_model_(model.cast(torch.bfloat16), seed=0)
-    model.eval()
+    model = bench_model()
     records = []
     for text in args.decode:
         r = decode(model, text)

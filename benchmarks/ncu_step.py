@@ -16,11 +16,7 @@ import argparse
 
 import torch
 
-from rackserve.bench.forward import BatchSpec, synthetic_step
-from rackserve.model.create import init_model_
-from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
-from rackserve.model.presets import preset_config
-from rackserve.runner.step_buffers import StepBuffers
+from bench_timing import bench_model, eager_step
 
 
 @torch.inference_mode()
@@ -30,18 +26,10 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=64)
     args = p.parse_args()
-    cfg = preset_config("v4-flash", args.layers, args.experts)
-    with torch.device("cuda"):
-        model = DeepseekV4ForCausalLM(cfg, with_mtp=False)
-    init_model_(model.cast(torch.bfloat16), seed=0)
-    model.eval()
-    s = synthetic_step(model, BatchSpec.parse(args.batch))
-    buffers = StepBuffers(s.groups, s.input_batch.block_tables, "cuda")
-    input_ids, meta, logits_indices = buffers.eager_step(s.step.inputs, s.step.table_writes)
+    run, _ = eager_step(bench_model(args.layers, args.experts), args.batch)
     for name in ("warm-up", "profiled"):
         torch.cuda.nvtx.range_push(name)
-        hidden, _ = model(input_ids, meta, s.caches)
-        model.compute_logits(hidden[logits_indices])
+        run()
         torch.cuda.synchronize()
         torch.cuda.nvtx.range_pop()
 

@@ -20,39 +20,18 @@ import time
 
 import torch
 
-from rackserve.bench.forward import BatchSpec, synthetic_step
-from rackserve.model.create import init_model_
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
-from rackserve.model.presets import preset_config
-from rackserve.runner.step_buffers import StepBuffers
 
-
-def _events_ms(fn, iters: int) -> list[float]:
-    out = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end))
-    return out
+from bench_timing import bench_model, eager_step, events_ms
 
 
 @torch.inference_mode()
 def probe(model: DeepseekV4ForCausalLM, text: str, iters: int) -> dict:
-    s = synthetic_step(model, BatchSpec.parse(text))
-    buffers = StepBuffers(s.groups, s.input_batch.block_tables, "cuda")
-    input_ids, meta, logits_indices = buffers.eager_step(s.step.inputs, s.step.table_writes)
-
-    def run() -> None:
-        hidden, _ = model(input_ids, meta, s.caches)
-        model.compute_logits(hidden[logits_indices])
-
+    run, _ = eager_step(model, text)
     for _ in range(3):
         run()
     torch.cuda.synchronize()
-    record: dict = {"batch": text, "eager_ms": _events_ms(run, iters)}
+    record: dict = {"batch": text, "eager_ms": events_ms(run, iters)}
     enqueue = []
     for _ in range(iters):
         torch.cuda.synchronize()
@@ -72,7 +51,7 @@ def probe(model: DeepseekV4ForCausalLM, text: str, iters: int) -> dict:
             run()
         graph.replay()
         torch.cuda.synchronize()
-        record["graph_ms"] = _events_ms(graph.replay, iters)
+        record["graph_ms"] = events_ms(graph.replay, iters)
     except Exception as exc:  # the reason is the finding
         record["graph_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     for key in ("eager_ms", "enqueue_ms", "graph_ms"):
@@ -89,11 +68,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--output", default=None)
     args = p.parse_args()
-    cfg = preset_config("v4-flash", args.layers, args.experts)
-    with torch.device("cuda"):
-        model = DeepseekV4ForCausalLM(cfg, with_mtp=False)
-    init_model_(model.cast(torch.bfloat16), seed=0)
-    model.eval()
+    model = bench_model(args.layers, args.experts)
     records = []
     for text in args.batch:
         r = probe(model, text, args.iters)

@@ -11,7 +11,6 @@ Usage: python3 benchmarks/profile_forward.py --batch decode:64@4096 [--layers 4 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import tempfile
@@ -20,16 +19,7 @@ from collections import Counter, defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from rackserve.bench.forward import BatchSpec, synthetic_step
-from rackserve.model.create import init_model_
-from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
-from rackserve.model.presets import preset_config
-from rackserve.runner.step_buffers import StepBuffers
-
-
-def _forward(model, input_ids, meta, caches, logits_indices) -> None:
-    hidden, _ = model(input_ids, meta, caches)
-    model.compute_logits(hidden[logits_indices])
+from bench_timing import bench_model, eager_step
 
 
 def layer_launches(model, run) -> tuple[dict[str, int], object]:
@@ -95,24 +85,15 @@ def main() -> None:
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--output", default=None)
     args = p.parse_args()
-    cfg = preset_config("v4-flash", args.layers, args.experts)
-    with torch.device("cuda"):
-        model = DeepseekV4ForCausalLM(cfg, with_mtp=False)
-    init_model_(model.cast(torch.bfloat16), seed=0)
-    model.eval()
+    model = bench_model(args.layers, args.experts)
     report = {}
     for text in args.batch:
-        s = synthetic_step(model, BatchSpec.parse(text))
-        buffers = StepBuffers(s.groups, s.input_batch.block_tables, "cuda")
         with torch.inference_mode():
-            input_ids, meta, idx = buffers.eager_step(s.step.inputs, s.step.table_writes)
-
+            run, _ = eager_step(model, text)
             for _ in range(3):
-                _forward(model, input_ids, meta, s.caches, idx)
+                run()
             torch.cuda.synchronize()
-            per_layer, prof = layer_launches(
-                model, functools.partial(_forward, model, input_ids, meta, s.caches, idx)
-            )
+            per_layer, prof = layer_launches(model, run)
         totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
         for e in prof.events():
             if e.device_type == torch.autograd.DeviceType.CUDA:
