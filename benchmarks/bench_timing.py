@@ -5,6 +5,7 @@ the bench model and its eager step that the forward probes (``graph_gap.py``,
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Callable
 
 import torch
@@ -46,6 +47,19 @@ def events_ms(fn: Callable[[], object], iters: int = 30) -> list[float]:
         end.record()
         end.synchronize()
         out.append(start.elapsed_time(end))
+    return out
+
+
+def host_ms(fn: Callable[[], object], iters: int = 30) -> list[float]:
+    """Milliseconds of host time of each of ``iters`` calls of ``fn``, the GPU idle at each
+    start: how long the host takes to issue the work (no sync inside ``fn``)."""
+    out = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
     return out
 
 

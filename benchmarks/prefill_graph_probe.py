@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 
-from bench_timing import bench_model, eager_step, events_ms
+from bench_timing import bench_model, eager_step, events_ms, host_ms
 
 
 @torch.inference_mode()
@@ -32,14 +31,7 @@ def probe(model: DeepseekV4ForCausalLM, text: str, iters: int) -> dict:
         run()
     torch.cuda.synchronize()
     record: dict = {"batch": text, "eager_ms": events_ms(run, iters)}
-    enqueue = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        run()
-        enqueue.append((time.perf_counter() - t0) * 1e3)
-    torch.cuda.synchronize()
-    record["enqueue_ms"] = enqueue
+    record["enqueue_ms"] = host_ms(run, iters)
     try:
         graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream()
