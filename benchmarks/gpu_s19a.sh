@@ -4,6 +4,8 @@
 # at the decode gates); whether eager prefill waits on the host (eager vs a captured graph
 # of the same forward, and its kernels by time); Nsight Compute on decode:256's largest
 # kernels; the decode:1 replay kernel by kernel.
+# A record of the call made at 81f329c: its TMA kernels and the sweep's --tma went in
+# f128f72 (no gain), so at later commits the TMA parts fail.
 # Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/gpu_s19a.sh     (BUDGET_S: total seconds)
 set -uo pipefail
 BUDGET_S=${BUDGET_S:-540}
