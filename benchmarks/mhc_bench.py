@@ -64,7 +64,12 @@ def _variants(t: int, device: torch.device) -> dict[str, mhc.Tiling]:
         "bf16x3": rep(base, gemm_precision="bf16x3", gemm_gemv=False, fused=False),
         "finish_d1024": rep(base, finish_block_d=1024, finish_warps=4),
         "post_d2048_w8": rep(base, post_block_d=2048, post_warps=8),
+        "k1_3d": rep(base, gemm_flat=False),  # K1 in [T, N, D] tiles (before 2026-12-04)
+        "k1_d*4": rep(base, gemm_block_d=base.gemm_block_d * 4),
+        "k1_w8": rep(base, gemm_warps=8),
     }
+    if not base.post_apart:  # hc_post's kernel expands, then the flat K1
+        variants["apart_expand"] = rep(base, post_apart=True)
     if base.gemm_gemv:  # T <= 4: K1 one token per program, FMA row sums; the M2 K1 instead
         variants["fused" if not base.fused else "unfused"] = rep(base, fused=not base.fused)
         variants["gemv_off"] = rep(base, gemm_gemv=False, fused=False)

@@ -86,6 +86,9 @@ class Tiling:
     # program. A program of one token runs the 4 x 4 Sinkhorn chain in every thread: about
     # 0.2 of K2's 0.29 ms at 8192 tokens (sm_90 PTX, 2026-12-02)
     mixes_block_t: int = 0
+    # K1 without an expand (hc_pre, hc_head, post_apart) reads the streams as [T, N*D] rows
+    # in 2D tiles of N * gemm_block_d contiguous columns, its splits runs of those columns
+    gemm_flat: bool = True
 
 
 @functools.lru_cache(maxsize=8)
@@ -325,10 +328,14 @@ def _launch(
     block_d = min(tiling.gemm_block_d, triton.next_power_of_2(hidden))
     gemm_block_t = 1 if tiling.gemm_gemv else tiling.gemm_block_t
     t_blocks = triton.cdiv(num_tokens, gemm_block_t)
-    d_blocks = triton.cdiv(hidden, block_d)
-    splits = max(1, min(d_blocks, triton.cdiv(tiling.gemm_programs, t_blocks)))
-    d_per_split = triton.cdiv(d_blocks, splits) * block_d
-    splits = triton.cdiv(hidden, d_per_split)  # no split without columns
+    # K1's splits: runs of hidden columns (of all N streams), or with a flat K1 runs of the
+    # [T, N*D] rows' columns, block_n * block_d of them a step
+    flat = expand is None and tiling.gemm_flat and not (tiling.fused and tiling.gemm_gemv)
+    cols, step = (n * hidden, block_n * block_d) if flat else (hidden, block_d)
+    col_blocks = triton.cdiv(cols, step)
+    splits = max(1, min(col_blocks, triton.cdiv(tiling.gemm_programs, t_blocks)))
+    d_per_split = triton.cdiv(col_blocks, splits) * step
+    splits = triton.cdiv(cols, d_per_split)  # no split without columns
     mix = _empty((splits, num_tokens, block_m), torch.float32, device)
     sq = _empty((splits, num_tokens), torch.float32, device)
     bo, prev_post, prev_comb = expand if expand is not None else (_BlockOut(x, x, 0, 0), x, x)
@@ -367,7 +374,7 @@ def _launch(
         mix.stride(0), mix.stride(1), sq.stride(0), block_out.stride(0), *slot_args,
         N=n, BLOCK_N=block_n, BLOCK_T=gemm_block_t, BLOCK_M=block_m, BLOCK_D=block_d,
         FUSE_POST=expand is not None, SLOTS=bo.top_k > 0, PRECISION=tiling.gemm_precision,
-        GEMV=tiling.gemm_gemv, NATIVE_BF16=device.type == "cuda",
+        GEMV=tiling.gemm_gemv, NATIVE_BF16=device.type == "cuda", FLAT=flat,
         num_warps=tiling.gemm_warps, **pdl(streams.device),
     )  # fmt: skip
 

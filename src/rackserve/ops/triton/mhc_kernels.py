@@ -5,6 +5,9 @@ Shape legend: T tokens, N streams, D hidden, K = N*D input columns, M mixes per 
 
 K1 ``prenorm_gemm_kernel``, grid (cdiv(T, BLOCK_T), S): split s of the K columns writes
     mix[s, t, m] = sum_k streams[t, k] * fn[m, k] and sq[s, t] = sum_k streams[t, k]^2.
+    FLAT (no expand in the prologue): a split is a run of the streams' [T, N*D] columns,
+    read as 2D tiles; else a split is a run of hidden columns of all N streams (the expand
+    mixes the N streams of a column).
     The dot runs in fp32 with input_precision "ieee" (FMA, no TF32: the mixes feed a softmax
     and 20 Sinkhorn steps, and the spec is fp32) or "tf32x3", or ("bf16x3", bf16 streams)
     as three bf16 dots of the streams' own tiles against fn split into bf16 pieces
@@ -60,7 +63,7 @@ def load_block_out(
 
 @triton.jit
 def prenorm_gemm_kernel(
-    x_ptr,  # [T, N, D] streams (FUSE_POST: the streams before the expand)
+    x_ptr,  # [T, N, D] streams (FUSE_POST: the streams before the expand; FLAT: contiguous)
     w_ptr,  # [M, N*D] fp32 ("bf16x3": [3, M, N*D] bf16, hi / mid / lo)
     mix_ptr,  # [S, T, BLOCK_M] fp32 out: partial mixes
     sq_ptr,  # [S, T] fp32 out: partial sums of squares
@@ -71,7 +74,7 @@ def prenorm_gemm_kernel(
     num_tokens,
     hidden,
     num_mixes,
-    d_per_split,
+    d_per_split,  # hidden columns of a split (FLAT: columns of the [T, N*D] rows)
     stride_xt,
     stride_xn,
     stride_wm,
@@ -86,51 +89,60 @@ def prenorm_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # hidden columns a step (FLAT: BLOCK_N * BLOCK_D flat ones)
     FUSE_POST: tl.constexpr,
     SLOTS: tl.constexpr,
     PRECISION: tl.constexpr,
     GEMV: tl.constexpr,  # BLOCK_T = 1: elementwise FMA + row sums instead of tl.dot
     NATIVE_BF16: tl.constexpr,  # "bf16x3" dots on the tensor cores (else fp32 ones: CPU)
+    FLAT: tl.constexpr,  # the streams as [T, N*D] rows, splits of those K columns (no FUSE_POST)
     PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
     pdl_wait(PDL)
-    _prenorm_partials(
-        tl.program_id(0),
-        tl.program_id(1),
-        x_ptr,
-        w_ptr,
-        mix_ptr,
-        sq_ptr,
-        block_out_ptr,
-        post_ptr,
-        comb_ptr,
-        new_ptr,
-        num_tokens,
-        hidden,
-        num_mixes,
-        d_per_split,
-        stride_xt,
-        stride_xn,
-        stride_wm,
-        stride_mix_s,
-        stride_mix_t,
-        stride_sq_s,
-        stride_bt,
-        slot_ids_ptr,
-        top_k,
-        num_experts,
-        N,
-        BLOCK_N,
-        BLOCK_T,
-        BLOCK_M,
-        BLOCK_D,
-        FUSE_POST,
-        SLOTS,
-        PRECISION,
-        GEMV,
-        NATIVE_BF16,
-    )
+    if FLAT:
+        _prenorm_partials_flat(
+            tl.program_id(0), tl.program_id(1), x_ptr, w_ptr, mix_ptr, sq_ptr, num_tokens,
+            N * hidden, num_mixes, d_per_split, stride_xt, stride_wm, stride_mix_s,
+            stride_mix_t, stride_sq_s, BLOCK_T, BLOCK_M, BLOCK_N * BLOCK_D, PRECISION, GEMV,
+            NATIVE_BF16,
+        )  # fmt: skip
+    else:
+        _prenorm_partials(
+            tl.program_id(0),
+            tl.program_id(1),
+            x_ptr,
+            w_ptr,
+            mix_ptr,
+            sq_ptr,
+            block_out_ptr,
+            post_ptr,
+            comb_ptr,
+            new_ptr,
+            num_tokens,
+            hidden,
+            num_mixes,
+            d_per_split,
+            stride_xt,
+            stride_xn,
+            stride_wm,
+            stride_mix_s,
+            stride_mix_t,
+            stride_sq_s,
+            stride_bt,
+            slot_ids_ptr,
+            top_k,
+            num_experts,
+            N,
+            BLOCK_N,
+            BLOCK_T,
+            BLOCK_M,
+            BLOCK_D,
+            FUSE_POST,
+            SLOTS,
+            PRECISION,
+            GEMV,
+            NATIVE_BF16,
+        )
 
 
 @triton.jit
@@ -236,6 +248,67 @@ def _prenorm_partials(
             else:
                 acc = tl.dot(x2, tl.trans(w2), acc, input_precision=PRECISION)
         sq += tl.sum(tl.sum(x * x, axis=2), axis=1)
+    mix_out = mix_ptr + pid_s * stride_mix_s + tok[:, None] * stride_mix_t + m[None, :]
+    tl.store(mix_out, acc, mask=tok_ok[:, None])
+    tl.store(sq_ptr + pid_s * stride_sq_s + tok, sq, mask=tok_ok)
+
+
+@triton.jit
+def _prenorm_partials_flat(
+    pid_t,
+    pid_s,
+    x_ptr,  # [T, K] streams, K = N*D contiguous columns a row
+    w_ptr,  # [M, K] fp32 ("bf16x3": [3, M, K] bf16, hi / mid / lo)
+    mix_ptr,  # [S, T, BLOCK_M] fp32 out: partial mixes
+    sq_ptr,  # [S, T] fp32 out: partial sums of squares
+    num_tokens,
+    num_cols,
+    num_mixes,
+    cols_per_split,  # a multiple of BLOCK_K
+    stride_xt,
+    stride_wm,
+    stride_mix_s,
+    stride_mix_t,
+    stride_sq_s,
+    BLOCK_T: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    GEMV: tl.constexpr,
+    NATIVE_BF16: tl.constexpr,
+):
+    """K1 without the expand: split s owns columns [s * cols_per_split, ...) of the streams
+    read as [T, N*D] rows, a [BLOCK_T, BLOCK_K] tile of contiguous columns a step (the
+    [BLOCK_T, N, BLOCK_D] tiles of ``_prenorm_partials`` read N short runs a row)."""
+    tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = tok < num_tokens
+    m = tl.arange(0, BLOCK_M)
+    m_ok = m < num_mixes
+    acc = tl.zeros((BLOCK_T, BLOCK_M), tl.float32)
+    sq = tl.zeros((BLOCK_T,), tl.float32)
+    x_rows = x_ptr + tok.to(tl.int64)[:, None] * stride_xt
+    c_start = pid_s * cols_per_split
+    for k in range(0, cols_per_split, BLOCK_K):
+        c = c_start + k + tl.arange(0, BLOCK_K)
+        c_ok = c < num_cols
+        x16 = tl.load(x_rows + c[None, :], mask=tok_ok[:, None] & c_ok[None, :], other=0.0)
+        x = x16.to(tl.float32)
+        w_rows = w_ptr + m[:, None] * stride_wm + c[None, :]
+        w_ok = m_ok[:, None] & c_ok[None, :]
+        if PRECISION == "bf16x3":  # lo, mid, hi: the small pieces' sums first
+            for piece in tl.static_range(2, -1, -1):
+                w = tl.load(w_rows + piece * num_mixes * stride_wm, mask=w_ok, other=0.0)
+                if NATIVE_BF16:
+                    acc = tl.dot(x16, tl.trans(w), acc)
+                else:  # the same exact products, summed in fp32
+                    acc = tl.dot(x, tl.trans(w).to(tl.float32), acc, input_precision="ieee")
+        else:
+            w = tl.load(w_rows, mask=w_ok, other=0.0)
+            if GEMV:  # few tokens: fp32 FMA products summed per mix, no dot tile of 16 rows
+                acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+            else:
+                acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        sq += tl.sum(x * x, axis=1)
     mix_out = mix_ptr + pid_s * stride_mix_s + tok[:, None] * stride_mix_t + m[None, :]
     tl.store(mix_out, acc, mask=tok_ok[:, None])
     tl.store(sq_ptr + pid_s * stride_sq_s + tok, sq, mask=tok_ok)
