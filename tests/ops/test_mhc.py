@@ -301,6 +301,48 @@ def test_bf16x3_k1_has_fp32_accuracy(mhc, t, d):
         mhc.hc_pre(*args, tiling=dataclasses.replace(tiling, gemm_gemv=True))
 
 
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("precision", ["ieee", "bf16x3"])
+def test_flat_and_3d_k1_match_reference(mhc, flat, precision):
+    """K1 without the expand (hc_pre, hc_head) in both layouts: the streams as [T, N*D]
+    rows in 2D tiles (``gemm_flat``, splits of N*D columns that start mid-stream here) or
+    in [T, N, D] tiles; fp32 streams with the "ieee" dot, bf16 ones with "bf16x3"."""
+    dtype = torch.float32 if precision == "ieee" else torch.bfloat16
+    tiling = dataclasses.replace(
+        gpu_like_tiling(mhc, 1), gemm_flat=flat, gemm_precision=precision, gemm_programs=15
+    )
+    args = hc_pre_args(37, 320, seed=90, dtype=dtype)
+    streams, fn, base, scale, norm_weight = args[:5]
+    got = mhc.hc_pre(*args, tiling=tiling)
+    head = (fn[:N], base[:N], scale[:1], HC_EPS, NORM_EPS, norm_weight)
+    got_head = mhc.hc_head(streams, *head, tiling=tiling)
+    ref32 = reference.hc_pre(streams.float(), *args[1:])
+    for g, r in zip(got[1:], ref32[1:], strict=True):  # post, comb: fp32 accuracy either way
+        assert_fp32_close(g, r)
+    if dtype == torch.float32:
+        assert_fp32_close(got[0], ref32[0])
+        assert_fp32_close(got_head, reference.hc_head(streams, *head))
+    else:
+        assert_bf16_close(got[0], reference.hc_pre(*args)[0], ref32[0])
+        want = reference.hc_head(streams, *head), reference.hc_head(streams.float(), *head)
+        assert_bf16_close(got_head, *want)
+
+
+def test_fn_pieces_split_once_per_weight(mhc):
+    """The bf16x3 K1 splits fn once and keeps the pieces on fn; a write to fn in place
+    splits it again; the pieces are ``split_bf16x3``'s."""
+    fn = make_block_params(64, seed=91, mixes=(2 + N) * N)[0]
+    first = mhc._fn_pieces(fn)
+    assert torch.equal(first, reference.split_bf16x3(fn))
+    assert mhc._fn_pieces(fn) is first
+    fn.mul_(0.5)
+    again = mhc._fn_pieces(fn)
+    assert again is not first and torch.equal(again, reference.split_bf16x3(fn))
+    with torch.inference_mode():
+        frozen = fn.clone()
+    assert torch.equal(mhc._fn_pieces(frozen), reference.split_bf16x3(frozen))
+
+
 def assert_same_sums(a: torch.Tensor, b: torch.Tensor) -> None:
     """Bitwise on the interpreter. On a GPU the mixes' sums run in another order (a token
     a thread against a token across a program's threads; measured on the H200 at

@@ -49,10 +49,12 @@ MIXES_BLOCK_T = 64
 # and hc_post_pre 589 -> 537 at 8192 tokens, 154 -> 85 and 194 -> 126 at 2048
 K1_WIDE_TILE_MIN_TOKENS = 2048
 # K1's dot for bf16 streams on a GPU: "tf32x3" or "bf16x3" (half the wgmma instructions,
-# no tf32 conversions, plus a launch that splits fn). H200, 2026-12-02, hc_pre: 630 against
-# 672 us at 8192 tokens, 201 against 210 at 2048; hc_post_pre at 2048 slower outside a
-# graph (339 against 306 us): kept off until fn's split is cached with the weights
-BF16_DOT_PRECISION = "tf32x3"
+# no tf32 conversions of the streams' tile; fn's pieces split once per weight, ``_fn_pieces``).
+# H200, 2026-12-04 (mhc_bench, graph replay, results/2026-12-04-h200-s20.md): hc_pre with
+# the flat K1 at 8192 tokens 186.9 us against 526.7 (tf32x3 flat) and 385.4 (tf32x3 in
+# [T, N, D] tiles, the default before); 59.8 against 109.4 / 84.4 at 2048; hc_post_pre at 64
+# tokens 24.8 against 26.7, at 256 37.5 against 35.0 (both with the split launched each call)
+BF16_DOT_PRECISION = "bf16x3"
 SPLIT_BLOCK = 1024  # fn elements per program of the bf16x3 split
 
 
@@ -191,6 +193,28 @@ def split_bf16x3(fn: torch.Tensor) -> torch.Tensor:
     numel = fn.numel()
     split_bf16x3_kernel[(triton.cdiv(numel, SPLIT_BLOCK),)](fn, out, numel, BLOCK=SPLIT_BLOCK)
     return out
+
+
+_PIECES_ATTR = "_rackserve_bf16x3"
+
+
+def _fn_pieces(fn: torch.Tensor) -> torch.Tensor:
+    """fn's bf16x3 pieces, split once per weight: kept on the fn tensor itself (they live
+    and die with it) and split again when fn was written in place since (its version
+    counter). Not stored while a CUDA graph is captured (the graph's pool would own them):
+    the capture then records the split launch, as an uncached call does; nor for a tensor
+    made in inference mode, which has no version counter."""
+    try:
+        version = fn._version
+    except RuntimeError:  # an inference-mode tensor counts no versions: split each call
+        return split_bf16x3(fn)
+    cached = getattr(fn, _PIECES_ATTR, None)
+    if cached is not None and cached[0] == version:
+        return cached[1]
+    pieces = split_bf16x3(fn)
+    if not (fn.is_cuda and torch.cuda.is_current_stream_capturing()):
+        setattr(fn, _PIECES_ATTR, (version, pieces))
+    return pieces
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -366,7 +390,7 @@ def _launch(
                 f"gemm_precision 'bf16x3' needs bf16 streams and gemm_gemv=False, got "
                 f"{streams.dtype} streams, gemm_gemv={tiling.gemm_gemv}"
             )
-        w = split_bf16x3(fn)
+        w = _fn_pieces(fn)
     prenorm_gemm_kernel[(t_blocks, splits)](
         streams, w, mix, sq, block_out, prev_post, prev_comb, new,
         num_tokens, hidden, fn.shape[0], d_per_split,
