@@ -432,6 +432,30 @@ def test_expert_slots_summed_on_load(mhc, t, dtype, tiling):
     )
 
 
+def test_slots_expand_apart_from_slots_apart_min_tokens(mhc):
+    """From ``SLOTS_APART_MIN_TOKENS`` tokens, hc_post_pre on a fused MoE's slots with the
+    default tiling expands the streams in hc_post's kernel first (``post_apart``): the same
+    outputs as that tiling given explicitly, and the reference's under the bf16 rule."""
+    t, d, k, e = mhc.SLOTS_APART_MIN_TOKENS, 64, 3, 8
+    args = hc_pre_args(t, d, seed=95, dtype=torch.bfloat16)
+    streams = args[0]
+    _, post, comb = reference.hc_pre(*args)
+    g = torch.Generator().manual_seed(96)
+    ids = torch.randint(0, e, (t, k), generator=g).to(DEVICE)
+    slots = reference.ExpertSlots(
+        torch.randn(t * k, d, generator=g).to(DEVICE), ids, e, args[0].dtype
+    )
+    call = (streams, slots, post, comb, *args[1:])
+    got = mhc.hc_post_pre(*call)
+    base = mhc.default_tiling(t, N, d, streams.device, streams.dtype)
+    apart = mhc.hc_post_pre(*call, tiling=dataclasses.replace(base, post_apart=True))
+    for a, b in zip(got, apart, strict=True):
+        assert torch.equal(a, b)
+    summed = slots.sum()
+    want = reference.hc_post(streams, summed, post, comb)
+    assert_bf16_close(got[0], want, reference.hc_post(*as_fp32((streams, summed, post, comb))))
+
+
 def test_strided_streams_and_determinism(mhc):
     """A non-contiguous view gives the contiguous result, and repeated calls are bitwise equal."""
     args = hc_pre_args(37, 256, seed=3, dtype=torch.bfloat16)

@@ -15,6 +15,7 @@ only: no host syncs, so the ops can be captured in CUDA graphs. Under TRITON_INT
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -36,6 +37,12 @@ FUSED_ENV = "RACKSERVE_MHC_FUSED"  # "1": default_tiling fuses K1 + K2 for T <= 
 # from this many tokens hc_post_pre expands the streams in hc_post's kernel (3.9 TB/s at
 # 8192 tokens) and runs K1 on them: 155 + 673 us against 1007 us fused (H200, 2026-12-02)
 POST_APART_MIN_TOKENS = 1024
+# the same from this many tokens when the block output is a fused MoE's unsummed slots (the
+# expand sums each token's k fp32 slot rows; one launch more a decoder layer, so not at the
+# decode:64 gate's 20 launches a layer). None: by POST_APART_MIN_TOKENS only. H200, session
+# 17 (results/2026-12-03-h200-s17.md): hc_post_pre with k = 7 slots at 256 tokens 58.1 ->
+# 41.4 us
+SLOTS_APART_MIN_TOKENS: int | None = 128
 # from this many tokens K2 runs as a mixes launch (``MIXES_BLOCK_T`` tokens a program) and
 # a collapse launch; None: never. H200, 2026-12-02 (benchmarks/results/*-s12.md), graph
 # replay: hc_pre 204 -> 154 us at 2048 tokens and 665 -> 444 at 8192, hc_post_pre 243 ->
@@ -476,6 +483,11 @@ def hc_post_pre(
     streams = _check_streams(streams)
     expand = _post_inputs(streams, block_out, post, comb)
     params = _block_params(streams, fn, base, scale, norm_weight, sinkhorn_iters, False)
+    num_tokens, n, hidden = streams.shape
+    slots_apart = SLOTS_APART_MIN_TOKENS is not None and num_tokens >= SLOTS_APART_MIN_TOKENS
+    if tiling is None and expand[0].top_k > 0 and slots_apart:
+        tiling = default_tiling(num_tokens, n, hidden, streams.device, streams.dtype)
+        tiling = dataclasses.replace(tiling, post_apart=True)
     new, x, post, comb = _launch(
         streams, params, sinkhorn_iters, hc_eps, norm_eps, False, expand, tiling
     )
