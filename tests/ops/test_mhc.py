@@ -297,6 +297,11 @@ def test_bf16x3_k1_has_fp32_accuracy(mhc, t, d):
     assert_fp32_close(comb2, ref32[2])
     with pytest.raises(ValueError, match=r"bf16x3.*needs bf16 streams"):
         mhc.hc_pre(streams.float(), *args[1:], tiling=tiling)
+    # the expand-fused K1 takes expand_precision: "ieee" serves fp32 streams there
+    fp32_call = (streams.float(), block_out.float(), post, comb, *args[1:])
+    got = mhc.hc_post_pre(*fp32_call, tiling=dataclasses.replace(tiling, expand_precision="ieee"))
+    for g, r in zip(got, reference.hc_post_pre(*fp32_call), strict=True):
+        assert_fp32_close(g, r)
     with pytest.raises(ValueError, match="gemm_gemv=False"):
         mhc.hc_pre(*args, tiling=dataclasses.replace(tiling, gemm_gemv=True))
 

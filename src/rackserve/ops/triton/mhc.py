@@ -98,6 +98,8 @@ class Tiling:
     # K1 without an expand (hc_pre, hc_head, post_apart) reads the streams as [T, N*D] rows
     # in 2D tiles of N * gemm_block_d contiguous columns, its splits runs of those columns
     gemm_flat: bool = True
+    # K1's dot when it expands the streams in its prologue (FUSE_POST; None: gemm_precision)
+    expand_precision: str | None = None
 
 
 @functools.lru_cache(maxsize=8)
@@ -163,6 +165,10 @@ def default_tiling(
         gemm_programs=2 * _num_sms(device),
         gemm_warps=4,
         gemm_precision=precision,
+        # the expand-fused K1 keeps tf32x3 (bf16x3 measured no faster in its [T, N, D]
+        # tiles: hc_pre at 2048 tokens 84.9 against 84.4 us; bench forward decode:64, which
+        # takes it twice a layer with bf16x3, 4.40 against 4.31-4.33 ms; s20 calls 2, 3)
+        expand_precision="tf32x3" if precision == "bf16x3" else None,
         finish_block_t=1,
         finish_block_d=finish_block_d,
         finish_warps=8 if block_n * finish_block_d >= 8192 else 4,
@@ -209,12 +215,13 @@ def _fn_pieces(fn: torch.Tensor) -> torch.Tensor:
     """fn's bf16x3 pieces, split once per weight: kept on the fn tensor itself (they live
     and die with it) and split again when fn was written in place since (its version
     counter). Not stored while a CUDA graph is captured (the graph's pool would own them):
-    the capture then records the split launch, as an uncached call does; nor for a tensor
-    made in inference mode, which has no version counter."""
+    the capture then records the split launch, as an uncached call does. A tensor made in
+    inference mode has no version counter (and cannot be written outside it): its pieces
+    are split once."""
     try:
         version = fn._version
-    except RuntimeError:  # an inference-mode tensor counts no versions: split each call
-        return split_bf16x3(fn)
+    except RuntimeError:  # an inference-mode tensor counts no versions: taken as fixed
+        version = -1
     cached = getattr(fn, _PIECES_ATTR, None)
     if cached is not None and cached[0] == version:
         return cached[1]
@@ -391,7 +398,10 @@ def _launch(
         )  # fmt: skip
         return new, x, post, comb
     w = fn
-    if tiling.gemm_precision == "bf16x3":
+    precision = tiling.gemm_precision
+    if expand is not None and tiling.expand_precision is not None:
+        precision = tiling.expand_precision
+    if precision == "bf16x3":
         if streams.dtype != torch.bfloat16 or tiling.gemm_gemv:
             raise ValueError(
                 f"gemm_precision 'bf16x3' needs bf16 streams and gemm_gemv=False, got "
@@ -404,7 +414,7 @@ def _launch(
         streams.stride(0), streams.stride(1), fn.stride(0),
         mix.stride(0), mix.stride(1), sq.stride(0), block_out.stride(0), *slot_args,
         N=n, BLOCK_N=block_n, BLOCK_T=gemm_block_t, BLOCK_M=block_m, BLOCK_D=block_d,
-        FUSE_POST=expand is not None, SLOTS=bo.top_k > 0, PRECISION=tiling.gemm_precision,
+        FUSE_POST=expand is not None, SLOTS=bo.top_k > 0, PRECISION=precision,
         GEMV=tiling.gemm_gemv, NATIVE_BF16=device.type == "cuda", FLAT=flat,
         num_warps=tiling.gemm_warps, **pdl(streams.device),
     )  # fmt: skip
