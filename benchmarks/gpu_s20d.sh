@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Session 20, call 4 (~9 minutes): the mHC K1 defaults after call 3 (flat K1
-# for calls without the expand with bf16x3 dots, fn's pieces cached; tf32x3 where K1 expands; the expand apart for a
-# fused MoE's slots from 128 tokens) against session 19's (3D K1 tiles, tf32x3, the expand
-# fused below 1024 tokens): mHC and fast-path GPU tests, mhc_bench at 64 / 256 / 2048 /
-# bench forward A/B at every gate, bench decode vs transformers, the decode:256 timeline.
-# Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/gpu_s20c.sh     (BUDGET_S: total seconds)
+# Session 20, call 4 (~9 minutes): the mHC defaults after call 3 (the flat K1 with bf16x3
+# dots where K1 does not expand, fn's pieces cached; tf32x3 where it expands; a fused MoE's
+# slots expanded apart from 128 tokens) against session 19's (3D K1 tiles, tf32x3, the
+# expand fused below 1024 tokens): mHC and fast-path GPU tests, bench forward A/B at every
+# gate, bench decode vs transformers, the decode:256 timeline.
+# Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/gpu_s20d.sh     (BUDGET_S: total seconds)
 set -uo pipefail
 BUDGET_S=${BUDGET_S:-560}
 source "$(dirname "$0")/device_env.sh"
