@@ -6,6 +6,7 @@ Each equals its ``ops.reference`` namesake. Shape legend: T tokens, N streams, D
     hc_head = K1 with N mixes + K2 (HEAD)              -> x [T, D]
     hc_post = one elementwise kernel                   -> streams [T, N, D]
     hc_post_pre = K1 with the expand in its prologue + K2 -> hc_post, then hc_pre of the result
+                  (or, for many tokens, hc_post's kernel + K1 + K2: ``Tiling.post_apart``)
 
 (kernels in ``mhc_kernels.py`` and ``mhc_finish_kernels.py``; with ``Tiling.fused`` and
 T <= 4, K1 + K2 are one launch). Grids and workspaces depend on T and the weights' shapes
@@ -121,7 +122,8 @@ def default_tiling(
     the H200 measured it 1.3-3x faster than fp32 FMA at the same output error (hc_pre
     11.7 vs 14.9 us at T=1, 24 vs 55 us at T=256, 478 vs 1500 us at T=8192;
     benchmarks/results/2026-12-01-h200-m2.md); "ieee" for fp32 streams (the strict gates);
-    for bf16 streams and a dot K1, ``BF16_DOT_PRECISION``.
+    for bf16 streams and a dot K1, ``BF16_DOT_PRECISION`` ("bf16x3"), except where K1
+    expands the streams in its prologue (``expand_precision``: tf32x3).
 
     On a GPU, K1 aims at two programs per SM: few tokens -> many splits of D (at T=1 the
     1.5 MB fn read is the whole cost), many tokens -> few; T <= 4: one token per K1
@@ -130,8 +132,10 @@ def default_tiling(
     ``$RACKSERVE_MHC_FUSED`` is "1" (opt-in until measured). K2 keeps a token's N x D streams
     in registers up to 16K values and loops over D beyond. From ``K1_WIDE_TILE_MIN_TOKENS``
     K1's token tiles are 128 wide. From ``POST_APART_MIN_TOKENS``
-    tokens hc_post_pre expands the streams in a launch of its own; from
-    ``MIXES_APART_MIN_TOKENS`` K2 is two launches. On CPU (the Triton
+    tokens hc_post_pre expands the streams in a launch of its own (from
+    ``SLOTS_APART_MIN_TOKENS`` when the block output is a fused MoE's slots: ``hc_post_pre``
+    decides that); from ``MIXES_APART_MIN_TOKENS`` K2 is two launches. K1 without the
+    expand reads the streams as [T, N*D] rows (``gemm_flat``). On CPU (the Triton
     interpreter) larger token tiles keep the number of interpreted programs small.
     """
     block_n = triton.next_power_of_2(num_streams)
