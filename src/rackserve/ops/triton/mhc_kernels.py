@@ -230,23 +230,12 @@ def _prenorm_partials(
         w_rows = w_ptr + m[:, None, None] * stride_wm + n[None, :, None] * hidden + d[None, None, :]
         w_ok = mn_ok[:, :, None] & d_ok[None, None, :]
         # [BT, BN, BD] . [BM, BN, BD] over (n, d): one dot with K = BN * BD
-        x2 = tl.reshape(x, (BLOCK_T, BLOCK_N * BLOCK_D))
-        if PRECISION == "bf16x3":  # lo, mid, hi: the small pieces' sums first
-            x2_16 = tl.reshape(x16, (BLOCK_T, BLOCK_N * BLOCK_D))
-            for piece in tl.static_range(2, -1, -1):
-                w = tl.load(w_rows + piece * num_mixes * stride_wm, mask=w_ok, other=0.0)
-                w2 = tl.trans(tl.reshape(w, (BLOCK_M, BLOCK_N * BLOCK_D)))
-                if NATIVE_BF16:
-                    acc = tl.dot(x2_16, w2, acc)
-                else:  # the same exact products, summed in fp32
-                    acc = tl.dot(x2, w2.to(tl.float32), acc, input_precision="ieee")
-        else:
-            w = tl.load(w_rows, mask=w_ok, other=0.0)
-            w2 = tl.reshape(w, (BLOCK_M, BLOCK_N * BLOCK_D))
-            if GEMV:  # few tokens: fp32 FMA products summed per mix, no dot tile of 16 rows
-                acc += tl.sum(x2[:, None, :] * w2[None, :, :], axis=2)
-            else:
-                acc = tl.dot(x2, tl.trans(w2), acc, input_precision=PRECISION)
+        x16_2d = tl.reshape(x16, (BLOCK_T, BLOCK_N * BLOCK_D))
+        x_2d = tl.reshape(x, (BLOCK_T, BLOCK_N * BLOCK_D))
+        acc = _k1_dot(
+            acc, x16_2d, x_2d, w_rows, w_ok, num_mixes * stride_wm, BLOCK_M, BLOCK_N * BLOCK_D,
+            PRECISION, GEMV, NATIVE_BF16,
+        )  # fmt: skip
         sq += tl.sum(tl.sum(x * x, axis=2), axis=1)
     mix_out = mix_ptr + pid_s * stride_mix_s + tok[:, None] * stride_mix_t + m[None, :]
     tl.store(mix_out, acc, mask=tok_ok[:, None])
@@ -295,23 +284,48 @@ def _prenorm_partials_flat(
         x = x16.to(tl.float32)
         w_rows = w_ptr + m[:, None] * stride_wm + c[None, :]
         w_ok = m_ok[:, None] & c_ok[None, :]
-        if PRECISION == "bf16x3":  # lo, mid, hi: the small pieces' sums first
-            for piece in tl.static_range(2, -1, -1):
-                w = tl.load(w_rows + piece * num_mixes * stride_wm, mask=w_ok, other=0.0)
-                if NATIVE_BF16:
-                    acc = tl.dot(x16, tl.trans(w), acc)
-                else:  # the same exact products, summed in fp32
-                    acc = tl.dot(x, tl.trans(w).to(tl.float32), acc, input_precision="ieee")
-        else:
-            w = tl.load(w_rows, mask=w_ok, other=0.0)
-            if GEMV:  # few tokens: fp32 FMA products summed per mix, no dot tile of 16 rows
-                acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-            else:
-                acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        acc = _k1_dot(
+            acc, x16, x, w_rows, w_ok, num_mixes * stride_wm, BLOCK_M, BLOCK_K, PRECISION, GEMV,
+            NATIVE_BF16,
+        )  # fmt: skip
         sq += tl.sum(x * x, axis=1)
     mix_out = mix_ptr + pid_s * stride_mix_s + tok[:, None] * stride_mix_t + m[None, :]
     tl.store(mix_out, acc, mask=tok_ok[:, None])
     tl.store(sq_ptr + pid_s * stride_sq_s + tok, sq, mask=tok_ok)
+
+
+@triton.jit
+def _k1_dot(
+    acc,  # [BT, BLOCK_M] fp32
+    x16,  # [BT, K] the streams' tile as loaded (bf16 for "bf16x3")
+    x,  # [BT, K] the same in fp32
+    w_rows,  # pointers to fn's [BLOCK_M, K] tile (any shape of that many; "bf16x3": piece 0)
+    w_ok,
+    piece_stride,  # elements from one bf16x3 piece of fn to the next
+    BLOCK_M: tl.constexpr,
+    K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    GEMV: tl.constexpr,
+    NATIVE_BF16: tl.constexpr,
+):
+    """acc + x . fn_tile^T in K1's precision: "bf16x3" (the bf16 tile against fn's three
+    bf16 pieces, lo, mid, hi: the small pieces' sums first), a dot in ``PRECISION``, or with
+    GEMV fp32 FMA products summed per mix (few tokens: no dot tile of 16 rows)."""
+    if PRECISION == "bf16x3":
+        for piece in tl.static_range(2, -1, -1):
+            w = tl.load(w_rows + piece * piece_stride, mask=w_ok, other=0.0)
+            w = tl.reshape(w, (BLOCK_M, K))
+            if NATIVE_BF16:
+                acc = tl.dot(x16, tl.trans(w), acc)
+            else:  # the same exact products, summed in fp32
+                acc = tl.dot(x, tl.trans(w).to(tl.float32), acc, input_precision="ieee")
+    else:
+        w = tl.reshape(tl.load(w_rows, mask=w_ok, other=0.0), (BLOCK_M, K))
+        if GEMV:
+            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    return acc
 
 
 @triton.jit
