@@ -11,6 +11,9 @@ Rows are scattered over the caches (paged slots). Each record: impl ("prefill" |
 QK and PV), the gathered bytes (valid rows x Dh x 2 + q + out), the do_bench median time,
 the fraction of 989 TFLOP/s, and max |out - decode kernel's out|.
 
+The wgmma kernel (``prefill_attn_wgmma.py``, Gluon) is timed beside them ("wgmma" and
+"wgmma:<variant>"), with its fraction of outputs outside the bf16 rule.
+
 ``run_indexer`` times the prefill indexer (``prefill_indexer.py``, query tiles sharing key
 tiles) against the decode indexer (``indexer.py``) on one request's S queries over its
 (C + S) / 4 CSA entries (64 heads x 128, top-512, bf16).
@@ -38,6 +41,7 @@ from rackserve.ops.grouped_moe import moe_experts_grouped
 from rackserve.ops.triton import (
     indexer,
     prefill_attn,
+    prefill_attn_wgmma,
     prefill_indexer,
     prefill_moe,
     sparse_attn,
@@ -114,6 +118,18 @@ def variants(device: torch.device) -> dict[str, prefill_attn.PrefillTiling]:
     }
 
 
+def wgmma_variants() -> dict[str, prefill_attn_wgmma.WgmmaTiling]:
+    """The Gluon wgmma kernel's tilings: rows per tile and gather-ring depth (SMEM: q 64 KB
+    + stages x rows x 1 KB + p)."""
+    tile = prefill_attn_wgmma.WgmmaTiling
+    return {
+        "bn32_s3": tile(32, 3),
+        "bn16_s6": tile(16, 6),
+        "bn16_s4": tile(16, 4),
+        "bn64_s2": tile(64, 2),
+    }
+
+
 def outside_bf16_rule(out: torch.Tensor, args: tuple, num: int = 256) -> float:
     """Fraction of outputs outside the bf16 rule of the kernel tests (|out - ref_fp32| <=
     2 |ref_bf16 - ref_fp32| + 1e-3) over the last ``num`` queries (the most rows)."""
@@ -164,13 +180,23 @@ def run_attention(
                 for name, t in tilings.items()
             }
             impls["decode"] = lambda a=args: sparse_attn.paged_sparse_attention(*a)
+            wgmma = {"wgmma": None}
+            if sweep:
+                wgmma |= {
+                    f"wgmma:{k}": v for k, v in wgmma_variants().items() if not only or k in only
+                }
+            for name, t in wgmma.items():
+                impls[name] = lambda t=t, a=args: prefill_attn_wgmma.paged_sparse_attention(
+                    *a, tiling=t
+                )
             base = {"kind": "prefill_bench", "op": f"prefill_attention_{kind}", "layer": kind}
             base |= {"queries": s, "T": s, "cached": cached}
             for impl, fn in impls.items():
                 try:
                     got = fn()
                     err = (got.float() - expected).abs().max().item()
-                    rule = outside_bf16_rule(got, args) if only else None
+                    checked = only or impl.startswith("wgmma")
+                    rule = outside_bf16_rule(got, args) if checked else None
                     plain = _plain_us(fn)
                 except Exception as e:  # a variant that does not compile (smem, registers)
                     records.append(base | {"impl": impl, "error": repr(e)[:300]})

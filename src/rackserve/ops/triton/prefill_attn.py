@@ -49,6 +49,11 @@ from rackserve.ops.triton.sparse_attn import check_inputs
 
 _PV_MODES = {"rows": 0, "split": 1, "fp16": 2}
 
+# The Gluon wgmma kernel (``prefill_attn_wgmma.py``: the work split between the warpgroups,
+# the gathers in a ring, softmax beside PV) serves what it supports (64 heads, Dh 512,
+# 16-bit caches, sm_90) when no tiling is asked for.
+WGMMA = False
+
 
 @dataclass(frozen=True)
 class PrefillTiling:
@@ -120,6 +125,13 @@ def paged_sparse_attention(
     prefill's always do); any mask is correct.
     Returns [S, H, Dh] in q's dtype.
     """
+    if WGMMA and tiling is None and q.is_cuda:
+        from rackserve.ops.triton import prefill_attn_wgmma
+
+        if prefill_attn_wgmma.supported(q, kv_a):
+            return prefill_attn_wgmma.paged_sparse_attention(
+                q, kv_a, slots_a, kv_b, slots_b, valid, sinks, scale, cos, sin
+            )
     check_inputs(q, kv_a, slots_a, kv_b, slots_b, valid, sinks, cos, sin)  # same contract
     num_queries, num_heads, head_dim = q.shape
     out = _empty((num_queries, num_heads, head_dim), q.dtype, q.device)

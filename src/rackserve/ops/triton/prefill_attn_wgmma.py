@@ -1,0 +1,351 @@
+"""Sparse prefill attention on Hopper's warpgroup MMA, written in Gluon (Triton's explicit-layout
+dialect): the contract of ``prefill_attn.paged_sparse_attention`` for 16-bit caches, 64 heads
+and Dh = 512 (V4's), the work split between the two warpgroups as FlashMLA splits it.
+
+Why not the Triton kernel's tiles: one query's 64 heads are the M of both dots, and the
+[64, 512] fp32 output accumulator needs two warpgroups (128 registers a thread each). Triton
+lays a chained dot's warps along M, so both warpgroups compute the same [64, BLOCK_N] scores
+(1.5x the minimal FLOPs) and every tile runs load -> QK -> softmax -> PV in series on the
+SM's only program (13.8% of bf16 peak on the CSA layer, ``prefill_attn.default_tiling``).
+
+Here, per program (one query, 8 warps = 2 warpgroups):
+
+- QK: the scores [64, BLOCK_N] with warps [4, 2]: each warpgroup computes half the tile's
+  rows against all 512 dims (no repeat). The row max and sum cross the two warpgroups
+  through shared memory (the compiler's reduction).
+- P is stored to shared memory as bf16; PV runs with warps [4, 2] over the output columns:
+  each warpgroup accumulates its [64, 256] half of the output from all of P.
+- The row tiles are gathered by cp.async into a ring of ``NUM_STAGES`` slots, issued
+  ``NUM_STAGES - 1`` tiles ahead, so the gathers of later tiles are in flight while a tile
+  computes (the slots of a query's rows: no TMA on Hopper for row gathers).
+- Softmax of tile t + 1 runs while PV of tile t is on the tensor cores (FlashAttention-3's
+  intra-warpgroup overlap): QK(t + 1) is issued before PV(t), and wgmma groups retire in
+  order, so waiting for one outstanding group leaves PV(t) running.
+
+Numerics are the Triton kernel's default (``pv="rows"``): fp32 scores and online softmax in
+the log2 domain, p rounded to bf16 for PV and the denominator summed from the rounded p, the
+sink in the denominator at the end, the inverse RoPE of the output's rope slice, one store.
+
+Shape legend: S queries, H heads (64), Dh head dim (512), Wa window rows and Wb compressed
+rows per query, R rope dims. Valid rows and the [first, last] span are read as the Triton
+kernel reads them (``prefill_attn.py``); any mask is correct, one run is fastest.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from rackserve.ops.triton.sparse_attn import check_inputs
+
+HEADS = 64  # the dots' M: one query's heads
+HEAD_DIM = 512
+_H = gl.constexpr(HEADS)
+_DH = gl.constexpr(HEAD_DIM)
+
+
+@dataclass(frozen=True)
+class WgmmaTiling:
+    """Launch shape: rows per tile (the QK dot's N, split between the warpgroups) and the
+    depth of the gather ring."""
+
+    block_n: int = 32
+    num_stages: int = 4
+
+
+def supported(q: torch.Tensor, kv_a: torch.Tensor) -> bool:
+    """The shapes and dtypes this kernel serves (else ``prefill_attn``'s Triton kernel)."""
+    return (
+        q.is_cuda
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and kv_a.dtype == q.dtype
+        and q.shape[1] == HEADS
+        and q.shape[2] == HEAD_DIM
+        and torch.cuda.get_device_capability(q.device)[0] == 9
+    )
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The output comes from here (tests fill it with NaN)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def paged_sparse_attention(
+    q: torch.Tensor,
+    kv_a: torch.Tensor,
+    slots_a: torch.Tensor,
+    kv_b: torch.Tensor,
+    slots_b: torch.Tensor,
+    valid: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    *,
+    tiling: WgmmaTiling | None = None,
+) -> torch.Tensor:
+    """``prefill_attn.paged_sparse_attention`` on sm_90 for ``supported`` inputs."""
+    check_inputs(q, kv_a, slots_a, kv_b, slots_b, valid, sinks, cos, sin)
+    if not supported(q, kv_a):
+        raise ValueError("prefill_attn_wgmma: 64 heads, Dh 512, 16-bit caches on sm_90 only")
+    tiling = tiling or WgmmaTiling()
+    num_queries = q.shape[0]
+    out = _empty(tuple(q.shape), q.dtype, q.device)
+    if num_queries == 0:
+        return out
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    slots_a, slots_b = slots_a.contiguous(), slots_b.contiguous()
+    valid = valid.contiguous().view(torch.uint8)
+    sinks = sinks.to(torch.float32).contiguous()
+    rope = cos is not None
+    if rope:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    rope_start = HEAD_DIM - (cos.shape[1] * 2 if rope else 0)
+    width = slots_a.shape[1] + slots_b.shape[1]
+    rope_args = (cos, sin, cos.stride(0), sin.stride(0)) if rope else (out, out, 0, 0)
+    prefill_attn_wgmma_kernel[(num_queries,)](
+        q, kv_a, slots_a, kv_b, slots_b, valid, sinks, out,
+        slots_a.shape[1], width, rope_start, scale * math.log2(math.e),
+        q.stride(0), q.stride(1), kv_a.stride(0), kv_b.stride(0), slots_a.stride(0),
+        slots_b.stride(0), valid.stride(0), out.stride(0), out.stride(1), *rope_args,
+        BLOCK_N=tiling.block_n,
+        BLOCK_V=min(1024, max(16, triton.next_power_of_2(max(width, 1)))),
+        ROPE=rope,
+        NUM_STAGES=tiling.num_stages,
+        num_warps=8,
+    )  # fmt: skip
+    return out
+
+
+@gluon.jit
+def _tile_rows(t, a_tiles, first, a_stop, b_start, b_stop, BLOCK_N: gl.constexpr, layout):
+    """Tile t's row indices [BLOCK_N] (in ``layout``) into its list, the list's end, and
+    whether the tile is a window tile (tiles [0, a_tiles)) or a compressed one."""
+    in_a = t < a_tiles
+    rows = gl.where(in_a, first + t * BLOCK_N, b_start + (t - a_tiles) * BLOCK_N)
+    rows = rows + gl.arange(0, BLOCK_N, layout=layout)
+    stop = gl.where(in_a, a_stop, b_stop)
+    return rows, stop, in_a
+
+
+@gluon.jit
+def _gather(slot_smem, t, total, a_tiles, first, a_stop, b_start, b_stop, slots_a_row,
+            slots_b_row, safe_a, safe_b, kv_a_ptr, kv_b_ptr, stride_a, stride_b,
+            BLOCK_N: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+    """cp.async of tile t's rows [BLOCK_N, Dh] into ``slot_smem`` (nothing past the last
+    tile). A row past its list's end reads a valid row of the list (its score is masked)."""
+    rows, stop, in_a = _tile_rows(
+        t, a_tiles, first, a_stop, b_start, b_stop, BLOCK_N, gl.SliceLayout(1, layout)
+    )
+    ok = rows < stop
+    slot = gl.load(gl.where(in_a, slots_a_row, slots_b_row) + gl.minimum(rows, stop - 1),
+                   mask=t < total, other=0)  # fmt: skip
+    slot = gl.where(ok, slot, gl.where(in_a, safe_a, safe_b))
+    row_ptr = gl.where(in_a, kv_a_ptr, kv_b_ptr) + slot.to(gl.int64) * gl.where(
+        in_a, stride_a, stride_b
+    )
+    cols = gl.arange(0, _DH, layout=gl.SliceLayout(0, layout))
+    live = (rows * 0 + t) < total
+    cp.async_copy_global_to_shared(
+        slot_smem, row_ptr[:, None] + cols[None, :], mask=live[:, None] & (cols < _DH)[None, :]
+    )
+
+
+@gluon.jit
+def _scores_mask(t, a_tiles, first, a_stop, b_start, b_stop, valid_row, width_a, contiguous,
+                 BLOCK_N: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+    """0 / -inf per row of tile t [BLOCK_N] (``layout``: the scores' column slice)."""
+    rows, stop, in_a = _tile_rows(t, a_tiles, first, a_stop, b_start, b_stop, BLOCK_N, layout)
+    ok = rows < stop
+    flags = gl.where(in_a, valid_row, valid_row + width_a) + rows
+    ok = ok & (gl.load(flags, mask=ok & ~contiguous, other=1) != 0)
+    return gl.where(ok, 0.0, float("-inf"))
+
+
+@gluon.jit
+def prefill_attn_wgmma_kernel(
+    q_ptr,  # [S, H, Dh] bf16 / fp16
+    kv_a_ptr,  # [Na, >= Dh] window rows by slot (unit column stride)
+    slots_a_ptr,  # [S, Wa] int
+    kv_b_ptr,  # [Nb, >= Dh] compressed entries by slot
+    slots_b_ptr,  # [S, Wb] int
+    valid_ptr,  # [S, Wa + Wb] uint8 (bool viewed)
+    sinks_ptr,  # [H] fp32
+    out_ptr,  # [S, H, Dh]
+    width_a,
+    width,  # Wa + Wb
+    rope_start,
+    qk_scale,  # scale * log2(e)
+    stride_qs,
+    stride_qh,
+    stride_a,
+    stride_b,
+    stride_sa,
+    stride_sb,
+    stride_vs,
+    stride_os,
+    stride_oh,
+    cos_ptr,  # [S, R/2] (ROPE only)
+    sin_ptr,
+    stride_cs,
+    stride_ss,
+    BLOCK_N: gl.constexpr,
+    BLOCK_V: gl.constexpr,  # valid flags scanned at a time for the row span
+    ROPE: gl.constexpr,
+    NUM_STAGES: gl.constexpr,  # >= 2: tiles t and t + 1 are read while later ones land
+):
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    # layouts (8 warps): loads in 16-byte vectors; both dots with warps [4, 2] (each
+    # warpgroup: half the score columns, then half the output columns)
+    load_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+    flag_l: gl.constexpr = gl.BlockedLayout([4], [32], [8], [0])
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
+    )
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, _DH // 2, 16]
+    )
+    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_H, _DH], dtype)
+    kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, _DH], dtype)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_H, BLOCK_N], dtype)
+    cols_s: gl.constexpr = gl.SliceLayout(0, s_l)
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_l)
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_l)
+
+    s = gl.program_id(0).to(gl.int64)
+    valid_row = valid_ptr + s * stride_vs
+
+    # the span [first, last] of valid rows (prefill_attn.py)
+    first = width + 0
+    last = width * 0 - 1
+    count = width * 0
+    for v0 in range(0, width, BLOCK_V):
+        idx = v0 + gl.arange(0, BLOCK_V, layout=flag_l)
+        ok = gl.load(valid_row + idx, mask=idx < width, other=0) != 0
+        first = gl.minimum(first, gl.min(gl.where(ok, idx, width), axis=0))
+        last = gl.maximum(last, gl.max(gl.where(ok, idx, -1), axis=0))
+        count += gl.sum(ok.to(gl.int32), axis=0)
+    contiguous = count == last - first + 1
+    a_stop = gl.minimum(last + 1, width_a)
+    b_start = gl.maximum(first, width_a) - width_a
+    b_stop = last + 1 - width_a
+    a_tiles = gl.cdiv(gl.maximum(a_stop - first, 0), BLOCK_N)
+    b_tiles = gl.cdiv(gl.maximum(b_stop - b_start, 0), BLOCK_N)
+    total = a_tiles + b_tiles
+    slots_a_row = slots_a_ptr + s * stride_sa
+    slots_b_row = slots_b_ptr + s * stride_sb
+    safe_a = gl.load(slots_a_row + first, mask=a_tiles > 0, other=0)
+    safe_b = gl.load(slots_b_row + (last - width_a), mask=b_tiles > 0, other=0)
+
+    # shared memory: q, the ring of row tiles, p
+    kv_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, _DH], kv_sl)
+    p_smem = gl.allocate_shared_memory(dtype, [_H, BLOCK_N], p_sl)
+    for i in gl.static_range(NUM_STAGES):
+        _gather(kv_smem.index(i), i, total, a_tiles, first, a_stop, b_start, b_stop,
+                slots_a_row, slots_b_row, safe_a, safe_b, kv_a_ptr, kv_b_ptr, stride_a,
+                stride_b, BLOCK_N, load_l)  # fmt: skip
+        cp.commit_group()
+    heads_l = gl.arange(0, _H, layout=gl.SliceLayout(1, load_l))
+    cols_l = gl.arange(0, _DH, layout=gl.SliceLayout(0, load_l))
+    q = gl.load(q_ptr + s * stride_qs + heads_l[:, None] * stride_qh + cols_l[None, :])
+    q_smem = gl.allocate_shared_memory(dtype, [_H, _DH], q_sl, q)
+
+    m = gl.full([_H], float("-inf"), gl.float32, rows_s)
+    l_sum = gl.zeros([_H], gl.float32, rows_s)
+    acc = gl.zeros([_H, _DH], gl.float32, o_l)
+    zero_s = gl.zeros([_H, BLOCK_N], gl.float32, s_l)
+
+    # tile 0: its scores and p (stored), before the loop
+    cp.wait_group(NUM_STAGES - 1)
+    gl.thread_barrier()
+    fence_async_shared()
+    if total > 0:
+        sc = warpgroup_mma(q_smem, kv_smem.index(0).permute((1, 0)), zero_s, use_acc=False,
+                           is_async=True)  # fmt: skip
+        sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+        bias = _scores_mask(0, a_tiles, first, a_stop, b_start, b_stop, valid_row, width_a,
+                            contiguous, BLOCK_N, cols_s)  # fmt: skip
+        sc = sc * qk_scale + bias[None, :]
+        m = gl.max(sc, axis=1)
+        m_ref = gl.where(m == float("-inf"), 0.0, m)
+        p = gl.exp2(sc - m_ref[:, None]).to(dtype)
+        l_sum = gl.sum(p.to(gl.float32), axis=1)
+        p_smem.store(p)
+        fence_async_shared()
+        gl.thread_barrier()
+
+    for t in range(total):
+        # invariant: p(t) is in p_smem and acc holds tiles < t, scaled to m(t)
+        nxt = t + 1
+        has_next = nxt < total
+        # tiles t and t + 1 have landed (the NUM_STAGES - 2 later ones may be in flight)
+        cp.wait_group(NUM_STAGES - 2)
+        gl.thread_barrier()
+        fence_async_shared()
+        # QK(t + 1) first, then PV(t): waiting for one group leaves PV(t) running
+        sc = warpgroup_mma(q_smem, kv_smem.index(nxt % NUM_STAGES).permute((1, 0)), zero_s,
+                           use_acc=False, is_async=True)  # fmt: skip
+        acc = warpgroup_mma(p_smem, kv_smem.index(t % NUM_STAGES), acc, is_async=True)
+        sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc,))
+        bias = _scores_mask(nxt, a_tiles, first, a_stop, b_start, b_stop, valid_row, width_a,
+                            contiguous, BLOCK_N, cols_s)  # fmt: skip
+        sc = sc * qk_scale + bias[None, :]
+        m_new = gl.maximum(m, gl.max(sc, axis=1))
+        m_new = gl.where(has_next, m_new, m)
+        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m - m_ref)
+        p = gl.exp2(sc - m_ref[:, None]).to(dtype)
+        l_sum = gl.where(has_next, l_sum * alpha + gl.sum(p.to(gl.float32), axis=1), l_sum)
+        m = m_new
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        # p_smem and tile t's slot are free: p(t + 1) in, the gather of tile t + NUM_STAGES
+        acc = acc * gl.convert_layout(gl.where(has_next, alpha, 1.0), rows_o)[:, None]
+        p_smem.store(p)
+        _gather(kv_smem.index(t % NUM_STAGES), t + NUM_STAGES, total, a_tiles, first, a_stop,
+                b_start, b_stop, slots_a_row, slots_b_row, safe_a, safe_b, kv_a_ptr, kv_b_ptr,
+                stride_a, stride_b, BLOCK_N, load_l)  # fmt: skip
+        cp.commit_group()
+        fence_async_shared()
+        gl.thread_barrier()
+    cp.wait_group(0)
+
+    heads = gl.arange(0, _H, layout=rows_o)
+    sink = gl.load(sinks_ptr + heads) * 1.4426950408889634
+    m_o = gl.convert_layout(m, rows_o)
+    l_o = gl.convert_layout(l_sum, rows_o)
+    m_all = gl.maximum(m_o, sink)
+    alpha = gl.exp2(m_o - m_all)
+    o = acc * (alpha / (l_o * alpha + gl.exp2(sink - m_all)))[:, None]
+    cols = gl.arange(0, _DH, layout=gl.SliceLayout(0, o_l))
+    if ROPE:
+        o = _inverse_rope(o, cos_ptr + s * stride_cs, sin_ptr + s * stride_ss, rope_start, o_l)
+    out_ptrs = out_ptr + s * stride_os + heads[:, None] * stride_oh + cols[None, :]
+    gl.store(out_ptrs, o.to(dtype))
+
+
+@gluon.jit
+def _inverse_rope(o, cos_row, sin_row, rope_start, o_l: gl.constexpr):
+    """``apply_rope(o, cos, -sin)`` on o [H, Dh] fp32: pairs (2i, 2i + 1) at or past
+    rope_start rotate back (the rope slice is the head's last R columns)."""
+    even, odd = gl.split(gl.reshape(o, [_H, _DH // 2, 2]))
+    pair_l: gl.constexpr = gl.SliceLayout(0, even.type.layout)
+    even_col = 2 * gl.arange(0, _DH // 2, layout=pair_l)
+    is_rope = even_col >= rope_start
+    half = (even_col - rope_start) // 2
+    c = gl.load(cos_row + half, mask=is_rope, other=1.0).to(gl.float32)
+    sn = gl.load(sin_row + half, mask=is_rope, other=0.0).to(gl.float32)
+    new_even = even * c[None, :] + odd * sn[None, :]
+    new_odd = odd * c[None, :] - even * sn[None, :]
+    return gl.convert_layout(gl.reshape(gl.join(new_even, new_odd), [_H, _DH]), o_l)

@@ -1,0 +1,170 @@
+"""The Gluon wgmma sparse prefill attention (``ops/triton/prefill_attn_wgmma.py``) against the
+reference (``reference.paged_sparse_attention``) and the Triton prefill kernel.
+
+Gluon kernels do not run in Triton's interpreter: on CPU the kernel is compiled for sm_90
+through Triton's ptxas (every tiling: wgmma used, no spills, shared memory within the H200's
+227 KB); on a GPU (``gpu`` mark) it runs at V4-Flash sizes (H 64, Dh 512 with 64 rope dims,
+Wa 128) on prefill masks (HCA and CSA, a prompt after a cached prefix, a mixed step) and on
+masks with holes, outputs poisoned with NaN, under the bf16 rule of the kernel tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+
+from rackserve.ops import reference
+from rackserve.ops.triton import prefill_attn, prefill_attn_wgmma
+
+from kernel_checks import DEVICE, as_fp32, assert_bf16_close
+from test_prefill_attn import any_mask, make_case, prefill_mask
+
+_POINTERS = {
+    "slots_a_ptr": "*i64", "slots_b_ptr": "*i64", "valid_ptr": "*u8", "sinks_ptr": "*fp32",
+}  # fmt: skip
+_CONSTEXPRS = ("BLOCK_N", "BLOCK_V", "ROPE", "NUM_STAGES")
+
+
+def compile_sm90(tiling: prefill_attn_wgmma.WgmmaTiling, dtype: str = "bf16"):
+    """The kernel compiled for sm_90 as the launch specializes it (pointers and strides
+    divisible by 16), with the inverse RoPE on."""
+    fn = prefill_attn_wgmma.prefill_attn_wgmma_kernel
+    names = list(fn.arg_names)
+    sig = {}
+    for n in names:
+        if n in _CONSTEXPRS:
+            sig[n] = "constexpr"
+        elif n.endswith("_ptr"):
+            sig[n] = _POINTERS.get(n, f"*{dtype}")
+        else:
+            sig[n] = "fp32" if n == "qk_scale" else "i32"
+    aligned = [n for n in names if n.endswith("_ptr") or n.startswith("stride")]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    consts = {"BLOCK_N": tiling.block_n, "BLOCK_V": 1024, "ROPE": True}
+    consts["NUM_STAGES"] = tiling.num_stages
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+
+
+def _local_memory_bytes(kernel) -> int:
+    """Stack bytes of the compiled cubin (spills), from cuobjdump's resource usage."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run(
+            [tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
+    fields = dict(item.split(":") for line in usage.splitlines() if "REG:" in line
+                  for item in line.split())  # fmt: skip
+    return int(fields["STACK"])
+
+
+TILINGS = [prefill_attn_wgmma.WgmmaTiling(), prefill_attn_wgmma.WgmmaTiling(16, 6)]
+
+
+def compile_report(block_n: int, num_stages: int) -> dict:
+    """What decides the kernel's speed before a GPU runs it (this file as a script)."""
+    kernel = compile_sm90(prefill_attn_wgmma.WgmmaTiling(block_n, num_stages))
+    ptx = kernel.asm["ptx"]
+    return {
+        "wgmma": ptx.count("wgmma.mma_async"),
+        "mma_sync": ptx.count("mma.sync"),
+        "shared_bytes": kernel.metadata.shared,
+        "stack_bytes": _local_memory_bytes(kernel),
+    }
+
+
+@pytest.mark.parametrize("tiling", TILINGS, ids=lambda t: f"bn{t.block_n}_s{t.num_stages}")
+def test_compiles_for_sm90_with_wgmma_and_no_spills(tiling):
+    # in a process of its own: the interpreter (TRITON_INTERPRET=1) cannot compile Gluon
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = [sys.executable, __file__, str(tiling.block_n), str(tiling.num_stages)]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["wgmma"] > 0 and report["mma_sync"] == 0
+    assert report["shared_bytes"] <= 227 * 1024
+    assert report["stack_bytes"] == 0
+
+
+gpu = pytest.mark.skipif(DEVICE != "cuda", reason="needs a GPU")
+
+
+@pytest.fixture(autouse=True)
+def nan_outputs(monkeypatch):
+    def empty(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(prefill_attn_wgmma, "_empty", empty)
+
+
+def _check(args: tuple, tiling=None) -> torch.Tensor:
+    got = prefill_attn_wgmma.paged_sparse_attention(*args, tiling=tiling)
+    assert got.shape == args[0].shape and got.dtype == args[0].dtype
+    ref32 = reference.paged_sparse_attention(*as_fp32(args))
+    assert_bf16_close(got, reference.paged_sparse_attention(*args), ref32)
+    return got
+
+
+V4 = {"dh": 512, "rope_dim": 64, "wa": 128}
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("tiling", TILINGS, ids=lambda t: f"bn{t.block_n}_s{t.num_stages}")
+@pytest.mark.parametrize(
+    "lengths, wb, ratio",
+    [
+        ([(1024, 1024)], 16, 128),  # HCA after a cached prefix
+        ([(0, 700)], 176, 4),  # CSA-like prefix of picks, early queries see none
+        ([(300, 1), (0, 257), (40, 3)], 80, 4),  # a mixed step
+    ],
+)
+def test_prefill_masks_at_v4_flash_sizes(tiling, lengths, wb, ratio):
+    valid = prefill_mask(lengths, 128, wb, ratio)
+    _check(make_case(valid, 64, torch.bfloat16, seed=len(lengths) + wb, **V4), tiling)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_masks_with_holes_and_empty_rows(dtype):
+    g = torch.Generator().manual_seed(5)
+    valid = any_mask(96, 128, 40, g)
+    valid[3] = False  # a query with no row: the sink alone (zero output)
+    got = _check(make_case(valid, 64, dtype, seed=7, **V4))
+    assert torch.count_nonzero(got[3]) == 0
+
+
+@pytest.mark.gpu
+@gpu
+def test_agrees_with_the_triton_prefill_kernel():
+    valid = prefill_mask([(0, 512)], 128, 128, 4)
+    args = make_case(valid, 64, torch.bfloat16, seed=3, **V4)
+    got = prefill_attn_wgmma.paged_sparse_attention(*args).float()
+    want = prefill_attn.paged_sparse_attention(*args).float()
+    # same numerics (bf16 p, its rounded sum), different summation order
+    assert (got - want).abs().max().item() <= 0.02 * want.abs().max().item()
+
+
+def test_supported_names_the_shapes_it_serves():
+    q = torch.zeros(2, 64, 512, dtype=torch.bfloat16)
+    assert not prefill_attn_wgmma.supported(q, q[0])  # CPU tensors
+    with pytest.raises(ValueError, match="sm_90 only"):
+        args = make_case(prefill_mask([(0, 2)], 4, 0, 4), 4, torch.bfloat16, seed=0, wa=4)
+        prefill_attn_wgmma.paged_sparse_attention(*(a.cpu() if torch.is_tensor(a) else a
+                                                    for a in args))  # fmt: skip
+
+
+if __name__ == "__main__":
+    print(json.dumps(compile_report(int(sys.argv[1]), int(sys.argv[2]))))
