@@ -22,7 +22,6 @@ import test_attn_prologue as prologue_cases
 import test_compress as compress_cases
 import test_indexer as indexer_cases
 import test_norm_rope as norm_rope_cases
-import test_prefill_attn as prefill_cases
 import test_prefill_indexer as prefill_indexer_cases
 import test_sparse_attn as decode_cases
 import torch
@@ -32,6 +31,7 @@ import triton.language as tl
 from rackserve.ops import reference
 from rackserve.ops.triton.fp8 import as_codes, to_cache
 
+import attn_cases as prefill_cases
 from kernel_checks import DEVICE, assert_fp32_close
 
 FP8 = torch.float8_e4m3fn

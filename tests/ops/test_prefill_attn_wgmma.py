@@ -25,8 +25,8 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from rackserve.ops import reference
 from rackserve.ops.triton import prefill_attn, prefill_attn_wgmma
 
+from attn_cases import any_mask, make_case, prefill_mask
 from kernel_checks import DEVICE, as_fp32, assert_bf16_close
-from test_prefill_attn import any_mask, make_case, prefill_mask
 
 _POINTERS = {
     "slots_a_ptr": "*i64", "slots_b_ptr": "*i64", "valid_ptr": "*u8", "sinks_ptr": "*fp32",
