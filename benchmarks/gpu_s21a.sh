@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 21, call 1 (~6 minutes): the Gluon wgmma prefill attention (prefill_attn_wgmma.py)
+# Session 21, calls 1-2 (~6 minutes): the Gluon wgmma prefill attention (prefill_attn_wgmma.py)
 # on the GPU: its tests (V4-Flash sizes, masks with holes, against the Triton kernel), then
 # prefill_bench at S=8192 (HCA and CSA) against the Triton prefill and decode kernels with
 # the bf16-rule check; issue 12's teacher-forced gate with the tie-aware argmax agreement.
@@ -9,7 +9,7 @@ BUDGET_S=${BUDGET_S:-560}
 source "$(dirname "$0")/device_env.sh"
 start_call
 t=$(cap 150); echo "== wgmma attention tests (${t}s)"
-((t)) && timeout "$t" python3 -m pytest -q tests/ops/test_prefill_attn_wgmma.py \
+((t)) && timeout "$t" python3 -m pytest -q -m "gpu or not gpu" tests/ops/test_prefill_attn_wgmma.py \
   -p no:cacheprovider -rf -x > "$R/pytest_wgmma.log" 2>&1
 tail -15 "$R/pytest_wgmma.log"
 t=$(cap 180); echo "== prefill_bench attention S=8192 (${t}s)"
@@ -22,7 +22,7 @@ forward_with 'import rackserve.ops.triton.prefill_attn as pa; pa.WGMMA = True' \
 echo "== bench forward prefill, Triton attention"
 forward_with 'pass' "$R/forward_triton.json" "${PREFILL[@]}"
 t=$(cap 150); echo "== teacher-forced gate (${t}s)"
-((t)) && timeout "$t" python3 -m pytest -q -s tests/model/test_gpu_fastpath.py \
+((t)) && timeout "$t" python3 -m pytest -q -s -m gpu tests/model/test_gpu_fastpath.py \
   -k teacher_forced -p no:cacheprovider -rf > "$R/pytest_teacher.log" 2>&1
 grep -E "context|passed|failed" "$R/pytest_teacher.log" | tail -6
 ls "$R"; (cd "$OUT" && tar czf s21a.tgz r && rm -rf r)
