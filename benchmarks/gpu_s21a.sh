@@ -13,7 +13,7 @@ t=$(cap 150); echo "== wgmma attention tests (${t}s)"
   -p no:cacheprovider -rf -x > "$R/pytest_wgmma.log" 2>&1
 tail -15 "$R/pytest_wgmma.log"
 t=$(cap 180); echo "== prefill_bench attention S=8192 (${t}s)"
-((t)) && timeout "$t" python3 benchmarks/prefill_bench.py --attention-only bn32_s3,bn16_s6,bn16_s4 \
+((t)) && timeout "$t" python3 benchmarks/prefill_bench.py --attention-only per_query,bn32_s3 \
   --output "$R/prefill_attn.json" 2>&1 | tail -20
 PREFILL=(--iters 8 --warmup 2 --batch prefill:2048 --batch prefill:8192)
 echo "== bench forward prefill, wgmma attention"

@@ -64,6 +64,7 @@ class WgmmaTiling:
 
     block_n: int = 32
     num_stages: int = 4
+    persistent: bool = True  # one program an SM walking queries (else one a query)
 
 
 def supported(q: torch.Tensor, kv_a: torch.Tensor) -> bool:
@@ -122,7 +123,8 @@ def paged_sparse_attention(
     rope_start = HEAD_DIM - (cos.shape[1] * 2 if rope else 0)
     width = slots_a.shape[1] + slots_b.shape[1]
     rope_args = (cos, sin, cos.stride(0), sin.stride(0)) if rope else (out, out, 0, 0)
-    grid = (min(num_queries, _num_sms(q.device)),)  # persistent
+    programs = _num_sms(q.device) if tiling.persistent else num_queries
+    grid = (min(num_queries, programs),)
     prefill_attn_wgmma_kernel[grid](
         q, kv_a, slots_a, kv_b, slots_b, valid, sinks, out,
         num_queries, slots_a.shape[1], width, rope_start, scale * math.log2(math.e),
@@ -177,17 +179,20 @@ def _tile_rows(t, a_tiles, first, a_stop, b_start, b_stop, BLOCK_N: gl.constexpr
 
 
 @gluon.jit
-def _gather(slot_smem, bar, s, t, first, a_stop, b_start, b_stop, a_tiles, safe_a, safe_b,
-            slots_a_ptr, stride_sa, slots_b_ptr, stride_sb, kv_a_ptr, kv_b_ptr, stride_a,
-            stride_b, BLOCK_N: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+def _gather(slot_smem, bar, s, t, first, a_stop, b_start, b_stop, a_tiles, contiguous, safe_a,
+            safe_b, valid_ptr, stride_vs, width_a, slots_a_ptr, stride_sa, slots_b_ptr,
+            stride_sb, kv_a_ptr, kv_b_ptr, stride_a, stride_b, BLOCK_N: gl.constexpr,
+            layout: gl.constexpr):  # fmt: skip
     """cp.async of query s's tile t [BLOCK_N, Dh] into ``slot_smem``; every thread arrives on
-    ``bar`` when its copies land. A row past its list's end reads a valid row of the list
-    (its score is masked)."""
+    ``bar`` when its copies land. A row past its list's end or in a hole of the mask reads a
+    valid row of the list instead (its score is masked): no invalid slot is followed."""
     s = s.to(gl.int64)
     rows, stop, in_a = _tile_rows(
         t, a_tiles, first, a_stop, b_start, b_stop, BLOCK_N, gl.SliceLayout(1, layout)
     )
     ok = rows < stop
+    flags = gl.where(in_a, valid_ptr + s * stride_vs, valid_ptr + s * stride_vs + width_a)
+    ok = ok & (gl.load(flags + rows, mask=ok & ~contiguous, other=1) != 0)
     slot_row = gl.where(in_a, slots_a_ptr + s * stride_sa, slots_b_ptr + s * stride_sb)
     slot = gl.load(slot_row + gl.minimum(rows, stop - 1))
     slot = gl.where(ok, slot, gl.where(in_a, safe_a, safe_b))
@@ -200,19 +205,20 @@ def _gather(slot_smem, bar, s, t, first, a_stop, b_start, b_stop, a_tiles, safe_
 
 
 @gluon.jit
-def _gather_position(kv_smem, bars, rel, s, nxt, f_c, as_c, bs_c, be_c, at_c, tot_c, sa_c,
-                     sb_c, f_n, as_n, bs_n, be_n, at_n, sa_n, sb_n, slot, slots_a_ptr,
-                     stride_sa, slots_b_ptr, stride_sb, kv_a_ptr, kv_b_ptr, stride_a, stride_b,
-                     BLOCK_N: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+def _gather_position(kv_smem, bars, rel, s, nxt, f_c, as_c, bs_c, be_c, at_c, tot_c, ct_c,
+                     sa_c, sb_c, f_n, as_n, bs_n, be_n, at_n, ct_n, sa_n, sb_n, slot, valid_ptr,
+                     stride_vs, width_a, slots_a_ptr, stride_sa, slots_b_ptr, stride_sb,
+                     kv_a_ptr, kv_b_ptr, stride_a, stride_b, BLOCK_N: gl.constexpr,
+                     layout: gl.constexpr):  # fmt: skip
     """The stream position ``rel`` tiles past this query's first: this query's tile, or
     (past its last) the next query's, gathered into ring slot ``slot``."""
     cur = rel < tot_c
     _gather(kv_smem.index(slot), bars.index(slot), gl.where(cur, s, nxt),
             gl.where(cur, rel, rel - tot_c), gl.where(cur, f_c, f_n), gl.where(cur, as_c, as_n),
             gl.where(cur, bs_c, bs_n), gl.where(cur, be_c, be_n), gl.where(cur, at_c, at_n),
-            gl.where(cur, sa_c, sa_n), gl.where(cur, sb_c, sb_n), slots_a_ptr, stride_sa,
-            slots_b_ptr, stride_sb, kv_a_ptr, kv_b_ptr, stride_a, stride_b, BLOCK_N,
-            layout)  # fmt: skip
+            gl.where(cur, ct_c, ct_n), gl.where(cur, sa_c, sa_n), gl.where(cur, sb_c, sb_n),
+            valid_ptr, stride_vs, width_a, slots_a_ptr, stride_sa, slots_b_ptr, stride_sb,
+            kv_a_ptr, kv_b_ptr, stride_a, stride_b, BLOCK_N, layout)  # fmt: skip
 
 
 @gluon.jit
@@ -281,9 +287,11 @@ def prefill_attn_wgmma_kernel(
     q_smem = gl.allocate_shared_memory(dtype, [_H, _DH], q_sl)
     kv_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, _DH], kv_sl)
     p_smem = gl.allocate_shared_memory(dtype, [2, _H, BLOCK_N], p_sl)
-    bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
+    # a barrier a ring slot, and q's (the last)
+    bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES + 1, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES + 1):
         mbarrier.init(bars.index(i), count=gl.num_warps() * 32)
+    q_bar = bars.index(NUM_STAGES)
 
     # persistent: this program's queries pid, pid + G, ...; the row tiles of its queries form
     # one stream (position = tiles of the earlier queries + tile), gathered NUM_STAGES
@@ -304,21 +312,22 @@ def prefill_attn_wgmma_kernel(
             flag_l,
         )  # fmt: skip
         gl.thread_barrier()  # the previous query's dots are done in both warpgroups
-        # the slots of positions < base are free: gather up to base + NUM_STAGES - 1
-        while (issued < base + NUM_STAGES) & (issued < base + tot_c + tot_n):
-            _gather_position(kv_smem, bars, issued - base, s, nxt, f_c, as_c, bs_c, be_c, at_c,
-                             tot_c, sa_c, sb_c, f_n, as_n, bs_n, be_n, at_n, sa_n, sb_n,
-                             issued % NUM_STAGES, slots_a_ptr, stride_sa, slots_b_ptr,
-                             stride_sb, kv_a_ptr, kv_b_ptr, stride_a, stride_b, BLOCK_N,
-                             load_l)  # fmt: skip
-            issued += 1
         s64 = s.to(gl.int64)
         heads_l = gl.arange(0, _H, layout=gl.SliceLayout(1, load_l))
         cols_l = gl.arange(0, _DH, layout=gl.SliceLayout(0, load_l))
-        q = gl.load(q_ptr + s64 * stride_qs + heads_l[:, None] * stride_qh + cols_l[None, :])
-        q_smem.store(q)
+        q_rows = q_ptr + s64 * stride_qs + heads_l[:, None] * stride_qh
+        cp.async_copy_global_to_shared(q_smem, q_rows + cols_l[None, :])
+        cp.mbarrier_arrive(q_bar, increment_count=False)
+        # the slots of positions < base are free: gather up to base + NUM_STAGES - 1
+        while (issued < base + NUM_STAGES) & (issued < base + tot_c + tot_n):
+            _gather_position(kv_smem, bars, issued - base, s, nxt, f_c, as_c, bs_c, be_c, at_c,
+                             tot_c, ct_c, sa_c, sb_c, f_n, as_n, bs_n, be_n, at_n, ct_n, sa_n,
+                             sb_n, issued % NUM_STAGES, valid_ptr, stride_vs, width_a,
+                             slots_a_ptr, stride_sa, slots_b_ptr, stride_sb, kv_a_ptr,
+                             kv_b_ptr, stride_a, stride_b, BLOCK_N, load_l)  # fmt: skip
+            issued += 1
+        mbarrier.wait(q_bar, ((s - pid) // step) & 1)
         fence_async_shared()
-        gl.thread_barrier()
         valid_row = valid_ptr + s64 * stride_vs
 
         m = gl.full([_H], float("-inf"), gl.float32, rows_s)
@@ -347,10 +356,11 @@ def prefill_attn_wgmma_kernel(
             # both warpgroups are done with tile t - 1's slot: gather into it
             if (issued <= base + t - 1 + NUM_STAGES) & (issued < base + tot_c + tot_n):
                 _gather_position(kv_smem, bars, issued - base, s, nxt, f_c, as_c, bs_c, be_c,
-                                 at_c, tot_c, sa_c, sb_c, f_n, as_n, bs_n, be_n, at_n, sa_n,
-                                 sb_n, issued % NUM_STAGES, slots_a_ptr, stride_sa,
-                                 slots_b_ptr, stride_sb, kv_a_ptr, kv_b_ptr, stride_a,
-                                 stride_b, BLOCK_N, load_l)  # fmt: skip
+                                 at_c, tot_c, ct_c, sa_c, sb_c, f_n, as_n, bs_n, be_n, at_n,
+                                 ct_n, sa_n, sb_n, issued % NUM_STAGES, valid_ptr, stride_vs,
+                                 width_a, slots_a_ptr, stride_sa, slots_b_ptr, stride_sb,
+                                 kv_a_ptr, kv_b_ptr, stride_a, stride_b, BLOCK_N,
+                                 load_l)  # fmt: skip
                 issued += 1
             pos = base + t + 1
             mbarrier.wait(bars.index(pos % NUM_STAGES), (pos // NUM_STAGES) & 1)
@@ -402,7 +412,7 @@ def prefill_attn_wgmma_kernel(
         f_c, as_c, bs_c, be_c, at_c, tot_c, ct_c, sa_c, sb_c = (
             f_n, as_n, bs_n, be_n, at_n, tot_n, ct_n, sa_n, sb_n
         )  # fmt: skip
-    for i in gl.static_range(NUM_STAGES):
+    for i in gl.static_range(NUM_STAGES + 1):
         mbarrier.invalidate(bars.index(i))
 
 
