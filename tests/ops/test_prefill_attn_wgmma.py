@@ -70,7 +70,15 @@ def _local_memory_bytes(kernel) -> int:
     return int(fields["STACK"])
 
 
-TILINGS = [prefill_attn_wgmma.WgmmaTiling(), prefill_attn_wgmma.WgmmaTiling(16, 6)]
+TILINGS = [
+    prefill_attn_wgmma.WgmmaTiling(),
+    prefill_attn_wgmma.WgmmaTiling(16, 6),
+    prefill_attn_wgmma.WgmmaTiling(persistent=False),
+]
+
+
+def _tiling_id(t: prefill_attn_wgmma.WgmmaTiling) -> str:
+    return f"bn{t.block_n}_s{t.num_stages}" + ("" if t.persistent else "_per_query")
 
 
 def compile_report(block_n: int, num_stages: int) -> dict:
@@ -85,7 +93,7 @@ def compile_report(block_n: int, num_stages: int) -> dict:
     }
 
 
-@pytest.mark.parametrize("tiling", TILINGS, ids=lambda t: f"bn{t.block_n}_s{t.num_stages}")
+@pytest.mark.parametrize("tiling", TILINGS, ids=_tiling_id)
 def test_compiles_for_sm90_with_wgmma_and_no_spills(tiling):
     # in a process of its own: the interpreter (TRITON_INTERPRET=1) cannot compile Gluon
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -124,7 +132,7 @@ V4 = {"dh": 512, "rope_dim": 64, "wa": 128}
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("tiling", TILINGS, ids=lambda t: f"bn{t.block_n}_s{t.num_stages}")
+@pytest.mark.parametrize("tiling", TILINGS, ids=_tiling_id)
 @pytest.mark.parametrize(
     "lengths, wb, ratio",
     [
