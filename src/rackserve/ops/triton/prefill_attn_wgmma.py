@@ -33,7 +33,6 @@ kernel reads them (``prefill_attn.py``); any mask is correct, one run is fastest
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -44,7 +43,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
-    mbarrier,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -64,7 +62,6 @@ class WgmmaTiling:
 
     block_n: int = 32
     num_stages: int = 4
-    persistent: bool = True  # one program an SM walking queries (else one a query)
 
 
 def supported(q: torch.Tensor, kv_a: torch.Tensor) -> bool:
@@ -77,11 +74,6 @@ def supported(q: torch.Tensor, kv_a: torch.Tensor) -> bool:
         and q.shape[2] == HEAD_DIM
         and torch.cuda.get_device_capability(q.device)[0] == 9
     )
-
-
-@functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -123,11 +115,9 @@ def paged_sparse_attention(
     rope_start = HEAD_DIM - (cos.shape[1] * 2 if rope else 0)
     width = slots_a.shape[1] + slots_b.shape[1]
     rope_args = (cos, sin, cos.stride(0), sin.stride(0)) if rope else (out, out, 0, 0)
-    programs = _num_sms(q.device) if tiling.persistent else num_queries
-    grid = (min(num_queries, programs),)
-    prefill_attn_wgmma_kernel[grid](
+    prefill_attn_wgmma_kernel[(num_queries,)](
         q, kv_a, slots_a, kv_b, slots_b, valid, sinks, out,
-        num_queries, slots_a.shape[1], width, rope_start, scale * math.log2(math.e),
+        slots_a.shape[1], width, rope_start, scale * math.log2(math.e),
         q.stride(0), q.stride(1), kv_a.stride(0), kv_b.stride(0), slots_a.stride(0),
         slots_b.stride(0), valid.stride(0), out.stride(0), out.stride(1), *rope_args,
         BLOCK_N=tiling.block_n,
@@ -137,34 +127,6 @@ def paged_sparse_attention(
         num_warps=8,
     )  # fmt: skip
     return out
-
-
-@gluon.jit
-def _span(s, live, valid_ptr, stride_vs, slots_a_ptr, stride_sa, slots_b_ptr, stride_sb, width_a,
-          width, BLOCK_N: gl.constexpr, BLOCK_V: gl.constexpr, flag_l: gl.constexpr):  # fmt: skip
-    """Query s's valid rows as ``prefill_attn.py`` reads them: (first, a_stop, b_start,
-    b_stop, a_tiles, total tiles, contiguous, safe_a, safe_b); ``live`` False: no tiles."""
-    s = s.to(gl.int64)
-    valid_row = valid_ptr + s * stride_vs
-    first = width + 0
-    last = width * 0 - 1
-    count = width * 0
-    for v0 in range(0, width, BLOCK_V):
-        idx = v0 + gl.arange(0, BLOCK_V, layout=flag_l)
-        ok = gl.load(valid_row + idx, mask=(idx < width) & live, other=0) != 0
-        first = gl.minimum(first, gl.min(gl.where(ok, idx, width), axis=0))
-        last = gl.maximum(last, gl.max(gl.where(ok, idx, -1), axis=0))
-        count += gl.sum(ok.to(gl.int32), axis=0)
-    contiguous = count == last - first + 1
-    a_stop = gl.minimum(last + 1, width_a)
-    b_start = gl.maximum(first, width_a) - width_a
-    b_stop = last + 1 - width_a
-    a_tiles = gl.cdiv(gl.maximum(a_stop - first, 0), BLOCK_N)
-    total = a_tiles + gl.cdiv(gl.maximum(b_stop - b_start, 0), BLOCK_N)
-    safe_a = gl.load(slots_a_ptr + s * stride_sa + first, mask=a_tiles > 0, other=0)
-    safe_b = gl.load(slots_b_ptr + s * stride_sb + (last - width_a), mask=total > a_tiles,
-                     other=0)  # fmt: skip
-    return first, a_stop, b_start, b_stop, a_tiles, total, contiguous, safe_a, safe_b
 
 
 @gluon.jit
@@ -179,46 +141,29 @@ def _tile_rows(t, a_tiles, first, a_stop, b_start, b_stop, BLOCK_N: gl.constexpr
 
 
 @gluon.jit
-def _gather(slot_smem, bar, s, t, first, a_stop, b_start, b_stop, a_tiles, contiguous, safe_a,
-            safe_b, valid_ptr, stride_vs, width_a, slots_a_ptr, stride_sa, slots_b_ptr,
-            stride_sb, kv_a_ptr, kv_b_ptr, stride_a, stride_b, BLOCK_N: gl.constexpr,
-            layout: gl.constexpr):  # fmt: skip
-    """cp.async of query s's tile t [BLOCK_N, Dh] into ``slot_smem``; every thread arrives on
-    ``bar`` when its copies land. A row past its list's end or in a hole of the mask reads a
-    valid row of the list instead (its score is masked): no invalid slot is followed."""
-    s = s.to(gl.int64)
+def _gather(slot_smem, t, total, a_tiles, first, a_stop, b_start, b_stop, contiguous,
+            valid_row, width_a, slots_a_row, slots_b_row, safe_a, safe_b, kv_a_ptr, kv_b_ptr,
+            stride_a, stride_b, BLOCK_N: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+    """cp.async of tile t's rows [BLOCK_N, Dh] into ``slot_smem`` (nothing past the last
+    tile). A row past its list's end or in a hole of the mask reads a valid row of the list
+    instead (its score is masked): no invalid slot is followed."""
     rows, stop, in_a = _tile_rows(
         t, a_tiles, first, a_stop, b_start, b_stop, BLOCK_N, gl.SliceLayout(1, layout)
     )
     ok = rows < stop
-    flags = gl.where(in_a, valid_ptr + s * stride_vs, valid_ptr + s * stride_vs + width_a)
-    ok = ok & (gl.load(flags + rows, mask=ok & ~contiguous, other=1) != 0)
-    slot_row = gl.where(in_a, slots_a_ptr + s * stride_sa, slots_b_ptr + s * stride_sb)
-    slot = gl.load(slot_row + gl.minimum(rows, stop - 1))
+    flags = gl.where(in_a, valid_row, valid_row + width_a) + rows
+    ok = ok & (gl.load(flags, mask=ok & ~contiguous & (t < total), other=1) != 0)
+    slot = gl.load(gl.where(in_a, slots_a_row, slots_b_row) + gl.minimum(rows, stop - 1),
+                   mask=t < total, other=0)  # fmt: skip
     slot = gl.where(ok, slot, gl.where(in_a, safe_a, safe_b))
     row_ptr = gl.where(in_a, kv_a_ptr, kv_b_ptr) + slot.to(gl.int64) * gl.where(
         in_a, stride_a, stride_b
     )
     cols = gl.arange(0, _DH, layout=gl.SliceLayout(0, layout))
-    cp.async_copy_global_to_shared(slot_smem, row_ptr[:, None] + cols[None, :])
-    cp.mbarrier_arrive(bar, increment_count=False)
-
-
-@gluon.jit
-def _gather_position(kv_smem, bars, rel, s, nxt, f_c, as_c, bs_c, be_c, at_c, tot_c, ct_c,
-                     sa_c, sb_c, f_n, as_n, bs_n, be_n, at_n, ct_n, sa_n, sb_n, slot, valid_ptr,
-                     stride_vs, width_a, slots_a_ptr, stride_sa, slots_b_ptr, stride_sb,
-                     kv_a_ptr, kv_b_ptr, stride_a, stride_b, BLOCK_N: gl.constexpr,
-                     layout: gl.constexpr):  # fmt: skip
-    """The stream position ``rel`` tiles past this query's first: this query's tile, or
-    (past its last) the next query's, gathered into ring slot ``slot``."""
-    cur = rel < tot_c
-    _gather(kv_smem.index(slot), bars.index(slot), gl.where(cur, s, nxt),
-            gl.where(cur, rel, rel - tot_c), gl.where(cur, f_c, f_n), gl.where(cur, as_c, as_n),
-            gl.where(cur, bs_c, bs_n), gl.where(cur, be_c, be_n), gl.where(cur, at_c, at_n),
-            gl.where(cur, ct_c, ct_n), gl.where(cur, sa_c, sa_n), gl.where(cur, sb_c, sb_n),
-            valid_ptr, stride_vs, width_a, slots_a_ptr, stride_sa, slots_b_ptr, stride_sb,
-            kv_a_ptr, kv_b_ptr, stride_a, stride_b, BLOCK_N, layout)  # fmt: skip
+    live = (rows * 0 + t) < total
+    cp.async_copy_global_to_shared(
+        slot_smem, row_ptr[:, None] + cols[None, :], mask=live[:, None] & (cols < _DH)[None, :]
+    )
 
 
 @gluon.jit
@@ -242,7 +187,6 @@ def prefill_attn_wgmma_kernel(
     valid_ptr,  # [S, Wa + Wb] uint8 (bool viewed)
     sinks_ptr,  # [H] fp32
     out_ptr,  # [S, H, Dh]
-    num_queries,
     width_a,
     width,  # Wa + Wb
     rope_start,
@@ -263,7 +207,7 @@ def prefill_attn_wgmma_kernel(
     BLOCK_N: gl.constexpr,
     BLOCK_V: gl.constexpr,  # valid flags scanned at a time for the row span
     ROPE: gl.constexpr,
-    NUM_STAGES: gl.constexpr,  # ring slots (>= 2): tiles t and t + 1 are read, later ones land
+    NUM_STAGES: gl.constexpr,  # >= 2: tiles t and t + 1 are read while later ones land
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     # layouts (8 warps): loads in 16-byte vectors; both dots with warps [4, 2] (each
@@ -283,137 +227,116 @@ def prefill_attn_wgmma_kernel(
     rows_s: gl.constexpr = gl.SliceLayout(1, s_l)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_l)
 
-    # shared memory: q, the ring of row tiles with a barrier a slot, p (double-buffered)
-    q_smem = gl.allocate_shared_memory(dtype, [_H, _DH], q_sl)
+    s = gl.program_id(0).to(gl.int64)
+    valid_row = valid_ptr + s * stride_vs
+
+    # the span [first, last] of valid rows (prefill_attn.py)
+    first = width + 0
+    last = width * 0 - 1
+    count = width * 0
+    for v0 in range(0, width, BLOCK_V):
+        idx = v0 + gl.arange(0, BLOCK_V, layout=flag_l)
+        ok = gl.load(valid_row + idx, mask=idx < width, other=0) != 0
+        first = gl.minimum(first, gl.min(gl.where(ok, idx, width), axis=0))
+        last = gl.maximum(last, gl.max(gl.where(ok, idx, -1), axis=0))
+        count += gl.sum(ok.to(gl.int32), axis=0)
+    contiguous = count == last - first + 1
+    a_stop = gl.minimum(last + 1, width_a)
+    b_start = gl.maximum(first, width_a) - width_a
+    b_stop = last + 1 - width_a
+    a_tiles = gl.cdiv(gl.maximum(a_stop - first, 0), BLOCK_N)
+    b_tiles = gl.cdiv(gl.maximum(b_stop - b_start, 0), BLOCK_N)
+    total = a_tiles + b_tiles
+    slots_a_row = slots_a_ptr + s * stride_sa
+    slots_b_row = slots_b_ptr + s * stride_sb
+    safe_a = gl.load(slots_a_row + first, mask=a_tiles > 0, other=0)
+    safe_b = gl.load(slots_b_row + (last - width_a), mask=b_tiles > 0, other=0)
+
+    # shared memory: q, the ring of row tiles, p
     kv_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, _DH], kv_sl)
-    p_smem = gl.allocate_shared_memory(dtype, [2, _H, BLOCK_N], p_sl)
-    # a barrier a ring slot, and q's (the last)
-    bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES + 1, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES + 1):
-        mbarrier.init(bars.index(i), count=gl.num_warps() * 32)
-    q_bar = bars.index(NUM_STAGES)
+    p_smem = gl.allocate_shared_memory(dtype, [_H, BLOCK_N], p_sl)
+    for i in gl.static_range(NUM_STAGES):
+        _gather(kv_smem.index(i), i, total, a_tiles, first, a_stop, b_start, b_stop,
+                contiguous, valid_row, width_a, slots_a_row, slots_b_row, safe_a, safe_b,
+                kv_a_ptr, kv_b_ptr, stride_a, stride_b, BLOCK_N, load_l)  # fmt: skip
+        cp.commit_group()
+    heads_l = gl.arange(0, _H, layout=gl.SliceLayout(1, load_l))
+    cols_l = gl.arange(0, _DH, layout=gl.SliceLayout(0, load_l))
+    q = gl.load(q_ptr + s * stride_qs + heads_l[:, None] * stride_qh + cols_l[None, :])
+    q_smem = gl.allocate_shared_memory(dtype, [_H, _DH], q_sl, q)
 
-    # persistent: this program's queries pid, pid + G, ...; the row tiles of its queries form
-    # one stream (position = tiles of the earlier queries + tile), gathered NUM_STAGES
-    # positions ahead, across a query's end into the next one's first tiles
-    pid = gl.program_id(0)
-    step = gl.num_programs(0)
-    f_c, as_c, bs_c, be_c, at_c, tot_c, ct_c, sa_c, sb_c = _span(
-        pid, pid < num_queries, valid_ptr, stride_vs, slots_a_ptr, stride_sa, slots_b_ptr,
-        stride_sb, width_a, width, BLOCK_N, BLOCK_V, flag_l,
-    )  # fmt: skip
-    base = pid * 0  # stream position of this query's tile 0
-    issued = pid * 0  # stream positions gathered so far
-    for s in range(pid, num_queries, step):
-        nxt = s + step
-        f_n, as_n, bs_n, be_n, at_n, tot_n, ct_n, sa_n, sb_n = _span(
-            gl.minimum(nxt, num_queries - 1), nxt < num_queries, valid_ptr, stride_vs,
-            slots_a_ptr, stride_sa, slots_b_ptr, stride_sb, width_a, width, BLOCK_N, BLOCK_V,
-            flag_l,
-        )  # fmt: skip
-        gl.thread_barrier()  # the previous query's dots are done in both warpgroups
-        s64 = s.to(gl.int64)
-        heads_l = gl.arange(0, _H, layout=gl.SliceLayout(1, load_l))
-        cols_l = gl.arange(0, _DH, layout=gl.SliceLayout(0, load_l))
-        q_rows = q_ptr + s64 * stride_qs + heads_l[:, None] * stride_qh
-        cp.async_copy_global_to_shared(q_smem, q_rows + cols_l[None, :])
-        cp.mbarrier_arrive(q_bar, increment_count=False)
-        # the slots of positions < base are free: gather up to base + NUM_STAGES - 1
-        while (issued < base + NUM_STAGES) & (issued < base + tot_c + tot_n):
-            _gather_position(kv_smem, bars, issued - base, s, nxt, f_c, as_c, bs_c, be_c, at_c,
-                             tot_c, ct_c, sa_c, sb_c, f_n, as_n, bs_n, be_n, at_n, ct_n, sa_n,
-                             sb_n, issued % NUM_STAGES, valid_ptr, stride_vs, width_a,
-                             slots_a_ptr, stride_sa, slots_b_ptr, stride_sb, kv_a_ptr,
-                             kv_b_ptr, stride_a, stride_b, BLOCK_N, load_l)  # fmt: skip
-            issued += 1
-        mbarrier.wait(q_bar, ((s - pid) // step) & 1)
+    m = gl.full([_H], float("-inf"), gl.float32, rows_s)
+    l_sum = gl.zeros([_H], gl.float32, rows_s)
+    acc = gl.zeros([_H, _DH], gl.float32, o_l)
+    zero_s = gl.zeros([_H, BLOCK_N], gl.float32, s_l)
+
+    # tile 0: its scores and p (stored), before the loop
+    cp.wait_group(NUM_STAGES - 1)
+    gl.thread_barrier()
+    fence_async_shared()
+    if total > 0:
+        sc = warpgroup_mma(q_smem, kv_smem.index(0).permute((1, 0)), zero_s, use_acc=False,
+                           is_async=True)  # fmt: skip
+        sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+        bias = _scores_mask(0, a_tiles, first, a_stop, b_start, b_stop, valid_row, width_a,
+                            contiguous, BLOCK_N, cols_s)  # fmt: skip
+        sc = sc * qk_scale + bias[None, :]
+        m = gl.max(sc, axis=1)
+        m_ref = gl.where(m == float("-inf"), 0.0, m)
+        p = gl.exp2(sc - m_ref[:, None]).to(dtype)
+        l_sum = gl.sum(p.to(gl.float32), axis=1)
+        p_smem.store(p)
         fence_async_shared()
-        valid_row = valid_ptr + s64 * stride_vs
+        gl.thread_barrier()
 
-        m = gl.full([_H], float("-inf"), gl.float32, rows_s)
-        l_sum = gl.zeros([_H], gl.float32, rows_s)
-        acc = gl.zeros([_H, _DH], gl.float32, o_l)
-        if tot_c > 0:  # tile 0: its scores and p, before the loop
-            mbarrier.wait(bars.index(base % NUM_STAGES), (base // NUM_STAGES) & 1)
-            fence_async_shared()
-            sc = warpgroup_mma(q_smem, kv_smem.index(base % NUM_STAGES).permute((1, 0)),
-                               gl.zeros([_H, BLOCK_N], gl.float32, s_l), use_acc=False,
-                               is_async=True)  # fmt: skip
-            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-            bias = _scores_mask(0, at_c, f_c, as_c, bs_c, be_c, valid_row, width_a, ct_c,
-                                BLOCK_N, cols_s)  # fmt: skip
-            sc = sc * qk_scale + bias[None, :]
-            m = gl.max(sc, axis=1)
-            m_ref = gl.where(m == float("-inf"), 0.0, m)
-            p = gl.exp2(sc - m_ref[:, None]).to(dtype)
-            l_sum = gl.sum(p.to(gl.float32), axis=1)
-            p_smem.index(0).store(p)
-            fence_async_shared()
-            gl.thread_barrier()
+    for t in range(total - 1):
+        # invariant: p(t) is in p_smem and acc holds tiles < t, scaled to m(t); tiles t and
+        # t + 1 have landed (the NUM_STAGES - 2 later ones may be in flight)
+        cp.wait_group(NUM_STAGES - 2)
+        gl.thread_barrier()
+        fence_async_shared()
+        # QK(t + 1) first, then PV(t): waiting for one group leaves PV(t) running
+        sc = warpgroup_mma(q_smem, kv_smem.index((t + 1) % NUM_STAGES).permute((1, 0)),
+                           zero_s, use_acc=False, is_async=True)  # fmt: skip
+        acc = warpgroup_mma(p_smem, kv_smem.index(t % NUM_STAGES), acc, is_async=True)
+        sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc,))
+        bias = _scores_mask(t + 1, a_tiles, first, a_stop, b_start, b_stop, valid_row, width_a,
+                            contiguous, BLOCK_N, cols_s)  # fmt: skip
+        sc = sc * qk_scale + bias[None, :]
+        m_new = gl.maximum(m, gl.max(sc, axis=1))
+        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m - m_ref)
+        p = gl.exp2(sc - m_ref[:, None]).to(dtype)
+        l_sum = l_sum * alpha + gl.sum(p.to(gl.float32), axis=1)
+        m = m_new
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        gl.thread_barrier()  # both warpgroups are done with p_smem and tile t's slot
+        acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
+        p_smem.store(p)
+        _gather(kv_smem.index(t % NUM_STAGES), t + NUM_STAGES, total, a_tiles, first, a_stop,
+                b_start, b_stop, contiguous, valid_row, width_a, slots_a_row, slots_b_row,
+                safe_a, safe_b, kv_a_ptr, kv_b_ptr, stride_a, stride_b, BLOCK_N,
+                load_l)  # fmt: skip
+        cp.commit_group()
+        fence_async_shared()
+    if total > 0:  # the last tile's PV
+        gl.thread_barrier()
+        acc = warpgroup_mma(p_smem, kv_smem.index((total - 1) % NUM_STAGES), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    cp.wait_group(0)
 
-        for t in range(tot_c - 1):
-            # invariant: p(t) is in p_smem[t % 2], acc holds tiles < t scaled to m(t), and
-            # both warpgroups are done with tile t - 1's slot: gather into it
-            if (issued <= base + t - 1 + NUM_STAGES) & (issued < base + tot_c + tot_n):
-                _gather_position(kv_smem, bars, issued - base, s, nxt, f_c, as_c, bs_c, be_c,
-                                 at_c, tot_c, ct_c, sa_c, sb_c, f_n, as_n, bs_n, be_n, at_n,
-                                 ct_n, sa_n, sb_n, issued % NUM_STAGES, valid_ptr, stride_vs,
-                                 width_a, slots_a_ptr, stride_sa, slots_b_ptr, stride_sb,
-                                 kv_a_ptr, kv_b_ptr, stride_a, stride_b, BLOCK_N,
-                                 load_l)  # fmt: skip
-                issued += 1
-            pos = base + t + 1
-            mbarrier.wait(bars.index(pos % NUM_STAGES), (pos // NUM_STAGES) & 1)
-            fence_async_shared()
-            # QK(t + 1) first, then PV(t): waiting for one group leaves PV(t) running
-            sc = warpgroup_mma(q_smem, kv_smem.index(pos % NUM_STAGES).permute((1, 0)),
-                               gl.zeros([_H, BLOCK_N], gl.float32, s_l), use_acc=False,
-                               is_async=True)  # fmt: skip
-            acc = warpgroup_mma(p_smem.index(t % 2), kv_smem.index((pos - 1) % NUM_STAGES),
-                                acc, is_async=True)  # fmt: skip
-            sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc,))
-            bias = _scores_mask(t + 1, at_c, f_c, as_c, bs_c, be_c, valid_row, width_a, ct_c,
-                                BLOCK_N, cols_s)  # fmt: skip
-            sc = sc * qk_scale + bias[None, :]
-            m_new = gl.maximum(m, gl.max(sc, axis=1))
-            m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m - m_ref)
-            p = gl.exp2(sc - m_ref[:, None]).to(dtype)
-            l_sum = l_sum * alpha + gl.sum(p.to(gl.float32), axis=1)
-            m = m_new
-            # p(t + 1) into the other buffer: its last reader, PV(t - 1), is done in both
-            # warpgroups (the barrier that ended iteration t - 1)
-            p_smem.index((t + 1) % 2).store(p)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
-            fence_async_shared()
-            gl.thread_barrier()
-        if tot_c > 0:  # the last tile's PV
-            last = base + tot_c - 1
-            acc = warpgroup_mma(p_smem.index((tot_c - 1) % 2),
-                                kv_smem.index(last % NUM_STAGES), acc, is_async=True)  # fmt: skip
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-
-        heads = gl.arange(0, _H, layout=rows_o)
-        sink = gl.load(sinks_ptr + heads) * 1.4426950408889634
-        m_o = gl.convert_layout(m, rows_o)
-        l_o = gl.convert_layout(l_sum, rows_o)
-        m_all = gl.maximum(m_o, sink)
-        alpha_o = gl.exp2(m_o - m_all)
-        o = acc * (alpha_o / (l_o * alpha_o + gl.exp2(sink - m_all)))[:, None]
-        if ROPE:
-            o = _inverse_rope(o, cos_ptr + s64 * stride_cs, sin_ptr + s64 * stride_ss,
-                              rope_start, o_l)  # fmt: skip
-        cols = gl.arange(0, _DH, layout=gl.SliceLayout(0, o_l))
-        gl.store(out_ptr + s64 * stride_os + heads[:, None] * stride_oh + cols[None, :],
-                 o.to(dtype))  # fmt: skip
-
-        base += tot_c
-        f_c, as_c, bs_c, be_c, at_c, tot_c, ct_c, sa_c, sb_c = (
-            f_n, as_n, bs_n, be_n, at_n, tot_n, ct_n, sa_n, sb_n
-        )  # fmt: skip
-    for i in gl.static_range(NUM_STAGES + 1):
-        mbarrier.invalidate(bars.index(i))
+    heads = gl.arange(0, _H, layout=rows_o)
+    sink = gl.load(sinks_ptr + heads) * 1.4426950408889634
+    m_o = gl.convert_layout(m, rows_o)
+    l_o = gl.convert_layout(l_sum, rows_o)
+    m_all = gl.maximum(m_o, sink)
+    alpha = gl.exp2(m_o - m_all)
+    o = acc * (alpha / (l_o * alpha + gl.exp2(sink - m_all)))[:, None]
+    cols = gl.arange(0, _DH, layout=gl.SliceLayout(0, o_l))
+    if ROPE:
+        o = _inverse_rope(o, cos_ptr + s * stride_cs, sin_ptr + s * stride_ss, rope_start, o_l)
+    out_ptrs = out_ptr + s * stride_os + heads[:, None] * stride_oh + cols[None, :]
+    gl.store(out_ptrs, o.to(dtype))
 
 
 @gluon.jit
