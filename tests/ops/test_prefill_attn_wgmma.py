@@ -2,9 +2,9 @@
 reference (``reference.paged_sparse_attention``) and the Triton prefill kernel.
 
 Gluon kernels do not run in Triton's interpreter: on CPU the kernel is compiled for sm_90
-through Triton's ptxas (every tiling: wgmma used, at most 8 bytes of spills, shared memory within the H200's
-227 KB); on a GPU (``gpu`` mark) it runs at V4-Flash sizes (H 64, Dh 512 with
-64 rope dims, Wa 128) on prefill masks (HCA and CSA, a prompt after a cached prefix, a mixed
+through Triton's ptxas (every tiling: wgmma used, at most 8 bytes of spills, shared memory
+within the H200's 227 KB); on a GPU (``gpu`` mark) it runs at V4-Flash sizes (H 64, Dh 512
+with 64 rope dims, Wa 128) on prefill masks (HCA and CSA, a prompt after a cached prefix, a mixed
 step) and on masks with holes, outputs poisoned with NaN, under the bf16 rule of the kernel
 tests.
 """
