@@ -14,7 +14,7 @@ t=$(cap 150); echo "== wgmma attention tests (${t}s)"
   -p no:cacheprovider -rf -x > "$R/pytest_wgmma.log" 2>&1
 tail -15 "$R/pytest_wgmma.log"
 t=$(cap 180); echo "== prefill_bench attention S=8192 (${t}s)"
-((t)) && timeout "$t" python3 benchmarks/prefill_bench.py --attention-only bn32_s3 \
+((t)) && timeout "$t" python3 benchmarks/prefill_bench.py --attention-only bn32_s4,bn32_s4_p2 \
   --output "$R/prefill_attn.json" 2>&1 | tail -20
 PREFILL=(--iters 8 --warmup 2 --batch prefill:2048 --batch prefill:8192 --batch prefill:8192@65536)
 echo "== bench forward prefill, wgmma attention"

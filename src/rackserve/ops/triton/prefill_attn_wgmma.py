@@ -61,7 +61,8 @@ class WgmmaTiling:
     depth of the gather ring."""
 
     block_n: int = 32
-    num_stages: int = 4
+    num_stages: int = 3
+    p_buffers: int = 1  # 2: p double-buffered, no barrier before it is rewritten
 
 
 def supported(q: torch.Tensor, kv_a: torch.Tensor) -> bool:
@@ -124,6 +125,7 @@ def paged_sparse_attention(
         BLOCK_V=min(1024, max(16, triton.next_power_of_2(max(width, 1)))),
         ROPE=rope,
         NUM_STAGES=tiling.num_stages,
+        P_BUFFERS=tiling.p_buffers,
         num_warps=8,
     )  # fmt: skip
     return out
@@ -207,7 +209,8 @@ def prefill_attn_wgmma_kernel(
     BLOCK_N: gl.constexpr,
     BLOCK_V: gl.constexpr,  # valid flags scanned at a time for the row span
     ROPE: gl.constexpr,
-    NUM_STAGES: gl.constexpr,  # >= 2: tiles t and t + 1 are read while later ones land
+    NUM_STAGES: gl.constexpr,  # >= 2 + P_BUFFERS - 1: tiles t and t + 1 read, later ones land
+    P_BUFFERS: gl.constexpr,  # 1: a barrier before p is rewritten; 2: none (a gather fewer)
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     # layouts (8 warps): loads in 16-byte vectors; both dots with warps [4, 2] (each
@@ -254,8 +257,9 @@ def prefill_attn_wgmma_kernel(
 
     # shared memory: q, the ring of row tiles, p
     kv_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, _DH], kv_sl)
-    p_smem = gl.allocate_shared_memory(dtype, [_H, BLOCK_N], p_sl)
-    for i in gl.static_range(NUM_STAGES):
+    p_smem = gl.allocate_shared_memory(dtype, [P_BUFFERS, _H, BLOCK_N], p_sl)
+    # P_BUFFERS 2: one slot stays free for the loop's first gather (tile NUM_STAGES - 1)
+    for i in gl.static_range(NUM_STAGES - P_BUFFERS + 1):
         _gather(kv_smem.index(i), i, total, a_tiles, first, a_stop, b_start, b_stop,
                 contiguous, valid_row, width_a, slots_a_row, slots_b_row, safe_a, safe_b,
                 kv_a_ptr, kv_b_ptr, stride_a, stride_b, BLOCK_N, load_l)  # fmt: skip
@@ -271,7 +275,7 @@ def prefill_attn_wgmma_kernel(
     zero_s = gl.zeros([_H, BLOCK_N], gl.float32, s_l)
 
     # tile 0: its scores and p (stored), before the loop
-    cp.wait_group(NUM_STAGES - 1)
+    cp.wait_group(NUM_STAGES - P_BUFFERS)
     gl.thread_barrier()
     fence_async_shared()
     if total > 0:
@@ -285,20 +289,21 @@ def prefill_attn_wgmma_kernel(
         m_ref = gl.where(m == float("-inf"), 0.0, m)
         p = gl.exp2(sc - m_ref[:, None]).to(dtype)
         l_sum = gl.sum(p.to(gl.float32), axis=1)
-        p_smem.store(p)
+        p_smem.index(0).store(p)
         fence_async_shared()
         gl.thread_barrier()
 
     for t in range(total - 1):
         # invariant: p(t) is in p_smem and acc holds tiles < t, scaled to m(t); tiles t and
         # t + 1 have landed (the NUM_STAGES - 2 later ones may be in flight)
-        cp.wait_group(NUM_STAGES - 2)
+        cp.wait_group(NUM_STAGES - 1 - P_BUFFERS)
         gl.thread_barrier()
         fence_async_shared()
         # QK(t + 1) first, then PV(t): waiting for one group leaves PV(t) running
         sc = warpgroup_mma(q_smem, kv_smem.index((t + 1) % NUM_STAGES).permute((1, 0)),
                            zero_s, use_acc=False, is_async=True)  # fmt: skip
-        acc = warpgroup_mma(p_smem, kv_smem.index(t % NUM_STAGES), acc, is_async=True)
+        acc = warpgroup_mma(p_smem.index(t % P_BUFFERS), kv_smem.index(t % NUM_STAGES), acc,
+                            is_async=True)  # fmt: skip
         sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc,))
         bias = _scores_mask(t + 1, a_tiles, first, a_stop, b_start, b_stop, valid_row, width_a,
                             contiguous, BLOCK_N, cols_s)  # fmt: skip
@@ -310,10 +315,14 @@ def prefill_attn_wgmma_kernel(
         l_sum = l_sum * alpha + gl.sum(p.to(gl.float32), axis=1)
         m = m_new
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        gl.thread_barrier()  # both warpgroups are done with p_smem and tile t's slot
+        if P_BUFFERS == 1:  # wait until both warpgroups are done with p and tile t's slot
+            gl.thread_barrier()
+        # P_BUFFERS 2: p(t + 1) into the buffer PV(t - 1) read and tile t + NUM_STAGES - 1
+        # into tile t - 1's slot, both done in both warpgroups (this iteration's barrier)
         acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
-        p_smem.store(p)
-        _gather(kv_smem.index(t % NUM_STAGES), t + NUM_STAGES, total, a_tiles, first, a_stop,
+        p_smem.index((t + 1) % P_BUFFERS).store(p)
+        refill = t + NUM_STAGES + 1 - P_BUFFERS
+        _gather(kv_smem.index(refill % NUM_STAGES), refill, total, a_tiles, first, a_stop,
                 b_start, b_stop, contiguous, valid_row, width_a, slots_a_row, slots_b_row,
                 safe_a, safe_b, kv_a_ptr, kv_b_ptr, stride_a, stride_b, BLOCK_N,
                 load_l)  # fmt: skip
@@ -321,7 +330,9 @@ def prefill_attn_wgmma_kernel(
         fence_async_shared()
     if total > 0:  # the last tile's PV
         gl.thread_barrier()
-        acc = warpgroup_mma(p_smem, kv_smem.index((total - 1) % NUM_STAGES), acc, is_async=True)
+        last = total - 1
+        acc = warpgroup_mma(p_smem.index(last % P_BUFFERS), kv_smem.index(last % NUM_STAGES),
+                            acc, is_async=True)  # fmt: skip
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     cp.wait_group(0)
 
