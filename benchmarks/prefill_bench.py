@@ -122,7 +122,7 @@ def wgmma_variants() -> dict[str, prefill_attn_wgmma.WgmmaTiling]:
     """The Gluon wgmma kernel's tilings: rows per tile and gather-ring depth (SMEM: q 64 KB
     + stages x rows x 1 KB + p)."""
     tile = prefill_attn_wgmma.WgmmaTiling
-    return {"bn32_s4": tile(32, 4), "bn32_s4_p2": tile(32, 4, p_buffers=2), "bn16_s6": tile(16, 6)}
+    return {"bn32_s3_p1": tile(32, 3, p_buffers=1), "bn16_s6": tile(16, 6)}
 
 
 def outside_bf16_rule(out: torch.Tensor, args: tuple, num: int = 256) -> float:
@@ -165,7 +165,7 @@ def run_attention(
             flops = 4 * H * DH * rows
             nbytes = rows * DH * 2 + 2 * s * H * DH * 2
             expected = sparse_attn.paged_sparse_attention(*args).float()
-            tilings = {"prefill": None}
+            tilings = {"prefill": prefill_attn.default_tiling(H, DH, torch.bfloat16, dev)}
             if sweep:
                 tilings |= {
                     f"prefill:{k}": v for k, v in variants(dev).items() if not only or k in only

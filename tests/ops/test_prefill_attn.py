@@ -170,7 +170,9 @@ def test_v4_flash_sizes_on_gpu(attn, wb):
     if DEVICE != "cuda":
         pytest.skip("needs a GPU")
     valid = prefill_mask([(1024, 2048)], 128, wb, 4 if wb == 512 else 128)
-    check(attn, make_case(valid, 64, torch.bfloat16, seed=1, dh=512, rope_dim=64, wa=128))
+    tiling = attn.default_tiling(64, 512, torch.bfloat16, torch.device("cuda"))  # not wgmma
+    args = make_case(valid, 64, torch.bfloat16, seed=1, dh=512, rope_dim=64, wa=128)
+    check(attn, args, tiling)
 
 
 def test_dispatch_by_number_of_queries():

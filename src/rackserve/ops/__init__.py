@@ -180,7 +180,8 @@ PREFILL_ATTN_MIN_TOKENS = 512
 # layer at 8192 queries) CSA 4.53 ms and HCA 1.73 ms against the split-KV decode kernel's
 # 6.44 and 2.41, with 0.000-0.004% of outputs outside the bf16 rule at these shapes (the
 # limit is 0.1%). Sessions 9-13 kept the decode kernel, reading the rule from Dh-64 test
-# shapes (0.04-0.39% outside there).
+# shapes (0.04-0.39% outside there). On sm_90 at V4's shapes the prefill kernel hands over
+# to the Gluon wgmma kernel (``prefill_attn.WGMMA``, 2026-12-04: HCA 1.46 ms, CSA 3.21 ms).
 PREFILL_ATTENTION_MIN_TOKENS: int | None = 512
 
 

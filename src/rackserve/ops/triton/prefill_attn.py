@@ -51,8 +51,9 @@ _PV_MODES = {"rows": 0, "split": 1, "fp16": 2}
 
 # The Gluon wgmma kernel (``prefill_attn_wgmma.py``: the work split between the warpgroups,
 # the gathers in a ring, softmax beside PV) serves what it supports (64 heads, Dh 512,
-# 16-bit caches, sm_90) when no tiling is asked for.
-WGMMA = False
+# 16-bit caches, sm_90) when no tiling is asked for: 1.2x (HCA) to 1.4x (CSA) faster at 8192
+# queries on the H200, prefill:8192 49.6 -> 47.3 ms in bench forward (2026-12-04).
+WGMMA = True
 
 
 @dataclass(frozen=True)

@@ -15,12 +15,26 @@ Here, per program (one query, 8 warps = 2 warpgroups):
   through shared memory (the compiler's reduction).
 - P is stored to shared memory as bf16; PV runs with warps [4, 2] over the output columns:
   each warpgroup accumulates its [64, 256] half of the output from all of P.
-- The row tiles are gathered by cp.async into a ring of ``NUM_STAGES`` slots, issued
-  ``NUM_STAGES - 1`` tiles ahead, so the gathers of later tiles are in flight while a tile
-  computes (the slots of a query's rows: no TMA on Hopper for row gathers).
+- The row tiles are gathered by cp.async into a ring of ``NUM_STAGES`` slots, so the
+  gathers of later tiles are in flight while a tile computes (the slots of a query's rows:
+  no TMA on Hopper for row gathers). p is double-buffered: p(t + 1) goes to the buffer
+  PV(t - 1) read and tile t + 3 to tile t - 1's slot, both finished in both warpgroups at
+  the barrier that opened the iteration, so no barrier waits for the other warpgroup's PV.
 - Softmax of tile t + 1 runs while PV of tile t is on the tensor cores (FlashAttention-3's
   intra-warpgroup overlap): QK(t + 1) is issued before PV(t), and wgmma groups retire in
   order, so waiting for one outstanding group leaves PV(t) running.
+
+Measured on the H200 (``benchmarks/prefill_bench.py``, 8192 queries, 2026-12-04, session 21
+calls 1-5): HCA 1,461 us and CSA 3,212 us against the Triton kernel's 1,733 / 4,551 (19.4%
+of bf16 peak on CSA against 13.7%), 0.004% / 0.000% of outputs outside the bf16 rule (the
+limit is 0.1%). Three ring slots with one p buffer: 1,503 / 3,263; 16-row tiles: slower
+(1,851 / 4,645: the QK dot's N of 8 a warpgroup). A persistent variant (one program an SM,
+the next query's first tiles gathered during the current query's last; mbarriers a slot)
+was slower, 1,574 / 3,704: the loop's extra scalar work and spills around the q load and
+epilogue outweighed the hidden prologue. What bounds it now: one 8-warp program an SM
+(255 registers, 200 KB shared memory), whose per-query prologue (the valid-flag scan, the
+first gathers, tile 0's QK) and epilogue run with nothing beside them (~10 us a query, ~40%
+of an HCA query), and QK's wgmma N of 16 a warpgroup.
 
 Numerics are the Triton kernel's default (``pv="rows"``): fp32 scores and online softmax in
 the log2 domain, p rounded to bf16 for PV and the denominator summed from the rounded p, the
@@ -61,8 +75,8 @@ class WgmmaTiling:
     depth of the gather ring."""
 
     block_n: int = 32
-    num_stages: int = 3
-    p_buffers: int = 1  # 2: p double-buffered, no barrier before it is rewritten
+    num_stages: int = 4
+    p_buffers: int = 2  # 1: one p buffer, a barrier before it is rewritten
 
 
 def supported(q: torch.Tensor, kv_a: torch.Tensor) -> bool:
