@@ -65,16 +65,20 @@ def _record_fast_path() -> list[dict]:
                 ids, meta, idx = buffers.eager_step(s.step.inputs, s.step.table_writes)
                 hidden, _ = model(ids, meta, s.caches)
                 model.compute_logits(hidden[idx])
-        # the GPU's top-k: bitonic levels, the last one selecting (the CPU takes torch.topk)
+        # the GPU's top-k: bitonic levels, the last one selecting (the CPU takes torch.topk);
+        # the radix select (prefill rows), selecting and writing ids, counted bits and digits
         keys = torch.randn(40, 32, generator=g).bfloat16()
         slots = torch.randperm(40, generator=g)[None, :].repeat(2, 1)
-        for limit in (64, 16):
-            indexer.paged_indexer_select(
-                torch.randn(2, 4, 32, generator=g).bfloat16(), keys, slots,
-                torch.randn(2, 4, generator=g), 0.2, torch.tensor([40, 9]), 8,
-                torch.ones(2, 5, dtype=torch.bool),
-                tiling=indexer.IndexerTiling(16, 1, 4, 1, limit, select_chunk=16),
-            )  # fmt: skip
+        for limit, algorithm, bits in ((64, "bitonic", 1), (16, "bitonic", 1),
+                                       (64, "radix", 1), (64, "radix", 5)):  # fmt: skip
+            tiling = indexer.IndexerTiling(
+                16, 1, 4, 1, limit, select_chunk=16, select_algorithm=algorithm, radix_bits=bits
+            )
+            args = (torch.randn(2, 4, 32, generator=g).bfloat16(), keys, slots,
+                    torch.randn(2, 4, generator=g), 0.2, torch.tensor([40, 9]), 8)  # fmt: skip
+            indexer.paged_indexer_select(*args, torch.ones(2, 5, dtype=torch.bool), tiling=tiling)
+            if algorithm == "radix":
+                indexer.paged_indexer_topk(*args, tiling=tiling)
         # K1's bf16x3 dots (mhc.BF16_DOT_PRECISION's alternative): tensor-core bf16 on sm_90
         streams = torch.randn(20, 4, 64, generator=g).bfloat16()
         fn, base = torch.randn(24, 256, generator=g) / 16, torch.randn(24, generator=g)
@@ -174,7 +178,7 @@ def test_fast_path_kernels_compile_for_sm90(monkeypatch):
     # the step's kernels, both attention paths, the fp8 writers, the quantized kernels
     for name in ("sparse_attn_kernel", "prefill_attn_kernel", "_compress_kernel",
                  "moe_gate_up_fp4_kernel", "fp8_gemm_kernel", "gemv_kernel",
-                 "select_topk_kernel"):  # fmt: skip
+                 "select_topk_kernel", "radix_topk_kernel"):  # fmt: skip
         assert any(name in k for k in kernels), (name, sorted(kernels))
     halves = {(s["constexprs"]["MIXES"], s["constexprs"]["COLLAPSE"]) for s in specs
               if s["kernel"] == "hc_finish_kernel"}  # fmt: skip

@@ -98,14 +98,19 @@ def topk_earliest(scores: torch.Tensor, k: int) -> torch.Tensor:
 
     scores: [S, E] float32 -> [S, k] int64. ``torch.topk`` breaks ties in no fixed order
     (it differs between devices and tensor widths), so each score is packed with its index
-    into one int64 key, order-preserving float bits above, (2^31 - 1 - index) below: the
-    keys are distinct and their top k is the stable-sort answer.
+    into one int64 key (``packed_earliest``): the keys are distinct and their top k is the
+    stable-sort answer.
     """
+    return packed_earliest(scores).topk(k, dim=-1).indices
+
+
+def packed_earliest(scores: torch.Tensor) -> torch.Tensor:
+    """[S, E] float scores -> [S, E] int64 keys, order-preserving float bits above,
+    (2^31 - 1 - index) below (what the indexer kernels store and select from)."""
     bits = (scores.float() + 0.0).contiguous().view(torch.int32)  # + 0.0: -0.0 -> 0.0
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # float order as signed-int order
     index = torch.arange(scores.shape[-1], device=scores.device)
-    packed = (ordered.to(torch.int64) << 32) | (0x7FFFFFFF - index)
-    return packed.topk(k, dim=-1).indices
+    return (ordered.to(torch.int64) << 32) | (0x7FFFFFFF - index)
 
 
 def indexer_topk(

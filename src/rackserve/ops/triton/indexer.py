@@ -15,17 +15,21 @@ For a tile it gathers key rows through ``slots`` (int64 row ids into the 2-D key
 fp32), relu, the weighted sum over heads. It stores either fp32 logits or, by default, the
 packed int64 keys of ``reference.topk_earliest`` ((order-preserving fp32 bits << 32) |
 (2^31 - 1 - e)), so every top-k of them is unique: the same ids, in the same order, as the
-reference's stable sort. The selection: one bitonic top-k program per query (rows up to
-``triton_select_max_entries``); longer rows first go through levels of chunk-wise top-k
-programs (grid S x P, each writes its chunk's best keys), which split the work of one
-query over many SMs (S = 1 at E = 16384 took 92 us in ``torch.topk``). Grids and
-workspaces depend on S, E and the device only: no host sync, CUDA-graph safe.
+reference's stable sort. The selection: one top-k program per query (rows up to
+``triton_select_max_entries``), a bitonic ``tl.topk`` of the row or, for prefill-sized
+batches of rows of 1024 to 8192 entries on a GPU, the radix select of ``topk.py`` (the
+k-th key by counts, then a sort of the k picks only: same answer); longer rows first go
+through levels of chunk-wise bitonic top-k programs (grid S x P, each writes its chunk's
+best keys), which split the work of one query over many SMs (S = 1 at E = 16384 took 92 us
+in ``torch.topk``). Grids and workspaces depend on S, E and the device only: no host sync,
+CUDA-graph safe.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 import triton
@@ -34,6 +38,14 @@ import triton.language as tl
 from rackserve.ops.triton.common import pdl, pdl_wait
 from rackserve.ops.triton.fp8 import FP8_KV_DTYPE, widen
 from rackserve.ops.triton.select import select_entries, selection_outputs, store_selection
+from rackserve.ops.triton.topk import RADIX_BITS_CHOICES, RADIX_MAX_ENTRIES, radix_topk
+
+SELECT_ALGORITHMS = ("bitonic", "radix")
+# default_tiling's radix select: prefill-sized batches (the prefill indexer's threshold,
+# ops.PREFILL_ATTN_MIN_TOKENS) of rows that one program holds; decode batches keep the
+# bitonic kernel
+RADIX_MIN_QUERIES = 512
+RADIX_MIN_ENTRIES = 1024
 
 
 @dataclass(frozen=True)
@@ -50,6 +62,21 @@ class IndexerTiling:
     # entries per program of a chunk-wise level (raised to 2 next_pow2(k)); 0: torch.topk
     # for rows over the limit (the first M2 path)
     select_chunk: int = 2048
+    # the one-program-per-query level of rows up to the limit, with no chunk-wise level
+    # before: "bitonic" (tl.topk of the row) or "radix" (topk.radix_topk, E <= 8192)
+    select_algorithm: str = "bitonic"
+    radix_bits: int = 1  # bits of the k-th key found a pass (topk.RADIX_BITS_CHOICES)
+    radix_warps: int = 0  # 0: topk.default_warps (8 keys a thread)
+
+    def __post_init__(self) -> None:
+        if self.select_algorithm not in SELECT_ALGORITHMS:
+            raise ValueError(
+                f"select_algorithm={self.select_algorithm!r}: use one of {SELECT_ALGORITHMS}"
+            )
+        if self.radix_bits not in RADIX_BITS_CHOICES:
+            raise ValueError(f"radix_bits={self.radix_bits}: use one of {RADIX_BITS_CHOICES}")
+        if self.radix_warps not in (0, 1, 2, 4, 8, 16, 32):
+            raise ValueError(f"radix_warps={self.radix_warps}: use 0 (by E) or 1, 2 .. 32")
 
 
 @functools.lru_cache(maxsize=8)
@@ -74,7 +101,15 @@ def default_tiling(num_queries: int, num_entries: int, device: torch.device) -> 
     tiles_per_query = triton.cdiv(max(num_entries, 1), block_e)
     want = max(1, num_queries * tiles_per_query // (4 * _num_sms(device)))
     tiles = min(16, tiles_per_query, 1 << (want.bit_length() - 1))  # floor to a power of 2
-    return IndexerTiling(block_e=block_e, tiles=tiles, num_warps=4, num_stages=3)
+    tiling = IndexerTiling(block_e=block_e, tiles=tiles, num_warps=4, num_stages=3)
+    # many long rows: the radix select, every row in one program (topk.py: against the
+    # bitonic top-k, which took 1.22 ms at S = 8192, E = 2048, ~2.5x fewer shuffle and
+    # shared-memory operations and ~1.5x fewer instructions a row, compiled for sm_90)
+    if num_queries >= RADIX_MIN_QUERIES and RADIX_MIN_ENTRIES <= num_entries <= RADIX_MAX_ENTRIES:
+        return replace(
+            tiling, select_algorithm="radix", triton_select_max_entries=RADIX_MAX_ENTRIES
+        )
+    return tiling
 
 
 @triton.jit
@@ -374,14 +409,14 @@ def paged_indexer_select(
 
 def topk_packed(packed: torch.Tensor, k: int, tiling: IndexerTiling | None = None) -> torch.Tensor:
     """The ``k`` largest packed earliest-tie keys of each row, best first, as entry ids:
-    one bitonic top-k launch (E <= ``tiling.triton_select_max_entries``), chunk-wise levels
-    for longer rows, or ``torch.topk``. packed: [S, E] int64 -> [S, k] int64."""
+    one top-k launch (E <= ``tiling.triton_select_max_entries``: bitonic or radix),
+    chunk-wise levels for longer rows, or ``torch.topk``. packed: [S, E] int64 -> [S, k]
+    int64."""
     last = _last_level(packed, k, tiling)
     if last is None:
         return packed.topk(k, dim=-1).indices
-    packed, num_entries, block_k = last
     ids = _empty((packed.shape[0], k), torch.int64, packed.device)
-    _select(packed, ids, num_entries, k, num_entries, block_k, (packed.shape[0], 1), False)
+    _select_last(last, ids, k)
     return ids
 
 
@@ -401,23 +436,27 @@ def select_packed(
         ids = packed.topk(k, dim=-1).indices
         return select_entries(ids, slots, num_visible, window_valid)
     out_slots, valid = selection_outputs(num_queries, k, slots, num_visible, window_valid)
-    packed, num_entries, block_k = last
     slots = slots if slots.stride(1) == 1 else slots.contiguous()
     window = window_valid if window_valid.stride(1) == 1 else window_valid.contiguous()
     selection = (slots, num_visible.contiguous(), window.view(torch.uint8), valid.view(torch.uint8))
-    _select(
-        packed, out_slots, num_entries, k, num_entries, block_k, (num_queries, 1), False,
-        selection,
-    )  # fmt: skip
+    _select_last(last, out_slots, k, selection)
     return out_slots, valid
 
 
-def _last_level(
-    packed: torch.Tensor, k: int, tiling: IndexerTiling | None
-) -> tuple[torch.Tensor, int, int] | None:
+class _LastLevel(NamedTuple):
+    """What the one-program-per-query level selects from, and how."""
+
+    keys: torch.Tensor  # [S, num_entries] int64: the row, or the chunk-wise levels' picks
+    num_entries: int
+    block_k: int  # next_pow2(k), >= 2
+    tiling: IndexerTiling
+    radix: bool  # topk.radix_topk (the keys are the row itself), else the bitonic kernel
+
+
+def _last_level(packed: torch.Tensor, k: int, tiling: IndexerTiling | None) -> _LastLevel | None:
     """Runs the chunk-wise levels a row too long for one program needs; returns what the
-    last (one program per query) level selects from: (keys, their number, BLOCK_K), or
-    None when ``torch.topk`` does the selection."""
+    last (one program per query) level selects from, or None when ``torch.topk`` does the
+    selection."""
     num_queries, num_entries = packed.shape
     tiling = tiling or default_tiling(num_queries, num_entries, packed.device)
     limit = tiling.triton_select_max_entries
@@ -426,6 +465,8 @@ def _last_level(
     if limit < max(2, triton.next_power_of_2(k)):  # one program must hold k candidates
         return None
     block_k = max(2, triton.next_power_of_2(k))  # tl.topk needs k >= 2
+    if tiling.select_algorithm == "radix" and k <= num_entries <= min(limit, RADIX_MAX_ENTRIES):
+        return _LastLevel(packed, num_entries, block_k, tiling, radix=True)
     # rows longer than the limit: a level of chunk-wise top-k programs (grid S x P) writes
     # the P x BLOCK_K best keys, until one program can hold what is left
     chunk = max(2 * block_k, triton.next_power_of_2(tiling.select_chunk))  # each level halves
@@ -436,7 +477,21 @@ def _last_level(
         packed, num_entries = picks, parts * block_k
         if parts == 1:
             break
-    return packed, num_entries, block_k
+    return _LastLevel(packed, num_entries, block_k, tiling, radix=False)
+
+
+def _select_last(
+    last: _LastLevel, out: torch.Tensor, k: int, selection: tuple[torch.Tensor, ...] | None = None
+) -> None:
+    """The last level's launch into ``out`` (ids, or with ``selection`` the picks' slots)."""
+    keys, num_entries, block_k, tiling, radix = last
+    if not radix:
+        grid = (keys.shape[0], 1)
+        _select(keys, out, num_entries, k, num_entries, block_k, grid, False, selection)
+        return
+    # the picks' keys wait in out itself when it is int64 (no extra HBM write)
+    work = out if out.dtype == torch.int64 else _empty(out.shape, torch.int64, out.device)
+    radix_topk(keys, out, work, k, tiling.radix_bits, tiling.radix_warps, selection)
 
 
 def _select(
