@@ -235,7 +235,7 @@ def test_bad_tilings_and_shapes_raise(indexer):
     "s,e,k", [(8192, 2048, 512), (2048, 4096, 512), (512, 8192, 512), (600, 8000, 2048)]
 )
 def test_prefill_sizes_on_gpu(indexer, s, e, k):
-    """The GPU's defaults at prefill sizes (radix, 8 to 32 warps) and the other digit
+    """The GPU's defaults at prefill sizes (radix, 8 to 16 warps) and the other digit
     widths: ids equal to torch.topk's and the bitonic levels', selections equal too."""
     packed = packed_rows(s, e, k, seed=s + e)
     default = indexer.default_tiling(s, e, packed.device)

@@ -50,10 +50,10 @@ between 1.5x (both issue-bound) and ~8x (the bitonic's MIO stall gone, ~150 us) 
 picks is the largest part. Rows whose k-th key is -inf (fewer visible entries than k: the
 first 2048 queries of an 8192-token prefill) tie at the threshold and take all 32 passes.
 
-Registers at 8 keys a thread (``default_warps``, 4 to 32 warps): 64 at E = 2048 (8
-warps, 4 programs an SM), 71 at 4096 (16 warps), 64 at 8192 (32 warps: one program an SM,
-1024 threads x 64 registers fill its file; 16 warps need 102). 16 keys a thread: 107 at
-E = 2048 and 128 at 4096. Rows over ``RADIX_MAX_ENTRIES`` take the chunk-wise bitonic
+Registers (``default_warps``, 4 to 16 warps): 64 at E = 2048 (8 warps, 8 keys a thread, 4
+programs an SM), 71 at 4096 (16 warps), 102 at 8192 (16 warps, 16 keys a thread; 32 warps
+take 64 but were slower on the H200: 1,236 against 1,025 us at S = 8192). 16 keys a thread
+at E = 2048: 107. Rows over ``RADIX_MAX_ENTRIES`` take the chunk-wise bitonic
 levels of ``indexer``; the histogram digits spill at E = 8192 (8 bits, 32 warps).
 """
 
@@ -66,13 +66,15 @@ import triton.language as tl
 from rackserve.ops.triton.common import pdl, pdl_wait
 from rackserve.ops.triton.select import store_selection
 
-RADIX_MAX_ENTRIES = 8192  # one program holds the row in registers (32 warps at 8192)
+RADIX_MAX_ENTRIES = 8192  # one program holds the row in registers (16 warps at 8192)
 RADIX_BITS_CHOICES = (1, 4, 5, 6, 7, 8)  # 1: one count a bit; else a histogram a digit
 
 
 def default_warps(num_entries: int) -> int:
-    """Warps of a program for a row of ``num_entries``: 8 keys a thread (4 to 32 warps)."""
-    return min(32, max(4, triton.next_power_of_2(num_entries) // 256))
+    """Warps of a program for a row of ``num_entries``: 8 keys a thread, 4 to 16 warps. On the
+    H200 (S = 8192, k = 512, 2026-12-04): E = 2048 at 8 warps 270 us (4: 299, 16: 407);
+    E = 8192 at 16 warps (16 keys a thread) 1,025 us, at 32 warps 1,236 us."""
+    return min(16, max(4, triton.next_power_of_2(num_entries) // 256))
 
 
 @triton.jit
