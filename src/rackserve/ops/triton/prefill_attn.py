@@ -139,19 +139,12 @@ def paged_sparse_attention(
     if num_queries == 0 or num_heads == 0:
         return out
     tiling = tiling or default_tiling(num_heads, head_dim, q.dtype, q.device)
-    if q.stride(2) != 1:
-        q = q.contiguous()
-    slots_a, slots_b = slots_a.contiguous(), slots_b.contiguous()
-    valid = valid.contiguous().view(torch.uint8)
-    sinks = sinks.to(torch.float32).contiguous()
+    q, slots_a, slots_b, valid, sinks, width, rope_start, rope_args = kernel_inputs(
+        q, slots_a, slots_b, valid, sinks, cos, sin, out
+    )
     rope = cos is not None
-    if rope:
-        cos, sin = cos.contiguous(), sin.contiguous()
-    rope_start = head_dim - (cos.shape[1] * 2 if rope else 0)
     block_d = max(16, triton.next_power_of_2(head_dim))
     num_dv = max(1, min(tiling.num_dv, block_d // 16))
-    width = slots_a.shape[1] + slots_b.shape[1]
-    rope_args = (cos, sin, cos.stride(0), sin.stride(0)) if rope else (out, out, 0, 0)
     grid = (triton.cdiv(num_heads, tiling.block_h) * num_dv, num_queries)
     prefill_attn_kernel[grid](
         q, kv_a, slots_a, kv_b, slots_b, valid, sinks, out,
@@ -172,6 +165,34 @@ def paged_sparse_attention(
         num_warps=tiling.num_warps,
     )  # fmt: skip
     return out
+
+
+def kernel_inputs(
+    q: torch.Tensor,
+    slots_a: torch.Tensor,
+    slots_b: torch.Tensor,
+    valid: torch.Tensor,
+    sinks: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    out: torch.Tensor,
+) -> tuple:
+    """The prefill kernels' launch inputs (this one's and ``prefill_attn_wgmma``'s): q with
+    unit column stride, contiguous slot lists, ``valid`` as uint8, fp32 sinks, the number of
+    rows a query lists (Wa + Wb), where the rope slice starts, and the rope arguments
+    (cos, sin, their row strides; ``out`` stands in for both without RoPE). Returns
+    (q, slots_a, slots_b, valid, sinks, width, rope_start, rope_args)."""
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    rope = cos is not None
+    if rope:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    rope_start = q.shape[2] - (cos.shape[1] * 2 if rope else 0)
+    rope_args = (cos, sin, cos.stride(0), sin.stride(0)) if rope else (out, out, 0, 0)
+    width = slots_a.shape[1] + slots_b.shape[1]
+    slots = (slots_a.contiguous(), slots_b.contiguous())
+    flags = valid.contiguous().view(torch.uint8)
+    return q, *slots, flags, sinks.to(torch.float32).contiguous(), width, rope_start, rope_args
 
 
 @triton.jit

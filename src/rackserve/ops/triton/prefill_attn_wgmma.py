@@ -61,6 +61,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from rackserve.ops.triton.prefill_attn import kernel_inputs
 from rackserve.ops.triton.sparse_attn import check_inputs
 
 HEADS = 64  # the dots' M: one query's heads
@@ -119,17 +120,9 @@ def paged_sparse_attention(
     out = _empty(tuple(q.shape), q.dtype, q.device)
     if num_queries == 0:
         return out
-    if q.stride(2) != 1:
-        q = q.contiguous()
-    slots_a, slots_b = slots_a.contiguous(), slots_b.contiguous()
-    valid = valid.contiguous().view(torch.uint8)
-    sinks = sinks.to(torch.float32).contiguous()
-    rope = cos is not None
-    if rope:
-        cos, sin = cos.contiguous(), sin.contiguous()
-    rope_start = HEAD_DIM - (cos.shape[1] * 2 if rope else 0)
-    width = slots_a.shape[1] + slots_b.shape[1]
-    rope_args = (cos, sin, cos.stride(0), sin.stride(0)) if rope else (out, out, 0, 0)
+    q, slots_a, slots_b, valid, sinks, width, rope_start, rope_args = kernel_inputs(
+        q, slots_a, slots_b, valid, sinks, cos, sin, out
+    )
     prefill_attn_wgmma_kernel[(num_queries,)](
         q, kv_a, slots_a, kv_b, slots_b, valid, sinks, out,
         slots_a.shape[1], width, rope_start, scale * math.log2(math.e),
@@ -137,7 +130,7 @@ def paged_sparse_attention(
         slots_b.stride(0), valid.stride(0), out.stride(0), out.stride(1), *rope_args,
         BLOCK_N=tiling.block_n,
         BLOCK_V=min(1024, max(16, triton.next_power_of_2(max(width, 1)))),
-        ROPE=rope,
+        ROPE=cos is not None,
         NUM_STAGES=tiling.num_stages,
         P_BUFFERS=tiling.p_buffers,
         num_warps=8,
