@@ -20,8 +20,10 @@ json.dump(records, open(sys.argv[1], 'w'), indent=1)
 for r in records:
     print(r['rows'], r['entries'], r['impl'], round(r['time_us'], 1), r['equal_to_reference'])
 " "$R/indexer_select.json"
-BITONIC='import rackserve.ops.triton.indexer as ix
-override(ix, "default_tiling", select_algorithm="bitonic", triton_select_max_entries=2048)'
+# default_tiling (ops/triton/indexer_tiling.py) as the decode op and the selection bind it
+BITONIC='import rackserve.ops.triton.indexer as ix, rackserve.ops.triton.select_topk as st
+for m in (ix, st):
+    override(m, "default_tiling", select_algorithm="bitonic", triton_select_max_entries=2048)'
 for side in radix bitonic; do
   code=pass; [[ $side == bitonic ]] && code=$BITONIC
   echo "== bench forward, $side"

@@ -17,8 +17,10 @@ t=$(cap 220); echo "== indexer_bench --select-only (${t}s)"
 ((t)) && timeout "$t" python3 benchmarks/indexer_bench.py --select-only \
   --output "$R/indexer_select.json" > "$R/indexer_select.log" 2>&1
 grep -E " (bitonic|radix|torch.topk) " "$R/indexer_select.log"
-BITONIC='import rackserve.ops.triton.indexer as ix
-override(ix, "default_tiling", select_algorithm="bitonic", triton_select_max_entries=2048)'
+# default_tiling (ops/triton/indexer_tiling.py) as the decode op and the selection bind it
+BITONIC='import rackserve.ops.triton.indexer as ix, rackserve.ops.triton.select_topk as st
+for m in (ix, st):
+    override(m, "default_tiling", select_algorithm="bitonic", triton_select_max_entries=2048)'
 forward_ab radix "pass" bitonic "$BITONIC" --iters 10 --warmup 2 --batch prefill:8192 \
   --batch prefill:8192@8192 --batch prefill:8192@24576
 ls "$R"; (cd "$OUT" && tar czf topk.tgz r && rm -rf r)  # at most 8 files come back

@@ -9,7 +9,7 @@ through shuffled 64-entry pages, top-k 512, every entry visible; S in {1, 64, 25
 64, 512]), kv (weighted, [T, 512]), the indexer q rope ([T, 64, 128]), the inverse rope of
 the attention output, the q_lora norm ([T, 1024]).
 
-Selection alone ("select_topk", ``indexer.topk_packed`` on packed int64 keys): prefill
+Selection alone ("select_topk", ``select_topk.topk_packed`` on packed int64 keys): prefill
 sizes S in {2048, 8192} x E in {2048, 4096, 8192}, k = 512, rows "full" (every entry a
 random logit) and "causal" (row i sees ceil(E (i + 1) / S) entries, the rest -inf, as a
 prefill's queries do: rows with fewer than k tie at -inf). Impls: "bitonic" (the
@@ -40,7 +40,7 @@ from collections.abc import Callable
 import torch
 
 from rackserve.ops import reference
-from rackserve.ops.triton import indexer, norm_rope, topk
+from rackserve.ops.triton import indexer, indexer_tiling, norm_rope, select_topk, topk
 
 from bench_timing import stamped, time_us
 
@@ -91,17 +91,19 @@ def indexer_case(s: int, e: int, device: str) -> dict:
     }
 
 
-def _indexer_variants(s: int, e: int, device: torch.device) -> dict[str, indexer.IndexerTiling]:
+def _indexer_variants(
+    s: int, e: int, device: torch.device
+) -> dict[str, indexer_tiling.IndexerTiling]:
     """Tilings around the default, to pick the defaults from the first GPU run."""
-    base = indexer.default_tiling(s, e, device)
+    base = indexer_tiling.default_tiling(s, e, device)
     tiles_per_query = -(-e // base.block_e)
     variants = {
-        "e32": indexer.IndexerTiling(32, base.tiles, 4, 3),
-        "e128_w8": indexer.IndexerTiling(128, max(1, base.tiles // 2), 8, 3),
-        "tiles1": indexer.IndexerTiling(base.block_e, 1, 4, 3),
-        "tiles4x": indexer.IndexerTiling(base.block_e, min(64, 4 * base.tiles), 4, 3),
-        "stages1": indexer.IndexerTiling(base.block_e, base.tiles, 4, 1),
-        "warps8": indexer.IndexerTiling(base.block_e, base.tiles, 8, 3),
+        "e32": indexer_tiling.IndexerTiling(32, base.tiles, 4, 3),
+        "e128_w8": indexer_tiling.IndexerTiling(128, max(1, base.tiles // 2), 8, 3),
+        "tiles1": indexer_tiling.IndexerTiling(base.block_e, 1, 4, 3),
+        "tiles4x": indexer_tiling.IndexerTiling(base.block_e, min(64, 4 * base.tiles), 4, 3),
+        "stages1": indexer_tiling.IndexerTiling(base.block_e, base.tiles, 4, 1),
+        "warps8": indexer_tiling.IndexerTiling(base.block_e, base.tiles, 8, 3),
         "select_torch": dataclasses.replace(base, triton_select_max_entries=0),
         "select_triton": dataclasses.replace(base, triton_select_max_entries=e),
     }
@@ -141,7 +143,7 @@ def run_indexer(device: str = "cuda", sweep: bool = True) -> list[dict]:
                     return indexer.paged_indexer_topk(**case, k=k, tiling=tiling)
 
                 rec = _record("paged_indexer_topk", impl, shape, nbytes, flops, fast)
-                rec["tiling"] = str(tiling or indexer.default_tiling(s, e, dev))
+                rec["tiling"] = str(tiling or indexer_tiling.default_tiling(s, e, dev))
                 rec["equal_to_reference"] = bool(torch.equal(fast(), expected))
                 records.append(rec)
             packed = indexer.indexer_logits(**case, packed=True)
@@ -192,9 +194,11 @@ def select_case(s: int, e: int, rows: str, device: str) -> torch.Tensor:
     return reference.packed_earliest(scores)
 
 
-def _select_variants(s: int, e: int, device: torch.device) -> dict[str, indexer.IndexerTiling]:
+def _select_variants(
+    s: int, e: int, device: torch.device
+) -> dict[str, indexer_tiling.IndexerTiling]:
     """The one-program-per-query selections at (S, E): bitonic as before, radix variants."""
-    bitonic = indexer.IndexerTiling(64, 1, 4, 3)  # the limit 2048 and chunk 2048 defaults
+    bitonic = indexer_tiling.IndexerTiling(64, 1, 4, 3)  # the limit 2048 and chunk 2048 defaults
     radix = dataclasses.replace(
         bitonic, select_algorithm="radix", triton_select_max_entries=topk.RADIX_MAX_ENTRIES
     )
@@ -206,7 +210,7 @@ def _select_variants(s: int, e: int, device: torch.device) -> dict[str, indexer.
         "radix_b5": dataclasses.replace(radix, radix_bits=5),
         "radix_b8": dataclasses.replace(radix, radix_bits=8),
         f"radix_w{warps // 2}": dataclasses.replace(radix, radix_warps=warps // 2),
-        "default": indexer.default_tiling(s, e, device),
+        "default": indexer_tiling.default_tiling(s, e, device),
     }
     if warps < 32:
         variants[f"radix_w{2 * warps}"] = dataclasses.replace(radix, radix_warps=2 * warps)
@@ -228,7 +232,9 @@ def run_select(device: str = "cuda", smoke: bool = False) -> list[dict]:
                 key_bytes = s * e * 8
                 impls = {"torch.topk": lambda packed=packed: packed.topk(k, dim=-1).indices}
                 for name, tiling in _select_variants(s, e, dev).items():
-                    impls[name] = lambda packed=packed, t=tiling: indexer.topk_packed(packed, k, t)
+                    impls[name] = lambda packed=packed, t=tiling: select_topk.topk_packed(
+                        packed, k, t
+                    )
                 for impl, fn in impls.items():
                     equal = bool(torch.equal(fn(), expected))
                     if smoke:

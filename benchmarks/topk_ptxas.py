@@ -1,10 +1,11 @@
-"""Compiles the indexer's one-program-per-query top-k kernels (``indexer.select_topk_kernel``,
-bitonic; ``topk.radix_topk_kernel``) for sm_90 on a machine without a GPU (Triton's bundled
-ptxas) and prints, per row length, what bounds them before any measurement: registers,
-spills, shared memory, and per warp the SASS instructions, barriers, shuffles and
-shared-memory operations (the MIO pipe). The kernels have no loops: each warp of a program
-issues each instruction once at most (the radix passes after an early stop not at all), so
-warps x instructions is a row's issue count (the "warp-issues/row" column, all passes run).
+"""Compiles the indexer's one-program-per-query top-k kernels
+(``select_topk.select_topk_kernel``, bitonic; ``topk.radix_topk_kernel``) for sm_90 on a
+machine without a GPU (Triton's bundled ptxas) and prints, per row length, what bounds them
+before any measurement: registers, spills, shared memory, and per warp the SASS
+instructions, barriers, shuffles and shared-memory operations (the MIO pipe). The kernels
+have no loops: each warp of a program issues each instruction once at most (the radix
+passes after an early stop not at all), so warps x instructions is a row's issue count (the
+"warp-issues/row" column, all passes run).
 
     python benchmarks/topk_ptxas.py                        # E 2048 / 4096 / 8192, k 512
     python benchmarks/topk_ptxas.py --entries 2048 --k 512 --bits 1 5 8
@@ -22,7 +23,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from rackserve.ops.triton import indexer, topk
+from rackserve.ops.triton import select_topk, topk
 
 _COMMON = {"slots_ptr": "*i64", "num_visible_ptr": "*i64", "window_ptr": "*u8"}
 _COMMON |= {"valid_ptr": "*u8", "stride_ss": "i32", "stride_window": "i32", "W": "i32"}
@@ -34,7 +35,7 @@ def compile_bitonic(entries: int, k: int, warps: int):
     sig |= {"chunk": "i32", "stride_ps": "i32", "stride_os": "i32"} | _COMMON
     consts = {"BLOCK_N": triton.next_power_of_2(entries), "BLOCK_K": max(2, k)}
     consts |= {"OUT_KEYS": False, "SELECT": False, "BLOCK_W": 2, "PDL": False}
-    return _compile(indexer.select_topk_kernel, sig, consts, warps)
+    return _compile(select_topk.select_topk_kernel, sig, consts, warps)
 
 
 def compile_radix(entries: int, k: int, warps: int, bits: int):

@@ -1,4 +1,5 @@
-"""The paged indexer logits + top-k kernel (``ops/triton/indexer.py``) against its reference.
+"""The paged indexer logits + top-k (``ops/triton/indexer.py``, its selection in
+``select_topk.py``) against the reference.
 
 CPU runs use the Triton interpreter at small shapes (Hi in {4, 16}, Di in {32, 64}, E up to
 300). Keys live in a column slice of a wider cache, reached through shuffled page-like slot
@@ -32,8 +33,18 @@ def indexer():
     return importlib.import_module("rackserve.ops.triton.indexer")
 
 
+@pytest.fixture(scope="module")
+def select_topk():
+    return importlib.import_module("rackserve.ops.triton.select_topk")
+
+
+@pytest.fixture(scope="module")
+def indexer_tiling():
+    return importlib.import_module("rackserve.ops.triton.indexer_tiling")
+
+
 @pytest.fixture(autouse=True)
-def poisoned_outputs(indexer, monkeypatch):
+def poisoned_outputs(indexer, select_topk, monkeypatch):
     """Unwritten logits read NaN; unwritten packed keys read the largest int64 (picked first)."""
 
     def empty(shape, dtype, device):
@@ -41,6 +52,7 @@ def poisoned_outputs(indexer, monkeypatch):
         return torch.full(shape, fill, dtype=dtype, device=device)
 
     monkeypatch.setattr(indexer, "_empty", empty)
+    monkeypatch.setattr(select_topk, "_empty", empty)
 
 
 def make_case(
@@ -169,11 +181,11 @@ def assert_logits_close(got: torch.Tensor, ref: torch.Tensor, rel: float) -> Non
 
 
 @pytest.mark.parametrize("block_e,tiles", [(16, 1), (32, 3), (64, 16)])
-def test_tilings_agree(indexer, block_e, tiles):
+def test_tilings_agree(indexer, indexer_tiling, block_e, tiles):
     """GPU-like small programs and long ones give the same logits (to rounding: tensor-core
     tiles of other shapes may sum in another order) and the same selection."""
     case = make_case(5, 210, 16, 64, seed=block_e, dtype=torch.bfloat16)
-    tiling = indexer.IndexerTiling(block_e, tiles, 4, 2, triton_select_max_entries=0)
+    tiling = indexer_tiling.IndexerTiling(block_e, tiles, 4, 2, triton_select_max_entries=0)
     got = indexer.indexer_logits(**case, tiling=tiling)
     base = indexer.indexer_logits(**case)
     assert_logits_close(got, base, 1e-5)
@@ -185,13 +197,13 @@ def test_tilings_agree(indexer, block_e, tiles):
     "s,e,k,visible",
     [(3, 100, 37, None), (2, 64, 64, None), (4, 1, 1, None), (2, 130, 1, None), (3, 90, 32, 7)],
 )
-def test_triton_select_matches_reference(indexer, s, e, k, visible):
+def test_triton_select_matches_reference(indexer, indexer_tiling, s, e, k, visible):
     """The bitonic top-k kernel (the GPU default for E <= 2048): non-power-of-2 k and E,
     k = E, k = 1, fewer visible entries than k; half the keys zero (ties)."""
     case = make_case(s, e, 16, 32, seed=e + k, dtype=torch.bfloat16, zero_frac=0.5)
     if visible is not None:
         case["num_visible"] = torch.full((s,), visible, device=DEVICE)
-    tiling = indexer.IndexerTiling(64, 8, 4, 1, triton_select_max_entries=e)
+    tiling = indexer_tiling.IndexerTiling(64, 8, 4, 1, triton_select_max_entries=e)
     got = indexer.paged_indexer_topk(**case, k=k, tiling=tiling)
     assert torch.equal(got, reference.paged_indexer_topk(**case, k=k))
 
@@ -200,11 +212,13 @@ def test_triton_select_matches_reference(indexer, s, e, k, visible):
     "s,e,k,limit,chunk",
     [(2, 300, 20, 64, 64), (3, 200, 1, 16, 8), (1, 130, 64, 128, 128), (2, 90, 90, 128, 16)],
 )
-def test_chunked_select_matches_reference(indexer, s, e, k, limit, chunk):
+def test_chunked_select_matches_reference(indexer, indexer_tiling, s, e, k, limit, chunk):
     """Rows longer than the one-program limit: levels of chunk-wise top-k (E=300, k=20:
     three levels), k = 1, k = E; half the keys zero (ties across chunk borders)."""
     case = make_case(s, e, 16, 32, seed=e + k, dtype=torch.bfloat16, zero_frac=0.5)
-    tiling = indexer.IndexerTiling(64, 8, 4, 1, triton_select_max_entries=limit, select_chunk=chunk)
+    tiling = indexer_tiling.IndexerTiling(
+        64, 8, 4, 1, triton_select_max_entries=limit, select_chunk=chunk
+    )
     got = indexer.paged_indexer_topk(**case, k=k, tiling=tiling)
     assert torch.equal(got, reference.paged_indexer_topk(**case, k=k))
 
@@ -220,7 +234,9 @@ def test_chunked_select_matches_reference(indexer, s, e, k, limit, chunk):
         (2, 40, 0, 4, "one"),  # no picks: the window's validity only
     ],
 )
-def test_indexer_select_matches_reference(indexer, monkeypatch, s, e, k, w, levels):
+def test_indexer_select_matches_reference(
+    indexer, select_topk, indexer_tiling, monkeypatch, s, e, k, w, levels
+):
     """``paged_indexer_select``: the last top-k level writes the picks' slots and the
     [window | picks] validity itself (one launch fewer than top-k, then select_entries);
     equal to selecting the picks apart (on CPU also to the reference's picks). Outputs are
@@ -231,7 +247,9 @@ def test_indexer_select_matches_reference(indexer, monkeypatch, s, e, k, w, leve
     g = torch.Generator().manual_seed(w)
     window = (torch.rand(s, w, generator=g) < 0.7).to(DEVICE)
     limit, chunk = {"one": (e, 2048), "chunked": (64, 64), "torch": (0, 0)}[levels]
-    tiling = indexer.IndexerTiling(64, 8, 4, 1, triton_select_max_entries=limit, select_chunk=chunk)
+    tiling = indexer_tiling.IndexerTiling(
+        64, 8, 4, 1, triton_select_max_entries=limit, select_chunk=chunk
+    )
     sel = importlib.import_module("rackserve.ops.triton.select")
     outputs = sel.selection_outputs
 
@@ -239,7 +257,7 @@ def test_indexer_select_matches_reference(indexer, monkeypatch, s, e, k, w, leve
         out_slots, valid = outputs(*args)
         return out_slots.fill_(1 << 40), valid.view(torch.uint8).fill_(7).view(torch.bool)
 
-    monkeypatch.setattr(indexer, "selection_outputs", poisoned)
+    monkeypatch.setattr(select_topk, "selection_outputs", poisoned)
     monkeypatch.setattr(sel, "selection_outputs", poisoned)
     slots, valid = indexer.paged_indexer_select(**case, k=k, window_valid=window, tiling=tiling)
     # the same kernels' picks, selected apart: equal on every device (a GPU's bf16 dots may
@@ -303,7 +321,7 @@ def test_bad_input_raises_clear_errors(indexer):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("s,e", [(1, 1024), (64, 4096), (256, 1024)])
-def test_v4_flash_sizes_on_gpu(indexer, s, e):
+def test_v4_flash_sizes_on_gpu(indexer, indexer_tiling, s, e):
     """bf16 tensor-core dots sum in another order than the reference's fp32 einsum: scores
     differ by rounding, so near-equal scores may swap (the 1e-5 rule of assert_same_topk);
     the logits are checked first, so a real error shows there."""
@@ -313,5 +331,7 @@ def test_v4_flash_sizes_on_gpu(indexer, s, e):
     got = indexer.paged_indexer_topk(**case, k=512)
     ref = reference.paged_indexer_topk(**case, k=512)
     assert_same_topk(got, ref, scores, rel=1e-5)
-    torch_topk = dataclasses.replace(indexer.default_tiling(s, e, got.device), select_chunk=0)
+    torch_topk = dataclasses.replace(
+        indexer_tiling.default_tiling(s, e, got.device), select_chunk=0
+    )
     assert torch.equal(indexer.paged_indexer_topk(**case, k=512, tiling=torch_topk), got)

@@ -1,5 +1,5 @@
 """The radix top-k (``ops/triton/topk.py``) against ``torch.topk`` of the packed keys and
-against the bitonic kernel it stands in for (``indexer.select_topk_kernel``): the same ids
+against the bitonic kernel it stands in for (``select_topk.select_topk_kernel``): the same ids
 in the same order, the same slots and validity when it selects.
 
 CPU runs use the Triton interpreter on packed rows built in torch
@@ -34,12 +34,23 @@ def indexer():
     return importlib.import_module("rackserve.ops.triton.indexer")
 
 
+@pytest.fixture(scope="module")
+def select_topk():
+    return importlib.import_module("rackserve.ops.triton.select_topk")
+
+
+@pytest.fixture(scope="module")
+def indexer_tiling():
+    return importlib.import_module("rackserve.ops.triton.indexer_tiling")
+
+
 @pytest.fixture(autouse=True)
-def poisoned_outputs(indexer, monkeypatch):
+def poisoned_outputs(indexer, select_topk, monkeypatch):
     def empty(shape, dtype, device):
         return torch.full(shape, torch.iinfo(dtype).max, dtype=dtype, device=device)
 
     monkeypatch.setattr(indexer, "_empty", empty)
+    monkeypatch.setattr(select_topk, "_empty", empty)
 
 
 def row_scores(kind: str, e: int, k: int, g: torch.Generator) -> torch.Tensor:
@@ -71,8 +82,8 @@ def packed_rows(s: int, e: int, k: int, seed: int) -> torch.Tensor:
     return reference.packed_earliest(torch.stack(rows)).to(DEVICE)
 
 
-def tiling(indexer, algorithm: str, limit: int, **radix):
-    return indexer.IndexerTiling(
+def tiling(indexer_tiling, algorithm: str, limit: int, **radix):
+    return indexer_tiling.IndexerTiling(
         64, 8, 4, 1, triton_select_max_entries=limit, select_algorithm=algorithm, **radix
     )
 
@@ -103,38 +114,40 @@ CASES = [  # (S, E, k): non-powers of two, E == k, k = E - 1, tiny rows, prefill
 
 
 @pytest.mark.parametrize("s,e,k", CASES)
-def test_radix_equals_torch_topk_and_bitonic(indexer, s, e, k):
+def test_radix_equals_torch_topk_and_bitonic(select_topk, indexer_tiling, s, e, k):
     packed = packed_rows(s, e, k, seed=s * 7919 + e + k)
-    radix = indexer.topk_packed(packed, k, tiling(indexer, "radix", e))
+    radix = select_topk.topk_packed(packed, k, tiling(indexer_tiling, "radix", e))
     expected = packed.topk(k, dim=-1).indices
     assert torch.equal(radix, expected)
-    assert torch.equal(radix, indexer.topk_packed(packed, k, tiling(indexer, "bitonic", e)))
+    assert torch.equal(
+        radix, select_topk.topk_packed(packed, k, tiling(indexer_tiling, "bitonic", e))
+    )
 
 
 @pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize("s,e,k", [(7, 300, 64), (3, 90, 2), (7, 64, 64)])
-def test_histogram_digits_equal_counted_bits(indexer, bits, s, e, k):
+def test_histogram_digits_equal_counted_bits(select_topk, indexer_tiling, bits, s, e, k):
     """tl.histogram passes of 4 to 8 bits (the last overlapping the one before) give the
     answer of one counted bit a pass."""
     packed = packed_rows(s, e, k, seed=bits + e)
-    got = indexer.topk_packed(packed, k, tiling(indexer, "radix", e, radix_bits=bits))
+    got = select_topk.topk_packed(packed, k, tiling(indexer_tiling, "radix", e, radix_bits=bits))
     assert torch.equal(got, packed.topk(k, dim=-1).indices)
 
 
-def test_all_ties_and_fewer_finite_than_k_pick_the_earliest(indexer):
+def test_all_ties_and_fewer_finite_than_k_pick_the_earliest(select_topk, indexer_tiling):
     """Rows of one value, and rows whose k-th key is -inf: the picks are the finite ones,
     best first, then the earliest -inf entries in entry order."""
     scores = torch.full((3, 40), float("-inf"))
     scores[0] = 1.5
     scores[1, [3, 17, 30]] = torch.tensor([0.5, 2.0, 0.5])
     packed = reference.packed_earliest(scores).to(DEVICE)
-    got = indexer.topk_packed(packed, 6, tiling(indexer, "radix", 40)).cpu()
+    got = select_topk.topk_packed(packed, 6, tiling(indexer_tiling, "radix", 40)).cpu()
     assert got[0].tolist() == [0, 1, 2, 3, 4, 5]
     assert got[1].tolist() == [17, 3, 30, 0, 1, 2]
     assert got[2].tolist() == [0, 1, 2, 3, 4, 5]
 
 
-def poison_selection(indexer, monkeypatch) -> None:
+def poison_selection(select_topk, monkeypatch) -> None:
     """Selection outputs filled with garbage (the slots' dtype maximum, validity bytes 7)."""
     sel = importlib.import_module("rackserve.ops.triton.select")
     outputs = sel.selection_outputs
@@ -144,17 +157,17 @@ def poison_selection(indexer, monkeypatch) -> None:
         out_slots.fill_(torch.iinfo(out_slots.dtype).max)
         return out_slots, valid.view(torch.uint8).fill_(7).view(torch.bool)
 
-    monkeypatch.setattr(indexer, "selection_outputs", poisoned)
+    monkeypatch.setattr(select_topk, "selection_outputs", poisoned)
     monkeypatch.setattr(sel, "selection_outputs", poisoned)
 
 
 @pytest.mark.parametrize("slots_dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("s,e,k,w", [(7, 90, 32, 8), (3, 64, 64, 5), (4, 130, 2, 16)])
-def test_radix_select_mode(indexer, monkeypatch, slots_dtype, s, e, k, w):
+def test_radix_select_mode(select_topk, indexer_tiling, monkeypatch, slots_dtype, s, e, k, w):
     """SELECT: the picks' slots and the [window | picks] validity, equal to selecting the
     torch.topk picks apart and to the bitonic kernel's. int64 slots: the picks' keys wait
     in the slots output; int32: in a workspace (poisoned too)."""
-    poison_selection(indexer, monkeypatch)
+    poison_selection(select_topk, monkeypatch)
     packed = packed_rows(s, e, k, seed=e + k + w)
     g = torch.Generator().manual_seed(w)
     slots = torch.stack([torch.randperm(4 * e, generator=g)[:e] for _ in range(s)])
@@ -162,21 +175,23 @@ def test_radix_select_mode(indexer, monkeypatch, slots_dtype, s, e, k, w):
     num_visible = torch.randint(0, e + 1, (s,), generator=g).to(DEVICE)
     window = (torch.rand(s, w, generator=g) < 0.7).to(DEVICE)
     args = (packed, k, slots, num_visible, window)
-    got = indexer.select_packed(*args, tiling(indexer, "radix", e))
+    got = select_topk.select_packed(*args, tiling(indexer_tiling, "radix", e))
     want = reference.select_entries(packed.topk(k, dim=-1).indices, slots, num_visible, window)
-    bitonic = indexer.select_packed(*args, tiling(indexer, "bitonic", e))
+    bitonic = select_topk.select_packed(*args, tiling(indexer_tiling, "bitonic", e))
     for a, b, c in zip(got, want, bitonic, strict=True):
         assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
         assert torch.equal(a.view(torch.uint8), c.view(torch.uint8))
 
 
-def test_paged_indexer_with_radix_tiling_matches_reference(indexer, monkeypatch):
+def test_paged_indexer_with_radix_tiling_matches_reference(
+    indexer, select_topk, indexer_tiling, monkeypatch
+):
     """The whole op (logits, then the radix level selecting) on the indexer tests' paged
     cases, zero keys (ties) and fewer visible entries than k included."""
-    poison_selection(indexer, monkeypatch)
+    poison_selection(select_topk, monkeypatch)
     case = make_case(4, 90, 16, 32, seed=5, dtype=torch.bfloat16, zero_frac=0.5)
     case["num_visible"] = torch.tensor([90, 7, 0, 31], device=DEVICE)
-    t = tiling(indexer, "radix", 90)
+    t = tiling(indexer_tiling, "radix", 90)
     got = indexer.paged_indexer_topk(**case, k=32, tiling=t)
     assert torch.equal(got, reference.paged_indexer_topk(**case, k=32))
     window = torch.rand(4, 6, generator=torch.Generator().manual_seed(1)) < 0.5
@@ -186,43 +201,45 @@ def test_paged_indexer_with_radix_tiling_matches_reference(indexer, monkeypatch)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
-def test_rows_over_the_limit_and_more_picks_than_entries_stay_bitonic(indexer):
+def test_rows_over_the_limit_and_more_picks_than_entries_stay_bitonic(select_topk, indexer_tiling):
     """With the radix algorithm chosen, rows over the one-program limit still go through
     the chunk-wise (bitonic) levels, and k > E (padding picked) keeps the bitonic answer."""
     packed = packed_rows(4, 300, 20, seed=0)
-    radix = dataclasses.replace(tiling(indexer, "radix", 64), select_chunk=64)
-    assert torch.equal(indexer.topk_packed(packed, 20, radix), packed.topk(20).indices)
+    radix = dataclasses.replace(tiling(indexer_tiling, "radix", 64), select_chunk=64)
+    assert torch.equal(select_topk.topk_packed(packed, 20, radix), packed.topk(20).indices)
     short = packed[:, :5]
-    got = indexer.topk_packed(short, 6, tiling(indexer, "radix", 64))
-    assert torch.equal(got, indexer.topk_packed(short, 6, tiling(indexer, "bitonic", 64)))
+    got = select_topk.topk_packed(short, 6, tiling(indexer_tiling, "radix", 64))
+    assert torch.equal(
+        got, select_topk.topk_packed(short, 6, tiling(indexer_tiling, "bitonic", 64))
+    )
     assert got[:, 5].tolist() == [0x7FFFFFFF] * 4  # the padding's id, as before
 
 
-def test_default_tiling_takes_radix_for_prefill_rows_only(indexer, monkeypatch):
+def test_default_tiling_takes_radix_for_prefill_rows_only(indexer_tiling, monkeypatch):
     """GPU defaults: radix for >= 512 queries of 1024..8192 entries (every such row in one
     program); decode batches, short and long rows keep the bitonic defaults; CPU keeps
     torch.topk."""
-    monkeypatch.setattr(indexer, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(indexer_tiling, "_num_sms", lambda device: 132)
     gpu = torch.device("cuda")
     for s, e in ((8192, 2048), (512, 1024), (2048, 8192)):
-        t = indexer.default_tiling(s, e, gpu)
+        t = indexer_tiling.default_tiling(s, e, gpu)
         assert (t.select_algorithm, t.triton_select_max_entries) == ("radix", 8192), (s, e)
     for s, e in ((256, 2048), (1, 1024), (8192, 512), (8192, 16384)):
-        t = indexer.default_tiling(s, e, gpu)
+        t = indexer_tiling.default_tiling(s, e, gpu)
         assert t.select_algorithm == "bitonic" and t.triton_select_max_entries == 2048, (s, e)
         assert (t.radix_bits, t.radix_warps, t.select_chunk) == (1, 0, 2048)
-    cpu = indexer.default_tiling(8192, 2048, torch.device("cpu"))
+    cpu = indexer_tiling.default_tiling(8192, 2048, torch.device("cpu"))
     assert (cpu.select_algorithm, cpu.triton_select_max_entries) == ("bitonic", 0)
 
 
-def test_bad_tilings_and_shapes_raise(indexer):
+def test_bad_tilings_and_shapes_raise(indexer_tiling):
     topk = importlib.import_module("rackserve.ops.triton.topk")
     with pytest.raises(ValueError, match="select_algorithm='heap'"):
-        tiling(indexer, "heap", 64)
+        tiling(indexer_tiling, "heap", 64)
     with pytest.raises(ValueError, match="radix_bits=3"):
-        tiling(indexer, "radix", 64, radix_bits=3)
+        tiling(indexer_tiling, "radix", 64, radix_bits=3)
     with pytest.raises(ValueError, match="radix_warps=3"):
-        tiling(indexer, "radix", 64, radix_warps=3)
+        tiling(indexer_tiling, "radix", 64, radix_warps=3)
     packed = packed_rows(1, 8, 4, seed=0)
     ids = torch.empty(1, 9, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="k=9 <= E=8"):
@@ -234,23 +251,23 @@ def test_bad_tilings_and_shapes_raise(indexer):
 @pytest.mark.parametrize(
     "s,e,k", [(8192, 2048, 512), (2048, 4096, 512), (512, 8192, 512), (600, 8000, 2048)]
 )
-def test_prefill_sizes_on_gpu(indexer, s, e, k):
+def test_prefill_sizes_on_gpu(select_topk, indexer_tiling, s, e, k):
     """The GPU's defaults at prefill sizes (radix, 8 to 16 warps) and the other digit
     widths: ids equal to torch.topk's and the bitonic levels', selections equal too."""
     packed = packed_rows(s, e, k, seed=s + e)
-    default = indexer.default_tiling(s, e, packed.device)
+    default = indexer_tiling.default_tiling(s, e, packed.device)
     assert default.select_algorithm == "radix"
     expected = packed.topk(k, dim=-1).indices
     for bits in (1, 5, 8):
         t = dataclasses.replace(default, radix_bits=bits)
-        assert torch.equal(indexer.topk_packed(packed, k, t), expected), bits
+        assert torch.equal(select_topk.topk_packed(packed, k, t), expected), bits
     bitonic = dataclasses.replace(
         default, select_algorithm="bitonic", triton_select_max_entries=2048
     )
-    assert torch.equal(indexer.topk_packed(packed, k, bitonic), expected)
+    assert torch.equal(select_topk.topk_packed(packed, k, bitonic), expected)
     slots = torch.randperm(s * e, device=packed.device).view(s, e)
     num_visible = torch.randint(0, e + 1, (s,), device=packed.device)
     window = torch.rand(s, 128, device=packed.device) < 0.5
-    got = indexer.select_packed(packed, k, slots, num_visible, window, default)
+    got = select_topk.select_packed(packed, k, slots, num_visible, window, default)
     want = reference.select_entries(expected, slots, num_visible, window)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

@@ -52,6 +52,7 @@ def _record_fast_path() -> list[dict]:
         fused_moe_fp4,
         gemv,
         indexer,
+        indexer_tiling,
         mhc,
     )
 
@@ -71,7 +72,7 @@ def _record_fast_path() -> list[dict]:
         slots = torch.randperm(40, generator=g)[None, :].repeat(2, 1)
         for limit, algorithm, bits in ((64, "bitonic", 1), (16, "bitonic", 1),
                                        (64, "radix", 1), (64, "radix", 5)):  # fmt: skip
-            tiling = indexer.IndexerTiling(
+            tiling = indexer_tiling.IndexerTiling(
                 16, 1, 4, 1, limit, select_chunk=16, select_algorithm=algorithm, radix_bits=bits
             )
             args = (torch.randn(2, 4, 32, generator=g).bfloat16(), keys, slots,

@@ -17,7 +17,7 @@ instead of once per query, which is what bounds the decode kernel at long cached
 A tile whose queries disagree on a visible entry's slot (it straddles two requests) takes
 the exact fallback: each query's own keys, one dot per query, the other columns discarded.
 Logits are stored as the packed int64 keys of ``reference.topk_earliest`` (ties to the
-earliest entry), then selected by ``indexer.topk_packed`` on a GPU (bitonic top-k, in
+earliest entry), then selected by ``select_topk.topk_packed`` on a GPU (bitonic top-k, in
 chunk-wise levels for long rows), ``torch.topk`` on the CPU. Grids depend on shapes only:
 no host sync.
 """
@@ -32,7 +32,8 @@ import triton
 import triton.language as tl
 
 from rackserve.ops.triton.fp8 import widen
-from rackserve.ops.triton.indexer import check_inputs, topk_packed
+from rackserve.ops.triton.indexer import check_inputs
+from rackserve.ops.triton.select_topk import topk_packed
 
 
 @dataclass(frozen=True)

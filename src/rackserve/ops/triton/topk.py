@@ -1,10 +1,12 @@
 """Radix top-k of packed indexer rows, one program per query: ``radix_topk``.
 
-Shape legend: S queries, E entries per query (the row), K picks (k), W window.
+Launched by ``select_topk.py``, where it and the bitonic kernel are chosen
+(``IndexerTiling.select_algorithm``). Shape legend: S queries, E entries per query (the
+row), K picks (k), W window.
 
 The rows are the packed int64 keys of ``indexer._store_logits`` (``reference.topk_earliest``
 packing): entry e's key, (order-preserving fp32 bits of its logit) << 32 | (2^31 - 1 - e),
-sits at position e. The answer equals ``indexer.select_topk_kernel``'s (the bitonic
+sits at position e. The answer equals ``select_topk.select_topk_kernel``'s (the bitonic
 ``tl.topk`` of the row) and ``torch.topk`` of the keys: the k largest keys, best first, as
 entry ids, or with SELECT the picks' slots and [window | picks] validity. A program::
 
@@ -54,7 +56,7 @@ Registers (``default_warps``, 4 to 16 warps): 64 at E = 2048 (8 warps, 8 keys a 
 programs an SM), 71 at 4096 (16 warps), 102 at 8192 (16 warps, 16 keys a thread; 32 warps
 take 64 but were slower on the H200: 1,236 against 1,025 us at S = 8192). 16 keys a thread
 at E = 2048: 107. Rows over ``RADIX_MAX_ENTRIES`` take the chunk-wise bitonic
-levels of ``indexer``; the histogram digits spill at E = 8192 (8 bits, 32 warps).
+levels of ``select_topk``; the histogram digits spill at E = 8192 (8 bits, 32 warps).
 """
 
 from __future__ import annotations
