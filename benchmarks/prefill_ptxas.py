@@ -13,11 +13,9 @@ Integer arguments are given the divisibility-by-16 that Triton specializes on at
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
-import tempfile
 
 import triton
+from sass_resources import resources
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -66,33 +64,6 @@ def compile_tiling(t: prefill_attn.PrefillTiling, dtype: str = "bf16", head_dim:
     )
     options = {"num_warps": t.num_warps, "num_stages": t.num_stages}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-
-
-def resources(kernel) -> dict[str, object]:
-    """Registers, stack, spill instructions, shared memory, dot instructions."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        usage = subprocess.run(
-            [tool, "--dump-resource-usage", f.name], capture_output=True, text=True
-        )
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
-    fields = dict(
-        item.split(":")
-        for line in usage.stdout.splitlines()
-        if "REG:" in line
-        for item in line.split()
-    )
-    ptx = kernel.asm["ptx"]
-    return {
-        "registers": int(fields.get("REG", -1)),
-        "stack_bytes": int(fields.get("STACK", -1)),
-        "spill_instructions": sass.count("LDL") + sass.count("STL"),
-        "shared_bytes": kernel.metadata.shared,
-        "wgmma": ptx.count("wgmma.mma_async"),
-        "mma_sync": ptx.count("mma.sync"),
-    }
 
 
 def main() -> None:

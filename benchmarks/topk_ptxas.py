@@ -14,12 +14,9 @@ passes after an early stop not at all), so warps x instructions is a row's issue
 from __future__ import annotations
 
 import argparse
-import os
-import re
-import subprocess
-import tempfile
 
 import triton
+from sass_resources import resources
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -56,35 +53,6 @@ def _compile(fn, sig: dict, consts: dict, warps: int):
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     options = {"num_warps": warps, "num_stages": 1}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-
-
-def resources(kernel) -> dict[str, object]:
-    """Registers, stack, spills, shared memory, barriers, SASS instructions, shuffles."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        usage = subprocess.run(
-            [tool, "--dump-resource-usage", f.name], capture_output=True, text=True
-        )
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
-    fields = dict(
-        item.split(":")
-        for line in usage.stdout.splitlines()
-        if "REG:" in line
-        for item in line.split()
-    )
-    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
-    return {
-        "registers": int(fields.get("REG", -1)),
-        "stack_bytes": int(fields.get("STACK", -1)),
-        "spills": sum(op.startswith(("LDL", "STL")) for op in ops),
-        "shared_bytes": kernel.metadata.shared,
-        "sass": len(ops),
-        "barriers": sum(op.startswith("BAR") for op in ops),
-        "shuffles": sum(op.startswith("SHFL") for op in ops),
-        "shared_ops": sum(op.startswith(("LDS", "STS", "ATOMS")) for op in ops),
-    }
 
 
 def main() -> None:
