@@ -1,4 +1,4 @@
-"""The fused mHC kernels (``ops/triton/mhc.py``) against their references.
+"""The fused mHC kernels (``ops/triton/mhc.py``, ``mhc_launch.py``) against their references.
 
 CPU runs use the Triton interpreter at small shapes (N=4, D in {64, 256, 320},
 T in {1, 3, 37, 130}); every output and workspace starts as NaN, so an element a kernel
@@ -33,12 +33,17 @@ def mhc():
     return importlib.import_module("rackserve.ops.triton.mhc")
 
 
+@pytest.fixture(scope="module")
+def mhc_launch():
+    return importlib.import_module("rackserve.ops.triton.mhc_launch")
+
+
 @pytest.fixture(autouse=True)
-def nan_outputs(mhc, monkeypatch):
+def nan_outputs(mhc_launch, monkeypatch):
     def empty(shape, dtype, device):
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
-    monkeypatch.setattr(mhc, "_empty", empty)
+    monkeypatch.setattr(mhc_launch, "_empty", empty)
 
 
 def make_streams(t: int, d: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
@@ -201,7 +206,7 @@ def test_gpu_like_tiling_matches_reference(mhc, t, d, finish_block_t, gemv, fuse
 
 
 @pytest.mark.parametrize("t,fused", [(1, False), (2, False), (1, True), (3, True)])
-def test_gemv_k1_bf16_matches_reference(mhc, t, fused):
+def test_gemv_k1_bf16_matches_reference(mhc, mhc_launch, t, fused):
     """The T <= 4 GPU path (one token per K1 program; fused: K1 + K2 in one launch) on bf16
     streams, hc_pre and the fused hc_post_pre, with the bf16 rule; the fused launch leaves
     its arrival counters at zero (the next call, or graph replay, starts from them)."""
@@ -220,7 +225,7 @@ def test_gemv_k1_bf16_matches_reference(mhc, t, fused):
     for g, rb, rf in zip(new[1:], *refs, strict=True):
         assert_bf16_close(g, rb, rf)
     if fused:
-        assert not mhc._COUNTERS[streams.device].any()  # keyed by the tensors' device
+        assert not mhc_launch._COUNTERS[streams.device].any()  # keyed by the tensors' device
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -333,19 +338,19 @@ def test_flat_and_3d_k1_match_reference(mhc, flat, precision):
         assert_bf16_close(got_head, *want)
 
 
-def test_fn_pieces_split_once_per_weight(mhc):
+def test_fn_pieces_split_once_per_weight(mhc_launch):
     """The bf16x3 K1 splits fn once and keeps the pieces on fn; a write to fn in place
     splits it again; the pieces are ``split_bf16x3``'s."""
     fn = make_block_params(64, seed=91, mixes=(2 + N) * N)[0]
-    first = mhc._fn_pieces(fn)
+    first = mhc_launch._fn_pieces(fn)
     assert torch.equal(first, reference.split_bf16x3(fn))
-    assert mhc._fn_pieces(fn) is first
+    assert mhc_launch._fn_pieces(fn) is first
     fn.mul_(0.5)
-    again = mhc._fn_pieces(fn)
+    again = mhc_launch._fn_pieces(fn)
     assert again is not first and torch.equal(again, reference.split_bf16x3(fn))
     with torch.inference_mode():
         frozen = fn.clone()
-    assert torch.equal(mhc._fn_pieces(frozen), reference.split_bf16x3(frozen))
+    assert torch.equal(mhc_launch._fn_pieces(frozen), reference.split_bf16x3(frozen))
 
 
 def assert_same_sums(a: torch.Tensor, b: torch.Tensor) -> None:

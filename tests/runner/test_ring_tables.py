@@ -42,7 +42,7 @@ from rackserve.request import KVTransferParams, SamplingParams
 from rackserve.runner import model_runner
 from rackserve.runner.input_batch import InputBatch
 from rackserve.runner.inputs import BlockTables, ring_widths, table_widths
-from rackserve.spec_decode.proposer import spec_cache_groups
+from rackserve.spec_decode.checkpoint import spec_cache_groups
 
 MAX_STEP = 40  # max_num_batched_tokens: chunks wider than the tiny model's window (16)
 

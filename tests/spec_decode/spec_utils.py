@@ -19,7 +19,7 @@ from rackserve.kv.spec import plan_num_blocks
 from rackserve.model.create import create_checkpoint
 from rackserve.model.presets import tiny_config
 from rackserve.request import SamplingParams
-from rackserve.spec_decode.proposer import spec_cache_groups
+from rackserve.spec_decode.checkpoint import spec_cache_groups
 
 
 def spec_engine(

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from rackserve.config import ConfigError, SpecConfig
-from rackserve.spec_decode.proposer import check_spec_checkpoint
+from rackserve.spec_decode.checkpoint import check_spec_checkpoint
 
 from spec_utils import random_draft_dir, spec_engine, target_dir
 

@@ -10,7 +10,7 @@ import pytest
 from rackserve.config import SpecConfig
 from rackserve.kv.spec import CacheGroupSpec
 from rackserve.request import SamplingParams
-from rackserve.spec_decode.proposer import DRAFT_PREFIX
+from rackserve.spec_decode.checkpoint import DRAFT_PREFIX
 
 from spec_utils import close_draft_dir, mixed_params_prompts, run, spec_engine, target_dir
 

@@ -14,7 +14,7 @@ from rackserve.engine.core import EngineCore
 from rackserve.engine.outputs import EngineCoreRequest
 from rackserve.kv.spec import CacheGroupSpec
 from rackserve.request import SamplingParams
-from rackserve.spec_decode.proposer import DRAFT_PREFIX
+from rackserve.spec_decode.checkpoint import DRAFT_PREFIX
 
 from spec_utils import close_draft_dir, spec_engine, target_dir
 

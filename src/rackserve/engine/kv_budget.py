@@ -17,7 +17,7 @@ import torch
 
 from rackserve.config import CPU_KV_CACHE_MEMORY, EngineConfig
 from rackserve.kv.spec import CacheGroupSpec, bytes_per_token, capacity_tokens, plan_num_blocks
-from rackserve.spec_decode.proposer import spec_cache_groups
+from rackserve.spec_decode.checkpoint import spec_cache_groups
 
 
 def device_memory_in_use(device: torch.device) -> int:

@@ -34,7 +34,9 @@ from rackserve.runner.step_handle import (
     to_host,
 )
 from rackserve.runner.structured_output import GrammarCompiler, StructuredOutputs
-from rackserve.spec_decode.proposer import DRAFT_PREFIX, Proposer, VerifiedStep, build_proposer
+from rackserve.spec_decode.checkpoint import DRAFT_PREFIX
+from rackserve.spec_decode.drafters import build_proposer
+from rackserve.spec_decode.proposer import Proposer, VerifiedStep
 from rackserve.spec_decode.verify import accept_drafts
 
 

@@ -299,7 +299,7 @@ def preflight(options: dict[str, Any], engine_config: Any) -> None:
     process starts: the checkpoint's config, shards and tensor shapes, the KV budget, the
     tokenizer files."""
     from rackserve.model.loader import check_checkpoint
-    from rackserve.spec_decode.proposer import check_spec_checkpoint
+    from rackserve.spec_decode.checkpoint import check_spec_checkpoint
 
     check_checkpoint(options["model"])
     check_spec_checkpoint(engine_config.speculative, options["model"])

@@ -19,58 +19,30 @@ The scheduler allocates K lookahead positions past each step's tokens for the ch
 Greedy requests draft the argmax; random requests sample their drafts from the draft's
 distribution q under their own temperature/top-k/top-p/min-p (``verify.sample_drafts``),
 and q is kept for the next step's rejection rule (``verify.DraftDistributions``).
+
+Here: what a drafter reads from the verified step (``VerifiedStep``) and the drafters' base
+(``Proposer``: the drafts from logits, q kept, the verify step's graphs); the two drafters
+and ``build_proposer``, which picks one: ``drafters.py``.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from rackserve.config import ConfigError, SpecConfig
 from rackserve.kv.spec import CacheGroupSpec
-from rackserve.model.batch import (
-    KVCacheTensors,
-    StepMetadata,
-    closing_tokens,
-    compressed_ratios,
-)
+from rackserve.model.batch import KVCacheTensors
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
-from rackserve.model.loader import load_model
-from rackserve.runner.inputs import build_batch_inputs
 from rackserve.runner.sampler import Resample
 from rackserve.runner.sampling_tensors import SamplingTensors
 from rackserve.runner.step_buffers import StepBuffers
-from rackserve.spec_decode.checkpoint import (
-    DRAFT_PREFIX,
-    NO_MTP,
-    check_spec_checkpoint,
-    draft_config,
-    spec_cache_groups,
-)
-from rackserve.spec_decode.graphs import (
-    DraftGraphs,
-    DraftProposalGraphs,
-    MTPGraphs,
-    VerifyGraphs,
-)
+from rackserve.spec_decode.graphs import VerifyGraphs
 from rackserve.spec_decode.verify import DraftDistributions, sample_drafts
-
-# importers of the checkpoint helpers through this module (engine core, serve, tests)
-__all__ = [
-    "DRAFT_PREFIX",
-    "DraftModelProposer",
-    "MTPProposer",
-    "Proposer",
-    "VerifiedStep",
-    "build_proposer",
-    "check_spec_checkpoint",
-    "spec_cache_groups",
-]
 
 
 @dataclass(frozen=True)
@@ -100,16 +72,6 @@ class VerifiedStep:
         sampled = [r for r, s in enumerate(self.sampled) if s]
         last_row = dict(zip(sampled, itertools.accumulate(self.num_rows), strict=True))
         return self.sampling.select([last_row[r] - 1 for r in wanted], greedy)
-
-
-class PrefixedCaches:
-    """The draft model's view of the shared cache tensors: group ``swa`` is ``draft_swa``."""
-
-    def __init__(self, caches: KVCacheTensors, prefix: str = DRAFT_PREFIX) -> None:
-        self.caches, self.prefix = caches, prefix
-
-    def flat(self, group: str, layer: int) -> torch.Tensor:
-        return self.caches.flat(self.prefix + group, layer)
 
 
 class Proposer:
@@ -225,265 +187,8 @@ class Proposer:
         return torch.as_tensor(np.asarray(values, dtype=np.int64), device=self.device)
 
 
-class MTPProposer(Proposer):
-    """The target's MTP layer 0, chained K times (its embedding and head are shared)."""
-
-    def __init__(
-        self,
-        model: DeepseekV4ForCausalLM,
-        caches: KVCacheTensors,
-        swa: CacheGroupSpec,
-        num_tokens: int,
-        tables: Mapping[str, torch.Tensor],
-    ) -> None:
-        super().__init__(num_tokens, tables)
-        if not model.has_mtp:
-            raise ConfigError(NO_MTP)
-        self.model, self.caches, self.swa = model, caches, swa
-        self.proposal_graphs: MTPGraphs | None = None
-
-    def _drafter_graphs(
-        self, buffers: StepBuffers, batch_sizes: Sequence[int], buckets: Sequence[int]
-    ) -> list:
-        self.proposal_graphs = MTPGraphs(
-            self.model, self.caches, buffers, self.swa, self.num_tokens, batch_sizes, buckets
-        )
-        return [self.proposal_graphs]
-
-    def _propose_graph(self, step: VerifiedStep) -> list[list[int]] | None:
-        """The whole proposal as one graph replay, when the step was a uniform verify step
-        (1 + K tokens per request) whose requests all draft greedily; else None."""
-        graphs, width, num = self.proposal_graphs, 1 + self.num_tokens, len(step.num_kept)
-        if graphs is None or not self._uniform_greedy(step):
-            return None
-        kept = np.asarray(step.num_kept, dtype=np.int64)
-        base = np.asarray(step.num_computed, dtype=np.int64)
-        i = np.arange(width, dtype=np.int64)
-        real = i[None, :] < kept[:, None]  # [R, 1 + K]
-        positions = np.where(real, base[:, None] + 1 + i[None, :], 0)
-        tokens = np.zeros((num, width), dtype=np.int64)
-        for r, ids in enumerate(step.token_ids):
-            tokens[r, : kept[r]] = ids[base[r] + 1 : base[r] + 1 + kept[r]]
-        token_req = np.where(real, np.arange(num)[:, None], num)
-        last = np.arange(num, dtype=np.int64) * width + kept - 1
-        # the chain's last position: L + kept + K - 1
-        max_len = int((base + kept).max()) + self.num_tokens
-        graphs.stage_streams(step.streams)
-        return self._replayed(graphs.run(
-            tokens.reshape(-1), positions.reshape(-1), token_req.reshape(-1), step.rows, last,
-            max_len,
-        ))  # fmt: skip
-
-    def _meta(
-        self, positions: torch.Tensor, token_req: torch.Tensor, rows: torch.Tensor, max_len: int
-    ) -> StepMetadata:
-        """max_len: host bound on positions + 1 (no device read-back)."""
-        tables = {self.swa.name: self.tables[self.swa.name][rows]}
-        return StepMetadata.build([self.swa], positions, token_req, tables, max_len, {})
-
-    def propose(self, step: VerifiedStep) -> list[list[int]]:
-        replayed = self._propose_graph(step)
-        if replayed is not None:
-            return replayed
-        wanted = [r for r, w in enumerate(step.wants_draft) if w]
-        idx, pos, req, nxt, last = [], [], [], [], []
-        for r, (start, base, kept) in enumerate(
-            zip(step.query_start_loc, step.num_computed, step.num_kept, strict=False)
-        ):
-            # MTP row p + 1 = (final streams at p, token p + 1): kept positions only
-            tokens = step.token_ids[r]
-            idx.extend(range(start, start + kept))
-            pos.extend(range(base + 1, base + kept + 1))
-            req.extend([r] * kept)
-            nxt.extend(tokens[base + 1 : base + kept + 1])
-            if step.wants_draft[r]:
-                last.append(len(idx) - 1)
-        if not idx:
-            self.distributions.keep([], [], None, [])
-            return [[] for _ in step.num_kept]
-        rows = self._device(step.rows)
-        positions = self._device(pos)
-        max_len = max(pos) + 1
-        meta = self._meta(positions, self._device(req), rows, max_len)
-        streams = step.streams[self._device(idx)]
-        hidden, x = self.model.mtp_forward(0, self._device(nxt), streams, meta, self.caches)
-        if not wanted:
-            self.distributions.keep([], [], None, [])
-            return [[] for _ in step.num_kept]
-        last_dev = self._device(last)
-        chain = self._chain_start(step, wanted)  # [W] position of draft 1
-        sampling = step.draft_sampling(wanted)
-        draft, q = self._draft(self.model.compute_logits(hidden[last_dev]), sampling, chain)
-        drafts, probs = [draft], [q]
-        x, positions = x[last_dev], positions[last_dev]  # [W, N, D], [W]
-        token_req = torch.arange(len(wanted), device=self.device)
-        rows = rows[self._device(wanted)]
-        for j in range(1, self.num_tokens):
-            positions, max_len = positions + 1, max_len + 1
-            meta = self._meta(positions, token_req, rows, max_len)
-            hidden, x = self.model.mtp_forward(0, draft, x, meta, self.caches)
-            draft, q = self._draft(self.model.compute_logits(hidden), sampling, chain + j)
-            drafts.append(draft)
-            probs.append(q)
-        return self._finish(step, wanted, drafts, probs)
-
-
-class DraftModelProposer(Proposer):
-    """A second DeepSeek-V4-architecture model with its own cache groups, run K times."""
-
-    def __init__(
-        self,
-        model: DeepseekV4ForCausalLM,
-        caches: KVCacheTensors,
-        groups: Sequence[CacheGroupSpec],
-        num_tokens: int,
-        tables: Mapping[str, torch.Tensor],
-    ) -> None:
-        super().__init__(num_tokens, tables)
-        self.model = model
-        self.caches = PrefixedCaches(caches)
-        # the draft's groups under the names its model reads
-        self.groups = [
-            replace(g, name=g.name[len(DRAFT_PREFIX) :])
-            for g in groups
-            if g.name.startswith(DRAFT_PREFIX)
-        ]
-        self.ratios = compressed_ratios(self.groups)
-        self.draft_graphs: DraftGraphs | None = None  # the chain after an eager first step
-        self.proposal_graphs: DraftProposalGraphs | None = None  # the whole proposal
-
-    def _drafter_graphs(
-        self, buffers: StepBuffers, batch_sizes: Sequence[int], buckets: Sequence[int]
-    ) -> list:
-        tables = {g.name: self.tables[DRAFT_PREFIX + g.name] for g in self.groups}
-        self.draft_graphs = DraftGraphs(
-            self.model, self.caches, self.groups, tables, buffers.null_row, batch_sizes, buckets
-        )
-        self.proposal_graphs = DraftProposalGraphs(
-            self.model, self.caches, buffers, self.groups, tables, self.num_tokens,
-            batch_sizes, buckets,
-        )  # fmt: skip
-        return [self.draft_graphs, self.proposal_graphs]
-
-    def _propose_graph(self, step: VerifiedStep) -> list[list[int]] | None:
-        """The whole proposal as one graph replay (see MTPProposer._propose_graph): rows
-        L .. L + kept (the kept tokens and y) of each request, padded to 2 + K."""
-        graphs, num = self.proposal_graphs, len(step.num_kept)
-        if graphs is None or not self._uniform_greedy(step):
-            return None
-        kept = np.asarray(step.num_kept, dtype=np.int64)
-        base = np.asarray(step.num_computed, dtype=np.int64)
-        i = np.arange(graphs.width, dtype=np.int64)
-        real = i[None, :] <= kept[:, None]  # [R, 2 + K]
-        positions = np.where(real, base[:, None] + i[None, :], 0)
-        tokens = np.zeros((num, graphs.width), dtype=np.int64)
-        for r, ids in enumerate(step.token_ids):
-            tokens[r, : kept[r] + 1] = ids[base[r] : base[r] + kept[r] + 1]
-        token_req = np.where(real, np.arange(num)[:, None], num)
-        last = np.arange(num, dtype=np.int64) * graphs.width + kept
-        max_len = int((base + kept).max()) + self.num_tokens  # the chain's last position + 1
-        return self._replayed(graphs.run(
-            tokens.reshape(-1), positions.reshape(-1), token_req.reshape(-1), step.rows, last,
-            max_len,
-        ))  # fmt: skip
-
-    def _chain_logits(
-        self, draft: torch.Tensor, positions: np.ndarray, token_req: np.ndarray, rows: torch.Tensor
-    ) -> torch.Tensor:
-        """Logits [W, V] of one chained step (draft [W] at positions [W]): a graph replay
-        when one fits, else eager."""
-        if self.draft_graphs is not None:
-            max_len = int(positions.max()) + 1
-            logits = self.draft_graphs.run(draft, self._device(positions), rows, max_len)
-            if logits is not None:
-                return logits
-        return self.model.compute_logits(self._forward(draft, positions, token_req, rows))
-
-    @classmethod
-    def load(
-        cls,
-        spec: SpecConfig,
-        target: DeepseekV4ForCausalLM,
-        caches: KVCacheTensors,
-        groups: Sequence[CacheGroupSpec],
-        tables: Mapping[str, torch.Tensor],
-    ) -> DraftModelProposer:
-        draft_config(spec, target.cfg)  # ConfigError before any weight is read
-        device = next(target.parameters()).device
-        model = load_model(spec.model, dtype=target.head.weight.dtype, device=device)
-        return cls(model, caches, groups, spec.num_speculative_tokens, tables)
-
-    def _forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: np.ndarray,
-        token_req: np.ndarray,
-        rows: torch.Tensor,
-    ) -> torch.Tensor:
-        closing = {r: self._device(i) for r, i in closing_tokens(positions, self.ratios).items()}
-        tables = {g.name: self.tables[DRAFT_PREFIX + g.name][rows] for g in self.groups}
-        max_len = int(positions.max()) + 1
-        meta = StepMetadata.build(
-            self.groups, self._device(positions), self._device(token_req), tables, max_len,
-            closing,
-        )  # fmt: skip
-        hidden, _ = self.model(input_ids, meta, self.caches)
-        return hidden
-
-    def propose(self, step: VerifiedStep) -> list[list[int]]:
-        replayed = self._propose_graph(step)
-        if replayed is not None:
-            return replayed
-        wanted = [r for r, w in enumerate(step.wants_draft) if w]
-        # the kept tokens and y: rows L .. L + kept of the draft's caches
-        counts = [k + s for k, s in zip(step.num_kept, step.sampled, strict=True)]
-        inputs = build_batch_inputs(
-            list(step.token_ids), list(step.num_computed), counts, list(step.rows)
-        )
-        rows = self._device(step.rows)
-        hidden = self._forward(
-            self._device(inputs.input_ids), inputs.positions, inputs.token_req, rows
-        )
-        if not wanted:
-            self.distributions.keep([], [], None, [])
-            return [[] for _ in step.num_kept]
-        ends = np.asarray(inputs.query_start_loc[1:], dtype=np.int64)[wanted] - 1
-        chain = self._chain_start(step, wanted)  # [W] position of draft 1
-        sampling = step.draft_sampling(wanted)
-        draft, q = self._draft(
-            self.model.compute_logits(hidden[self._device(ends)]), sampling, chain
-        )
-        drafts, probs = [draft], [q]
-        positions = inputs.positions[ends]
-        token_req = np.arange(len(wanted), dtype=np.int64)
-        rows = rows[self._device(wanted)]
-        for j in range(1, self.num_tokens):
-            positions = positions + 1
-            logits = self._chain_logits(draft, positions, token_req, rows)
-            draft, q = self._draft(logits, sampling, chain + j)
-            drafts.append(draft)
-            probs.append(q)
-        return self._finish(step, wanted, drafts, probs)
-
-
 def _scatter(drafts: list[list[int]], wanted: list[int], num_reqs: int) -> list[list[int]]:
     out: list[list[int]] = [[] for _ in range(num_reqs)]
     for r, d in zip(wanted, drafts, strict=True):
         out[r] = d
     return out
-
-
-def build_proposer(
-    spec: SpecConfig,
-    model: DeepseekV4ForCausalLM,
-    caches: KVCacheTensors,
-    groups: Sequence[CacheGroupSpec],
-    tables: Mapping[str, torch.Tensor],
-) -> Proposer:
-    """The drafter of ``spec`` over the runner's caches and device block tables."""
-    if spec.method == "mtp":
-        swa = next(g for g in groups if g.name == "swa")
-        if model.cfg.num_hidden_layers not in swa.layer_ids:
-            raise ValueError("the swa cache group lacks the MTP layer (spec_cache_groups)")
-        return MTPProposer(model, caches, swa, spec.num_speculative_tokens, tables)
-    return DraftModelProposer.load(spec, model, caches, groups, tables)

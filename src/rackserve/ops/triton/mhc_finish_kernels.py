@@ -1,5 +1,6 @@
 """The finish of the fused mHC ops (K2) and the one-launch K1 + K2 for few tokens;
-``mhc.py`` validates inputs, tiles and launches. Shape legend as ``mhc_kernels.py``.
+``mhc.py`` tiles, ``mhc_inputs.py`` checks the inputs, ``mhc_launch.py`` launches. Shape
+legend as ``mhc_kernels.py``.
 
 K2 ``hc_finish_kernel``, grid (cdiv(T, BLOCK_T),): the mixes (sums the S partials in a
     fixed order: deterministic, no atomics; sigmoid / softmax, the Sinkhorn iterations on

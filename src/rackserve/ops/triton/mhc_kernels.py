@@ -1,4 +1,5 @@
-"""Triton kernels of the fused mHC ops; ``mhc.py`` validates inputs, tiles and launches.
+"""Triton kernels of the fused mHC ops; ``mhc.py`` tiles (``mhc_inputs.py`` checks the
+inputs, ``mhc_launch.py`` launches).
 
 Shape legend: T tokens, N streams, D hidden, K = N*D input columns, M mixes per token
 ((2+N)N for a block, N for the head), S splits of the K columns.
