@@ -586,7 +586,7 @@ def test_cuda_graph_replay_is_bitwise_equal_to_eager(mhc):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("t", [1, 3, 4])
-def test_fused_launch_on_gpu(mhc, t):
+def test_fused_launch_on_gpu(mhc, mhc_launch, t):
     """The one-launch K1 + K2 (its counters and release / acquire ordering only run for real
     on a GPU): bf16 rule against the reference, counters back at zero, and CUDA-graph replay
     (twice: the counters must be reset by the first) bitwise equal to eager."""
@@ -602,7 +602,7 @@ def test_fused_launch_on_gpu(mhc, t):
     refs = reference.hc_pre(*args), reference.hc_pre(*as_fp32(args))
     for g, rb, rf in zip(got, *refs, strict=True):
         assert_bf16_close(g, rb, rf)
-    assert not mhc._COUNTERS[streams.device].any()
+    assert not mhc_launch._COUNTERS[streams.device].any()
 
     def step():
         x, post, comb = mhc.hc_pre(streams, *params, tiling=tiling)
@@ -622,4 +622,4 @@ def test_fused_launch_on_gpu(mhc, t):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, step())
-    assert not mhc._COUNTERS[streams.device].any()
+    assert not mhc_launch._COUNTERS[streams.device].any()
