@@ -47,6 +47,7 @@ kernel reads them (``prefill_attn.py``); any mask is correct, one run is fastest
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -80,6 +81,11 @@ class WgmmaTiling:
     p_buffers: int = 2  # 1: one p buffer, a barrier before it is rewritten
 
 
+@functools.lru_cache(maxsize=8)
+def _is_sm90(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
 def supported(q: torch.Tensor, kv_a: torch.Tensor) -> bool:
     """The shapes and dtypes this kernel serves (else ``prefill_attn``'s Triton kernel)."""
     return (
@@ -88,7 +94,7 @@ def supported(q: torch.Tensor, kv_a: torch.Tensor) -> bool:
         and kv_a.dtype == q.dtype
         and q.shape[1] == HEADS
         and q.shape[2] == HEAD_DIM
-        and torch.cuda.get_device_capability(q.device)[0] == 9
+        and _is_sm90(q.device)
     )
 
 
@@ -139,14 +145,20 @@ def paged_sparse_attention(
 
 
 @gluon.jit
-def _tile_rows(t, a_tiles, first, a_stop, b_start, b_stop, BLOCK_N: gl.constexpr, layout):
-    """Tile t's row indices [BLOCK_N] (in ``layout``) into its list, the list's end, and
-    whether the tile is a window tile (tiles [0, a_tiles)) or a compressed one."""
+def _tile_rows(t, a_tiles, first, a_stop, b_start, b_stop, valid_row, width_a, contiguous, live,
+               BLOCK_N: gl.constexpr, layout):  # fmt: skip
+    """Tile t's row indices [BLOCK_N] (in ``layout``) into its list, the list's end, whether
+    the tile is a window tile (tiles [0, a_tiles)) or a compressed one, and which rows count
+    (in the list and valid: the flags are read only for a mask with holes, and only when
+    ``live``)."""
     in_a = t < a_tiles
     rows = gl.where(in_a, first + t * BLOCK_N, b_start + (t - a_tiles) * BLOCK_N)
     rows = rows + gl.arange(0, BLOCK_N, layout=layout)
     stop = gl.where(in_a, a_stop, b_stop)
-    return rows, stop, in_a
+    ok = rows < stop
+    flags = gl.where(in_a, valid_row, valid_row + width_a) + rows
+    ok = ok & (gl.load(flags, mask=ok & ~contiguous & live, other=1) != 0)
+    return rows, stop, in_a, ok
 
 
 @gluon.jit
@@ -156,12 +168,10 @@ def _gather(slot_smem, t, total, a_tiles, first, a_stop, b_start, b_stop, contig
     """cp.async of tile t's rows [BLOCK_N, Dh] into ``slot_smem`` (nothing past the last
     tile). A row past its list's end or in a hole of the mask reads a valid row of the list
     instead (its score is masked): no invalid slot is followed."""
-    rows, stop, in_a = _tile_rows(
-        t, a_tiles, first, a_stop, b_start, b_stop, BLOCK_N, gl.SliceLayout(1, layout)
-    )
-    ok = rows < stop
-    flags = gl.where(in_a, valid_row, valid_row + width_a) + rows
-    ok = ok & (gl.load(flags, mask=ok & ~contiguous & (t < total), other=1) != 0)
+    rows, stop, in_a, ok = _tile_rows(
+        t, a_tiles, first, a_stop, b_start, b_stop, valid_row, width_a, contiguous, t < total,
+        BLOCK_N, gl.SliceLayout(1, layout),
+    )  # fmt: skip
     slot = gl.load(gl.where(in_a, slots_a_row, slots_b_row) + gl.minimum(rows, stop - 1),
                    mask=t < total, other=0)  # fmt: skip
     slot = gl.where(ok, slot, gl.where(in_a, safe_a, safe_b))
@@ -179,10 +189,8 @@ def _gather(slot_smem, t, total, a_tiles, first, a_stop, b_start, b_stop, contig
 def _scores_mask(t, a_tiles, first, a_stop, b_start, b_stop, valid_row, width_a, contiguous,
                  BLOCK_N: gl.constexpr, layout: gl.constexpr):  # fmt: skip
     """0 / -inf per row of tile t [BLOCK_N] (``layout``: the scores' column slice)."""
-    rows, stop, in_a = _tile_rows(t, a_tiles, first, a_stop, b_start, b_stop, BLOCK_N, layout)
-    ok = rows < stop
-    flags = gl.where(in_a, valid_row, valid_row + width_a) + rows
-    ok = ok & (gl.load(flags, mask=ok & ~contiguous, other=1) != 0)
+    _, _, _, ok = _tile_rows(t, a_tiles, first, a_stop, b_start, b_stop, valid_row, width_a,
+                             contiguous, True, BLOCK_N, layout)  # fmt: skip
     return gl.where(ok, 0.0, float("-inf"))
 
 
@@ -302,7 +310,7 @@ def prefill_attn_wgmma_kernel(
 
     for t in range(total - 1):
         # invariant: p(t) is in p_smem and acc holds tiles < t, scaled to m(t); tiles t and
-        # t + 1 have landed (the NUM_STAGES - 2 later ones may be in flight)
+        # t + 1 have landed (the NUM_STAGES - 1 - P_BUFFERS later ones may be in flight)
         cp.wait_group(NUM_STAGES - 1 - P_BUFFERS)
         gl.thread_barrier()
         fence_async_shared()
