@@ -7,11 +7,14 @@ of transposed views.
 Stages: routing metadata (argsort, counts), gather (``index_select`` of the sorted rows),
 gate-up grouped GEMM, SwiGLU, down grouped GEMM, unpermute. Each record: stage, T, the
 median time (``triton.testing.do_bench``, L2 flushed, launch included) and, for the GEMMs,
-TFLOP/s and the share of 989 TFLOP/s.
+TFLOP/s and the share of 989 TFLOP/s. Then the Triton path (``ops/triton/prefill_experts.py``)
+over ``TILINGS``: its align, gate-up and down GEMMs alone and the whole op, with the whole
+grouped path beside it and the largest difference between the two outputs.
 
     python3 benchmarks/moe_stages_bench.py --tokens 2048 8192 --output $OUT/moe_stages.json
 """
 
+# ruff: noqa: B023  (every lambda is timed inside the iteration that binds its names)
 from __future__ import annotations
 
 import argparse
@@ -21,11 +24,23 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
+from rackserve.ops.grouped_moe import moe_experts_grouped
+from rackserve.ops.triton import prefill_experts as tiled
+from rackserve.ops.triton.fused_moe import moe_align
 from rackserve.ops.triton.prefill_moe import moe_unpermute, swiglu_rows
 
 from bench_timing import stamped
 
 PEAK_TFLOPS = 989.0
+# (block_m, gate-up BN (per half), BK, warps, stages, down BN, BK, warps, stages)
+TILINGS = [
+    (128, 64, 64, 8, 4, 128, 64, 8, 4),
+    (128, 128, 64, 8, 3, 256, 64, 8, 3),
+    (128, 128, 64, 8, 4, 128, 64, 8, 4),
+    (64, 128, 64, 4, 4, 128, 64, 4, 4),
+    (128, 64, 128, 8, 3, 128, 128, 8, 3),
+    (128, 64, 64, 4, 4, 128, 64, 4, 4),
+]
 
 
 def _ms(fn) -> float:
@@ -84,7 +99,49 @@ def run(tokens=(2048, 8192), experts: int = 64, k: int = 6, dim: int = 4096, int
             records.append(r)
             extra = f"  {r['tflops']:.0f} TF/s ({r['share_of_peak']:.1%})" if flops else ""
             print(f"T={t:5d} {name:20s} {ms * 1e3:9.1f} us{extra}", flush=True)
+        records += _tiled(x, ids, weights, w13, w2, flops_13, flops_2)
     return stamped(records, device)
+
+
+def _tiled(x, ids, weights, w13, w2, flops_13, flops_2) -> list[dict]:
+    t, k = ids.shape
+    whole = moe_experts_grouped(x, ids, weights, w13, w2, 10.0)
+    grouped_ms = _ms(lambda: moe_experts_grouped(x, ids, weights, w13, w2, 10.0))
+    print(f"T={t:5d} grouped path, whole  {grouped_ms * 1e3:9.1f} us", flush=True)
+    records = [{"stage": "grouped_whole", "tokens": t, "ms": grouped_ms}]
+    for shape in TILINGS:
+        tiling = tiled.Tiling(*shape)
+        try:
+            sorted_ids, block_expert = moe_align(ids, w13.shape[0], tiling.block_m)
+            h = tiled.gate_up(x, w13, sorted_ids, block_expert, k, 10.0, tiling)
+            tiled.down(h, w2, sorted_ids, block_expert, t * k, tiling)
+            out = tiled.moe_experts_tiled(x, ids, weights, w13, w2, 10.0, tiling)
+        except Exception as e:  # a tiling past the shared memory: say so, go on
+            print(f"T={t:5d} tiled {shape}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            continue
+        r = {
+            "stage": "tiled",
+            "tokens": t,
+            "tiling": shape,
+            "align_ms": _ms(lambda: moe_align(ids, w13.shape[0], tiling.block_m)),
+            "gate_up_ms": _ms(
+                lambda: tiled.gate_up(x, w13, sorted_ids, block_expert, k, 10.0, tiling)
+            ),
+            "down_ms": _ms(lambda: tiled.down(h, w2, sorted_ids, block_expert, t * k, tiling)),
+            "ms": _ms(lambda: tiled.moe_experts_tiled(x, ids, weights, w13, w2, 10.0, tiling)),
+            "max_abs_diff_vs_grouped": (out.float() - whole.float()).abs().max().item(),
+        }
+        r["gate_up_tflops"] = flops_13 / r["gate_up_ms"] / 1e9
+        r["down_tflops"] = flops_2 / r["down_ms"] / 1e9
+        records.append(r)
+        print(
+            f"T={t:5d} tiled {shape}: align {r['align_ms'] * 1e3:.1f} gate_up "
+            f"{r['gate_up_ms'] * 1e3:.1f} ({r['gate_up_tflops']:.0f} TF/s) down "
+            f"{r['down_ms'] * 1e3:.1f} ({r['down_tflops']:.0f} TF/s) whole {r['ms'] * 1e3:.1f} "
+            f"us, max |diff| {r['max_abs_diff_vs_grouped']:.3g}",
+            flush=True,
+        )
+    return records
 
 
 def main() -> None:

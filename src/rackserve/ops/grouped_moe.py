@@ -36,6 +36,11 @@ def _fast(name: str) -> Callable:
 _swiglu_rows = _fast("swiglu_rows")
 _moe_unpermute = _fast("moe_unpermute")
 
+# On a GPU, the Triton GEMMs over expert-aligned blocks (``ops/triton/prefill_experts.py``:
+# the gather and the SwiGLU inside the gate-up GEMM, no argsort) where the shapes tile,
+# instead of ``F.grouped_mm``.
+TILED = False
+
 
 def moe_experts_grouped(
     x: torch.Tensor,
@@ -49,6 +54,10 @@ def moe_experts_grouped(
 
     x: [T, D]; topk_ids, topk_weights: [T, k]; w13: [E, 2I, D]; w2: [E, D, I] -> [T, D].
     """
+    if TILED and x.is_cuda:
+        tiled = importlib.import_module("rackserve.ops.triton.prefill_experts")
+        if tiled.supported(x, w13, w2, tiled.default_tiling(x.device)):
+            return tiled.moe_experts_tiled(x, topk_ids, topk_weights, w13, w2, limit)
     t, k = topk_ids.shape
     flat_ids = topk_ids.flatten()  # [T*k]
     order = torch.argsort(flat_ids, stable=True)  # sorted position -> (token, slot)

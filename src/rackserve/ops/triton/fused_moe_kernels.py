@@ -45,7 +45,7 @@ def _swiglu(gate, up, limit):
 
 
 @triton.jit
-def _dot(a, w, acc, FP32_DOT: tl.constexpr):
+def dot_acc(a, w, acc, FP32_DOT: tl.constexpr):
     """acc + a @ w with fp32 accumulation; IEEE fp32 products when FP32_DOT."""
     if FP32_DOT:
         acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
@@ -193,8 +193,8 @@ def moe_gate_up_kernel(
         w_ok = k_ok[:, None] & col_ok[None, :]
         gate_w = tl.load(gate_ptrs, mask=w_ok, other=0.0)
         up_w = tl.load(up_ptrs, mask=w_ok, other=0.0)
-        acc_gate = _dot(a, gate_w, acc_gate, FP32_DOT)
-        acc_up = _dot(a, up_w, acc_up, FP32_DOT)
+        acc_gate = dot_acc(a, gate_w, acc_gate, FP32_DOT)
+        acc_up = dot_acc(a, up_w, acc_up, FP32_DOT)
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K * stride_wk
         up_ptrs += BLOCK_K * stride_wk
@@ -257,10 +257,10 @@ def moe_down_kernel(
         w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if SPLIT_H:  # h = hi + lo in w's 16-bit type: two dots keep h's fp32 precision
             hi = a.to(w.dtype)
-            acc = _dot(hi, w, acc, FP32_DOT)
-            acc = _dot((a - hi.to(tl.float32)).to(w.dtype), w, acc, FP32_DOT)
+            acc = dot_acc(hi, w, acc, FP32_DOT)
+            acc = dot_acc((a - hi.to(tl.float32)).to(w.dtype), w, acc, FP32_DOT)
         else:
-            acc = _dot(a, w, acc, FP32_DOT)
+            acc = dot_acc(a, w, acc, FP32_DOT)
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
     store_weighted(acc, weights_ptr, slots_ptr, pair, row_ok, cols, col_ok, stride_slot)
@@ -290,7 +290,7 @@ def _down_stacked(
         k_ok = (k0 + ks) < inter
         a = tl.load(h_ptrs, mask=row2_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc2 = _dot(a, w, acc2, FP32_DOT)
+        acc2 = dot_acc(a, w, acc2, FP32_DOT)
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
     acc = tl.sum(tl.reshape(acc2, (2, BLOCK_M, BLOCK_N)), axis=0)
