@@ -18,9 +18,10 @@ applies it to the fp32 accumulators and stores [P, I]), and the argsort behind t
 layout (the align kernels count). The down GEMM writes each pair's row where the combine
 reads it, so the combine's reads are contiguous per token and no float atomics are used.
 
-A gate-up program computes BN gate columns and the same BN up columns with one dot of
-[BM, BK] x [BK, 2 BN] (the B tile's rows are w13's gate rows, then its up rows), so the
-tensor cores see one N = 2 BN problem. Programs are ordered in groups of ``group_m``
+A gate-up program computes BN gate columns and the same BN up columns (two accumulators,
+two dots per K step sharing the gathered A tile). Weight tiles (and the down GEMM's h
+tiles) arrive by TMA through host-built descriptors of the contiguous [E * N, K] weights;
+the gathered x rows by pointer loads. Programs are ordered in groups of ``group_m``
 consecutive blocks that sweep every column tile together (the swizzle of Triton's matmul
 tutorial): the blocks of one expert share each weight tile through L2, and a group's x
 rows stay in L2 across its column tiles. Grids depend on the shapes only (no host sync).
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rackserve.ops.triton.common import round_as
 from rackserve.ops.triton.fused_moe import moe_align
@@ -61,7 +63,7 @@ def default_tiling(device: torch.device) -> Tiling:
     small tiles (the tests' experts are small)."""
     if device.type != "cuda":
         return Tiling(16, 16, 16, 4, 1, 16, 16, 4, 1, group_m=2)
-    return Tiling(128, 64, 64, 8, 4, 128, 64, 8, 4)
+    return Tiling(128, 128, 64, 8, 4, 128, 64, 8, 4)
 
 
 def supported(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, tiling: Tiling) -> bool:
@@ -71,6 +73,8 @@ def supported(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, tiling: Tili
         x.dtype in (torch.bfloat16, torch.float16)
         and w13.dtype == x.dtype
         and w2.dtype == x.dtype
+        and w13.is_contiguous()
+        and w2.is_contiguous()
         and dim % tiling.gate_up_block_k == 0
         and dim % tiling.down_block_n == 0
         and inter % tiling.gate_up_block_n == 0
@@ -92,13 +96,13 @@ def moe_experts_tiled(
     tiling = tiling or default_tiling(x.device)
     if not supported(x, w13, w2, tiling):
         raise ValueError(
-            f"moe_experts_tiled: 16-bit x / w13 / w2 with D, I multiples of the tiles, got "
+            f"moe_experts_tiled: 16-bit x, contiguous w13 / w2 of x's dtype, D and I multiples "
+            f"of the tiles; got "
             f"x {x.dtype} {tuple(x.shape)}, w13 {w13.dtype} {tuple(w13.shape)}, w2 "
             f"{w2.dtype} {tuple(w2.shape)}"
         )
     if x.stride(1) != 1:
         x = x.contiguous()
-    w13, w2 = _k_contiguous(w13), _k_contiguous(w2)
     num_tokens, top_k = topk_ids.shape
     if num_tokens * top_k == 0:
         return torch.zeros_like(x)
@@ -125,12 +129,15 @@ def gate_up(
     num_blocks = block_expert.shape[0]
     h = torch.empty(num_blocks * tiling.block_m, inter, dtype=x.dtype, device=x.device)
     grid = (num_blocks * (inter // tiling.gate_up_block_n),)
+    w_desc = TensorDescriptor.from_tensor(
+        w13.view(-1, dim), [tiling.gate_up_block_n, tiling.gate_up_block_k]
+    )
     grouped_gate_up_kernel[grid](
-        x, w13, h, sorted_ids, block_expert, x.shape[0] * top_k, top_k, dim, inter,
-        num_experts, float(limit), x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        num_blocks, BLOCK_M=tiling.block_m, BLOCK_N=tiling.gate_up_block_n,
-        BLOCK_K=tiling.gate_up_block_k, GROUP_M=tiling.group_m, FP32_DOT=_fp32_dot(x),
-        num_warps=tiling.gate_up_warps, num_stages=tiling.gate_up_stages,
+        x, w_desc, h, sorted_ids, block_expert, x.shape[0] * top_k, top_k, dim, inter,
+        num_experts, float(limit), x.stride(0), h.stride(0), num_blocks,
+        BLOCK_M=tiling.block_m, BLOCK_N=tiling.gate_up_block_n, BLOCK_K=tiling.gate_up_block_k,
+        GROUP_M=tiling.group_m, FP32_DOT=_fp32_dot(x), num_warps=tiling.gate_up_warps,
+        num_stages=tiling.gate_up_stages,
     )  # fmt: skip
     return h
 
@@ -148,11 +155,15 @@ def down(
     num_blocks = block_expert.shape[0]
     y = torch.empty(num_pairs, dim, dtype=h.dtype, device=h.device)
     grid = (num_blocks * (dim // tiling.down_block_n),)
+    h_desc = TensorDescriptor.from_tensor(h, [tiling.block_m, tiling.down_block_k])
+    w_desc = TensorDescriptor.from_tensor(
+        w2.view(-1, inter), [tiling.down_block_n, tiling.down_block_k]
+    )
     grouped_down_kernel[grid](
-        h, w2, y, sorted_ids, block_expert, num_pairs, dim, inter, num_experts, h.stride(0),
-        w2.stride(0), w2.stride(1), y.stride(0), num_blocks, BLOCK_M=tiling.block_m,
-        BLOCK_N=tiling.down_block_n, BLOCK_K=tiling.down_block_k, GROUP_M=tiling.group_m,
-        FP32_DOT=_fp32_dot(h), num_warps=tiling.down_warps, num_stages=tiling.down_stages,
+        h_desc, w_desc, y, sorted_ids, block_expert, num_pairs, dim, inter, num_experts,
+        y.stride(0), num_blocks, BLOCK_M=tiling.block_m, BLOCK_N=tiling.down_block_n,
+        BLOCK_K=tiling.down_block_k, GROUP_M=tiling.group_m, FP32_DOT=_fp32_dot(h),
+        num_warps=tiling.down_warps, num_stages=tiling.down_stages,
     )  # fmt: skip
     return y
 
@@ -160,11 +171,6 @@ def down(
 def _fp32_dot(x: torch.Tensor) -> bool:
     """fp32 dots under the interpreter (CPU), whose 16-bit tl.dot is wrong."""
     return x.device.type == "cpu"
-
-
-def _k_contiguous(w: torch.Tensor) -> torch.Tensor:
-    """w [E, N, K] with unit stride along K (the kernels' weight loads assume it)."""
-    return w if w.stride(2) == 1 else w.contiguous()
 
 
 @triton.jit
@@ -182,7 +188,7 @@ def _program_tile(num_blocks, num_tiles, GROUP_M: tl.constexpr):
 @triton.jit
 def grouped_gate_up_kernel(
     x_ptr,  # [T, D]
-    w13_ptr,  # [E, 2I, D], unit stride along D
+    w_desc,  # w13 as [E * 2I, D]: [BLOCK_N, BLOCK_K] tiles
     h_ptr,  # [R, I] out
     sorted_ptr,  # [R] int32: the pair at each row, P on padding rows
     block_expert_ptr,  # [B] int32: E past the used blocks
@@ -193,8 +199,6 @@ def grouped_gate_up_kernel(
     num_experts,
     limit,
     stride_xt,
-    stride_we,
-    stride_wn,
     stride_ht,
     num_blocks,
     BLOCK_M: tl.constexpr,
@@ -212,20 +216,16 @@ def grouped_gate_up_kernel(
     token = tl.where(pair < num_pairs, pair // top_k, 0)  # padding rows read token 0
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + token.to(tl.int64)[:, None] * stride_xt + ks[None, :]
-    # the B tile's 2 * BLOCK_N columns: w13's gate rows of this tile, then its up rows
-    j = tl.arange(0, 2 * BLOCK_N)
-    w_rows = tile * BLOCK_N + tl.where(j < BLOCK_N, j, inter + j - BLOCK_N)
-    w_ptrs = (
-        w13_ptr + expert.to(tl.int64) * stride_we + w_rows.to(tl.int64)[None, :] * stride_wn
-    ) + ks[:, None]
-    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), tl.float32)
-    for _ in range(0, dim, BLOCK_K):
-        acc = dot_acc(tl.load(a_ptrs), tl.load(w_ptrs), acc, FP32_DOT)
+    gate_row = expert * 2 * inter + tile * BLOCK_N  # w13's gate rows of this tile
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k in range(0, dim, BLOCK_K):
+        a = tl.load(a_ptrs)
+        acc_gate = dot_acc(a, w_desc.load([gate_row, k]).T, acc_gate, FP32_DOT)
+        acc_up = dot_acc(a, w_desc.load([gate_row + inter, k]).T, acc_up, FP32_DOT)
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
+    gate = tl.minimum(acc_gate, limit)
+    up = tl.minimum(tl.maximum(acc_up, -limit), limit)
     act = gate / (1.0 + tl.exp(-gate)) * up
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ty = h_ptr.dtype.element_ty
@@ -235,8 +235,8 @@ def grouped_gate_up_kernel(
 
 @triton.jit
 def grouped_down_kernel(
-    h_ptr,  # [R, I]
-    w2_ptr,  # [E, D, I], unit stride along I
+    h_desc,  # h [R, I]: [BLOCK_M, BLOCK_K] tiles
+    w_desc,  # w2 as [E * D, I]: [BLOCK_N, BLOCK_K] tiles
     y_ptr,  # [P, D] out: the pair's own row
     sorted_ptr,
     block_expert_ptr,
@@ -244,9 +244,6 @@ def grouped_down_kernel(
     dim,
     inter,
     num_experts,
-    stride_ht,
-    stride_we,
-    stride_wn,
     stride_yp,
     num_blocks,
     BLOCK_M: tl.constexpr,
@@ -261,17 +258,12 @@ def grouped_down_kernel(
         return
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ptr + rows)
-    ks = tl.arange(0, BLOCK_K)
-    a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_ht + ks[None, :]
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_ptrs = (
-        w2_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn
-    ) + ks[:, None]
+    w_row = expert * dim + tile * BLOCK_N
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for _ in range(0, inter, BLOCK_K):
-        acc = dot_acc(tl.load(a_ptrs), tl.load(w_ptrs), acc, FP32_DOT)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    for k in range(0, inter, BLOCK_K):
+        a = h_desc.load([block * BLOCK_M, k])
+        acc = dot_acc(a, w_desc.load([w_row, k]).T, acc, FP32_DOT)
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ty = y_ptr.dtype.element_ty
     y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_yp + cols[None, :]
     tl.store(y_ptrs, round_as(acc, out_ty).to(out_ty), mask=(pair < num_pairs)[:, None])
