@@ -28,7 +28,7 @@ from rackserve.ops.grouped_moe import moe_experts_grouped
 
 from kernel_checks import DEVICE
 
-E, D, INTER = 6, 128, 64  # GPU tiles: D a multiple of 128, I of 64
+E, D, INTER = 6, 128, 128  # the GPU tiling: D and I multiples of 128
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,9 @@ _moe_unpermute = _fast("moe_unpermute")
 
 # On a GPU, the Triton GEMMs over expert-aligned blocks (``ops/triton/prefill_experts.py``:
 # the gather and the SwiGLU inside the gate-up GEMM, no argsort) where the shapes tile,
-# instead of ``F.grouped_mm``.
+# instead of ``F.grouped_mm``. Off: slower on the H200 (2026-12-04-h200-s22.md, E = 64,
+# k = 6, D = 4096, I = 2048, the whole op: 1.63 / 4.93 ms at 2048 / 8192 tokens against
+# 1.43 / 4.77; its GEMMs at 394-557 TF/s where CUTLASS's grouped GEMM runs at 436-573).
 TILED = False
 
 
