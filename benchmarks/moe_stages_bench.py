@@ -4,7 +4,8 @@ random routing), next to a dense cuBLAS GEMM of the same FLOPs (what the tensor 
 one big problem) and ``F.grouped_mm`` with the weights stored K-major ([E, K, N]) instead
 of transposed views.
 
-Stages: routing metadata (argsort, counts), gather (``index_select`` of the sorted rows),
+Stages: routing metadata (argsort, counts; ``sort_counting``: the counting sort that
+replaced them), gather (``index_select`` of the sorted rows),
 gate-up grouped GEMM, SwiGLU, down grouped GEMM, unpermute. Each record: stage, T, the
 median time (``triton.testing.do_bench``, L2 flushed, launch included) and, for the GEMMs,
 TFLOP/s and the share of 989 TFLOP/s. Then the Triton path (``ops/triton/prefill_experts.py``)
@@ -27,7 +28,7 @@ import triton.testing
 from rackserve.ops.grouped_moe import moe_experts_grouped
 from rackserve.ops.triton import prefill_experts as tiled
 from rackserve.ops.triton.fused_moe import moe_align
-from rackserve.ops.triton.prefill_moe import moe_unpermute, swiglu_rows
+from rackserve.ops.triton.prefill_moe import moe_sort_pairs, moe_unpermute, swiglu_rows
 
 from bench_timing import stamped
 
@@ -80,6 +81,7 @@ def run(tokens=(2048, 8192), experts: int = 64, k: int = 6, dim: int = 4096, int
         flops_13, flops_2 = 2 * n * dim * 2 * inter, 2 * n * inter * dim
         stages = [
             ("metadata", meta, 0),
+            ("sort_counting", lambda: moe_sort_pairs(ids, experts), 0),
             ("gather", lambda: x.index_select(0, order // k), 0),
             ("gate_up", lambda: F.grouped_mm(rows, w13.transpose(1, 2), offs=offs), flops_13),
             ("gate_up_kmajor", lambda: F.grouped_mm(rows, w13_kn, offs=offs), flops_13),

@@ -92,3 +92,27 @@ def test_empty(moe):
     empty = torch.zeros(0, 2, dtype=torch.long, device=DEVICE)
     out = moe.moe_unpermute(torch.zeros(0, 8, device=DEVICE), empty, empty.float())
     assert out.shape == (0, 8)
+
+
+@pytest.mark.parametrize("t,k,e", [(1, 1, 4), (5, 3, 8), (300, 7, 65), (1000, 6, 256), (37, 2, 3)])
+def test_moe_sort_pairs(moe, t, k, e):
+    """The counting sort equals the stable argsort layout exactly, across many segments
+    (300 x 7 pairs: 9 segments of 256) and experts that get no pairs (e = 256)."""
+    g = torch.Generator().manual_seed(t * k + e)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    if e == 3:  # skewed: most pairs on expert 1
+        ids[: t // 2, 0] = 1
+        ids[: t // 2, 1] = 2
+    got = moe.moe_sort_pairs(ids.to(DEVICE), e)
+    ref = reference.moe_sort_pairs(ids, e)
+    for a, b in zip(got, ref, strict=True):
+        assert a.dtype == torch.int32 and torch.equal(a.cpu(), b)
+
+
+def test_moe_sort_pairs_no_tokens(moe):
+    token, inverse, ends = moe.moe_sort_pairs(torch.zeros(0, 6, dtype=torch.int64).to(DEVICE), 8)
+    assert (
+        token.shape == (0,)
+        and inverse.shape == (0, 6)
+        and torch.equal(ends.cpu(), torch.zeros(8, dtype=torch.int32))
+    )

@@ -2,7 +2,8 @@
 
 Shape legend: T tokens, k experts per token, E experts, D hidden, I expert width.
 
-The (token, expert) pairs are sorted by expert; ``F.grouped_mm`` multiplies each expert's
+The (token, expert) pairs are sorted by expert (``moe_sort_pairs``: a counting sort on a
+GPU); ``F.grouped_mm`` multiplies each expert's
 contiguous run of rows by that expert's weights, with run ends (``offs``) computed on the
 device. The activation (``swiglu_rows``) and the combine (``moe_unpermute``: each token's k
 expert outputs gathered back, weighted and summed in a fixed order, no float atomics, so
@@ -33,6 +34,7 @@ def _fast(name: str) -> Callable:
     return dispatch
 
 
+_moe_sort_pairs = _fast("moe_sort_pairs")
 _swiglu_rows = _fast("swiglu_rows")
 _moe_unpermute = _fast("moe_unpermute")
 
@@ -60,18 +62,11 @@ def moe_experts_grouped(
         tiled = importlib.import_module("rackserve.ops.triton.prefill_experts")
         if tiled.supported(x, w13, w2, tiled.default_tiling(x.device)):
             return tiled.moe_experts_tiled(x, topk_ids, topk_weights, w13, w2, limit)
-    t, k = topk_ids.shape
-    flat_ids = topk_ids.flatten()  # [T*k]
-    order = torch.argsort(flat_ids, stable=True)  # sorted position -> (token, slot)
-    pairs = torch.arange(t * k, device=x.device)
-    inverse = torch.empty_like(order).scatter_(0, order, pairs)  # (token, slot) -> position
-    counts = torch.zeros(w13.shape[0], dtype=torch.int32, device=x.device)
-    counts.index_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
-    offs = counts.cumsum(0, dtype=torch.int32)  # [E] end of each expert's run
-    rows = x.index_select(0, order // k)  # [T*k, D] sorted by expert
+    token_of_row, inverse, offs = _moe_sort_pairs(topk_ids, w13.shape[0])
+    rows = x.index_select(0, token_of_row)  # [T*k, D] sorted by expert
     h = F.grouped_mm(rows, w13.transpose(1, 2), offs=offs)  # [T*k, 2I]
     y = F.grouped_mm(_swiglu_rows(h, limit), w2.transpose(1, 2), offs=offs)  # [T*k, D]
-    return _moe_unpermute(y, inverse.view(t, k), topk_weights)
+    return _moe_unpermute(y, inverse, topk_weights)
 
 
 def grouped_mm_supported(x: torch.Tensor) -> bool:

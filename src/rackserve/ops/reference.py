@@ -634,6 +634,21 @@ def attention_prologue(
     return q, apply_rope(index_q, cos, sin), head_logits.float() * head_scale
 
 
+def moe_sort_pairs(
+    topk_ids: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The grouped MoE's layout: the (token, slot) pairs sorted by expert, stably.
+
+    topk_ids [T, k] in [0, E). Returns (the token of each sorted row [T*k] int32, the
+    sorted row of each pair [T, k] int32, the end row of each expert's run [E] int32)."""
+    t, k = topk_ids.shape
+    flat = topk_ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(t * k, device=flat.device))
+    ends = torch.bincount(flat, minlength=num_experts).cumsum(0)
+    return (order // k).to(torch.int32), inverse.to(torch.int32).view(t, k), ends.to(torch.int32)
+
+
 def swiglu_rows(h: torch.Tensor, limit: float) -> torch.Tensor:
     """``swiglu`` of concatenated rows: h [N, 2I] = [gate | up] -> [N, I] in h's dtype,
     computed in float32 and rounded once (the grouped MoE's activation)."""

@@ -19,6 +19,8 @@ No host sync, no atomics; stable: pairs of one expert keep their order.
     (every program counts all P pairs, then scatters its own expert's run; program E marks
     the blocks past the used ones). For decode-sized P: the one-program align is a chain of
     [CHUNK, E] scans that took 35 us per layer at 64 tokens on the H200.
+    ``moe_sort_kernel``, grid (S,): the unpadded layout of the grouped GEMMs (BM = 1): the
+    token of each sorted row, the sorted row of each pair and each expert's end row.
 """
 
 from __future__ import annotations
@@ -222,3 +224,45 @@ def moe_align_expert_kernel(
     for b0 in range(start // BLOCK_M, end // BLOCK_M, BLOCK_B):
         blocks = b0 + tl.arange(0, BLOCK_B)
         tl.store(block_expert_ptr + blocks, e, mask=blocks < end // BLOCK_M)
+
+
+@triton.jit
+def moe_sort_kernel(
+    ids_ptr,  # [P] expert ids in [0, E)
+    counts_ptr,  # [S, BLOCK_E] int32 from moe_count_kernel
+    token_ptr,  # [P] int32 out: the token of each sorted row
+    inverse_ptr,  # [P] int32 out: the sorted row of each pair
+    ends_ptr,  # [E] int32 out: the end row of each expert's run
+    num_pairs,
+    num_experts,
+    top_k,
+    pairs_per_segment,
+    num_segments,
+    BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    seg = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    expert_ok = experts < num_experts
+    total = tl.zeros((BLOCK_E,), tl.int32)
+    before = tl.zeros((BLOCK_E,), tl.int32)
+    for s in range(num_segments):
+        c = tl.load(counts_ptr + s * BLOCK_E + experts)
+        total += c
+        before += tl.where(s < seg, c, 0)
+    ends = tl.cumsum(total, axis=0)
+    if seg == 0:
+        tl.store(ends_ptr + experts, ends, mask=expert_ok)
+    running = ends - total + before  # the next row of each expert for this segment
+    first = seg * pairs_per_segment
+    for off in range(0, pairs_per_segment, CHUNK):
+        local = off + tl.arange(0, CHUNK)
+        pair = first + local
+        ok = (pair < num_pairs) & (local < pairs_per_segment)
+        ids = tl.load(ids_ptr + pair, mask=ok, other=-1)
+        hit = ((ids[:, None] == experts[None, :]) & expert_ok[None, :]).to(tl.int32)
+        rank = tl.sum(tl.cumsum(hit, axis=0) * hit, axis=1) - 1  # earlier same-expert
+        row = tl.sum(running[None, :] * hit, axis=1) + rank
+        tl.store(token_ptr + row, (pair // top_k).to(tl.int32), mask=ok)
+        tl.store(inverse_ptr + pair, row.to(tl.int32), mask=ok)
+        running += tl.sum(hit, axis=0)
