@@ -37,7 +37,7 @@ from rackserve.ops.triton.mhc_kernels import to_output
 
 
 @triton.jit
-def _swiglu(gate, up, limit):
+def swiglu(gate, up, limit):
     """silu(min(gate, limit)) * clamp(up, -limit, limit), in fp32."""
     gate = tl.minimum(gate, limit)
     up = tl.minimum(tl.maximum(up, -limit), limit)
@@ -93,7 +93,7 @@ def expert_rows(w_ptr, expert, cols, stride_we, stride_wn):
 def store_swiglu(acc_gate, acc_up, limit, h_ptr, rows, cols, col_ok, stride_ht):
     """The gate-up epilogue: clamped SwiGLU of the fp32 accumulators into h's rows
     (padding rows store swiglu(0, 0) = 0)."""
-    h = _swiglu(acc_gate, acc_up, limit)
+    h = swiglu(acc_gate, acc_up, limit)
     h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_ht + cols[None, :]
     tl.store(h_ptrs, h, mask=col_ok[None, :])
 
@@ -127,7 +127,7 @@ def store_swiglu_stacked(acc_gate, acc_up, limit, h_ptr, block, cols, col_ok, st
     """``store_swiglu`` as h's 16-bit hi and lo parts, stacked per block (``STACK_H``);
     EVEN_ODD: each row's even columns first, then its odd ones (the FP4 down kernel's two
     dots per step read them as two contiguous tiles)."""
-    h = _swiglu(acc_gate, acc_up, limit)
+    h = swiglu(acc_gate, acc_up, limit)
     hi = h.to(h_ptr.dtype.element_ty)
     lo = (h - hi.to(tl.float32)).to(h_ptr.dtype.element_ty)
     hi_rows = block * (2 * BLOCK_M) + tl.arange(0, BLOCK_M)

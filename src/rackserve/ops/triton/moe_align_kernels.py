@@ -57,6 +57,32 @@ def _segment_counts(
 
 
 @triton.jit
+def _counts_before(counts_ptr, seg, num_segments, BLOCK_E: tl.constexpr):
+    """(all pairs per expert, pairs per expert in segments before seg) [BLOCK_E] int32 from
+    moe_count_kernel's [S, BLOCK_E] counts."""
+    experts = tl.arange(0, BLOCK_E)
+    total = tl.zeros((BLOCK_E,), tl.int32)
+    before = tl.zeros((BLOCK_E,), tl.int32)
+    for s in range(num_segments):
+        c = tl.load(counts_ptr + s * BLOCK_E + experts)
+        total += c
+        before += tl.where(s < seg, c, 0)
+    return total, before
+
+
+@triton.jit
+def _chunk_rows(ids, running, num_experts, BLOCK_E: tl.constexpr):
+    """Rows of a chunk's pairs (ids [CHUNK]) given each expert's next row (running
+    [BLOCK_E]), in order: (row [CHUNK], routed [CHUNK] (id in [0, E)), running after the
+    chunk)."""
+    experts = tl.arange(0, BLOCK_E)
+    hit = ((ids[:, None] == experts[None, :]) & (experts < num_experts)[None, :]).to(tl.int32)
+    rank = tl.sum(tl.cumsum(hit, axis=0) * hit, axis=1) - 1  # earlier same-expert pairs
+    row = tl.sum(running[None, :] * hit, axis=1) + rank
+    return row, tl.sum(hit, axis=1) > 0, running + tl.sum(hit, axis=0)
+
+
+@triton.jit
 def moe_count_kernel(
     ids_ptr,  # [P] int32/int64 expert ids, flattened topk_ids
     counts_ptr,  # [S, BLOCK_E] int32 out
@@ -101,12 +127,7 @@ def align_pairs(
         )
         before = tl.zeros((BLOCK_E,), tl.int32)
     else:
-        total = tl.zeros((BLOCK_E,), tl.int32)
-        before = tl.zeros((BLOCK_E,), tl.int32)
-        for s in range(num_segments):
-            c = tl.load(counts_ptr + s * BLOCK_E + experts)
-            total += c
-            before += tl.where(s < seg, c, 0)
+        total, before = _counts_before(counts_ptr, seg, num_segments, BLOCK_E)
     padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)  # [BLOCK_E] end row of each expert's run
     starts = ends - padded
@@ -119,13 +140,9 @@ def align_pairs(
         pair = first + local
         ok = (pair < num_pairs) & (local < pairs_per_segment)
         ids = tl.load(ids_ptr + pair, mask=ok, other=-1)
-        hit = (ids[:, None] == experts[None, :]) & expert_ok[None, :]  # [CHUNK, BLOCK_E]
-        hit_i = hit.to(tl.int32)
-        rank = tl.sum(tl.cumsum(hit_i, axis=0) * hit_i, axis=1) - 1  # earlier same-expert
-        base = tl.sum(running[None, :] * hit_i, axis=1)
-        routed = tl.sum(hit_i, axis=1) > 0  # ids outside [0, E) go nowhere
-        tl.store(sorted_ptr + base + rank, pair.to(tl.int32), mask=routed)
-        running += tl.sum(hit_i, axis=0)
+        row, routed, running = _chunk_rows(ids, running, num_experts, BLOCK_E)
+        # ids outside [0, E) go nowhere
+        tl.store(sorted_ptr + row, pair.to(tl.int32), mask=routed)
 
     if seg == 0:
         # Padding rows of each run: rows start + total .. end - 1 (fewer than BLOCK_M).
@@ -243,16 +260,10 @@ def moe_sort_kernel(
 ):
     seg = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
-    expert_ok = experts < num_experts
-    total = tl.zeros((BLOCK_E,), tl.int32)
-    before = tl.zeros((BLOCK_E,), tl.int32)
-    for s in range(num_segments):
-        c = tl.load(counts_ptr + s * BLOCK_E + experts)
-        total += c
-        before += tl.where(s < seg, c, 0)
+    total, before = _counts_before(counts_ptr, seg, num_segments, BLOCK_E)
     ends = tl.cumsum(total, axis=0)
     if seg == 0:
-        tl.store(ends_ptr + experts, ends, mask=expert_ok)
+        tl.store(ends_ptr + experts, ends, mask=experts < num_experts)
     running = ends - total + before  # the next row of each expert for this segment
     first = seg * pairs_per_segment
     for off in range(0, pairs_per_segment, CHUNK):
@@ -260,9 +271,6 @@ def moe_sort_kernel(
         pair = first + local
         ok = (pair < num_pairs) & (local < pairs_per_segment)
         ids = tl.load(ids_ptr + pair, mask=ok, other=-1)
-        hit = ((ids[:, None] == experts[None, :]) & expert_ok[None, :]).to(tl.int32)
-        rank = tl.sum(tl.cumsum(hit, axis=0) * hit, axis=1) - 1  # earlier same-expert
-        row = tl.sum(running[None, :] * hit, axis=1) + rank
+        row, _, running = _chunk_rows(ids, running, num_experts, BLOCK_E)
         tl.store(token_ptr + row, (pair // top_k).to(tl.int32), mask=ok)
         tl.store(inverse_ptr + pair, row.to(tl.int32), mask=ok)
-        running += tl.sum(hit, axis=0)

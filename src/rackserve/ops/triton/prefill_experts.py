@@ -38,7 +38,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rackserve.ops.triton.common import round_as
 from rackserve.ops.triton.fused_moe import moe_align
-from rackserve.ops.triton.fused_moe_kernels import dot_acc
+from rackserve.ops.triton.fused_moe_kernels import dot_acc, swiglu
 from rackserve.ops.triton.prefill_moe import moe_unpermute
 
 
@@ -186,6 +186,17 @@ def _program_tile(num_blocks, num_tiles, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _block(sorted_ptr, block_expert_ptr, num_blocks, num_tiles, BLOCK_M: tl.constexpr,
+           GROUP_M: tl.constexpr):  # fmt: skip
+    """This program's (block, column tile, expert (E past the used blocks), rows [BLOCK_M]
+    of the aligned order, pair at each row (P on padding rows))."""
+    block, tile = _program_tile(num_blocks, num_tiles, GROUP_M)
+    expert = tl.load(block_expert_ptr + block)
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    return block, tile, expert, rows, tl.load(sorted_ptr + rows)
+
+
+@triton.jit
 def grouped_gate_up_kernel(
     x_ptr,  # [T, D]
     w_desc,  # w13 as [E * 2I, D]: [BLOCK_N, BLOCK_K] tiles
@@ -207,12 +218,11 @@ def grouped_gate_up_kernel(
     GROUP_M: tl.constexpr,
     FP32_DOT: tl.constexpr,
 ):
-    block, tile = _program_tile(num_blocks, inter // BLOCK_N, GROUP_M)
-    expert = tl.load(block_expert_ptr + block)
+    _, tile, expert, rows, pair = _block(
+        sorted_ptr, block_expert_ptr, num_blocks, inter // BLOCK_N, BLOCK_M, GROUP_M
+    )
     if expert >= num_experts:
         return
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
     token = tl.where(pair < num_pairs, pair // top_k, 0)  # padding rows read token 0
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + token.to(tl.int64)[:, None] * stride_xt + ks[None, :]
@@ -224,9 +234,7 @@ def grouped_gate_up_kernel(
         acc_gate = dot_acc(a, w_desc.load([gate_row, k]).T, acc_gate, FP32_DOT)
         acc_up = dot_acc(a, w_desc.load([gate_row + inter, k]).T, acc_up, FP32_DOT)
         a_ptrs += BLOCK_K
-    gate = tl.minimum(acc_gate, limit)
-    up = tl.minimum(tl.maximum(acc_up, -limit), limit)
-    act = gate / (1.0 + tl.exp(-gate)) * up
+    act = swiglu(acc_gate, acc_up, limit)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ty = h_ptr.dtype.element_ty
     h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_ht + cols[None, :]
@@ -252,12 +260,11 @@ def grouped_down_kernel(
     GROUP_M: tl.constexpr,
     FP32_DOT: tl.constexpr,
 ):
-    block, tile = _program_tile(num_blocks, dim // BLOCK_N, GROUP_M)
-    expert = tl.load(block_expert_ptr + block)
+    block, tile, expert, _, pair = _block(
+        sorted_ptr, block_expert_ptr, num_blocks, dim // BLOCK_N, BLOCK_M, GROUP_M
+    )
     if expert >= num_experts:
         return
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
     w_row = expert * dim + tile * BLOCK_N
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k in range(0, inter, BLOCK_K):
