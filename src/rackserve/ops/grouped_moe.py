@@ -42,7 +42,7 @@ _moe_unpermute = _fast("moe_unpermute")
 # the gather and the SwiGLU inside the gate-up GEMM, no argsort) where the shapes tile,
 # instead of ``F.grouped_mm``. Off: slower on the H200 (2026-12-04-h200-s22.md, E = 64,
 # k = 6, D = 4096, I = 2048, the whole op: 1.63 / 4.93 ms at 2048 / 8192 tokens against
-# 1.43 / 4.77; its GEMMs at 394-557 TF/s where CUTLASS's grouped GEMM runs at 436-573).
+# 1.43 / 4.77; its best GEMMs at 399-557 TF/s where CUTLASS's grouped GEMM runs at 436-573).
 TILED = False
 
 
@@ -60,8 +60,9 @@ def moe_experts_grouped(
     """
     if TILED and x.is_cuda:
         tiled = importlib.import_module("rackserve.ops.triton.prefill_experts")
-        if tiled.supported(x, w13, w2, tiled.default_tiling(x.device)):
-            return tiled.moe_experts_tiled(x, topk_ids, topk_weights, w13, w2, limit)
+        tiling = tiled.default_tiling(x.device)
+        if tiled.supported(x, w13, w2, tiling):
+            return tiled.moe_experts_tiled(x, topk_ids, topk_weights, w13, w2, limit, tiling)
     token_of_row, inverse, offs = _moe_sort_pairs(topk_ids, w13.shape[0])
     rows = x.index_select(0, token_of_row)  # [T*k, D] sorted by expert
     h = F.grouped_mm(rows, w13.transpose(1, 2), offs=offs)  # [T*k, 2I]

@@ -145,6 +145,28 @@ def num_blocks_bound(num_pairs: int, num_experts: int, block_m: int) -> int:
     return min(worst, min(num_experts, num_pairs) + num_pairs // block_m)
 
 
+def scan_shape(num_pairs: int, num_experts: int, segment: int) -> tuple[int, int, int, int]:
+    """(BLOCK_E, CHUNK, pairs a segment, segments) of the align kernels' scans over P
+    pairs: [CHUNK, BLOCK_E] one-hot tiles, segments of whole chunks, none longer than the
+    pairs there are (a decode step's few pairs are one chunk)."""
+    block_e = max(16, triton.next_power_of_2(num_experts))
+    chunk = max(16, min(128, 8192 // block_e))
+    segment = max(chunk, triton.cdiv(min(segment, num_pairs), chunk) * chunk)
+    return block_e, chunk, segment, max(1, triton.cdiv(num_pairs, segment))
+
+
+def count_pairs(
+    ids: torch.Tensor, num_experts: int, block_e: int, chunk: int, segment: int, num_segments: int
+) -> torch.Tensor:
+    """ids [P] -> [S, BLOCK_E] int32: the pairs of each segment per expert."""
+    counts = _empty((num_segments, block_e), torch.int32, ids.device)
+    moe_count_kernel[(num_segments,)](
+        ids, counts, ids.numel(), num_experts, segment, BLOCK_E=block_e, CHUNK=chunk,
+        **pdl(ids.device),
+    )  # fmt: skip
+    return counts
+
+
 def moe_align(
     topk_ids: torch.Tensor,
     num_experts: int,
@@ -167,8 +189,7 @@ def moe_align(
     num_blocks = num_blocks_bound(num_pairs, num_experts, block_m)
     sorted_ids = _empty((num_blocks * block_m,), torch.int32, device)
     block_expert = _empty((num_blocks,), torch.int32, device)
-    block_e = max(16, triton.next_power_of_2(num_experts))
-    chunk = max(16, min(128, 8192 // block_e))  # [CHUNK, BLOCK_E] one-hot tiles
+    block_e, chunk, segment, num_segments = scan_shape(num_pairs, num_experts, segment)
     ids = topk_ids.view(-1)
     if per_expert is None:
         per_expert = num_pairs <= PER_EXPERT_ALIGN_MAX_PAIRS
@@ -179,22 +200,9 @@ def moe_align(
             num_warps=8 if block_e >= 128 else 4, **pdl(ids.device),
         )  # fmt: skip
         return sorted_ids, block_expert
-    # a segment no longer than the pairs there are: a decode step's few pairs are one chunk
-    segment = max(chunk, triton.cdiv(min(segment, num_pairs), chunk) * chunk)
-    num_segments = max(1, triton.cdiv(num_pairs, segment))
     counts = sorted_ids  # unread when one program counts
     if num_segments > 1:
-        counts = _empty((num_segments, block_e), torch.int32, device)
-        moe_count_kernel[(num_segments,)](
-            ids,
-            counts,
-            num_pairs,
-            num_experts,
-            segment,
-            BLOCK_E=block_e,
-            CHUNK=chunk,
-            **pdl(ids.device),
-        )
+        counts = count_pairs(ids, num_experts, block_e, chunk, segment, num_segments)
     moe_align_kernel[(num_segments,)](
         ids,
         counts,

@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from rackserve.ops.triton.common import round_as
-from rackserve.ops.triton.moe_align_kernels import moe_count_kernel, moe_sort_kernel
+from rackserve.ops.triton.fused_moe import count_pairs, scan_shape
+from rackserve.ops.triton.moe_align_kernels import moe_sort_kernel
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # pairs a sort program takes: a few [CHUNK, E] scans each, many programs (8192 tokens, k 7:
@@ -56,14 +57,8 @@ def moe_sort_pairs(
     if num_pairs == 0:
         return token, inverse, ends.zero_()
     ids = topk_ids.contiguous().view(-1)
-    block_e = max(16, triton.next_power_of_2(num_experts))
-    chunk = max(16, min(128, 8192 // block_e))
-    segment = triton.cdiv(min(SORT_SEGMENT, num_pairs), chunk) * chunk
-    num_segments = triton.cdiv(num_pairs, segment)
-    counts = torch.empty(num_segments, block_e, dtype=torch.int32, device=device)
-    moe_count_kernel[(num_segments,)](
-        ids, counts, num_pairs, num_experts, segment, BLOCK_E=block_e, CHUNK=chunk, PDL=False
-    )
+    block_e, chunk, segment, num_segments = scan_shape(num_pairs, num_experts, SORT_SEGMENT)
+    counts = count_pairs(ids, num_experts, block_e, chunk, segment, num_segments)
     moe_sort_kernel[(num_segments,)](
         ids, counts, token, inverse, ends, num_pairs, num_experts, k, segment, num_segments,
         BLOCK_E=block_e, CHUNK=chunk,
