@@ -22,37 +22,12 @@ from rackserve.ops import reference
 from kernel_checks import DEVICE
 
 # the interpreter converts the kernel's loaded loop bounds with a numpy call numpy deprecates
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array:DeprecationWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Conversion of an array:DeprecationWarning"),
+    pytest.mark.usefixtures("poisoned_indexer_outputs"),  # conftest.py
+]
 
 BLOCK = 16  # entries per page of the fake cache
-
-
-@pytest.fixture(scope="module")
-def indexer():
-    # the root conftest chose the interpreter (no GPU) before anything imported Triton
-    return importlib.import_module("rackserve.ops.triton.indexer")
-
-
-@pytest.fixture(scope="module")
-def select_topk():
-    return importlib.import_module("rackserve.ops.triton.select_topk")
-
-
-@pytest.fixture(scope="module")
-def indexer_tiling():
-    return importlib.import_module("rackserve.ops.triton.indexer_tiling")
-
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs(indexer, select_topk, monkeypatch):
-    """Unwritten logits read NaN; unwritten packed keys read the largest int64 (picked first)."""
-
-    def empty(shape, dtype, device):
-        fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).max
-        return torch.full(shape, fill, dtype=dtype, device=device)
-
-    monkeypatch.setattr(indexer, "_empty", empty)
-    monkeypatch.setattr(select_topk, "_empty", empty)
 
 
 def make_case(

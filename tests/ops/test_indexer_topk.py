@@ -24,33 +24,12 @@ from rackserve.ops import reference
 
 from kernel_checks import DEVICE
 
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array:DeprecationWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Conversion of an array:DeprecationWarning"),
+    pytest.mark.usefixtures("poisoned_indexer_outputs"),  # conftest.py
+]
 
 ROW_KINDS = ("distinct", "ties", "masked", "few_finite", "zeros", "all_inf", "wide")
-
-
-@pytest.fixture(scope="module")
-def indexer():
-    return importlib.import_module("rackserve.ops.triton.indexer")
-
-
-@pytest.fixture(scope="module")
-def select_topk():
-    return importlib.import_module("rackserve.ops.triton.select_topk")
-
-
-@pytest.fixture(scope="module")
-def indexer_tiling():
-    return importlib.import_module("rackserve.ops.triton.indexer_tiling")
-
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs(indexer, select_topk, monkeypatch):
-    def empty(shape, dtype, device):
-        return torch.full(shape, torch.iinfo(dtype).max, dtype=dtype, device=device)
-
-    monkeypatch.setattr(indexer, "_empty", empty)
-    monkeypatch.setattr(select_topk, "_empty", empty)
 
 
 def row_scores(kind: str, e: int, k: int, g: torch.Generator) -> torch.Tensor:
