@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+from rackserve import ops
 from rackserve.model.batch import StepMetadata
 from rackserve.model.create import init_model_
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
@@ -90,14 +91,22 @@ def ieee_fp32_matmul():
 
 
 @torch.inference_mode()
-def test_fp32_fast_path_matches_reference(ieee_fp32_matmul):
+@pytest.mark.parametrize("prefill_kernels", [False, True], ids=["decode_kernels", "prefill"])
+def test_fp32_fast_path_matches_reference(ieee_fp32_matmul, monkeypatch, prefill_kernels):
     """Prefill, two eager decode steps, then a graph-style step. On a GPU this failed in
     session 3 with the text lost: every comparison now prints its error (run with -s), and
     caches skip block 0 (the null block: a graph-style step's non-closing candidates all
-    write their garbage entry to slot 0, in an order a GPU does not fix)."""
+    write their garbage entry to slot 0, in an order a GPU does not fix). ``prefill``: the
+    57-token prefill takes the prefill kernels, the attention getting the raw q
+    (``Kernels.attention_norms_q``: the prologue leaves q alone)."""
     print(f"device {DEVICE}", torch.cuda.get_device_name() if DEVICE == "cuda" else "")
+    if prefill_kernels:
+        monkeypatch.setattr(ops, "PREFILL_ATTENTION_MIN_TOKENS", 24)
+        monkeypatch.setattr(ops, "PREFILL_ATTN_MIN_TOKENS", 24)
     fast, ref = _models()
     models = {"fast": fast, "ref": ref}
+    raw_q = fast.kernels.attention_norms_q(torch.zeros(57, 1, device=DEVICE))
+    assert raw_q == prefill_kernels and not fast.kernels.attention_norms_q(torch.zeros(2, 1))
     caches = {m: ContiguousCache(model, 3, 96) for m, model in models.items()}
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, 4096, (n,), generator=gen) for n in (37, 20)]

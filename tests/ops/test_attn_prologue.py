@@ -109,6 +109,27 @@ def test_attention_prologue_matches_reference(case, dtype):
         assert args[9][~written].isnan().all(), "wrote outside the state slots"
 
 
+@pytest.mark.parametrize("case", [2, 3, 6])
+def test_prologue_without_q_leaves_it_raw(case):
+    """norm_q=False (an attention kernel norms q on its load): q comes back as it came, and
+    everything else the prologue writes is what the full prologue writes."""
+    from rackserve.ops.triton.attn_prologue import attention_prologue
+
+    t, h, dh, half, width, index, padded = CASES[case]
+    args = _case(case, t, h, dh, half, width, index, padded, torch.bfloat16)
+    full = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    want = attention_prologue(*full)
+    for fn in (attention_prologue, reference.attention_prologue):
+        part = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        got = fn(*part, norm_q=False)
+        assert got[0] is part[0]
+        for i in (6, 9):  # the window and state caches
+            if part[i] is not None:
+                assert torch.equal(part[i].nan_to_num(7.0), full[i].nan_to_num(7.0))
+        if index and fn is attention_prologue:
+            assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+
+
 def test_attention_prologue_rejects_bad_input():
     from rackserve.ops.triton.attn_prologue import attention_prologue
 

@@ -32,12 +32,12 @@ from kernel_checks import DEVICE, as_fp32, assert_bf16_close
 _POINTERS = {
     "slots_a_ptr": "*i64", "slots_b_ptr": "*i64", "valid_ptr": "*u8", "sinks_ptr": "*fp32",
 }  # fmt: skip
-_CONSTEXPRS = ("BLOCK_N", "BLOCK_V", "ROPE", "NUM_STAGES", "P_BUFFERS")
+_CONSTEXPRS = ("BLOCK_N", "BLOCK_V", "ROPE", "NUM_STAGES", "P_BUFFERS", "Q_NORM", "Q_HEADS")
 
 
-def compile_sm90(tiling: prefill_attn_wgmma.WgmmaTiling, dtype: str = "bf16"):
+def compile_sm90(tiling: prefill_attn_wgmma.WgmmaTiling, dtype: str = "bf16", q_norm: bool = False):
     """The kernel compiled for sm_90 as the launch specializes it (pointers and strides
-    divisible by 16), with the inverse RoPE on."""
+    divisible by 16), with the inverse RoPE on (``q_norm``: q arriving raw)."""
     fn = prefill_attn_wgmma.prefill_attn_wgmma_kernel
     names = list(fn.arg_names)
     sig = {}
@@ -47,11 +47,12 @@ def compile_sm90(tiling: prefill_attn_wgmma.WgmmaTiling, dtype: str = "bf16"):
         elif n.endswith("_ptr"):
             sig[n] = _POINTERS.get(n, f"*{dtype}")
         else:
-            sig[n] = "fp32" if n == "qk_scale" else "i32"
+            sig[n] = "fp32" if n in ("qk_scale", "q_eps") else "i32"
     aligned = [n for n in names if n.endswith("_ptr") or n.startswith("stride")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     consts = {"BLOCK_N": tiling.block_n, "BLOCK_V": 1024, "ROPE": True}
     consts |= {"NUM_STAGES": tiling.num_stages, "P_BUFFERS": tiling.p_buffers}
+    consts |= {"Q_NORM": q_norm, "Q_HEADS": prefill_attn_wgmma.Q_NORM_HEADS}
     src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
 
@@ -81,9 +82,10 @@ def _tiling_id(t: prefill_attn_wgmma.WgmmaTiling) -> str:
     return f"bn{t.block_n}_s{t.num_stages}_p{t.p_buffers}"
 
 
-def compile_report(block_n: int, num_stages: int, p_buffers: int) -> dict:
+def compile_report(block_n: int, num_stages: int, p_buffers: int, q_norm: int = 0) -> dict:
     """What decides the kernel's speed before a GPU runs it (this file as a script)."""
-    kernel = compile_sm90(prefill_attn_wgmma.WgmmaTiling(block_n, num_stages, p_buffers))
+    tiling = prefill_attn_wgmma.WgmmaTiling(block_n, num_stages, p_buffers)
+    kernel = compile_sm90(tiling, q_norm=bool(q_norm))
     ptx = kernel.asm["ptx"]
     return {
         "wgmma": ptx.count("wgmma.mma_async"),
@@ -93,12 +95,16 @@ def compile_report(block_n: int, num_stages: int, p_buffers: int) -> dict:
     }
 
 
-@pytest.mark.parametrize("tiling", TILINGS, ids=_tiling_id)
-def test_compiles_for_sm90_with_wgmma_and_no_spills(tiling):
+@pytest.mark.parametrize(
+    "tiling, q_norm",
+    [(t, False) for t in TILINGS] + [(TILINGS[0], True)],
+    ids=[_tiling_id(t) for t in TILINGS] + [f"{_tiling_id(TILINGS[0])}_qnorm"],
+)
+def test_compiles_for_sm90_with_wgmma_and_no_spills(tiling, q_norm):
     # in a process of its own: the interpreter (TRITON_INTERPRET=1) cannot compile Gluon
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     args = [sys.executable, __file__, str(tiling.block_n), str(tiling.num_stages)]
-    args.append(str(tiling.p_buffers))
+    args += [str(tiling.p_buffers), str(int(q_norm))]
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.splitlines()[-1])
@@ -158,6 +164,25 @@ def test_masks_with_holes_and_empty_rows(dtype):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("lengths, wb, ratio", [([(1024, 300)], 16, 128), ([(0, 700)], 176, 4)])
+def test_raw_q_normed_and_rotated_on_load(lengths, wb, ratio):
+    """q_norm_eps: the kernel takes wq_b's raw q and applies the prologue's unweighted norm +
+    RoPE as it loads it: the kernel's output on the prologue's q (checked against the
+    reference), up to a q element rounded the other way (the norm's sum of squares runs in
+    another order)."""
+    valid = prefill_mask(lengths, 128, wb, ratio)
+    args = make_case(valid, 64, torch.bfloat16, seed=11, **V4)
+    raw = (args[0].float() * 5 + 1).to(torch.bfloat16)  # not unit-RMS, a nonzero mean
+    got = prefill_attn_wgmma.paged_sparse_attention(raw, *args[1:], q_norm_eps=1e-6)
+    assert not got.isnan().any()
+    normed = reference.rms_norm_rope(raw, None, 1e-6, args[-2], args[-1])
+    want = _check((normed, *args[1:]))
+    assert (got.float() - want.float()).abs().max().item() <= 0.02 * want.abs().max().item()
+    assert (got != want).float().mean().item() <= 0.01
+
+
+@pytest.mark.gpu
+@gpu
 def test_agrees_with_the_triton_prefill_kernel():
     valid = prefill_mask([(0, 512)], 128, 128, 4)
     args = make_case(valid, 64, torch.bfloat16, seed=3, **V4)
@@ -177,4 +202,4 @@ def test_supported_names_the_shapes_it_serves():
 
 
 if __name__ == "__main__":
-    print(json.dumps(compile_report(*map(int, sys.argv[1:4]))))
+    print(json.dumps(compile_report(*map(int, sys.argv[1:5]))))

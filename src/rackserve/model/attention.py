@@ -272,13 +272,16 @@ class Attention(nn.Module):
             state = caches.flat(self.state_group, self.layer_id)
             state_slots = meta.slot_mapping[self.state_group]
         index_heads = self.indexer.num_heads if self.kind == CSA else 1
-        # q: per-head norm + RoPE; kv: norm + RoPE into the window, the compressor's raw
-        # rows into the state; CSA: the indexer's q RoPE and head weights
+        # q: per-head norm + RoPE (or by the attention kernel as it loads q); kv: norm +
+        # RoPE into the window, the compressor's raw rows into the state; CSA: the
+        # indexer's q RoPE and head weights
+        raw_q = k.attention_norms_q(q)
+        q_norm_eps = self.eps if raw_q else None
         q, q_index, index_weights = k.attention_prologue(
             q.view(t, self.num_heads, self.head_dim), kv, self.norm.weight, self.eps, cos, sin,
             swa, meta.slot_mapping["swa"], state_rows, state, state_slots,
             None if q_index is None else q_index.view(t, index_heads, -1), head_logits,
-            index_heads**-0.5,
+            index_heads**-0.5, norm_q=not raw_q,
         )  # fmt: skip
         if self.ratio:
             self._compress(meta, caches)
@@ -297,7 +300,7 @@ class Attention(nn.Module):
             # K = V carried RoPE into the output's rope slice: the op rotates it back
             o = k.paged_sparse_attention(
                 q[rows], swa, window.slots[rows], entries, slots, valid, self.attn_sink,
-                self.head_dim**-0.5, cos[rows], sin[rows],
+                self.head_dim**-0.5, cos[rows], sin[rows], q_norm_eps=q_norm_eps,
             )  # fmt: skip
             if out is None:
                 out = o

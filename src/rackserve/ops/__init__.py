@@ -136,6 +136,14 @@ class Kernels:
         one more expert); the reference path keeps the checkpoint's module structure."""
         return self.name == "triton" or (self.name == "auto" and x.is_cuda)
 
+    def attention_norms_q(self, q: torch.Tensor) -> bool:
+        """Whether ``paged_sparse_attention`` takes the raw q (``q_norm_eps``) and the
+        prologue skips it: prefill-sized batches on the fast path, whose wgmma kernel norms
+        and rotates q as it loads it (no normed copy of q written and read back: 2 x 537 MB
+        a layer at 8192 tokens). Decode batches keep the norm in the prologue's launch."""
+        min_tokens = PREFILL_ATTENTION_MIN_TOKENS
+        return self.fast(q) and min_tokens is not None and q.shape[0] >= min_tokens
+
 
 def _on_cuda(module: str, name: str, ref: Callable, everywhere: bool = False) -> Callable:
     """Call ``module.name`` (a Triton kernel) when the first tensor argument is on a CUDA

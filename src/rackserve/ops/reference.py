@@ -416,6 +416,8 @@ def paged_sparse_attention(
     scale: float,
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
+    *,
+    q_norm_eps: float | None = None,
 ) -> torch.Tensor:
     """``sparse_attention`` over rows gathered from two paged caches by slot, optionally
     followed by the inverse RoPE of the output.
@@ -427,8 +429,14 @@ def paged_sparse_attention(
     garbage would still leak into the output), so their slots may hold anything; slots of
     invalid rows must still index the caches here. cos, sin: [S, R/2] or None: when given,
     the output gets ``apply_rope(out, cos, -sin)`` (K = V carried the rows' RoPE into the
-    output's rope slice). Returns [S, H, Dh].
+    output's rope slice). q_norm_eps: q arrives raw (the ``wq_b`` output) and gets the
+    prologue's ``rms_norm_rope`` (unweighted, this eps; needs cos, sin) first, so a kernel
+    can norm q as it loads it. Returns [S, H, Dh].
     """
+    if q_norm_eps is not None:
+        if cos is None or sin is None:
+            raise ValueError("paged_sparse_attention: a raw q (q_norm_eps) needs cos and sin")
+        q = rms_norm_rope(q, None, q_norm_eps, cos, sin)
     dh = q.shape[-1]
     # rows of a narrower cache (kv_cache_dtype fp8) are widened to q's dtype once gathered
     kv = torch.cat([kv_a[:, :dh][slots_a].to(q.dtype), kv_b[:, :dh][slots_b].to(q.dtype)], 1)
@@ -618,16 +626,21 @@ def attention_prologue(
     index_q: torch.Tensor | None = None,
     head_logits: torch.Tensor | None = None,
     head_scale: float = 1.0,
+    *,
+    norm_q: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Everything attention does to its projections before attending, as one op.
 
-    q: [T, H, Dh] (``wq_b`` output): the unweighted per-head norm + RoPE; kv, rows, the
-    caches and slots: ``kv_insert``; index_q: [T, Hi, Di] the indexer's q (RoPE only) and
-    head_logits: [T, Hi] (``weights_proj`` output, scaled by ``head_scale`` in float32),
-    CSA layers only. Returns (q [T, H, Dh], index q or None, index weights f32 or None).
+    q: [T, H, Dh] (``wq_b`` output): the unweighted per-head norm + RoPE (``norm_q``
+    False: returned as it came, for an attention that norms it, ``q_norm_eps``); kv, rows,
+    the caches and slots: ``kv_insert``; index_q: [T, Hi, Di] the indexer's q (RoPE only)
+    and head_logits: [T, Hi] (``weights_proj`` output, scaled by ``head_scale`` in
+    float32), CSA layers only. Returns (q [T, H, Dh], index q or None, index weights f32
+    or None).
     """
     kv_insert(kv, kv_weight, eps, cos, sin, swa, swa_slots, rows, state, state_slots)
-    q = rms_norm_rope(q, None, eps, cos, sin)
+    if norm_q:
+        q = rms_norm_rope(q, None, eps, cos, sin)
     if index_q is None:
         return q, None, None
     assert head_logits is not None

@@ -121,8 +121,10 @@ def attention_prologue(
     index_q: torch.Tensor | None = None,
     head_logits: torch.Tensor | None = None,
     head_scale: float = 1.0,
+    *,
+    norm_q: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """See ``reference.attention_prologue``."""
+    """See ``reference.attention_prologue`` (``norm_q`` False: no q programs)."""
     t, h, dh = q.shape
     half = cos.shape[-1]
     if kv.shape != (t, dh) or tuple(cos.shape) != (t, half) or tuple(sin.shape) != (t, half):
@@ -150,7 +152,7 @@ def attention_prologue(
     index = index_q is not None
     if index and (head_logits is None or index_q.shape[0] != t or head_logits.shape[0] != t):
         raise ValueError("attention_prologue: index_q [T, Hi, Di] needs head_logits [T, Hi]")
-    q_out = torch.empty(t, h, dh, dtype=q.dtype, device=q.device)
+    q_out = torch.empty(t, h, dh, dtype=q.dtype, device=q.device) if norm_q else q
     iq_out = torch.empty_like(index_q, memory_format=torch.contiguous_format) if index else None
     w_out = (
         torch.empty(t, head_logits.shape[1], dtype=torch.float32, device=q.device)
@@ -164,7 +166,7 @@ def attention_prologue(
     block_dh = triton.next_power_of_2(dh)
     bq, warps = _block_rows(t * h, block_dh, q.device)
     bk, _ = _block_rows(t, block_dh, q.device)
-    nq, nk = triton.cdiv(t * h, bq), triton.cdiv(t, bk)
+    nq, nk = triton.cdiv(t * h, bq) if norm_q else 0, triton.cdiv(t, bk)
     hi = di = bi = bw = ni = nw = 1
     if index:
         assert head_logits is not None

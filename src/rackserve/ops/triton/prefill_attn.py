@@ -45,7 +45,7 @@ import triton.language as tl
 
 from rackserve.ops.triton.common import round_as
 from rackserve.ops.triton.fp8 import widen
-from rackserve.ops.triton.sparse_attn import check_inputs
+from rackserve.ops.triton.sparse_attn import check_inputs, normed_q
 
 _PV_MODES = {"rows": 0, "split": 1, "fp16": 2}
 
@@ -114,6 +114,7 @@ def paged_sparse_attention(
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
     *,
+    q_norm_eps: float | None = None,
     tiling: PrefillTiling | None = None,
 ) -> torch.Tensor:
     """``ops.reference.paged_sparse_attention`` in one launch, tiled for many queries.
@@ -122,18 +123,21 @@ def paged_sparse_attention(
     q's dtype or both float8 e4m3 (widened in registers), unit column stride; slots_a:
     [S, Wa], slots_b: [S, Wb] int32/int64 (Wb may be 0); valid: [S, Wa + Wb] bool (invalid
     rows are never read); sinks: [H]; cos, sin: [S, R/2] or None (the inverse RoPE of the
-    output's last R channels). Fastest when each query's valid rows form one run (a
-    prefill's always do); any mask is correct.
-    Returns [S, H, Dh] in q's dtype.
+    output's last R channels); q_norm_eps: q arrives raw, and is normed (unweighted) and
+    rotated first (the wgmma kernel does it on its q load, this one with ``normed_q``).
+    Fastest when each query's valid rows form one run (a prefill's always do); any mask
+    is correct. Returns [S, H, Dh] in q's dtype.
     """
     if WGMMA and tiling is None and q.is_cuda:
         from rackserve.ops.triton import prefill_attn_wgmma
 
         if prefill_attn_wgmma.supported(q, kv_a):
             return prefill_attn_wgmma.paged_sparse_attention(
-                q, kv_a, slots_a, kv_b, slots_b, valid, sinks, scale, cos, sin
-            )
-    check_inputs(q, kv_a, slots_a, kv_b, slots_b, valid, sinks, cos, sin)  # same contract
+                q, kv_a, slots_a, kv_b, slots_b, valid, sinks, scale, cos, sin,
+                q_norm_eps=q_norm_eps,
+            )  # fmt: skip
+    check_inputs(q, kv_a, slots_a, kv_b, slots_b, valid, sinks, cos, sin, q_norm_eps)
+    q = normed_q(q, q_norm_eps, cos, sin)
     num_queries, num_heads, head_dim = q.shape
     out = _empty((num_queries, num_heads, head_dim), q.dtype, q.device)
     if num_queries == 0 or num_heads == 0:

@@ -67,6 +67,7 @@ from rackserve.ops.triton.sparse_attn import check_inputs
 
 HEADS = 64  # the dots' M: one query's heads
 HEAD_DIM = 512
+Q_NORM_HEADS = 16  # heads a program norms at a time when q arrives raw (32 fp32 a thread)
 _H = gl.constexpr(HEADS)
 _DH = gl.constexpr(HEAD_DIM)
 
@@ -115,10 +116,12 @@ def paged_sparse_attention(
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
     *,
+    q_norm_eps: float | None = None,
     tiling: WgmmaTiling | None = None,
 ) -> torch.Tensor:
-    """``prefill_attn.paged_sparse_attention`` on sm_90 for ``supported`` inputs."""
-    check_inputs(q, kv_a, slots_a, kv_b, slots_b, valid, sinks, cos, sin)
+    """``prefill_attn.paged_sparse_attention`` on sm_90 for ``supported`` inputs; a raw q
+    (``q_norm_eps``) is normed and rotated as each program loads it."""
+    check_inputs(q, kv_a, slots_a, kv_b, slots_b, valid, sinks, cos, sin, q_norm_eps)
     if not supported(q, kv_a):
         raise ValueError("prefill_attn_wgmma: 64 heads, Dh 512, 16-bit caches on sm_90 only")
     tiling = tiling or WgmmaTiling()
@@ -134,11 +137,14 @@ def paged_sparse_attention(
         slots_a.shape[1], width, rope_start, scale * math.log2(math.e),
         q.stride(0), q.stride(1), kv_a.stride(0), kv_b.stride(0), slots_a.stride(0),
         slots_b.stride(0), valid.stride(0), out.stride(0), out.stride(1), *rope_args,
+        q_norm_eps or 0.0,
         BLOCK_N=tiling.block_n,
         BLOCK_V=min(1024, max(16, triton.next_power_of_2(max(width, 1)))),
         ROPE=cos is not None,
         NUM_STAGES=tiling.num_stages,
         P_BUFFERS=tiling.p_buffers,
+        Q_NORM=q_norm_eps is not None,
+        Q_HEADS=Q_NORM_HEADS,
         num_warps=8,
     )  # fmt: skip
     return out
@@ -221,11 +227,14 @@ def prefill_attn_wgmma_kernel(
     sin_ptr,
     stride_cs,
     stride_ss,
+    q_eps,  # Q_NORM only
     BLOCK_N: gl.constexpr,
     BLOCK_V: gl.constexpr,  # valid flags scanned at a time for the row span
     ROPE: gl.constexpr,
     NUM_STAGES: gl.constexpr,  # >= 2 + P_BUFFERS - 1: tiles t and t + 1 read, later ones land
     P_BUFFERS: gl.constexpr,  # 1: a barrier before p is rewritten; 2: none (a gather fewer)
+    Q_NORM: gl.constexpr,  # q arrives raw: the unweighted norm (q_eps) + RoPE on its load
+    Q_HEADS: gl.constexpr,  # Q_NORM: heads normed at a time (registers)
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     # layouts (8 warps): loads in 16-byte vectors; both dots with warps [4, 2] (each
@@ -281,8 +290,22 @@ def prefill_attn_wgmma_kernel(
         cp.commit_group()
     heads_l = gl.arange(0, _H, layout=gl.SliceLayout(1, load_l))
     cols_l = gl.arange(0, _DH, layout=gl.SliceLayout(0, load_l))
-    q = gl.load(q_ptr + s * stride_qs + heads_l[:, None] * stride_qh + cols_l[None, :])
-    q_smem = gl.allocate_shared_memory(dtype, [_H, _DH], q_sl, q)
+    q_row = q_ptr + s * stride_qs
+    if Q_NORM:  # the prologue's q norm + RoPE on the way in, a block of heads at a time
+        q_smem = gl.allocate_shared_memory(dtype, [_H, _DH], q_sl)
+        chunk_l: gl.constexpr = gl.SliceLayout(1, load_l)
+        for h0 in gl.static_range(0, _H, Q_HEADS):
+            heads_c = h0 + gl.arange(0, Q_HEADS, layout=chunk_l)
+            x = gl.load(q_row + heads_c[:, None] * stride_qh + cols_l[None, :]).to(gl.float32)
+            # reference.rms_norm unweighted: the factor rounded to q's dtype, then the product
+            factor = (1.0 / gl.sqrt_rn(gl.sum(x * x, axis=1) / _DH + q_eps)).to(dtype)
+            x = (x * factor.to(gl.float32)[:, None]).to(dtype).to(gl.float32)
+            x = _rotate(x, cos_ptr + s * stride_cs, sin_ptr + s * stride_ss, rope_start,
+                        Q_HEADS, False)  # fmt: skip
+            q_smem.slice(h0, Q_HEADS).store(x.to(dtype))
+    else:
+        q = gl.load(q_row + heads_l[:, None] * stride_qh + cols_l[None, :])
+        q_smem = gl.allocate_shared_memory(dtype, [_H, _DH], q_sl, q)
 
     m = gl.full([_H], float("-inf"), gl.float32, rows_s)
     l_sum = gl.zeros([_H], gl.float32, rows_s)
@@ -366,16 +389,25 @@ def prefill_attn_wgmma_kernel(
 
 
 @gluon.jit
-def _inverse_rope(o, cos_row, sin_row, rope_start, o_l: gl.constexpr):
-    """``apply_rope(o, cos, -sin)`` on o [H, Dh] fp32: pairs (2i, 2i + 1) at or past
-    rope_start rotate back (the rope slice is the head's last R columns)."""
-    even, odd = gl.split(gl.reshape(o, [_H, _DH // 2, 2]))
+def _rotate(x, cos_row, sin_row, rope_start, ROWS: gl.constexpr, INVERSE: gl.constexpr):
+    """``apply_rope(x, cos, sin)`` (INVERSE: with -sin) on x [ROWS, Dh] fp32, one query's
+    angles: pairs (2i, 2i + 1) at or past rope_start rotate (the rope slice is the head's
+    last R columns; the others pass through exactly). The result's layout is the join's."""
+    even, odd = gl.split(gl.reshape(x, [ROWS, _DH // 2, 2]))
     pair_l: gl.constexpr = gl.SliceLayout(0, even.type.layout)
     even_col = 2 * gl.arange(0, _DH // 2, layout=pair_l)
     is_rope = even_col >= rope_start
     half = (even_col - rope_start) // 2
     c = gl.load(cos_row + half, mask=is_rope, other=1.0).to(gl.float32)
     sn = gl.load(sin_row + half, mask=is_rope, other=0.0).to(gl.float32)
-    new_even = even * c[None, :] + odd * sn[None, :]
-    new_odd = odd * c[None, :] - even * sn[None, :]
-    return gl.convert_layout(gl.reshape(gl.join(new_even, new_odd), [_H, _DH]), o_l)
+    if INVERSE:
+        sn = -sn
+    new_even = even * c[None, :] - odd * sn[None, :]
+    new_odd = odd * c[None, :] + even * sn[None, :]
+    return gl.reshape(gl.join(new_even, new_odd), [ROWS, _DH])
+
+
+@gluon.jit
+def _inverse_rope(o, cos_row, sin_row, rope_start, o_l: gl.constexpr):
+    """``apply_rope(o, cos, -sin)`` on o [H, Dh] fp32, in o's layout."""
+    return gl.convert_layout(_rotate(o, cos_row, sin_row, rope_start, _H, True), o_l)

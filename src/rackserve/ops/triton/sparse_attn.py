@@ -27,6 +27,7 @@ import triton
 
 from rackserve.ops.triton.common import pdl
 from rackserve.ops.triton.fp8 import FP8_KV_DTYPE
+from rackserve.ops.triton.norm_rope import rms_norm_rope
 from rackserve.ops.triton.sparse_attn_kernels import sparse_attn_combine_kernel, sparse_attn_kernel
 from rackserve.ops.triton.sparse_attn_wide_kernels import sparse_attn_wide_kernel
 
@@ -162,6 +163,7 @@ def check_inputs(
     sinks: torch.Tensor,
     cos: torch.Tensor | None,
     sin: torch.Tensor | None,
+    q_norm_eps: float | None = None,
 ) -> None:
     """Raise ValueError naming the first argument that does not fit the op's contract."""
     if q.dim() != 3 or q.dtype not in _DTYPES:
@@ -191,6 +193,8 @@ def check_inputs(
         raise ValueError(f"sinks must be [{h}], got {tuple(sinks.shape)}")
     if (cos is None) != (sin is None):
         raise ValueError("cos and sin must be given together")
+    if q_norm_eps is not None and cos is None:
+        raise ValueError("a raw q (q_norm_eps) needs cos and sin: its norm is followed by RoPE")
     if cos is not None:
         half = cos.shape[-1] if cos.dim() == 2 else -1
         if cos.dim() != 2 or cos.shape[0] != s or tuple(sin.shape) != tuple(cos.shape):
@@ -205,6 +209,16 @@ def check_inputs(
             raise ValueError(f"every input must be on {q.device}, got one on {t.device}")
 
 
+def normed_q(
+    q: torch.Tensor, q_norm_eps: float | None, cos: torch.Tensor | None, sin: torch.Tensor | None
+) -> torch.Tensor:
+    """q as the kernels attend with it: a raw q (``q_norm_eps`` given) through the Triton
+    ``rms_norm_rope`` (unweighted), for the kernels that do not norm it on their q load."""
+    if q_norm_eps is None:
+        return q
+    return rms_norm_rope(q, None, q_norm_eps, cos, sin)
+
+
 def paged_sparse_attention(
     q: torch.Tensor,
     kv_a: torch.Tensor,
@@ -217,9 +231,11 @@ def paged_sparse_attention(
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
     *,
+    q_norm_eps: float | None = None,
     tiling: Tiling | None = None,
 ) -> torch.Tensor:
-    """Fused ``ops.reference.paged_sparse_attention``: one launch, two with splits.
+    """Fused ``ops.reference.paged_sparse_attention``: one launch, two with splits (a raw
+    q, ``q_norm_eps``: one more, ``normed_q``).
 
     q: [S, H, Dh] (fp32/bf16/fp16); kv_a: [Na, >= Dh], kv_b: [Nb, >= Dh] cache views in q's
     dtype or both float8 e4m3 (1 byte per value read, widened to q's dtype in registers)
@@ -229,7 +245,8 @@ def paged_sparse_attention(
     [S, R/2] or None (the inverse RoPE of the output's last R channels). Returns [S, H, Dh]
     in q's dtype.
     """
-    check_inputs(q, kv_a, slots_a, kv_b, slots_b, valid, sinks, cos, sin)
+    check_inputs(q, kv_a, slots_a, kv_b, slots_b, valid, sinks, cos, sin, q_norm_eps)
+    q = normed_q(q, q_norm_eps, cos, sin)
     num_queries, num_heads, head_dim = q.shape
     width_a, width_b = slots_a.shape[1], slots_b.shape[1]
     num_rows = width_a + width_b
