@@ -11,7 +11,7 @@ start_call
 t=$(cap 150); echo "== attention tests (${t}s)"
 ((t)) && timeout "$t" python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider -rf \
   tests/ops/test_prefill_attn_wgmma.py tests/ops/test_attn_prologue.py \
-  tests/ops/test_prefill_attn.py tests/ops/test_sparse_attn.py -k "raw_q or v4 or wgmma or prologue or holes or agrees" \
+  tests/ops/test_prefill_attn.py tests/ops/test_sparse_attn.py -k "raw_q or v4 or wgmma or prologue or holes or agrees or fast_path" \
   tests/model/test_fast_path_cpu.py > "$R/pytest_attn.log" 2>&1
 tail -1 "$R/pytest_attn.log"
 forward_ab rawq 'pass' prologue 'import rackserve.ops as o
