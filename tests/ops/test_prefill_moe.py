@@ -94,10 +94,13 @@ def test_empty(moe):
     assert out.shape == (0, 8)
 
 
-@pytest.mark.parametrize("t,k,e", [(1, 1, 4), (5, 3, 8), (300, 7, 65), (1000, 6, 256), (37, 2, 3)])
+@pytest.mark.parametrize(
+    "t,k,e", [(1, 1, 4), (5, 3, 8), (300, 7, 65), (1000, 6, 256), (37, 2, 3), (2100, 6, 64)]
+)
 def test_moe_sort_pairs(moe, t, k, e):
     """The counting sort equals the stable argsort layout exactly, across many segments
-    (300 x 7 pairs: 9 segments of 256) and experts that get no pairs (e = 256)."""
+    (300 x 7 pairs: 9 segments of 256; 2100 x 6: 50, read 16 at a time by each program)
+    and experts that get no pairs (e = 256)."""
     g = torch.Generator().manual_seed(t * k + e)
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
     if e == 3:  # skewed: most pairs on expert 1
