@@ -20,7 +20,7 @@ from rackserve.engine.outputs import EngineCoreRequest
 from rackserve.model.create import create_checkpoint
 from rackserve.model.presets import tiny_config
 from rackserve.request import SamplingParams, StructuredOutputsParams
-from rackserve.runner.cuda_graph import DecodeGraphs
+from rackserve.runner.cuda_graph import DecodeGraphs, PrefillGraphs
 
 from engine_utils import budget_for_tokens
 
@@ -164,6 +164,31 @@ def test_graph_decode_steps_take_the_fed_tokens(engines):
     finally:
         runner.graphs = None
     assert sum(used) >= 5 and same(got, drive(sync, reqs))
+
+
+def test_prefill_graph_steps_take_the_fed_tokens(engines):
+    """The prefill-graph path (uncaptured: run eagerly on its static buffers, every token
+    a closing candidate, padded to 64 tokens): chunked prefills and mixed steps whose decode
+    tokens the device feeds give the synchronous engine's tokens."""
+    sync, asyn = engines
+    runner = asyn.runner
+    groups = runner.buffers.groups
+    runner.prefill_graphs = PrefillGraphs(
+        asyn.model, runner.caches, runner.buffers, groups, [64], [512]
+    )
+    runner.graphs = DecodeGraphs(
+        asyn.model, runner.caches, runner.buffers, groups, [1, 2, 4, 8], [512]
+    )
+    reqs = {k: (p, GREEDY) for k, p in prompts(6, 23).items()}  # not cached by the tests above
+    used = []
+    run = runner.prefill_graphs.run
+    runner.prefill_graphs.run = lambda *a: used.append(a[3] is not None) or run(*a)
+    try:
+        got = drive(asyn, reqs)
+    finally:
+        runner.graphs = runner.prefill_graphs = None
+    assert len(used) >= 2 and any(used)  # prefill steps, some beside fed decode tokens
+    assert same(got, drive(sync, reqs))
 
 
 def test_aborts_between_launch_and_collect(engines):

@@ -15,7 +15,15 @@ from rackserve.model.batch import KVCacheTensors
 from rackserve.model.create import create_checkpoint
 from rackserve.model.loader import load_model
 from rackserve.model.presets import tiny_config
-from rackserve.runner.cuda_graph import DecodeGraphs, context_buckets, graph_batch_sizes
+from rackserve.runner.cuda_graph import (
+    PREFILL_GRAPH_TOKENS,
+    DecodeGraphs,
+    PrefillGraphs,
+    context_buckets,
+    graph_batch_sizes,
+    graph_serves,
+    prefill_graph_sizes,
+)
 from rackserve.runner.inputs import BlockTables
 from rackserve.runner.step_buffers import StepBuffers
 
@@ -73,6 +81,58 @@ def test_padded_graph_step_equals_eager(model, num_reqs, context):
     for name, per_layer in eager.caches.tensors.items():
         for layer, t in per_layer.items():  # block 0 (null) takes the padding's writes
             torch.testing.assert_close(padded.caches.tensors[name][layer][1:], t[1:])
+
+
+# a prompt after a cached prefix (CSA and HCA windows close inside it), a cold prompt, and a
+# mixed step (a prefill chunk beside three decodes)
+@pytest.mark.parametrize("batch", ["prefill:100@37", "prefill:45", "mixed:60@21+3@70"])
+@torch.inference_mode()
+def test_padded_prefill_graph_step_equals_eager(model, batch):
+    """A prefill / mixed step padded to the next prefill-graph size and a context bucket,
+    every token a closing candidate with its request's table row (``PrefillGraphs``): the
+    sampled rows' logits, the caches and the expert counts of the eager step."""
+    spec = BatchSpec.parse(batch)
+    eager, padded = (synthetic_step(model, spec, seed=1) for _ in range(2))
+    for s in (eager, padded):
+        _random_caches(s, seed=7)
+    inputs = eager.step.inputs
+    assert not inputs.is_uniform_decode and graph_serves(inputs)
+
+    buffers = StepBuffers(eager.groups, eager.input_batch.block_tables, "cpu")
+    input_ids, meta, logits_indices = buffers.eager_step(inputs, eager.step.table_writes)
+    counts = torch.zeros(model.cfg.num_hidden_layers, model.cfg.n_routed_experts, dtype=torch.int64)
+    hidden, _ = model(input_ids, meta, eager.caches, counts)
+    expected = model.compute_logits(hidden[logits_indices])
+
+    buffers = StepBuffers(padded.groups, padded.input_batch.block_tables, "cpu")
+    bucket = inputs.max_seq_len + 40
+    graphs = PrefillGraphs(model, padded.caches, buffers, padded.groups, [256], [bucket, 1 << 20])
+    assert graphs.buckets == [bucket]  # no graph past PREFILL_GRAPH_MAX_CONTEXT
+    key = graphs.key_for(inputs)
+    assert key == (256, bucket)
+    got, graph_counts, indices = graphs.run(key, inputs, padded.step.table_writes)
+    assert got.shape == hidden.shape and torch.equal(indices, logits_indices)
+    torch.testing.assert_close(model.compute_logits(got[indices]), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, hidden, rtol=1e-5, atol=1e-5)
+    assert torch.equal(graph_counts, counts)  # padded tokens route but are not counted
+    for name, per_layer in eager.caches.tensors.items():
+        for layer, t in per_layer.items():  # block 0 (null) takes the padding's writes
+            torch.testing.assert_close(padded.caches.tensors[name][layer][1:], t[1:])
+
+
+def test_prefill_graphs_leave_decode_and_long_steps(model):
+    """Uniform decode belongs to DecodeGraphs; a step past the largest size runs eager."""
+    assert prefill_graph_sizes(8192) == list(PREFILL_GRAPH_TOKENS)
+    assert prefill_graph_sizes(600) == [256, 512, 1024]
+    assert prefill_graph_sizes(100) == [256]
+    decode = synthetic_step(model, BatchSpec("decode", 2, 1, 30))
+    buffers = StepBuffers(decode.groups, decode.input_batch.block_tables, "cpu")
+    graphs = PrefillGraphs(model, decode.caches, buffers, decode.groups, [256], [4096])
+    assert graph_serves(decode.step.inputs) and graphs.key_for(decode.step.inputs) is None
+    longer = synthetic_step(model, BatchSpec.parse("prefill:300")).step.inputs
+    assert graph_serves(longer) and graphs.key_for(longer) is None  # past this one's 256
+    longest = synthetic_step(model, BatchSpec.parse("prefill:2100")).step.inputs
+    assert not graph_serves(longest)
 
 
 def test_device_tables_follow_host_tables_by_deltas():

@@ -25,7 +25,12 @@ from rackserve.planner.hardware import get_hardware
 from rackserve.planner.models import Formats
 from rackserve.planner.opcost import OpCost
 from rackserve.request import SamplingParams
-from rackserve.runner.cuda_graph import DecodeGraphs
+from rackserve.runner.cuda_graph import (
+    PREFILL_GRAPH_TOKENS,
+    DecodeGraphs,
+    PrefillGraphs,
+    graph_serves,
+)
 from rackserve.runner.input_batch import InputBatch, PreparedStep
 from rackserve.runner.inputs import ring_widths
 from rackserve.runner.step_buffers import StepBuffers
@@ -155,7 +160,9 @@ def time_forward(
     """Seconds per forward (+ logits of the sampled rows): CUDA events on a GPU.
 
     The inputs go through the runner's device path (one upload, device block tables);
-    ``graph``: a uniform decode step is captured once and replayed, as the runner does.
+    ``graph``: the step is captured once and replayed, as the runner does (``graph_serves``:
+    a uniform decode in ``DecodeGraphs``, a prefill / mixed step of up to 2048 tokens in
+    ``PrefillGraphs`` at the next captured size, its sampled rows' logits eagerly).
     """
     inputs, caches = synthetic.step.inputs, synthetic.caches
     device = next(model.parameters()).device
@@ -164,11 +171,17 @@ def time_forward(
     writes = synthetic.step.table_writes
     cuda = device.type == "cuda"
     if graph:
-        if not (cuda and inputs.is_uniform_decode):
-            raise ValueError("CUDA graphs time uniform decode batches on a CUDA device only")
-        graphs = DecodeGraphs(
-            model, caches, buffers, synthetic.groups, [num_reqs], [inputs.max_seq_len]
-        )
+        if not (cuda and graph_serves(inputs)):
+            raise ValueError(
+                "CUDA graphs time uniform decode batches and steps of up to "
+                f"{PREFILL_GRAPH_TOKENS[-1]} tokens on a CUDA device only"
+            )
+        bucket = [inputs.max_seq_len]
+        if inputs.is_uniform_decode:
+            graphs = DecodeGraphs(model, caches, buffers, synthetic.groups, [num_reqs], bucket)
+        else:
+            size = next(t for t in PREFILL_GRAPH_TOKENS if t >= len(inputs.input_ids))
+            graphs = PrefillGraphs(model, caches, buffers, synthetic.groups, [size], bucket)
         buffers.apply_writes(*buffers.upload(list(writes)))
         graphs.capture(log=False)
         key = graphs.key_for(inputs)
@@ -176,7 +189,9 @@ def time_forward(
         empty = (writes[0][:0], writes[1][:0])
 
         def run() -> None:
-            graphs.run(key, inputs, empty)
+            out = graphs.run(key, inputs, empty)
+            if isinstance(graphs, PrefillGraphs):  # the sampled rows' logits, as the runner
+                model.compute_logits(out[0][out[2]])
 
     else:
         input_ids, meta, logits_indices = buffers.eager_step(inputs, writes)

@@ -82,6 +82,7 @@ def _forward(args: argparse.Namespace) -> int:
     import torch
 
     from rackserve.bench.forward import BatchSpec, roofline, synthetic_step, time_forward
+    from rackserve.runner.cuda_graph import graph_serves
 
     model, model_name = _load(args)
     device = next(model.parameters()).device
@@ -95,7 +96,7 @@ def _forward(args: argparse.Namespace) -> int:
             args.impl == "fast"
             and not args.enforce_eager
             and device.type == "cuda"
-            and synthetic.step.inputs.is_uniform_decode
+            and graph_serves(synthetic.step.inputs)
         )
         times = time_forward(model, synthetic, iters=args.iters, warmup=args.warmup, graph=graph)
         measured = statistics.median(times)
@@ -103,8 +104,8 @@ def _forward(args: argparse.Namespace) -> int:
         record: dict[str, Any] = {
             "kind": "forward",
             # "reference": every op's plain-torch reference, eager; "fast": the fast kernels
-            # where the device has them, a CUDA graph for decode (the planner calibrates
-            # only from "fast" records)
+            # where the device has them, a CUDA graph where the runner replays one (the
+            # planner calibrates only from "fast" records)
             "implementation": args.impl,
             "cuda_graph": graph,
             "phase": spec.phase,
@@ -328,7 +329,8 @@ def register_forward(bench_subparsers: Any) -> None:
         "--impl",
         choices=("fast", "reference"),
         default="fast",
-        help="fast: fast kernels + CUDA-graph decode on a GPU; reference: plain-torch ops, eager",
+        help="fast: fast kernels + CUDA graphs (decode; steps of up to 2048 tokens) on a GPU; "
+        "reference: plain-torch ops, eager",
     )
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graph (fast kernels)")
     p.add_argument(

@@ -8,8 +8,15 @@ block tables, so they write only into the null block and count no expert load. T
 context bucket fixes the only shapes that depend on context (how many compressed entries
 each query gathers), so one graph serves every step whose longest request fits it.
 
-Prefill and mixed steps run eager on the same code: their launches are amortised over
-many tokens.
+Steps that are not uniform decode (prefill chunks, mixed steps) of up to
+``PREFILL_GRAPH_TOKENS[-1]`` tokens replay ``PrefillGraphs``: the same capture with every
+token its own metadata row (its request's block-table row), padded to the next captured
+size, returning the hidden states (the runner takes the logits of the sampled rows). Below
+~4K tokens the eager forward is bound by the host, not the GPU: on the H200 (2026-12-04,
+session 23) the host took 13.0 ms to issue prefill:2048, whose GPU work replays in 12.2 ms,
+and the eager step swung between 12.6 and 17 ms with the host's speed. Longer steps run
+eager on the same code (their launches amortised over the tokens), as do contexts past
+``PREFILL_GRAPH_MAX_CONTEXT`` (a graph's [T, E] gather plans grow with its bucket).
 
 What a graph captures beyond the eager forward of the same step (the CPU launch counter
 counts both, tests/runner/test_graph_launches.py): the step's metadata (on a GPU one Triton
@@ -35,12 +42,31 @@ from rackserve.runner.step_buffers import StepBuffers
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 CONTEXT_BUCKETS = (4096, 16384, 65536, 262144, 1 << 20)
+# token counts of the prefill / mixed-step graphs, and the largest context bucket they serve
+PREFILL_GRAPH_TOKENS = (256, 512, 1024, 1536, 2048)
+PREFILL_GRAPH_MAX_CONTEXT = 65536
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """Padded batch sizes to capture: the listed sizes up to the first >= max_num_seqs."""
     sizes = [b for b in BATCH_SIZES if b < max_num_seqs]
     return [*sizes, next((b for b in BATCH_SIZES if b >= max_num_seqs), BATCH_SIZES[-1])]
+
+
+def prefill_graph_sizes(max_num_batched_tokens: int) -> list[int]:
+    """Prefill-graph token counts: the listed ones that a step of at most
+    ``max_num_batched_tokens`` can need."""
+    sizes = [t for t in PREFILL_GRAPH_TOKENS if t < max_num_batched_tokens]
+    return sizes + [t for t in PREFILL_GRAPH_TOKENS if t >= max_num_batched_tokens][:1]
+
+
+def graph_serves(inputs: StepInputs) -> bool:
+    """Whether a runner with graphs (and room for this step's size) replays this step: a
+    uniform decode, or a prefill / mixed step within the prefill graphs' sizes and context."""
+    return inputs.is_uniform_decode or (
+        len(inputs.input_ids) <= PREFILL_GRAPH_TOKENS[-1]
+        and inputs.max_seq_len <= PREFILL_GRAPH_MAX_CONTEXT
+    )
 
 
 def context_buckets(max_model_len: int) -> list[int]:
@@ -149,15 +175,20 @@ class DecodeGraphs:
         feed: Callable[[torch.Tensor], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay (or, for a key that was not captured, run the same padded step eagerly:
-        the CPU tests do); returns (logits [R, V] float32, expert_counts [L, E]), valid
+        the CPU tests do); returns (the captured output of the step's tokens: logits [R, V]
+        float32, or ``PrefillGraphs``' hidden states [T, D]; expert_counts [L, E]), valid
         until the next run."""
         self.stage(key, inputs, table_writes, feed)
+        return self._replay(key)[: len(inputs.input_ids)], self.expert_counts
+
+    def _replay(self, key: tuple[int, int]) -> torch.Tensor:
+        """Graph ``key``'s output after a replay (a key not captured: the same padded step,
+        eagerly)."""
         if key in self.graphs:
-            graph, logits = self.graphs[key]
+            graph, out = self.graphs[key]
             graph.replay()
-        else:
-            logits = self.forward(*key)
-        return logits[: len(inputs.rows)], self.expert_counts
+            return out
+        return self.forward(*key)
 
     def stage(
         self,
@@ -165,14 +196,16 @@ class DecodeGraphs:
         inputs: StepInputs,
         table_writes: tuple[np.ndarray, np.ndarray],
         feed: Callable[[torch.Tensor], None] | None = None,
-    ) -> None:
+        extra: Sequence[np.ndarray] = (),
+    ) -> list[torch.Tensor]:
         """Upload the step, apply its table writes and fill the static inputs of graph
-        ``key`` (padded rows: token 0 at position 0 on the null row; ``feed`` writes the
-        previous step's sampled ids over placeholders, on the device)."""
+        ``key``: each token's id, position and its request's table row (the metadata's
+        row of the token; padded rows: token 0 at position 0 on the null row; ``feed``
+        writes the previous step's sampled ids over placeholders, on the device). Returns
+        the ``extra`` int64 arrays on the device, uploaded in the same copy."""
         b = key[0]
-        num_reqs = len(inputs.rows)
-        pad = b - num_reqs
-        rows = np.asarray(inputs.rows, dtype=np.int64)
+        pad = b - len(inputs.input_ids)
+        rows = np.asarray(inputs.rows, dtype=np.int64)[inputs.token_req]
         if pad:
             zeros = np.zeros(pad, dtype=np.int64)
             ids = np.concatenate([inputs.input_ids, zeros])
@@ -181,8 +214,8 @@ class DecodeGraphs:
         else:
             ids, positions = inputs.input_ids, inputs.positions
         write_index, write_values = table_writes
-        ids_d, pos_d, rows_d, w_index, w_values = self.buffers.upload(
-            [ids, positions, rows, write_index, write_values]
+        ids_d, pos_d, rows_d, w_index, w_values, *extra_d = self.buffers.upload(
+            [ids, positions, rows, write_index, write_values, *extra]
         )
         self.buffers.apply_writes(w_index, w_values)
         self.input_ids[:b].copy_(ids_d)
@@ -190,3 +223,56 @@ class DecodeGraphs:
             feed(self.input_ids)
         self.positions[:b].copy_(pos_d)
         self.rows[:b].copy_(rows_d)
+        return extra_d
+
+
+class PrefillGraphs(DecodeGraphs):
+    """Graphs of the steps ``DecodeGraphs`` does not serve: prefill chunks and mixed steps of
+    up to ``max(sizes)`` tokens, padded to the next captured size (padded tokens at position
+    0 on the null row, masked), in context buckets up to ``PREFILL_GRAPH_MAX_CONTEXT``. The
+    captured region is ``DecodeGraphs``' without the logits: it returns the hidden states
+    [T, D], of which the runner takes the sampled rows' logits (and prompt logprobs)
+    eagerly. Every token is a closing candidate of the compressors, as in a decode graph."""
+
+    def __init__(
+        self,
+        model: DeepseekV4ForCausalLM,
+        caches: KVCacheTensors,
+        buffers: StepBuffers,
+        groups: Sequence[CacheGroupSpec],
+        sizes: Sequence[int],
+        buckets: Sequence[int],
+    ) -> None:
+        served = [c for c in buckets if c <= PREFILL_GRAPH_MAX_CONTEXT]
+        super().__init__(model, caches, buffers, groups, sizes, served)
+
+    def forward(self, t: int, bucket: int) -> torch.Tensor:
+        """The captured region: metadata from the static buffers, forward: hidden [t, D]."""
+        meta = self.metadata(t, bucket)
+        self.expert_counts.zero_()
+        hidden, _ = self.model(self.input_ids[:t], meta, self.caches, self.expert_counts)
+        return hidden
+
+    def run(
+        self,
+        key: tuple[int, int],
+        inputs: StepInputs,
+        table_writes: tuple[np.ndarray, np.ndarray],
+        feed: Callable[[torch.Tensor], None] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Replay (a key not captured: run the same padded step eagerly); returns (hidden
+        [T, D], expert_counts [L, E], valid until the next run; the step's logits_indices
+        [S] on the device)."""
+        (logits_indices,) = self.stage(key, inputs, table_writes, feed, [inputs.logits_indices])
+        return self._replay(key)[: len(inputs.input_ids)], self.expert_counts, logits_indices
+
+    def key_for(self, inputs: StepInputs) -> tuple[int, int] | None:
+        """The graph that serves this step: None for uniform decode (``DecodeGraphs``') and
+        for steps past the largest size or bucket."""
+        if inputs.is_uniform_decode or not self.buckets:
+            return None
+        i = bisect.bisect_left(self.batch_sizes, len(inputs.input_ids))
+        j = bisect.bisect_left(self.buckets, inputs.max_seq_len)
+        if i == len(self.batch_sizes) or j == len(self.buckets):
+            return None
+        return self.batch_sizes[i], self.buckets[j]

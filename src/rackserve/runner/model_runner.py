@@ -2,8 +2,9 @@
 
 It owns the cache tensors and per-request state (token ids, block tables, sampling rows) and
 makes no policy: it computes exactly the tokens it was granted. A uniform decode step
-replays a captured CUDA graph (``cuda_graph.py``); other steps run the same forward
-eagerly. Nothing waits for the device before the sampled token ids are read back.
+replays a captured CUDA graph (``cuda_graph.py``), as does a prefill / mixed step of up to
+2048 tokens (``PrefillGraphs``); other steps run the same forward eagerly. Nothing waits for
+the device before the sampled token ids are read back.
 """
 
 from __future__ import annotations
@@ -19,7 +20,13 @@ from rackserve.engine.outputs import RunnerOutput, SchedulerOutput, TokenLogprob
 from rackserve.kv.spec import CacheGroupSpec
 from rackserve.model.batch import KVCacheTensors
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
-from rackserve.runner.cuda_graph import DecodeGraphs, context_buckets, graph_batch_sizes
+from rackserve.runner.cuda_graph import (
+    DecodeGraphs,
+    PrefillGraphs,
+    context_buckets,
+    graph_batch_sizes,
+    prefill_graph_sizes,
+)
 from rackserve.runner.input_batch import InputBatch, PreparedStep, RunnerRequest
 from rackserve.runner.inputs import StepInputs, ring_widths
 from rackserve.runner.logits_processors import apply_logits_processors
@@ -118,7 +125,18 @@ class ModelRunner:
                 context_buckets(max_model_len + lookahead),
                 log=log,
             )
+        self.prefill_graphs: PrefillGraphs | None = None
         if self.device.type == "cuda" and not enforce_eager and speculative is None:
+            # prefill / mixed steps first (the larger graphs); the decode graphs share the pool
+            self.prefill_graphs = PrefillGraphs(
+                model,
+                self.caches,
+                self.buffers,
+                groups,
+                prefill_graph_sizes(max_step_tokens),
+                context_buckets(max_model_len),
+            )
+            self.prefill_graphs.capture(log=log)
             self.graphs = DecodeGraphs(
                 model,
                 self.caches,
@@ -127,6 +145,7 @@ class ModelRunner:
                 graph_batch_sizes(max_num_reqs),
                 context_buckets(max_model_len),
             )
+            self.graphs.pool = self.prefill_graphs.pool
             self.graphs.capture(log=log)
 
     # ---- one step -----------------------------------------------------------------------------
@@ -199,11 +218,21 @@ class ModelRunner:
                     verify_key, inputs, step.table_writes
                 )
             else:
-                input_ids, meta, logits_indices = self.buffers.eager_step(inputs, step.table_writes)
-                if feed is not None:
-                    feed(input_ids)
-                expert_counts = self.expert_counts.zero_()
-                hidden, streams = self.model(input_ids, meta, self.caches, expert_counts)
+                graphs = self.prefill_graphs
+                prefill_key = graphs.key_for(inputs) if graphs is not None else None
+                if prefill_key is not None:  # a prefill / mixed step from its graph
+                    assert graphs is not None
+                    hidden, expert_counts, logits_indices = graphs.run(
+                        prefill_key, inputs, step.table_writes, feed
+                    )
+                else:
+                    input_ids, meta, logits_indices = self.buffers.eager_step(
+                        inputs, step.table_writes
+                    )
+                    if feed is not None:
+                        feed(input_ids)
+                    expert_counts = self.expert_counts.zero_()
+                    hidden, streams = self.model(input_ids, meta, self.caches, expert_counts)
                 prompt_logprobs = self._prompt_logprobs(
                     reqs, inputs.query_start_loc, inputs.num_computed_tokens, hidden
                 )
