@@ -123,7 +123,7 @@ def test_padded_prefill_graph_step_equals_eager(model, batch):
 def test_prefill_graphs_leave_decode_and_long_steps(model):
     """Uniform decode belongs to DecodeGraphs; a step past the largest size runs eager."""
     assert prefill_graph_sizes(8192) == list(PREFILL_GRAPH_TOKENS)
-    assert prefill_graph_sizes(600) == [256, 512, 1024]
+    assert prefill_graph_sizes(600) == [256, 512, 768]
     assert prefill_graph_sizes(100) == [256]
     decode = synthetic_step(model, BatchSpec("decode", 2, 1, 30))
     buffers = StepBuffers(decode.groups, decode.input_batch.block_tables, "cpu")

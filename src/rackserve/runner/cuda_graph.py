@@ -11,7 +11,7 @@ each query gathers), so one graph serves every step whose longest request fits i
 Steps that are not uniform decode (prefill chunks, mixed steps) of up to
 ``PREFILL_GRAPH_TOKENS[-1]`` tokens replay ``PrefillGraphs``: the same capture with every
 token its own metadata row (its request's block-table row), padded to the next captured
-size, returning the hidden states (the runner takes the logits of the sampled rows). Below
+size (every 256 tokens), returning the hidden states (the runner takes the logits of the sampled rows). Below
 ~4K tokens the eager forward is bound by the host, not the GPU: on the H200 (2026-12-04,
 session 23) the host took 13.0 ms to issue prefill:2048, whose GPU work replays in 12.2 ms,
 and the eager step swung between 12.6 and 17 ms with the host's speed. Longer steps run
@@ -42,8 +42,12 @@ from rackserve.runner.step_buffers import StepBuffers
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 CONTEXT_BUCKETS = (4096, 16384, 65536, 262144, 1 << 20)
-# token counts of the prefill / mixed-step graphs, and the largest context bucket they serve
-PREFILL_GRAPH_TOKENS = (256, 512, 1024, 1536, 2048)
+# token counts of the prefill / mixed-step graphs (a step pads to the next: the padding's
+# compute against the eager step's host time; on the H200, 2026-12-04, a 1,088-token mixed
+# step padded to 1,536 replayed in 11.6 ms against 10.5 eager, while prefill:512 took 7.0
+# against 10.0-11.3 and prefill:2048 12.4 against 12.8-13.0), and the largest context
+# bucket they serve
+PREFILL_GRAPH_TOKENS = tuple(range(256, 2049, 256))
 PREFILL_GRAPH_MAX_CONTEXT = 65536
 
 
