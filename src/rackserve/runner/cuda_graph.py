@@ -11,12 +11,13 @@ each query gathers), so one graph serves every step whose longest request fits i
 Steps that are not uniform decode (prefill chunks, mixed steps) of up to
 ``PREFILL_GRAPH_TOKENS[-1]`` tokens replay ``PrefillGraphs``: the same capture with every
 token its own metadata row (its request's block-table row), padded to the next captured
-size (every 256 tokens), returning the hidden states (the runner takes the logits of the sampled rows). Below
-~4K tokens the eager forward is bound by the host, not the GPU: on the H200 (2026-12-04,
-session 23) the host took 13.0 ms to issue prefill:2048, whose GPU work replays in 12.2 ms,
-and the eager step swung between 12.6 and 17 ms with the host's speed. Longer steps run
-eager on the same code (their launches amortised over the tokens), as do contexts past
-``PREFILL_GRAPH_MAX_CONTEXT`` (a graph's [T, E] gather plans grow with its bucket).
+size (every 256 tokens), returning the hidden states (the runner takes the logits of the
+sampled rows). Below ~4K tokens the eager forward is bound by the host, not the GPU: on the
+H200 (2026-12-04, session 23) the host took 13.0 ms to issue prefill:2048, whose GPU work
+replays in 12.2 ms, and the eager step swung between 12.6 and 17 ms with the host's speed.
+Longer steps run eager on the same code (their launches amortised over the tokens), as do
+contexts past ``PREFILL_GRAPH_MAX_CONTEXT`` (a graph's [T, E] gather plans grow with its
+bucket).
 
 What a graph captures beyond the eager forward of the same step (the CPU launch counter
 counts both, tests/runner/test_graph_launches.py): the step's metadata (on a GPU one Triton
