@@ -8,6 +8,13 @@ block tables, so they write only into the null block and count no expert load. T
 context bucket fixes the only shapes that depend on context (how many compressed entries
 each query gathers), so one graph serves every step whose longest request fits it.
 
+Each key also has one small sampler graph per ``SamplerVariant`` (greedy, random,
+random with filters), captured right after its forward graph and reading its logits: a
+step whose sampling is graph-safe replays the forward graph and then one sampler graph,
+and reads the sampled ids from a static buffer; other decode steps replay the forward
+graph and sample eagerly. ``runner/graph_sampling.py`` says which steps, and why the
+sampler is not captured into the forward graph.
+
 Prefill and mixed steps run eager on the same code: their launches are amortised over
 many tokens.
 
@@ -22,6 +29,8 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -30,6 +39,7 @@ from rackserve.config import HCA
 from rackserve.kv.spec import CacheGroupSpec
 from rackserve.model.batch import KVCacheTensors, StepMetadata
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
+from rackserve.runner.graph_sampling import InGraphSampling, SamplerVariant, StaticSampling
 from rackserve.runner.inputs import StepInputs
 from rackserve.runner.step_buffers import StepBuffers
 
@@ -46,6 +56,16 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 def context_buckets(max_model_len: int) -> list[int]:
     """Context buckets: the listed ones below max_model_len, then max_model_len itself."""
     return [b for b in CONTEXT_BUCKETS if b < max_model_len] + [max_model_len]
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    """A decode step's device results, views of static buffers valid until the next run (which
+    reads ``token_ids`` through its feed before it overwrites them)."""
+
+    logits: torch.Tensor  # [R, V] float32
+    token_ids: torch.Tensor | None  # [R] int64 sampled in the graph; None: sample eagerly
+    expert_counts: torch.Tensor  # [L, E]
 
 
 class DecodeGraphs:
@@ -70,7 +90,9 @@ class DecodeGraphs:
         self.expert_counts = torch.zeros(
             cfg.num_hidden_layers, cfg.n_routed_experts, dtype=torch.int64, device=device
         )
+        self.sampling = StaticSampling(n, cfg.vocab_size, device)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.sampler_graphs: dict[tuple[int, int, SamplerVariant], torch.cuda.CUDAGraph] = {}
         self.pool = None
         # the metadata kernels: on a GPU, and on the CPU when the model runs Triton everywhere
         # (the interpreter: the launch-count tests); else StepMetadata.build (torch ops)
@@ -111,25 +133,37 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self, log: bool = True) -> None:
-        """Capture every (size, bucket), largest first, so smaller graphs reuse the pool."""
+        """Capture every (size, bucket), largest first, so smaller graphs reuse the pool;
+        each forward graph, then its sampler graphs on its logits."""
         keys = [(b, c) for c in reversed(self.buckets) for b in reversed(self.batch_sizes)]
         for i, (b, bucket) in enumerate(keys):
-            # warm up on a side stream (kernel selection, autotuning) before capturing
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self.forward(b, bucket)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                logits = self.forward(b, bucket)
-            if self.pool is None:
-                self.pool = graph.pool()
+            graph, logits = self._capture(partial(self.forward, b, bucket))
             self.graphs[(b, bucket)] = (graph, logits)
+            for variant in SamplerVariant:
+                # its warm-up samples whatever the captured logits hold: nobody reads it
+                sampler, _ = self._capture(partial(self.sampling.sample, logits, variant))
+                self.sampler_graphs[(b, bucket, variant)] = sampler
             if log:
                 print(f"\rcapturing CUDA graphs {i + 1}/{len(keys)}", end="", flush=True)
         if log and keys:
             print(flush=True)
+
+    def _capture(
+        self, region: Callable[[], torch.Tensor]
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """(graph, output) of ``region`` captured into the shared pool, after a warm-up on a
+        side stream (kernel selection, autotuning)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            region()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = region()
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph, out
 
     def key_for(self, inputs: StepInputs) -> tuple[int, int] | None:
         """The graph that serves this step, or None (not uniform decode, or too large)."""
@@ -147,17 +181,29 @@ class DecodeGraphs:
         inputs: StepInputs,
         table_writes: tuple[np.ndarray, np.ndarray],
         feed: Callable[[torch.Tensor], None] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replay (or, for a key that was not captured, run the same padded step eagerly:
-        the CPU tests do); returns (logits [R, V] float32, expert_counts [L, E]), valid
-        until the next run."""
+        in_graph: InGraphSampling | None = None,
+    ) -> DecodeResult:
+        """Replay the forward graph, and with ``in_graph`` (``in_graph_sampling``: the step
+        samples in the graph) the sampler graph of its variant. A key that was not captured
+        runs the same padded regions eagerly (the CPU tests do)."""
         self.stage(key, inputs, table_writes, feed)
+        if in_graph is not None:
+            self.sampling.stage(in_graph)
         if key in self.graphs:
             graph, logits = self.graphs[key]
             graph.replay()
         else:
             logits = self.forward(*key)
-        return logits[: len(inputs.rows)], self.expert_counts
+        num_reqs = len(inputs.rows)
+        token_ids = None
+        if in_graph is not None:
+            sampler = self.sampler_graphs.get((*key, in_graph.variant))
+            if sampler is not None:
+                sampler.replay()
+            else:
+                self.sampling.sample(logits, in_graph.variant)
+            token_ids = self.sampling.token_ids[:num_reqs]
+        return DecodeResult(logits[:num_reqs], token_ids, self.expert_counts)
 
     def stage(
         self,
