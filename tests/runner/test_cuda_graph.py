@@ -75,9 +75,10 @@ def test_padded_graph_step_equals_eager(model, num_reqs, context):
     graphs = DecodeGraphs(model, padded.caches, buffers, padded.groups, [size], [context + 40])
     key = graphs.key_for(inputs)
     assert key == (size, context + 40)
-    logits, graph_counts = graphs.run(key, inputs, padded.step.table_writes)
-    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
-    assert torch.equal(graph_counts, counts)  # padded tokens route but are not counted
+    decoded = graphs.run(key, inputs, padded.step.table_writes)
+    assert decoded.token_ids is None  # nothing sampled in the graph: asked no sampling
+    torch.testing.assert_close(decoded.logits, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(decoded.expert_counts, counts)  # padded tokens route but are not counted
     for name, per_layer in eager.caches.tensors.items():
         for layer, t in per_layer.items():  # block 0 (null) takes the padding's writes
             torch.testing.assert_close(padded.caches.tensors[name][layer][1:], t[1:])

@@ -1,7 +1,10 @@
 """What a decode CUDA graph captures, counted on the CPU (Triton's interpreter): the captured
 region (``DecodeGraphs.forward``: metadata, forward, logits at the padded batch and context
-bucket) launches no more kernels than the eager step, scope by scope; and the metadata
-kernel (``ops/triton/step_meta.py``) equals ``StepMetadata.build`` field by field.
+bucket) launches no more kernels than the eager step, scope by scope; the metadata
+kernel (``ops/triton/step_meta.py``) equals ``StepMetadata.build`` field by field; and
+sampling inside the graphs leaves the host only the copies of the step's sampling rows
+(tiny model, 3 requests: 0 / 4 / 7 launches for greedy / random / filtered steps, against
+1 / 61 / 82 launched after the forward when sampling eagerly).
 
 On the H200 the batch-1 graph replayed 227 kernels against the eager forward's 100
 (2026-12-01-h200-s3-final-graph-gap.json): ~115 of them were the torch ops of
@@ -193,3 +196,83 @@ def test_eager_compile_keys_do_not_follow_the_context(tokens):
         keys.append(counter.compile_keys)
     for other in keys[1:]:
         assert other == keys[0], sorted(other ^ keys[0])
+
+
+def _host_launches(graphs: DecodeGraphs, run) -> dict[str, int]:
+    """Launches of ``run()`` per region: "forward" and "sample" (what the forward and
+    sampler graphs capture) and "outside" (what the host launches itself)."""
+    counter = LaunchCounter()
+
+    def scoped(real, name: str):
+        def call(*args):
+            with counter.scope(name):
+                return real(*args)
+
+        return call
+
+    graphs.forward = scoped(graphs.forward, "forward")
+    graphs.sampling.sample = scoped(graphs.sampling.sample, "sample")
+    try:
+        with counter:
+            run()
+    finally:
+        del graphs.forward, graphs.sampling.sample
+    return {scope: counter.total(scope) for scope in ("outside", "forward", "sample")}
+
+
+@pytest.mark.parametrize("kind", ["greedy", "random", "filters"])
+@torch.inference_mode()
+def test_sampling_in_the_graph_leaves_the_host_only_the_staging_copies(kind, tmp_path):
+    """A decode step of 3 requests padded to 4. Sampling eagerly, the host launches every
+    kernel of the logits processors and ``sample`` after the forward (~50 for a random
+    step); sampling in the graph it launches only the copies of the step's rows into the
+    static buffers, before the replay, and the sampler graph captures what ``sample``
+    launches, plus the greedy pick of mixed batches and the copy of the ids."""
+    from rackserve.model.create import create_checkpoint
+    from rackserve.model.loader import load_model
+    from rackserve.request import SamplingParams
+    from rackserve.runner.graph_sampling import in_graph_sampling
+    from rackserve.runner.logits_processors import apply_logits_processors
+    from rackserve.runner.sampler import sample
+    from rackserve.runner.sampling_tensors import SamplingTensors
+
+    model = load_model(create_checkpoint(tiny_config(3, 4), tmp_path, seed=0))
+    s = synthetic_step(model, BatchSpec.parse("decode:3@35"))
+    buffers = StepBuffers(s.groups, s.input_batch.block_tables, "cpu")
+    graphs = DecodeGraphs(model, s.caches, buffers, s.groups, [4], [64])
+    inputs, writes = s.step.inputs, s.step.table_writes
+    key = graphs.key_for(inputs)
+    params = {
+        "greedy": [SamplingParams(temperature=0)] * 3,
+        "random": [SamplingParams(temperature=0.7, seed=i) for i in range(3)],
+        "filters": [  # every filter used: the eager step runs each of them too
+            SamplingParams(temperature=0.7, top_k=5, seed=0),
+            SamplingParams(temperature=0.7, top_p=0.9, seed=1),
+            SamplingParams(temperature=0.7, min_p=0.1, seed=2),
+        ],
+    }[kind]
+    tensors = SamplingTensors.from_params(
+        params,
+        prompt_token_ids=[[2] * 35] * 3,
+        output_token_ids=[[]] * 3,
+        vocab_size=model.cfg.vocab_size,
+        eos_token_ids=[1],
+    )
+    in_graph = in_graph_sampling(tensors, params)
+    assert in_graph is not None
+
+    def eager() -> None:
+        logits = graphs.run(key, inputs, writes).logits
+        sample(apply_logits_processors(logits, params), tensors)
+
+    base = _host_launches(graphs, lambda: graphs.run(key, inputs, writes))
+    eagerly = _host_launches(graphs, eager)
+    in_graphs = _host_launches(graphs, lambda: graphs.run(key, inputs, writes, None, in_graph))
+    print(kind, {"base": base, "eager": eagerly, "in graph": in_graphs})
+    eager_sampling = eagerly["outside"] - base["outside"]
+    staging = in_graphs["outside"] - base["outside"]
+    assert eagerly["sample"] == 0 and base["sample"] == 0
+    assert staging == {"greedy": 0, "random": 4, "filters": 7}[kind]  # row copies, fills
+    assert eager_sampling >= {"greedy": 1, "random": 50, "filters": 60}[kind]
+    assert in_graphs["sample"] <= eager_sampling + 3
+    assert in_graphs["forward"] == base["forward"]

@@ -40,6 +40,7 @@ from rackserve.model.loader import load_model
 from rackserve.model.presets import tiny_config, v4_flash_config
 from rackserve.request import KVTransferParams, SamplingParams
 from rackserve.runner import model_runner
+from rackserve.runner.cuda_graph import DecodeGraphs
 from rackserve.runner.input_batch import InputBatch
 from rackserve.runner.inputs import BlockTables, ring_widths, table_widths
 from rackserve.spec_decode.checkpoint import spec_cache_groups
@@ -207,8 +208,17 @@ def _record_logits(core: EngineCore, patch: pytest.MonkeyPatch) -> list[torch.Te
         calls.append(logits.detach().clone())
         return sample(logits, *args, **kwargs)
 
+    run = DecodeGraphs.run
+
+    def replayed(graphs: DecodeGraphs, *args, **kwargs):
+        decoded = run(graphs, *args, **kwargs)
+        if decoded.token_ids is not None:  # sampled inside the graphs: no sample() call
+            calls.append(decoded.logits.detach().clone())
+        return decoded
+
     patch.setattr(model, "compute_logits", computed)
     patch.setattr(model_runner, "sample", sampled)
+    patch.setattr(DecodeGraphs, "run", replayed)
     return calls
 
 

@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from rackserve.request import SamplingParams
-from rackserve.runner.sampler import apply_penalties, sample, sampling_noise
+from rackserve.runner.sampler import (
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+    sample,
+    sampling_noise,
+)
 from rackserve.runner.sampling_tensors import SamplingTensors, noise_seed
 
 V = 50
@@ -350,3 +356,22 @@ def test_packing_skips_unused_work():
     assert tensors.num_logprobs is None
     assert not tensors.all_greedy and not tensors.all_random
     assert tensors.temperature.tolist() == [1.0, 1.0]
+
+
+def test_off_filter_values_leave_logits_bit_identical():
+    """top_k = V, top_p = 1 and min_p = 0 change nothing, bit for bit, also where a
+    token's probability underflows to 0 (a wide logit range, -inf entries): a batch in
+    which one row filters leaves the others as they were alone, and the decode graphs
+    pass these values for rows without a filter (runner/graph_sampling.py)."""
+    logits = random_logits(6, seed=9) * 40
+    logits[1, :7] = float("-inf")
+    top_k = torch.full((6,), V, dtype=torch.int64)
+    top_p, min_p = torch.ones(6), torch.zeros(6)
+    assert torch.equal(apply_top_k_top_p(logits, top_k, top_p), logits)
+    assert torch.equal(apply_top_k_top_p(logits, None, top_p), logits)
+    assert torch.equal(apply_min_p(logits, min_p), logits)
+    # a row at the off values beside a row that filters: as when no row filters
+    top_p[0], top_k[2] = 0.5, 3
+    both = apply_top_k_top_p(logits, top_k, top_p)
+    assert torch.equal(both[1], logits[1]) and torch.equal(both[3:], logits[3:])
+    assert not torch.equal(both[0], logits[0]) and not torch.equal(both[2], logits[2])

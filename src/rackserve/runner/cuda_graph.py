@@ -1,4 +1,5 @@
-"""CUDA graphs of uniform decode steps (every request adds one token and samples).
+"""CUDA graphs of uniform decode steps (every request adds one token and samples), and of
+prefill / mixed steps of up to 2048 tokens.
 
 One FULL graph per (padded batch size, context bucket), captured largest first into one
 shared memory pool. A graph reads its inputs from static device buffers (token ids,
@@ -8,16 +9,23 @@ block tables, so they write only into the null block and count no expert load. T
 context bucket fixes the only shapes that depend on context (how many compressed entries
 each query gathers), so one graph serves every step whose longest request fits it.
 
+Each key also has one small sampler graph per ``SamplerVariant`` (greedy, random,
+random with filters), captured right after its forward graph and reading its logits: a
+step whose sampling is graph-safe replays the forward graph and then one sampler graph,
+and reads the sampled ids from a static buffer; other decode steps replay the forward
+graph and sample eagerly. ``runner/graph_sampling.py`` says which steps, and why the
+sampler is not captured into the forward graph.
+
 Steps that are not uniform decode (prefill chunks, mixed steps) of up to
 ``PREFILL_GRAPH_TOKENS[-1]`` tokens replay ``PrefillGraphs``: the same capture with every
 token its own metadata row (its request's block-table row), padded to the next captured
 size (every 256 tokens), returning the hidden states (the runner takes the logits of the
-sampled rows). Below ~4K tokens the eager forward is bound by the host, not the GPU: on the
-H200 (2026-12-04, session 23) the host took 13.0 ms to issue prefill:2048, whose GPU work
-replays in 12.2 ms, and the eager step swung between 12.6 and 17 ms with the host's speed.
-Longer steps run eager on the same code (their launches amortised over the tokens), as do
-contexts past ``PREFILL_GRAPH_MAX_CONTEXT`` (a graph's [T, E] gather plans grow with its
-bucket).
+sampled rows, and samples, eagerly). Below ~4K tokens the eager forward is bound by the
+host, not the GPU: on the H200 (2026-12-04, session 23) the host took 13.0 ms to issue
+prefill:2048, whose GPU work replays in 12.2 ms, and the eager step swung between 12.6 and
+17 ms with the host's speed. Longer steps run eager on the same code (their launches
+amortised over the tokens), as do contexts past ``PREFILL_GRAPH_MAX_CONTEXT`` (a graph's
+[T, E] gather plans grow with its bucket).
 
 What a graph captures beyond the eager forward of the same step (the CPU launch counter
 counts both, tests/runner/test_graph_launches.py): the step's metadata (on a GPU one Triton
@@ -30,6 +38,8 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -38,6 +48,7 @@ from rackserve.config import HCA
 from rackserve.kv.spec import CacheGroupSpec
 from rackserve.model.batch import KVCacheTensors, StepMetadata
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
+from rackserve.runner.graph_sampling import InGraphSampling, SamplerVariant, StaticSampling
 from rackserve.runner.inputs import StepInputs
 from rackserve.runner.step_buffers import StepBuffers
 
@@ -79,7 +90,21 @@ def context_buckets(max_model_len: int) -> list[int]:
     return [b for b in CONTEXT_BUCKETS if b < max_model_len] + [max_model_len]
 
 
-class DecodeGraphs:
+@dataclass(frozen=True)
+class DecodeResult:
+    """A decode step's device results, views of static buffers valid until the next run (which
+    reads ``token_ids`` through its feed before it overwrites them)."""
+
+    logits: torch.Tensor  # [R, V] float32
+    token_ids: torch.Tensor | None  # [R] int64 sampled in the graph; None: sample eagerly
+    expert_counts: torch.Tensor  # [L, E]
+
+
+class _StepGraphs:
+    """What both graph families share: the static inputs (a token's id, position and table
+    row), the captured metadata, capture into one pool, staging and replay. ``forward`` is
+    the captured region of one (size, bucket)."""
+
     def __init__(
         self,
         model: DeepseekV4ForCausalLM,
@@ -133,67 +158,48 @@ class DecodeGraphs:
             token_mask=token_mask,
         )
 
-    def forward(self, b: int, bucket: int) -> torch.Tensor:
-        """The captured region: metadata from the static buffers, forward, logits [b, V]."""
+    def hidden(self, b: int, bucket: int) -> torch.Tensor:
+        """The forward from the static buffers: metadata, then the model: hidden [b, D]."""
         meta = self.metadata(b, bucket)
         self.expert_counts.zero_()
         hidden, _ = self.model(self.input_ids[:b], meta, self.caches, self.expert_counts)
-        return self.model.compute_logits(hidden)
+        return hidden
+
+    def forward(self, b: int, bucket: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _captured(self, key: tuple[int, int], out: torch.Tensor) -> None:
+        """Hook: after the forward graph of ``key`` (output ``out``) is captured."""
 
     @torch.inference_mode()
     def capture(self, log: bool = True) -> None:
         """Capture every (size, bucket), largest first, so smaller graphs reuse the pool."""
         keys = [(b, c) for c in reversed(self.buckets) for b in reversed(self.batch_sizes)]
-        for i, (b, bucket) in enumerate(keys):
-            # warm up on a side stream (kernel selection, autotuning) before capturing
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self.forward(b, bucket)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                logits = self.forward(b, bucket)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[(b, bucket)] = (graph, logits)
+        for i, key in enumerate(keys):
+            graph, out = self._capture(partial(self.forward, *key))
+            self.graphs[key] = (graph, out)
+            self._captured(key, out)
             if log:
                 print(f"\rcapturing CUDA graphs {i + 1}/{len(keys)}", end="", flush=True)
         if log and keys:
             print(flush=True)
 
-    def key_for(self, inputs: StepInputs) -> tuple[int, int] | None:
-        """The graph that serves this step, or None (not uniform decode, or too large)."""
-        if not inputs.is_uniform_decode:
-            return None
-        i = bisect.bisect_left(self.batch_sizes, len(inputs.rows))
-        j = bisect.bisect_left(self.buckets, inputs.max_seq_len)
-        if i == len(self.batch_sizes) or j == len(self.buckets):
-            return None
-        return self.batch_sizes[i], self.buckets[j]
-
-    def run(
-        self,
-        key: tuple[int, int],
-        inputs: StepInputs,
-        table_writes: tuple[np.ndarray, np.ndarray],
-        feed: Callable[[torch.Tensor], None] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replay (or, for a key that was not captured, run the same padded step eagerly:
-        the CPU tests do); returns (the captured output of the step's tokens: logits [R, V]
-        float32, or ``PrefillGraphs``' hidden states [T, D]; expert_counts [L, E]), valid
-        until the next run."""
-        self.stage(key, inputs, table_writes, feed)
-        return self._replay(key)[: len(inputs.input_ids)], self.expert_counts
-
-    def _replay(self, key: tuple[int, int]) -> torch.Tensor:
-        """Graph ``key``'s output after a replay (a key not captured: the same padded step,
-        eagerly)."""
-        if key in self.graphs:
-            graph, out = self.graphs[key]
-            graph.replay()
-            return out
-        return self.forward(*key)
+    def _capture(
+        self, region: Callable[[], torch.Tensor]
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """(graph, output) of ``region`` captured into the shared pool, after a warm-up on a
+        side stream (kernel selection, autotuning)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            region()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = region()
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph, out
 
     def stage(
         self,
@@ -230,8 +236,82 @@ class DecodeGraphs:
         self.rows[:b].copy_(rows_d)
         return extra_d
 
+    def _replay(self, key: tuple[int, int]) -> torch.Tensor:
+        """Graph ``key``'s output after a replay (a key not captured: the same padded step,
+        eagerly)."""
+        if key in self.graphs:
+            graph, out = self.graphs[key]
+            graph.replay()
+            return out
+        return self.forward(*key)
 
-class PrefillGraphs(DecodeGraphs):
+
+class DecodeGraphs(_StepGraphs):
+    """Uniform decode steps per (padded batch size, context bucket): the forward to the
+    logits, and one sampler graph per variant on them."""
+
+    def __init__(
+        self,
+        model: DeepseekV4ForCausalLM,
+        caches: KVCacheTensors,
+        buffers: StepBuffers,
+        groups: Sequence[CacheGroupSpec],
+        batch_sizes: Sequence[int],
+        buckets: Sequence[int],
+    ) -> None:
+        super().__init__(model, caches, buffers, groups, batch_sizes, buckets)
+        self.sampling = StaticSampling(max(batch_sizes), model.cfg.vocab_size, buffers.device)
+        self.sampler_graphs: dict[tuple[int, int, SamplerVariant], torch.cuda.CUDAGraph] = {}
+
+    def forward(self, b: int, bucket: int) -> torch.Tensor:
+        """The captured region: metadata from the static buffers, forward, logits [b, V]."""
+        return self.model.compute_logits(self.hidden(b, bucket))
+
+    def _captured(self, key: tuple[int, int], out: torch.Tensor) -> None:
+        """Its sampler graphs on its logits."""
+        for variant in SamplerVariant:
+            # its warm-up samples whatever the captured logits hold: nobody reads it
+            sampler, _ = self._capture(partial(self.sampling.sample, out, variant))
+            self.sampler_graphs[(*key, variant)] = sampler
+
+    def key_for(self, inputs: StepInputs) -> tuple[int, int] | None:
+        """The graph that serves this step, or None (not uniform decode, or too large)."""
+        if not inputs.is_uniform_decode:
+            return None
+        i = bisect.bisect_left(self.batch_sizes, len(inputs.rows))
+        j = bisect.bisect_left(self.buckets, inputs.max_seq_len)
+        if i == len(self.batch_sizes) or j == len(self.buckets):
+            return None
+        return self.batch_sizes[i], self.buckets[j]
+
+    def run(
+        self,
+        key: tuple[int, int],
+        inputs: StepInputs,
+        table_writes: tuple[np.ndarray, np.ndarray],
+        feed: Callable[[torch.Tensor], None] | None = None,
+        in_graph: InGraphSampling | None = None,
+    ) -> DecodeResult:
+        """Replay the forward graph, and with ``in_graph`` (``in_graph_sampling``: the step
+        samples in the graph) the sampler graph of its variant. A key that was not captured
+        runs the same padded regions eagerly (the CPU tests do)."""
+        self.stage(key, inputs, table_writes, feed)
+        if in_graph is not None:
+            self.sampling.stage(in_graph)
+        logits = self._replay(key)
+        num_reqs = len(inputs.rows)
+        token_ids = None
+        if in_graph is not None:
+            sampler = self.sampler_graphs.get((*key, in_graph.variant))
+            if sampler is not None:
+                sampler.replay()
+            else:
+                self.sampling.sample(logits, in_graph.variant)
+            token_ids = self.sampling.token_ids[:num_reqs]
+        return DecodeResult(logits[:num_reqs], token_ids, self.expert_counts)
+
+
+class PrefillGraphs(_StepGraphs):
     """Graphs of the steps ``DecodeGraphs`` does not serve: prefill chunks and mixed steps of
     up to ``max(sizes)`` tokens, padded to the next captured size (padded tokens at position
     0 on the null row, masked), in context buckets up to ``PREFILL_GRAPH_MAX_CONTEXT``. The
@@ -253,10 +333,18 @@ class PrefillGraphs(DecodeGraphs):
 
     def forward(self, t: int, bucket: int) -> torch.Tensor:
         """The captured region: metadata from the static buffers, forward: hidden [t, D]."""
-        meta = self.metadata(t, bucket)
-        self.expert_counts.zero_()
-        hidden, _ = self.model(self.input_ids[:t], meta, self.caches, self.expert_counts)
-        return hidden
+        return self.hidden(t, bucket)
+
+    def key_for(self, inputs: StepInputs) -> tuple[int, int] | None:
+        """The graph that serves this step: None for uniform decode (``DecodeGraphs``') and
+        for steps past the largest size or bucket."""
+        if inputs.is_uniform_decode or not self.buckets:
+            return None
+        i = bisect.bisect_left(self.batch_sizes, len(inputs.input_ids))
+        j = bisect.bisect_left(self.buckets, inputs.max_seq_len)
+        if i == len(self.batch_sizes) or j == len(self.buckets):
+            return None
+        return self.batch_sizes[i], self.buckets[j]
 
     def run(
         self,
@@ -270,14 +358,3 @@ class PrefillGraphs(DecodeGraphs):
         [S] on the device)."""
         (logits_indices,) = self.stage(key, inputs, table_writes, feed, [inputs.logits_indices])
         return self._replay(key)[: len(inputs.input_ids)], self.expert_counts, logits_indices
-
-    def key_for(self, inputs: StepInputs) -> tuple[int, int] | None:
-        """The graph that serves this step: None for uniform decode (``DecodeGraphs``') and
-        for steps past the largest size or bucket."""
-        if inputs.is_uniform_decode or not self.buckets:
-            return None
-        i = bisect.bisect_left(self.batch_sizes, len(inputs.input_ids))
-        j = bisect.bisect_left(self.buckets, inputs.max_seq_len)
-        if i == len(self.batch_sizes) or j == len(self.buckets):
-            return None
-        return self.batch_sizes[i], self.buckets[j]

@@ -2,9 +2,10 @@
 
 It owns the cache tensors and per-request state (token ids, block tables, sampling rows) and
 makes no policy: it computes exactly the tokens it was granted. A uniform decode step
-replays a captured CUDA graph (``cuda_graph.py``), as does a prefill / mixed step of up to
-2048 tokens (``PrefillGraphs``); other steps run the same forward eagerly. Nothing waits for
-the device before the sampled token ids are read back.
+replays a captured CUDA graph (``cuda_graph.py``) and samples inside the graphs when its
+sampling allows (``graph_sampling.py``); a prefill / mixed step of up to 2048 tokens replays
+one too (``PrefillGraphs``) and samples after it; other steps run the same forward eagerly.
+Nothing waits for the device before the sampled token ids are read back.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from rackserve.engine.outputs import RunnerOutput, SchedulerOutput, TokenLogprob
 from rackserve.kv.spec import CacheGroupSpec
 from rackserve.model.batch import KVCacheTensors
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
+from rackserve.request import SamplingParams
 from rackserve.runner.cuda_graph import (
     DecodeGraphs,
     PrefillGraphs,
@@ -27,6 +29,7 @@ from rackserve.runner.cuda_graph import (
     graph_batch_sizes,
     prefill_graph_sizes,
 )
+from rackserve.runner.graph_sampling import in_graph_sampling
 from rackserve.runner.input_batch import InputBatch, PreparedStep, RunnerRequest
 from rackserve.runner.inputs import StepInputs, ring_widths
 from rackserve.runner.logits_processors import apply_logits_processors
@@ -198,8 +201,9 @@ class ModelRunner:
         return fed
 
     def _run(self, step: PreparedStep, feed: Callable[[torch.Tensor], None] | None) -> DeviceStep:
-        """The device work of a step: forward, logits processors, sampling, the copy of the
-        sampled ids to the host (an event marks it on a GPU)."""
+        """The device work of a step: forward, logits processors, sampling (inside the
+        decode graphs when the step allows), the copy of the sampled ids to the host (an
+        event marks it on a GPU)."""
         with torch.inference_mode():
             timer = StepTimer(self.device)
             reqs, inputs = step.reqs, step.inputs
@@ -208,10 +212,21 @@ class ModelRunner:
             verify_key = None
             if verify_graphs is not None:
                 verify_key = verify_graphs.key_for(inputs, step.num_draft_tokens)
+            # rows per sampled request: 1, or 1 + drafts for a verify step
+            num_rows = [m + 1 for m in step.num_draft_tokens] or [1] * len(step.sampled_reqs)
+            row_params = [
+                r.sampling_params
+                for r, n in zip(step.sampled_reqs, num_rows, strict=True)
+                for _ in range(n)
+            ]
             prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
             streams: torch.Tensor | None = None  # [T, N, D] final streams (eager, verify graphs)
+            token_ids = None  # [S'] sampled inside the decode graphs
             if key is not None:
-                logits, expert_counts = self.graphs.run(key, inputs, step.table_writes, feed)
+                in_graph = in_graph_sampling(step.sampling, row_params)
+                decoded = self.graphs.run(key, inputs, step.table_writes, feed, in_graph)
+                logits, token_ids = decoded.logits, decoded.token_ids
+                expert_counts = decoded.expert_counts
             elif verify_key is not None:
                 assert verify_graphs is not None and feed is None  # no async with speculation
                 logits, streams, expert_counts = verify_graphs.run(
@@ -237,28 +252,10 @@ class ModelRunner:
                     reqs, inputs.query_start_loc, inputs.num_computed_tokens, hidden
                 )
                 logits = self.model.compute_logits(hidden[logits_indices])  # [S', V]
-            sampled_reqs = step.sampled_reqs
-            # rows per sampled request: 1, or 1 + drafts for a verify step
-            num_rows = [m + 1 for m in step.num_draft_tokens] or [1] * len(sampled_reqs)
-            row_params = [
-                r.sampling_params
-                for r, n in zip(sampled_reqs, num_rows, strict=True)
-                for _ in range(n)
-            ]
-            # hook (issue 15): logit_bias and structured output, runner/logits_processors.py;
-            # the grammar masks are filled on the host while the device runs the forward
-            structured = self.structured_outputs
-            bitmask = structured.bitmask(sampled_reqs) if structured is not None else None
-            if bitmask is not None and len(row_params) > len(sampled_reqs):
-                repeats = torch.tensor(num_rows, device=bitmask.device)
-                bitmask = bitmask.repeat_interleave(repeats, dim=0)
-            logits = apply_logits_processors(logits, row_params, bitmask)
-            out = None
-            if step.sampling is not None:
-                resample = None  # sampled drafts: the rejection rule (spec_decode/verify.py)
-                if self.proposer is not None:
-                    resample = self.proposer.resampler(sampled_reqs, num_rows, step.sampling)
-                out = sample(logits, step.sampling, resample)
+            if token_ids is not None:  # graph-safe sampling asks no logprobs
+                out = SamplerOutput(token_ids, logprobs=None)
+            else:
+                out = self._sample(step, logits, row_params, num_rows)
             host_ids = None if out is None else to_host(out.token_ids)
             return DeviceStep(
                 out=None if out is None else output_to_host(out),
@@ -270,6 +267,32 @@ class ModelRunner:
                 streams=streams,
                 timer=timer.stop(),
             )
+
+    def _sample(
+        self,
+        step: PreparedStep,
+        logits: torch.Tensor,
+        row_params: list[SamplingParams],
+        num_rows: list[int],
+    ) -> SamplerOutput | None:
+        """Eager sampling after the forward: the logits processors, then ``sample`` (with
+        the drafts' rejection rule when verifying). logits: [S', V]; None when no request
+        samples (prefill chunks only)."""
+        sampled_reqs = step.sampled_reqs
+        # hook (issue 15): logit_bias and structured output, runner/logits_processors.py;
+        # the grammar masks are filled on the host while the device runs the forward
+        structured = self.structured_outputs
+        bitmask = structured.bitmask(sampled_reqs) if structured is not None else None
+        if bitmask is not None and len(row_params) > len(sampled_reqs):
+            repeats = torch.tensor(num_rows, device=bitmask.device)
+            bitmask = bitmask.repeat_interleave(repeats, dim=0)
+        logits = apply_logits_processors(logits, row_params, bitmask)
+        if step.sampling is None:
+            return None
+        resample = None  # sampled drafts: the rejection rule (spec_decode/verify.py)
+        if self.proposer is not None:
+            resample = self.proposer.resampler(sampled_reqs, num_rows, step.sampling)
+        return sample(logits, step.sampling, resample)
 
     @torch.inference_mode()
     def collect(self, handle: StepHandle) -> RunnerOutput:

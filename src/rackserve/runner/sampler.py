@@ -112,7 +112,8 @@ def apply_penalties(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Ten
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Drop tokens whose probability is below min_p times the row's top probability.
 
-    logits: [R, V] (temperature already applied); min_p: [R].
+    logits: [R, V] (temperature already applied); min_p: [R]. A row at min_p = 0 comes back
+    bit-identical (no probability is below 0).
     """
     probs = logits.softmax(dim=-1)
     threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [R, 1]
@@ -125,7 +126,10 @@ def apply_top_k_top_p(
     """Keep each row's k best tokens, then the smallest set holding top_p of the mass.
 
     logits: [R, V]; top_k: [R] int64 (V = off); top_p: [R] (1.0 = off). Ties with the k-th
-    logit are kept. One ascending sort serves both filters.
+    logit are kept. One ascending sort serves both filters. A row at the off value comes
+    back bit-identical, so a batch where one row filters leaves the others as they were
+    alone, and a decode graph can pass the off values for rows without a filter
+    (runner/graph_sampling.py).
     """
     if top_k is None and top_p is None:
         return logits
@@ -137,9 +141,11 @@ def apply_top_k_top_p(
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_value, float("-inf"))
     if top_p is not None:
         # The ascending cumulative mass of the tail; a token is dropped when the tail up to
-        # and including it still holds no more than 1 - top_p.
+        # and including it still holds no more than 1 - top_p. At top_p = 1 that bound would
+        # be 0 and drop the tokens whose probability underflows to 0: -1 keeps them.
         tail_mass = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = tail_mass <= (1.0 - top_p).unsqueeze(1)
+        bound = torch.where(top_p < 1.0, 1.0 - top_p, -1.0)  # [R]
+        drop = tail_mass <= bound.unsqueeze(1)
         drop[:, -1] = False  # the best token always survives, whatever the rounding
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)

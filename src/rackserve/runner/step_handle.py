@@ -70,7 +70,10 @@ class DeviceStep:
 
     out: SamplerOutput | None  # None: nothing sampled (prefill chunks only); on the host
     host_token_ids: torch.Tensor | None  # [S'] sampled ids on the host (pinned on a GPU)
-    device_token_ids: torch.Tensor | None  # [S'] the same on the device (the next step's feed)
+    # [S'] the same on the device, for the next step's feed; after sampling in the decode
+    # graphs a view of their static output, which the next step's run reads (feed) before
+    # its replay overwrites it
+    device_token_ids: torch.Tensor | None
     num_rows: list[int]  # logits rows per sampled request (1, or 1 + drafts)
     prompt_logprobs: dict[str, list[TokenLogprobs | None]]
     expert_counts: torch.Tensor  # [L, E]
@@ -89,9 +92,11 @@ class StepHandle:
 
 
 def to_host(token_ids: torch.Tensor) -> torch.Tensor:
-    """[S'] sampled ids -> host, without waiting on a GPU (pinned, non-blocking)."""
+    """[S'] sampled ids -> a host copy, without waiting on a GPU (pinned, non-blocking).
+    Always a copy: the ids may live in a decode graph's static output, which the next step
+    overwrites before this one is collected (async scheduling)."""
     if token_ids.device.type != "cuda":
-        return token_ids
+        return token_ids.clone()
     host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
     host.copy_(token_ids, non_blocking=True)
     return host
