@@ -108,11 +108,11 @@ def main() -> None:
             row = {"mode": mode, "prefetch_mb": mb, "gemv_us": times[len(times) // 2],
                    "weight_mb": w.numel() * 2 / 2**20}  # fmt: skip
             results.append(row)
-            print(
-                f"{mode:6s} prefetch {mb:3d} MB of {row['weight_mb']:.0f}: GEMV {row['gemv_us']:.1f} us"
-            )
+            mb_of = f"{mb:3d} MB of {row['weight_mb']:.0f}"
+            print(f"{mode:6s} prefetch {mb_of}: GEMV {row['gemv_us']:.1f} us")
     if args.output:
-        json.dump(results, open(args.output, "w"), indent=1)
+        with open(args.output, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":
