@@ -3,7 +3,10 @@ else the CPU under Triton's interpreter) and the tolerances of GPU_FASTPATH.md s
 
 from __future__ import annotations
 
+import pytest
 import torch
+
+from rackserve.ops import reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -30,3 +33,29 @@ def assert_bf16_close(got: torch.Tensor, ref_bf16: torch.Tensor, ref_fp32: torch
     allowed = 2 * (ref_bf16.float() - ref_fp32).abs() + 1e-3
     violations = (err > allowed).float().mean().item()
     assert violations <= 1e-3, f"{violations:.4%} of elements out of tolerance"
+
+
+def check_raw_q(attn, args: tuple, check) -> None:
+    """``q_norm_eps`` on ``attn.paged_sparse_attention`` (``args`` with cos, sin): a raw q
+    (wq_b's output: here not unit-RMS, with a nonzero mean) is normed and rotated as the
+    prologue does before attending, and a raw q without RoPE is refused. ``check(attn,
+    args)``: the op against the reference, returning its output."""
+    dtype = args[0].dtype
+    raw = (args[0].float() * 5 + 1).to(dtype)
+    args = (raw, *args[1:])
+    got = attn.paged_sparse_attention(*args, q_norm_eps=1e-6)
+    normed = reference.rms_norm_rope(raw, None, 1e-6, args[-2], args[-1])
+    want = reference.paged_sparse_attention(*args, q_norm_eps=1e-6)
+    assert torch.equal(want, reference.paged_sparse_attention(normed, *args[1:]))
+    # the kernel on the prologue's q (checked against the reference): in bf16 the
+    # interpreter's norm is the reference's bit for bit; fp32 sums and a GPU's bf16 norm may
+    # round an element the other way
+    on_normed = check(attn, (normed, *args[1:]))
+    if dtype == torch.float32:
+        assert_fp32_close(got, on_normed)
+    elif DEVICE == "cpu":
+        assert torch.equal(got, on_normed)
+    else:
+        assert (got - on_normed).abs().max().item() <= 0.02 * on_normed.abs().max().item()
+    with pytest.raises(ValueError, match="q_norm_eps"):
+        attn.paged_sparse_attention(*args[:-2], q_norm_eps=1e-6)

@@ -20,7 +20,7 @@ import torch
 
 from rackserve.ops import reference
 
-from kernel_checks import DEVICE, as_fp32, assert_bf16_close, assert_fp32_close
+from kernel_checks import DEVICE, as_fp32, assert_bf16_close, assert_fp32_close, check_raw_q
 
 WA = 16
 CASES = list(itertools.product((1, 3, 9), (4, 16), (0, 8, 24)))  # (S, H, Wb)
@@ -138,24 +138,7 @@ def test_raw_q_is_normed_and_rotated_first(attn, dtype):
     """q_norm_eps: the op takes wq_b's raw q and applies the prologue's unweighted norm +
     RoPE before attending (the model's prefill path); a raw q without RoPE is refused."""
     args = make_case(3, 16, 8, dtype, seed=5, rope_dim=16)
-    raw = (args[0].float() * 5 + 1).to(dtype)  # not unit-RMS, a nonzero mean
-    args = (raw, *args[1:])
-    got = attn.paged_sparse_attention(*args, q_norm_eps=1e-6)
-    normed = reference.rms_norm_rope(raw, None, 1e-6, args[-2], args[-1])
-    want = reference.paged_sparse_attention(*args, q_norm_eps=1e-6)
-    assert torch.equal(want, reference.paged_sparse_attention(normed, *args[1:]))
-    # the kernel on the prologue's q (checked against the reference by the tests above):
-    # in bf16 the interpreter's norm is the reference's bit for bit; fp32 sums and a GPU's
-    # bf16 norm may round an element the other way
-    on_normed = check(attn, (normed, *args[1:]))
-    if dtype == torch.float32:
-        assert_fp32_close(got, on_normed)
-    elif DEVICE == "cpu":
-        assert torch.equal(got, on_normed)
-    else:
-        assert (got - on_normed).abs().max().item() <= 0.02 * on_normed.abs().max().item()
-    with pytest.raises(ValueError, match="q_norm_eps"):
-        attn.paged_sparse_attention(*args[:-2], q_norm_eps=1e-6)
+    check_raw_q(attn, args, check)
 
 
 @pytest.mark.parametrize(

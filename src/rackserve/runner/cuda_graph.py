@@ -236,6 +236,15 @@ class _StepGraphs:
         self.rows[:b].copy_(rows_d)
         return extra_d
 
+    def _padded_key(self, inputs: StepInputs) -> tuple[int, int] | None:
+        """(the first size >= the step's tokens, the first bucket >= its longest request),
+        or None past the largest of either."""
+        i = bisect.bisect_left(self.batch_sizes, len(inputs.input_ids))
+        j = bisect.bisect_left(self.buckets, inputs.max_seq_len)
+        if i == len(self.batch_sizes) or j == len(self.buckets):
+            return None
+        return self.batch_sizes[i], self.buckets[j]
+
     def _replay(self, key: tuple[int, int]) -> torch.Tensor:
         """Graph ``key``'s output after a replay (a key not captured: the same padded step,
         eagerly)."""
@@ -276,13 +285,7 @@ class DecodeGraphs(_StepGraphs):
 
     def key_for(self, inputs: StepInputs) -> tuple[int, int] | None:
         """The graph that serves this step, or None (not uniform decode, or too large)."""
-        if not inputs.is_uniform_decode:
-            return None
-        i = bisect.bisect_left(self.batch_sizes, len(inputs.rows))
-        j = bisect.bisect_left(self.buckets, inputs.max_seq_len)
-        if i == len(self.batch_sizes) or j == len(self.buckets):
-            return None
-        return self.batch_sizes[i], self.buckets[j]
+        return self._padded_key(inputs) if inputs.is_uniform_decode else None
 
     def run(
         self,
@@ -338,13 +341,7 @@ class PrefillGraphs(_StepGraphs):
     def key_for(self, inputs: StepInputs) -> tuple[int, int] | None:
         """The graph that serves this step: None for uniform decode (``DecodeGraphs``') and
         for steps past the largest size or bucket."""
-        if inputs.is_uniform_decode or not self.buckets:
-            return None
-        i = bisect.bisect_left(self.batch_sizes, len(inputs.input_ids))
-        j = bisect.bisect_left(self.buckets, inputs.max_seq_len)
-        if i == len(self.batch_sizes) or j == len(self.buckets):
-            return None
-        return self.batch_sizes[i], self.buckets[j]
+        return None if inputs.is_uniform_decode else self._padded_key(inputs)
 
     def run(
         self,
