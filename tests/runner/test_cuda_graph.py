@@ -4,6 +4,7 @@ device block tables follow the host tables by deltas."""
 
 from __future__ import annotations
 
+import gc
 import random
 
 import numpy as np
@@ -20,6 +21,7 @@ from rackserve.runner.cuda_graph import (
     DecodeGraphs,
     PrefillGraphs,
     context_buckets,
+    frozen_gc,
     graph_batch_sizes,
     graph_serves,
     prefill_graph_sizes,
@@ -134,6 +136,18 @@ def test_prefill_graphs_leave_decode_and_long_steps(model):
     assert graph_serves(longer) and graphs.key_for(longer) is None  # past this one's 256
     longest = synthetic_step(model, BatchSpec.parse("prefill:2100")).step.inputs
     assert not graph_serves(longest)
+
+
+def test_captures_run_with_the_collector_frozen():
+    """``frozen_gc``: what is alive before the captures is frozen (each capture's
+    ``gc.collect()`` skips it) and thawed after, also when a capture raises."""
+    alive = [object() for _ in range(100)]
+    with frozen_gc():
+        assert gc.get_freeze_count() >= len(alive)
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(RuntimeError), frozen_gc():
+        raise RuntimeError("capture failed")
+    assert gc.get_freeze_count() == 0
 
 
 def test_device_tables_follow_host_tables_by_deltas():

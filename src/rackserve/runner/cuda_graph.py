@@ -37,9 +37,12 @@ launch per compressed layer even when no window closes (its candidates write the
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Sequence
+import contextlib
+import gc
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
@@ -67,6 +70,33 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """Padded batch sizes to capture: the listed sizes up to the first >= max_num_seqs."""
     sizes = [b for b in BATCH_SIZES if b < max_num_seqs]
     return [*sizes, next((b for b in BATCH_SIZES if b >= max_num_seqs), BATCH_SIZES[-1])]
+
+
+@contextlib.contextmanager
+def frozen_gc() -> Iterator[None]:
+    """Python's garbage collector frozen while graphs are captured: ``torch.cuda.graph``
+    runs ``gc.collect()`` at every capture, which then skips the objects alive before (the
+    model, the engine), as vLLM's capture does."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def capture_region(region: Callable[[], Any], pool=None) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """(graph, output) of ``region`` captured into ``pool`` (None: a new one, the graph's),
+    after a warm-up run on a side stream (kernel selection, autotuning)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        region()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = region()
+    return graph, out
 
 
 def prefill_graph_sizes(max_num_batched_tokens: int) -> list[int]:
@@ -175,28 +205,19 @@ class _StepGraphs:
     def capture(self, log: bool = True) -> None:
         """Capture every (size, bucket), largest first, so smaller graphs reuse the pool."""
         keys = [(b, c) for c in reversed(self.buckets) for b in reversed(self.batch_sizes)]
-        for i, key in enumerate(keys):
-            graph, out = self._capture(partial(self.forward, *key))
-            self.graphs[key] = (graph, out)
-            self._captured(key, out)
-            if log:
-                print(f"\rcapturing CUDA graphs {i + 1}/{len(keys)}", end="", flush=True)
+        with frozen_gc():
+            for i, key in enumerate(keys):
+                graph, out = self._capture(partial(self.forward, *key))
+                self.graphs[key] = (graph, out)
+                self._captured(key, out)
+                if log:
+                    print(f"\rcapturing CUDA graphs {i + 1}/{len(keys)}", end="", flush=True)
         if log and keys:
             print(flush=True)
 
-    def _capture(
-        self, region: Callable[[], torch.Tensor]
-    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """(graph, output) of ``region`` captured into the shared pool, after a warm-up on a
-        side stream (kernel selection, autotuning)."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            region()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = region()
+    def _capture(self, region: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+        """(graph, output) of ``region`` captured into the shared pool."""
+        graph, out = capture_region(region, self.pool)
         if self.pool is None:
             self.pool = graph.pool()
         return graph, out

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 
 import numpy as np
 import torch
@@ -33,6 +34,7 @@ import torch
 from rackserve.kv.spec import CacheGroupSpec
 from rackserve.model.batch import StepMetadata, compressed_ratios
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
+from rackserve.runner.cuda_graph import capture_region, frozen_gc
 from rackserve.runner.inputs import StepInputs
 from rackserve.runner.step_buffers import StepBuffers
 
@@ -59,20 +61,15 @@ class _GraphSet:
         """Capture ``forward(B, bucket)`` for every key; ``pool``: share another set's."""
         self.pool = pool
         keys = [(b, c) for c in reversed(self.buckets) for b in reversed(self.batch_sizes)]
-        for i, (b, bucket) in enumerate(keys):
-            side = torch.cuda.Stream()  # warm-up (kernel selection, autotuning) off-graph
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                forward(b, bucket)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                outputs = forward(b, bucket)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[(b, bucket)] = (graph, outputs)
-            if log:
-                print(f"\rcapturing speculation graphs {i + 1}/{len(keys)}", end="", flush=True)
+        with frozen_gc():
+            for i, (b, bucket) in enumerate(keys):
+                graph, outputs = capture_region(partial(forward, b, bucket), self.pool)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[(b, bucket)] = (graph, outputs)
+                if log:
+                    done = f"{i + 1}/{len(keys)}"
+                    print(f"\rcapturing speculation graphs {done}", end="", flush=True)
         if log and keys:
             print(flush=True)
         return self.pool
