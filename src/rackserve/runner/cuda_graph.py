@@ -376,3 +376,26 @@ class PrefillGraphs(_StepGraphs):
         [S] on the device)."""
         (logits_indices,) = self.stage(key, inputs, table_writes, feed, [inputs.logits_indices])
         return self._replay(key)[: len(inputs.input_ids)], self.expert_counts, logits_indices
+
+
+def capture_step_graphs(
+    model: DeepseekV4ForCausalLM,
+    caches: KVCacheTensors,
+    buffers: StepBuffers,
+    groups: Sequence[CacheGroupSpec],
+    max_num_reqs: int,
+    max_model_len: int,
+    max_step_tokens: int,
+    log: bool = True,
+) -> tuple[PrefillGraphs, DecodeGraphs]:
+    """A runner's graphs, captured: the prefill / mixed steps' first (the larger graphs),
+    then the decode steps' into the same pool."""
+    buckets = context_buckets(max_model_len)
+    prefill = PrefillGraphs(
+        model, caches, buffers, groups, prefill_graph_sizes(max_step_tokens), buckets
+    )
+    prefill.capture(log=log)
+    decode = DecodeGraphs(model, caches, buffers, groups, graph_batch_sizes(max_num_reqs), buckets)
+    decode.pool = prefill.pool
+    decode.capture(log=log)
+    return prefill, decode

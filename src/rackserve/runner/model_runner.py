@@ -25,14 +25,15 @@ from rackserve.request import SamplingParams
 from rackserve.runner.cuda_graph import (
     DecodeGraphs,
     PrefillGraphs,
+    capture_step_graphs,
     context_buckets,
     graph_batch_sizes,
-    prefill_graph_sizes,
 )
 from rackserve.runner.graph_sampling import in_graph_sampling
 from rackserve.runner.input_batch import InputBatch, PreparedStep, RunnerRequest
 from rackserve.runner.inputs import StepInputs, ring_widths
 from rackserve.runner.logits_processors import apply_logits_processors
+from rackserve.runner.prompt_logprobs import accumulate_prompt_logprobs
 from rackserve.runner.sampler import SamplerOutput, sample
 from rackserve.runner.step_buffers import StepBuffers
 from rackserve.runner.step_handle import (
@@ -130,26 +131,10 @@ class ModelRunner:
             )
         self.prefill_graphs: PrefillGraphs | None = None
         if self.device.type == "cuda" and not enforce_eager and speculative is None:
-            # prefill / mixed steps first (the larger graphs); the decode graphs share the pool
-            self.prefill_graphs = PrefillGraphs(
-                model,
-                self.caches,
-                self.buffers,
-                groups,
-                prefill_graph_sizes(max_step_tokens),
-                context_buckets(max_model_len),
-            )
-            self.prefill_graphs.capture(log=log)
-            self.graphs = DecodeGraphs(
-                model,
-                self.caches,
-                self.buffers,
-                groups,
-                graph_batch_sizes(max_num_reqs),
-                context_buckets(max_model_len),
-            )
-            self.graphs.pool = self.prefill_graphs.pool
-            self.graphs.capture(log=log)
+            self.prefill_graphs, self.graphs = capture_step_graphs(
+                model, self.caches, self.buffers, groups, max_num_reqs, max_model_len,
+                max_step_tokens, log,
+            )  # fmt: skip
 
     # ---- one step -----------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -248,9 +233,10 @@ class ModelRunner:
                         feed(input_ids)
                     expert_counts = self.expert_counts.zero_()
                     hidden, streams = self.model(input_ids, meta, self.caches, expert_counts)
-                prompt_logprobs = self._prompt_logprobs(
-                    reqs, inputs.query_start_loc, inputs.num_computed_tokens, hidden
-                )
+                prompt_logprobs = accumulate_prompt_logprobs(
+                    self.model.compute_logits, reqs, inputs.query_start_loc,
+                    inputs.num_computed_tokens, hidden,
+                )  # fmt: skip
                 logits = self.model.compute_logits(hidden[logits_indices])  # [S', V]
             if token_ids is not None:  # graph-safe sampling asks no logprobs
                 out = SamplerOutput(token_ids, logprobs=None)
@@ -402,47 +388,6 @@ class ModelRunner:
         )
         proposals = self.proposer.propose(step)
         return {r.req_id: p for r, p, w in zip(reqs, proposals, wants, strict=True) if w}
-
-    def _prompt_logprobs(
-        self,
-        reqs: list[RunnerRequest],
-        starts: list[int],
-        computed: list[int],
-        hidden: torch.Tensor,
-    ) -> dict[str, list[TokenLogprobs | None]]:
-        """Accumulate prompt logprobs chunk by chunk; hand them out when the prompt ends.
-
-        ::
-
-            prompt     t0    t1  ...  t[c]  ...  t[c+n-1]  ...  t[P-1]
-            entry      None  lp(t1 | t0) ... entry j scores t[j] from position j-1
-
-        The scheduler computes such a prompt from position 0 (no prefix hit), so every entry
-        is computed once, in order. A request resumed after preemption has outputs and got
-        its prompt logprobs already. One device-to-host copy per tensor per chunk.
-        """
-        done: dict[str, list[TokenLogprobs | None]] = {}
-        for k, r in enumerate(reqs):
-            num = r.sampling_params.prompt_logprobs
-            c = computed[k]
-            if num is None or c >= r.num_prompt_tokens or len(r.token_ids) > r.num_prompt_tokens:
-                continue
-            if c == 0:
-                r.prompt_logprobs = [None]  # the first prompt token has no logprob
-            end = min(starts[k + 1] - starts[k], r.num_prompt_tokens - 1 - c)
-            if end > 0:
-                logits = self.model.compute_logits(hidden[starts[k] : starts[k] + end])
-                lp = logits.float().log_softmax(dim=-1)  # [end, V]
-                targets = torch.tensor(r.token_ids[c + 1 : c + 1 + end], device=lp.device)
-                chosen = lp.gather(1, targets[:, None])  # [end, 1]
-                ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
-                top = lp.topk(num, dim=-1)  # [end, num] each (num may be 0)
-                ids = torch.cat([targets[:, None], top.indices], dim=1).tolist()
-                values = torch.cat([chosen, top.values], dim=1).tolist()
-                r.prompt_logprobs.extend(map(TokenLogprobs, ids, values, ranks))
-            if c + starts[k + 1] - starts[k] >= r.num_prompt_tokens:
-                done[r.req_id] = r.prompt_logprobs
-        return done
 
 
 def _sampled(inputs: StepInputs) -> list[int]:
