@@ -34,6 +34,16 @@ _SEGMENT_ROWS = tl.constexpr(16)  # segments of counts _counts_before reads a lo
 
 
 @triton.jit
+def _chunk_ids(ids_ptr, first, off, num_pairs, pairs_per_segment, CHUNK: tl.constexpr):
+    """The chunk at ``off`` of the segment starting at pair ``first``: (pair [CHUNK], in
+    the segment and the pairs, its expert id or -1)."""
+    local = off + tl.arange(0, CHUNK)
+    pair = first + local
+    ok = (pair < num_pairs) & (local < pairs_per_segment)
+    return pair, ok, tl.load(ids_ptr + pair, mask=ok, other=-1)
+
+
+@triton.jit
 def _segment_counts(
     ids_ptr,
     seg,
@@ -49,10 +59,7 @@ def _segment_counts(
     counts = tl.zeros((BLOCK_E,), tl.int32)
     first = seg * pairs_per_segment
     for off in range(0, pairs_per_segment, CHUNK):
-        local = off + tl.arange(0, CHUNK)
-        pair = first + local
-        ok = (pair < num_pairs) & (local < pairs_per_segment)
-        ids = tl.load(ids_ptr + pair, mask=ok, other=-1)
+        _, _, ids = _chunk_ids(ids_ptr, first, off, num_pairs, pairs_per_segment, CHUNK)
         hit = (ids[:, None] == experts[None, :]) & (experts[None, :] < num_experts)
         counts += tl.sum(hit.to(tl.int32), axis=0)
     return counts
@@ -141,10 +148,7 @@ def align_pairs(
     running = starts + before
     first = seg * pairs_per_segment
     for off in range(0, pairs_per_segment, CHUNK):
-        local = off + tl.arange(0, CHUNK)
-        pair = first + local
-        ok = (pair < num_pairs) & (local < pairs_per_segment)
-        ids = tl.load(ids_ptr + pair, mask=ok, other=-1)
+        pair, _, ids = _chunk_ids(ids_ptr, first, off, num_pairs, pairs_per_segment, CHUNK)
         row, routed, running = _chunk_rows(ids, running, num_experts, BLOCK_E)
         # ids outside [0, E) go nowhere
         tl.store(sorted_ptr + row, pair.to(tl.int32), mask=routed)
@@ -272,10 +276,7 @@ def moe_sort_kernel(
     running = ends - total + before  # the next row of each expert for this segment
     first = seg * pairs_per_segment
     for off in range(0, pairs_per_segment, CHUNK):
-        local = off + tl.arange(0, CHUNK)
-        pair = first + local
-        ok = (pair < num_pairs) & (local < pairs_per_segment)
-        ids = tl.load(ids_ptr + pair, mask=ok, other=-1)
+        pair, ok, ids = _chunk_ids(ids_ptr, first, off, num_pairs, pairs_per_segment, CHUNK)
         row, _, running = _chunk_rows(ids, running, num_experts, BLOCK_E)
         tl.store(token_ptr + row, (pair // top_k).to(tl.int32), mask=ok)
         tl.store(inverse_ptr + pair, row.to(tl.int32), mask=ok)
