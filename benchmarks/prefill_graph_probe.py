@@ -20,6 +20,7 @@ import statistics
 import torch
 
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
+from rackserve.runner.cuda_graph import capture_region
 
 from bench_timing import bench_model, eager_step, events_ms, host_ms
 
@@ -33,14 +34,7 @@ def probe(model: DeepseekV4ForCausalLM, text: str, iters: int) -> dict:
     record: dict = {"batch": text, "eager_ms": events_ms(run, iters)}
     record["enqueue_ms"] = host_ms(run, iters)
     try:
-        graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run()
-        torch.cuda.current_stream().wait_stream(side)
-        with torch.cuda.graph(graph):
-            run()
+        graph, _ = capture_region(run)
         graph.replay()
         torch.cuda.synchronize()
         record["graph_ms"] = events_ms(graph.replay, iters)
