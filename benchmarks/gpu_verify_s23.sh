@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks session 23 ran out of device time for (~6 minutes): every graph path after
+# The GPU checks session 23 ran out of device time for (~7 minutes): every graph path after
 # the capture refactor (capture_region, frozen_gc, capture_step_graphs; 376b30e, 61c9a81),
 # the rewritten async feed test, the prefill-graph test's mixed case, the speculation
 # graphs; then l2_prefetch_probe (fixed after call 5), and sampling in the decode graphs
@@ -15,6 +15,11 @@ t=$(cap 200); echo "== graph tests (${t}s)"
   tests/spec_decode/test_spec_graphs_gpu.py tests/runner/test_ring_tables.py \
   -k "prefill_graph or bit_identical or captured or cuda or gpu" > "$R/pytest_graphs.log" 2>&1
 tail -3 "$R/pytest_graphs.log"
+t=$(cap 80); echo "== MoE align / sort tests (${t}s; 75fa072 shared their chunk load)"
+((t)) && timeout "$t" python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider -rf \
+  tests/ops/test_prefill_moe.py tests/ops/test_fused_moe.py -k "sort or align" \
+  > "$R/pytest_moe.log" 2>&1
+tail -3 "$R/pytest_moe.log"
 t=$(cap 40); echo "== L2 prefetch probe (${t}s)"
 ((t)) && timeout "$t" python3 benchmarks/l2_prefetch_probe.py --n 8192 --k 4096 \
   --mb 0 16 32 48 --output "$R/l2_prefetch.json"
