@@ -122,8 +122,10 @@ def test_graph_replay_is_bit_identical_to_eager(num_reqs):
 @torch.inference_mode()
 def test_prefill_graph_replay_matches_eager(batch):
     """A prefill / mixed step replayed from a captured ``PrefillGraphs`` graph (padded to
-    1024 tokens, every token a closing candidate): the eager step's sampled logits and
-    caches, up to the bf16 rounding of its padded MoE and attention chunks."""
+    1024 tokens, every token a closing candidate) is bit-identical to the same padded step
+    run eagerly (the uncaptured key's fallback); against the unpadded eager step it differs
+    only by the bf16 rounding of other tile and chunk shapes: its sampled rows' logits and
+    its caches."""
     cfg = preset_config("v4-flash", 4, 64)
     with torch.device("cuda"):
         model = DeepseekV4ForCausalLM(cfg, with_mtp=False)
@@ -138,7 +140,7 @@ def test_prefill_graph_replay_matches_eager(batch):
                 t.copy_(torch.randn(t.shape, generator=gen, device="cuda").to(t.dtype))
 
     runs = {}
-    for mode in ("eager", "graph"):
+    for mode in ("eager", "padded", "graph"):
         s = synthetic_step(model, spec, seed=1)
         fill(s.caches)
         buffers = StepBuffers(s.groups, s.input_batch.block_tables, "cuda")
@@ -148,18 +150,27 @@ def test_prefill_graph_replay_matches_eager(batch):
             hidden, _ = model(input_ids, meta, s.caches)
         else:
             graphs = PrefillGraphs(model, s.caches, buffers, s.groups, [1024], [inputs.max_seq_len])
-            buffers.apply_writes(*buffers.upload(list(s.step.table_writes)))
-            graphs.capture(log=False)
-            fill(s.caches)  # the capture's warm-up wrote the caches
-            empty = (s.step.table_writes[0][:0], s.step.table_writes[1][:0])
-            hidden, _, indices = graphs.run(graphs.key_for(inputs), inputs, empty)
+            writes = s.step.table_writes
+            if mode == "graph":
+                buffers.apply_writes(*buffers.upload(list(writes)))
+                graphs.capture(log=False)
+                fill(s.caches)  # the capture's warm-up wrote the caches
+                writes = (writes[0][:0], writes[1][:0])
+            hidden, _, indices = graphs.run(graphs.key_for(inputs), inputs, writes)
         runs[mode] = (model.compute_logits(hidden[indices]).float(), s.caches)
-    got, want = runs["graph"][0], runs["eager"][0]
-    # random weights leave near-ties: one of the mixed step's 41 rows flipped on the H200
-    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.95
-    assert (got - want).abs().max().item() <= 0.02 * want.abs().max().item()
-    for group, per_layer in runs["eager"][1].tensors.items():
+    assert torch.equal(runs["graph"][0], runs["padded"][0])
+    for group, per_layer in runs["padded"][1].tensors.items():
         for layer, t in per_layer.items():  # block 0 is the null block (padding writes)
+            assert torch.equal(runs["graph"][1].tensors[group][layer][1:], t[1:]), group
+    got, want = runs["graph"][0], runs["eager"][0]
+    # random weights leave near-ties (of routing too): on the H200 one of the mixed step's
+    # 41 rows flipped its argmax, and one row's logits moved by 6% of their scale
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.95
+    row_error = (got - want).abs().amax(-1) / want.abs().amax(-1)
+    assert row_error.median().item() <= 0.01
+    assert (row_error <= 0.02).float().mean().item() >= 0.95
+    for group, per_layer in runs["eager"][1].tensors.items():
+        for layer, t in per_layer.items():
             g = runs["graph"][1].tensors[group][layer][1:].float()
             close = torch.isclose(g, t[1:].float(), rtol=0.02, atol=0.02)
             assert close.float().mean().item() >= 0.999, (group, layer)

@@ -64,6 +64,10 @@ class Tiling:
     # the down kernel's grid as (n-tiles, blocks) (``fused_moe_kernels.program_block``): a
     # block's programs run together and read its h rows from L2 while they are hot
     down_tile_fastest: bool = False
+    # 16-bit weights: h rounded once to their type (the precision of the grouped prefill
+    # MoE, and finer than the bf16 reference, which rounds gate, up, SiLU and product):
+    # down runs one dot of block_m rows a K step on half of stack_h's bytes (overrides it)
+    round_h: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "gate_up_block_n", "gate_up_block_k", "down_block_n"):
@@ -323,12 +327,13 @@ def run_experts(
     bm = tiling.block_m
     num_blocks = block_expert.shape[0]
     fp32_dot = x.dtype == torch.float32 or x.device.type == "cpu"
-    stack_h = tiling.stack_h and x.dtype != torch.float32
+    round_h = tiling.round_h and x.dtype != torch.float32
+    stack_h = tiling.stack_h and x.dtype != torch.float32 and not round_h
 
     if stack_h:  # hi and lo rows of each block
         h = _empty((2 * num_blocks * bm, inter), w2.dtype, x.device)
-    else:
-        h = _empty((num_blocks * bm, inter), torch.float32, x.device)
+    else:  # the gate-up's store rounds fp32 h to a 16-bit h's type
+        h = _empty((num_blocks * bm, inter), w2.dtype if round_h else torch.float32, x.device)
     grid = (num_blocks, triton.cdiv(inter, tiling.gate_up_block_n))
     moe_gate_up_kernel[grid](
         x, w13, h, sorted_ids, block_expert,
@@ -353,7 +358,7 @@ def run_experts(
         BLOCK_N=tiling.down_block_n,
         BLOCK_K=tiling.down_block_k,
         FP32_DOT=fp32_dot,
-        SPLIT_H=x.dtype != torch.float32,
+        SPLIT_H=x.dtype != torch.float32 and not round_h,
         SKIP_PAD_ROWS=bm == 16,
         STACK_H=stack_h,
         TILE_FASTEST=tiling.down_tile_fastest,
