@@ -221,13 +221,18 @@ def moe_experts(
     w13: torch.Tensor,
     w2: torch.Tensor,
     limit: float,
+    h_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Routed experts, one loop iteration per expert that has tokens.
 
     x: [T, D]; topk_ids, topk_weights: [T, k]; w13: [E, 2I, D] (gate rows then up rows);
-    w2: [E, D, I]. Returns [T, D].
+    w2: [E, D, I]. Returns [T, D]. ``h_dtype``: the precision of the fused and grouped
+    MoE kernels (``fused_moe.Tiling.round_h``): both GEMMs in fp32 with the SwiGLU output
+    rounded once to ``h_dtype``, the output rounded once to x's dtype.
     """
-    out = torch.zeros_like(x)
+    out, dtype = torch.zeros_like(x), x.dtype
+    if h_dtype is not None:  # fp32 GEMMs and sum, h rounded once, the output once
+        out, x, w13, w2 = out.float(), x.float(), w13.float(), w2.float()
     flat_ids = topk_ids.flatten()
     order = torch.argsort(flat_ids, stable=True)
     counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
@@ -239,10 +244,13 @@ def moe_experts(
             continue
         rows = token_of[start : start + count]
         gate, up = F.linear(x[rows], w13[expert]).chunk(2, dim=-1)
-        y = F.linear(swiglu(gate, up, limit), w2[expert])
+        h = swiglu(gate, up, limit)
+        if h_dtype is not None:
+            h = h.to(h_dtype).float()
+        y = F.linear(h, w2[expert])
         out.index_add_(0, rows, (y * weights[start : start + count, None]).to(out.dtype))
         start += count
-    return out
+    return out.to(dtype)
 
 
 def hc_pre(

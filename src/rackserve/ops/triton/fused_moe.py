@@ -64,9 +64,9 @@ class Tiling:
     # the down kernel's grid as (n-tiles, blocks) (``fused_moe_kernels.program_block``): a
     # block's programs run together and read its h rows from L2 while they are hot
     down_tile_fastest: bool = False
-    # 16-bit weights: h rounded once to their type (the precision of the grouped prefill
-    # MoE, and finer than the bf16 reference, which rounds gate, up, SiLU and product):
-    # down runs one dot of block_m rows a K step on half of stack_h's bytes (overrides it)
+    # 16-bit weights: h rounded once to their type (``reference.moe_experts(h_dtype=)``: the
+    # grouped prefill MoE's precision, and finer than the bf16 reference, which rounds gate,
+    # up, SiLU and product); down runs one dot of block_m rows a K step (overrides stack_h)
     round_h: bool = False
 
     def __post_init__(self) -> None:
@@ -98,7 +98,7 @@ def default_tiling(
     """
     if device.type != "cuda":
         return Tiling(
-            16, 64, 64, 4, 1, 64, 64, 4, 1, 4096, 256, stack_h=True, down_tile_fastest=True
+            16, 64, 64, 4, 1, 64, 64, 4, 1, 4096, 256, round_h=True, down_tile_fastest=True
         )
     pairs = num_tokens * top_k
     if pairs >= 16 * num_experts * 4:  # >= 64 rows per expert on average: prefill-like
@@ -112,7 +112,10 @@ def default_tiling(
     # at T = 256 (32-row blocks; 128 x 128 tiles on fp32 h before), 279.9 -> 263.3 at T = 64,
     # 32.6 -> 30.7 at T = 1 (16-row blocks; 4 stages when narrow). Gate-up at T = 1: 3 stages,
     # 69.3 -> 61.8 us (session 16).
-    stack_h = dtype != torch.float32
+    # h rounded once (round_h) in 128 x 128 tiles, 3 stages, against stacked h's 128 x 64
+    # (2026-12-04-h200-s24.md): 343.9 -> 296.1 us at T = 256, 279.8 -> 261.5 at T = 64,
+    # 32.0 -> 30.5 at T = 1
+    round_h = dtype != torch.float32
     return Tiling(
         block_m=block_m,
         gate_up_block_n=32 if narrow else 64,
@@ -120,9 +123,9 @@ def default_tiling(
         gate_up_warps=4,
         gate_up_stages=3 if narrow else 4,
         down_block_n=128,
-        down_block_k=64,  # stacked 16-bit h, or fp32 h (whose block_k is 64 anyway)
+        down_block_k=128 if round_h else 64,  # fp32 h: 64 (3 stages fill the SMEM)
         down_warps=4,
-        down_stages=4 if narrow and block_m == 16 else 3,
+        down_stages=4 if narrow and block_m == 16 and not round_h else 3,
         # a block's programs over all n-tiles together, its h rows re-read from L2: ncu at
         # 256 tokens read 1.37 GB of DRAM for 1.09 GB of weights in block order; the down
         # kernel alone 347.6 -> 324.9 us at T = 256, 263.3 -> 259.3 at T = 64 (H200,
@@ -133,7 +136,7 @@ def default_tiling(
         # program per expert; latency_kernels.py)
         align_segment=64,
         sum_block_d=1024,
-        stack_h=stack_h,
+        round_h=round_h,
     )
 
 

@@ -6,14 +6,14 @@ row capacity (a multiple of BM), B = R / BM blocks, S align segments.
 
 Align: ``moe_align_kernels.py``.
 ``moe_gate_up_kernel``, grid (B, cdiv(I, BN)): the gate and up tiles of x[token] @ w13[e]^T
-    in one program, the clamped SwiGLU in fp32, h [R, I] fp32.
+    in one program, the clamped SwiGLU in fp32, h [R, I] (fp32, or rounded to w's type).
 ``moe_down_kernel``, grid (B, cdiv(D, BN)): h @ w2[e]^T times the routed weight, written to
-    the pair's row of slots [P, D] fp32. With 16-bit weights (SPLIT_H) h is split into
-    hi + lo 16-bit parts and both multiply w2 on the tensor cores: rounding h to bf16 once
-    (as the reference does) puts 6-10% of bf16 outputs outside the tolerance of
-    GPU_FASTPATH.md section 5 (twice the reference's own error), since those h errors are
-    uncorrelated with the reference's; the split costs tensor FLOPs, not weight bytes.
-``STACK_H`` (both kernels, 16-bit weights): the gate-up epilogue stores the split itself,
+    the pair's row of slots [P, D] fp32. h is fp32, or 16-bit: rounded once by the gate-up's
+    store (``fused_moe.Tiling.round_h``, the default for 16-bit weights: the precision of
+    ``reference.moe_experts(h_dtype=)``, whose error is smaller than the bf16 reference's
+    but not correlated with it, so it is checked against that reference), or fp32 h split
+    into hi + lo 16-bit parts (SPLIT_H) that both multiply w2 on the tensor cores.
+``STACK_H`` (both kernels, 16-bit weights): the gate-up epilogue stores the hi / lo split,
     h [2R, I] in w's 16-bit type with block b's hi rows at [2b*BM, 2b*BM + BM) and its lo
     rows right after, so the down kernel's K step is one dot of a [2BM, BK] tile (no fp32
     loads, no conversions; M = 32 or 64 rows on the tensor cores instead of two dots of
@@ -32,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from rackserve.ops.triton.common import pdl_wait
+from rackserve.ops.triton.common import pdl_wait, round_as
 from rackserve.ops.triton.mhc_kernels import to_output
 
 
@@ -91,9 +91,9 @@ def expert_rows(w_ptr, expert, cols, stride_we, stride_wn):
 
 @triton.jit
 def store_swiglu(acc_gate, acc_up, limit, h_ptr, rows, cols, col_ok, stride_ht):
-    """The gate-up epilogue: clamped SwiGLU of the fp32 accumulators into h's rows
-    (padding rows store swiglu(0, 0) = 0)."""
-    h = swiglu(acc_gate, acc_up, limit)
+    """The gate-up epilogue: clamped SwiGLU of the fp32 accumulators into h's rows, rounded
+    to nearest even when h is 16-bit (padding rows store swiglu(0, 0) = 0)."""
+    h = round_as(swiglu(acc_gate, acc_up, limit), h_ptr.dtype.element_ty)
     h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_ht + cols[None, :]
     tl.store(h_ptrs, h, mask=col_ok[None, :])
 
@@ -150,7 +150,7 @@ def store_weighted(acc, weights_ptr, slots_ptr, pair, row_ok, cols, col_ok, stri
 def moe_gate_up_kernel(
     x_ptr,  # [T, D]
     w13_ptr,  # [E, 2I, D]: gate rows 0..I-1, up rows I..2I-1
-    h_ptr,  # [R, I] fp32 out
+    h_ptr,  # [R, I] out, fp32 or 16-bit (round_h: the store rounds)
     sorted_ptr,  # [R] int32
     block_expert_ptr,  # [B] int32
     num_pairs,
@@ -204,7 +204,7 @@ def moe_gate_up_kernel(
 
 @triton.jit
 def moe_down_kernel(
-    h_ptr,  # [R, I] fp32 (STACK_H: [2R, I] in w2's type)
+    h_ptr,  # [R, I] fp32 or w2's type (STACK_H: [2R, I] in w2's type)
     w2_ptr,  # [E, D, I]
     weights_ptr,  # [P] fp32 routed weights, flattened topk_weights
     slots_ptr,  # [P, D] fp32 out
