@@ -77,7 +77,8 @@ def check(fm, args: tuple, tiling=None) -> torch.Tensor:
         tiling = tiling or fm.default_tiling(t, k, w13.shape[0], w2.shape[2], x.device, x.dtype)
         ref = reference.moe_experts(*args, LIMIT, h_dtype=x.dtype if tiling.round_h else None)
         ref32 = reference.moe_experts(x.float(), ids, weights, w13.float(), w2.float(), LIMIT)
-        assert_bf16_close(got, ref, ref32)
+        # rounding h as the kernel does, the reference's output is the kernel's own rounding
+        assert_bf16_close(got, ref, ref32, ulps=1 if tiling.round_h else 0)
     return got
 
 

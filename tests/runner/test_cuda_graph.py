@@ -80,6 +80,7 @@ def test_padded_graph_step_equals_eager(model, num_reqs, context):
     decoded = graphs.run(key, inputs, padded.step.table_writes)
     assert decoded.token_ids is None  # nothing sampled in the graph: asked no sampling
     torch.testing.assert_close(decoded.logits, expected, rtol=1e-5, atol=1e-5)
+    assert decoded.logits.data_ptr() == graphs.logits.data_ptr()  # every size's one buffer
     assert torch.equal(decoded.expert_counts, counts)  # padded tokens route but are not counted
     for name, per_layer in eager.caches.tensors.items():
         for layer, t in per_layer.items():  # block 0 (null) takes the padding's writes

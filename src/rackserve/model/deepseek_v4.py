@@ -246,11 +246,13 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Returns (hidden [T, D], final streams [T, N, D]); logits via ``compute_logits``."""
         return self.model(input_ids, meta, caches, expert_counts)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [S, D] (only the rows that need logits) -> [S, V] float32
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [S, D] (only the rows that need logits) -> [S, V] float32, into ``out``
+        when given (the decode graphs' one logits buffer)."""
         if is_plain_linear(self.head):
-            return self.kernels.logits(hidden, self.head.weight)
-        return linear(self.kernels, self.head, hidden).float()  # a quantized head
+            return self.kernels.logits(hidden, self.head.weight, out)
+        y = linear(self.kernels, self.head, hidden).float()  # a quantized head
+        return y if out is None else out.copy_(y)
 
     def mtp_forward(
         self,

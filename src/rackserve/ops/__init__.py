@@ -268,13 +268,17 @@ def _linear_gemv() -> Callable:
     return linear
 
 
-def _logits_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _logits_fp32(
+    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``reference.logits`` with cuBLAS writing the fp32 accumulator for 16-bit inputs on
     CUDA (``torch.mm``'s ``out_dtype``): the [S, V] bf16 -> fp32 cast after the GEMM was a
     kernel of its own (H200, 2026-12-03: 96 us at 256 rows, 23 at 64; 129,280 columns)."""
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
-        return torch.mm(x, weight.t(), out_dtype=torch.float32)
-    return reference.logits(x, weight)
+        if out is None:
+            return torch.mm(x, weight.t(), out_dtype=torch.float32)
+        return torch.mm(x, weight.t(), out_dtype=torch.float32, out=out)
+    return reference.logits(x, weight, out)
 
 
 def kernels(name: str = "auto") -> Kernels:

@@ -720,8 +720,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
-def logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def logits(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The lm_head: x [S, D], weight [V, D] -> [S, V] float32, rounded to x's dtype first as
-    transformers does (``linear`` then a cast). The fast path's cuBLAS GEMM writes the fp32
-    accumulator instead (no rounding, no [S, V] cast kernel): within the bf16 tolerance."""
-    return F.linear(x, weight).float()
+    transformers does (``linear`` then a cast), into ``out`` when given. The fast path's
+    cuBLAS GEMM writes the fp32 accumulator instead (no rounding, no [S, V] cast kernel):
+    within the bf16 tolerance."""
+    y = F.linear(x, weight).float()
+    return y if out is None else out.copy_(y)
