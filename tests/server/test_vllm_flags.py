@@ -119,9 +119,14 @@ def test_gpu_memory_utilization_is_a_share_of_total(monkeypatch) -> None:
     assert kv_budget_bytes(config, torch.device("cuda"), in_use_at_start=30 * gib) == 35 * gib
     with pytest.raises(ValueError, match="were free at start"):  # 45 GiB asked, 40 free
         kv_budget_bytes(config, torch.device("cuda"), in_use_at_start=60 * gib)
+    # the largest step's activations and the CUDA graphs come off the share too
+    assert kv_budget_bytes(config, torch.device("cuda"), 30 * gib, reserve=4 * gib) == 31 * gib
     object.__setattr__(config, "cache", CacheConfig(gpu_memory_utilization=0.3))
-    with pytest.raises(ValueError, match=r"weights already take 40\.0 GiB"):
+    with pytest.raises(ValueError, match=r"weights take 40\.0 GiB"):
         kv_budget_bytes(config, torch.device("cuda"))
+    object.__setattr__(config, "cache", CacheConfig(gpu_memory_utilization=0.45))
+    with pytest.raises(ValueError, match=r"step and CUDA graphs 36\.0 GiB.*max-num-batched"):
+        kv_budget_bytes(config, torch.device("cuda"), 30 * gib, reserve=36 * gib)
 
 
 def test_stats_log_line() -> None:

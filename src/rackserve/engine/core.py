@@ -44,6 +44,7 @@ from rackserve.moe.skew import apply_skewed_routing
 from rackserve.parallel.groups import ParallelGroups
 from rackserve.request import INT64_MAX, INT64_MIN, Request, RequestStatus
 from rackserve.runner.kv_transfer import export_blocks, import_blocks
+from rackserve.runner.memory_profile import runner_reserve_bytes
 from rackserve.runner.model_runner import ModelRunner
 from rackserve.runner.structured_output import GrammarCompiler
 
@@ -86,8 +87,19 @@ class EngineCore:
         self.eos_token_ids = cfg.eos_token_id
         self.max_model_len = config.scheduler.max_model_len
         sched = config.scheduler
+        kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, device)
+        reserve = 0  # the share also covers the steps and graphs (EP: not profiled)
+        if config.cache.kv_cache_memory is None and self.ep is None:
+            reserve = runner_reserve_bytes(
+                self.model,
+                sched.max_num_seqs,
+                sched.max_model_len,
+                sched.max_num_batched_tokens,
+                graphs=not config.enforce_eager,
+                kv_dtype=kv_dtype,
+            )
         groups, num_blocks = plan_kv_cache(
-            config, dtype, kv_budget_bytes(config, device, in_use_at_start)
+            config, dtype, kv_budget_bytes(config, device, in_use_at_start, reserve)
         )
         interval = config.cache.checkpoint_interval
         cache = config.cache
@@ -126,7 +138,7 @@ class EngineCore:
             enforce_eager=config.enforce_eager or self.ep is not None,
             log=log_stats,
             grammar_compiler=self.grammar_compiler,
-            kv_cache_dtype=kv_cache_dtype(config.cache.kv_cache_dtype, device),
+            kv_cache_dtype=kv_dtype,
             speculative=spec,
             max_num_batched_tokens=sched.max_num_batched_tokens,
         )

@@ -29,13 +29,16 @@ def device_memory_in_use(device: torch.device) -> int:
     return total - free
 
 
-def kv_budget_bytes(config: EngineConfig, device: torch.device, in_use_at_start: int = 0) -> int:
+def kv_budget_bytes(
+    config: EngineConfig, device: torch.device, in_use_at_start: int = 0, reserve: int = 0
+) -> int:
     """``--kv-cache-memory-bytes``, else what ``--gpu-memory-utilization`` leaves. As in
     vLLM, the fraction is a per-instance limit: this instance (weights, activations, KV
-    cache) may use that share of the GPU's total memory, whatever other processes on the
-    GPU hold, so two engines at 0.45 each share one GPU. ``in_use_at_start``: the GPU's
-    memory in use before this instance loaded anything (``device_memory_in_use``); what has
-    been added since is this instance's own and comes off its share."""
+    cache, CUDA graphs) may use that share of the GPU's total memory, whatever other
+    processes on the GPU hold, so two engines at 0.45 each share one GPU. ``in_use_at_start``:
+    the GPU's memory in use before this instance loaded anything (``device_memory_in_use``);
+    what has been added since is this instance's own and comes off its share, and so does
+    ``reserve``: the steps' activations and the graphs (``runner.memory_profile``)."""
     if config.cache.kv_cache_memory is not None:
         return config.cache.kv_cache_memory
     if device.type != "cuda":
@@ -51,12 +54,13 @@ def kv_budget_bytes(config: EngineConfig, device: torch.device, in_use_at_start:
             "--kv-cache-memory-bytes"
         )
     own = (total - free) - in_use_at_start
-    budget = share - own
+    budget = share - own - reserve
     if budget <= 0:
         raise ValueError(
             f"--gpu-memory-utilization {utilization} allows this instance "
-            f"{share / 2**30:.1f} GiB, but its weights already take {own / 2**30:.1f} GiB: "
-            "raise it, or give --kv-cache-memory-bytes"
+            f"{share / 2**30:.1f} GiB, but its weights take {own / 2**30:.1f} GiB and its "
+            f"largest step and CUDA graphs {reserve / 2**30:.1f} GiB: raise it, lower "
+            "--max-num-batched-tokens, or give --kv-cache-memory-bytes"
         )
     return budget
 

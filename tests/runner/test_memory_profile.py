@@ -1,0 +1,58 @@
+"""``runner/memory_profile.py``: what the KV budget leaves for a runner's steps and graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rackserve.model.create import init_model_
+from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
+from rackserve.model.presets import preset_config
+from rackserve.runner.memory_profile import (
+    graph_outputs_bytes,
+    run_synthetic_prefill,
+    runner_reserve_bytes,
+    step_peak_bytes,
+)
+
+
+def _model(device: str = "cpu", dtype: torch.dtype = torch.float32) -> DeepseekV4ForCausalLM:
+    with torch.device(device):
+        model = DeepseekV4ForCausalLM(preset_config("tiny"), with_mtp=False)
+    init_model_(model.cast(dtype), seed=0)
+    return model.eval()
+
+
+def test_synthetic_prefill_runs_the_runner_step():
+    """The profiled step is a real one: a prefill of that many tokens through its sampled
+    row's logits, with model-dtype and fp8 caches; nothing to measure off a GPU."""
+    model = _model()
+    for kv_dtype in (None, torch.float8_e4m3fn):
+        logits = run_synthetic_prefill(model, 37, kv_dtype)
+        assert logits.shape == (1, model.cfg.vocab_size) and logits.isfinite().all()
+    assert step_peak_bytes(model, 37) == 0
+    assert runner_reserve_bytes(model, 8, 256, 128, graphs=True) == 0
+
+
+def test_graph_outputs_bytes():
+    """Prefill graphs (every 256 tokens up to the step's size) keep their hidden states per
+    context bucket they serve (up to 65536); the decode graphs one [largest size, V] fp32."""
+    model = _model()
+    cfg = model.cfg
+    hidden = (256 + 512) * cfg.hidden_size * 4  # fp32 weights: 4-byte hidden states
+    logits = 16 * cfg.vocab_size * 4  # graph sizes for 12 requests: ..., 16
+    # context buckets 4096 and 8192: both served
+    assert graph_outputs_bytes(model, 12, 8192, 400) == 2 * hidden + logits
+    # 4096, 16384, 65536 served; 100000 (max_model_len) not
+    assert graph_outputs_bytes(model, 12, 100_000, 400) == 3 * hidden + logits
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_step_peak_grows_with_the_step_and_repeats():
+    model = _model("cuda", torch.bfloat16)
+    small, large = step_peak_bytes(model, 256), step_peak_bytes(model, 2048)
+    assert 0 < small < large
+    assert abs(step_peak_bytes(model, 2048) - large) <= 0.05 * large
+    reserve = runner_reserve_bytes(model, 64, 4096, 2048, graphs=True)
+    assert reserve >= 2 * large
