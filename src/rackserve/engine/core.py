@@ -98,6 +98,9 @@ class EngineCore:
                 graphs=not config.enforce_eager,
                 kv_dtype=kv_dtype,
             )
+            if log_stats and reserve:
+                print(f"memory: {reserve / 2**30:.2f} GiB kept for the largest step and CUDA "
+                      "graphs", flush=True)  # fmt: skip
         groups, num_blocks = plan_kv_cache(
             config, dtype, kv_budget_bytes(config, device, in_use_at_start, reserve)
         )

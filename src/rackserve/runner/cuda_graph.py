@@ -395,7 +395,10 @@ def capture_step_graphs(
     log: bool = True,
 ) -> tuple[PrefillGraphs, DecodeGraphs]:
     """A runner's graphs, captured: the prefill / mixed steps' first (the larger graphs),
-    then the decode steps' into the same pool."""
+    then the decode steps' into the same pool; with ``log``, the memory they hold (against
+    ``memory_profile.runner_reserve_bytes``' estimate)."""
+    on_gpu = buffers.device.type == "cuda"
+    before = torch.cuda.memory_reserved(buffers.device) if on_gpu else 0
     buckets = context_buckets(max_model_len)
     prefill = PrefillGraphs(
         model, caches, buffers, groups, prefill_graph_sizes(max_step_tokens), buckets
@@ -404,4 +407,11 @@ def capture_step_graphs(
     decode = DecodeGraphs(model, caches, buffers, groups, graph_batch_sizes(max_num_reqs), buckets)
     decode.pool = prefill.pool
     decode.capture(log=log)
+    if log and on_gpu:
+        held = torch.cuda.memory_reserved(buffers.device) - before
+        print(
+            f"CUDA graphs: {len(prefill.graphs)} prefill / mixed, {len(decode.graphs)} decode, "
+            f"{held / 2**30:.2f} GiB",
+            flush=True,
+        )
     return prefill, decode
