@@ -4,10 +4,12 @@
 # 8ef7435): its GPU test, then an engine sized by --gpu-memory-utilization (bench decode
 # without --kv-cache-memory) logging the reserve next to what its graphs hold; then the decode
 # MoE at T = 256 with 64-row blocks (each expert's pairs in one block, its weights read once)
-# against 32, h rounded once.
+# against 32, h rounded once; then the Gluon wgmma attention (prefill's, 2x the decode
+# kernels at 8192 queries) for decode batches from 128 queries (ops.PREFILL_ATTENTION_MIN_TOKENS
+# 512 -> 128: set when the wgmma kernel did not exist) in a bench forward A/B.
 # Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/gpu_s25a.sh     (BUDGET_S: total seconds)
 set -uo pipefail
-BUDGET_S=${BUDGET_S:-330}
+BUDGET_S=${BUDGET_S:-480}
 source "$(dirname "$0")/device_env.sh"
 start_call
 rs=(python3 -c 'import sys; from rackserve.cli import main; sys.exit(main(sys.argv[1:]))')
@@ -26,5 +28,8 @@ grep -E "memory:|CUDA graphs|KV cache|decode x|Error" "$R/decode_64_budget.log" 
 t=$(cap 120); echo "== MoE at T = 256, 32- and 64-row blocks, h rounded (${t}s)"
 ((t)) && timeout "$t" python3 benchmarks/moe_tiling_sweep.py --tokens 256 --block-m 32 64 \
   --h-layout rounded --tile-fastest 1 --output "$R/moe_block_m.json" 2>&1 | tail -30
+forward_ab wgmma128 'import rackserve.ops as o; o.PREFILL_ATTENTION_MIN_TOKENS = 128' \
+  decode_kernels 'pass' --batch decode:128@4096 --batch decode:256@4096 --batch decode:64@4096 \
+  --iters 20 --warmup 3
 ls "$R"; (cd "$OUT" && tar czf s25a.tgz r && rm -rf r)
 echo "== done in ${SECONDS}s"
