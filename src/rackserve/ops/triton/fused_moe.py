@@ -4,8 +4,8 @@ Shape legend: T tokens, k experts per token, P = T*k (token, slot) pairs, E expe
 D hidden, I expert width, BM rows per block.
 
     align      (1 launch, 2 when P > one segment) -> sorted_ids [R], block_expert [B]
-    gate_up    x[token] @ w13[e]^T, clamped SwiGLU  -> h [R, I] fp32
-    down       h @ w2[e]^T * routed weight          -> slots [P, D] fp32 (h as hi + lo)
+    gate_up    x[token] @ w13[e]^T, clamped SwiGLU  -> h [R, I] (16-bit weights: rounded once)
+    down       h @ w2[e]^T * routed weight          -> slots [P, D] fp32
     sum        the k slots of each token, in order  -> out [T, D]
 
 (kernels and the align layout in ``fused_moe_kernels.py``). Every buffer and grid depends
