@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from rackserve.cli import main
 from rackserve.config import ConfigError, ModelConfig
 from rackserve.model.create import create_checkpoint
-from rackserve.model.loader import CheckpointError, load_model
+from rackserve.model.loader import CheckpointError, checkpoint_weight_bytes, load_model
 from rackserve.model.presets import tiny_config
 
 
@@ -35,6 +35,21 @@ def test_loads_every_tensor_and_mtp(tiny_dir: Path):
     w1 = state["model.layers.1.ffn.experts.3.w1.weight"]
     assert torch.equal(model.model.layers[1].ffn.experts.w13[3, : w1.shape[0]], w1)
     assert torch.equal(model.head.weight, state["head.weight"])
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    """Parameters and buffers as held (a tensor shared by several modules once)."""
+    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_checkpoint_weight_bytes_from_the_headers(tiny_dir: Path, dtype: torch.dtype):
+    """What the KV budget keeps for a draft model before loading it: the loaded model's
+    bytes, the reference's float32 parameters included (the model's few buffers are not)."""
+    held = model_bytes(load_model(tiny_dir, dtype=dtype))
+    estimate = checkpoint_weight_bytes(tiny_dir, dtype)
+    assert abs(estimate - held) <= 0.001 * held, (estimate, held)
 
 
 def test_sharded_checkpoint_and_original_spelling(tiny_dir: Path, tmp_path: Path):

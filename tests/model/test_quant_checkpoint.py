@@ -17,7 +17,12 @@ from safetensors.torch import load_file, save_file
 from rackserve.config import ConfigError, QuantConfig
 from rackserve.model.create import create_checkpoint
 from rackserve.model.generate import ContiguousCache, generate_tokens
-from rackserve.model.loader import CheckpointError, check_checkpoint, load_model
+from rackserve.model.loader import (
+    CheckpointError,
+    check_checkpoint,
+    checkpoint_weight_bytes,
+    load_model,
+)
 from rackserve.model.presets import tiny_config
 from rackserve.model.quant import Fp8Linear
 from rackserve.ops.quant import FP8_DTYPE, dequantize_fp8
@@ -82,6 +87,16 @@ def test_stays_quantized_in_memory(model):
     assert experts.w13.dtype == torch.uint8 and experts.w13_scale.dtype == torch.uint8
     assert experts.w13.shape == (8, 128, 64) and experts.w13_scale.shape == (8, 128, 4)
     assert not any(p.dtype == torch.bfloat16 and p.dim() == 3 for p in model.parameters())
+
+
+def test_weight_bytes_count_fp8_as_stored(fp8_dir, model):
+    """``checkpoint_weight_bytes``: fp8 weights and their scales at their own size, the
+    rest in the load dtype (fp32 here): the loaded model's bytes, but for the dense
+    linears' scales (e8m0 stored, float32 held: a few hundred bytes)."""
+    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+    held = sum(t.numel() * t.element_size() for t in tensors.values())
+    estimate = checkpoint_weight_bytes(fp8_dir, torch.float32)
+    assert abs(estimate - held) <= 0.001 * held, (estimate, held)
 
 
 def test_logits_and_greedy_tokens_equal_transformers(fp8_dir, model):

@@ -125,7 +125,7 @@ def test_gpu_memory_utilization_is_a_share_of_total(monkeypatch) -> None:
     with pytest.raises(ValueError, match=r"weights take 40\.0 GiB"):
         kv_budget_bytes(config, torch.device("cuda"))
     object.__setattr__(config, "cache", CacheConfig(gpu_memory_utilization=0.45))
-    with pytest.raises(ValueError, match=r"step and CUDA graphs 36\.0 GiB.*max-num-batched"):
+    with pytest.raises(ValueError, match=r"draft model 36\.0 GiB.*max-num-batched"):
         kv_budget_bytes(config, torch.device("cuda"), 30 * gib, reserve=36 * gib)
 
 

@@ -38,7 +38,7 @@ from rackserve.kv.events import KVEvents
 from rackserve.kv.manager import KVCacheManager
 from rackserve.kv.offload.build import build_offloader
 from rackserve.kv.spec import bytes_per_token, capacity_tokens, prefix_alignment
-from rackserve.model.loader import load_model
+from rackserve.model.loader import checkpoint_weight_bytes, load_model
 from rackserve.moe.ep import expert_parallel_models
 from rackserve.moe.skew import apply_skewed_routing
 from rackserve.parallel.groups import ParallelGroups
@@ -88,8 +88,11 @@ class EngineCore:
         self.max_model_len = config.scheduler.max_model_len
         sched = config.scheduler
         kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, device)
-        reserve = 0  # the share also covers the steps and graphs (EP: not profiled)
-        if config.cache.kv_cache_memory is None and self.ep is None:
+        # a GPU's share also covers the largest step, the graphs and a draft model's weights
+        # (loaded by the runner, after the KV cache); EP engines are not profiled
+        reserve = 0
+        on_share = config.cache.kv_cache_memory is None and device.type == "cuda"
+        if on_share and self.ep is None:
             reserve = runner_reserve_bytes(
                 self.model,
                 sched.max_num_seqs,
@@ -98,9 +101,12 @@ class EngineCore:
                 graphs=not config.enforce_eager,
                 kv_dtype=kv_dtype,
             )
-            if log_stats and reserve:
-                print(f"memory: {reserve / 2**30:.2f} GiB kept for the largest step and CUDA "
-                      "graphs", flush=True)  # fmt: skip
+            spec = config.speculative
+            if spec is not None and spec.model is not None:
+                reserve += checkpoint_weight_bytes(spec.model, dtype)
+            if log_stats:
+                print(f"memory: {reserve / 2**30:.2f} GiB kept beside the KV cache (the largest "
+                      "step, CUDA graphs, a draft model)", flush=True)  # fmt: skip
         groups, num_blocks = plan_kv_cache(
             config, dtype, kv_budget_bytes(config, device, in_use_at_start, reserve)
         )

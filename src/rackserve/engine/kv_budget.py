@@ -38,7 +38,8 @@ def kv_budget_bytes(
     processes on the GPU hold, so two engines at 0.45 each share one GPU. ``in_use_at_start``:
     the GPU's memory in use before this instance loaded anything (``device_memory_in_use``);
     what has been added since is this instance's own and comes off its share, and so does
-    ``reserve``: the steps' activations and the graphs (``runner.memory_profile``)."""
+    ``reserve``: the steps' activations and the graphs (``runner.memory_profile``), and a
+    draft model's weights (``model.loader.checkpoint_weight_bytes``)."""
     if config.cache.kv_cache_memory is not None:
         return config.cache.kv_cache_memory
     if device.type != "cuda":
@@ -59,8 +60,8 @@ def kv_budget_bytes(
         raise ValueError(
             f"--gpu-memory-utilization {utilization} allows this instance "
             f"{share / 2**30:.1f} GiB, but its weights take {own / 2**30:.1f} GiB and its "
-            f"largest step and CUDA graphs {reserve / 2**30:.1f} GiB: raise it, lower "
-            "--max-num-batched-tokens, or give --kv-cache-memory-bytes"
+            f"largest step, CUDA graphs and draft model {reserve / 2**30:.1f} GiB: raise it, "
+            "lower --max-num-batched-tokens, or give --kv-cache-memory-bytes"
         )
     return budget
 

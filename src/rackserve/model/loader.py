@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -36,6 +37,7 @@ from tqdm import tqdm
 
 from rackserve.config import ModelConfig
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
+from rackserve.model.layers import FP32_PARAM_SUFFIXES
 from rackserve.model.moe import Experts
 from rackserve.model.quant import quantize_linears_
 from rackserve.moe.ep import ExpertParallel
@@ -214,6 +216,25 @@ def check_checkpoint(model_dir: str | Path) -> None:
         return torch.empty(shape, device="meta", dtype=dtype)
 
     load_weights(model, ((name, meta(name)) for _, name in names), meta)  # type: ignore[misc]
+
+
+def checkpoint_weight_bytes(model_dir: str | Path, dtype: torch.dtype) -> int:
+    """About what ``load_model(model_dir, dtype)`` holds, from the safetensors headers alone:
+    16- and 32-bit floats in ``dtype`` (as ``parameters_made_in`` stores them), the
+    reference's float32 parameters (``FP32_PARAM_SUFFIXES``) in float32, 8-bit and packed
+    4-bit tensors (fp8 weights, e8m0 scales) as stored."""
+    total = 0
+    for handle, name in open_shards(checkpoint_files(Path(model_dir))):
+        info = handle.get_slice(name)  # type: ignore[attr-defined]
+        shape, kind = list(info.get_shape()), info.get_dtype()
+        if kind == "F4":  # the header counts e2m1 values; torch holds two per element
+            shape[-1] //= 2
+        stored = _SAFETENSORS_DTYPES.get(kind, torch.float32)
+        if stored.is_floating_point and stored.itemsize > 1:
+            fp32 = canonical_name(name).endswith(FP32_PARAM_SUFFIXES)
+            stored = torch.float32 if fp32 else dtype
+        total += math.prod(shape) * stored.itemsize
+    return total
 
 
 def expert_homes(model: DeepseekV4ForCausalLM) -> dict[str, dict[int, list[int]]]:
