@@ -33,6 +33,7 @@ def run_synthetic_prefill(
 ) -> torch.Tensor:
     """One eager prefill step of ``num_tokens`` tokens (one request, its own caches) through
     the sampled row's logits, as the runner runs it; returns those logits [1, V]."""
+    # bench.forward pulls in the planner: imported when a profile runs, not with the engine
     from rackserve.bench.forward import BatchSpec, synthetic_step
 
     device = next(model.parameters()).device

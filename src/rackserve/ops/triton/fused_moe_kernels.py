@@ -10,9 +10,10 @@ Align: ``moe_align_kernels.py``.
 ``moe_down_kernel``, grid (B, cdiv(D, BN)): h @ w2[e]^T times the routed weight, written to
     the pair's row of slots [P, D] fp32. h is fp32, or 16-bit: rounded once by the gate-up's
     store (``fused_moe.Tiling.round_h``, the default for 16-bit weights: the precision of
-    ``reference.moe_experts(h_dtype=)``, whose error is smaller than the bf16 reference's
-    but not correlated with it, so it is checked against that reference), or fp32 h split
-    into hi + lo 16-bit parts (SPLIT_H) that both multiply w2 on the tensor cores.
+    ``reference.moe_experts(h_dtype=)``: smaller errors than the bf16 reference's, but not
+    correlated with them, so the tests compare the kernel with ``h_dtype``'s reference), or
+    fp32 h split into hi + lo 16-bit parts (SPLIT_H) that both multiply w2 on the tensor
+    cores.
 ``STACK_H`` (both kernels, 16-bit weights): the gate-up epilogue stores the hi / lo split,
     h [2R, I] in w's 16-bit type with block b's hi rows at [2b*BM, 2b*BM + BM) and its lo
     rows right after, so the down kernel's K step is one dot of a [2BM, BK] tile (no fp32
