@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 25, call 1 (~5 minutes; written in session 24, which had no device time left):
+# Session 25, call 1 (~9.5 minutes; written in session 24, which had no device time left):
+# the chunking-invariance GPU test with the decode MoE's rounded h (not rerun in session 24);
 # the KV budget's reserve for the largest step and the CUDA graphs (runner/memory_profile.py,
 # 8ef7435): its GPU test, then an engine sized by --gpu-memory-utilization (bench decode
 # without --kv-cache-memory) logging the reserve next to what its graphs hold; then the decode
@@ -9,7 +10,7 @@
 # 512 -> 128: set when the wgmma kernel did not exist) in a bench forward A/B.
 # Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/gpu_s25a.sh     (BUDGET_S: total seconds)
 set -uo pipefail
-BUDGET_S=${BUDGET_S:-480}
+BUDGET_S=${BUDGET_S:-570}
 source "$(dirname "$0")/device_env.sh"
 start_call
 rs=(python3 -c 'import sys; from rackserve.cli import main; sys.exit(main(sys.argv[1:]))')
@@ -17,6 +18,10 @@ t=$(cap 60); echo "== memory profile GPU test (${t}s)"
 ((t)) && timeout "$t" python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider -rf \
   --tb=short tests/runner/test_memory_profile.py > "$R/pytest_memory.log" 2>&1
 grep -E "^E  |passed|failed" "$R/pytest_memory.log" | head -6
+t=$(cap 90); echo "== chunking invariance on the GPU with round_h (${t}s)"
+((t)) && timeout "$t" python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider -rf \
+  --tb=short tests/model/test_chunking_gpu.py > "$R/pytest_chunking.log" 2>&1
+grep -E "^E  |passed|failed" "$R/pytest_chunking.log" | head -6
 t=$(cap 100); echo "== model create (${t}s)"
 ((t)) && timeout "$t" "${rs[@]}" model create --preset v4-flash --layers 4 --experts 64 \
   --dtype bfloat16 --no-mtp --out /tmp/flash4 2>&1 | tail -1
