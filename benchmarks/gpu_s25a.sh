@@ -18,7 +18,7 @@ t=$(cap 60); echo "== memory profile GPU test (${t}s)"
 ((t)) && timeout "$t" python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider -rf \
   --tb=short tests/runner/test_memory_profile.py > "$R/pytest_memory.log" 2>&1
 grep -E "^E  |passed|failed" "$R/pytest_memory.log" | head -6
-t=$(cap 90); echo "== chunking invariance on the GPU with round_h (${t}s)"
+t=$(cap 90); echo "== chunking invariance on the GPU with the rounded h (${t}s)"
 ((t)) && timeout "$t" python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider -rf \
   --tb=short tests/model/test_chunking_gpu.py > "$R/pytest_chunking.log" 2>&1
 grep -E "^E  |passed|failed" "$R/pytest_chunking.log" | head -6
@@ -32,7 +32,7 @@ t=$(cap 90); echo "== bench decode sized by --gpu-memory-utilization (${t}s)"
 grep -E "memory:|CUDA graphs|KV cache|decode x|Error" "$R/decode_64_budget.log" | head -8
 t=$(cap 120); echo "== MoE at T = 256, 32- and 64-row blocks, h rounded (${t}s)"
 ((t)) && timeout "$t" python3 benchmarks/moe_tiling_sweep.py --tokens 256 --block-m 32 64 \
-  --h-layout rounded --tile-fastest 1 --output "$R/moe_block_m.json" 2>&1 | tail -30
+  --tile-fastest 1 --output "$R/moe_block_m.json" 2>&1 | tail -30
 forward_ab wgmma128 'import rackserve.ops as o; o.PREFILL_ATTENTION_MIN_TOKENS = 128' \
   decode_kernels 'pass' --batch decode:128@4096 --batch decode:256@4096 --batch decode:64@4096 \
   --iters 20 --warmup 3

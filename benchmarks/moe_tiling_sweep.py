@@ -6,15 +6,15 @@ For each T the align runs once with the default block_m; then ``moe_gate_up_kern
 BLOCK_K, warps, stages) whose shared memory fits. Each row: the kernel, T, the shape, the
 time, the hit experts' weight bytes over the time (TB/s) and the fraction of 4.8 TB/s; the
 default tiling's row is marked. ``--block-m`` overrides the default rows per block (the align
-runs with it), e.g. 16-row blocks at T = 256 where the default takes 32; ``--h-layout fp32
-stacked rounded`` times the h layouts (fp32 split in registers, ``fused_moe.Tiling.stack_h``,
-``fused_moe.Tiling.round_h``); ``--tile-fastest 0 1`` both orders of
+runs with it), e.g. 16-row blocks at T = 256 where the default takes 32; h is bf16, as the
+op stores it (session 24 compared the layouts this replaced: 2026-12-04-h200-s24.md);
+``--tile-fastest 0 1`` both orders of
 the down kernel's grid (``fused_moe.Tiling.down_tile_fastest``). Compilation goes
 first, in ``--jobs`` processes (the Triton cache on disk is shared), so the timing loop only
 loads kernels.
 
     python3 benchmarks/moe_tiling_sweep.py --tokens 1 64 --output $OUT/moe_tiling.json
-    python3 benchmarks/moe_tiling_sweep.py --tokens 256 --block-m 16 32 --h-layout fp32 stacked
+    python3 benchmarks/moe_tiling_sweep.py --tokens 256 --block-m 32 64 --kernels down
 """
 
 from __future__ import annotations
@@ -46,14 +46,14 @@ def _shapes(kernel: str, bm: int) -> list[tuple[int, int, int, int]]:
     for bn, bk, warps, stages in itertools.product(widths, (64, 128, 256), (4, 8),
                                                    (3, 4, 6)):  # fmt: skip
         w_bytes = bk * bn * 2 * (2 if kernel == "gate_up" else 1)
-        a_bytes = bm * bk * (2 if kernel == "gate_up" else 4)  # down's stacked h: the same
+        a_bytes = bm * bk * 2
         if stages * (w_bytes + a_bytes) > SMEM or bn * bk // (32 * warps) < 8:
             continue
         out.append((bn, bk, warps, stages))
     return out
 
 
-def _problem(t: int, device: str, bm: int | None = None, layout: str = "fp32") -> dict:
+def _problem(t: int, device: str, bm: int | None = None) -> dict:
     g = torch.Generator(device=device).manual_seed(t)
     x = torch.randn(t, D, generator=g, device=device).bfloat16()
     routed = torch.rand(t, E - 1, generator=g, device=device).argsort(dim=-1)[:, : K - 1]
@@ -67,9 +67,7 @@ def _problem(t: int, device: str, bm: int | None = None, layout: str = "fp32") -
     return {
         "t": t, "x": x, "ids": ids, "weights": weights, "base": base,
         "sorted": sorted_ids, "block_expert": block_expert,
-        "h": torch.zeros(nb * base.block_m * (1 + (layout == "stacked")), INTER, device=device,
-                         dtype=torch.float32 if layout == "fp32" else torch.bfloat16),
-        "layout": layout,
+        "h": torch.zeros(nb * base.block_m, INTER, device=device, dtype=torch.bfloat16),
         "slots": torch.empty(t * K, D, device=device),
         "hit": len(set(ids.view(-1).tolist())),
     }  # fmt: skip
@@ -102,10 +100,7 @@ def _launch(kernel: str, p: dict, w13, w2, shape, warmup: bool = False,
         args = (p["h"], w2, p["weights"], p["slots"], p["sorted"], p["block_expert"], t * K, D,
                 INTER, E, p["h"].stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
                 p["slots"].stride(0))  # fmt: skip
-    extra = (
-        {"SPLIT_H": p["layout"] != "rounded", "SKIP_PAD_ROWS": bm == 16} if kernel == "down" else {}
-    )
-    extra["STACK_H"] = p["layout"] == "stacked"
+    extra = {"SKIP_PAD_ROWS": bm == 16} if kernel == "down" else {}
     grid = (nb, triton.cdiv(n, bn))
     if kernel == "down":  # fused_moe.Tiling.down_tile_fastest: the grid (tiles, blocks)
         extra["TILE_FASTEST"] = tile_fastest
@@ -124,13 +119,13 @@ def _compile(jobs: list) -> int:
     torch.cuda.set_device(0)
     w13 = torch.empty(E, 2 * INTER, D, device="cuda", dtype=torch.bfloat16)
     w2 = torch.empty(E, D, INTER, device="cuda", dtype=torch.bfloat16)
-    problems: dict[tuple[int, int, str], dict] = {}
+    problems: dict[tuple[int, int], dict] = {}
     done = 0
-    for kernel, t, bm, layout, shape, fast in jobs:
-        if (t, bm, layout) not in problems:
-            problems[t, bm, layout] = _problem(t, "cuda", bm, layout)
+    for kernel, t, bm, shape, fast in jobs:
+        if (t, bm) not in problems:
+            problems[t, bm] = _problem(t, "cuda", bm)
         try:
-            _launch(kernel, problems[t, bm, layout], w13, w2, shape, True, fast)
+            _launch(kernel, problems[t, bm], w13, w2, shape, True, fast)
             done += 1
         except Exception:
             pass
@@ -142,21 +137,18 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--kernels", nargs="+", default=["gate_up", "down"])
     ap.add_argument("--block-m", type=int, nargs="+", default=[0], help="0: the default")
-    ap.add_argument("--h-layout", nargs="+", default=["fp32"],
-                    choices=["fp32", "stacked", "rounded"])  # fmt: skip
     ap.add_argument("--tile-fastest", type=int, nargs="+", default=[0], choices=[0, 1],
                     help="1: the down kernel's grid as (n-tiles, blocks)")  # fmt: skip
     ap.add_argument("--jobs", type=int, default=12)
     ap.add_argument("--output", required=True)
     args = ap.parse_args()
-    cases = [(t, _problem_bm(t, bm), st)
-             for t in args.tokens for bm in args.block_m for st in args.h_layout]  # fmt: skip
+    cases = [(t, _problem_bm(t, bm)) for t in args.tokens for bm in args.block_m]
 
     def orders(kernel: str) -> list[bool]:
         """The down kernel's grid orders to time (tile_fastest); one for gate-up."""
         return [bool(f) for f in args.tile_fastest] if kernel == "down" else [False]
 
-    jobs = [(k, t, bm, st, s, f) for k in args.kernels for t, bm, st in cases
+    jobs = [(k, t, bm, s, f) for k in args.kernels for t, bm in cases
             for f in orders(k) for s in _shapes(k, bm)]  # fmt: skip
     ctx = mp.get_context("spawn")
     with ctx.Pool(args.jobs) as pool:
@@ -164,8 +156,8 @@ def main() -> None:
     print(f"compiled {compiled} of {len(jobs)}", flush=True)
     w13, w2 = _weights("cuda")
     records = []
-    for t, bm, layout in cases:
-        p = _problem(t, "cuda", bm, layout)
+    for t, bm in cases:
+        p = _problem(t, "cuda", bm)
         for kernel in args.kernels:
             # the default's gate-up output feeds down, as in the op
             base = p["base"]
@@ -191,7 +183,7 @@ def main() -> None:
                     rows.append({"shape": shape, "tile_fastest": fast, "error": str(e)[:120]})
                     continue
                 rows.append({
-                    "kernel": kernel, "t": t, "block_m": bm, "h_layout": layout, "shape": shape,
+                    "kernel": kernel, "t": t, "block_m": bm, "shape": shape,
                     "tile_fastest": fast,
                     "us": round(us, 2),
                     "tb_per_s": round(nbytes / us / 1e6, 3),
@@ -203,7 +195,7 @@ def main() -> None:
             records += rows
             best = ok[:5]
             dflt = [r for r in ok if r["default"]]
-            print(f"== {kernel} T={t} BM={bm} h {layout} ({p['hit']} experts, "
+            print(f"== {kernel} T={t} BM={bm} ({p['hit']} experts, "
                   f"{nbytes / 1e6:.0f} MB)")  # fmt: skip
             for r in dflt + best:
                 mark = "default" if r["default"] else ""

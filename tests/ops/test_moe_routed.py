@@ -64,7 +64,7 @@ def test_moe_routed_bf16(seed):
     router, mask, w13, w2 = _case(seed, t, e, k, hashed, True, torch.bfloat16)
     got = moe_routed(*router, None, mask, w13, w2, 7.0)
     # the references route as the bf16 reference does (same bf16-rounded router logits);
-    # the bf16 one rounds h once, as the fused experts do (fused_moe.Tiling.round_h)
+    # the bf16 one rounds h once, as the fused experts do
     ids, weights = reference.route_fused(*router, None, mask)
     ref16 = reference.moe_experts(router[0], ids, weights, w13, w2, 7.0, h_dtype=torch.bfloat16)
     x32, w13_32, w2_32 = as_fp32((router[0], w13, w2))

@@ -227,8 +227,8 @@ def moe_experts(
 
     x: [T, D]; topk_ids, topk_weights: [T, k]; w13: [E, 2I, D] (gate rows then up rows);
     w2: [E, D, I]. Returns [T, D]. ``h_dtype``: the precision of the fused and grouped
-    MoE kernels (``fused_moe.Tiling.round_h``): both GEMMs in fp32 with the SwiGLU output
-    rounded once to ``h_dtype``, the output rounded once to x's dtype.
+    MoE kernels for 16-bit weights: both GEMMs in fp32 with the SwiGLU output rounded once
+    to ``h_dtype``, the output rounded once to x's dtype.
     """
     out, dtype = torch.zeros_like(x), x.dtype
     if h_dtype is not None:  # fp32 GEMMs and sum, h rounded once, the output once

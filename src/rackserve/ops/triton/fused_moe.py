@@ -4,7 +4,7 @@ Shape legend: T tokens, k experts per token, P = T*k (token, slot) pairs, E expe
 D hidden, I expert width, BM rows per block.
 
     align      (1 launch, 2 when P > one segment) -> sorted_ids [R], block_expert [B]
-    gate_up    x[token] @ w13[e]^T, clamped SwiGLU  -> h [R, I] (16-bit weights: rounded once)
+    gate_up    x[token] @ w13[e]^T, clamped SwiGLU  -> h [R, I] in the weights' type
     down       h @ w2[e]^T * routed weight          -> slots [P, D] fp32
     sum        the k slots of each token, in order  -> out [T, D]
 
@@ -58,16 +58,9 @@ class Tiling:
     down_stages: int
     align_segment: int  # pairs per align program above PER_EXPERT_ALIGN_MAX_PAIRS pairs
     sum_block_d: int
-    # 16-bit weights: gate-up stores h as its 16-bit hi and lo parts stacked per block, and
-    # down runs one dot of 2 * block_m rows a K step (fused_moe_kernels.py, STACK_H)
-    stack_h: bool = False
     # the down kernel's grid as (n-tiles, blocks) (``fused_moe_kernels.program_block``): a
     # block's programs run together and read its h rows from L2 while they are hot
     down_tile_fastest: bool = False
-    # 16-bit weights: h rounded once to their type (``reference.moe_experts(h_dtype=)``: the
-    # grouped prefill MoE's precision, and finer than the bf16 reference, which rounds gate,
-    # up, SiLU and product); down runs one dot of block_m rows a K step (overrides stack_h)
-    round_h: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "gate_up_block_n", "gate_up_block_k", "down_block_n"):
@@ -97,9 +90,7 @@ def default_tiling(
     On CPU (the interpreter) wide tiles keep the number of interpreted programs small.
     """
     if device.type != "cuda":
-        return Tiling(
-            16, 64, 64, 4, 1, 64, 64, 4, 1, 4096, 256, round_h=True, down_tile_fastest=True
-        )
+        return Tiling(16, 64, 64, 4, 1, 64, 64, 4, 1, 4096, 256, down_tile_fastest=True)
     pairs = num_tokens * top_k
     if pairs >= 16 * num_experts * 4:  # >= 64 rows per expert on average: prefill-like
         return Tiling(64, 64, 64, 8, 3, 128, 64, 8, 3, 2048, 1024)
@@ -107,15 +98,13 @@ def default_tiling(
     hit_experts = min(num_experts, pairs)
     narrow = hit_experts * triton.cdiv(inter, 64) < 3 * _num_sms(device)
     block_k = 64 if dtype == torch.float32 else 128  # 3 stages of fp32 tiles fill the SMEM
-    # moe_tiling_sweep.py, H200 (benchmarks/results/2026-12-03-h200-s17.md), the down kernel
-    # alone: h stacked as bf16 hi / lo rows (stack_h) in 128 x 64 tiles, 446.9 -> 350.6 us
-    # at T = 256 (32-row blocks; 128 x 128 tiles on fp32 h before), 279.9 -> 263.3 at T = 64,
-    # 32.6 -> 30.7 at T = 1 (16-row blocks; 4 stages when narrow). Gate-up at T = 1: 3 stages,
-    # 69.3 -> 61.8 us (session 16).
-    # h rounded once (round_h) in 128 x 128 tiles, 3 stages, against stacked h's 128 x 64
-    # (2026-12-04-h200-s24.md): 343.9 -> 296.1 us at T = 256, 279.8 -> 261.5 at T = 64,
-    # 32.0 -> 30.5 at T = 1
-    round_h = dtype != torch.float32
+    # moe_tiling_sweep.py, H200, the down kernel alone: 16-bit h (rounded once) in 128 x 128
+    # tiles, 3 stages, against h kept at fp32 precision as stacked bf16 hi / lo rows in
+    # 128 x 64 (2026-12-04-h200-s24.md): 343.9 -> 296.1 us at T = 256, 279.8 -> 261.5 at
+    # T = 64, 32.0 -> 30.5 at T = 1; fp32 h split in registers was slower still (446.9 us at
+    # T = 256, 2026-12-03-h200-s17.md). Gate-up at T = 1: 3 stages, 69.3 -> 61.8 us
+    # (session 16).
+    sixteen_bit = dtype != torch.float32
     return Tiling(
         block_m=block_m,
         gate_up_block_n=32 if narrow else 64,
@@ -123,9 +112,9 @@ def default_tiling(
         gate_up_warps=4,
         gate_up_stages=3 if narrow else 4,
         down_block_n=128,
-        down_block_k=128 if round_h else 64,  # fp32 h: 64 (3 stages fill the SMEM)
+        down_block_k=128 if sixteen_bit else 64,  # fp32 h: 64 (3 stages fill the SMEM)
         down_warps=4,
-        down_stages=4 if narrow and block_m == 16 and not round_h else 3,
+        down_stages=3 if sixteen_bit or not (narrow and block_m == 16) else 4,
         # a block's programs over all n-tiles together, its h rows re-read from L2: ncu at
         # 256 tokens read 1.37 GB of DRAM for 1.09 GB of weights in block order; the down
         # kernel alone 347.6 -> 324.9 us at T = 256, 263.3 -> 259.3 at T = 64 (H200,
@@ -136,7 +125,6 @@ def default_tiling(
         # program per expert; latency_kernels.py)
         align_segment=64,
         sum_block_d=1024,
-        round_h=round_h,
     )
 
 
@@ -330,13 +318,7 @@ def run_experts(
     bm = tiling.block_m
     num_blocks = block_expert.shape[0]
     fp32_dot = x.dtype == torch.float32 or x.device.type == "cpu"
-    round_h = tiling.round_h and x.dtype != torch.float32
-    stack_h = tiling.stack_h and x.dtype != torch.float32 and not round_h
-
-    if stack_h:  # hi and lo rows of each block
-        h = _empty((2 * num_blocks * bm, inter), w2.dtype, x.device)
-    else:  # the gate-up's store rounds fp32 h to a 16-bit h's type
-        h = _empty((num_blocks * bm, inter), w2.dtype if round_h else torch.float32, x.device)
+    h = _empty((num_blocks * bm, inter), w2.dtype, x.device)  # 16-bit: rounded by the store
     grid = (num_blocks, triton.cdiv(inter, tiling.gate_up_block_n))
     moe_gate_up_kernel[grid](
         x, w13, h, sorted_ids, block_expert,
@@ -346,7 +328,6 @@ def run_experts(
         BLOCK_N=tiling.gate_up_block_n,
         BLOCK_K=tiling.gate_up_block_k,
         FP32_DOT=fp32_dot,
-        STACK_H=stack_h,
         num_warps=tiling.gate_up_warps,
         num_stages=tiling.gate_up_stages, **pdl(x.device),
     )  # fmt: skip
@@ -361,9 +342,7 @@ def run_experts(
         BLOCK_N=tiling.down_block_n,
         BLOCK_K=tiling.down_block_k,
         FP32_DOT=fp32_dot,
-        SPLIT_H=x.dtype != torch.float32 and not round_h,
         SKIP_PAD_ROWS=bm == 16,
-        STACK_H=stack_h,
         TILE_FASTEST=tiling.down_tile_fastest,
         num_warps=tiling.down_warps,
         num_stages=tiling.down_stages, **pdl(h.device),

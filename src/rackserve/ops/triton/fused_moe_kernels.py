@@ -6,19 +6,17 @@ row capacity (a multiple of BM), B = R / BM blocks, S align segments.
 
 Align: ``moe_align_kernels.py``.
 ``moe_gate_up_kernel``, grid (B, cdiv(I, BN)): the gate and up tiles of x[token] @ w13[e]^T
-    in one program, the clamped SwiGLU in fp32, h [R, I] (fp32, or rounded to w's type).
+    in one program, the clamped SwiGLU in fp32, stored as h [R, I] in the weights' type:
+    16-bit weights get h rounded once (to nearest even), the precision of
+    ``reference.moe_experts(h_dtype=)`` and of the grouped prefill MoE. Its errors are
+    smaller than the bf16 reference's (which rounds gate, up, SiLU and product) but not
+    correlated with them, so the tests compare the kernel with ``h_dtype``'s reference.
+    (Keeping h's fp32 precision as bf16 hi + lo parts cost the down kernel twice the dot
+    rows: 343.9 against 296.1 us at T = 256 on the H200, 2026-12-04-h200-s24.md.)
 ``moe_down_kernel``, grid (B, cdiv(D, BN)): h @ w2[e]^T times the routed weight, written to
-    the pair's row of slots [P, D] fp32. h is fp32, or 16-bit: rounded once by the gate-up's
-    store (``fused_moe.Tiling.round_h``, the default for 16-bit weights: the precision of
-    ``reference.moe_experts(h_dtype=)``: smaller errors than the bf16 reference's, but not
-    correlated with them, so the tests compare the kernel with ``h_dtype``'s reference), or
-    fp32 h split into hi + lo 16-bit parts (SPLIT_H) that both multiply w2 on the tensor
-    cores.
-``STACK_H`` (both kernels, 16-bit weights): the gate-up epilogue stores the hi / lo split,
-    h [2R, I] in w's 16-bit type with block b's hi rows at [2b*BM, 2b*BM + BM) and its lo
-    rows right after, so the down kernel's K step is one dot of a [2BM, BK] tile (no fp32
-    loads, no conversions; M = 32 or 64 rows on the tensor cores instead of two dots of
-    BM) and its epilogue adds the two halves of the accumulator.
+    the pair's row of slots [P, D] fp32.
+``store_h`` / ``STACK_H``: the FP4 MoE's gate-up epilogue (``fused_moe_fp4.py``), which
+    keeps h as 16-bit hi / lo rows stacked per block.
 ``FP32_DOT``: IEEE fp32 dots (no TF32) for fp32 inputs, and on the interpreter for every
     dtype (its 16-bit tl.dot is wrong); 16-bit inputs on the GPU use tensor cores.
 ``moe_sum_kernel``, grid (T, cdiv(D, BD)): out[t] = sum over slots j = 0..k-1 in that order
@@ -151,7 +149,7 @@ def store_weighted(acc, weights_ptr, slots_ptr, pair, row_ok, cols, col_ok, stri
 def moe_gate_up_kernel(
     x_ptr,  # [T, D]
     w13_ptr,  # [E, 2I, D]: gate rows 0..I-1, up rows I..2I-1
-    h_ptr,  # [R, I] out, fp32 or 16-bit (round_h: the store rounds)
+    h_ptr,  # [R, I] out in w13's type (16-bit: the store rounds)
     sorted_ptr,  # [R] int32
     block_expert_ptr,  # [B] int32
     num_pairs,
@@ -169,7 +167,6 @@ def moe_gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     FP32_DOT: tl.constexpr,
-    STACK_H: tl.constexpr,  # h [2R, I] 16-bit, hi and lo stacked per block
     PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
     pdl_wait(PDL)
@@ -199,13 +196,12 @@ def moe_gate_up_kernel(
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K * stride_wk
         up_ptrs += BLOCK_K * stride_wk
-    store_h(acc_gate, acc_up, limit, h_ptr, block, rows, cols, col_ok, stride_ht, inter,
-            BLOCK_M, STACK_H, False)  # fmt: skip
+    store_swiglu(acc_gate, acc_up, limit, h_ptr, rows, cols, col_ok, stride_ht)
 
 
 @triton.jit
 def moe_down_kernel(
-    h_ptr,  # [R, I] fp32 or w2's type (STACK_H: [2R, I] in w2's type)
+    h_ptr,  # [R, I] in w2's type
     w2_ptr,  # [E, D, I]
     weights_ptr,  # [P] fp32 routed weights, flattened topk_weights
     slots_ptr,  # [P, D] fp32 out
@@ -224,9 +220,7 @@ def moe_down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     FP32_DOT: tl.constexpr,
-    SPLIT_H: tl.constexpr,
     SKIP_PAD_ROWS: tl.constexpr,  # h's padding rows not read (measured with 16-row blocks)
-    STACK_H: tl.constexpr,  # h's hi and lo parts stacked per block (SPLIT_H's split, stored)
     TILE_FASTEST: tl.constexpr,  # grid (tiles, B): see program_block
     PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
@@ -238,12 +232,6 @@ def moe_down_kernel(
     rows, pair, row_ok, cols, col_ok = block_tile(
         sorted_ptr, num_pairs, hidden, block, tile, BLOCK_M, BLOCK_N
     )
-    if STACK_H:
-        _down_stacked(h_ptr, w2_ptr, weights_ptr, slots_ptr, sorted_ptr, block, expert, pair,
-                      row_ok, cols, col_ok, num_pairs, inter, stride_ht, stride_we, stride_wn,
-                      stride_wk, stride_slot, BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT,
-                      SKIP_PAD_ROWS)  # fmt: skip
-        return
     ks = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_ht + ks[None, :]
     # [BLOCK_K, BLOCK_N]: w2[e, cols, k]^T
@@ -256,45 +244,9 @@ def moe_down_kernel(
         else:
             a = tl.load(h_ptrs, mask=k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if SPLIT_H:  # h = hi + lo in w's 16-bit type: two dots keep h's fp32 precision
-            hi = a.to(w.dtype)
-            acc = dot_acc(hi, w, acc, FP32_DOT)
-            acc = dot_acc((a - hi.to(tl.float32)).to(w.dtype), w, acc, FP32_DOT)
-        else:
-            acc = dot_acc(a, w, acc, FP32_DOT)
+        acc = dot_acc(a, w, acc, FP32_DOT)
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
-    store_weighted(acc, weights_ptr, slots_ptr, pair, row_ok, cols, col_ok, stride_slot)
-
-
-@triton.jit
-def _down_stacked(
-    h_ptr, w2_ptr, weights_ptr, slots_ptr, sorted_ptr, block, expert, pair, row_ok, cols, col_ok,
-    num_pairs, inter, stride_ht, stride_we, stride_wn, stride_wk, stride_slot,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FP32_DOT: tl.constexpr, SKIP_PAD_ROWS: tl.constexpr,
-):  # fmt: skip
-    """The down kernel on stacked h (``STACK_H``): [hi; lo] @ w2[e]^T in one dot a K step,
-    then hi's rows of the accumulator plus lo's."""
-    r2 = tl.arange(0, 2 * BLOCK_M)
-    h_rows = block * (2 * BLOCK_M) + r2
-    ks = tl.arange(0, BLOCK_K)
-    h_ptrs = h_ptr + h_rows[:, None].to(tl.int64) * stride_ht + ks[None, :]
-    w_ptrs = expert_rows(w2_ptr, expert, cols, stride_we, stride_wn) + ks[:, None] * stride_wk
-    if SKIP_PAD_ROWS:  # each half's rows: the block's pairs again
-        pair2 = tl.load(sorted_ptr + block * BLOCK_M + r2 % BLOCK_M)
-        row2_ok = pair2 < num_pairs
-    else:
-        row2_ok = r2 < 2 * BLOCK_M
-    acc2 = tl.zeros((2 * BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        k_ok = (k0 + ks) < inter
-        a = tl.load(h_ptrs, mask=row2_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc2 = dot_acc(a, w, acc2, FP32_DOT)
-        h_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wk
-    acc = tl.sum(tl.reshape(acc2, (2, BLOCK_M, BLOCK_N)), axis=0)
     store_weighted(acc, weights_ptr, slots_ptr, pair, row_ok, cols, col_ok, stride_slot)
 
 
