@@ -100,7 +100,7 @@ def store_swiglu(acc_gate, acc_up, limit, h_ptr, rows, cols, col_ok, stride_ht):
 @triton.jit
 def store_h(acc_gate, acc_up, limit, h_ptr, block, rows, cols, col_ok, stride_ht, inter,
             BLOCK_M: tl.constexpr, STACK_H: tl.constexpr, EVEN_ODD: tl.constexpr):  # fmt: skip
-    """The gate-up epilogue into h: fp32 rows (``store_swiglu``), or STACK_H's 16-bit hi / lo
+    """The gate-up epilogue into h: rows in h's type (``store_swiglu``), or STACK_H's hi / lo
     rows per block (``store_swiglu_stacked``; EVEN_ODD: even columns first)."""
     if STACK_H:
         store_swiglu_stacked(
