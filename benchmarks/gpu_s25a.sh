@@ -10,7 +10,7 @@
 # 512 -> 128: set when the wgmma kernel did not exist) in a bench forward A/B.
 # Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/gpu_s25a.sh     (BUDGET_S: total seconds)
 set -uo pipefail
-BUDGET_S=${BUDGET_S:-570}
+BUDGET_S=${BUDGET_S:-585}
 source "$(dirname "$0")/device_env.sh"
 start_call
 rs=(python3 -c 'import sys; from rackserve.cli import main; sys.exit(main(sys.argv[1:]))')
@@ -18,9 +18,10 @@ t=$(cap 60); echo "== memory profile GPU test (${t}s)"
 ((t)) && timeout "$t" python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider -rf \
   --tb=short tests/runner/test_memory_profile.py > "$R/pytest_memory.log" 2>&1
 grep -E "^E  |passed|failed" "$R/pytest_memory.log" | head -6
-t=$(cap 90); echo "== chunking invariance on the GPU with the rounded h (${t}s)"
+t=$(cap 110); echo "== fused MoE (one h layout since 9f136fc), chunking invariance (${t}s)"
 ((t)) && timeout "$t" python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider -rf \
-  --tb=short tests/model/test_chunking_gpu.py > "$R/pytest_chunking.log" 2>&1
+  --tb=short tests/ops/test_fused_moe.py::test_v4_flash_sizes_on_gpu \
+  tests/model/test_chunking_gpu.py > "$R/pytest_chunking.log" 2>&1
 grep -E "^E  |passed|failed" "$R/pytest_chunking.log" | head -6
 t=$(cap 100); echo "== model create (${t}s)"
 ((t)) && timeout "$t" "${rs[@]}" model create --preset v4-flash --layers 4 --experts 64 \
