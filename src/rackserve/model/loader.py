@@ -208,14 +208,19 @@ def check_checkpoint(model_dir: str | Path) -> None:
     def meta(name: str) -> torch.Tensor | None:
         if name not in handles:
             return None
-        info = handles[name].get_slice(name)  # type: ignore[attr-defined]
-        shape, kind = list(info.get_shape()), info.get_dtype()
-        if kind == "F4":  # the header counts e2m1 values; torch holds two per element
-            shape[-1] //= 2
-        dtype = _SAFETENSORS_DTYPES.get(kind, torch.float32)
+        shape, dtype = _header_tensor(handles[name], name)
         return torch.empty(shape, device="meta", dtype=dtype)
 
     load_weights(model, ((name, meta(name)) for _, name in names), meta)  # type: ignore[misc]
+
+
+def _header_tensor(handle: object, name: str) -> tuple[list[int], torch.dtype]:
+    """(shape, dtype) of tensor ``name`` as torch holds it, from its safetensors header."""
+    info = handle.get_slice(name)  # type: ignore[attr-defined]
+    shape, kind = list(info.get_shape()), info.get_dtype()
+    if kind == "F4":  # the header counts e2m1 values; torch holds two per element
+        shape[-1] //= 2
+    return shape, _SAFETENSORS_DTYPES.get(kind, torch.float32)
 
 
 def checkpoint_weight_bytes(model_dir: str | Path, dtype: torch.dtype) -> int:
@@ -225,11 +230,7 @@ def checkpoint_weight_bytes(model_dir: str | Path, dtype: torch.dtype) -> int:
     4-bit tensors (fp8 weights, e8m0 scales) as stored."""
     total = 0
     for handle, name in open_shards(checkpoint_files(Path(model_dir))):
-        info = handle.get_slice(name)  # type: ignore[attr-defined]
-        shape, kind = list(info.get_shape()), info.get_dtype()
-        if kind == "F4":  # the header counts e2m1 values; torch holds two per element
-            shape[-1] //= 2
-        stored = _SAFETENSORS_DTYPES.get(kind, torch.float32)
+        shape, stored = _header_tensor(handle, name)
         if stored.is_floating_point and stored.itemsize > 1:
             fp32 = canonical_name(name).endswith(FP32_PARAM_SUFFIXES)
             stored = torch.float32 if fp32 else dtype
