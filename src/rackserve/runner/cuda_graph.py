@@ -106,6 +106,11 @@ def prefill_graph_sizes(max_num_batched_tokens: int) -> list[int]:
     return sizes + [t for t in PREFILL_GRAPH_TOKENS if t >= max_num_batched_tokens][:1]
 
 
+def prefill_graph_buckets(buckets: Sequence[int]) -> list[int]:
+    """The context buckets the prefill graphs serve: those up to PREFILL_GRAPH_MAX_CONTEXT."""
+    return [c for c in buckets if c <= PREFILL_GRAPH_MAX_CONTEXT]
+
+
 def graph_serves(inputs: StepInputs) -> bool:
     """Whether a runner with graphs (and room for this step's size) replays this step: a
     uniform decode, or a prefill / mixed step within the prefill graphs' sizes and context."""
@@ -358,8 +363,7 @@ class PrefillGraphs(_StepGraphs):
         sizes: Sequence[int],
         buckets: Sequence[int],
     ) -> None:
-        served = [c for c in buckets if c <= PREFILL_GRAPH_MAX_CONTEXT]
-        super().__init__(model, caches, buffers, groups, sizes, served)
+        super().__init__(model, caches, buffers, groups, sizes, prefill_graph_buckets(buckets))
 
     def forward(self, t: int, bucket: int) -> torch.Tensor:
         """The captured region: metadata from the static buffers, forward: hidden [t, D]."""

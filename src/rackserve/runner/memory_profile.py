@@ -19,9 +19,9 @@ import torch
 
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 from rackserve.runner.cuda_graph import (
-    PREFILL_GRAPH_MAX_CONTEXT,
     context_buckets,
     graph_batch_sizes,
+    prefill_graph_buckets,
     prefill_graph_sizes,
 )
 from rackserve.runner.step_buffers import StepBuffers
@@ -70,7 +70,7 @@ def graph_outputs_bytes(
     [T, D] per context bucket it serves, and the decode graphs' one logits buffer [B, V]."""
     cfg = model.cfg
     dtype_bytes = model.head.weight.element_size()
-    served = [c for c in context_buckets(max_model_len) if c <= PREFILL_GRAPH_MAX_CONTEXT]
+    served = prefill_graph_buckets(context_buckets(max_model_len))
     hidden = sum(prefill_graph_sizes(max_step_tokens)) * cfg.hidden_size * dtype_bytes
     logits = max(graph_batch_sizes(max_num_reqs)) * cfg.vocab_size * 4
     return hidden * len(served) + logits
