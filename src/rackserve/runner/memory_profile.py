@@ -87,9 +87,11 @@ def runner_reserve_bytes(
     """Bytes the KV budget leaves for a runner's steps: the peak of its largest eager step,
     and with CUDA graphs their pool (the largest graph's peak and the outputs)."""
     largest = min(max_step_tokens, max_model_len)
-    reserve = step_peak_bytes(model, largest, kv_dtype)
-    if graphs and reserve:  # the largest graph: a padded prefill, or the largest decode
-        graph_tokens = max(max(prefill_graph_sizes(largest)), max(graph_batch_sizes(max_num_reqs)))
-        reserve += step_peak_bytes(model, graph_tokens, kv_dtype)
-        reserve += graph_outputs_bytes(model, max_num_reqs, max_model_len, largest)
-    return reserve
+    eager = step_peak_bytes(model, largest, kv_dtype)
+    if not (graphs and eager):
+        return eager
+    # the largest graph: a padded prefill, or the largest decode (the eager step's own
+    # size when they match, measured once)
+    graph_tokens = max(max(prefill_graph_sizes(largest)), max(graph_batch_sizes(max_num_reqs)))
+    graph = eager if graph_tokens == largest else step_peak_bytes(model, graph_tokens, kv_dtype)
+    return eager + graph + graph_outputs_bytes(model, max_num_reqs, max_model_len, largest)
