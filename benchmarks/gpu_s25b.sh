@@ -1,19 +1,33 @@
 #!/usr/bin/env bash
-# Session 25, call 1 (gpu_s25a.sh's steps, most wanted first: three failed machine starts left
-# ~10 minutes of device time): the Gluon wgmma attention for decode batches from 128 queries
-# (ops.PREFILL_ATTENTION_MIN_TOKENS 512 -> 128) in a bench forward A/B at decode:256 / 128 / 64;
-# the KV budget's reserve GPU test (runner/memory_profile.py); the decode MoE at T = 256 with
-# 64-row blocks against 32; the chunking-invariance GPU test with the decode MoE's rounded h;
-# an engine sized by --gpu-memory-utilization logging its reserve next to its graphs' memory.
+# Session 25, call 1 (gpu_s25a.sh's steps, most wanted first: failed machine starts left
+# ~8 minutes of device time). Bench forward at decode:256 / 128, three sides alternating:
+# the Gluon wgmma attention for decode batches from 128 queries
+# (ops.PREFILL_ATTENTION_MIN_TOKENS 512 -> 128); hc_post_pre's expand in its own launch from
+# 128 tokens (mhc.POST_APART_MIN_TOKENS 1024 -> 128: in session 24's decode:256 timeline the
+# expand-fused K1 after attention took 27 us, the apart pair after the MoE 12 + 6); the
+# defaults. Then the KV budget's reserve GPU test (runner/memory_profile.py); the decode MoE at
+# T = 256 with 64-row blocks against 32; the chunking-invariance GPU test with the decode
+# MoE's rounded h; an engine sized by --gpu-memory-utilization logging its reserve.
 # Usage: RACKSERVE_COMMIT=<sha> BUDGET_S=<s> bash benchmarks/gpu_s25b.sh
 set -uo pipefail
 BUDGET_S=${BUDGET_S:-585}
 source "$(dirname "$0")/device_env.sh"
 start_call
 rs=(python3 -c 'import sys; from rackserve.cli import main; sys.exit(main(sys.argv[1:]))')
-forward_ab wgmma128 'import rackserve.ops as o; o.PREFILL_ATTENTION_MIN_TOKENS = 128' \
-  decode_kernels 'pass' --batch decode:256@4096 --batch decode:128@4096 --batch decode:64@4096 \
-  --iters 20 --warmup 3
+# three sides, alternating, two passes (decode:64 takes neither switch: not measured)
+for pass in 1 2; do
+  for side in wgmma128 postapart128 default; do
+    case $side in
+      wgmma128) code='import rackserve.ops as o; o.PREFILL_ATTENTION_MIN_TOKENS = 128' ;;
+      postapart128) code='mhc.POST_APART_MIN_TOKENS = 128' ;;
+      default) code='pass' ;;
+    esac
+    t=$(cap 60); echo "== bench forward, $side, pass $pass (${t}s)"
+    ((t)) && timeout "$t" bash -c "$(declare -f forward_with); forward_with \"\$@\"" _ "$code" \
+      "$R/forward_${side}_$pass.json" --batch decode:256@4096 --batch decode:128@4096 \
+      --iters 20 --warmup 3
+  done
+done
 t=$(cap 60); echo "== memory profile GPU test (${t}s)"
 ((t)) && timeout "$t" python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider -rf \
   --tb=short tests/runner/test_memory_profile.py > "$R/pytest_memory.log" 2>&1
