@@ -5,7 +5,8 @@
 # (ops.PREFILL_ATTENTION_MIN_TOKENS 512 -> 128); hc_post_pre's expand in its own launch from
 # 128 tokens (mhc.POST_APART_MIN_TOKENS 1024 -> 128: in session 24's decode:256 timeline the
 # expand-fused K1 after attention took 27 us, the apart pair after the MoE 12 + 6); the
-# defaults. Then the KV budget's reserve GPU test (runner/memory_profile.py); the decode MoE at
+# defaults; K2 as a mixes launch and a collapse launch from 128 tokens
+# (mhc.MIXES_APART_MIN_TOKENS 2048 -> 128: hc_finish took 12 us a launch at 256 tokens). Then the KV budget's reserve GPU test (runner/memory_profile.py); the decode MoE at
 # T = 256 with 64-row blocks against 32; the chunking-invariance GPU test with the decode
 # MoE's rounded h; an engine sized by --gpu-memory-utilization logging its reserve.
 # Usage: RACKSERVE_COMMIT=<sha> BUDGET_S=<s> bash benchmarks/gpu_s25b.sh
@@ -14,12 +15,13 @@ BUDGET_S=${BUDGET_S:-585}
 source "$(dirname "$0")/device_env.sh"
 start_call
 rs=(python3 -c 'import sys; from rackserve.cli import main; sys.exit(main(sys.argv[1:]))')
-# three sides, alternating, two passes (decode:64 takes neither switch: not measured)
+# four sides, alternating, two passes (decode:64 takes neither switch: not measured)
 for pass in 1 2; do
-  for side in wgmma128 postapart128 default; do
+  for side in wgmma128 postapart128 default mixesapart128; do
     case $side in
       wgmma128) code='import rackserve.ops as o; o.PREFILL_ATTENTION_MIN_TOKENS = 128' ;;
       postapart128) code='mhc.POST_APART_MIN_TOKENS = 128' ;;
+      mixesapart128) code='mhc.MIXES_APART_MIN_TOKENS = 128' ;;
       default) code='pass' ;;
     esac
     t=$(cap 60); echo "== bench forward, $side, pass $pass (${t}s)"
