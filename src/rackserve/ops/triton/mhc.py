@@ -126,6 +126,7 @@ def default_tiling(
             post_block_t=16,
             post_block_d=d_pow2,
             post_warps=4,
+            post_apart=num_tokens >= POST_APART_MIN_TOKENS,
             mixes_block_t=16 if mixes_apart else 0,
         )
     gemm_block_t = 16 if num_tokens <= 16 else 32 if num_tokens <= 128 else 64
