@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from rackserve import ops
+from rackserve.model.attention import Attention
 from rackserve.model.batch import StepMetadata
 from rackserve.model.create import init_model_
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
@@ -91,7 +92,7 @@ def ieee_fp32_matmul():
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("switches", ["decode_kernels", "prefill", "wide"])
+@pytest.mark.parametrize("switches", ["decode_kernels", "prefill", "wide", "indexer_beside_q"])
 def test_fp32_fast_path_matches_reference(ieee_fp32_matmul, monkeypatch, switches):
     """Prefill, two eager decode steps, then a graph-style step. On a GPU this failed in
     session 3 with the text lost: every comparison now prints its error (run with -s), and
@@ -101,9 +102,11 @@ def test_fp32_fast_path_matches_reference(ieee_fp32_matmul, monkeypatch, switche
     (``Kernels.attention_norms_q``: the prologue leaves q alone). ``wide``: every step takes
     what the switches otherwise keep for large batches (the prefill attention and indexer,
     hc_post_pre's expand apart, K2 as mixes + collapse), as a decode batch does when the
-    thresholds are lowered for it (benchmarks/gpu_s26a.sh)."""
+    thresholds are lowered for it (benchmarks/gpu_s26a.sh). ``indexer_beside_q``: the CSA
+    layer's indexer issued for a side stream beside the q projection (on CPU in issue order),
+    the attention norming q."""
     print(f"device {DEVICE}", torch.cuda.get_device_name() if DEVICE == "cuda" else "")
-    min_tokens = {"decode_kernels": None, "prefill": 24, "wide": 1}[switches]
+    min_tokens = {"prefill": 24, "wide": 1}.get(switches)
     if min_tokens is not None:
         monkeypatch.setattr(ops, "PREFILL_ATTENTION_MIN_TOKENS", min_tokens)
         monkeypatch.setattr(ops, "PREFILL_ATTN_MIN_TOKENS", min_tokens)
@@ -112,6 +115,13 @@ def test_fp32_fast_path_matches_reference(ieee_fp32_matmul, monkeypatch, switche
 
         monkeypatch.setattr(mhc, "POST_APART_MIN_TOKENS", 1)
         monkeypatch.setattr(mhc, "MIXES_APART_MIN_TOKENS", 1)
+    beside = []  # the CSA layer's steps through Attention._indexer_beside_q
+    if switches == "indexer_beside_q":
+        monkeypatch.setattr(ops, "INDEXER_BESIDE_Q_MAX_TOKENS", 64)
+        original = Attention._indexer_beside_q
+        monkeypatch.setattr(
+            Attention, "_indexer_beside_q", lambda *a: beside.append(1) or original(*a)
+        )
     fast, ref = _models()
     models = {"fast": fast, "ref": ref}
     norms_q = fast.kernels.attention_norms_q
@@ -147,6 +157,7 @@ def test_fp32_fast_path_matches_reference(ieee_fp32_matmul, monkeypatch, switche
         for layer, expected in per_layer.items():
             got = caches["fast"].tensors.tensors[group][layer]
             _assert_close(got[1:], expected[1:], (group, layer), CACHE_TOL)
+    assert len(beside) == (4 if switches == "indexer_beside_q" else 0)  # one CSA layer
 
 
 def _assert_close(got: torch.Tensor, ref: torch.Tensor, what=None, tol: float = 1e-4) -> None:

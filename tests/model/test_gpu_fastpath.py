@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rackserve import ops
 from rackserve.bench.accuracy import argmax_agreement, reference_ties, teacher_forced_agreement
 from rackserve.bench.forward import BatchSpec, synthetic_step
 from rackserve.model.create import create_checkpoint, init_model_
@@ -76,9 +77,15 @@ def test_fp32_fast_path_matches_reference_kernels(name, tmp_path):
     print(f"{name}: worst relative logit error over 65 steps {worst:.2e}")
 
 
-@pytest.mark.parametrize("num_reqs", [1, 64, 256])
+@pytest.mark.parametrize(
+    "num_reqs,beside", [(1, False), (64, False), (256, False), (1, True), (256, True)]
+)
 @torch.inference_mode()
-def test_graph_replay_is_bit_identical_to_eager(num_reqs):
+def test_graph_replay_is_bit_identical_to_eager(num_reqs, beside, monkeypatch):
+    """``beside``: the CSA layer's indexer on a side stream beside the q projection
+    (``ops.INDEXER_BESIDE_Q_MAX_TOKENS``): two branches in the graph, the same bits."""
+    if beside:
+        monkeypatch.setattr(ops, "INDEXER_BESIDE_Q_MAX_TOKENS", 256)
     cfg = preset_config("v4-flash", 4, 64)
     with torch.device("cuda"):
         model = DeepseekV4ForCausalLM(cfg, with_mtp=False)

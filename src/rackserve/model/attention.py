@@ -28,7 +28,14 @@ from torch import nn
 
 from rackserve.config import CSA, HCA, SLIDING, ModelConfig
 from rackserve.model.batch import KVCacheTensors, StepMetadata
-from rackserve.model.layers import FusedWeights, GroupedLinear, RMSNorm, Rotary, linear
+from rackserve.model.layers import (
+    FusedWeights,
+    GroupedLinear,
+    RMSNorm,
+    Rotary,
+    SideStream,
+    linear,
+)
 from rackserve.ops import Kernels
 
 
@@ -265,34 +272,33 @@ class Attention(nn.Module):
         cos, sin = self.rotary(meta.positions, x.dtype) if rope is None else rope
         q_a, kv, state_rows, head_logits = self._project(x)
         q_residual = k.rms_norm(q_a, self.q_norm.weight, self.eps)
-        q, q_index = self._q_projections(q_residual)
         swa = caches.flat("swa", self.layer_id)
-        state, state_slots = None, None
-        if self.ratio:
-            state = caches.flat(self.state_group, self.layer_id)
-            state_slots = meta.slot_mapping[self.state_group]
-        index_heads = self.indexer.num_heads if self.kind == CSA else 1
-        # q: per-head norm + RoPE (or by the attention kernel as it loads q); kv: norm +
-        # RoPE into the window, the compressor's raw rows into the state; CSA: the
-        # indexer's q RoPE and head weights
-        raw_q = k.attention_norms_q(q)
-        q_norm_eps = self.eps if raw_q else None
-        q, q_index, index_weights = k.attention_prologue(
-            q.view(t, self.num_heads, self.head_dim), kv, self.norm.weight, self.eps, cos, sin,
-            swa, meta.slot_mapping["swa"], state_rows, state, state_slots,
-            None if q_index is None else q_index.view(t, index_heads, -1), head_logits,
-            index_heads**-0.5, norm_q=not raw_q,
-        )  # fmt: skip
-        if self.ratio:
-            self._compress(meta, caches)
+        chunk = self._chunk_tokens(t, meta.max_seq_len, x.element_size(), x.is_cuda)
+        picks = None  # the compressed rows of every query, when computed before the loop
+        if self.kind == CSA and chunk == t and k.indexer_beside_q(x):
+            q, picks = self._indexer_beside_q(
+                q_residual, kv, state_rows, head_logits, cos, sin, meta, caches
+            )
+            q_index = index_weights = None
+            q_norm_eps = self.eps  # the attention norms and rotates q
+        else:
+            q, q_index = self._q_projections(q_residual)
+            # q: per-head norm + RoPE (or by the attention kernel as it loads q); kv: norm +
+            # RoPE into the window, the compressor's raw rows into the state; CSA: the
+            # indexer's q RoPE and head weights
+            raw_q = k.attention_norms_q(q)
+            q_norm_eps = self.eps if raw_q else None
+            q, q_index, index_weights = self._prologue(
+                q, kv, state_rows, q_index, head_logits, cos, sin, meta, caches, norm_q=not raw_q
+            )
+            if self.ratio:
+                self._compress(meta, caches)
 
         window = meta.gather["swa"]
-        in_place = x.is_cuda and k.name != "reference"  # the kernels read rows in place
-        chunk = self._chunk_tokens(t, meta.max_seq_len, x.element_size(), in_place)
         out = torch.empty_like(q) if chunk < t else None  # one chunk: no copy into `out`
         for a in range(0, t, chunk):
             rows = slice(a, min(a + chunk, t))
-            entries, slots, valid = self._compressed_rows(
+            entries, slots, valid = picks if picks is not None else self._compressed_rows(
                 meta, caches, rows,
                 None if q_index is None else q_index[rows],
                 None if index_weights is None else index_weights[rows],
@@ -308,11 +314,76 @@ class Attention(nn.Module):
                 out[rows] = o
         return linear(self.kernels, self.wo_b, self.wo_a(out.view(t, self.o_groups, -1)))
 
+    def _prologue(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        state_rows: torch.Tensor | None,
+        q_index: torch.Tensor | None,
+        head_logits: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: StepMetadata,
+        caches: KVCacheTensors,
+        norm_q: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``Kernels.attention_prologue`` on this layer's caches: (q, normed and roped unless
+        ``norm_q`` is False; the indexer's roped q and head weights, CSA only)."""
+        t = q.shape[0]
+        state, state_slots = None, None
+        if self.ratio:
+            state = caches.flat(self.state_group, self.layer_id)
+            state_slots = meta.slot_mapping[self.state_group]
+        index_heads = self.indexer.num_heads if self.kind == CSA else 1
+        return self.kernels.attention_prologue(
+            q.view(t, self.num_heads, self.head_dim), kv, self.norm.weight, self.eps, cos, sin,
+            caches.flat("swa", self.layer_id), meta.slot_mapping["swa"], state_rows, state,
+            state_slots, None if q_index is None else q_index.view(t, index_heads, -1),
+            head_logits, index_heads**-0.5, norm_q=norm_q,
+        )  # fmt: skip
+
+    def _indexer_beside_q(
+        self,
+        q_residual: torch.Tensor,
+        kv: torch.Tensor,
+        state_rows: torch.Tensor | None,
+        head_logits: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: StepMetadata,
+        caches: KVCacheTensors,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """A CSA layer's q projection on the current stream and, beside it on the side stream,
+        everything the attention needs besides q: the indexer's q projection, the prologue
+        without q (kv into the window, the raw rows into the state, the indexer's q RoPE and
+        head weights), the closing entries and the indexer's top-k. Returns the raw q (the
+        attention norms and rotates it) and the compressed rows of every query.
+
+        The two projections are two GEMMs here (one fused GEMM in series). The side's
+        prologue is handed the q being computed on the current stream only for its shape: it
+        does not read q when ``norm_q`` is False."""
+        k = self.kernels
+        side = SideStream.of(q_residual.device)
+        side.fork()
+        q = linear(k, self.wq_b, q_residual)
+        with side.active():
+            q_index = linear(k, self.indexer.wq_b, q_residual)
+            _, q_index, index_weights = self._prologue(
+                q, kv, state_rows, q_index, head_logits, cos, sin, meta, caches, norm_q=False
+            )
+            self._compress(meta, caches)
+            picks = self._compressed_rows(
+                meta, caches, slice(0, q.shape[0]), q_index, index_weights
+            )
+        side.join()
+        return q.view(q.shape[0], self.num_heads, self.head_dim), picks
+
     def _chunk_tokens(
-        self, num_tokens: int, max_seq_len: int, element_size: int, in_place: bool
+        self, num_tokens: int, max_seq_len: int, element_size: int, on_cuda: bool
     ) -> int:
-        """Queries per chunk so that one chunk's gathered rows and scores stay bounded
-        (``in_place``: kernels that gather nothing, only the indexer's [n, E] int64 keys)."""
+        """Queries per chunk so that one chunk's gathered rows and scores stay bounded (the
+        fast kernels on a GPU gather nothing in place: only the indexer's [n, E] int64 keys)."""
+        in_place = on_cuda and self.kernels.name != "reference"
         entries = max_seq_len // self.ratio if self.ratio else 0
         if in_place:
             per_token = 16 * entries if self.kind == CSA else 1

@@ -144,6 +144,12 @@ class Kernels:
         min_tokens = PREFILL_ATTENTION_MIN_TOKENS
         return self.fast(q) and min_tokens is not None and q.shape[0] >= min_tokens
 
+    def indexer_beside_q(self, x: torch.Tensor) -> bool:
+        """Whether a CSA layer's indexer runs on a side stream beside the q projection for the
+        batch ``x`` [T, D] (``INDEXER_BESIDE_Q_MAX_TOKENS``; off CUDA in issue order)."""
+        max_tokens = INDEXER_BESIDE_Q_MAX_TOKENS
+        return self.fast(x) and max_tokens is not None and x.shape[0] <= max_tokens
+
 
 def _on_cuda(module: str, name: str, ref: Callable, everywhere: bool = False) -> Callable:
     """Call ``module.name`` (a Triton kernel) when the first tensor argument is on a CUDA
@@ -191,6 +197,11 @@ PREFILL_ATTN_MIN_TOKENS = 512
 # shapes (0.04-0.39% outside there). On sm_90 at V4's shapes the prefill kernel hands over
 # to the Gluon wgmma kernel (``prefill_attn.WGMMA``, 2026-12-04: HCA 1.46 ms, CSA 3.21 ms).
 PREFILL_ATTENTION_MIN_TOKENS: int | None = 512
+# Up to this many tokens a CSA layer on the fast path runs its indexer (its q projection, the
+# prologue, the compressor, the top-k) on a side stream beside the attention's q projection,
+# the step's largest GEMM before attention (``Attention._indexer_beside_q``); None: in series.
+# Off until measured on a GPU (written in session 25, whose machine never started).
+INDEXER_BESIDE_Q_MAX_TOKENS: int | None = None
 
 
 def _by_num_tokens(small: Callable, large: Callable, min_tokens: int) -> Callable:
