@@ -23,6 +23,8 @@ over them. Queries are processed in chunks only to bound the gathered bytes.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -99,6 +101,15 @@ class Indexer(nn.Module):
         return self.kernels.paged_indexer_select(
             q, key_cache, slots, weights, self.head_dim**-0.5, num_visible, num, window_valid
         )
+
+
+class Projected(NamedTuple):
+    """The projections of the layer input x [T, D] that attention reads besides q."""
+
+    q_a: torch.Tensor  # [T, q_lora] (wq_a x)
+    kv: torch.Tensor  # [T, Dh] (wkv x)
+    state_rows: torch.Tensor | None  # [T, state width]: the compressors' raw rows
+    head_logits: torch.Tensor | None  # [T, index heads]: the indexer's weights_proj x (CSA)
 
 
 # Bytes of gathered rows and scores one attention chunk may hold (queries are processed in
@@ -178,16 +189,16 @@ class Attention(nn.Module):
         """The two projections of q_residual on a CSA layer: attention q, indexer q."""
         return [self.wq_b, self.indexer.wq_b]
 
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x [T, D] -> (wq_a x, wkv x, state rows [T, state width] or None, the indexer's
-        weights_proj x or None): one GEMM on the fast path, column views of its output."""
+    def _project(self, x: torch.Tensor) -> Projected:
+        """x [T, D] -> its projections: one GEMM on the fast path, column views of its
+        output."""
         fused = self._fusion("x", self._x_linears()) if self.kernels.fast(x) else None
         if fused is None:
             state = None
             if self.ratio:
                 state = torch.cat([c.rows(x) for c, _, _ in self._compressors()], dim=-1)
             head_logits = self.indexer.weights_proj(x) if self.kind == CSA else None
-            return self.wq_a(x), self.wkv(x), state, head_logits
+            return Projected(self.wq_a(x), self.wkv(x), state, head_logits)
         y = self.kernels.linear(x, fused.get())
         q_lora, width = self.wq_a.out_features, self.head_dim
         state_end = q_lora + width + (self.compressor.wkv.out_features * 2 if self.ratio else 0)
@@ -195,7 +206,7 @@ class Attention(nn.Module):
             state_end += self.indexer.compressor.wkv.out_features * 2
         state = y[:, q_lora + width : state_end] if self.ratio else None
         head_logits = y[:, state_end:] if self.kind == CSA else None
-        return y[:, :q_lora], y[:, q_lora : q_lora + width], state, head_logits
+        return Projected(y[:, :q_lora], y[:, q_lora : q_lora + width], state, head_logits)
 
     def fuse_weights(self) -> None:
         """Build the fast path's fused projection weights now (no-op on the reference path)."""
@@ -269,16 +280,15 @@ class Attention(nn.Module):
         # x: [T, D] (the normed block input) -> [T, D]; rope: this step's (cos, sin) of
         # ``self.rotary`` when the model computed them once for every layer
         t, k = x.shape[0], self.kernels
-        cos, sin = self.rotary(meta.positions, x.dtype) if rope is None else rope
-        q_a, kv, state_rows, head_logits = self._project(x)
-        q_residual = k.rms_norm(q_a, self.q_norm.weight, self.eps)
+        rope = self.rotary(meta.positions, x.dtype) if rope is None else rope
+        cos, sin = rope
+        proj = self._project(x)
+        q_residual = k.rms_norm(proj.q_a, self.q_norm.weight, self.eps)
         swa = caches.flat("swa", self.layer_id)
         chunk = self._chunk_tokens(t, meta.max_seq_len, x.element_size(), x.is_cuda)
         picks = None  # the compressed rows of every query, when computed before the loop
         if self.kind == CSA and chunk == t and k.indexer_beside_q(x):
-            q, picks = self._indexer_beside_q(
-                q_residual, kv, state_rows, head_logits, cos, sin, meta, caches
-            )
+            q, picks = self._indexer_beside_q(q_residual, proj, rope, meta, caches)
             q_index = index_weights = None
             q_norm_eps = self.eps  # the attention norms and rotates q
         else:
@@ -289,7 +299,7 @@ class Attention(nn.Module):
             raw_q = k.attention_norms_q(q)
             q_norm_eps = self.eps if raw_q else None
             q, q_index, index_weights = self._prologue(
-                q, kv, state_rows, q_index, head_logits, cos, sin, meta, caches, norm_q=not raw_q
+                q, proj, q_index, rope, meta, caches, norm_q=not raw_q
             )
             if self.ratio:
                 self._compress(meta, caches)
@@ -317,39 +327,33 @@ class Attention(nn.Module):
     def _prologue(
         self,
         q: torch.Tensor,
-        kv: torch.Tensor,
-        state_rows: torch.Tensor | None,
+        proj: Projected,
         q_index: torch.Tensor | None,
-        head_logits: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         meta: StepMetadata,
         caches: KVCacheTensors,
         norm_q: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``Kernels.attention_prologue`` on this layer's caches: (q, normed and roped unless
         ``norm_q`` is False; the indexer's roped q and head weights, CSA only)."""
-        t = q.shape[0]
+        t, (cos, sin) = q.shape[0], rope
         state, state_slots = None, None
         if self.ratio:
             state = caches.flat(self.state_group, self.layer_id)
             state_slots = meta.slot_mapping[self.state_group]
         index_heads = self.indexer.num_heads if self.kind == CSA else 1
         return self.kernels.attention_prologue(
-            q.view(t, self.num_heads, self.head_dim), kv, self.norm.weight, self.eps, cos, sin,
-            caches.flat("swa", self.layer_id), meta.slot_mapping["swa"], state_rows, state,
-            state_slots, None if q_index is None else q_index.view(t, index_heads, -1),
-            head_logits, index_heads**-0.5, norm_q=norm_q,
+            q.view(t, self.num_heads, self.head_dim), proj.kv, self.norm.weight, self.eps, cos,
+            sin, caches.flat("swa", self.layer_id), meta.slot_mapping["swa"], proj.state_rows,
+            state, state_slots, None if q_index is None else q_index.view(t, index_heads, -1),
+            proj.head_logits, index_heads**-0.5, norm_q=norm_q,
         )  # fmt: skip
 
     def _indexer_beside_q(
         self,
         q_residual: torch.Tensor,
-        kv: torch.Tensor,
-        state_rows: torch.Tensor | None,
-        head_logits: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        proj: Projected,
+        rope: tuple[torch.Tensor, torch.Tensor],
         meta: StepMetadata,
         caches: KVCacheTensors,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -369,7 +373,7 @@ class Attention(nn.Module):
         with side.active():
             q_index = linear(k, self.indexer.wq_b, q_residual)
             _, q_index, index_weights = self._prologue(
-                q, kv, state_rows, q_index, head_logits, cos, sin, meta, caches, norm_q=False
+                q, proj, q_index, rope, meta, caches, norm_q=False
             )
             self._compress(meta, caches)
             picks = self._compressed_rows(
