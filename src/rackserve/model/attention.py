@@ -358,20 +358,22 @@ class Attention(nn.Module):
         caches: KVCacheTensors,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """A CSA layer's q projection on the current stream and, beside it on the side stream,
-        everything the attention needs besides q: the indexer's q projection, the prologue
-        without q (kv into the window, the raw rows into the state, the indexer's q RoPE and
-        head weights), the closing entries and the indexer's top-k. Returns the raw q (the
-        attention norms and rotates it) and the compressed rows of every query.
+        the rest of what the attention reads: the prologue without q (kv into the window, the
+        raw rows into the state, the indexer's q RoPE and head weights), the closing entries
+        and the indexer's top-k. Returns the raw q (the attention norms and rotates it) and
+        the compressed rows of every query.
 
-        The two projections are two GEMMs here (one fused GEMM in series). The side's
-        prologue is handed the q being computed on the current stream only for its shape: it
-        does not read q when ``norm_q`` is False."""
+        The indexer's q projection runs first, in series: the side stream runs no GEMV (the
+        split-K GEMV keeps one set of counters per device, for one stream at a time), so the
+        two q projections are two GEMMs here (one fused GEMM in series). The side's prologue
+        is handed the q being computed on the current stream only for its shape: it does not
+        read q when ``norm_q`` is False."""
         k = self.kernels
+        q_index = linear(k, self.indexer.wq_b, q_residual)
         side = SideStream.of(q_residual.device)
         side.fork()
         q = linear(k, self.wq_b, q_residual)
         with side.active():
-            q_index = linear(k, self.indexer.wq_b, q_residual)
             _, q_index, index_weights = self._prologue(
                 q, proj, q_index, rope, meta, caches, norm_q=False
             )

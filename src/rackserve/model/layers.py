@@ -230,8 +230,9 @@ class SideStream:
     branches. Memory is safe without ``record_stream``: a tensor the side stream allocated
     is reused by the side stream only after a later fork, which orders it after every use
     the main stream issued before; one the main stream allocated and the side work reads is
-    reused only after the join. Off CUDA every method does nothing: the work runs in the
-    order it was issued."""
+    reused only after the join. The side work must not take ops that keep one workspace per
+    device for one stream at a time: the split-K GEMV's and the one-launch mHC's counters.
+    Off CUDA every method does nothing: the work runs in the order it was issued."""
 
     _streams: ClassVar[dict[torch.device, torch.cuda.Stream]] = {}
 
