@@ -7,9 +7,9 @@
 # - The KV budget's reserve (runner/memory_profile.py, session 24): its GPU test.
 # - The decode MoE at T = 256 with 64-row blocks (each expert's pairs in one block, its
 #   weights read once) against 32, h rounded once.
-# Left for the gates' call (it creates the checkpoint anyway): the chunking-invariance GPU test
-# with the decode MoE's rounded h, and bench decode sized by --gpu-memory-utilization
-# logging the reserve next to what the CUDA graphs hold.
+# Left for the gates' call (gpu_s26c.sh: it creates the checkpoint anyway): the
+# chunking-invariance GPU test with the decode MoE's rounded h, and bench decode sized by
+# --gpu-memory-utilization logging the reserve next to what the CUDA graphs hold.
 # Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/gpu_s26b.sh     (BUDGET_S: total seconds)
 set -uo pipefail
 BUDGET_S=${BUDGET_S:-450}

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Session 26, call 3 (~9.5 minutes; written in session 25), after adopting what
+# gpu_s26a.sh / gpu_s26b.sh measured: the bf16 accuracy gates of the whole model
+# (teacher-forced against the bf16 reference), every gate of issues 13 and 14 in bench
+# forward, the decode step against transformers on the same checkpoint, then, with what is
+# left, the chunking-invariance GPU test (the decode MoE's rounded h) and bench decode sized by
+# --gpu-memory-utilization (the KV budget's reserve logged next to the graphs' memory).
+# Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/gpu_s26c.sh     (BUDGET_S: total seconds)
+set -uo pipefail
+BUDGET_S=${BUDGET_S:-585}
+source "$(dirname "$0")/device_env.sh"
+start_call
+pt=(python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider -rf --tb=short)
+rs=(python3 -c 'import sys; from rackserve.cli import main; sys.exit(main(sys.argv[1:]))')
+t=$(cap 170); echo "== bf16 accuracy gates (${t}s)"
+((t)) && timeout "$t" "${pt[@]}" -s tests/model/test_gpu_fastpath.py \
+  -k "teacher_forced or no_less_accurate" > "$R/pytest_accuracy.log" 2>&1
+grep -E "^E  |context|median|passed|failed" "$R/pytest_accuracy.log" | head -12
+echo "== bench forward, every gate"
+forward_with 'pass' "$R/forward_gates.json" --iters 20 --warmup 3 --batch decode:1@4096 \
+  --batch decode:64@4096 --batch decode:256@4096 --batch decode:64@65536 \
+  --batch prefill:2048 --batch prefill:8192 --batch prefill:8192@65536
+decode_vs_transformers
+t=$(cap 60); echo "== bench decode sized by --gpu-memory-utilization (${t}s)"
+((t)) && [[ -d /tmp/flash4 ]] && timeout "$t" "${rs[@]}" bench decode --model /tmp/flash4 \
+  --concurrency 64 --context 512 --steps 20 --warmup 5 --output "$R/decode_64_budget.json" \
+  > "$R/decode_64_budget.log" 2>&1
+grep -E "memory:|CUDA graphs|KV cache|decode x|Error" "$R/decode_64_budget.log" | head -8
+t=$(cap 110); echo "== chunking invariance, fused MoE V4-Flash tests (${t}s)"
+((t)) && timeout "$t" "${pt[@]}" tests/ops/test_fused_moe.py::test_v4_flash_sizes_on_gpu \
+  tests/model/test_chunking_gpu.py > "$R/pytest_chunking.log" 2>&1
+grep -E "^E  |passed|failed" "$R/pytest_chunking.log" | head -6
+ls "$R"; (cd "$OUT" && tar czf s26c.tgz r && rm -rf r)
+echo "== done in ${SECONDS}s"
