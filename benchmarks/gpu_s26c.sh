@@ -2,8 +2,8 @@
 # Session 26, call 3 (~9.5 minutes; written in session 25), after adopting what
 # gpu_s26a.sh / gpu_s26b.sh measured: the bf16 accuracy gates of the whole model
 # (teacher-forced against the bf16 reference), every gate of issues 13 and 14 in bench
-# forward, the decode step against transformers on the same checkpoint, then, with what is
-# left, the chunking-invariance GPU test (the decode MoE's rounded h) and bench decode sized by
+# forward, the decode step against transformers on the same checkpoint, step minus forward at
+# 256 requests (async), then, with what is left, the chunking-invariance GPU test (the decode MoE's rounded h) and bench decode sized by
 # --gpu-memory-utilization (the KV budget's reserve logged next to the graphs' memory).
 # Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/gpu_s26c.sh     (BUDGET_S: total seconds)
 set -uo pipefail
@@ -21,6 +21,10 @@ forward_with 'pass' "$R/forward_gates.json" --iters 20 --warmup 3 --batch decode
   --batch decode:64@4096 --batch decode:256@4096 --batch decode:64@65536 \
   --batch prefill:2048 --batch prefill:8192 --batch prefill:8192@65536
 decode_vs_transformers
+t=$(cap 45); echo "== bench decode, 256 requests, async: step minus forward (${t}s)"
+((t)) && [[ -d /tmp/flash4 ]] && timeout "$t" "${rs[@]}" bench decode --model /tmp/flash4 \
+  --concurrency 256 --context 512 --steps 30 --warmup 5 --kv-cache-memory 8000000000 \
+  --async-scheduling --output "$R/decode_256_async.json" 2>&1 | tail -1
 t=$(cap 60); echo "== bench decode sized by --gpu-memory-utilization (${t}s)"
 ((t)) && [[ -d /tmp/flash4 ]] && timeout "$t" "${rs[@]}" bench decode --model /tmp/flash4 \
   --concurrency 64 --context 512 --steps 20 --warmup 5 --output "$R/decode_64_budget.json" \
