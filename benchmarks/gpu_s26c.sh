@@ -2,9 +2,10 @@
 # Session 26, call 3 (~9.5 minutes; written in session 25), after adopting what
 # gpu_s26a.sh / gpu_s26b.sh measured: the bf16 accuracy gates of the whole model
 # (teacher-forced against the bf16 reference), every gate of issues 13 and 14 in bench
-# forward, the decode step against transformers on the same checkpoint, step minus forward at
-# 256 requests (async), then, with what is left, the chunking-invariance GPU test (the decode MoE's rounded h) and bench decode sized by
-# --gpu-memory-utilization (the KV budget's reserve logged next to the graphs' memory).
+# forward, the decode step against transformers on the same checkpoint, step minus forward
+# at 256 requests (async); then, with what is left, bench decode sized by
+# --gpu-memory-utilization (the KV budget's reserve logged next to the graphs' memory) and
+# the chunking-invariance GPU test with the decode MoE's rounded h.
 # Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/gpu_s26c.sh     (BUDGET_S: total seconds)
 set -uo pipefail
 BUDGET_S=${BUDGET_S:-585}
