@@ -5,7 +5,7 @@
 # decode:256 / 128 (decode:64 and 1 take none of them), sides alternating, two passes:
 # - wgmma128: the Gluon wgmma attention (and the raw-q prologue) from 128 queries,
 #   ops.PREFILL_ATTENTION_MIN_TOKENS 512 -> 128 (512 was set before that kernel existed; it
-#   runs 2x the decode kernels at 8192 queries; decode:256's attention took 333 us);
+#   runs at 1.65-2x the split-KV decode kernel at 8192 queries; decode:256's attention: 333 us);
 # - postapart128: hc_post_pre's expand in its own launch from 128 tokens,
 #   mhc.POST_APART_MIN_TOKENS 1024 -> 128 (session 24's decode:256 timeline: the
 #   expand-fused K1 after attention 27 us, the apart pair after the MoE 12 + 6);
