@@ -71,3 +71,18 @@ forward_ab() {
     ((t)) && forward_with "$code_b" "$R/forward_${name_b}_$pass.json" "$@"
   done
 }
+# the bf16 accuracy gates of the whole model (teacher-forced against the bf16 reference, no
+# less accurate than it against fp32; cut to 170 s of what is left of $BUDGET_S), then every
+# gate of issues 13 and 14 in one bench forward; records under $R
+gates() {
+  local t
+  t=$(cap 170); echo "== bf16 accuracy gates (${t}s)"
+  ((t)) && timeout "$t" python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider -rf \
+    --tb=short -s tests/model/test_gpu_fastpath.py -k "teacher_forced or no_less_accurate" \
+    > "$R/pytest_accuracy.log" 2>&1
+  grep -E "^E  |context|median|passed|failed" "$R/pytest_accuracy.log" | head -12
+  echo "== bench forward, every gate"
+  forward_with 'pass' "$R/forward_gates.json" --iters 20 --warmup 3 --batch decode:1@4096 \
+    --batch decode:64@4096 --batch decode:256@4096 --batch decode:64@65536 \
+    --batch prefill:2048 --batch prefill:8192 --batch prefill:8192@65536
+}

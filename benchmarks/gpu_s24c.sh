@@ -16,14 +16,7 @@ f=tests/ops/test_fused_moe.py
   $f::test_rounded_h_is_finer_than_the_bf16_reference tests/ops/test_moe_routed.py::test_moe_routed_bf16 \
   > "$R/pytest_moe.log" 2>&1
 grep -E "^E  |passed|failed" "$R/pytest_moe.log" | head -8
-t=$(cap 170); echo "== bf16 accuracy gates (${t}s)"
-((t)) && timeout "$t" "${pt[@]}" -s tests/model/test_gpu_fastpath.py \
-  -k "teacher_forced or no_less_accurate" > "$R/pytest_accuracy.log" 2>&1
-grep -E "^E  |context|median|passed|failed" "$R/pytest_accuracy.log" | head -12
-echo "== bench forward, every gate"
-forward_with 'pass' "$R/forward_gates.json" --iters 20 --warmup 3 --batch decode:1@4096 \
-  --batch decode:64@4096 --batch decode:256@4096 --batch decode:64@65536 \
-  --batch prefill:2048 --batch prefill:8192 --batch prefill:8192@65536
+gates
 decode_vs_transformers
 ls "$R"; (cd "$OUT" && tar czf s24c.tgz r && rm -rf r)
 echo "== done in ${SECONDS}s"

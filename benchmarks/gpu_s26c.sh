@@ -13,14 +13,7 @@ source "$(dirname "$0")/device_env.sh"
 start_call
 pt=(python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider -rf --tb=short)
 rs=(python3 -c 'import sys; from rackserve.cli import main; sys.exit(main(sys.argv[1:]))')
-t=$(cap 170); echo "== bf16 accuracy gates (${t}s)"
-((t)) && timeout "$t" "${pt[@]}" -s tests/model/test_gpu_fastpath.py \
-  -k "teacher_forced or no_less_accurate" > "$R/pytest_accuracy.log" 2>&1
-grep -E "^E  |context|median|passed|failed" "$R/pytest_accuracy.log" | head -12
-echo "== bench forward, every gate"
-forward_with 'pass' "$R/forward_gates.json" --iters 20 --warmup 3 --batch decode:1@4096 \
-  --batch decode:64@4096 --batch decode:256@4096 --batch decode:64@65536 \
-  --batch prefill:2048 --batch prefill:8192 --batch prefill:8192@65536
+gates
 decode_vs_transformers
 t=$(cap 45); echo "== bench decode, 256 requests, async: step minus forward (${t}s)"
 ((t)) && [[ -d /tmp/flash4 ]] && timeout "$t" "${rs[@]}" bench decode --model /tmp/flash4 \
