@@ -197,9 +197,10 @@ PREFILL_ATTN_MIN_TOKENS = 512
 # shapes (0.04-0.39% outside there). On sm_90 at V4's shapes the prefill kernel hands over
 # to the Gluon wgmma kernel (``prefill_attn.WGMMA``, 2026-12-04: HCA 1.46 ms, CSA 3.21 ms).
 PREFILL_ATTENTION_MIN_TOKENS: int | None = 512
-# Up to this many tokens a CSA layer on the fast path runs its indexer (its q projection, the
-# prologue, the compressor, the top-k) on a side stream beside the attention's q projection,
-# the step's largest GEMM before attention (``Attention._indexer_beside_q``); None: in series.
+# Up to this many tokens a CSA layer on the fast path runs its indexer (the prologue, the
+# compressor, the top-k; its q projection goes first, in series) on a side stream beside the
+# attention's q projection, the step's largest GEMM before attention
+# (``Attention._indexer_beside_q``); None: in series.
 # Off until measured on a GPU (written in session 25, whose machine never started).
 INDEXER_BESIDE_Q_MAX_TOKENS: int | None = None
 
