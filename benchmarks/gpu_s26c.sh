@@ -5,7 +5,8 @@
 # forward, the decode step against transformers on the same checkpoint, step minus forward
 # at 256 requests (async); then, with what is left, bench decode sized by
 # --gpu-memory-utilization (the KV budget's reserve logged next to the graphs' memory) and
-# the chunking-invariance GPU test with the decode MoE's rounded h.
+# the chunking-invariance GPU test with the decode MoE's rounded h; last, the side-stream
+# indexer's graph test (gpu_s26b.sh: it failed on parameters made under inference mode).
 # Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/gpu_s26c.sh     (BUDGET_S: total seconds)
 set -uo pipefail
 BUDGET_S=${BUDGET_S:-585}
@@ -28,5 +29,9 @@ t=$(cap 110); echo "== chunking invariance, fused MoE V4-Flash tests (${t}s)"
 ((t)) && timeout "$t" "${pt[@]}" tests/ops/test_fused_moe.py::test_v4_flash_sizes_on_gpu \
   tests/model/test_chunking_gpu.py > "$R/pytest_chunking.log" 2>&1
 grep -E "^E  |passed|failed" "$R/pytest_chunking.log" | head -6
+t=$(cap 60); echo "== indexer beside q: graph replay against eager, after the fusion fix (${t}s)"
+((t)) && timeout "$t" "${pt[@]}" tests/model/test_gpu_fastpath.py::test_graph_replay_is_bit_identical_to_eager \
+  -k True > "$R/pytest_beside.log" 2>&1
+grep -E "^E  |passed|failed" "$R/pytest_beside.log" | head -4
 ls "$R"; (cd "$OUT" && tar czf s26c.tgz r && rm -rf r)
 echo "== done in ${SECONDS}s"

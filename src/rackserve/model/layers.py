@@ -206,10 +206,13 @@ class FusedWeights:
                 params = self._tensors()
                 fused = self.build([p.detach() for p in params])
                 views = self.split(fused)
-                for p, v in zip(params, views, strict=True):
+                for (m, name), p, v in zip(self.params, params, views, strict=True):
                     if v.shape != p.shape:
                         raise ValueError(f"fused view {tuple(v.shape)} != {tuple(p.shape)}")
-                    p.data = v
+                    # a new Parameter, not ``p.data = v``: a Parameter made under inference
+                    # mode keeps its inference-tensor flags through ``.data =`` and then fails
+                    # in every op ("Inference tensors do not track version counter")
+                    setattr(m, name, nn.Parameter(v, requires_grad=p.requires_grad))
             self.fused, self.views = fused, views
         assert self.fused is not None
         return self.fused
