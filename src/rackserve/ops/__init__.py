@@ -196,7 +196,11 @@ PREFILL_ATTN_MIN_TOKENS = 512
 # limit is 0.1%). Sessions 9-13 kept the decode kernel, reading the rule from Dh-64 test
 # shapes (0.04-0.39% outside there). On sm_90 at V4's shapes the prefill kernel hands over
 # to the Gluon wgmma kernel (``prefill_attn.WGMMA``, 2026-12-04: HCA 1.46 ms, CSA 3.21 ms).
-PREFILL_ATTENTION_MIN_TOKENS: int | None = 512
+# From 128 since 2026-12-06 (H100, results/2026-12-06-h100-s26.md): with hc_post_pre's
+# expand apart from 128 too (``mhc.POST_APART_MIN_TOKENS``), bench forward decode:256@4096
+# 6.374 / 6.333 ms against 6.718 / 6.498 and decode:128 5.887 / 5.848 against 6.291 / 6.133
+# (alternating, two passes); each alone had the lower minimum in both passes of an A/B.
+PREFILL_ATTENTION_MIN_TOKENS: int | None = 128
 # Up to this many tokens a CSA layer on the fast path runs its indexer (the prologue, the
 # compressor, the top-k; its q projection goes first, in series) on a side stream beside the
 # attention's q projection, the step's largest GEMM before attention

@@ -45,8 +45,11 @@ __all__ = [
 
 FUSED_ENV = "RACKSERVE_MHC_FUSED"  # "1": default_tiling fuses K1 + K2 for T <= 4 (GPU)
 # from this many tokens hc_post_pre expands the streams in hc_post's kernel (3.9 TB/s at
-# 8192 tokens) and runs K1 on them: 155 + 673 us against 1007 us fused (H200, 2026-12-02)
-POST_APART_MIN_TOKENS = 1024
+# 8192 tokens) and runs K1 on them: 155 + 673 us against 1007 us fused (H200, 2026-12-02);
+# at 256 tokens 28.7 against 35.0 us (H200, session 20). From 128 since 2026-12-06 (with
+# ``ops.PREFILL_ATTENTION_MIN_TOKENS``; H100: decode:256 and decode:128 4-5% faster in bench
+# forward, results/2026-12-06-h100-s26.md)
+POST_APART_MIN_TOKENS = 128
 # the same from this many tokens when the block output is a fused MoE's unsummed slots (the
 # expand sums each token's k fp32 slot rows; one launch more a decoder layer, so not at the
 # decode:64 gate's 20 launches a layer). None: by POST_APART_MIN_TOKENS only. H200, session
