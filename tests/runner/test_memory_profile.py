@@ -61,3 +61,33 @@ def test_step_peak_grows_with_the_step_and_repeats():
     with_graphs = runner_reserve_bytes(model, 64, 4096, 2048, graphs=True)
     assert abs(eager_only - large) <= 0.05 * large
     assert with_graphs >= eager_only + 0.9 * large + outputs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captures_into_one_pool_reserve_one_region_twice():
+    """Six captures of a region with a 64 MB temporary into one pool: the pool holds one
+    temporary (each capture reuses the last one's), the warm-ups another (one stream for
+    all of them; a new stream a warm-up kept six), and empty_cache gives the warm-ups' back."""
+    from rackserve.runner.cuda_graph import capture_region
+
+    size = 64 << 20
+
+    def region() -> torch.Tensor:
+        tmp = torch.ones(size, dtype=torch.uint8, device="cuda")
+        return tmp[:4096].float()
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    pool, graphs = None, []
+    for _ in range(6):
+        graph, out = capture_region(region, pool)
+        pool = pool or graph.pool()
+        graphs.append((graph, out))
+    grown = torch.cuda.memory_reserved() - before
+    assert grown <= 2 * size + (16 << 20), grown / 2**20
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() - before <= size + (16 << 20)
+    graphs[-1][0].replay()
+    assert torch.equal(graphs[-1][1], torch.ones(4096, device="cuda"))

@@ -85,7 +85,8 @@ def runner_reserve_bytes(
     kv_dtype: torch.dtype | None = None,
 ) -> int:
     """Bytes the KV budget leaves for a runner's steps: the peak of its largest eager step,
-    and with CUDA graphs their pool (the largest graph's peak and the outputs)."""
+    and with CUDA graphs their pool (the largest graph's peak and the outputs) beside the
+    larger of that peak and the largest graph's warm-up."""
     largest = min(max_step_tokens, max_model_len)
     eager = step_peak_bytes(model, largest, kv_dtype)
     if not (graphs and eager):
@@ -94,4 +95,7 @@ def runner_reserve_bytes(
     # size when they match, measured once)
     graph_tokens = max(max(prefill_graph_sizes(largest)), max(graph_batch_sizes(max_num_reqs)))
     graph = eager if graph_tokens == largest else step_peak_bytes(model, graph_tokens, kv_dtype)
-    return eager + graph + graph_outputs_bytes(model, max_num_reqs, max_model_len, largest)
+    # while the graphs are captured, the largest one's eager warm-up holds its peak beside
+    # the pool: more than the eager step when the largest graph is padded past it
+    outputs = graph_outputs_bytes(model, max_num_reqs, max_model_len, largest)
+    return max(eager, graph) + graph + outputs
