@@ -68,8 +68,9 @@ def test_step_peak_grows_with_the_step_and_repeats():
 def test_captures_into_one_pool_reserve_one_region_twice():
     """Six captures of a region with a 64 MB temporary into one pool: the pool holds one
     temporary (each capture reuses the last one's), the warm-ups another (one stream for
-    all of them; a new stream a warm-up kept six), and empty_cache gives the warm-ups' back."""
-    from rackserve.runner.cuda_graph import capture_region
+    all of them; a new stream a warm-up kept six), and release_warm_up_memory gives the
+    warm-ups' back."""
+    from rackserve.runner.cuda_graph import capture_region, release_warm_up_memory
 
     size = 64 << 20
 
@@ -87,7 +88,7 @@ def test_captures_into_one_pool_reserve_one_region_twice():
         graphs.append((graph, out))
     grown = torch.cuda.memory_reserved() - before
     assert grown <= 2 * size + (16 << 20), grown / 2**20
-    torch.cuda.empty_cache()
+    release_warm_up_memory()
     assert torch.cuda.memory_reserved() - before <= size + (16 << 20)
     graphs[-1][0].replay()
     assert torch.equal(graphs[-1][1], torch.ones(4096, device="cuda"))

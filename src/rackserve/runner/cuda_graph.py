@@ -109,6 +109,13 @@ def capture_region(region: Callable[[], Any], pool=None) -> tuple[torch.cuda.CUD
     return graph, out
 
 
+def release_warm_up_memory() -> None:
+    """After a set of captures: the warm-ups' cached blocks belong to their stream, so no
+    eager step could reuse them; hand them back (the graphs' pools stay)."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def prefill_graph_sizes(max_num_batched_tokens: int) -> list[int]:
     """Prefill-graph token counts: the listed ones that a step of at most
     ``max_num_batched_tokens`` can need."""
@@ -421,8 +428,7 @@ def capture_step_graphs(
     decode = DecodeGraphs(model, caches, buffers, groups, graph_batch_sizes(max_num_reqs), buckets)
     decode.pool = prefill.pool
     decode.capture(log=log)
-    if on_gpu:  # the warm-ups' cached blocks belong to their stream: no eager step reuses them
-        torch.cuda.empty_cache()
+    release_warm_up_memory()
     if log and on_gpu:
         held = torch.cuda.memory_reserved(buffers.device) - before
         print(

@@ -38,6 +38,7 @@ import torch
 from rackserve.kv.spec import CacheGroupSpec
 from rackserve.model.batch import KVCacheTensors
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
+from rackserve.runner.cuda_graph import release_warm_up_memory
 from rackserve.runner.sampler import Resample
 from rackserve.runner.sampling_tensors import SamplingTensors
 from rackserve.runner.step_buffers import StepBuffers
@@ -106,6 +107,7 @@ class Proposer:
             self.graphs.capture(log=log)
             for graphs in drafter:
                 graphs.capture(pool=self.graphs.set.pool, log=log)
+            release_warm_up_memory()
 
     def _drafter_graphs(
         self, buffers: StepBuffers, batch_sizes: Sequence[int], buckets: Sequence[int]
