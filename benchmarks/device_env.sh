@@ -6,6 +6,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1
+# the rackserve CLI from the sources
+rs=(python3 -c 'import sys; from rackserve.cli import main; sys.exit(main(sys.argv[1:]))')
 # seconds a step of a budgeted script may take ($BUDGET_S in all, counted by $SECONDS): its
 # own limit $1, cut to what is left of the budget; 0 (skip it) under 20 s
 cap() { local left=$((BUDGET_S - SECONDS)); ((left > $1)) && echo "$1" || echo $((left > 20 ? left : 0)); }
@@ -38,11 +40,8 @@ from rackserve.cli import main; sys.exit(main(sys.argv[2:]))" "$code" bench forw
 # transformers' decode step on the same checkpoint (v4-flash, 4 layers, 64 experts, context
 # 512), records and the ratios under $R; the steps' limits cut to what is left of $BUDGET_S
 decode_vs_transformers() {
-  local rs=(python3 -c 'import sys; from rackserve.cli import main; sys.exit(main(sys.argv[1:]))')
   local t c
-  t=$(cap 170); echo "== model create (${t}s)"
-  ((t)) && timeout "$t" "${rs[@]}" model create --preset v4-flash --layers 4 --experts 64 \
-    --dtype bfloat16 --no-mtp --out /tmp/flash4 2>&1 | tail -1
+  flash4 170
   local mode flag
   for c in 1 64; do
     for mode in sync async; do  # the gates' figures are the async ones (sessions 6, 8)
@@ -71,9 +70,16 @@ forward_ab() {
     ((t)) && forward_with "$code_b" "$R/forward_${name_b}_$pass.json" "$@"
   done
 }
+# every gate of issues 13 and 14 in one bench forward: $R/forward_gates.json
+forward_gates() {
+  echo "== bench forward, every gate"
+  forward_with 'pass' "$R/forward_gates.json" --iters 20 --warmup 3 --batch decode:1@4096 \
+    --batch decode:64@4096 --batch decode:256@4096 --batch decode:64@65536 \
+    --batch prefill:2048 --batch prefill:8192 --batch prefill:8192@65536
+}
 # the bf16 accuracy gates of the whole model (teacher-forced against the bf16 reference, no
-# less accurate than it against fp32; cut to 170 s of what is left of $BUDGET_S), then every
-# gate of issues 13 and 14 in one bench forward; records under $R
+# less accurate than it against fp32; cut to 170 s of what is left of $BUDGET_S), then
+# forward_gates; records under $R
 gates() {
   local t
   t=$(cap 170); echo "== bf16 accuracy gates (${t}s)"
@@ -81,8 +87,25 @@ gates() {
     --tb=short -s tests/model/test_gpu_fastpath.py -k "teacher_forced or no_less_accurate" \
     > "$R/pytest_accuracy.log" 2>&1
   grep -E "^E  |context|median|passed|failed" "$R/pytest_accuracy.log" | head -12
-  echo "== bench forward, every gate"
-  forward_with 'pass' "$R/forward_gates.json" --iters 20 --warmup 3 --batch decode:1@4096 \
-    --batch decode:64@4096 --batch decode:256@4096 --batch decode:64@65536 \
-    --batch prefill:2048 --batch prefill:8192 --batch prefill:8192@65536
+  forward_gates
+}
+# the V4-Flash checkpoint bench decode reads (v4-flash, 4 layers, 64 experts, bf16) at
+# /tmp/flash4, made unless there; cut to $1 s of what is left of $BUDGET_S
+flash4() {
+  local t
+  [[ -d /tmp/flash4 ]] && return
+  t=$(cap "$1"); echo "== model create (${t}s)"
+  ((t)) && timeout "$t" "${rs[@]}" \
+    model create --preset v4-flash --layers 4 --experts 64 --dtype bfloat16 --no-mtp \
+    --out /tmp/flash4 2>&1 | tail -1
+}
+# bench decode at 64 requests with the KV cache sized by --gpu-memory-utilization (the
+# reserve logged beside the graphs' memory): $R/decode_64_budget.{json,log}; cut to $1 s
+decode_sized_by_utilization() {
+  local t
+  t=$(cap "$1"); echo "== bench decode sized by --gpu-memory-utilization (${t}s)"
+  ((t)) && [[ -d /tmp/flash4 ]] && timeout "$t" "${rs[@]}" \
+    bench decode --model /tmp/flash4 --concurrency 64 --context 512 --steps 20 --warmup 5 \
+    --output "$R/decode_64_budget.json" > "$R/decode_64_budget.log" 2>&1
+  grep -E "memory:|CUDA graphs|KV cache|decode x|Error" "$R/decode_64_budget.log" | head -8
 }

@@ -14,7 +14,6 @@ BUDGET_S=${BUDGET_S:-585}
 source "$(dirname "$0")/device_env.sh"
 start_call
 pt=(python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider -rf --tb=short)
-rs=(python3 -c 'import sys; from rackserve.cli import main; sys.exit(main(sys.argv[1:]))')
 # gpu_s26a.sh (H100, 05094b8): hc_post_pre's expand apart and the wgmma attention from 128
 # tokens each had the lowest minimum at decode:256 and 128 in both passes (~1-2%); both at
 # once against the defaults before they are adopted
@@ -31,11 +30,7 @@ t=$(cap 45); echo "== bench decode, 256 requests, async: step minus forward (${t
 ((t)) && [[ -d /tmp/flash4 ]] && timeout "$t" "${rs[@]}" bench decode --model /tmp/flash4 \
   --concurrency 256 --context 512 --steps 30 --warmup 5 --kv-cache-memory 8000000000 \
   --async-scheduling --output "$R/decode_256_async.json" 2>&1 | tail -1
-t=$(cap 60); echo "== bench decode sized by --gpu-memory-utilization (${t}s)"
-((t)) && [[ -d /tmp/flash4 ]] && timeout "$t" "${rs[@]}" bench decode --model /tmp/flash4 \
-  --concurrency 64 --context 512 --steps 20 --warmup 5 --output "$R/decode_64_budget.json" \
-  > "$R/decode_64_budget.log" 2>&1
-grep -E "memory:|CUDA graphs|KV cache|decode x|Error" "$R/decode_64_budget.log" | head -8
+decode_sized_by_utilization 60
 t=$(cap 110); echo "== chunking invariance, fused MoE V4-Flash tests (${t}s)"
 ((t)) && timeout "$t" "${pt[@]}" tests/ops/test_fused_moe.py::test_v4_flash_sizes_on_gpu \
   tests/model/test_chunking_gpu.py > "$R/pytest_chunking.log" 2>&1

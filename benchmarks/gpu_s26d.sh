@@ -18,9 +18,6 @@ t=$(cap 100); echo "== teacher-forced bf16 accuracy (${t}s)"
 ((t)) && timeout "$t" "${pt[@]}" -s tests/model/test_gpu_fastpath.py -k teacher_forced \
   > "$R/pytest_accuracy.log" 2>&1
 grep -E "^E  |context|passed|failed" "$R/pytest_accuracy.log" | head -6
-echo "== bench forward, every gate"
-forward_with 'pass' "$R/forward_gates.json" --iters 20 --warmup 3 --batch decode:1@4096 \
-  --batch decode:64@4096 --batch decode:256@4096 --batch decode:64@65536 \
-  --batch prefill:2048 --batch prefill:8192 --batch prefill:8192@65536
+forward_gates
 ls "$R"; (cd "$OUT" && tar czf s26d.tgz r && rm -rf r)
 echo "== done in ${SECONDS}s"

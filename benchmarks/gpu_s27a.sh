@@ -11,7 +11,6 @@ BUDGET_S=${BUDGET_S:-585}
 source "$(dirname "$0")/device_env.sh"
 start_call
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$R/gpu.txt"
-rs=(python3 -c 'import sys; from rackserve.cli import main; sys.exit(main(sys.argv[1:]))')
 gates
 decode_vs_transformers
 t=$(cap 45); echo "== bench decode, 256 requests, async: step minus forward (${t}s)"

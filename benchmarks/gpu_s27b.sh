@@ -9,17 +9,10 @@ set -uo pipefail
 BUDGET_S=${BUDGET_S:-330}
 source "$(dirname "$0")/device_env.sh"
 start_call
-rs=(python3 -c 'import sys; from rackserve.cli import main; sys.exit(main(sys.argv[1:]))')
 t=$(cap 100); echo "== graph_gap (${t}s)"
 ((t)) && timeout "$t" python3 benchmarks/graph_gap.py --batch decode:1@4096 \
   --batch decode:256@4096 --output "$R/graph_gap.json" 2>&1 | tail -30
-t=$(cap 100); echo "== model create (${t}s)"
-[[ -d /tmp/flash4 ]] || { ((t)) && timeout "$t" "${rs[@]}" model create --preset v4-flash \
-  --layers 4 --experts 64 --dtype bfloat16 --no-mtp --out /tmp/flash4 2>&1 | tail -1; }
-t=$(cap 90); echo "== bench decode sized by --gpu-memory-utilization (${t}s)"
-((t)) && [[ -d /tmp/flash4 ]] && timeout "$t" "${rs[@]}" bench decode --model /tmp/flash4 \
-  --concurrency 64 --context 512 --steps 20 --warmup 5 --output "$R/decode_64_budget.json" \
-  > "$R/decode_64_budget.log" 2>&1
-grep -E "memory:|CUDA graphs|KV cache|decode x|Error" "$R/decode_64_budget.log" | head -8
+flash4 100
+decode_sized_by_utilization 90
 ls "$R"; (cd "$OUT" && tar czf s27b.tgz r && rm -rf r)
 echo "== done in ${SECONDS}s"
