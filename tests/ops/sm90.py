@@ -59,13 +59,14 @@ def _spec(fn, args: tuple, kwargs: dict) -> dict:
     signature, consts, aligned = {}, {}, []
     for name in names:
         value = bound.get(name)
-        if name in constexpr or value is None:
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        if name in constexpr or value is None or (is_int and value == 1):
+            # the JIT makes an int equal to 1 a constexpr too (a unit stride: vector loads)
             signature[name] = "constexpr"
             consts[name] = getattr(value, "value", value)  # tl.dtype etc. stay as reprs
         else:
             signature[name] = _arg_type(value)
             # as the JIT specializes: pointers, and ints divisible by 16 (bools are not)
-            is_int = isinstance(value, int) and not isinstance(value, bool)
             if isinstance(value, torch.Tensor) or (is_int and value % 16 == 0):
                 aligned.append(name)
     consts = {k: (v if isinstance(v, (bool, int, float, str, type(None))) else repr(v))

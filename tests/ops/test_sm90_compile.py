@@ -122,6 +122,9 @@ def _record_fast_path() -> list[dict]:
         for block_m in (16, 32):
             tiling = fused_moe.Tiling(block_m, 64, 128, 4, 3, 128, 128, 4, 3, 4096, 256)
             fused_moe.moe_experts(x, ids, weights, w13, w2, 7.0, tiling=tiling)
+            # the persistent down kernel (its item loop flattened into the k loop)
+            tiling = dataclasses.replace(tiling, down_programs=132)
+            fused_moe.moe_experts(x, ids, weights, w13, w2, 7.0, tiling=tiling)
     return specs
 
 
@@ -166,6 +169,37 @@ def test_wide_attention_overlaps_gathers_at_two_programs_per_sm():
         assert max(r["async_waits"]) > 0, r["async_waits"]
 
 
+@torch.inference_mode()
+def test_persistent_down_keeps_copies_in_flight_across_items():
+    """The persistent down kernel (``Tiling.down_programs``) at the GPU's decode tiles: its
+    item loop flattened into the k loop keeps the next tiles' copies in flight (an
+    async_wait leaving copies outstanding), in shared memory that fits two programs an SM,
+    as the one-program-an-item kernel does."""
+    from rackserve.ops.triton import fused_moe
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 256, generator=g).bfloat16()
+    w13 = torch.randn(4, 512, 256, generator=g).bfloat16() / 16
+    w2 = torch.randn(4, 256, 256, generator=g).bfloat16() / 8
+    ids, weights = torch.tensor([[0, 1], [2, 3], [1, 2]]), torch.rand(3, 2, generator=g)
+    base = fused_moe.Tiling(32, 64, 128, 4, 3, 128, 128, 4, 3, 4096, 256, True)
+    with recorded_launches() as specs:
+        for programs in (0, 264):
+            tiling = dataclasses.replace(base, down_programs=programs)
+            fused_moe.moe_experts(x, ids, weights, w13, w2, 7.0, tiling=tiling)
+    specs = [
+        s for s in gpu_variants(specs)
+        if s["kernel"].startswith("moe_down") and s["constexprs"]["FP32_DOT"] is False
+    ]  # fmt: skip
+    report = compile_report(specs)
+    assert not report["failures"], report["failures"]
+    shared = {r["kernel"]: r["shared"] for r in report["resources"]}
+    assert shared.keys() == {"moe_down_kernel", "moe_down_persistent_kernel"}
+    for r in report["resources"]:
+        assert 2 * (r["shared"] + 1024) <= 228 * 1024, (r["kernel"], r["shared"])
+        assert max(r["async_waits"]) > 0, (r["kernel"], r["async_waits"])
+
+
 def test_fast_path_kernels_compile_for_sm90(monkeypatch):
     from rackserve.ops.triton import mhc
 
@@ -179,7 +213,8 @@ def test_fast_path_kernels_compile_for_sm90(monkeypatch):
     # the step's kernels, both attention paths, the fp8 writers, the quantized kernels
     for name in ("sparse_attn_kernel", "prefill_attn_kernel", "_compress_kernel",
                  "moe_gate_up_fp4_kernel", "fp8_gemm_kernel", "gemv_kernel",
-                 "select_topk_kernel", "radix_topk_kernel"):  # fmt: skip
+                 "select_topk_kernel", "radix_topk_kernel",
+                 "moe_down_persistent_kernel"):  # fmt: skip
         assert any(name in k for k in kernels), (name, sorted(kernels))
     halves = {(s["constexprs"]["MIXES"], s["constexprs"]["COLLAPSE"]) for s in specs
               if s["kernel"] == "hc_finish_kernel"}  # fmt: skip

@@ -27,6 +27,7 @@ from rackserve.ops.reference import ExpertSlots
 from rackserve.ops.triton.common import pdl
 from rackserve.ops.triton.fused_moe_kernels import (
     moe_down_kernel,
+    moe_down_persistent_kernel,
     moe_gate_up_kernel,
     moe_sum_kernel,
 )
@@ -61,6 +62,9 @@ class Tiling:
     # the down kernel's grid as (n-tiles, blocks) (``fused_moe_kernels.program_block``): a
     # block's programs run together and read its h rows from L2 while they are hot
     down_tile_fastest: bool = False
+    # 0: a down program per (block, n-tile); else this many programs walk those items
+    # (``moe_down_persistent_kernel``: no pipeline fill an item; at most the resident ones)
+    down_programs: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_m", "gate_up_block_n", "gate_up_block_k", "down_block_n"):
@@ -334,19 +338,29 @@ def run_experts(
 
     slots = _empty((num_pairs, hidden), torch.float32, x.device)
     grid = (num_blocks, triton.cdiv(hidden, tiling.down_block_n))
-    moe_down_kernel[grid[::-1] if tiling.down_tile_fastest else grid](
-        h, w2, weights, slots, sorted_ids, block_expert,
-        num_pairs, hidden, inter, num_experts,
-        h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), slots.stride(0),
+    down_args = (
+        h, w2, weights, slots, sorted_ids, block_expert, num_pairs, hidden, inter, num_experts,
+    )  # fmt: skip
+    strides = (h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), slots.stride(0))
+    down_meta = dict(
         BLOCK_M=bm,
         BLOCK_N=tiling.down_block_n,
         BLOCK_K=tiling.down_block_k,
         FP32_DOT=fp32_dot,
         SKIP_PAD_ROWS=bm == 16,
-        TILE_FASTEST=tiling.down_tile_fastest,
         num_warps=tiling.down_warps,
-        num_stages=tiling.down_stages, **pdl(h.device),
-    )  # fmt: skip
+        num_stages=tiling.down_stages,
+        **pdl(h.device),
+    )
+    if tiling.down_programs:
+        moe_down_persistent_kernel[(min(tiling.down_programs, grid[0] * grid[1]),)](
+            *down_args, num_blocks, *strides,
+            BLOCK_B=max(16, triton.next_power_of_2(num_blocks)), **down_meta,
+        )  # fmt: skip
+    else:
+        moe_down_kernel[grid[::-1] if tiling.down_tile_fastest else grid](
+            *down_args, *strides, TILE_FASTEST=tiling.down_tile_fastest, **down_meta
+        )
 
     if out is None:
         return ExpertSlots(slots, topk_ids, num_experts, x.dtype)

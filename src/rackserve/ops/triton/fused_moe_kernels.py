@@ -14,7 +14,8 @@ Align: ``moe_align_kernels.py``.
     (Keeping h's fp32 precision as bf16 hi + lo parts cost the down kernel twice the dot
     rows: 343.9 against 296.1 us at T = 256 on the H200, 2026-12-04-h200-s24.md.)
 ``moe_down_kernel``, grid (B, cdiv(D, BN)): h @ w2[e]^T times the routed weight, written to
-    the pair's row of slots [P, D] fp32.
+    the pair's row of slots [P, D] fp32. ``moe_down_persistent_kernel``: the same items on
+    a grid of resident programs (``Tiling.down_programs``).
 ``store_h`` / ``STACK_H``: the FP4 MoE's gate-up epilogue (``fused_moe_fp4.py``), which
     keeps h as 16-bit hi / lo rows stacked per block.
 ``FP32_DOT``: IEEE fp32 dots (no TF32) for fp32 inputs, and on the interpreter for every
@@ -200,6 +201,34 @@ def moe_gate_up_kernel(
 
 
 @triton.jit
+def down_tile(h_ptr, w2_ptr, weights_ptr, slots_ptr, sorted_ptr, expert, block, tile,
+              num_pairs, hidden, inter, stride_ht, stride_we, stride_wn, stride_wk, stride_slot,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              FP32_DOT: tl.constexpr, SKIP_PAD_ROWS: tl.constexpr):  # fmt: skip
+    """One (block, n-tile) of the down GEMM: h rows @ w2[expert]^T, times the routed
+    weights, into the pairs' slot rows."""
+    rows, pair, row_ok, cols, col_ok = block_tile(
+        sorted_ptr, num_pairs, hidden, block, tile, BLOCK_M, BLOCK_N
+    )
+    ks = tl.arange(0, BLOCK_K)
+    h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_ht + ks[None, :]
+    # [BLOCK_K, BLOCK_N]: w2[e, cols, k]^T
+    w_ptrs = expert_rows(w2_ptr, expert, cols, stride_we, stride_wn) + ks[:, None] * stride_wk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k_ok = (k0 + ks) < inter
+        if SKIP_PAD_ROWS:  # padding rows hold swiglu(0, 0) = 0 (at batch 1, 15 of 16)
+            a = tl.load(h_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        else:
+            a = tl.load(h_ptrs, mask=k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = dot_acc(a, w, acc, FP32_DOT)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    store_weighted(acc, weights_ptr, slots_ptr, pair, row_ok, cols, col_ok, stride_slot)
+
+
+@triton.jit
 def moe_down_kernel(
     h_ptr,  # [R, I] in w2's type
     w2_ptr,  # [E, D, I]
@@ -229,25 +258,54 @@ def moe_down_kernel(
     expert = tl.load(block_expert_ptr + block)
     if expert >= num_experts:
         return
-    rows, pair, row_ok, cols, col_ok = block_tile(
-        sorted_ptr, num_pairs, hidden, block, tile, BLOCK_M, BLOCK_N
-    )
-    ks = tl.arange(0, BLOCK_K)
-    h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_ht + ks[None, :]
-    # [BLOCK_K, BLOCK_N]: w2[e, cols, k]^T
-    w_ptrs = expert_rows(w2_ptr, expert, cols, stride_we, stride_wn) + ks[:, None] * stride_wk
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        k_ok = (k0 + ks) < inter
-        if SKIP_PAD_ROWS:  # padding rows hold swiglu(0, 0) = 0 (at batch 1, 15 of 16)
-            a = tl.load(h_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        else:
-            a = tl.load(h_ptrs, mask=k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = dot_acc(a, w, acc, FP32_DOT)
-        h_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wk
-    store_weighted(acc, weights_ptr, slots_ptr, pair, row_ok, cols, col_ok, stride_slot)
+    down_tile(h_ptr, w2_ptr, weights_ptr, slots_ptr, sorted_ptr, expert, block, tile,
+              num_pairs, hidden, inter, stride_ht, stride_we, stride_wn, stride_wk, stride_slot,
+              BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT, SKIP_PAD_ROWS)  # fmt: skip
+
+
+@triton.jit
+def moe_down_persistent_kernel(
+    h_ptr,  # [R, I] in w2's type
+    w2_ptr,  # [E, D, I]
+    weights_ptr,  # [P] fp32 routed weights, flattened topk_weights
+    slots_ptr,  # [P, D] fp32 out
+    sorted_ptr,  # [R] int32
+    block_expert_ptr,  # [B] int32
+    num_pairs,
+    hidden,
+    inter,
+    num_experts,
+    num_blocks,
+    stride_ht,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_slot,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_B: tl.constexpr,  # a power of two >= B
+    FP32_DOT: tl.constexpr,
+    SKIP_PAD_ROWS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """``moe_down_kernel`` on a grid of at most the SMs' resident programs, each walking the
+    (block, n-tile) items of the used blocks (a prefix of the B) in n-tile-fastest order,
+    stride the grid. The item loop is flattened into the k loop, so the next item's first
+    loads are in flight while an item's last tiles compute and its epilogue stores: the
+    one-program-an-item grid pays a pipeline fill an item (16 k-steps at V4's I = 2048)."""
+    pdl_wait(PDL)
+    bs = tl.arange(0, BLOCK_B)
+    experts = tl.load(block_expert_ptr + bs, mask=bs < num_blocks, other=num_experts)
+    used = tl.sum((experts < num_experts).to(tl.int32), axis=0)
+    tiles = tl.cdiv(hidden, BLOCK_N)
+    for item in tl.range(tl.program_id(0), used * tiles, tl.num_programs(0), flatten=True):
+        block = item // tiles
+        tile = item % tiles
+        expert = tl.load(block_expert_ptr + block)
+        down_tile(h_ptr, w2_ptr, weights_ptr, slots_ptr, sorted_ptr, expert, block, tile,
+                  num_pairs, hidden, inter, stride_ht, stride_we, stride_wn, stride_wk,
+                  stride_slot, BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT, SKIP_PAD_ROWS)  # fmt: skip
 
 
 @triton.jit
