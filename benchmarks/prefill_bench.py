@@ -122,7 +122,14 @@ def wgmma_variants() -> dict[str, prefill_attn_wgmma.WgmmaTiling]:
     """The Gluon wgmma kernel's tilings: rows per tile and gather-ring depth (SMEM: q 64 KB
     + stages x rows x 1 KB + p)."""
     tile = prefill_attn_wgmma.WgmmaTiling
-    return {"bn32_s3_p1": tile(32, 3, p_buffers=1), "bn16_s6": tile(16, 6)}
+    # bn64_s2_p1: 64-row tiles read q from shared memory half as often a row (QK's wgmma N
+    # of 32 a warpgroup); 2 slots, one p buffer (200 KB); ptxas: 120 bytes of stack (CPU,
+    # 2026-12-06)
+    return {
+        "bn32_s3_p1": tile(32, 3, p_buffers=1),
+        "bn16_s6": tile(16, 6),
+        "bn64_s2_p1": tile(64, 2, p_buffers=1),
+    }
 
 
 def outside_bf16_rule(out: torch.Tensor, args: tuple, num: int = 256) -> float:
