@@ -89,8 +89,8 @@ def frozen_gc() -> Iterator[None]:
 def _warm_up_stream(device: int) -> torch.cuda.Stream:
     """The one side stream of a device's warm-up runs. The allocator caches a freed block for
     the stream that allocated it, so a new stream a warm-up (as this was until session 26)
-    left every warm-up's memory reserved: 1.03 GiB of graphs against a 0.46 GiB estimate
-    (H100, bench decode at 64 requests)."""
+    kept every warm-up's memory reserved (the GPU test of ``test_memory_profile.py``); bench
+    decode at 64 requests had logged 1.03 GiB of graphs against a 0.46 GiB reserve (H100)."""
     return torch.cuda.Stream(device)
 
 

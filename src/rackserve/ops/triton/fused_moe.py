@@ -63,7 +63,8 @@ class Tiling:
     # block's programs run together and read its h rows from L2 while they are hot
     down_tile_fastest: bool = False
     # 0: a down program per (block, n-tile); else this many programs walk those items
-    # (``moe_down_persistent_kernel``: no pipeline fill an item; at most the resident ones)
+    # (``moe_down_persistent_kernel``: no pipeline fill an item; at most the resident ones;
+    # for decode sizes: it reads every block's expert at once)
     down_programs: int = 0
 
     def __post_init__(self) -> None:
