@@ -140,7 +140,8 @@ class Kernels:
         """Whether ``paged_sparse_attention`` takes the raw q (``q_norm_eps``) and the
         prologue skips it: prefill-sized batches on the fast path, whose wgmma kernel norms
         and rotates q as it loads it (no normed copy of q written and read back: 2 x 537 MB
-        a layer at 8192 tokens). Decode batches keep the norm in the prologue's launch."""
+        a layer at 8192 tokens), and decode batches from ``PREFILL_ATTENTION_MIN_TOKENS``.
+        Smaller batches keep the norm in the prologue's launch."""
         min_tokens = PREFILL_ATTENTION_MIN_TOKENS
         return self.fast(q) and min_tokens is not None and q.shape[0] >= min_tokens
 
@@ -205,7 +206,10 @@ PREFILL_ATTENTION_MIN_TOKENS: int | None = 128
 # compressor, the top-k; its q projection goes first, in series) on a side stream beside the
 # attention's q projection, the step's largest GEMM before attention
 # (``Attention._indexer_beside_q``); None: in series.
-# Off until measured on a GPU (written in session 25, whose machine never started).
+# Off: no gain measured (H100, 2026-12-06, bench forward in two alternating passes:
+# decode:1 1.597 / 1.565 ms beside against 1.582 / 1.691 in series, decode:256 6.438 / 6.447
+# against 6.418 / 6.447; the overlap's ~25 us at most in the bench's one CSA layer is within
+# the spread). Graph replay is bit-identical to eager with it on (GPU test).
 INDEXER_BESIDE_Q_MAX_TOKENS: int | None = None
 
 
