@@ -98,9 +98,10 @@ def _launch(kernel: str, p: dict, w13, w2, shape, warmup: bool = False,
     else:
         fn, n = moe_down_kernel, D
         args = (p["h"], w2, p["weights"], p["slots"], p["sorted"], p["block_expert"], t * K, D,
-                INTER, E, p["h"].stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
+                INTER, E, 0, p["h"].stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
                 p["slots"].stride(0))  # fmt: skip
-    extra = {"SKIP_PAD_ROWS": bm == 16} if kernel == "down" else {}
+    extra = {"SKIP_PAD_ROWS": bm == 16, "PERSISTENT": False, "BLOCK_B": 16}
+    extra = extra if kernel == "down" else {}
     grid = (nb, triton.cdiv(n, bn))
     if kernel == "down":  # fused_moe.Tiling.down_tile_fastest: the grid (tiles, blocks)
         extra["TILE_FASTEST"] = tile_fastest

@@ -189,15 +189,15 @@ def test_persistent_down_keeps_copies_in_flight_across_items():
             fused_moe.moe_experts(x, ids, weights, w13, w2, 7.0, tiling=tiling)
     specs = [
         s for s in gpu_variants(specs)
-        if s["kernel"].startswith("moe_down") and s["constexprs"]["FP32_DOT"] is False
+        if s["kernel"] == "moe_down_kernel" and s["constexprs"]["FP32_DOT"] is False
     ]  # fmt: skip
     report = compile_report(specs)
     assert not report["failures"], report["failures"]
-    shared = {r["kernel"]: r["shared"] for r in report["resources"]}
-    assert shared.keys() == {"moe_down_kernel", "moe_down_persistent_kernel"}
-    for r in report["resources"]:
-        assert 2 * (r["shared"] + 1024) <= 228 * 1024, (r["kernel"], r["shared"])
-        assert max(r["async_waits"]) > 0, (r["kernel"], r["async_waits"])
+    resources = {r["constexprs"]["PERSISTENT"]: r for r in report["resources"]}
+    assert resources.keys() == {False, True}
+    for persistent, r in resources.items():
+        assert 2 * (r["shared"] + 1024) <= 228 * 1024, (persistent, r["shared"])
+        assert max(r["async_waits"]) > 0, (persistent, r["async_waits"])
 
 
 def test_fast_path_kernels_compile_for_sm90(monkeypatch):
@@ -213,8 +213,7 @@ def test_fast_path_kernels_compile_for_sm90(monkeypatch):
     # the step's kernels, both attention paths, the fp8 writers, the quantized kernels
     for name in ("sparse_attn_kernel", "prefill_attn_kernel", "_compress_kernel",
                  "moe_gate_up_fp4_kernel", "fp8_gemm_kernel", "gemv_kernel",
-                 "select_topk_kernel", "radix_topk_kernel",
-                 "moe_down_persistent_kernel"):  # fmt: skip
+                 "select_topk_kernel", "radix_topk_kernel"):  # fmt: skip
         assert any(name in k for k in kernels), (name, sorted(kernels))
     halves = {(s["constexprs"]["MIXES"], s["constexprs"]["COLLAPSE"]) for s in specs
               if s["kernel"] == "hc_finish_kernel"}  # fmt: skip
@@ -229,6 +228,8 @@ def test_fast_path_kernels_compile_for_sm90(monkeypatch):
     for name in ("moe_down_fp4_kernel", "moe_gate_up_fp4_kernel"):
         assert any(s["kernel"] == name and s["constexprs"]["STACK_H"] for s in specs), name
     assert any(s["kernel"] == "moe_down_kernel" and s["constexprs"]["BLOCK_K"] == 128
+               for s in specs)  # fmt: skip
+    assert any(s["kernel"] == "moe_down_kernel" and s["constexprs"]["PERSISTENT"]
                for s in specs)  # fmt: skip
     # the opt-in PDL path ($RACKSERVE_PDL=1): each kernel once with PDL on
     with_pdl: dict[str, dict] = {}

@@ -27,7 +27,6 @@ from rackserve.ops.reference import ExpertSlots
 from rackserve.ops.triton.common import pdl
 from rackserve.ops.triton.fused_moe_kernels import (
     moe_down_kernel,
-    moe_down_persistent_kernel,
     moe_gate_up_kernel,
     moe_sum_kernel,
 )
@@ -63,7 +62,7 @@ class Tiling:
     # block's programs run together and read its h rows from L2 while they are hot
     down_tile_fastest: bool = False
     # 0: a down program per (block, n-tile); else this many programs walk those items
-    # (``moe_down_persistent_kernel``: no pipeline fill an item; at most the resident ones;
+    # (``moe_down_kernel``'s PERSISTENT: no pipeline fill an item; at most the resident ones;
     # for decode sizes: it reads every block's expert at once)
     down_programs: int = 0
 
@@ -339,29 +338,27 @@ def run_experts(
 
     slots = _empty((num_pairs, hidden), torch.float32, x.device)
     grid = (num_blocks, triton.cdiv(hidden, tiling.down_block_n))
-    down_args = (
-        h, w2, weights, slots, sorted_ids, block_expert, num_pairs, hidden, inter, num_experts,
-    )  # fmt: skip
-    strides = (h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), slots.stride(0))
-    down_meta = dict(
+    persistent = tiling.down_programs > 0
+    if persistent:
+        grid = (min(tiling.down_programs, grid[0] * grid[1]),)
+    elif tiling.down_tile_fastest:
+        grid = grid[::-1]
+    moe_down_kernel[grid](
+        h, w2, weights, slots, sorted_ids, block_expert,
+        num_pairs, hidden, inter, num_experts,
+        num_blocks if persistent else 0,  # read only there (one specialization else)
+        h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), slots.stride(0),
         BLOCK_M=bm,
         BLOCK_N=tiling.down_block_n,
         BLOCK_K=tiling.down_block_k,
         FP32_DOT=fp32_dot,
         SKIP_PAD_ROWS=bm == 16,
+        TILE_FASTEST=tiling.down_tile_fastest,
+        PERSISTENT=persistent,
+        BLOCK_B=max(16, triton.next_power_of_2(num_blocks)) if persistent else 16,
         num_warps=tiling.down_warps,
-        num_stages=tiling.down_stages,
-        **pdl(h.device),
-    )
-    if tiling.down_programs:
-        moe_down_persistent_kernel[(min(tiling.down_programs, grid[0] * grid[1]),)](
-            *down_args, num_blocks, *strides,
-            BLOCK_B=max(16, triton.next_power_of_2(num_blocks)), **down_meta,
-        )  # fmt: skip
-    else:
-        moe_down_kernel[grid[::-1] if tiling.down_tile_fastest else grid](
-            *down_args, *strides, TILE_FASTEST=tiling.down_tile_fastest, **down_meta
-        )
+        num_stages=tiling.down_stages, **pdl(h.device),
+    )  # fmt: skip
 
     if out is None:
         return ExpertSlots(slots, topk_ids, num_experts, x.dtype)
