@@ -6,8 +6,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1
-# the rackserve CLI from the sources
+# the rackserve CLI from the sources, and pytest with the GPU tests selected
 rs=(python3 -c 'import sys; from rackserve.cli import main; sys.exit(main(sys.argv[1:]))')
+pt=(python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider -rf --tb=short)
 # seconds a step of a budgeted script may take ($BUDGET_S in all, counted by $SECONDS): its
 # own limit $1, cut to what is left of the budget; 0 (skip it) under 20 s
 cap() { local left=$((BUDGET_S - SECONDS)); ((left > $1)) && echo "$1" || echo $((left > 20 ? left : 0)); }
@@ -83,9 +84,8 @@ forward_gates() {
 gates() {
   local t
   t=$(cap 170); echo "== bf16 accuracy gates (${t}s)"
-  ((t)) && timeout "$t" python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider -rf \
-    --tb=short -s tests/model/test_gpu_fastpath.py -k "teacher_forced or no_less_accurate" \
-    > "$R/pytest_accuracy.log" 2>&1
+  ((t)) && timeout "$t" "${pt[@]}" -s tests/model/test_gpu_fastpath.py \
+    -k "teacher_forced or no_less_accurate" > "$R/pytest_accuracy.log" 2>&1
   grep -E "^E  |context|median|passed|failed" "$R/pytest_accuracy.log" | head -12
   forward_gates
 }

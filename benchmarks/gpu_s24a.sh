@@ -8,7 +8,6 @@ set -uo pipefail
 BUDGET_S=${BUDGET_S:-330}
 source "$(dirname "$0")/device_env.sh"
 start_call
-pt=(python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider -rf --tb=short)
 t=$(cap 90); echo "== prefill-graph test (${t}s)"
 ((t)) && timeout "$t" "${pt[@]}" tests/model/test_gpu_fastpath.py -k prefill_graph \
   > "$R/pytest_prefill_graph.log" 2>&1

@@ -8,7 +8,6 @@ set -uo pipefail
 BUDGET_S=${BUDGET_S:-230}
 source "$(dirname "$0")/device_env.sh"
 start_call
-pt=(python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider -rf --tb=short)
 t=$(cap 50); echo "== fused MoE GPU tests (${t}s)"
 f=tests/ops/test_fused_moe.py
 ((t)) && timeout "$t" "${pt[@]}" $f::test_v4_flash_sizes_on_gpu > "$R/pytest_moe.log" 2>&1

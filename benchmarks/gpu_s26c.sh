@@ -13,7 +13,6 @@ set -uo pipefail
 BUDGET_S=${BUDGET_S:-585}
 source "$(dirname "$0")/device_env.sh"
 start_call
-pt=(python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider -rf --tb=short)
 # gpu_s26a.sh (H100, 05094b8): hc_post_pre's expand apart and the wgmma attention from 128
 # tokens each had the lowest minimum at decode:256 and 128 in both passes (~1-2%); both at
 # once against the defaults before they are adopted

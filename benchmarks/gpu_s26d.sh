@@ -8,7 +8,6 @@ set -uo pipefail
 BUDGET_S=${BUDGET_S:-240}
 source "$(dirname "$0")/device_env.sh"
 start_call
-pt=(python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider -rf --tb=short)
 t=$(cap 60); echo "== graph replay against eager (${t}s)"
 ((t)) && timeout "$t" "${pt[@]}" \
   tests/model/test_gpu_fastpath.py::test_graph_replay_is_bit_identical_to_eager \

@@ -8,8 +8,7 @@ BUDGET_S=${BUDGET_S:-150}
 source "$(dirname "$0")/device_env.sh"
 start_call
 t=$(cap 40); echo "== memory profile GPU tests (${t}s)"
-((t)) && timeout "$t" python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider -rf \
-  --tb=short tests/runner/test_memory_profile.py > "$R/pytest_memory.log" 2>&1
+((t)) && timeout "$t" "${pt[@]}" tests/runner/test_memory_profile.py > "$R/pytest_memory.log" 2>&1
 grep -E "^E  |passed|failed" "$R/pytest_memory.log" | head -4
 flash4 50
 decode_sized_by_utilization 60

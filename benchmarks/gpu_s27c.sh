@@ -12,8 +12,7 @@ BUDGET_S=${BUDGET_S:-360}
 source "$(dirname "$0")/device_env.sh"
 start_call
 t=$(cap 90); echo "== fused MoE GPU tests, the grid orders and the persistent down (${t}s)"
-((t)) && timeout "$t" python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider -rf \
-  --tb=short tests/ops/test_fused_moe.py -k "grid_orders or persistent" \
+((t)) && timeout "$t" "${pt[@]}" tests/ops/test_fused_moe.py -k "grid_orders or persistent" \
   > "$R/pytest_moe.log" 2>&1
 grep -E "^E  |passed|failed" "$R/pytest_moe.log" | head -4
 t=$(cap 90); echo "== the expert kernels alone (${t}s)"
