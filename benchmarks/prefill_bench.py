@@ -126,6 +126,7 @@ def wgmma_variants() -> dict[str, prefill_attn_wgmma.WgmmaTiling]:
     # of 32 a warpgroup); 2 slots, one p buffer (200 KB); ptxas: 120 bytes of stack (CPU,
     # 2026-12-06)
     return {
+        "bn32_s4_p2": tile(32, 4, p_buffers=2),  # the tiling below WIDE_MIN_ROWS rows
         "bn32_s3_p1": tile(32, 3, p_buffers=1),
         "bn16_s6": tile(16, 6),
         "bn64_s2_p1": tile(64, 2, p_buffers=1),
@@ -340,7 +341,10 @@ def main() -> None:
     parser.add_argument("--no-sweep", action="store_true", help="default tiling only")
     parser.add_argument("--once", metavar="KIND:S:C:VARIANT", help="two launches (run_once)")
     parser.add_argument(
-        "--attention-only", metavar="VARIANTS", help="attention at S=8192 alone: these variants"
+        "--attention-only", metavar="VARIANTS", help="attention alone: these variants"
+    )
+    parser.add_argument(
+        "--cases", default="8192:0", help="S:C,... queries and cached tokens (--attention-only)"
     )
     args = parser.parse_args()
     if args.once:
@@ -349,7 +353,8 @@ def main() -> None:
         parser.error("--output is required")
     if args.attention_only:
         only = args.attention_only.split(",")
-        everything = run_attention(cases=((8192, 0),), only=only)
+        cases = [tuple(int(v) for v in case.split(":")) for case in args.cases.split(",")]
+        everything = run_attention(cases=cases, only=only)
     else:
         everything = run(sweep=not args.no_sweep)
     with open(args.output, "w") as f:

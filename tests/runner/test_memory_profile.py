@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rackserve.kv.spec import cache_groups_for
 from rackserve.model.create import init_model_
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 from rackserve.model.presets import preset_config
 from rackserve.runner.memory_profile import (
+    graph_capture_bytes,
     graph_outputs_bytes,
     run_synthetic_prefill,
     runner_reserve_bytes,
@@ -23,6 +25,11 @@ def _model(device: str = "cpu", dtype: torch.dtype = torch.float32) -> DeepseekV
     return model.eval()
 
 
+def _groups(model: DeepseekV4ForCausalLM):
+    size = model.head.weight.element_size()
+    return cache_groups_for(model.cfg, size, size)
+
+
 def test_synthetic_prefill_runs_the_runner_step():
     """The profiled step is a real one: a prefill of that many tokens through its sampled
     row's logits, with model-dtype and fp8 caches; nothing to measure off a GPU."""
@@ -31,7 +38,8 @@ def test_synthetic_prefill_runs_the_runner_step():
         logits = run_synthetic_prefill(model, 37, kv_dtype)
         assert logits.shape == (1, model.cfg.vocab_size) and logits.isfinite().all()
     assert step_peak_bytes(model, 37) == 0
-    assert runner_reserve_bytes(model, 8, 256, 128, graphs=True) == 0
+    assert graph_capture_bytes(model, _groups(model), 8, 256, 128) == (0, 0)
+    assert runner_reserve_bytes(model, _groups(model), 8, 256, 128, graphs=True) == 0
 
 
 def test_graph_outputs_bytes():
@@ -50,17 +58,46 @@ def test_graph_outputs_bytes():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_step_peak_grows_with_the_step_and_repeats():
-    """On a GPU the peak is measured: larger for a larger step, the same when repeated; with
-    graphs the reserve holds the eager step's peak, the largest graph's and their outputs."""
+    """On a GPU the peak is measured: larger for a larger step, the same when repeated."""
     model = _model("cuda", torch.bfloat16)
     small, large = step_peak_bytes(model, 256), step_peak_bytes(model, 2048)
     assert 0 < small < large
     assert abs(step_peak_bytes(model, 2048) - large) <= 0.05 * large
-    outputs = graph_outputs_bytes(model, 64, 4096, 2048)
-    eager_only = runner_reserve_bytes(model, 64, 4096, 2048, graphs=False)
-    with_graphs = runner_reserve_bytes(model, 64, 4096, 2048, graphs=True)
+    eager_only = runner_reserve_bytes(model, _groups(model), 64, 4096, 2048, graphs=False)
     assert abs(eager_only - large) <= 0.05 * large
-    assert with_graphs >= eager_only + 0.9 * large + outputs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_reserve_covers_the_runners_graphs():
+    """The graphs' capture is measured, and freed: the runner's own capture (on its real
+    cache) keeps no more than the profile measured, and the reserve covers it beside the
+    eager step's peak."""
+    from rackserve.runner.model_runner import ModelRunner
+
+    model = _model("cuda", torch.bfloat16)
+    groups = _groups(model)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    start = torch.cuda.memory_reserved()
+    held, peak = graph_capture_bytes(model, groups, 64, 4096, 2048)
+    assert 0 < held <= peak
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() - start <= 4 << 20  # freed
+    eager = step_peak_bytes(model, 2048)
+    reserve = runner_reserve_bytes(model, groups, 64, 4096, 2048, graphs=True)
+    assert abs(reserve - max(peak, held + eager)) <= 0.05 * reserve
+    num_blocks = {g.name: 64 for g in groups}
+    cache_bytes = sum(g.bytes_per_block * 64 for g in groups)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    runner = ModelRunner(
+        model, groups, num_blocks, 64, 4096, (0,), log=False, max_num_batched_tokens=2048
+    )
+    torch.cuda.synchronize()
+    kept = torch.cuda.memory_reserved() - before - cache_bytes
+    assert runner.graphs is not None
+    assert kept <= 1.05 * held + (8 << 20), (kept / 2**20, held / 2**20)
 
 
 @pytest.mark.gpu

@@ -22,6 +22,7 @@ from rackserve.engine.async_scheduling import (
     update_after_collect,
 )
 from rackserve.engine.kv_budget import (
+    cache_groups,
     device_memory_in_use,
     kv_budget_bytes,
     kv_cache_dtype,
@@ -93,15 +94,17 @@ class EngineCore:
         reserve = 0
         on_share = config.cache.kv_cache_memory is None and device.type == "cuda"
         if on_share and self.ep is None:
+            spec = config.speculative
             reserve = runner_reserve_bytes(
                 self.model,
+                cache_groups(config, dtype),
                 sched.max_num_seqs,
                 sched.max_model_len,
                 sched.max_num_batched_tokens,
                 graphs=not config.enforce_eager,
                 kv_dtype=kv_dtype,
+                speculative=spec is not None,
             )
-            spec = config.speculative
             if spec is not None and spec.model is not None:
                 reserve += checkpoint_weight_bytes(spec.model, dtype)
             if log_stats:

@@ -76,15 +76,20 @@ def kv_cache_dtype(name: str, device: torch.device) -> torch.dtype | None:
     return torch.float8_e4m3fn if name == "fp8" else None
 
 
+def cache_groups(config: EngineConfig, dtype: torch.dtype) -> list[CacheGroupSpec]:
+    """The model's cache groups, then its drafter's (MTP: one more swa layer; a draft
+    model: its own)."""
+    element = torch.tensor([], dtype=dtype).element_size()
+    kv_element = 1 if config.cache.kv_cache_dtype == "fp8" else element
+    return spec_cache_groups(config.speculative, config.model_config, kv_element, element)
+
+
 def plan_kv_cache(
     config: EngineConfig, dtype: torch.dtype, budget_bytes: int
 ) -> tuple[list[CacheGroupSpec], dict[str, int]]:
     """Cache groups of the model and blocks per group for a budget; ValueError naming the
     fix when the budget is too small (cheap: no weights are loaded)."""
-    element = torch.tensor([], dtype=dtype).element_size()
-    kv_element = 1 if config.cache.kv_cache_dtype == "fp8" else element
-    # the target's groups, then its drafter's (MTP: one more swa layer; a draft model: its own)
-    groups = spec_cache_groups(config.speculative, config.model_config, kv_element, element)
+    groups = cache_groups(config, dtype)
     sched = config.scheduler
     num_blocks = plan_num_blocks(
         groups, budget_bytes, sched.max_num_seqs, sched.max_num_batched_tokens

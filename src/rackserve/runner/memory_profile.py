@@ -8,22 +8,37 @@ synthetic step: one request, its own small caches) and reads the allocator's pea
 activations, workspaces, the sampled row's logits, and the step's own caches (V4's
 compressed KV: tens of MB for 8K tokens of a full model, small beside the activations;
 counting them errs on the safe side).
-``runner_reserve_bytes`` adds the graphs: their pool holds the largest captured step's
-peak (graphs are captured largest first into one pool, each reusing the last one's
-intermediates), the prefill graphs' hidden-state outputs and the decode graphs' logits.
+``graph_capture_bytes`` measures the step graphs: it captures every one of them, as the
+runner will, on a cache of two blocks a group (a graph's memory does not depend on the
+cache's size: padded rows read the null block), and reads what the capture held at its
+peak and what the graphs keep (their pool, outputs and static inputs). vLLM's profile does
+the same for a sample of its graphs (``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS``); this
+one captures them all, so nothing is extrapolated. The estimate it replaced (the largest
+graph's peak, twice, plus the outputs) had left 0.49 GiB for graphs that held 0.71 GiB
+(bench decode, 64 requests, H100: benchmarks/results/2026-12-06-h100-s27.md): one pool
+of differently shaped captures fragments.
+``runner_reserve_bytes`` puts them together. A speculating runner captures its drafter's
+graphs instead (spec_decode/graphs.py), which need the draft model: for it the estimate
+stays.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from rackserve.kv.spec import CacheGroupSpec
+from rackserve.model.batch import KVCacheTensors
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 from rackserve.runner.cuda_graph import (
+    capture_step_graphs,
     context_buckets,
     graph_batch_sizes,
     prefill_graph_buckets,
     prefill_graph_sizes,
 )
+from rackserve.runner.inputs import BlockTables, ring_widths
 from rackserve.runner.step_buffers import StepBuffers
 
 
@@ -76,26 +91,68 @@ def graph_outputs_bytes(
     return hidden * len(served) + logits
 
 
+def graph_capture_bytes(
+    model: DeepseekV4ForCausalLM,
+    groups: Sequence[CacheGroupSpec],
+    max_num_reqs: int,
+    max_model_len: int,
+    max_step_tokens: int,
+    kv_dtype: torch.dtype | None = None,
+) -> tuple[int, int]:
+    """(held, peak): the bytes the runner's step graphs keep once captured, and the most
+    their capture held at once (the graphs so far with the next one's warm-up beside
+    them), measured by capturing them all on a cache of two blocks a group, then freed.
+    (0, 0) off a GPU."""
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return 0, 0
+    dtype = model.head.weight.dtype
+    caches = KVCacheTensors(groups, {g.name: 2 for g in groups}, dtype, device, kv_dtype)
+    block_tokens = {g.name: g.block_tokens for g in groups}
+    tables = BlockTables(
+        block_tokens, max_num_reqs, max_model_len, ring_widths(groups, max_step_tokens)
+    )
+    buffers = StepBuffers(groups, tables, device)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    graphs = capture_step_graphs(
+        model, caches, buffers, groups, max_num_reqs, max_model_len, max_step_tokens, log=False
+    )
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_reserved(device) - before
+    held = torch.cuda.memory_reserved(device) - before  # the warm-ups' cache was emptied
+    del graphs
+    torch.cuda.empty_cache()
+    return held, max(peak, held)
+
+
 def runner_reserve_bytes(
     model: DeepseekV4ForCausalLM,
+    groups: Sequence[CacheGroupSpec],
     max_num_reqs: int,
     max_model_len: int,
     max_step_tokens: int,
     graphs: bool,
     kv_dtype: torch.dtype | None = None,
+    speculative: bool = False,
 ) -> int:
-    """Bytes the KV budget leaves for a runner's steps: the peak of its largest eager step,
-    and with CUDA graphs their pool (the largest graph's peak and the outputs) beside the
-    larger of that peak and the largest graph's warm-up."""
+    """Bytes the KV budget leaves for a runner's steps: the peak of its largest eager step;
+    with CUDA graphs, the larger of the graphs' capture peak and what they keep beside that
+    eager peak (eager steps run outside their pool). ``speculative``: the runner captures
+    its drafter's graphs, estimated (the largest graph's peak, its warm-up's beside the
+    pool, and the outputs)."""
     largest = min(max_step_tokens, max_model_len)
     eager = step_peak_bytes(model, largest, kv_dtype)
     if not (graphs and eager):
         return eager
-    # the largest graph: a padded prefill, or the largest decode (the eager step's own
-    # size when they match, measured once)
+    if not speculative:
+        held, peak = graph_capture_bytes(
+            model, groups, max_num_reqs, max_model_len, largest, kv_dtype
+        )
+        return max(peak, held + eager)
     graph_tokens = max(max(prefill_graph_sizes(largest)), max(graph_batch_sizes(max_num_reqs)))
     graph = eager if graph_tokens == largest else step_peak_bytes(model, graph_tokens, kv_dtype)
-    # while the graphs are captured, the largest one's eager warm-up holds its peak beside
-    # the pool: more than the eager step when the largest graph is padded past it
     outputs = graph_outputs_bytes(model, max_num_reqs, max_model_len, largest)
     return max(eager, graph) + graph + outputs

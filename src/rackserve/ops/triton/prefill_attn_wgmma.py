@@ -82,6 +82,20 @@ class WgmmaTiling:
     p_buffers: int = 2  # 1: one p buffer, a barrier before it is rewritten
 
 
+# Queries of many rows take 64-row tiles: per tile, each warpgroup's QK reads all of q (64
+# KB) from shared memory for a wgmma N of BLOCK_N / 2, so 64-row tiles read q half as often
+# a row; the ring then holds 2 slots with one p buffer (200 KB of shared memory). 8192
+# queries (prefill_bench.py, H100, 2026-12-06, benchmarks/results/2026-12-06-h100-s27.md):
+# CSA (128 + 512 rows a query) 3,199 -> 2,863 us; HCA (128 + up to 64) 1,474 -> 1,487.
+WIDE_TILING = WgmmaTiling(block_n=64, num_stages=2, p_buffers=1)
+WIDE_MIN_ROWS = 384
+
+
+def default_tiling(rows_per_query: int) -> WgmmaTiling:
+    """The tiling for queries of up to ``rows_per_query`` rows (window + compressed)."""
+    return WIDE_TILING if rows_per_query >= WIDE_MIN_ROWS else WgmmaTiling()
+
+
 @functools.lru_cache(maxsize=8)
 def _is_sm90(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9
@@ -124,7 +138,7 @@ def paged_sparse_attention(
     check_inputs(q, kv_a, slots_a, kv_b, slots_b, valid, sinks, cos, sin, q_norm_eps)
     if not supported(q, kv_a):
         raise ValueError("prefill_attn_wgmma: 64 heads, Dh 512, 16-bit caches on sm_90 only")
-    tiling = tiling or WgmmaTiling()
+    tiling = tiling or default_tiling(slots_a.shape[1] + slots_b.shape[1])
     num_queries = q.shape[0]
     out = _empty(tuple(q.shape), q.dtype, q.device)
     if num_queries == 0:
