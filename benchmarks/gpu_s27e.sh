@@ -20,6 +20,12 @@ t=$(cap 90); echo "== prefill attention, 32- and 64-row tiles (${t}s)"
 ((t)) && timeout "$t" python3 benchmarks/prefill_bench.py --attention-only bn32_s4_p2,bn64_s2_p1 \
   --cases 2048:0,8192:0,8192:65536 --output "$R/prefill_attention.json" 2>&1 \
   | grep -E "wgmma|Error" | head -20
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$R/gpu.txt"
+# the persistent down kernel: no gain on the H100 (call 1), whose down kernel already streams
+# at 89% of its HBM; on the H200 it streamed at 71% (session 24)
+t=$(cap 60); echo "== the expert kernels alone (${t}s)"
+((t)) && timeout "$t" python3 benchmarks/moe_down_persistent.py --tokens 1 64 256 \
+  --output "$R/moe_down.json" 2>&1 | tail -16
 forward_ab narrow 'import rackserve.ops.triton.prefill_attn_wgmma as w; w.WIDE_MIN_ROWS = 10**9' \
   wide 'pass' --batch prefill:2048 --batch prefill:8192 --batch prefill:8192@65536 \
   --batch decode:256@4096 --iters 10 --warmup 2
