@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -70,34 +72,42 @@ def test_step_peak_grows_with_the_step_and_repeats():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_reserve_covers_the_runners_graphs():
-    """The graphs' capture is measured, and freed: the runner's own capture (on its real
-    cache) keeps no more than the profile measured, and the reserve covers it beside the
-    eager step's peak."""
+    """The graphs' capture is measured, and freed: the runner's own graphs (on its real
+    cache: its memory less an eager runner's) keep no more than the profile measured, and
+    the reserve covers them beside the eager step's peak."""
     from rackserve.runner.model_runner import ModelRunner
 
     model = _model("cuda", torch.bfloat16)
     groups = _groups(model)
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    start = torch.cuda.memory_reserved()
+
+    def reserved() -> int:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved()
+
+    start = reserved()
     held, peak = graph_capture_bytes(model, groups, 64, 4096, 2048)
     assert 0 < held <= peak
-    torch.cuda.empty_cache()
-    assert torch.cuda.memory_reserved() - start <= 4 << 20  # freed
+    assert reserved() - start <= 4 << 20, "the profile's capture was not freed"
     eager = step_peak_bytes(model, 2048)
     reserve = runner_reserve_bytes(model, groups, 64, 4096, 2048, graphs=True)
-    assert abs(reserve - max(peak, held + eager)) <= 0.05 * reserve
-    num_blocks = {g.name: 64 for g in groups}
-    cache_bytes = sum(g.bytes_per_block * 64 for g in groups)
-    torch.cuda.empty_cache()
-    before = torch.cuda.memory_reserved()
-    runner = ModelRunner(
-        model, groups, num_blocks, 64, 4096, (0,), log=False, max_num_batched_tokens=2048
-    )
-    torch.cuda.synchronize()
-    kept = torch.cuda.memory_reserved() - before - cache_bytes
-    assert runner.graphs is not None
-    assert kept <= 1.05 * held + (8 << 20), (kept / 2**20, held / 2**20)
+    want = max(peak, held + eager)
+    assert abs(reserve - want) <= 0.05 * want, (reserve / 2**20, want / 2**20)
+
+    def runner_bytes(enforce_eager: bool) -> int:
+        before = reserved()
+        runner = ModelRunner(
+            model, groups, {g.name: 64 for g in groups}, 64, 4096, (0,), log=False,
+            enforce_eager=enforce_eager, max_num_batched_tokens=2048,
+        )  # fmt: skip
+        assert (runner.graphs is None) == enforce_eager
+        used = reserved() - before
+        del runner
+        gc.collect()
+        return used
+
+    graphs = runner_bytes(False) - runner_bytes(True)
+    assert graphs <= 1.05 * held + (8 << 20), (graphs / 2**20, held / 2**20)
 
 
 @pytest.mark.gpu

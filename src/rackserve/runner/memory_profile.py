@@ -24,6 +24,7 @@ stays.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
 
 import torch
@@ -123,7 +124,8 @@ def graph_capture_bytes(
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_reserved(device) - before
     held = torch.cuda.memory_reserved(device) - before  # the warm-ups' cache was emptied
-    del graphs
+    del graphs, caches, buffers
+    gc.collect()  # nothing of the capture may outlive it through a reference cycle
     torch.cuda.empty_cache()
     return held, max(peak, held)
 
