@@ -102,8 +102,9 @@ def graph_capture_bytes(
 ) -> tuple[int, int]:
     """(held, peak): the bytes the runner's step graphs keep once captured, and the most
     their capture held at once (the graphs so far with the next one's warm-up beside
-    them), measured by capturing them all on a cache of two blocks a group, then freed.
-    (0, 0) off a GPU."""
+    them), measured by capturing them all on a cache of two blocks a group, then freed;
+    neither counts what stays allocated after (the libraries' workspaces). (0, 0) off a
+    GPU."""
     device = next(model.parameters()).device
     if device.type != "cuda":
         return 0, 0
@@ -127,7 +128,11 @@ def graph_capture_bytes(
     del graphs, caches, buffers
     gc.collect()  # nothing of the capture may outlive it through a reference cycle
     torch.cuda.empty_cache()
-    return held, max(peak, held)
+    # What outlives the capture is cuBLAS's workspace of each stream it first ran on (32 MiB
+    # each for the warm-up and the capture stream: benchmarks/memory_profile_probe.py); the
+    # runner's capture reuses them, and the KV budget counts them as this instance's own
+    kept = torch.cuda.memory_reserved(device) - before
+    return held - kept, max(peak, held) - kept
 
 
 def runner_reserve_bytes(
