@@ -88,8 +88,9 @@ def test_reserve_covers_the_runners_graphs():
     start = reserved()
     held, peak = graph_capture_bytes(model, groups, 64, 4096, 2048)
     assert 0 < held <= peak
-    # freed, but for cuBLAS's workspace of the warm-up and capture streams (32 MiB each)
-    assert reserved() - start <= (64 + 4) << 20, "the profile's capture was not freed"
+    # freed, but for cuBLAS's workspaces of the warm-up and capture streams (32 MiB each,
+    # and a 2 MiB segment each for its small blocks)
+    assert reserved() - start <= (64 + 8) << 20, "the profile's capture was not freed"
     eager = step_peak_bytes(model, 2048)
     reserve = runner_reserve_bytes(model, groups, 64, 4096, 2048, graphs=True)
     want = max(peak, held + eager)
