@@ -98,13 +98,12 @@ def _launch(kernel: str, p: dict, w13, w2, shape, warmup: bool = False,
     else:
         fn, n = moe_down_kernel, D
         args = (p["h"], w2, p["weights"], p["slots"], p["sorted"], p["block_expert"], t * K, D,
-                INTER, E, 0, p["h"].stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
+                INTER, E, p["h"].stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
                 p["slots"].stride(0))  # fmt: skip
     extra = {}
     grid = (nb, triton.cdiv(n, bn))
     if kernel == "down":  # fused_moe.Tiling.down_tile_fastest: the grid (tiles, blocks)
-        extra = {"SKIP_PAD_ROWS": bm == 16, "TILE_FASTEST": tile_fastest, "PERSISTENT": False,
-                 "BLOCK_B": 16}  # fmt: skip
+        extra = {"SKIP_PAD_ROWS": bm == 16, "TILE_FASTEST": tile_fastest}
         grid = grid[::-1] if tile_fastest else grid
     kw = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FP32_DOT=False, num_warps=warps, PDL=False,
               num_stages=stages, **extra)  # fmt: skip

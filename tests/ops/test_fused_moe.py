@@ -135,20 +135,6 @@ def test_down_grid_with_tiles_fastest(fm):
         check(fm, make_case(29, 8, 96, 48, 3, seed=11, dtype=dtype), tiling)
 
 
-@pytest.mark.parametrize("programs", [1, 3, 1000])
-def test_down_persistent_walks_every_item(fm, programs):
-    """``Tiling.down_programs``: a grid of that many down programs walking the (block,
-    n-tile) items of the used blocks (one program: all of them; 1000: fewer items than
-    programs, the grid cut to the items), bitwise the one-program-an-item result (the same
-    k order an element)."""
-    base = dataclasses.replace(prefill_like_tiling(fm, 16), down_tile_fastest=True)
-    tiling = dataclasses.replace(base, down_programs=programs)
-    for dtype in (torch.bfloat16, torch.float32):
-        args = make_case(29, 8, 96, 48, 3, seed=13, dtype=dtype)
-        got = check(fm, args, tiling)
-        assert torch.equal(got, fm.moe_experts(*args, LIMIT, tiling=base))
-
-
 @pytest.mark.parametrize(
     "segment, per_expert", [(16, False), (4096, False), (16, True), (4096, None)]
 )
@@ -267,19 +253,13 @@ def test_v4_flash_sizes_on_gpu(fm, t, dtype):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("t", [1, 64, 256])
-@pytest.mark.parametrize("order", ["tile_fastest", "block_fastest", "persistent"])
+@pytest.mark.parametrize("order", ["tile_fastest", "block_fastest"])
 def test_v4_flash_sizes_on_gpu_grid_orders(fm, t, order):
-    """Both orders of the down kernel's grid and the persistent down kernel (a program an
-    SM) at the GPU tiling, and bitwise the same result (each output element is one
-    program's, whatever order the programs run in)."""
+    """Both orders of the down kernel's grid at the GPU tiling, and bitwise the same result
+    (each output element is one program's, whatever order the programs run in)."""
     x = make_case(t, *V4_FLASH, seed=t + 7, dtype=torch.bfloat16)
     default = fm.default_tiling(t, x[1].shape[1], x[3].shape[0], x[4].shape[2], x[0].device)
-    programs = torch.cuda.get_device_properties(0).multi_processor_count
-    tiling = dataclasses.replace(
-        default,
-        down_tile_fastest=order != "block_fastest",
-        down_programs=programs if order == "persistent" else 0,
-    )
+    tiling = dataclasses.replace(default, down_tile_fastest=order == "tile_fastest")
     got = check(fm, x, tiling)
     other = dataclasses.replace(default, down_tile_fastest=order == "block_fastest")
     assert torch.equal(got, fm.moe_experts(*x, LIMIT, tiling=other))

@@ -122,9 +122,6 @@ def _record_fast_path() -> list[dict]:
         for block_m in (16, 32):
             tiling = fused_moe.Tiling(block_m, 64, 128, 4, 3, 128, 128, 4, 3, 4096, 256)
             fused_moe.moe_experts(x, ids, weights, w13, w2, 7.0, tiling=tiling)
-            # the persistent down kernel (its item loop flattened into the k loop)
-            tiling = dataclasses.replace(tiling, down_programs=132)
-            fused_moe.moe_experts(x, ids, weights, w13, w2, 7.0, tiling=tiling)
     return specs
 
 
@@ -169,37 +166,6 @@ def test_wide_attention_overlaps_gathers_at_two_programs_per_sm():
         assert max(r["async_waits"]) > 0, r["async_waits"]
 
 
-@torch.inference_mode()
-def test_persistent_down_keeps_copies_in_flight_across_items():
-    """The persistent down kernel (``Tiling.down_programs``) at the GPU's decode tiles: its
-    item loop flattened into the k loop keeps the next tiles' copies in flight (an
-    async_wait leaving copies outstanding), in shared memory that fits two programs an SM,
-    as the one-program-an-item kernel does."""
-    from rackserve.ops.triton import fused_moe
-
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(3, 256, generator=g).bfloat16()
-    w13 = torch.randn(4, 512, 256, generator=g).bfloat16() / 16
-    w2 = torch.randn(4, 256, 256, generator=g).bfloat16() / 8
-    ids, weights = torch.tensor([[0, 1], [2, 3], [1, 2]]), torch.rand(3, 2, generator=g)
-    base = fused_moe.Tiling(32, 64, 128, 4, 3, 128, 128, 4, 3, 4096, 256, True)
-    with recorded_launches() as specs:
-        for programs in (0, 264):
-            tiling = dataclasses.replace(base, down_programs=programs)
-            fused_moe.moe_experts(x, ids, weights, w13, w2, 7.0, tiling=tiling)
-    specs = [
-        s for s in gpu_variants(specs)
-        if s["kernel"] == "moe_down_kernel" and s["constexprs"]["FP32_DOT"] is False
-    ]  # fmt: skip
-    report = compile_report(specs)
-    assert not report["failures"], report["failures"]
-    resources = {r["constexprs"]["PERSISTENT"]: r for r in report["resources"]}
-    assert resources.keys() == {False, True}
-    for persistent, r in resources.items():
-        assert 2 * (r["shared"] + 1024) <= 228 * 1024, (persistent, r["shared"])
-        assert max(r["async_waits"]) > 0, (persistent, r["async_waits"])
-
-
 def test_fast_path_kernels_compile_for_sm90(monkeypatch):
     from rackserve.ops.triton import mhc
 
@@ -228,8 +194,6 @@ def test_fast_path_kernels_compile_for_sm90(monkeypatch):
     for name in ("moe_down_fp4_kernel", "moe_gate_up_fp4_kernel"):
         assert any(s["kernel"] == name and s["constexprs"]["STACK_H"] for s in specs), name
     assert any(s["kernel"] == "moe_down_kernel" and s["constexprs"]["BLOCK_K"] == 128
-               for s in specs)  # fmt: skip
-    assert any(s["kernel"] == "moe_down_kernel" and s["constexprs"]["PERSISTENT"]
                for s in specs)  # fmt: skip
     # the opt-in PDL path ($RACKSERVE_PDL=1): each kernel once with PDL on
     with_pdl: dict[str, dict] = {}

@@ -61,10 +61,6 @@ class Tiling:
     # the down kernel's grid as (n-tiles, blocks) (``fused_moe_kernels.program_block``): a
     # block's programs run together and read its h rows from L2 while they are hot
     down_tile_fastest: bool = False
-    # 0: a down program per (block, n-tile); else this many programs walk those items
-    # (``moe_down_kernel``'s PERSISTENT: no pipeline fill an item; at most the resident ones;
-    # for decode sizes: it reads every block's expert at once)
-    down_programs: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_m", "gate_up_block_n", "gate_up_block_k", "down_block_n"):
@@ -338,15 +334,11 @@ def run_experts(
 
     slots = _empty((num_pairs, hidden), torch.float32, x.device)
     grid = (num_blocks, triton.cdiv(hidden, tiling.down_block_n))
-    persistent = tiling.down_programs > 0
-    if persistent:
-        grid = (min(tiling.down_programs, grid[0] * grid[1]),)
-    elif tiling.down_tile_fastest:
+    if tiling.down_tile_fastest:
         grid = grid[::-1]
     moe_down_kernel[grid](
         h, w2, weights, slots, sorted_ids, block_expert,
         num_pairs, hidden, inter, num_experts,
-        num_blocks if persistent else 0,  # read only there (one specialization else)
         h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), slots.stride(0),
         BLOCK_M=bm,
         BLOCK_N=tiling.down_block_n,
@@ -354,8 +346,6 @@ def run_experts(
         FP32_DOT=fp32_dot,
         SKIP_PAD_ROWS=bm == 16,
         TILE_FASTEST=tiling.down_tile_fastest,
-        PERSISTENT=persistent,
-        BLOCK_B=max(16, triton.next_power_of_2(num_blocks)) if persistent else 16,
         num_warps=tiling.down_warps,
         num_stages=tiling.down_stages, **pdl(h.device),
     )  # fmt: skip

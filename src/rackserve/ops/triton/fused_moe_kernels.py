@@ -14,8 +14,10 @@ Align: ``moe_align_kernels.py``.
     (Keeping h's fp32 precision as bf16 hi + lo parts cost the down kernel twice the dot
     rows: 343.9 against 296.1 us at T = 256 on the H200, 2026-12-04-h200-s24.md.)
 ``moe_down_kernel``, grid (B, cdiv(D, BN)): h @ w2[e]^T times the routed weight, written to
-    the pair's row of slots [P, D] fp32; PERSISTENT: the same items on a grid of resident
-    programs (``Tiling.down_programs``).
+    the pair's row of slots [P, D] fp32. (A persistent grid, resident programs walking the
+    (block, n-tile) items with the item loop flattened into the k loop, was slower: T = 256,
+    802 -> 827 us on the H200, 1,149 -> 1,154 on the H100; equal at T = 1 and 64;
+    2026-12-06-h100-s27.md.)
 ``store_h`` / ``STACK_H``: the FP4 MoE's gate-up epilogue (``fused_moe_fp4.py``), which
     keeps h as 16-bit hi / lo rows stacked per block.
 ``FP32_DOT``: IEEE fp32 dots (no TF32) for fp32 inputs, and on the interpreter for every
@@ -240,7 +242,6 @@ def moe_down_kernel(
     hidden,
     inter,
     num_experts,
-    num_blocks,  # B (PERSISTENT only)
     stride_ht,
     stride_we,
     stride_wn,
@@ -252,35 +253,15 @@ def moe_down_kernel(
     FP32_DOT: tl.constexpr,
     SKIP_PAD_ROWS: tl.constexpr,  # h's padding rows not read (measured with 16-row blocks)
     TILE_FASTEST: tl.constexpr,  # grid (tiles, B): see program_block
-    PERSISTENT: tl.constexpr,  # a grid of resident programs walking the items (see below)
-    BLOCK_B: tl.constexpr,  # PERSISTENT: a power of two >= B
     PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
-    """A program per (block, n-tile) item, or PERSISTENT: at most the SMs' resident programs,
-    each walking the items of the used blocks (a prefix of the B) in n-tile-fastest order,
-    stride the grid, the item loop flattened into the k loop: the next item's first loads
-    are in flight while an item's last tiles compute and its epilogue stores, where a
-    program an item pays a pipeline fill an item (16 k-steps at V4's I = 2048)."""
     pdl_wait(PDL)
-    if PERSISTENT:
-        bs = tl.arange(0, BLOCK_B)
-        experts = tl.load(block_expert_ptr + bs, mask=bs < num_blocks, other=num_experts)
-        used = tl.sum((experts < num_experts).to(tl.int32), axis=0)
-        tiles = tl.cdiv(hidden, BLOCK_N)
-        for item in tl.range(tl.program_id(0), used * tiles, tl.num_programs(0), flatten=True):
-            block = item // tiles
-            tile = item % tiles
-            expert = tl.load(block_expert_ptr + block)
-            down_tile(h_ptr, w2_ptr, weights_ptr, slots_ptr, sorted_ptr, expert, block, tile,
-                      num_pairs, hidden, inter, stride_ht, stride_we, stride_wn, stride_wk,
-                      stride_slot, BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT, SKIP_PAD_ROWS)  # fmt: skip
-    else:
-        block, tile = program_block(TILE_FASTEST)
-        expert = tl.load(block_expert_ptr + block)
-        if expert < num_experts:
-            down_tile(h_ptr, w2_ptr, weights_ptr, slots_ptr, sorted_ptr, expert, block, tile,
-                      num_pairs, hidden, inter, stride_ht, stride_we, stride_wn, stride_wk,
-                      stride_slot, BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT, SKIP_PAD_ROWS)  # fmt: skip
+    block, tile = program_block(TILE_FASTEST)
+    expert = tl.load(block_expert_ptr + block)
+    if expert < num_experts:
+        down_tile(h_ptr, w2_ptr, weights_ptr, slots_ptr, sorted_ptr, expert, block, tile,
+                  num_pairs, hidden, inter, stride_ht, stride_we, stride_wn, stride_wk,
+                  stride_slot, BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT, SKIP_PAD_ROWS)  # fmt: skip
 
 
 @triton.jit
