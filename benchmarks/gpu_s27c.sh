@@ -7,6 +7,8 @@
 # the one-program-an-item kernel), the op alone at T = 1, 64, 256 (moe_down_persistent.py),
 # then bench forward A/B at decode:64 and decode:256 with two programs an SM.
 # Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/gpu_s27c.sh     (BUDGET_S: total seconds)
+# Ran in session 27 (benchmarks/results/2026-12-06-s27.md); the persistent down kernel and
+# moe_down_persistent.py were removed after it (a5bf4bd): run it at the commit it names.
 set -uo pipefail
 BUDGET_S=${BUDGET_S:-360}
 source "$(dirname "$0")/device_env.sh"

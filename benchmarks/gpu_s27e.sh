@@ -8,6 +8,8 @@
 # and decode:256 (its CSA layer takes the wgmma kernel from 128 tokens); then bench decode
 # sized by --gpu-memory-utilization: the reserve it logs against the graphs' memory.
 # Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/gpu_s27e.sh     (BUDGET_S: total seconds)
+# Ran in session 27 (benchmarks/results/2026-12-06-s27.md); the persistent down kernel and
+# moe_down_persistent.py were removed after it (a5bf4bd): run it at the commit it names.
 set -uo pipefail
 BUDGET_S=${BUDGET_S:-500}
 source "$(dirname "$0")/device_env.sh"
