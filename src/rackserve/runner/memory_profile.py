@@ -15,7 +15,7 @@ peak and what the graphs keep (their pool, outputs and static inputs). vLLM's pr
 the same for a sample of its graphs (``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS``); this
 one captures them all, so nothing is extrapolated. The estimate it replaced (the largest
 graph's peak, twice, plus the outputs) had left 0.49 GiB for graphs that held 0.71 GiB
-(bench decode, 64 requests, H100: benchmarks/results/2026-12-06-h100-s27.md): one pool
+(bench decode, 64 requests, H100: benchmarks/results/2026-12-06-s27.md): one pool
 of differently shaped captures fragments.
 ``runner_reserve_bytes`` puts them together. A speculating runner captures its drafter's
 graphs instead (spec_decode/graphs.py), which need the draft model: for it the estimate

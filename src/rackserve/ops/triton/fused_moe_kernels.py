@@ -17,7 +17,7 @@ Align: ``moe_align_kernels.py``.
     the pair's row of slots [P, D] fp32. (A persistent grid, resident programs walking the
     (block, n-tile) items with the item loop flattened into the k loop, was slower: T = 256,
     802 -> 827 us on the H200, 1,149 -> 1,154 on the H100; equal at T = 1 and 64;
-    2026-12-06-h100-s27.md.)
+    2026-12-06-s27.md.)
 ``store_h`` / ``STACK_H``: the FP4 MoE's gate-up epilogue (``fused_moe_fp4.py``), which
     keeps h as 16-bit hi / lo rows stacked per block.
 ``FP32_DOT``: IEEE fp32 dots (no TF32) for fp32 inputs, and on the interpreter for every

@@ -85,8 +85,10 @@ class WgmmaTiling:
 # Queries of many rows take 64-row tiles: per tile, each warpgroup's QK reads all of q (64
 # KB) from shared memory for a wgmma N of BLOCK_N / 2, so 64-row tiles read q half as often
 # a row; the ring then holds 2 slots with one p buffer (200 KB of shared memory). 8192
-# queries (prefill_bench.py, H100, 2026-12-06, benchmarks/results/2026-12-06-h100-s27.md):
-# CSA (128 + 512 rows a query) 3,199 -> 2,863 us; HCA (128 + up to 64) 1,474 -> 1,487.
+# queries on the H200 (prefill_bench.py, benchmarks/results/2026-12-06-s27.md): CSA (128 +
+# 512 rows a query) 3,244 -> 2,902 us, HCA after 65,536 cached (128 + 576) 3,717 -> 3,327;
+# HCA at 8192 (128 + up to 64) 1,476 -> 1,483 and at 2048 364 -> 389 keep 32-row tiles.
+# bench forward prefill:8192@65536 75.6-75.8 -> 74.2-74.7 ms.
 WIDE_TILING = WgmmaTiling(block_n=64, num_stages=2, p_buffers=1)
 WIDE_MIN_ROWS = 384
 
