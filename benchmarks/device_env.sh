@@ -13,6 +13,8 @@ pt=(python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider -rf --tb=short)
 # own limit $1, cut to what is left of the budget; 0 (skip it) under 20 s
 cap() { local left=$((BUDGET_S - SECONDS)); ((left > $1)) && echo "$1" || echo $((left > 20 ? left : 0)); }
 # a budgeted call's start: results under $R ($OUT/r), the commit it ran recorded there
+# $RACKSERVE_COMMIT: give the hash as text in the run's command; `$(git log ...)` there reads
+# the device copy's history, which can stop at the session's first call (session 27)
 start_call() {
   OUT=${OUT:-out/gpu}
   R="$OUT/r"
