@@ -6,14 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rackserve.ops import reference
+from rackserve.ops import grouped_moe, reference
 from rackserve.ops.grouped_moe import moe_experts_grouped
 
 from kernel_checks import assert_fp32_close
 
 
+@pytest.mark.parametrize("by_token", [False, True])
 @pytest.mark.parametrize("t,e,k", [(1, 4, 2), (7, 8, 3), (33, 8, 2), (64, 16, 6)])
-def test_grouped_moe_matches_reference(t, e, k):
+def test_grouped_moe_matches_reference(t, e, k, by_token, monkeypatch):
+    """Both ways to the gate-up's rows (``PERMUTE_BY_TOKEN``)."""
+    monkeypatch.setattr(grouped_moe, "PERMUTE_BY_TOKEN", by_token)
     g = torch.Generator().manual_seed(t * 100 + e)
     d, inter = 64, 32
     x = torch.randn(t, d, generator=g)

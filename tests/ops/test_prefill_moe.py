@@ -1,5 +1,6 @@
-"""The grouped MoE's elementwise kernels (``ops/triton/prefill_moe.py``: ``swiglu_rows``,
-``moe_unpermute``) against their references, under the Triton interpreter on CPU.
+"""The grouped MoE's elementwise kernels (``ops/triton/prefill_moe.py``: ``moe_permute``,
+``swiglu_rows``, ``moe_unpermute``) against their references, under the Triton interpreter
+on CPU.
 
 Outputs start as NaN (an unwritten element fails). Shapes: ragged row counts (1, 7, 33,
 130), widths that are not powers of two, k in {1, 2, 6}, gates beyond the clamp limit.
@@ -87,11 +88,36 @@ def test_moe_unpermute_int32_inverse_and_bad_input(moe):
         moe.swiglu_rows(y[:, :31], 7.0)
 
 
+@pytest.mark.parametrize("t,k,dim", [(1, 1, 64), (7, 2, 96), (33, 6, 200), (130, 7, 2100)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_permute(moe, t, k, dim, dtype):
+    """Every sorted row is its token's row, exactly (a copy): the layout of the gather by
+    ``moe_sort_pairs``' token of each row."""
+    g = torch.Generator().manual_seed(t * k + dim)
+    x = torch.randn(t, dim, generator=g).to(dtype).to(DEVICE)
+    ids = torch.stack([torch.randperm(8, generator=g)[:k] for _ in range(t)])
+    token, inverse, _ = reference.moe_sort_pairs(ids, 8)
+    got = moe.moe_permute(x, inverse.to(DEVICE))
+    assert got.dtype == dtype and torch.equal(got.cpu(), reference.moe_permute(x, inverse).cpu())
+    assert torch.equal(got.cpu(), x.cpu().index_select(0, token.long()))
+
+
+def test_moe_permute_strided_x_and_bad_input(moe):
+    wide = torch.randn(6, 40, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    x, inverse = wide[:, :32], torch.randperm(12).view(6, 2).to(DEVICE)
+    assert torch.equal(moe.moe_permute(x, inverse.int()), reference.moe_permute(x, inverse))
+    with pytest.raises(ValueError, match="inverse must be"):
+        moe.moe_permute(x, inverse[:5])
+    with pytest.raises(ValueError, match="x must be"):
+        moe.moe_permute(x.long(), inverse)
+
+
 def test_empty(moe):
     assert moe.swiglu_rows(torch.zeros(0, 8, device=DEVICE), 7.0).shape == (0, 4)
     empty = torch.zeros(0, 2, dtype=torch.long, device=DEVICE)
     out = moe.moe_unpermute(torch.zeros(0, 8, device=DEVICE), empty, empty.float())
     assert out.shape == (0, 8)
+    assert moe.moe_permute(torch.zeros(0, 8, device=DEVICE), empty).shape == (0, 8)
 
 
 @pytest.mark.parametrize(

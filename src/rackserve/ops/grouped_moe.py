@@ -35,6 +35,7 @@ def _fast(name: str) -> Callable:
 
 
 _moe_sort_pairs = _fast("moe_sort_pairs")
+_moe_permute = _fast("moe_permute")
 _swiglu_rows = _fast("swiglu_rows")
 _moe_unpermute = _fast("moe_unpermute")
 
@@ -44,6 +45,10 @@ _moe_unpermute = _fast("moe_unpermute")
 # k = 6, D = 4096, I = 2048, the whole op: 1.63 / 4.93 ms at 2048 / 8192 tokens against
 # 1.43 / 4.77; its best GEMMs at 399-557 TF/s where CUTLASS's grouped GEMM runs at 436-573).
 TILED = False
+# The gate-up GEMM's rows written from each token's row (``moe_permute``: x read once)
+# instead of gathered by sorted row (``index_select``: each x row read k times, in expert
+# order). Opt-in until timed on a GPU (gpu_s28a.sh).
+PERMUTE_BY_TOKEN = False
 
 
 def moe_experts_grouped(
@@ -64,7 +69,8 @@ def moe_experts_grouped(
         if tiled.supported(x, w13, w2, tiling):
             return tiled.moe_experts_tiled(x, topk_ids, topk_weights, w13, w2, limit, tiling)
     token_of_row, inverse, offs = _moe_sort_pairs(topk_ids, w13.shape[0])
-    rows = x.index_select(0, token_of_row)  # [T*k, D] sorted by expert
+    # [T*k, D] sorted by expert
+    rows = _moe_permute(x, inverse) if PERMUTE_BY_TOKEN else x.index_select(0, token_of_row)
     h = F.grouped_mm(rows, w13.transpose(1, 2), offs=offs)  # [T*k, 2I]
     y = F.grouped_mm(_swiglu_rows(h, limit), w2.transpose(1, 2), offs=offs)  # [T*k, D]
     return _moe_unpermute(y, inverse, topk_weights)

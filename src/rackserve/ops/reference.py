@@ -670,6 +670,15 @@ def moe_sort_pairs(
     return (order // k).to(torch.int32), inverse.to(torch.int32).view(t, k), ends.to(torch.int32)
 
 
+def moe_permute(x: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """The grouped MoE's input rows: x [T, D], inverse [T, k] the sorted row of each (token,
+    slot) (``moe_sort_pairs``). Returns rows [T*k, D] with rows[inverse[t, j]] = x[t]."""
+    t, k = inverse.shape
+    rows = x.new_empty(t * k, x.shape[1])
+    rows[inverse.flatten().long()] = x.repeat_interleave(k, dim=0)
+    return rows
+
+
 def swiglu_rows(h: torch.Tensor, limit: float) -> torch.Tensor:
     """``swiglu`` of concatenated rows: h [N, 2I] = [gate | up] -> [N, I] in h's dtype,
     computed in float32 and rounded once (the grouped MoE's activation)."""

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The grouped prefill MoE's rows written from each token's row (grouped_moe.PERMUTE_BY_TOKEN:
+# x read once) against the gather by sorted row (index_select: 1.15 ms for 4 layers of
+# prefill:8192 on the H100, each x row read k times in expert order): its GPU tests, then
+# bench forward A/B at the prefill gates, two passes. Written in session 27.
+# Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/gpu_s28a.sh     (BUDGET_S: total seconds)
+set -uo pipefail
+BUDGET_S=${BUDGET_S:-200}
+source "$(dirname "$0")/device_env.sh"
+start_call
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$R/gpu.txt"
+t=$(cap 40); echo "== the permute kernel's tests (${t}s)"
+((t)) && timeout "$t" "${pt[@]}" tests/ops/test_prefill_moe.py tests/ops/test_grouped_moe.py \
+  > "$R/pytest.log" 2>&1
+grep -E "^E  |^FAILED|passed|failed" "$R/pytest.log" | head -6
+forward_ab gather 'pass' by_token 'import rackserve.ops.grouped_moe as g; g.PERMUTE_BY_TOKEN = True' \
+  --batch prefill:2048 --batch prefill:8192 --batch prefill:8192@65536 --iters 10 --warmup 2
+ls "$R"; (cd "$OUT" && tar czf s28a.tgz r && rm -rf r)
+echo "== done in ${SECONDS}s"
