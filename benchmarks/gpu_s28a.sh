@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The grouped prefill MoE's rows written from each token's row (grouped_moe.PERMUTE_BY_TOKEN:
-# x read once) against the gather by sorted row (index_select: 1.15 ms for 4 layers of
-# prefill:8192 on the H100, each x row read k times in expert order): its GPU tests, then
-# bench forward A/B at the prefill gates, two passes. Written in session 27.
+# The grouped prefill MoE's rows written from each token's row (grouped_moe.PERMUTE_BY_TOKEN,
+# the default since session 27: x read once) against the gather by sorted row (index_select:
+# 1.15 ms for 4 layers of prefill:8192 on the H100, each x row read k times in expert
+# order), on an H200 (session 27 timed it on an H100 only): its GPU tests, then bench
+# forward A/B at the prefill gates, two passes.
 # Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/gpu_s28a.sh     (BUDGET_S: total seconds)
 set -uo pipefail
 BUDGET_S=${BUDGET_S:-200}
@@ -13,7 +14,7 @@ t=$(cap 40); echo "== the permute kernel's tests (${t}s)"
 ((t)) && timeout "$t" "${pt[@]}" tests/ops/test_prefill_moe.py tests/ops/test_grouped_moe.py \
   > "$R/pytest.log" 2>&1
 grep -E "^E  |^FAILED|passed|failed" "$R/pytest.log" | head -6
-forward_ab gather 'pass' by_token 'import rackserve.ops.grouped_moe as g; g.PERMUTE_BY_TOKEN = True' \
+forward_ab gather 'import rackserve.ops.grouped_moe as g; g.PERMUTE_BY_TOKEN = False' by_token 'pass' \
   --batch prefill:2048 --batch prefill:8192 --batch prefill:8192@65536 --iters 10 --warmup 2
 ls "$R"; (cd "$OUT" && tar czf s28a.tgz r && rm -rf r)
 echo "== done in ${SECONDS}s"

@@ -47,8 +47,10 @@ _moe_unpermute = _fast("moe_unpermute")
 TILED = False
 # The gate-up GEMM's rows written from each token's row (``moe_permute``: x read once)
 # instead of gathered by sorted row (``index_select``: each x row read k times, in expert
-# order). Opt-in until timed on a GPU (gpu_s28a.sh).
-PERMUTE_BY_TOKEN = False
+# order, from DRAM once x outgrows L2). bench forward on the H100, two alternating passes
+# of 8 runs (2026-12-06-s27.md): prefill:8192 46.30 / 46.53 -> 46.11 / 45.78 ms,
+# prefill:8192@65536 76.54 / 77.09 -> 76.45 / 76.60.
+PERMUTE_BY_TOKEN = True
 
 
 def moe_experts_grouped(

@@ -12,7 +12,8 @@ expert, D hidden, I expert width, E experts.
   each token's row read once and written to its k sorted rows. A gather by sorted row
   (``index_select(token_of_row)``) reads each x row k times in expert order, from DRAM once
   x outgrows L2 (67 MB at 8192 tokens): 1.15 ms for 4 layers of prefill:8192 on the H100
-  (2026-12-06-s27.md), against ~0.6 for the bytes of x once and the rows.
+  (2026-12-06-s27.md), against ~0.6 for the bytes of x once and the rows; bench forward
+  prefill:8192 0.2-0.7 ms faster with this kernel.
   Grid (T, cdiv(D, BLOCK_D)).
 - ``swiglu_rows``: h [N, 2I] = [gate | up] (the w13 grouped GEMM's output) -> [N, I],
   silu(min(gate, limit)) * clamp(up, -limit, limit) in fp32, rounded once.
