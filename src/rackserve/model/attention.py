@@ -312,7 +312,7 @@ class Attention(nn.Module):
 
         # the attention's kernels ahead are latency-bound at a few tokens: the output
         # projection's head into L2 meanwhile
-        k.prefetch(x, self.wo_a.weight if type(self.wo_a) is GroupedLinear else None)
+        k.prefetch(x, lambda: self.wo_a.weight if type(self.wo_a) is GroupedLinear else None)
         window = meta.gather["swa"]
         out = torch.empty_like(q) if chunk < t else None  # one chunk: no copy into `out`
         for a in range(0, t, chunk):

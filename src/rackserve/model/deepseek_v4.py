@@ -106,7 +106,7 @@ class DecoderLayer(nn.Module):
         if next_layer is None:
             return k.hc_post(streams, x, post, comb), None
         n = next_layer
-        k.prefetch(streams, n.attn.input_weight(streams))  # the mHC ahead is latency-bound
+        k.prefetch(streams, lambda: n.attn.input_weight(streams))  # latency-bound mHC ahead
         streams, *next_in = k.hc_post_pre(  # the FFN's post + the next attention's pre
             streams, x, post, comb, n.hc_attn_fn, n.hc_attn_base, n.hc_attn_scale,
             n.attn_norm.weight, *hc,
@@ -197,7 +197,7 @@ class DeepseekV4Model(nn.Module):
         # and FFN and the next layer's mHC pre (fused with its FFN's post)
         layers = list(self.layers)
         if layers:  # the first mHC pre is latency-bound at a few tokens
-            self.kernels.prefetch(streams, layers[0].attn.input_weight(streams))
+            self.kernels.prefetch(streams, lambda: layers[0].attn.input_weight(streams))
         attn_in = layers[0].attn_pre(streams) if layers else None
         for i, layer in enumerate(layers):
             counts = None if expert_counts is None else expert_counts[i]
@@ -205,7 +205,7 @@ class DeepseekV4Model(nn.Module):
             streams, attn_in = layer.run(
                 streams, input_ids, meta, caches, counts, attn_in, nxt, rope[layer.attn.rotary]
             )
-        self.kernels.prefetch(streams, head_weight)
+        self.kernels.prefetch(streams, lambda: head_weight)
         return self.hc_head(streams, self.norm), streams
 
 

@@ -145,16 +145,18 @@ class Kernels:
         min_tokens = PREFILL_ATTENTION_MIN_TOKENS
         return self.fast(q) and min_tokens is not None and q.shape[0] >= min_tokens
 
-    def prefetch(self, x: torch.Tensor, weight: torch.Tensor | None) -> None:
+    def prefetch(self, x: torch.Tensor, weight: Callable[[], torch.Tensor | None]) -> None:
         """Before a chain of latency-bound kernels on the batch ``x``: start pulling the head
-        of ``weight``, the next weight stream, into L2 (``L2_PREFETCH_MAX_TOKENS``; sm_90 and
-        newer). Changes no value; nothing on the reference path or off CUDA."""
+        of ``weight()``, the next weight stream (called only when prefetching), into L2
+        (``L2_PREFETCH_MAX_TOKENS``; sm_90 and newer). Changes no value; nothing on the
+        reference path or off CUDA."""
         max_tokens = L2_PREFETCH_MAX_TOKENS
-        if weight is None or max_tokens is None or x.shape[0] > max_tokens:
+        if max_tokens is None or x.shape[0] > max_tokens or not (self.fast(x) and x.is_cuda):
             return
-        if self.fast(x) and x.is_cuda and weight.is_cuda:
+        w = weight()
+        if w is not None and w.is_cuda:
             module = importlib.import_module("rackserve.ops.triton.l2_prefetch")
-            module.l2_prefetch(weight, L2_PREFETCH_BYTES)
+            module.l2_prefetch(w, L2_PREFETCH_BYTES)
 
     def indexer_beside_q(self, x: torch.Tensor) -> bool:
         """Whether a CSA layer's indexer runs on a side stream beside the q projection for the
