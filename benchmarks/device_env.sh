@@ -20,6 +20,7 @@ start_call() {
   R="$OUT/r"
   mkdir -p "$R"
   echo "commit ${RACKSERVE_COMMIT:-unknown}" | tee "$R/commit.txt"
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee "$R/gpu.txt"
 }
 # bench forward of the v4-flash preset (4 layers, 64 experts) with module switches set in
 # the process first: $1 python statements (``mhc`` and ``attn`` are rackserve.ops.triton's

@@ -9,7 +9,6 @@ set -uo pipefail
 BUDGET_S=${BUDGET_S:-200}
 source "$(dirname "$0")/device_env.sh"
 start_call
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$R/gpu.txt"
 t=$(cap 40); echo "== the permute kernel's tests (${t}s)"
 ((t)) && timeout "$t" "${pt[@]}" tests/ops/test_prefill_moe.py tests/ops/test_grouped_moe.py \
   > "$R/pytest.log" 2>&1

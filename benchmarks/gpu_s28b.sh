@@ -11,7 +11,6 @@ set -uo pipefail
 BUDGET_S=${BUDGET_S:-360}
 source "$(dirname "$0")/device_env.sh"
 start_call
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$R/gpu.txt"
 batches=(--batch decode:1@4096 --batch decode:4@4096 --iters 30 --warmup 5)
 t=$(cap 60); echo "== the prefetch's GPU test (${t}s)"
 ((t)) && timeout "$t" "${pt[@]}" tests/ops/test_l2_prefetch.py > "$R/pytest.log" 2>&1
