@@ -3,12 +3,13 @@
 Shape legend: T tokens, k experts per token, E experts, D hidden, I expert width.
 
 The (token, expert) pairs are sorted by expert (``moe_sort_pairs``: a counting sort on a
-GPU); ``F.grouped_mm`` multiplies each expert's
-contiguous run of rows by that expert's weights, with run ends (``offs``) computed on the
-device. The activation (``swiglu_rows``) and the combine (``moe_unpermute``: each token's k
-expert outputs gathered back, weighted and summed in a fixed order, no float atomics, so
-the output is deterministic) are one pass each: Triton kernels on a GPU
-(``ops/triton/prefill_moe.py``, imported on the first CUDA call), their references on CPU.
+GPU) and each token's row is written to its k sorted rows (``moe_permute``);
+``F.grouped_mm`` multiplies each expert's contiguous run of rows by that expert's weights,
+with run ends (``offs``) computed on the device. The activation (``swiglu_rows``) and the
+combine (``moe_unpermute``: each token's k expert outputs gathered back, weighted and
+summed in a fixed order, no float atomics, so the output is deterministic) are one pass
+each: Triton kernels on a GPU (``ops/triton/prefill_moe.py``, imported on the first CUDA
+call), their references on CPU.
 """
 
 from __future__ import annotations

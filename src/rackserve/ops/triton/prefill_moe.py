@@ -23,7 +23,8 @@ expert, D hidden, I expert width, E experts.
   sum_j weights[t, j] * y[inverse[t, j]], the k slots summed in order in fp32 (no atomics:
   deterministic), rounded once. Grid (T, cdiv(D, BLOCK_D)).
 
-Both equal their ``ops.reference`` namesakes up to the final rounding; grids depend on the
+Each equals its ``ops.reference`` namesake (``moe_permute`` exactly, the others up to the
+final rounding); grids depend on the
 shapes only (no host sync).
 """
 
