@@ -24,8 +24,7 @@ expert, D hidden, I expert width, E experts.
   deterministic), rounded once. Grid (T, cdiv(D, BLOCK_D)).
 
 Each equals its ``ops.reference`` namesake (``moe_permute`` exactly, the others up to the
-final rounding); grids depend on the
-shapes only (no host sync).
+final rounding); grids depend on the shapes only (no host sync).
 """
 
 from __future__ import annotations
