@@ -353,3 +353,28 @@ def test_flags(tiny):
         ["generate", "--model", "m", "--prompt", "x", "--async-scheduling"]
     )
     assert args.async_scheduling is True
+
+
+def test_penalties_count_the_token_in_flight_without_waiting(engines):
+    """A penalty request gets a placeholder like any other: the runner writes the token in
+    flight over it in the penalties' output ids, on the device. A frequency penalty of -2
+    (each earlier output token pulled up by 2 a use) makes that token matter at every step
+    (greedy, it changes the tiny model's tokens): async equals sync; and the request takes
+    about one step a token, not two."""
+    forbid = SamplingParams(temperature=0, max_tokens=12, frequency_penalty=-2.0, ignore_eos=True)
+    free = dataclasses.replace(forbid, frequency_penalty=0.0)
+    ps = prompts(4, 7)
+    penalised = {k: (p, forbid) for k, p in ps.items()}
+    sync, asyn = engines
+    want = drive(sync, penalised)
+    plain = drive(sync, {k + "f": (p, free) for k, p in ps.items()})
+    assert any(want[k][0] != plain[k + "f"][0] for k in ps)  # the penalty changes tokens
+    assert same(drive(asyn, {k + "a": v for k, v in penalised.items()}), {
+        k + "a": v for k, v in want.items()
+    })  # fmt: skip
+    asyn.add_request(EngineCoreRequest("one", ps[next(iter(ps))], forbid, time.time()))
+    steps = 0
+    while asyn.has_unfinished_requests():
+        asyn.step()
+        steps += 1
+    assert steps <= forbid.max_tokens + 3, steps

@@ -21,9 +21,10 @@ What differs from the synchronous engine, and why the outputs are still the same
   preempted one samples it again after its recompute (sampling noise is keyed by seed and
   position, runner/sampler.py, so it is the same token);
 - requests whose next step needs the real token on the host are not scheduled optimistically
-  (:func:`needs_host_token`): structured outputs (the grammar must advance first) and
-  penalties (the counts read the output tokens). They skip one step in two, as vLLM's
-  requests with a grammar did before it split sampling from the forward;
+  (:func:`needs_host_token`): structured outputs (the grammar must advance first). They
+  skip one step in two, as vLLM's requests with a grammar did before it split sampling from
+  the forward. Penalties do not wait: the runner writes the in-flight token over its
+  placeholder in the penalties' output ids on the device, as it does in the input ids;
 - speculative decoding and data/expert parallelism are refused (:func:`check_supported`).
 """
 
@@ -68,14 +69,9 @@ def past_last_token(req: Request, num_tokens: int, max_model_len: int) -> bool:
 
 
 def needs_host_token(req: Request) -> bool:
-    """Whether the request's next step needs its last token on the host before launch."""
-    params = req.sampling_params
-    return (
-        params.structured_outputs is not None
-        or params.presence_penalty != 0.0
-        or params.frequency_penalty != 0.0
-        or params.repetition_penalty != 1.0
-    )
+    """Whether the request's next step needs its last token on the host before launch: a
+    grammar advances on the host."""
+    return req.sampling_params.structured_outputs is not None
 
 
 def mark_placeholders(scheduler: Scheduler, sched: SchedulerOutput) -> list[Request]:

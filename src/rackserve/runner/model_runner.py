@@ -11,6 +11,7 @@ Nothing waits for the device before the sampled token ids are read back.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import numpy as np
 import torch
@@ -155,19 +156,21 @@ class ModelRunner:
         step = self.input_batch.prepare(sched)
         if step is None:
             return StepHandle(None, None)
-        feed = None
+        feed = feed_outputs = None
         if fed:
             prev = self._launched
             assert prev is not None and prev.step is not None
             starts = step.inputs.query_start_loc
             at = {r.req_id: k for k, r in enumerate(step.reqs)}
+            sources = np.array([prev.sample_index[i] for i in fed], dtype=np.int64)
             feed = feeder(
-                prev.future,
-                np.array([starts[at[i]] for i in fed], dtype=np.int64),
-                np.array([prev.sample_index[i] for i in fed], dtype=np.int64),
+                prev.future, np.array([starts[at[i]] for i in fed], dtype=np.int64), sources
             )
+            feed_outputs = self._output_ids_feeder(step, fed, prev.future, sources)
         sample_index = {r.req_id: j for j, r in enumerate(step.sampled_reqs)}
-        handle = StepHandle(step, self.device_queue.submit(lambda: self._run(step, feed)))
+        handle = StepHandle(
+            step, self.device_queue.submit(lambda: self._run(step, feed, feed_outputs))
+        )
         handle.sample_index = sample_index
         self._launched = handle
         return handle
@@ -185,10 +188,32 @@ class ModelRunner:
                 fed.append(req_id)
         return fed
 
-    def _run(self, step: PreparedStep, feed: Callable[[torch.Tensor], None] | None) -> DeviceStep:
+    @staticmethod
+    def _output_ids_feeder(
+        step: PreparedStep, fed: list[str], prev: Future | None, sources: np.ndarray
+    ) -> Callable[[torch.Tensor], None] | None:
+        """For a step whose penalties read the output tokens: writes the in-flight tokens of
+        ``fed`` (the previous step's rows ``sources``) over their placeholders, each its
+        request's last output token, in the sampling tensors' [R, L] output ids."""
+        sampling = step.sampling
+        if sampling is None or sampling.output_token_ids is None:
+            return None
+        width = sampling.output_token_ids.shape[1]
+        row = {r.req_id: j for j, r in enumerate(step.sampled_reqs)}
+        by_id = {r.req_id: r for r in step.sampled_reqs}
+        index = [row[i] * width + len(by_id[i].output_token_ids) - 1 for i in fed]
+        return feeder(prev, np.array(index, dtype=np.int64), sources)
+
+    def _run(
+        self,
+        step: PreparedStep,
+        feed: Callable[[torch.Tensor], None] | None,
+        feed_outputs: Callable[[torch.Tensor], None] | None = None,
+    ) -> DeviceStep:
         """The device work of a step: forward, logits processors, sampling (inside the
         decode graphs when the step allows), the copy of the sampled ids to the host (an
-        event marks it on a GPU)."""
+        event marks it on a GPU). ``feed_outputs``: the in-flight tokens into the
+        penalties' output ids (async scheduling)."""
         with torch.inference_mode():
             timer = StepTimer(self.device)
             reqs, inputs = step.reqs, step.inputs
@@ -241,6 +266,9 @@ class ModelRunner:
             if token_ids is not None:  # graph-safe sampling asks no logprobs
                 out = SamplerOutput(token_ids, logprobs=None)
             else:
+                if feed_outputs is not None:
+                    assert step.sampling is not None and step.sampling.output_token_ids is not None
+                    feed_outputs(step.sampling.output_token_ids.view(-1))
                 out = self._sample(step, logits, row_params, num_rows)
             host_ids = None if out is None else to_host(out.token_ids)
             return DeviceStep(
