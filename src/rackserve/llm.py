@@ -52,12 +52,13 @@ class LLM:
         parallel: ParallelConfig | None = None,
         kv_cache_dtype: str = "auto",
         speculative_config: str | dict[str, Any] | SpecConfig | None = None,
-        async_scheduling: bool = False,
+        async_scheduling: bool | None = None,
         long_prefill_token_threshold: int = 0,
     ) -> None:
         """``speculative_config``: as ``--speculative-config`` (JSON text or a dict, e.g.
         ``{"method": "mtp", "num_speculative_tokens": 3}``), or a SpecConfig.
-        ``async_scheduling``: as ``--async-scheduling`` (engine/async_scheduling.py);
+        ``async_scheduling``: as ``--async-scheduling`` (engine/async_scheduling.py; None:
+        wherever supported);
         ``long_prefill_token_threshold``: as ``--long-prefill-token-threshold``."""
         parallel = parallel or ParallelConfig()
         speculative = (

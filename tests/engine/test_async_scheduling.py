@@ -283,6 +283,28 @@ def test_refuses_speculative_decoding(tiny):
         EngineCore(config, log_stats=False)
 
 
+def test_on_by_default_where_supported(tiny):
+    """Unset (None), as vLLM's default: on for a plain engine, off (no error) with
+    speculative decoding; False keeps an engine synchronous."""
+    from rackserve.config import ParallelConfig
+    from rackserve.engine.async_scheduling import is_async
+
+    def config(**kw) -> EngineConfig:
+        sched = SchedulerConfig(max_model_len=512, async_scheduling=kw.pop("asked", None))
+        return EngineConfig(
+            model=str(tiny), model_config=ModelConfig.from_pretrained(tiny), scheduler=sched,
+            device="cpu", **kw,
+        )  # fmt: skip
+
+    mtp = SpecConfig.from_json({"method": "mtp", "num_speculative_tokens": 1})
+    assert SchedulerConfig().async_scheduling is None
+    assert is_async(config()) and not is_async(config(asked=False))
+    assert not is_async(config(speculative=mtp))
+    assert not is_async(config(parallel=ParallelConfig(enable_expert_parallel=True)))
+    assert EngineCore(config(), log_stats=False).async_scheduling
+    assert not EngineCore(config(speculative=mtp), log_stats=False).async_scheduling
+
+
 # large next to the tiny model's real forward and host work, even on a loaded machine
 FORWARD_S, HOST_S = 0.15, 0.1
 
@@ -337,7 +359,8 @@ def test_overlap_with_a_slow_fake_device(tiny):
 
 
 def test_flags(tiny):
-    """``serve`` and ``generate`` take --async-scheduling; off by default."""
+    """``serve`` and ``generate`` take --async-scheduling and --no-async-scheduling; unset
+    (None: on where supported) by default."""
     from rackserve.cli import build_parser
     from rackserve.server.options import build_engine_config, resolve_options
 
@@ -345,14 +368,16 @@ def test_flags(tiny):
         args = build_parser().parse_args(["serve", str(tiny), "--max-model-len", "256", *argv])
         return build_engine_config(resolve_options(args))
 
-    assert not serve().scheduler.async_scheduling
-    assert serve("--async-scheduling").scheduler.async_scheduling
-    args = build_parser().parse_args(["generate", "--model", "m", "--prompt", "x"])
-    assert args.async_scheduling is False
-    args = build_parser().parse_args(
-        ["generate", "--model", "m", "--prompt", "x", "--async-scheduling"]
-    )
-    assert args.async_scheduling is True
+    assert serve().scheduler.async_scheduling is None
+    assert serve("--async-scheduling").scheduler.async_scheduling is True
+    assert serve("--no-async-scheduling").scheduler.async_scheduling is False
+    for flag, want in (
+        ((), None),
+        (("--async-scheduling",), True),
+        (("--no-async-scheduling",), False),
+    ):
+        args = build_parser().parse_args(["generate", "--model", "m", "--prompt", "x", *flag])
+        assert args.async_scheduling is want
 
 
 def test_penalties_count_the_token_in_flight_without_waiting(engines):

@@ -44,9 +44,25 @@ if TYPE_CHECKING:
     from rackserve.engine.scheduler import Scheduler
 
 
+def unsupported_by(config: EngineConfig) -> str | None:
+    """What in ``config`` async scheduling cannot run with, or None."""
+    if config.speculative is not None:
+        return "speculative decoding"
+    parallel = config.parallel
+    if parallel.data_parallel_size > 1 or parallel.enable_expert_parallel:
+        return "data/expert parallelism"
+    return None
+
+
+def is_async(config: EngineConfig) -> bool:
+    """Whether the engine schedules asynchronously: as asked, or (None) wherever supported."""
+    asked = config.scheduler.async_scheduling
+    return unsupported_by(config) is None if asked is None else asked
+
+
 def check_supported(config: EngineConfig) -> None:
-    """ValueError naming what ``--async-scheduling`` cannot be combined with."""
-    if not config.scheduler.async_scheduling:
+    """ValueError naming what an explicit ``--async-scheduling`` cannot be combined with."""
+    if config.scheduler.async_scheduling is not True:
         return
     if config.speculative is not None:
         raise ValueError(

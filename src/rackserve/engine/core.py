@@ -18,6 +18,7 @@ from rackserve.device import resolve
 from rackserve.engine.async_scheduling import (
     InFlight,
     check_supported,
+    is_async,
     mark_placeholders,
     update_after_collect,
 )
@@ -161,7 +162,7 @@ class EngineCore:
         )
         self.last_step: SchedulerOutput | None = None
         # --async-scheduling: the launched step not collected yet (engine/async_scheduling.py)
-        self.async_scheduling = sched.async_scheduling
+        self.async_scheduling = is_async(config)
         self._in_flight: InFlight | None = None
         self.last_forward_time_s = 0.0
         self.kv_connector = None

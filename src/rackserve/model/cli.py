@@ -117,6 +117,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\' (as serve)',
     )
     gen.add_argument(
-        "--async-scheduling", action="store_true", help="schedule step N+1 while N runs (as serve)"
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule step N+1 while N runs (as serve; default: where supported)",
     )
     gen.set_defaults(func=_generate)

@@ -39,7 +39,7 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "device": "auto",
     "seed": 0,
     "enforce_eager": False,
-    "async_scheduling": False,
+    "async_scheduling": None,
     "shutdown_timeout": 30.0,
     "engine_dead_exit_delay": 2.0,
     "engine_startup_timeout": 600.0,
