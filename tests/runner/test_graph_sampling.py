@@ -361,8 +361,8 @@ def test_async_engine_feeds_ids_sampled_in_captured_graphs(tiny):
     replayed: dict[tuple[str, int], int] = {}  # (request, position) -> input id of a replay
     run = runner._run
 
-    def recorded(step, feed):
-        done = run(step, feed)
+    def recorded(step, *feeds):
+        done = run(step, *feeds)
         inputs = step.inputs
         for graphs in (runner.graphs, runner.prefill_graphs):
             if graphs is not None and graphs.key_for(inputs) is not None:
