@@ -104,7 +104,8 @@ class SchedulerConfig:
     policy: str = "fcfs"  # or "priority"
     enable_chunked_prefill: bool = True
     # schedule step N+1 while step N runs (engine/async_scheduling.py), as vLLM names it;
-    # None: wherever it is supported (no speculative decoding, no DP/EP), vLLM's default
+    # None: on a GPU wherever it is supported (no speculative decoding, no DP/EP), vLLM's
+    # default
     async_scheduling: bool | None = None
     # at most this many of a request's tokens a step (0: no cap), as vLLM's
     # --long-prefill-token-threshold: long prompts prefill in chunks beside the decodes, and

@@ -58,7 +58,7 @@ class LLM:
         """``speculative_config``: as ``--speculative-config`` (JSON text or a dict, e.g.
         ``{"method": "mtp", "num_speculative_tokens": 3}``), or a SpecConfig.
         ``async_scheduling``: as ``--async-scheduling`` (engine/async_scheduling.py; None:
-        wherever supported);
+        on a GPU wherever supported);
         ``long_prefill_token_threshold``: as ``--long-prefill-token-threshold``."""
         parallel = parallel or ParallelConfig()
         speculative = (

@@ -284,8 +284,9 @@ def test_refuses_speculative_decoding(tiny):
 
 
 def test_on_by_default_where_supported(tiny):
-    """Unset (None), as vLLM's default: on for a plain engine, off (no error) with
-    speculative decoding; False keeps an engine synchronous."""
+    """Unset (None), as vLLM's default: on for a plain engine on a GPU; off (no error) with
+    speculative decoding or EP, and on the CPU (the forward runs inline there: nothing to
+    overlap); False keeps an engine synchronous."""
     from rackserve.config import ParallelConfig
     from rackserve.engine.async_scheduling import is_async
 
@@ -297,12 +298,14 @@ def test_on_by_default_where_supported(tiny):
         )  # fmt: skip
 
     mtp = SpecConfig.from_json({"method": "mtp", "num_speculative_tokens": 1})
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
     assert SchedulerConfig().async_scheduling is None
-    assert is_async(config()) and not is_async(config(asked=False))
-    assert not is_async(config(speculative=mtp))
-    assert not is_async(config(parallel=ParallelConfig(enable_expert_parallel=True)))
-    assert EngineCore(config(), log_stats=False).async_scheduling
-    assert not EngineCore(config(speculative=mtp), log_stats=False).async_scheduling
+    assert is_async(config(), gpu) and not is_async(config(asked=False), gpu)
+    assert not is_async(config(speculative=mtp), gpu)
+    assert not is_async(config(parallel=ParallelConfig(enable_expert_parallel=True)), gpu)
+    assert not is_async(config(), cpu) and is_async(config(asked=True), cpu)
+    assert not EngineCore(config(), log_stats=False).async_scheduling
+    assert EngineCore(config(asked=True), log_stats=False).async_scheduling
 
 
 # large next to the tiny model's real forward and host work, even on a loaded machine

@@ -162,7 +162,7 @@ class EngineCore:
         )
         self.last_step: SchedulerOutput | None = None
         # --async-scheduling: the launched step not collected yet (engine/async_scheduling.py)
-        self.async_scheduling = is_async(config)
+        self.async_scheduling = is_async(config, device)
         self._in_flight: InFlight | None = None
         self.last_forward_time_s = 0.0
         self.kv_connector = None

@@ -120,6 +120,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="schedule step N+1 while N runs (as serve; default: where supported)",
+        help="schedule step N+1 while N runs (as serve; default: on a GPU where supported)",
     )
     gen.set_defaults(func=_generate)

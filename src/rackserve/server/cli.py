@@ -102,8 +102,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--enforce-eager", action="store_true", default=None, help="no CUDA graphs for decode")
     add(
         "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-        help="schedule step N+1 while step N runs (default: on where supported, not with "
-        "spec decoding or DP/EP)",
+        help="schedule step N+1 while step N runs (default: on a GPU where supported, not "
+        "with spec decoding or DP/EP)",
     )  # fmt: skip
     add("--shutdown-timeout", type=float, help="SIGTERM: seconds to drain requests (30)")
     add("--engine-dead-exit-delay", type=float, help="seconds from engine death to exit (2)")
