@@ -49,7 +49,7 @@ decode_vs_transformers() {
   local mode flag
   for c in 1 64; do
     for mode in sync async; do  # the gates' figures are the async ones (sessions 6, 8)
-      flag=(); [[ $mode == async ]] && flag=(--async-scheduling)
+      flag=(--no-async-scheduling); [[ $mode == async ]] && flag=(--async-scheduling)
       t=$(cap 45); echo "== bench decode, $c requests, $mode (${t}s)"
       ((t)) && [[ -d /tmp/flash4 ]] && timeout "$t" "${rs[@]}" bench decode --model /tmp/flash4 \
         --concurrency $c --context 512 --steps 30 --warmup 5 --kv-cache-memory 8000000000 \

@@ -43,9 +43,10 @@ for c in 1 64; do
 done
 # issue 14's CPU-side gate: step minus forward <= 0.3 ms at 256 requests, with and
 # without --async-scheduling (the step of N+1 prepared while N runs)
-for a in "" --async-scheduling; do
+for a in --no-async-scheduling --async-scheduling; do
+  name=decode_256; [[ $a == --async-scheduling ]] && name=decode_256_async
   timeout 120 "${rs[@]}" bench decode --model /tmp/flash4 --concurrency 256 --context 512 --steps 30 \
-    --warmup 5 --kv-cache-memory 8000000000 $a --output "$OUT/decode_256${a:+_async}.json" 2>&1 | tail -1
+    --warmup 5 --kv-cache-memory 8000000000 $a --output "$OUT/$name.json" 2>&1 | tail -1
 done
 timeout 150 python3 benchmarks/hf_decode.py --model /tmp/flash4 --batch 1,64 --context 512 \
   --output "$OUT/hf_decode.json" 2>&1 | tail -2

@@ -115,3 +115,7 @@ def test_cli_decode_reports_step_and_forward(tiny, tmp_path):
     assert main(argv) == 0
     result = json.loads(out.read_text())
     assert result["median_step_ms"] >= result["median_forward_ms"] > 0
+    # as serve: unset is sync on the CPU; the record says which ran
+    assert result["async_scheduling"] is False
+    assert main([*argv, "--async-scheduling"]) == 0
+    assert json.loads(out.read_text())["async_scheduling"] is True

@@ -226,7 +226,7 @@ def _decode(args: argparse.Namespace) -> int:
         "median_step_ms": step_ms,
         "median_forward_ms": forward_ms,
         "overhead_ms": step_ms - forward_ms,
-        "async_scheduling": args.async_scheduling,
+        "async_scheduling": core.async_scheduling,
         "median_step_minus_forward_ms": statistics.median(minus),
         "p90_step_minus_forward_ms": sorted(minus)[int(0.9 * (len(minus) - 1))],
         "output_tokens_per_s": args.concurrency / (step_ms / 1e3),
@@ -247,7 +247,7 @@ def _decode(args: argparse.Namespace) -> int:
         f"decode x{args.concurrency} @ {args.context}: step {step_ms:.2f} ms, forward "
         f"{forward_ms:.2f} ms, overhead {step_ms - forward_ms:.2f} ms, step minus forward "
         f"{result['median_step_minus_forward_ms']:.2f} ms per step "
-        f"({result['output_tokens_per_s']:.0f} tok/s{', async' if args.async_scheduling else ''})"
+        f"({result['output_tokens_per_s']:.0f} tok/s{', async' if core.async_scheduling else ''})"
     )
     if args.profile:
         _profile_steps(core, profiled, args.profile)
@@ -358,7 +358,12 @@ def register_decode(bench_subparsers: Any) -> None:
         default=None,
         help='JSON as serve\'s, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\'',
     )
-    p.add_argument("--async-scheduling", action="store_true", help="schedule step N+1 while N runs")
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule step N+1 while N runs (default: as serve, on a GPU where supported)",
+    )
     p.add_argument(
         "--profile",
         default=None,
