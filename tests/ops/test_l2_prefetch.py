@@ -22,6 +22,7 @@ from rackserve.model.create import init_model_
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 from rackserve.model.generate import ContiguousCache
 from rackserve.model.presets import tiny_config
+from rackserve.runner.cuda_graph import capture_region
 
 _COMPILE = r"""
 import json, triton
@@ -110,14 +111,7 @@ def test_prefetches_change_nothing_eager_or_replayed(monkeypatch):
     off = logits().clone()
     monkeypatch.setattr(ops, "L2_PREFETCH_MAX_TOKENS", 16)
     assert torch.equal(logits(), off)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        logits()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = logits()
+    graph, out = capture_region(logits)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, off)

@@ -199,9 +199,8 @@ class ModelRunner:
         if sampling is None or sampling.output_token_ids is None:
             return None
         width = sampling.output_token_ids.shape[1]
-        row = {r.req_id: j for j, r in enumerate(step.sampled_reqs)}
-        by_id = {r.req_id: r for r in step.sampled_reqs}
-        index = [row[i] * width + len(by_id[i].output_token_ids) - 1 for i in fed]
+        at = {r.req_id: (j, r) for j, r in enumerate(step.sampled_reqs)}
+        index = [j * width + len(r.output_token_ids) - 1 for j, r in (at[i] for i in fed)]
         return feeder(prev, np.array(index, dtype=np.int64), sources)
 
     def _run(

@@ -334,9 +334,7 @@ def run_experts(
 
     slots = _empty((num_pairs, hidden), torch.float32, x.device)
     grid = (num_blocks, triton.cdiv(hidden, tiling.down_block_n))
-    if tiling.down_tile_fastest:
-        grid = grid[::-1]
-    moe_down_kernel[grid](
+    moe_down_kernel[grid[::-1] if tiling.down_tile_fastest else grid](
         h, w2, weights, slots, sorted_ids, block_expert,
         num_pairs, hidden, inter, num_experts,
         h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), slots.stride(0),

@@ -203,34 +203,6 @@ def moe_gate_up_kernel(
 
 
 @triton.jit
-def down_tile(h_ptr, w2_ptr, weights_ptr, slots_ptr, sorted_ptr, expert, block, tile,
-              num_pairs, hidden, inter, stride_ht, stride_we, stride_wn, stride_wk, stride_slot,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              FP32_DOT: tl.constexpr, SKIP_PAD_ROWS: tl.constexpr):  # fmt: skip
-    """One (block, n-tile) of the down GEMM: h rows @ w2[expert]^T, times the routed
-    weights, into the pairs' slot rows."""
-    rows, pair, row_ok, cols, col_ok = block_tile(
-        sorted_ptr, num_pairs, hidden, block, tile, BLOCK_M, BLOCK_N
-    )
-    ks = tl.arange(0, BLOCK_K)
-    h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_ht + ks[None, :]
-    # [BLOCK_K, BLOCK_N]: w2[e, cols, k]^T
-    w_ptrs = expert_rows(w2_ptr, expert, cols, stride_we, stride_wn) + ks[:, None] * stride_wk
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        k_ok = (k0 + ks) < inter
-        if SKIP_PAD_ROWS:  # padding rows hold swiglu(0, 0) = 0 (at batch 1, 15 of 16)
-            a = tl.load(h_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        else:
-            a = tl.load(h_ptrs, mask=k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = dot_acc(a, w, acc, FP32_DOT)
-        h_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wk
-    store_weighted(acc, weights_ptr, slots_ptr, pair, row_ok, cols, col_ok, stride_slot)
-
-
-@triton.jit
 def moe_down_kernel(
     h_ptr,  # [R, I] in w2's type
     w2_ptr,  # [E, D, I]
@@ -258,10 +230,27 @@ def moe_down_kernel(
     pdl_wait(PDL)
     block, tile = program_block(TILE_FASTEST)
     expert = tl.load(block_expert_ptr + block)
-    if expert < num_experts:
-        down_tile(h_ptr, w2_ptr, weights_ptr, slots_ptr, sorted_ptr, expert, block, tile,
-                  num_pairs, hidden, inter, stride_ht, stride_we, stride_wn, stride_wk,
-                  stride_slot, BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT, SKIP_PAD_ROWS)  # fmt: skip
+    if expert >= num_experts:
+        return
+    rows, pair, row_ok, cols, col_ok = block_tile(
+        sorted_ptr, num_pairs, hidden, block, tile, BLOCK_M, BLOCK_N
+    )
+    ks = tl.arange(0, BLOCK_K)
+    h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_ht + ks[None, :]
+    # [BLOCK_K, BLOCK_N]: w2[e, cols, k]^T
+    w_ptrs = expert_rows(w2_ptr, expert, cols, stride_we, stride_wn) + ks[:, None] * stride_wk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k_ok = (k0 + ks) < inter
+        if SKIP_PAD_ROWS:  # padding rows hold swiglu(0, 0) = 0 (at batch 1, 15 of 16)
+            a = tl.load(h_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        else:
+            a = tl.load(h_ptrs, mask=k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = dot_acc(a, w, acc, FP32_DOT)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    store_weighted(acc, weights_ptr, slots_ptr, pair, row_ok, cols, col_ok, stride_slot)
 
 
 @triton.jit
