@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (Run at 1148c6f: the L2 prefetch it times was removed after this run, session 28.)
 # Three opt-in switches for the batch-1 chain, each against the defaults, alternating, two
 # passes, at decode:1 and decode:4: the L2 prefetch of each next weight stream before the
 # latency-bound kernels (ops.L2_PREFETCH_MAX_TOKENS, session 27, untimed; its GPU test

@@ -145,19 +145,6 @@ class Kernels:
         min_tokens = PREFILL_ATTENTION_MIN_TOKENS
         return self.fast(q) and min_tokens is not None and q.shape[0] >= min_tokens
 
-    def prefetch(self, x: torch.Tensor, weight: Callable[[], torch.Tensor | None]) -> None:
-        """Before a chain of latency-bound kernels on the batch ``x``: start pulling the head
-        of ``weight()``, the next weight stream (called only when prefetching), into L2
-        (``L2_PREFETCH_MAX_TOKENS``; sm_90 and newer). Changes no value; nothing on the
-        reference path or off CUDA."""
-        max_tokens = L2_PREFETCH_MAX_TOKENS
-        if max_tokens is None or x.shape[0] > max_tokens or not (self.fast(x) and x.is_cuda):
-            return
-        w = weight()
-        if w is not None and w.is_cuda:
-            module = importlib.import_module("rackserve.ops.triton.l2_prefetch")
-            module.l2_prefetch(w, L2_PREFETCH_BYTES)
-
     def indexer_beside_q(self, x: torch.Tensor) -> bool:
         """Whether a CSA layer's indexer runs on a side stream beside the q projection for the
         batch ``x`` [T, D] (``INDEXER_BESIDE_Q_MAX_TOKENS``; off CUDA in issue order)."""
@@ -224,13 +211,6 @@ PREFILL_ATTENTION_MIN_TOKENS: int | None = 128
 # against 6.418 / 6.447; the overlap's ~25 us at most in the bench's one CSA layer is within
 # the spread). Graph replay is bit-identical to eager with it on (GPU test).
 INDEXER_BESIDE_Q_MAX_TOKENS: int | None = None
-# Up to this many tokens the fast path starts pulling the first L2_PREFETCH_BYTES of the
-# next weight stream into L2 before each chain of latency-bound kernels (``Kernels.prefetch``,
-# ``ops/triton/l2_prefetch.py``): a layer's input projection during the mHC before it, the
-# output projection during the attention, the lm_head during the hyper head. None: off,
-# until timed against the defaults (gpu_s28b.sh).
-L2_PREFETCH_MAX_TOKENS: int | None = None
-L2_PREFETCH_BYTES = 16 << 20
 
 
 def _by_num_tokens(small: Callable, large: Callable, min_tokens: int) -> Callable:
