@@ -78,14 +78,19 @@ def test_fp32_fast_path_matches_reference_kernels(name, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "num_reqs,beside", [(1, False), (64, False), (256, False), (1, True), (256, True)]
-)
+    "num_reqs,beside",
+    [(1, None), (64, None), (256, None), (1, "indexer"), (256, "indexer"), (1, "shared"),
+     (64, "shared")],
+)  # fmt: skip
 @torch.inference_mode()
 def test_graph_replay_is_bit_identical_to_eager(num_reqs, beside, monkeypatch):
-    """``beside``: the CSA layer's indexer on a side stream beside the q projection
-    (``ops.INDEXER_BESIDE_Q_MAX_TOKENS``): two branches in the graph, the same bits."""
-    if beside:
+    """``beside``: work on a side stream, two branches in the graph, the same bits: the CSA
+    layer's indexer beside the q projection (``ops.INDEXER_BESIDE_Q_MAX_TOKENS``) or each
+    MoE's shared expert beside its router (``ops.SHARED_BESIDE_ROUTER_MAX_TOKENS``)."""
+    if beside == "indexer":
         monkeypatch.setattr(ops, "INDEXER_BESIDE_Q_MAX_TOKENS", 256)
+    if beside == "shared":
+        monkeypatch.setattr(ops, "SHARED_BESIDE_ROUTER_MAX_TOKENS", 256)
     cfg = preset_config("v4-flash", 4, 64)
     with torch.device("cuda"):
         model = DeepseekV4ForCausalLM(cfg, with_mtp=False)

@@ -88,6 +88,46 @@ def test_deferred_sum_is_the_sum(seed):
         assert torch.equal(slots.sum(), out) and torch.equal(*counts)
 
 
+@pytest.mark.parametrize("seed", [1, 7, 9, 15, 19, 23])
+def test_shared_beside_is_bitwise_the_same(seed, monkeypatch):
+    """``shared_beside``: the shared expert's slot from its own launches (no align), the
+    routed experts aligned without it. Outputs, slots and counts are bitwise those of the
+    one-align path, at T = 1 (one program routes and aligns) and 13 / 40 (the router kernel,
+    then the align kernel), summed and deferred."""
+    from rackserve.ops.triton import fused_moe
+    from rackserve.ops.triton.moe_routed import moe_routed
+
+    t, (e, k), hashed, shared = CASES[seed]
+    assert shared
+    calls = []
+    run_shared = fused_moe.run_shared
+    monkeypatch.setattr(fused_moe, "run_shared", lambda *a: calls.append(1) or run_shared(*a))
+    for dtype in (torch.bfloat16, torch.float32):
+        router, mask, w13, w2 = _case(seed, t, e, k, hashed, True, dtype)
+        for defer in (False, True):
+            counts = [torch.zeros(e, dtype=torch.int64, device=DEVICE) for _ in range(2)]
+            want = moe_routed(*router, counts[0], mask, w13, w2, 7.0, defer_sum=defer)
+            got = moe_routed(
+                *router, counts[1], mask, w13, w2, 7.0, defer_sum=defer, shared_beside=True
+            )
+            assert torch.equal(*counts) and len(calls) == 1
+            calls.clear()
+            if defer:
+                assert torch.equal(got.ids, want.ids) and got.num_experts == want.num_experts
+                assert torch.equal(got.slots, want.slots)
+            else:
+                assert torch.equal(got, want)
+
+
+def test_shared_beside_needs_the_shared_expert_last():
+    from rackserve.ops.triton.moe_routed import moe_routed
+
+    router, mask, w13, w2 = _case(0, 4, 8, 2, False, True, torch.float32)
+    router[-1] = 3  # a routed expert's id as the shared one
+    with pytest.raises(ValueError, match="stacked last"):
+        moe_routed(*router, None, mask, w13, w2, 7.0, shared_beside=True)
+
+
 def test_moe_routed_rejects_bad_counts():
     from rackserve.ops.triton.moe_routed import moe_routed
 

@@ -35,10 +35,10 @@ from rackserve.model.layers import (
     GroupedLinear,
     RMSNorm,
     Rotary,
-    SideStream,
     linear,
 )
 from rackserve.ops import Kernels
+from rackserve.ops.side_stream import SideStream
 
 
 class Compressor(nn.Module):

@@ -211,6 +211,11 @@ PREFILL_ATTENTION_MIN_TOKENS: int | None = 128
 # against 6.418 / 6.447; the overlap's ~25 us at most in the bench's one CSA layer is within
 # the spread). Graph replay is bit-identical to eager with it on (GPU test).
 INDEXER_BESIDE_Q_MAX_TOKENS: int | None = None
+# Up to this many tokens the fused MoE runs its shared expert on a side stream from the
+# start, beside the router's logits, the route + align and the routed experts (aligned
+# without it): at decode sizes those two are latency-bound (~15 us a layer at T = 1) while
+# the shared expert streams its weights (``moe_routed``'s ``shared_beside``). None: off.
+SHARED_BESIDE_ROUTER_MAX_TOKENS: int | None = None
 
 
 def _by_num_tokens(small: Callable, large: Callable, min_tokens: int) -> Callable:
@@ -239,9 +244,11 @@ def _moe_routed_for(
         x, gate_weight, bias, table, input_ids, top_k, scoring, scaling, *rest, defer_sum=False
     ):
         if x.shape[0] <= FUSED_MOE_MAX_TOKENS:
+            beside = SHARED_BESIDE_ROUTER_MAX_TOKENS
             return fused(
                 x, gate_weight, bias, table, input_ids, top_k, scoring, scaling, *rest,
                 defer_sum=defer_sum, linear=linear,
+                shared_beside=x.is_cuda and beside is not None and x.shape[0] <= beside,
             )  # fmt: skip
         shared, counts, mask, w13, w2, limit = rest
         ids, weights = route_fused(

@@ -710,12 +710,14 @@ def moe_routed(
     limit: float,
     defer_sum: bool = False,
     linear: Callable = F.linear,
+    shared_beside: bool = False,
 ) -> torch.Tensor:
     """The MoE of one layer, router included: ``route_fused`` (arguments up to
     token_mask), then ``moe_experts`` over w13 [E (+1), 2I, D], w2 [E (+1), D, I] (the
     shared expert stacked last when ``shared_expert`` is its id). Returns [T, D].
     ``defer_sum``: the fast path may return :class:`ExpertSlots` instead (the reference
-    always sums)."""
+    always sums); ``shared_beside``: where the fast path runs the shared expert (on a side
+    stream), no value changes."""
     ids, weights = route_fused(
         x, gate_weight, bias, table, input_ids, top_k, scoring_func, scaling, shared_expert,
         expert_counts, token_mask, linear,

@@ -304,17 +304,79 @@ def run_experts(
     limit: float,
     tiling: Tiling,
     out: torch.Tensor | None,
+    *,
+    slots: torch.Tensor | None = None,
+    aligned: int | None = None,
 ) -> ExpertSlots | None:
     """The 3 launches after the align (gate-up, down, slot sum) into ``out`` [T, D]:
     arguments as ``moe_experts``, with the align's ``sorted_ids`` / ``block_expert``.
-    ``out`` None: 2 launches, and the slots returned unsummed (their consumer sums them)."""
-    num_tokens, hidden = x.shape
-    top_k = topk_ids.shape[1]
-    num_experts, inter = w13.shape[0], w13.shape[1] // 2
-    x = x.contiguous()
-    topk_ids = topk_ids.contiguous()
+    ``out`` None: 2 launches, and the slots returned unsummed (their consumer sums them).
+    ``slots``: the [T * k, D] fp32 rows to write (None: new ones); ``aligned``: the align
+    laid out the pairs of experts [0, aligned) only (None: all of w13's), and another
+    launch writes the others' rows (``run_shared``) before ``out`` is summed."""
+    num_experts = w13.shape[0]
+    x, topk_ids = x.contiguous(), topk_ids.contiguous()
+    num_pairs = topk_ids.numel()
+    if slots is None:
+        slots = _empty((num_pairs, x.shape[1]), torch.float32, x.device)
     weights = topk_weights.to(torch.float32).contiguous().view(-1)
+    _gate_up_down(
+        x, w13, w2, weights, slots, sorted_ids, block_expert, topk_ids.shape[1],
+        num_experts if aligned is None else aligned, limit, tiling,
+    )  # fmt: skip
+    result = ExpertSlots(slots, topk_ids, num_experts, x.dtype)
+    if out is None:
+        return result
+    sum_slots(result, out, tiling)
+    return None
+
+
+def run_shared(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    limit: float,
+    tiling: Tiling,
+    shared: int,
+    top_k: int,
+    slots: torch.Tensor,
+) -> None:
+    """The shared expert's slot (the last of each token's ``top_k``, weight 1) into
+    ``slots`` [T * top_k, D]: the gate-up and down kernels over a layout that needs no
+    align (pair t * top_k + top_k - 1 at row t, one block per BM tokens). With the routed
+    experts aligned apart (``run_experts(aligned=shared)``) it runs on a side stream beside
+    the router and align: nothing it reads is written there."""
+    num_tokens = x.shape[0]
     num_pairs = num_tokens * top_k
+    num_blocks = triton.cdiv(num_tokens, tiling.block_m)
+    rows = num_blocks * tiling.block_m
+    # rows past T hold pairs >= num_pairs: padding, which the kernels mask
+    sorted_ids = torch.arange(top_k - 1, rows * top_k, top_k, dtype=torch.int32, device=x.device)
+    block_expert = torch.full((num_blocks,), shared, dtype=torch.int32, device=x.device)
+    weights = torch.ones(num_pairs, dtype=torch.float32, device=x.device)
+    _gate_up_down(
+        x.contiguous(), w13, w2, weights, slots, sorted_ids, block_expert, top_k,
+        w13.shape[0], limit, tiling,
+    )  # fmt: skip
+
+
+def _gate_up_down(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    slots: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    block_expert: torch.Tensor,
+    top_k: int,
+    num_experts: int,
+    limit: float,
+    tiling: Tiling,
+) -> None:
+    """The gate-up and down launches over an aligned layout: each pair's weighted expert
+    output into its row of ``slots``; blocks of experts >= ``num_experts`` are skipped."""
+    hidden, inter = x.shape[1], w13.shape[1] // 2
+    num_pairs = slots.shape[0]
     bm = tiling.block_m
     num_blocks = block_expert.shape[0]
     fp32_dot = x.dtype == torch.float32 or x.device.type == "cpu"
@@ -331,8 +393,6 @@ def run_experts(
         num_warps=tiling.gate_up_warps,
         num_stages=tiling.gate_up_stages, **pdl(x.device),
     )  # fmt: skip
-
-    slots = _empty((num_pairs, hidden), torch.float32, x.device)
     grid = (num_blocks, triton.cdiv(hidden, tiling.down_block_n))
     moe_down_kernel[grid[::-1] if tiling.down_tile_fastest else grid](
         h, w2, weights, slots, sorted_ids, block_expert,
@@ -348,13 +408,15 @@ def run_experts(
         num_stages=tiling.down_stages, **pdl(h.device),
     )  # fmt: skip
 
-    if out is None:
-        return ExpertSlots(slots, topk_ids, num_experts, x.dtype)
+
+def sum_slots(slots: ExpertSlots, out: torch.Tensor, tiling: Tiling) -> None:
+    """Each token's routed slots summed in slot order into ``out`` [T, D] (one launch)."""
+    num_tokens, top_k = slots.ids.shape
+    hidden = out.shape[1]
     block_d = min(tiling.sum_block_d, triton.next_power_of_2(hidden))
     moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_d))](
-        slots, topk_ids.view(-1), out, top_k, hidden, num_experts, slots.stride(0),
-        out.stride(0),
+        slots.slots, slots.ids.view(-1), out, top_k, hidden, slots.num_experts,
+        slots.slots.stride(0), out.stride(0),
         BLOCK_D=block_d,
-        num_warps=4, **pdl(slots.device),
+        num_warps=4, **pdl(out.device),
     )  # fmt: skip
-    return None

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from rackserve.ops.reference import ExpertSlots
+from rackserve.ops.side_stream import SideStream
 from rackserve.ops.triton import fused_moe
 from rackserve.ops.triton.common import pdl, pdl_wait
 from rackserve.ops.triton.moe_align_kernels import align_pairs
@@ -91,29 +92,78 @@ def moe_routed(
     limit: float,
     defer_sum: bool = False,
     linear: Callable = F.linear,
+    shared_beside: bool = False,
 ) -> torch.Tensor | ExpertSlots:
     """See ``reference.moe_routed``; ``defer_sum``: the unsummed :class:`ExpertSlots`
     (``hc_post`` / ``hc_post_pre`` sum them), one launch fewer, when T > 0; ``linear``: the
-    router's logits projection (the op table's: the GEMV for a few tokens)."""
+    router's logits projection (the op table's: the GEMV for a few tokens).
+    ``shared_beside``: the shared expert (when given) runs on the side stream from the
+    start, beside the router, the align and the routed experts, which are aligned without
+    it (``fused_moe.run_shared``); the same values, bit for bit."""
     num_tokens = x.shape[0]
     cols = top_k + int(shared_expert is not None)
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     tiling = fused_moe.default_tiling(num_tokens, cols, num_experts, inter, x.device, x.dtype)
     num_pairs = num_tokens * cols
+    routing = (x, gate_weight, bias, table, input_ids, top_k, scoring_func, scaling, shared_expert)
+    if num_tokens == 0:
+        ids, weights = route_fused(*routing, expert_counts, token_mask, linear)
+        return fused_moe.moe_experts(x, ids, weights, w13, w2, limit, defer_sum=defer_sum)
+    # the experts the align lays out: all, or the routed ones when the shared expert (the
+    # last, E) runs apart, on the side stream from here
+    apart = shared_beside and shared_expert is not None
+    aligned = shared_expert if apart else num_experts
+    slots = None
+    if apart:
+        if shared_expert != num_experts - 1:
+            raise ValueError("moe_routed: shared_beside needs the shared expert stacked last")
+        slots = fused_moe._empty((num_pairs, x.shape[1]), torch.float32, x.device)
+        side = SideStream.of(x.device)
+        side.fork()
+        with side.active():
+            fused_moe.run_shared(x, w13, w2, limit, tiling, shared_expert, cols, slots)
     # One program routes and aligns only for a few tokens: its serial align is cheap there
     # (H200, decode:1: 9 us per layer for both) but at 64 tokens (448 pairs) it took 45 us
     # per layer against ~18 for the router kernel + the align kernel
     # (benchmarks/results/2026-12-01-h200-s3-final-profile.json): more go the separate way.
-    one_program = num_pairs <= min(tiling.align_segment, ONE_PROGRAM_MAX_PAIRS)
-    if num_tokens == 0 or not one_program:
-        ids, weights = route_fused(
-            x, gate_weight, bias, table, input_ids, top_k, scoring_func, scaling,
-            shared_expert, expert_counts, token_mask, linear,
-        )  # fmt: skip
-        return fused_moe.moe_experts(
-            x, ids, weights, w13, w2, limit, tiling=tiling, defer_sum=defer_sum
+    if num_pairs <= min(tiling.align_segment, ONE_PROGRAM_MAX_PAIRS):
+        _check_routing(x, gate_weight, bias, table, expert_counts, token_mask, cols, w13, w2)
+        ids, weights, sorted_ids, block_expert = _route_align(
+            *routing, expert_counts, token_mask, aligned, tiling, linear
         )
-    routed = gate_weight.shape[0]
+    else:
+        ids, weights = route_fused(*routing, expert_counts, token_mask, linear)
+        fused_moe._check(x, ids, weights, w13, w2)
+        ids = ids.contiguous()
+        sorted_ids, block_expert = fused_moe.moe_align(
+            ids, aligned, tiling.block_m, tiling.align_segment
+        )
+    result = fused_moe.run_experts(
+        x, ids, weights, sorted_ids, block_expert, w13, w2, limit, tiling, None,
+        slots=slots, aligned=aligned,
+    )  # fmt: skip
+    if apart:
+        side.join()
+    if defer_sum:
+        return result
+    out = fused_moe._empty((num_tokens, x.shape[1]), x.dtype, x.device)
+    fused_moe.sum_slots(result, out, tiling)
+    return out
+
+
+def _check_routing(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    table: torch.Tensor | None,
+    expert_counts: torch.Tensor | None,
+    token_mask: torch.Tensor | None,
+    cols: int,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+) -> None:
+    """The one-program path's own checks (``route_fused`` makes them on the other)."""
+    num_tokens, routed = x.shape[0], gate_weight.shape[0]
     if (table is None) == (bias is None):
         raise ValueError("moe_routed: give the bias (learned routing) or the table (hashed)")
     if expert_counts is not None and (
@@ -124,6 +174,31 @@ def moe_routed(
         raise ValueError(f"moe_routed: token_mask must be [{num_tokens}]")
     fused_moe._check(x, torch.empty(num_tokens, cols, dtype=torch.int64, device=x.device),
                      torch.empty(num_tokens, cols, device=x.device), w13, w2)  # fmt: skip
+
+
+def _route_align(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    table: torch.Tensor | None,
+    input_ids: torch.Tensor,
+    top_k: int,
+    scoring_func: str,
+    scaling: float,
+    shared_expert: int | None,
+    expert_counts: torch.Tensor | None,
+    token_mask: torch.Tensor | None,
+    aligned: int,
+    tiling: fused_moe.Tiling,
+    linear: Callable,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The router's logits, then one program routing every token and aligning the pairs of
+    experts [0, aligned): (ids, weights [T, k (+ 1)], sorted_ids, block_expert)."""
+    num_tokens = x.shape[0]
+    cols = top_k + int(shared_expert is not None)
+    num_pairs = num_tokens * cols
+    num_experts = aligned
+    routed = gate_weight.shape[0]
     ids = torch.empty(num_tokens, cols, dtype=torch.int64, device=x.device)
     weights = torch.empty(num_tokens, cols, dtype=torch.float32, device=x.device)
     num_blocks = fused_moe.num_blocks_bound(num_pairs, num_experts, tiling.block_m)
@@ -151,8 +226,4 @@ def moe_routed(
         ALIGN_E=align_e, CHUNK=chunk, BLOCK_B=max(16, min(128, 8192 // align_e)),
         num_warps=4 if num_pairs <= 16 or align_e < 128 else 8, **pdl(logits.device),
     )  # fmt: skip
-    out = None if defer_sum else fused_moe._empty((num_tokens, x.shape[1]), x.dtype, x.device)
-    slots = fused_moe.run_experts(
-        x, ids, weights, sorted_ids, block_expert, w13, w2, limit, tiling, out
-    )
-    return out if slots is None else slots
+    return ids, weights, sorted_ids, block_expert
