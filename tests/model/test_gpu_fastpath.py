@@ -86,10 +86,12 @@ def test_fp32_fast_path_matches_reference_kernels(name, tmp_path):
 def test_graph_replay_is_bit_identical_to_eager(num_reqs, beside, monkeypatch):
     """``beside``: work on a side stream, two branches in the graph, the same bits: the CSA
     layer's indexer beside the q projection (``ops.INDEXER_BESIDE_Q_MAX_TOKENS``) or each
-    MoE's shared expert beside its router (``ops.SHARED_BESIDE_ROUTER_MAX_TOKENS``)."""
+    MoE's shared expert beside its router (``ops.SHARED_BESIDE_ROUTER_MAX_TOKENS``; the
+    defaults take it at 64 requests)."""
     if beside == "indexer":
         monkeypatch.setattr(ops, "INDEXER_BESIDE_Q_MAX_TOKENS", 256)
     if beside == "shared":
+        monkeypatch.setattr(ops, "SHARED_BESIDE_ROUTER_MIN_TOKENS", 1)
         monkeypatch.setattr(ops, "SHARED_BESIDE_ROUTER_MAX_TOKENS", 256)
     cfg = preset_config("v4-flash", 4, 64)
     with torch.device("cuda"):

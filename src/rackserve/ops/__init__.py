@@ -211,11 +211,17 @@ PREFILL_ATTENTION_MIN_TOKENS: int | None = 128
 # against 6.418 / 6.447; the overlap's ~25 us at most in the bench's one CSA layer is within
 # the spread). Graph replay is bit-identical to eager with it on (GPU test).
 INDEXER_BESIDE_Q_MAX_TOKENS: int | None = None
-# Up to this many tokens the fused MoE runs its shared expert on a side stream from the
+# From MIN to MAX tokens the fused MoE runs its shared expert on a side stream from the
 # start, beside the router's logits, the route + align and the routed experts (aligned
-# without it): at decode sizes those two are latency-bound (~15 us a layer at T = 1) while
-# the shared expert streams its weights (``moe_routed``'s ``shared_beside``). None: off.
-SHARED_BESIDE_ROUTER_MAX_TOKENS: int | None = None
+# without it), which are latency-bound at decode sizes while the shared expert streams its
+# weights (``moe_routed``'s ``shared_beside``). MAX None: off.
+# H200, bench forward, two alternating passes (results/2026-12-06-s28.md, call 3), default
+# against beside at every size: decode:4 2.106 / 2.105 ms against 1.966 / 2.022, decode:64
+# 4.422 / 4.294 against 4.241 / 4.283, decode:256 5.067 / 4.939 against 5.050 / 4.992; but
+# decode:1 1.269 / 1.247 against 1.300 / 1.292 (alone, the shared expert's 64 + 32 programs
+# stream slower than beside the routed ones in one launch), hence from 2 tokens.
+SHARED_BESIDE_ROUTER_MIN_TOKENS = 2
+SHARED_BESIDE_ROUTER_MAX_TOKENS: int | None = 128
 
 
 def _by_num_tokens(small: Callable, large: Callable, min_tokens: int) -> Callable:
@@ -248,7 +254,8 @@ def _moe_routed_for(
             return fused(
                 x, gate_weight, bias, table, input_ids, top_k, scoring, scaling, *rest,
                 defer_sum=defer_sum, linear=linear,
-                shared_beside=x.is_cuda and beside is not None and x.shape[0] <= beside,
+                shared_beside=x.is_cuda and beside is not None
+                and SHARED_BESIDE_ROUTER_MIN_TOKENS <= x.shape[0] <= beside,
             )  # fmt: skip
         shared, counts, mask, w13, w2, limit = rest
         ids, weights = route_fused(
