@@ -16,7 +16,7 @@ t=$(cap 200); echo "== gates' tests (${t}s)"
   -k "not indexer" > "$R/pytest_gates.log" 2>&1
 grep -E "^E  |^FAILED|passed|failed" "$R/pytest_gates.log" | head -8
 t=$(cap 150); echo "== kernels' and ring tables' GPU tests (${t}s)"
-((t)) && timeout "$t" "${pt[@]}" -m gpu tests/ops/test_prefill_attn_wgmma.py \
+((t)) && timeout "$t" "${pt[@]}" tests/ops/test_prefill_attn_wgmma.py \
   tests/ops/test_fused_moe.py tests/ops/test_moe_routed.py tests/runner/test_ring_tables.py \
   > "$R/pytest_kernels.log" 2>&1
 grep -E "^E  |^FAILED|passed|failed" "$R/pytest_kernels.log" | head -8
