@@ -129,7 +129,7 @@ def moe_routed(
     if num_pairs <= min(tiling.align_segment, ONE_PROGRAM_MAX_PAIRS):
         _check_routing(x, gate_weight, bias, table, expert_counts, token_mask, cols, w13, w2)
         ids, weights, sorted_ids, block_expert = _route_align(
-            *routing, expert_counts, token_mask, aligned, tiling, linear
+            routing, expert_counts, token_mask, aligned, tiling, linear
         )
     else:
         ids, weights = route_fused(*routing, expert_counts, token_mask, linear)
@@ -177,15 +177,7 @@ def _check_routing(
 
 
 def _route_align(
-    x: torch.Tensor,
-    gate_weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    table: torch.Tensor | None,
-    input_ids: torch.Tensor,
-    top_k: int,
-    scoring_func: str,
-    scaling: float,
-    shared_expert: int | None,
+    routing: tuple,
     expert_counts: torch.Tensor | None,
     token_mask: torch.Tensor | None,
     aligned: int,
@@ -193,7 +185,9 @@ def _route_align(
     linear: Callable,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The router's logits, then one program routing every token and aligning the pairs of
-    experts [0, aligned): (ids, weights [T, k (+ 1)], sorted_ids, block_expert)."""
+    experts [0, aligned): (ids, weights [T, k (+ 1)], sorted_ids, block_expert).
+    ``routing``: ``moe_routed``'s arguments from x to shared_expert."""
+    x, gate_weight, bias, table, input_ids, top_k, scoring_func, scaling, shared_expert = routing
     num_tokens = x.shape[0]
     cols = top_k + int(shared_expert is not None)
     num_pairs = num_tokens * cols
