@@ -109,6 +109,13 @@ def moe_routed(
     if num_tokens == 0:
         ids, weights = route_fused(*routing, expert_counts, token_mask, linear)
         return fused_moe.moe_experts(x, ids, weights, w13, w2, limit, defer_sum=defer_sum)
+    # One program routes and aligns only for a few tokens: its serial align is cheap there
+    # (H200, decode:1: 9 us per layer for both) but at 64 tokens (448 pairs) it took 45 us
+    # per layer against ~18 for the router kernel + the align kernel
+    # (benchmarks/results/2026-12-01-h200-s3-final-profile.json): more go the separate way.
+    one_program = num_pairs <= min(tiling.align_segment, ONE_PROGRAM_MAX_PAIRS)
+    if one_program:
+        _check_routing(x, gate_weight, bias, table, expert_counts, token_mask, cols, w13, w2)
     # the experts the align lays out: all, or the routed ones when the shared expert (the
     # last, E) runs apart, on the side stream from here
     apart = shared_beside and shared_expert is not None
@@ -122,12 +129,7 @@ def moe_routed(
         side.fork()
         with side.active():
             fused_moe.run_shared(x, w13, w2, limit, tiling, shared_expert, cols, slots)
-    # One program routes and aligns only for a few tokens: its serial align is cheap there
-    # (H200, decode:1: 9 us per layer for both) but at 64 tokens (448 pairs) it took 45 us
-    # per layer against ~18 for the router kernel + the align kernel
-    # (benchmarks/results/2026-12-01-h200-s3-final-profile.json): more go the separate way.
-    if num_pairs <= min(tiling.align_segment, ONE_PROGRAM_MAX_PAIRS):
-        _check_routing(x, gate_weight, bias, table, expert_counts, token_mask, cols, w13, w2)
+    if one_program:
         ids, weights, sorted_ids, block_expert = _route_align(
             routing, expert_counts, token_mask, aligned, tiling, linear
         )
