@@ -219,7 +219,8 @@ INDEXER_BESIDE_Q_MAX_TOKENS: int | None = None
 # against beside at every size: decode:4 2.106 / 2.105 ms against 1.966 / 2.022, decode:64
 # 4.422 / 4.294 against 4.241 / 4.283, decode:256 5.067 / 4.939 against 5.050 / 4.992; but
 # decode:1 1.269 / 1.247 against 1.300 / 1.292 (alone, the shared expert's 64 + 32 programs
-# stream slower than beside the routed ones in one launch), hence from 2 tokens.
+# stream slower than beside the routed ones in one launch), hence from 2 tokens. H100, this
+# range against off, four passes (call 6): decode:4 -2%, decode:64 -1.7% (lower in each).
 SHARED_BESIDE_ROUTER_MIN_TOKENS = 2
 SHARED_BESIDE_ROUTER_MAX_TOKENS: int | None = 128
 
