@@ -102,7 +102,7 @@ def test_fp32_fast_path_matches_reference(ieee_fp32_matmul, monkeypatch, switche
     (``Kernels.attention_norms_q``: the prologue leaves q alone). ``wide``: every step takes
     what the switches otherwise keep for large batches (the prefill attention and indexer,
     hc_post_pre's expand apart, K2 as mixes + collapse), as a decode batch does when the
-    thresholds are lowered for it (benchmarks/gpu_s26a.sh). ``indexer_beside_q``: the CSA
+    thresholds are lowered for it (benchmarks/sessions/gpu_s26a.sh). ``indexer_beside_q``: the CSA
     layer's indexer issued for a side stream beside the q projection (on CPU in issue order),
     the attention norming q."""
     print(f"device {DEVICE}", torch.cuda.get_device_name() if DEVICE == "cuda" else "")
