@@ -127,23 +127,47 @@ def test_chunking_invariance_reference(model, whole, size):
     assert_same_caches(cache, whole[1])
 
 
-def test_prefix_hit_at_256_equals_cold_prefill(model, whole):
-    """Request 1 starts from request 0's blocks of positions [0, 256) (what a prefix-cache
-    hit maps in) and prefills the rest: its logits and caches equal the cold prefill's."""
-    ids = prompt()
-    cache = ContiguousCache(model, 2, PROMPT)
-    assert 256 % prefix_alignment(cache.groups) == 0
-    run_chunks(model, ids, [PROMPT], cache, req=0)
+def prefix_hit(model, ids: torch.Tensor, hit: int) -> tuple[torch.Tensor, ContiguousCache]:
+    """Request 1 starts from request 0's blocks of positions [0, ``hit``) (what a prefix-cache
+    hit maps in) and prefills the rest: its logits [len(ids) - hit, V] and the cache."""
+    cache = ContiguousCache(model, 2, len(ids))
+    assert hit % prefix_alignment(cache.groups) == 0
+    run_chunks(model, ids, [len(ids)], cache, req=0)
     for group, per_layer in cache.tensors.tensors.items():
         spec = next(g for g in cache.groups if g.name == group)
-        hit = 256 // spec.block_tokens
-        src, dst = cache.block_tables[group][0, :hit], cache.block_tables[group][1, :hit]
+        blocks = hit // spec.block_tokens
+        src, dst = cache.block_tables[group][0, :blocks], cache.block_tables[group][1, :blocks]
         for tensor in per_layer.values():
             tensor[dst] = tensor[src]
-    logits, _ = run_chunks(model, ids, [PROMPT - 256], cache, req=1, start=256)
+    logits, _ = run_chunks(model, ids, [len(ids) - hit], cache, req=1, start=hit)
+    return logits, cache
+
+
+def test_prefix_hit_at_256_equals_cold_prefill(model, whole):
+    """The hit's logits and caches equal the cold prefill's."""
+    logits, cache = prefix_hit(model, prompt(), 256)
     assert relative(logits, whole[0][256:]) <= TOL
     assert torch.equal(logits.argmax(-1), whole[0][256:].argmax(-1))
     assert_same_caches(cache, whole[1], got_req=1)
+
+
+@pytest.mark.parametrize("hit", [32, 64])
+def test_fast_kernels_prefix_hit_equals_cold_prefill(hit):
+    """fp32, the fast kernels (prefill attention and indexer with cached rows, the grouped
+    MoE): a hit at an aligned boundary gives the cold prefill's logits and caches, and both
+    match the references'. 80 tokens, 3 layers (one of each kind): past a CSA window of 4
+    and an HCA window of 16 entries, with a swa ring of 16 tokens."""
+    ref = tiny_model(3)
+    fast = use_kernels(tiny_model(3), fast_table())
+    ids = prompt(80)
+    cold_ref, cache_ref = run_chunks(ref, ids, [80])
+    cold, cache_cold = run_chunks(fast, ids, [80])
+    assert relative(cold, cold_ref) <= 1e-3
+    logits, cache = prefix_hit(fast, ids, hit)
+    assert relative(logits, cold[hit:]) <= TOL
+    assert torch.equal(logits.argmax(-1), cold_ref[hit:].argmax(-1))
+    assert_same_caches(cache, cache_cold, got_req=1)
+    assert_same_caches(cache, cache_ref, got_req=1)
 
 
 @pytest.mark.parametrize(
