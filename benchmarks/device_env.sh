@@ -82,14 +82,18 @@ forward_gates() {
     --batch prefill:2048 --batch prefill:8192 --batch prefill:8192@65536
 }
 # the bf16 accuracy gates of the whole model (teacher-forced against the bf16 reference, no
-# less accurate than it against fp32; cut to 170 s of what is left of $BUDGET_S), then
-# forward_gates; records under $R
-gates() {
+# less accurate than it against fp32; cut to 170 s of what is left of $BUDGET_S):
+# $R/pytest_accuracy.log
+accuracy_gates() {
   local t
   t=$(cap 170); echo "== bf16 accuracy gates (${t}s)"
   ((t)) && timeout "$t" "${pt[@]}" -s tests/model/test_gpu_fastpath.py \
     -k "teacher_forced or no_less_accurate" > "$R/pytest_accuracy.log" 2>&1
   grep -E "^E  |context|median|passed|failed" "$R/pytest_accuracy.log" | head -12
+}
+# accuracy_gates, then forward_gates; records under $R
+gates() {
+  accuracy_gates
   forward_gates
 }
 # the V4-Flash checkpoint bench decode reads (v4-flash, 4 layers, 64 experts, bf16) at

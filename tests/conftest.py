@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 
 # Without a CUDA device, Triton kernels run under its interpreter on CPU tensors. The
@@ -13,3 +14,14 @@ if not torch.cuda.is_available():
 # The tiny test models are far too small to gain from intra-op threads, and with other
 # processes on the 2 cores (servers under test) spinning thread pools cost 10x.
 torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` skip without a CUDA device (``pytest -m gpu`` on a CPU machine
+    reports them skipped, not failed)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # A mid-session check of merged kernel work in one device call: the GPU-marked tests, bench
 # forward (default kernels, then the wide sparse-attention variant) and the launch profile.
-# Results in $OUT. Usage: bash benchmarks/gpu_check.sh
+# Results in $OUT. Usage: bash benchmarks/sessions/gpu_check.sh
 set -uo pipefail
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
-source "$(dirname "$0")/device_env.sh"
+source "$(dirname "$0")/../device_env.sh"
 RS=(python3 -c 'import sys; from rackserve.cli import main; sys.exit(main(sys.argv[1:]))')
 FLASH=(--preset v4-flash --layers 4 --experts 64 --iters 20 --warmup 3)
 echo "== bench forward"

@@ -4,7 +4,7 @@
 set -uo pipefail
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
-source "$(dirname "$0")/device_env.sh"
+source "$(dirname "$0")/../device_env.sh"
 RS=(python3 -c 'import sys; from rackserve.cli import main; sys.exit(main(sys.argv[1:]))')
 echo "== fast-path gates"
 timeout 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/model/test_gpu_fastpath.py \

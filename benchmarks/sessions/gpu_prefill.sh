@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Prefill and mixed steps in one device call (GPU fast path M3): bench forward, the prefill
-# profile and the GPU-marked tests. Results in $OUT. Usage: bash benchmarks/gpu_prefill.sh
+# profile and the GPU-marked tests. Results in $OUT. Usage: bash benchmarks/sessions/gpu_prefill.sh
 set -uo pipefail
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
-source "$(dirname "$0")/device_env.sh"
+source "$(dirname "$0")/../device_env.sh"
 RS=(python3 -c 'import sys; from rackserve.cli import main; sys.exit(main(sys.argv[1:]))')
 echo "== bench forward (prefill, mixed)"
 timeout 150 "${RS[@]}" bench forward --preset v4-flash --layers 4 --experts 64 --iters 10 \

@@ -3,12 +3,12 @@
 # alternating processes (run-to-run spread at decode:1 was ~7% this session), then the
 # GPU tests that make it a candidate default: mHC ops, graph replay and the fp32 fast path
 # with it on; last, the accuracy test that ran out of memory beside another worker.
-# Results in $OUT/mhc_ab.tgz.   Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/gpu_mhc_ab.sh
+# Results in $OUT/mhc_ab.tgz.   Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/sessions/gpu_mhc_ab.sh
 set -uo pipefail
 OUT=${OUT:-out/gpu}
 R="$OUT/r"
 mkdir -p "$R"
-source "$(dirname "$0")/device_env.sh"
+source "$(dirname "$0")/../device_env.sh"
 rs=(python3 -c 'import sys; from rackserve.cli import main; sys.exit(main(sys.argv[1:]))')
 FLASH=(--preset v4-flash --layers 4 --experts 64)
 B=(--batch decode:1@4096 --batch decode:2@4096 --batch decode:4@4096)

@@ -4,7 +4,7 @@
 set -uo pipefail
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
-source "$(dirname "$0")/device_env.sh"
+source "$(dirname "$0")/../device_env.sh"
 RS=(python3 -c 'import sys; from rackserve.cli import main; sys.exit(main(sys.argv[1:]))')
 echo "== profile"
 timeout 150 python3 benchmarks/profile_forward.py --batch prefill:2048 --batch prefill:8192 \
