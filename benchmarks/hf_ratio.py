@@ -23,6 +23,9 @@ def main(argv: list[str]) -> int:
             print(f"decode_{name}: no engine record ({e})")
             continue
         c, step = record["concurrency"], record["median_step_ms"]
+        if c not in hf:
+            print(f"decode_{name}: transformers did not run {c} requests")
+            continue
         print(f"decode_{name} @{record.get('context', '?')}: engine step {step:.2f} ms, "
               f"transformers {hf[c]:.2f} ms -> {hf[c] / step:.1f}x")  # fmt: skip
     return 0

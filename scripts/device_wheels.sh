@@ -14,8 +14,9 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manyl
   platforms+=(--platform "$p")
 done
 # engine messages and ZMQ (the CLI registers the router and kv-pool commands, which use it);
-# the server stack (fastapi, uvicorn, pydantic) with `all`
-pkgs=(msgspec pyzmq)
+# accelerate (+ psutil) for transformers' pre-quantized FP8 / FP4 checkpoints
+# (benchmarks/hf_decode.py); the server stack (fastapi, uvicorn, pydantic) with `all`
+pkgs=(msgspec pyzmq accelerate psutil)
 if [[ "${1:-}" == "all" ]]; then
   pkgs+=(fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection
     annotated-doc click h11 opentelemetry-api importlib-metadata zipp)

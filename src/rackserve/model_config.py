@@ -266,6 +266,9 @@ class ModelConfig:
             d.pop(k)
         if self.quantization is not None:
             d["quantization_config"] = self.quantization.to_hf()
+            # V4's own config.json gives it at the top level (V4.1 in quantization_config):
+            # transformers up to 5.17 reads it there only, later versions from either
+            d["expert_dtype"] = self.quantization.expert_dtype
         d.update(
             architectures=["DeepseekV4ForCausalLM"],
             model_type="deepseek_v4",

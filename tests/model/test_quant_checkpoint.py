@@ -245,7 +245,7 @@ def test_scale_grid_of_another_block_size(fp8_dir, tmp_path):
 def test_fp4_experts_without_expert_dtype(fp8_dir, tmp_path):
     path = shutil.copytree(fp8_dir, tmp_path / "c")
     cfg = json.loads((path / "config.json").read_text())
-    del cfg["quantization_config"]["expert_dtype"]
+    del cfg["quantization_config"]["expert_dtype"], cfg["expert_dtype"]  # both spellings
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="expert_dtype = 'fp4'"):
         load_model(path)
@@ -293,8 +293,10 @@ def test_cli_create_and_flags(tmp_path, capsys):
     args = ["model", "create", "--preset", "tiny", "--layers", "2", "--no-mtp"]
     assert main([*args, "--quantization", "fp8", "--scale-fmt", "float", "--out", str(out)]) == 0
     assert "fp8 linears, fp4 experts, float scales" in capsys.readouterr().out
-    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    written = json.loads((out / "config.json").read_text())
+    config = written["quantization_config"]
     assert config["weight_block_size"] == [128, 128] and config["expert_dtype"] == "fp4"
+    assert written["expert_dtype"] == "fp4"  # V4's spelling too (transformers <= 5.17 reads it)
     model = load_model(out)
     assert model.model.layers[1].ffn.experts.w2_scale.dtype == torch.float32
     assert quant_config(None) is None
