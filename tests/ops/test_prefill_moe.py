@@ -73,6 +73,30 @@ def test_moe_unpermute(moe, t, k, dim, dtype):
     check(moe.moe_unpermute(y, inverse, weights), reference.moe_unpermute, y, inverse, weights)
 
 
+@pytest.mark.parametrize("t,k,dim", [(1, 1, 64), (33, 6, 200), (130, 6, 2100)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_unpermute_extra(moe, t, k, dim, dtype):
+    """A [T, D] extra output (the shared expert run apart) is the last slot, weight 1: the
+    same as an extra row of y with that weight."""
+    g = torch.Generator().manual_seed(t * k + dim + 1)
+    y = torch.randn(t * k, dim, generator=g).to(dtype).to(DEVICE)
+    extra = torch.randn(t, dim, generator=g).to(dtype).to(DEVICE)
+    inverse = torch.randperm(t * k, generator=g).view(t, k).to(DEVICE)
+    weights = torch.rand(t, k, generator=g).to(DEVICE)
+    got = moe.moe_unpermute(y, inverse, weights, extra)
+    check(got, reference.moe_unpermute, y, inverse, weights, extra)
+    folded = reference.moe_unpermute(
+        torch.cat([y, extra]),
+        torch.cat([inverse, t * k + torch.arange(t, device=DEVICE)[:, None]], dim=1),
+        torch.cat([weights, torch.ones(t, 1, device=DEVICE)], dim=1),
+    )
+    assert torch.equal(reference.moe_unpermute(y, inverse, weights, extra), folded)
+    if dtype == torch.float32:
+        assert_fp32_close(got, folded)
+    with pytest.raises(ValueError, match="extra must be"):
+        moe.moe_unpermute(y, inverse, weights, extra[:, :-1])
+
+
 def test_moe_unpermute_int32_inverse_and_bad_input(moe):
     g = torch.Generator().manual_seed(0)
     y = torch.randn(12, 32, generator=g).to(DEVICE)

@@ -176,11 +176,13 @@ FUSED_MOE_MAX_TOKENS = 256
 
 
 def _moe_for(fused: Callable) -> Callable:
-    def moe(x, *args, **kwargs):
+    def moe(x, *args, shared_last: bool = False, **kwargs):
+        """``shared_last``: the picks' last column is the shared expert (the grouped path
+        may run it apart: ``grouped_moe.SHARED_APART``)."""
         if x.shape[0] <= FUSED_MOE_MAX_TOKENS:
             return fused(x, *args, **kwargs)
         if x.is_cuda and grouped_mm_supported(x):
-            return moe_experts_grouped(x, *args, **kwargs)
+            return moe_experts_grouped(x, *args, shared_last=shared_last, **kwargs)
         return reference.moe_experts(x, *args, **kwargs)
 
     return moe
@@ -263,7 +265,7 @@ def _moe_routed_for(
             x, gate_weight, bias, table, input_ids, top_k, scoring, scaling, shared, counts, mask,
             linear,
         )  # fmt: skip
-        return experts(x, ids, weights, w13, w2, limit)
+        return experts(x, ids, weights, w13, w2, limit, shared_last=shared is not None)
 
     return moe_routed
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from rackserve.ops import reference
+from rackserve.ops.side_stream import SideStream
 
 
 def _fast(name: str) -> Callable:
@@ -52,6 +53,14 @@ TILED = False
 # of 8 runs (2026-12-06-s27.md): prefill:8192 46.30 / 46.53 -> 46.11 / 45.78 ms,
 # prefill:8192@65536 76.54 / 77.09 -> 76.45 / 76.60.
 PERMUTE_BY_TOKEN = True
+# The shared expert (every token's last pick when ``shared_last``, its weights stacked last)
+# apart from the routed experts' grouped GEMMs: two dense GEMMs over x itself (no permuted
+# copy of x; cuBLAS's dense tiles over all T rows), its output added in the combine as the
+# last slot of weight 1 (the same sum in the same order). "beside": on the side stream,
+# beside the sort, the permute, the routed GEMMs and their SwiGLU (memory-bound passes next
+# to a compute-bound GEMM); "series": in line; None: one more group of the grouped GEMMs.
+# Prepared in session 29, which had no device time: gpu_s29c.sh times it.
+SHARED_APART: str | None = None
 
 
 def moe_experts_grouped(
@@ -61,22 +70,42 @@ def moe_experts_grouped(
     w13: torch.Tensor,
     w2: torch.Tensor,
     limit: float,
+    shared_last: bool = False,
 ) -> torch.Tensor:
     """Same contract as ``reference.moe_experts``.
 
     x: [T, D]; topk_ids, topk_weights: [T, k]; w13: [E, 2I, D]; w2: [E, D, I] -> [T, D].
+    shared_last: every token's last pick is the shared expert E - 1 with weight 1
+    (``route_fused``'s layout), which ``SHARED_APART`` runs apart.
     """
     if TILED and x.is_cuda:
         tiled = importlib.import_module("rackserve.ops.triton.prefill_experts")
         tiling = tiled.default_tiling(x.device)
         if tiled.supported(x, w13, w2, tiling):
             return tiled.moe_experts_tiled(x, topk_ids, topk_weights, w13, w2, limit, tiling)
+    if not (shared_last and SHARED_APART in ("series", "beside")):
+        y, inverse = _routed_rows(x, topk_ids, w13, w2, limit)
+        return _moe_unpermute(y, inverse, topk_weights)
+    side = SideStream.of(x.device) if SHARED_APART == "beside" else SideStream(None)
+    side.fork()
+    with side.active():
+        shared = F.linear(_swiglu_rows(F.linear(x, w13[-1]), limit), w2[-1])  # [T, D]
+    y, inverse = _routed_rows(x, topk_ids[:, :-1], w13[:-1], w2[:-1], limit)
+    side.join()
+    return _moe_unpermute(y, inverse, topk_weights[:, :-1], shared)
+
+
+def _routed_rows(
+    x: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, limit: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grouped GEMMs over the (token, pick) pairs: their outputs y [T*k, D] in expert
+    order and the row of y of each pair, inverse [T, k]."""
     token_of_row, inverse, offs = _moe_sort_pairs(topk_ids, w13.shape[0])
     # [T*k, D] sorted by expert
     rows = _moe_permute(x, inverse) if PERMUTE_BY_TOKEN else x.index_select(0, token_of_row)
     h = F.grouped_mm(rows, w13.transpose(1, 2), offs=offs)  # [T*k, 2I]
     y = F.grouped_mm(_swiglu_rows(h, limit), w2.transpose(1, 2), offs=offs)  # [T*k, D]
-    return _moe_unpermute(y, inverse, topk_weights)
+    return y, inverse
 
 
 def grouped_mm_supported(x: torch.Tensor) -> bool:

@@ -686,11 +686,21 @@ def swiglu_rows(h: torch.Tensor, limit: float) -> torch.Tensor:
     return swiglu(gate, up, limit).to(h.dtype)
 
 
-def moe_unpermute(y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def moe_unpermute(
+    y: torch.Tensor,
+    inverse: torch.Tensor,
+    weights: torch.Tensor,
+    extra: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The grouped MoE's combine: y [N, D] expert outputs in expert order; inverse [T, k]
-    the row of y of each (token, slot); weights [T, k]. Returns [T, D] in y's dtype:
-    sum_j weights[t, j] * y[inverse[t, j]], summed in slot order in float32."""
-    return (y[inverse].float() * weights.float().unsqueeze(-1)).sum(dim=1).to(y.dtype)
+    the row of y of each (token, slot); weights [T, k]; extra: an optional [T, D] output of
+    weight 1 taken as the last slot (the shared expert run apart). Returns [T, D] in y's
+    dtype: sum_j weights[t, j] * y[inverse[t, j]] (+ extra[t]), summed in slot order in
+    float32."""
+    out = y[inverse].float() * weights.float().unsqueeze(-1)
+    if extra is not None:
+        out = torch.cat([out, extra.float().unsqueeze(1)], dim=1)
+    return out.sum(dim=1).to(y.dtype)
 
 
 def moe_routed(

@@ -1,7 +1,8 @@
 """A second CUDA stream for work that need not wait for the main stream's next kernels
 (graph-capturable fork and join). The attention runs a CSA layer's indexer on it beside the
 q projection (``Attention._indexer_beside_q``), the decode MoE its shared expert beside the
-router (``moe_routed``'s ``shared_beside``)."""
+router (``moe_routed``'s ``shared_beside``), the grouped prefill MoE its shared expert beside
+the routed experts (``grouped_moe.SHARED_APART``)."""
 
 from __future__ import annotations
 

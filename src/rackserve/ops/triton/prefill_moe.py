@@ -19,9 +19,10 @@ expert, D hidden, I expert width, E experts.
   silu(min(gate, limit)) * clamp(up, -limit, limit) in fp32, rounded once.
   Grid (cdiv(N, BLOCK_M), cdiv(I, BLOCK_I)).
 - ``moe_unpermute``: y [N, D] (the w2 grouped GEMM's output, expert order), inverse [T, k]
-  (the row of y of each (token, slot)), weights [T, k] -> out [T, D] =
-  sum_j weights[t, j] * y[inverse[t, j]], the k slots summed in order in fp32 (no atomics:
-  deterministic), rounded once. Grid (T, cdiv(D, BLOCK_D)).
+  (the row of y of each (token, slot)), weights [T, k], optionally extra [T, D] (the shared
+  expert run apart, a last slot of weight 1) -> out [T, D] =
+  sum_j weights[t, j] * y[inverse[t, j]] (+ extra[t]), the slots summed in order in fp32
+  (no atomics: deterministic), rounded once. Grid (T, cdiv(D, BLOCK_D)).
 
 Each equals its ``ops.reference`` namesake (``moe_permute`` exactly, the others up to the
 final rounding); grids depend on the shapes only (no host sync).
@@ -125,8 +126,14 @@ def swiglu_rows(h: torch.Tensor, limit: float) -> torch.Tensor:
     return out
 
 
-def moe_unpermute(y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """y: [N, D]; inverse: [T, k] int (rows of y); weights: [T, k] float -> [T, D] y.dtype."""
+def moe_unpermute(
+    y: torch.Tensor,
+    inverse: torch.Tensor,
+    weights: torch.Tensor,
+    extra: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y: [N, D]; inverse: [T, k] int (rows of y); weights: [T, k] float; extra: None or
+    [T, D] in y's dtype (the last slot, weight 1) -> [T, D] y.dtype."""
     if y.dim() != 2 or y.dtype not in _DTYPES:
         raise ValueError(f"y must be [N, D] in {_DTYPES}, got {tuple(y.shape)} {y.dtype}")
     if inverse.dim() != 2 or inverse.dtype not in (torch.int32, torch.int64):
@@ -136,19 +143,26 @@ def moe_unpermute(y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor)
             f"weights must be float {tuple(inverse.shape)}, got {tuple(weights.shape)} "
             f"{weights.dtype}"
         )
-    if y.stride(1) != 1:
-        y = y.contiguous()
-    inverse, weights = inverse.contiguous(), weights.to(torch.float32).contiguous()
     num_tokens, k = inverse.shape
     dim = y.shape[1]
+    if extra is not None and (tuple(extra.shape) != (num_tokens, dim) or extra.dtype != y.dtype):
+        raise ValueError(
+            f"extra must be [{num_tokens}, {dim}] {y.dtype}, got {tuple(extra.shape)} {extra.dtype}"
+        )
+    if y.stride(1) != 1:
+        y = y.contiguous()
+    if extra is not None and extra.stride(1) != 1:
+        extra = extra.contiguous()
+    inverse, weights = inverse.contiguous(), weights.to(torch.float32).contiguous()
     out = _empty((num_tokens, dim), y.dtype, y.device)
     if out.numel() == 0:
         return out
     block_d = min(2048, triton.next_power_of_2(dim))
     grid = (num_tokens, triton.cdiv(dim, block_d))
     unpermute_kernel[grid](
-        y, inverse, weights, out, dim, k, y.stride(0), out.stride(0),
-        BLOCK_D=block_d, num_warps=4,
+        y, inverse, weights, out, extra if extra is not None else out, dim, k, y.stride(0),
+        out.stride(0), extra.stride(0) if extra is not None else 0,
+        HAS_EXTRA=extra is not None, BLOCK_D=block_d, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -171,8 +185,8 @@ def swiglu_kernel(h_ptr, out_ptr, num_rows, inter, limit, stride_h, stride_o,
 
 
 @triton.jit
-def unpermute_kernel(y_ptr, inverse_ptr, w_ptr, out_ptr, dim, k, stride_y, stride_o,
-                     BLOCK_D: tl.constexpr):  # fmt: skip
+def unpermute_kernel(y_ptr, inverse_ptr, w_ptr, out_ptr, extra_ptr, dim, k, stride_y, stride_o,
+                     stride_e, HAS_EXTRA: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_ok = cols < dim
@@ -181,6 +195,8 @@ def unpermute_kernel(y_ptr, inverse_ptr, w_ptr, out_ptr, dim, k, stride_y, strid
         row = tl.load(inverse_ptr + t * k + j).to(tl.int64)
         w = tl.load(w_ptr + t * k + j)
         acc += w * tl.load(y_ptr + row * stride_y + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if HAS_EXTRA:  # the last slot, weight 1
+        acc += tl.load(extra_ptr + t * stride_e + cols, mask=col_ok, other=0.0).to(tl.float32)
     out_ty = out_ptr.dtype.element_ty
     tl.store(out_ptr + t * stride_o + cols, round_as(acc, out_ty).to(out_ty), mask=col_ok)
 
