@@ -561,6 +561,33 @@ def test_v4_flash_sizes_on_gpu(mhc, t, dtype, precision):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("t", [2048, 8192])
+def test_fused_prologue_at_prefill_sizes_on_gpu(mhc, t):
+    """hc_post_pre with the expand in K1's prologue at prefill sizes (``post_apart`` off:
+    ``gpu_s29c.sh`` times it against the default) within the bf16 rules of the references,
+    and within one rounding of the streams of the default's outputs."""
+    d = 4096
+    args = hc_pre_args(t, d, seed=t + 1, dtype=torch.bfloat16)
+    streams = args[0]
+    _, post, comb = mhc.hc_pre(*args)
+    block_out = torch.randn(t, d, device=DEVICE).bfloat16()
+    call = (streams, block_out, post, comb, *args[1:])
+    default = mhc.default_tiling(t, N, d, torch.device(DEVICE), torch.bfloat16)
+    assert default.post_apart
+    want = mhc.hc_post_pre(*call)
+    got = mhc.hc_post_pre(*call, tiling=dataclasses.replace(default, post_apart=False))
+    post32 = reference.hc_post(streams.float(), block_out.float(), post, comb)
+    assert_bf16_close(got[0], reference.hc_post(streams, block_out, post, comb), post32)
+    pre_bf16 = reference.hc_pre(got[0], *args[1:])
+    pre_fp32 = reference.hc_pre(got[0].float(), *args[1:])
+    for g, rb, rf in zip(got[1:], pre_bf16, pre_fp32, strict=True):
+        assert_bf16_close(g, rb, rf)
+    for a, b in zip(want, got, strict=True):
+        torch.testing.assert_close(b.float(), a.float(), rtol=2**-7, atol=2**-7)
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_cuda_graph_replay_is_bitwise_equal_to_eager(mhc):
     """Captured once, replayed on new inputs copied into the static buffers."""
     t, d = 64, 4096
