@@ -225,3 +225,26 @@ def test_mixed_step_fast_matches_reference():
     assert torch.equal(out["fast"].argmax(-1), out["ref"].argmax(-1))
     for req in (0, 1):
         assert_same_caches(caches["fast"], caches["ref"], req, req)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_head_rows_are_those_rows_of_the_whole_head(kernels):
+    """``head_rows``: the hyper head and norm on the rows that need logits only (the
+    runner's and bench forward's prefill path) give those rows of the whole hidden state
+    (the Triton mHC bitwise; the reference's matmul within fp32 rounding) and the same
+    streams and caches."""
+    model = use_kernels(tiny_model(3), ops.kernels(kernels))
+    ids = prompt(90)
+    rows = torch.tensor([0, 45, 89])
+    out = {}
+    for name, head_rows in (("whole", None), ("rows", rows)):
+        cache = ContiguousCache(model, 1, 90)
+        hidden, streams = model(ids, cache.batch([0], [90], [0]), cache.tensors, None, head_rows)
+        out[name] = hidden, streams, cache
+    (whole, streams, cache), (got, got_streams, got_cache) = out["whole"], out["rows"]
+    assert got.shape == (3, whole.shape[1]) and torch.equal(got_streams, streams)
+    if kernels == "triton":
+        assert torch.equal(got, whole[rows])
+    assert relative(got, whole[rows]) <= 1e-6
+    assert_same_caches(got_cache, cache)

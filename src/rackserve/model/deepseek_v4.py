@@ -177,10 +177,14 @@ class DeepseekV4Model(nn.Module):
         meta: StepMetadata,
         caches: KVCacheTensors,
         expert_counts: torch.Tensor | None = None,
+        head_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids: [T] -> (normed hidden [T, D], final streams [T, N, D]).
 
         expert_counts: optional [num_layers, E] accumulator of routed tokens per expert.
+        head_rows: optional [S] rows of the hidden states wanted (the rows that need
+        logits): the hyper head (which reads all N streams) and the norm run on those only
+        and hidden is [S, D]; the streams stay whole.
         """
         x = self.embed_tokens(input_ids)
         # the streams start as copies of x; torch.cat copies in wide vectors where a strided
@@ -202,7 +206,8 @@ class DeepseekV4Model(nn.Module):
             streams, attn_in = layer.run(
                 streams, input_ids, meta, caches, counts, attn_in, nxt, rope[layer.attn.rotary]
             )
-        return self.hc_head(streams, self.norm), streams
+        head_in = streams if head_rows is None else streams.index_select(0, head_rows)
+        return self.hc_head(head_in, self.norm), streams
 
 
 class DeepseekV4ForCausalLM(nn.Module):
@@ -245,9 +250,11 @@ class DeepseekV4ForCausalLM(nn.Module):
         meta: StepMetadata,
         caches: KVCacheTensors,
         expert_counts: torch.Tensor | None = None,
+        head_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (hidden [T, D], final streams [T, N, D]); logits via ``compute_logits``."""
-        return self.model(input_ids, meta, caches, expert_counts)
+        """Returns (hidden [T, D] (or of ``head_rows`` only), final streams [T, N, D]);
+        logits via ``compute_logits``."""
+        return self.model(input_ids, meta, caches, expert_counts, head_rows)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [S, D] (only the rows that need logits) -> [S, V] float32, into ``out``

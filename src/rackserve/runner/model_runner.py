@@ -244,11 +244,15 @@ class ModelRunner:
             else:
                 graphs = self.prefill_graphs
                 prefill_key = graphs.key_for(inputs) if graphs is not None else None
+                # every row's hidden state where a request asks for its prompt's logprobs;
+                # else the hyper head runs on the rows that need logits only
+                all_rows = any(r.sampling_params.prompt_logprobs is not None for r in reqs)
                 if prefill_key is not None:  # a prefill / mixed step from its graph
                     assert graphs is not None
                     hidden, expert_counts, logits_indices = graphs.run(
                         prefill_key, inputs, step.table_writes, feed
                     )
+                    sampled = hidden[logits_indices]
                 else:
                     input_ids, meta, logits_indices = self.buffers.eager_step(
                         inputs, step.table_writes
@@ -256,12 +260,17 @@ class ModelRunner:
                     if feed is not None:
                         feed(input_ids)
                     expert_counts = self.expert_counts.zero_()
-                    hidden, streams = self.model(input_ids, meta, self.caches, expert_counts)
-                prompt_logprobs = accumulate_prompt_logprobs(
-                    self.model.compute_logits, reqs, inputs.query_start_loc,
-                    inputs.num_computed_tokens, hidden,
-                )  # fmt: skip
-                logits = self.model.compute_logits(hidden[logits_indices])  # [S', V]
+                    head_rows = None if all_rows else logits_indices
+                    hidden, streams = self.model(
+                        input_ids, meta, self.caches, expert_counts, head_rows
+                    )
+                    sampled = hidden if head_rows is not None else hidden[logits_indices]
+                if all_rows:
+                    prompt_logprobs = accumulate_prompt_logprobs(
+                        self.model.compute_logits, reqs, inputs.query_start_loc,
+                        inputs.num_computed_tokens, hidden,
+                    )  # fmt: skip
+                logits = self.model.compute_logits(sampled)  # [S', V]
             if token_ids is not None:  # graph-safe sampling asks no logprobs
                 out = SamplerOutput(token_ids, logprobs=None)
             else:
