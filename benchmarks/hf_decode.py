@@ -1,6 +1,8 @@
 """transformers' DeepseekV4ForCausalLM decode step on the same checkpoint (GPU; bf16, or a
-pre-quantized FP8 / FP4 checkpoint, which transformers runs through its fine-grained FP8
-modules: the ``accelerate`` wheel must be carried).
+pre-quantized FP8 / FP4 checkpoint: transformers needs the ``accelerate`` wheel for it and
+runs it on its fine-grained FP8 kernels, which the ``kernels`` package fetches from the HF
+hub; without them (the device has no network) it dequantizes the checkpoint to bf16 at
+load, which the record says).
 
 Per-step decode time = (time of generating N2 tokens - time of generating N1) / (N2 - N1),
 greedy, from a batch of random prompts of --context tokens: prefill and set-up cancel.
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -49,6 +52,20 @@ def in_checkpoint_dtype(model):
     return model
 
 
+def fp8_kernels_loadable() -> bool:
+    """Whether transformers can run pre-quantized FP8 / FP4 weights: its kernels come from
+    the HF hub through the ``kernels`` package (offline: the hub's cache only)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no waiting on a network that is not there
+    try:
+        from transformers.integrations.finegrained_fp8 import load_finegrained_fp8_kernel
+
+        load_finegrained_fp8_kernel()
+    except Exception as e:  # ImportError, or the hub client's own errors
+        print(f"transformers' FP8 kernels: {type(e).__name__}: {e}"[:300], flush=True)
+        return False
+    return True
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
@@ -60,9 +77,19 @@ def main() -> None:
     p.add_argument("--device", default="cuda", help="cpu: a smoke run (timings mean nothing)")
     args = p.parse_args()
     device = torch.device(args.device)
-    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16)
+    config = transformers.AutoConfig.from_pretrained(args.model)
+    quantized = getattr(config, "quantization_config", None) is not None
+    dequantize = quantized and not fp8_kernels_loadable()
+    extra = {}
+    if dequantize:
+        print("transformers: its FP8 kernels did not load (they come from the HF hub): the "
+              "checkpoint is dequantized to bf16 at load", flush=True)  # fmt: skip
+        extra["quantization_config"] = transformers.FineGrainedFP8Config(dequantize=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        args.model, dtype=torch.bfloat16, **extra
+    )
     model = in_checkpoint_dtype(model).to(device).eval()
-    quantization = getattr(model.config, "quantization_config", None)
+    quantization = config.quantization_config if quantized else None
     vocab = model.config.vocab_size
     results = []
     for b in (int(x) for x in args.batch.split(",")):
@@ -77,6 +104,7 @@ def main() -> None:
                 "kind": "hf_decode",
                 "transformers": transformers.__version__,
                 "quantization": getattr(quantization, "to_dict", lambda: quantization)(),
+                "dequantized_at_load": dequantize,
                 "batch": b,
                 "context": args.context,
                 "step_ms": step_ms,

@@ -6,10 +6,11 @@
 # (results/2026-12-06-s28.md, section 1); the FP4 experts carry a quarter of the expert
 # bytes. The checkpoint: v4-flash, 4 layers, 64 experts, `model create --quantization fp8
 # --expert-dtype fp4`; bench decode at 1 and 64 requests (sync, async) and transformers'
-# decode step on it (its fine-grained FP8 modules: accelerate and psutil are carried in
-# .whl/ since session 29; transformers <= 5.17 reads `expert_dtype` at config.json's top
-# level, written there since session 29), then bench forward FP8 / FP4 against bf16 at the
-# decode gates. Records under $R/fp8_fp4.
+# decode step on it (accelerate and psutil carried in .whl/ since session 29; transformers
+# <= 5.17 reads `expert_dtype` at config.json's top level, written there since session 29;
+# its FP8 kernels come from the HF hub, so offline hf_decode.py has it dequantize the
+# checkpoint to bf16 at load and says so in the record), then bench forward FP8 / FP4
+# against bf16 at the decode gates. Records under $R/fp8_fp4.
 # Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/sessions/gpu_s29b.sh     (BUDGET_S: seconds)
 set -uo pipefail
 BUDGET_S=${BUDGET_S:-480}
