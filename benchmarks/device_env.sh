@@ -40,22 +40,28 @@ from rackserve.cli import main; sys.exit(main(sys.argv[2:]))" "$code" bench forw
     --preset v4-flash --layers 4 --experts 64 --output "$output" "$@" 2>&1 \
     | grep -E "^prefill|^decode|Error"
 }
-# bench decode at 1 and 64 requests (synchronous and --async-scheduling) next to
-# transformers' decode step on the same checkpoint (v4-flash, 4 layers, 64 experts, context
-# 512), records and the ratios under $R; the steps' limits cut to what is left of $BUDGET_S
-decode_vs_transformers() {
-  local t c
-  flash4 170
-  local mode flag
+# bench decode at 1 and 64 requests, synchronous and --async-scheduling (context 512), on
+# the checkpoint $1: records $2/decode_<requests>_<mode>.json, each run cut to 45 s of what
+# is left of $BUDGET_S
+engine_decode() {
+  local model=$1 dir=$2 c mode t flag
   for c in 1 64; do
     for mode in sync async; do  # the gates' figures are the async ones (sessions 6, 8)
       flag=(--no-async-scheduling); [[ $mode == async ]] && flag=(--async-scheduling)
       t=$(cap 45); echo "== bench decode, $c requests, $mode (${t}s)"
-      ((t)) && [[ -d /tmp/flash4 ]] && timeout "$t" "${rs[@]}" bench decode --model /tmp/flash4 \
+      ((t)) && [[ -d $model ]] && timeout "$t" "${rs[@]}" bench decode --model "$model" \
         --concurrency $c --context 512 --steps 30 --warmup 5 --kv-cache-memory 8000000000 \
-        "${flag[@]}" --output "$R/decode_${c}_$mode.json" 2>&1 | tail -1
+        "${flag[@]}" --output "$dir/decode_${c}_$mode.json" 2>&1 | tail -1
     done
   done
+}
+# engine_decode next to transformers' decode step on the same checkpoint (v4-flash, 4
+# layers, 64 experts, context 512), records and the ratios under $R; the steps' limits cut
+# to what is left of $BUDGET_S
+decode_vs_transformers() {
+  local t
+  flash4 170
+  engine_decode /tmp/flash4 "$R"
   t=$(cap 150); echo "== transformers (${t}s)"
   ((t)) && [[ -d /tmp/flash4 ]] && timeout "$t" python3 benchmarks/hf_decode.py \
     --model /tmp/flash4 --batch 1,64 --context 512 --output "$R/hf_decode.json" 2>&1 | tail -2

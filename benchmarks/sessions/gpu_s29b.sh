@@ -23,15 +23,7 @@ python3 -c 'import accelerate, transformers; print("accelerate", accelerate.__ve
 t=$(cap 170); echo "== model create, fp8 linears and fp4 experts (${t}s)"
 ((t)) && timeout "$t" "${rs[@]}" model create --preset v4-flash --layers 4 --experts 64 \
   --dtype bfloat16 --no-mtp --quantization fp8 --expert-dtype fp4 --out /tmp/flash4q 2>&1 | tail -1
-for c in 1 64; do
-  for mode in sync async; do
-    flag=(--no-async-scheduling); [[ $mode == async ]] && flag=(--async-scheduling)
-    t=$(cap 50); echo "== bench decode fp8/fp4, $c requests, $mode (${t}s)"
-    ((t)) && [[ -d /tmp/flash4q ]] && timeout "$t" "${rs[@]}" bench decode --model /tmp/flash4q \
-      --concurrency $c --context 512 --steps 30 --warmup 5 --kv-cache-memory 8000000000 \
-      "${flag[@]}" --output "$Q/decode_${c}_$mode.json" 2>&1 | tail -1
-  done
-done
+engine_decode /tmp/flash4q "$Q"
 t=$(cap 200); echo "== transformers on the fp8/fp4 checkpoint (${t}s)"
 ((t)) && [[ -d /tmp/flash4q ]] && timeout "$t" python3 benchmarks/hf_decode.py \
   --model /tmp/flash4q --batch 1,64 --context 512 --output "$Q/hf_decode.json" \
