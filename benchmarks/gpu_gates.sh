@@ -11,7 +11,8 @@
 #             fp32 fast path against the references, graph replay against eager, seeded
 #             sampling batch-invariant, ring tables (cut to what is left of the budget)
 # Usage: RACKSERVE_COMMIT=<sha> [PARTS="forward decode"] [BUDGET_S=585] bash benchmarks/gpu_gates.sh
-# Results under $OUT/r, packed into $OUT/gates.tgz.
+# Results under $OUT/r, packed into $OUT/gates.tgz; benchmarks/gates.py prints the gates met
+# or not (a table for the record) and writes them to gates.json.
 set -uo pipefail
 BUDGET_S=${BUDGET_S:-585}
 PARTS=" ${PARTS:-accuracy forward decode tests} "
@@ -35,5 +36,7 @@ if on tests; then
     > "$R/pytest_gates.log" 2>&1
   grep -E "^hit|^chunks|passed|failed|skipped|FAILED" "$R/pytest_gates.log" | tail -16
 fi
+echo "== the gates"
+python3 benchmarks/gates.py "$R" --output "$R/gates.json"
 ls "$R"; (cd "$OUT" && tar czf gates.tgz r && rm -rf r)
 echo "== done in ${SECONDS}s"
