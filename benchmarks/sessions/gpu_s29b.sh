@@ -30,6 +30,7 @@ t=$(cap 200); echo "== transformers on the fp8/fp4 checkpoint (${t}s)"
   > "$Q/hf_decode.log" 2>&1
 grep -vE "Loading weights|Warning" "$Q/hf_decode.log" | tail -4
 python3 benchmarks/hf_ratio.py "$Q" 1_sync 1_async 64_sync 64_async
+python3 benchmarks/gates.py "$Q" --output "$Q/gates.json"
 # the forward alone, FP8/FP4 against bf16 (bench forward quantizes the random weights itself)
 t=$(cap 60); echo "== bench forward bf16 (${t}s)"
 ((t)) && forward_with 'pass' "$R/forward_bf16.json" --iters 20 --warmup 3 \
