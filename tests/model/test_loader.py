@@ -211,3 +211,13 @@ def test_mtp_layer_runs_over_the_paged_cache(tiny_dir: Path):
     assert hidden.shape == mtp_hidden.shape == (39, model.cfg.hidden_size)
     assert logits.shape == (39, model.cfg.vocab_size) and torch.isfinite(logits).all()
     assert not torch.allclose(logits, main_logits)
+    # the MTP head on the drafting rows only (head_rows): those rows, the same streams
+    rows = torch.tensor([3, 38])
+    with torch.inference_mode():
+        again = ContiguousCache(model, 1, 41)
+        model(ids[:-1], again.batch([0], [39], [0]), again.tensors)
+        some, x = model.mtp_forward(0, ids[1:], streams, batch, again.tensors, head_rows=rows)
+        none, _ = model.mtp_forward(0, ids[1:], streams, batch, again.tensors, rows[:0])
+    assert some.shape == (2, model.cfg.hidden_size) and none.shape == (0, model.cfg.hidden_size)
+    torch.testing.assert_close(some, mtp_hidden[rows], rtol=1e-6, atol=1e-6)
+    assert x.shape == streams.shape

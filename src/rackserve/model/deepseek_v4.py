@@ -271,15 +271,18 @@ class DeepseekV4ForCausalLM(nn.Module):
         streams: torch.Tensor,
         meta: StepMetadata,
         caches: KVCacheTensors,
+        head_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP layer k. next_ids: [T] (token t+1); streams: [T, N, D] at t; ``meta``
-        positions are those of the next tokens. Returns (hidden [T, D], streams)."""
+        positions are those of the next tokens. Returns (hidden [T, D], streams);
+        ``head_rows``: as the model's (hidden of those rows only)."""
         layer = self.mtp[k]
         e = layer.enorm(self.model.embed_tokens(next_ids))  # [T, D]
         h = layer.hnorm(streams)  # [T, N, D]
         x = layer.eh_proj(torch.cat([e.unsqueeze(1).expand_as(h), h], dim=-1))
         x = layer.block(x, next_ids, meta, caches)
-        return layer.hc_head(x, layer.norm), x
+        head_in = x if head_rows is None else x.index_select(0, head_rows)
+        return layer.hc_head(head_in, layer.norm), x
 
     def cast(self, dtype: torch.dtype) -> DeepseekV4ForCausalLM:
         """Cast to ``dtype``, with the reference's float32 parameters in float32 and

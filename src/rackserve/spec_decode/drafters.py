@@ -121,14 +121,17 @@ class MTPProposer(Proposer):
         max_len = max(pos) + 1
         meta = self._meta(positions, self._device(req), rows, max_len)
         streams = step.streams[self._device(idx)]
-        hidden, x = self.model.mtp_forward(0, self._device(nxt), streams, meta, self.caches)
+        # the MTP head on the rows that draft only (none: the layer runs for its caches)
+        last_dev = self._device(last)
+        hidden, x = self.model.mtp_forward(
+            0, self._device(nxt), streams, meta, self.caches, head_rows=last_dev
+        )
         if not wanted:
             self.distributions.keep([], [], None, [])
             return [[] for _ in step.num_kept]
-        last_dev = self._device(last)
         chain = self._chain_start(step, wanted)  # [W] position of draft 1
         sampling = step.draft_sampling(wanted)
-        draft, q = self._draft(self.model.compute_logits(hidden[last_dev]), sampling, chain)
+        draft, q = self._draft(self.model.compute_logits(hidden), sampling, chain)
         drafts, probs = [draft], [q]
         x, positions = x[last_dev], positions[last_dev]  # [W, N, D], [W]
         token_req = torch.arange(len(wanted), device=self.device)
