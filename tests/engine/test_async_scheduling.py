@@ -166,6 +166,47 @@ def test_graph_decode_steps_take_the_fed_tokens(engines):
     assert sum(used) >= 5 and same(got, drive(sync, reqs))
 
 
+def test_prompt_logprobs_steps_leave_the_prefill_graphs(engines):
+    """The prefill graphs run the hyper head on the sampled rows only: a step holding a
+    request that asks for its prompt's logprobs (every row's hidden state) runs eagerly,
+    the others from the graphs (uncaptured: eagerly on their static buffers); tokens,
+    logprobs and prompt logprobs equal the synchronous engine's without graphs."""
+    sync, asyn = engines
+    runner = asyn.runner
+    runner.prefill_graphs = PrefillGraphs(
+        asyn.model, runner.caches, runner.buffers, runner.buffers.groups, [64], [512],
+        max_sampled_rows=8,
+    )  # fmt: skip
+    served = []
+    run = runner.prefill_graphs.run
+    runner.prefill_graphs.run = lambda *a: served.append(a[1]) or run(*a)
+    with_prompt = dataclasses.replace(GREEDY, prompt_logprobs=2)
+    ps = list(prompts(4, 29).values())
+    reqs = {f"g{i}": (p, with_prompt if i == 1 else GREEDY) for i, p in enumerate(ps)}
+
+    def prompt_logprobs(core) -> list:
+        got = []
+        for req_id, (ids, params) in reqs.items():
+            core.add_request(EngineCoreRequest(f"{req_id}.{id(core)}", ids, params, time.time()))
+        while core.has_unfinished_requests():
+            got += [o.prompt_logprobs for o in core.step().outputs if o.prompt_logprobs]
+        return got
+
+    try:
+        got = prompt_logprobs(asyn)
+    finally:
+        runner.prefill_graphs = None
+    want = prompt_logprobs(sync)
+    assert len(got) == len(want) == 1 and len(got[0]) == len(ps[1])
+    for a, b in zip(got[0][1:], want[0][1:], strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    assert served  # the other requests' steps took the graphs
+    assert all(len(i.logits_indices) <= 8 for i in served)
+    assert same(drive(asyn, {k + "x": v for k, v in reqs.items() if k != "g1"}),
+                drive(sync, {k + "x": v for k, v in reqs.items() if k != "g1"}))  # fmt: skip
+
+
 def test_prefill_graph_steps_take_the_fed_tokens(engines):
     """The prefill-graph path (uncaptured: run eagerly on its static buffers, every token
     a closing candidate, padded to 64 tokens): chunked prefills and mixed steps whose decode

@@ -114,10 +114,12 @@ def test_padded_prefill_graph_step_equals_eager(model, batch):
     assert graphs.buckets == [bucket]  # no graph past PREFILL_GRAPH_MAX_CONTEXT
     key = graphs.key_for(inputs)
     assert key == (256, bucket)
-    got, graph_counts, indices = graphs.run(key, inputs, padded.step.table_writes)
-    assert got.shape == hidden.shape and torch.equal(indices, logits_indices)
-    torch.testing.assert_close(model.compute_logits(got[indices]), expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got, hidden, rtol=1e-5, atol=1e-5)
+    # the hyper head on the sampled rows only: their hidden states, in logits_indices order
+    assert graphs.max_sampled == 256 and len(logits_indices) < len(inputs.input_ids)
+    got, graph_counts = graphs.run(key, inputs, padded.step.table_writes)
+    assert got.shape == (len(logits_indices), hidden.shape[1])
+    torch.testing.assert_close(got, hidden[logits_indices], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.compute_logits(got), expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(graph_counts, counts)  # padded tokens route but are not counted
     for name, per_layer in eager.caches.tensors.items():
         for layer, t in per_layer.items():  # block 0 (null) takes the padding's writes
@@ -137,6 +139,15 @@ def test_prefill_graphs_leave_decode_and_long_steps(model):
     assert graph_serves(longer) and graphs.key_for(longer) is None  # past this one's 256
     longest = synthetic_step(model, BatchSpec.parse("prefill:2100")).step.inputs
     assert not graph_serves(longest)
+    # more sampled rows than the graphs' bound (the runner's requests a step): eager
+    mixed = synthetic_step(model, BatchSpec.parse("mixed:60@21+3@70"))
+    assert len(mixed.step.inputs.logits_indices) == 4
+    for bound, served in ((3, False), (4, True)):
+        buffers = StepBuffers(mixed.groups, mixed.input_batch.block_tables, "cpu")
+        graphs = PrefillGraphs(
+            model, mixed.caches, buffers, mixed.groups, [256], [4096], max_sampled_rows=bound
+        )
+        assert (graphs.key_for(mixed.step.inputs) is not None) == served
 
 
 def test_captures_run_with_the_collector_frozen():

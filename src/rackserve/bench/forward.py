@@ -181,7 +181,9 @@ def time_forward(
             graphs = DecodeGraphs(model, caches, buffers, synthetic.groups, [num_reqs], bucket)
         else:
             size = next(t for t in PREFILL_GRAPH_TOKENS if t >= len(inputs.input_ids))
-            graphs = PrefillGraphs(model, caches, buffers, synthetic.groups, [size], bucket)
+            graphs = PrefillGraphs(
+                model, caches, buffers, synthetic.groups, [size], bucket, max_sampled_rows=num_reqs
+            )
         buffers.apply_writes(*buffers.upload(list(writes)))
         graphs.capture(log=False)
         key = graphs.key_for(inputs)
@@ -191,7 +193,7 @@ def time_forward(
         def run() -> None:
             out = graphs.run(key, inputs, empty)
             if isinstance(graphs, PrefillGraphs):  # the sampled rows' logits, as the runner
-                model.compute_logits(out[0][out[2]])
+                model.compute_logits(out[0])
 
     else:
         input_ids, meta, logits_indices = buffers.eager_step(inputs, writes)

@@ -210,11 +210,12 @@ class _StepGraphs:
             token_mask=token_mask,
         )
 
-    def hidden(self, b: int, bucket: int) -> torch.Tensor:
-        """The forward from the static buffers: metadata, then the model: hidden [b, D]."""
+    def hidden(self, b: int, bucket: int, head_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The forward from the static buffers: metadata, then the model: hidden [b, D]
+        (``head_rows``: of those rows only)."""
         meta = self.metadata(b, bucket)
         self.expert_counts.zero_()
-        hidden, _ = self.model(self.input_ids[:b], meta, self.caches, self.expert_counts)
+        hidden, _ = self.model(self.input_ids[:b], meta, self.caches, self.expert_counts, head_rows)
         return hidden
 
     def forward(self, b: int, bucket: int) -> torch.Tensor:
@@ -367,9 +368,12 @@ class PrefillGraphs(_StepGraphs):
     """Graphs of the steps ``DecodeGraphs`` does not serve: prefill chunks and mixed steps of
     up to ``max(sizes)`` tokens, padded to the next captured size (padded tokens at position
     0 on the null row, masked), in context buckets up to ``PREFILL_GRAPH_MAX_CONTEXT``. The
-    captured region is ``DecodeGraphs``' without the logits: it returns the hidden states
-    [T, D], of which the runner takes the sampled rows' logits (and prompt logprobs)
-    eagerly. Every token is a closing candidate of the compressors, as in a decode graph."""
+    captured region is ``DecodeGraphs``' without the logits, with the hyper head on the
+    step's sampled rows only (their indices in a static buffer of ``max_sampled_rows``
+    entries, padded with row 0): it returns their hidden states, of which the runner takes
+    the logits eagerly. A step with more sampled rows runs eagerly, as does one that wants
+    every row's hidden state (prompt logprobs: the runner's choice). Every token is a
+    closing candidate of the compressors, as in a decode graph."""
 
     def __init__(
         self,
@@ -379,17 +383,28 @@ class PrefillGraphs(_StepGraphs):
         groups: Sequence[CacheGroupSpec],
         sizes: Sequence[int],
         buckets: Sequence[int],
+        max_sampled_rows: int | None = None,
     ) -> None:
+        """``max_sampled_rows``: the most rows a step samples (the runner's requests a step;
+        None: any number up to the largest size)."""
         super().__init__(model, caches, buffers, groups, sizes, prefill_graph_buckets(buckets))
+        self.max_sampled = max(sizes) if max_sampled_rows is None else max_sampled_rows
+        self.sampled_rows = torch.zeros(self.max_sampled, dtype=torch.int64, device=buffers.device)
+
+    def _num_head_rows(self, t: int) -> int:
+        return min(t, self.max_sampled)
 
     def forward(self, t: int, bucket: int) -> torch.Tensor:
-        """The captured region: metadata from the static buffers, forward: hidden [t, D]."""
-        return self.hidden(t, bucket)
+        """The captured region: metadata from the static buffers, forward: the hidden
+        states [min(t, max_sampled_rows), D] of the rows in ``sampled_rows``."""
+        return self.hidden(t, bucket, self.sampled_rows[: self._num_head_rows(t)])
 
     def key_for(self, inputs: StepInputs) -> tuple[int, int] | None:
-        """The graph that serves this step: None for uniform decode (``DecodeGraphs``') and
-        for steps past the largest size or bucket."""
-        return None if inputs.is_uniform_decode else self._padded_key(inputs)
+        """The graph that serves this step: None for uniform decode (``DecodeGraphs``'), for
+        steps past the largest size or bucket and for more sampled rows than captured."""
+        if inputs.is_uniform_decode or len(inputs.logits_indices) > self.max_sampled:
+            return None
+        return self._padded_key(inputs)
 
     def run(
         self,
@@ -397,12 +412,16 @@ class PrefillGraphs(_StepGraphs):
         inputs: StepInputs,
         table_writes: tuple[np.ndarray, np.ndarray],
         feed: Callable[[torch.Tensor], None] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Replay (a key not captured: run the same padded step eagerly); returns (hidden
-        [T, D], expert_counts [L, E], valid until the next run; the step's logits_indices
-        [S] on the device)."""
-        (logits_indices,) = self.stage(key, inputs, table_writes, feed, [inputs.logits_indices])
-        return self._replay(key)[: len(inputs.input_ids)], self.expert_counts, logits_indices
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay (a key not captured: run the same padded step eagerly); returns (the
+        sampled rows' hidden states [S, D], in ``logits_indices`` order, and expert_counts
+        [L, E]; valid until the next run)."""
+        num_sampled = len(inputs.logits_indices)
+        indices = np.zeros(self._num_head_rows(key[0]), dtype=np.int64)
+        indices[:num_sampled] = inputs.logits_indices
+        (indices_d,) = self.stage(key, inputs, table_writes, feed, [indices])
+        self.sampled_rows[: len(indices)].copy_(indices_d)
+        return self._replay(key)[:num_sampled], self.expert_counts
 
 
 def capture_step_graphs(
@@ -422,8 +441,9 @@ def capture_step_graphs(
     before = torch.cuda.memory_reserved(buffers.device) if on_gpu else 0
     buckets = context_buckets(max_model_len)
     prefill = PrefillGraphs(
-        model, caches, buffers, groups, prefill_graph_sizes(max_step_tokens), buckets
-    )
+        model, caches, buffers, groups, prefill_graph_sizes(max_step_tokens), buckets,
+        max_sampled_rows=max_num_reqs,
+    )  # fmt: skip
     prefill.capture(log=log)
     decode = DecodeGraphs(model, caches, buffers, groups, graph_batch_sizes(max_num_reqs), buckets)
     decode.pool = prefill.pool

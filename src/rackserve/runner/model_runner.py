@@ -34,7 +34,7 @@ from rackserve.runner.graph_sampling import in_graph_sampling
 from rackserve.runner.input_batch import InputBatch, PreparedStep, RunnerRequest
 from rackserve.runner.inputs import StepInputs, ring_widths
 from rackserve.runner.logits_processors import apply_logits_processors
-from rackserve.runner.prompt_logprobs import accumulate_prompt_logprobs
+from rackserve.runner.prompt_logprobs import accumulate_prompt_logprobs, needs_every_row
 from rackserve.runner.sampler import SamplerOutput, sample
 from rackserve.runner.step_buffers import StepBuffers
 from rackserve.runner.step_handle import (
@@ -242,17 +242,16 @@ class ModelRunner:
                     verify_key, inputs, step.table_writes
                 )
             else:
-                graphs = self.prefill_graphs
+                # every row's hidden state where a request computes its prompt's logprobs
+                # (eagerly); else the hyper head runs on the rows that need logits only
+                all_rows = needs_every_row(reqs, inputs.num_computed_tokens)
+                graphs = None if all_rows else self.prefill_graphs
                 prefill_key = graphs.key_for(inputs) if graphs is not None else None
-                # every row's hidden state where a request asks for its prompt's logprobs;
-                # else the hyper head runs on the rows that need logits only
-                all_rows = any(r.sampling_params.prompt_logprobs is not None for r in reqs)
                 if prefill_key is not None:  # a prefill / mixed step from its graph
                     assert graphs is not None
-                    hidden, expert_counts, logits_indices = graphs.run(
+                    sampled, expert_counts = graphs.run(
                         prefill_key, inputs, step.table_writes, feed
                     )
-                    sampled = hidden[logits_indices]
                 else:
                     input_ids, meta, logits_indices = self.buffers.eager_step(
                         inputs, step.table_writes

@@ -12,6 +12,23 @@ from rackserve.engine.outputs import TokenLogprobs
 from rackserve.runner.input_batch import RunnerRequest
 
 
+def _prefilling_with_logprobs(r: RunnerRequest, computed: int) -> bool:
+    """Whether request ``r``, ``computed`` tokens in, computes prompt logprobs this step: it
+    asks for them and is still in its prompt (a request resumed after preemption, with
+    outputs, got them already)."""
+    return (
+        r.sampling_params.prompt_logprobs is not None
+        and computed < r.num_prompt_tokens
+        and len(r.token_ids) <= r.num_prompt_tokens
+    )
+
+
+def needs_every_row(reqs: list[RunnerRequest], computed: list[int]) -> bool:
+    """Whether a step needs every row's hidden state (a request's prompt logprobs), not only
+    the sampled rows'."""
+    return any(_prefilling_with_logprobs(r, c) for r, c in zip(reqs, computed, strict=True))
+
+
 def accumulate_prompt_logprobs(
     compute_logits: Callable[[torch.Tensor], torch.Tensor],
     reqs: list[RunnerRequest],
@@ -33,9 +50,8 @@ def accumulate_prompt_logprobs(
     """
     done: dict[str, list[TokenLogprobs | None]] = {}
     for k, r in enumerate(reqs):
-        num = r.sampling_params.prompt_logprobs
-        c = computed[k]
-        if num is None or c >= r.num_prompt_tokens or len(r.token_ids) > r.num_prompt_tokens:
+        num, c = r.sampling_params.prompt_logprobs, computed[k]
+        if not _prefilling_with_logprobs(r, c):
             continue
         if c == 0:
             r.prompt_logprobs = [None]  # the first prompt token has no logprob
