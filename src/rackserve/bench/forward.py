@@ -181,8 +181,8 @@ def time_forward(
             graphs = DecodeGraphs(model, caches, buffers, synthetic.groups, [num_reqs], bucket)
         else:
             size = next(t for t in PREFILL_GRAPH_TOKENS if t >= len(inputs.input_ids))
-            # the hyper head on the step's sampled rows (the runner's graphs bound them by
-            # its max_num_reqs: at most 256 rows of the [max_num_reqs, N, D] streams)
+            # the hyper head on the step's sampled rows (the runner's graphs run it on
+            # max_num_reqs rows, padded: a few us more at 2048 tokens)
             graphs = PrefillGraphs(
                 model, caches, buffers, synthetic.groups, [size], bucket, max_sampled_rows=num_reqs
             )
