@@ -18,6 +18,9 @@ The wgmma kernel (``prefill_attn_wgmma.py``, Gluon) is timed beside them ("wgmma
 tiles) against the decode indexer (``indexer.py``) on one request's S queries over its
 (C + S) / 4 CSA entries (64 heads x 128, top-512, bf16).
 
+``run_phases`` (``--phases``) splits the wgmma kernel's time a query by what it does: the q
+norm and RoPE on load, the output's inverse RoPE, the rows (``phase_inputs``).
+
 ``run_moe`` times the grouped-GEMM MoE (``ops/grouped_moe.py``: T tokens, 64 experts, top-6,
 D 4096, I 2048) whole, and its two elementwise steps (Triton ``swiglu_rows`` and
 ``moe_unpermute``) against the torch chains they replaced.
@@ -222,6 +225,56 @@ def run_attention(
     return stamped(records, dev)
 
 
+def phase_inputs(args: tuple, phase: str) -> tuple[tuple, dict]:
+    """``paged_sparse_attention`` arguments (and keywords) of one phase case of
+    ``run_phases``: "model" (q raw: its norm and RoPE on the kernel's load, the output's
+    inverse RoPE), "no_qnorm" (q normed and rotated before), "no_rope" (no RoPE at all: no
+    epilogue rotation), "rows_<n>" ("no_rope" with each query's last n window rows valid
+    only, no compressed rows: the per-query cost that does not scale with rows)."""
+    q, kv_a, slots_a, kv_b, slots_b, valid, sinks, scale = args[:8]
+    if phase == "model":
+        return args, {"q_norm_eps": 1e-6}
+    if phase == "no_qnorm":
+        return args, {}
+    rope_free = (q, kv_a, slots_a, kv_b, slots_b, valid, sinks, scale, None, None)
+    if phase == "no_rope":
+        return rope_free, {}
+    n = int(phase.removeprefix("rows_"))
+    keep = torch.zeros_like(valid)
+    keep[:, WA - n : WA] = valid[:, WA - n : WA]
+    return (*rope_free[:5], keep, *rope_free[6:]), {}
+
+
+PHASES = ("model", "no_qnorm", "no_rope", "rows_128", "rows_32", "rows_1")
+
+
+def run_phases(device: str = "cuda", s: int = 8192) -> list[dict]:
+    """The wgmma kernel's time at S queries (HCA and CSA shapes, nothing cached) split by
+    what each query does (``phase_inputs``): differences of the phases give the q norm and
+    RoPE on load, the output's inverse RoPE, and the per-row cost against the fixed cost a
+    query (rows_1: one tile of one valid row). ``us_per_query_sm``: time x SMs / S."""
+    dev = torch.device(device)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    records = []
+    for kind in ("hca", "csa"):
+        args = _inputs(s, 0, kind, device)
+        for phase in PHASES:
+            call_args, kwargs = phase_inputs(args, phase)
+
+            def attend(a=call_args, k=kwargs) -> torch.Tensor:
+                return prefill_attn_wgmma.paged_sparse_attention(*a, **k)
+
+            us = _plain_us(attend)
+            records.append(
+                {
+                    "kind": "prefill_bench_phases", "layer": kind, "queries": s,
+                    "phase": phase, "valid_rows": int(call_args[5].sum()), "time_us": us,
+                    "us_per_query_sm": us * sms / s,
+                }
+            )  # fmt: skip
+    return stamped(records, dev)
+
+
 def run_indexer(device: str = "cuda", cases=CASES) -> list[dict]:
     """Indexer records: impl ("prefill" | "decode"), S, C, entries, time_us, the FLOPs of
     the visible logits (2 x 64 x 128 per visible (query, entry)), agreement of the picks."""
@@ -346,11 +399,20 @@ def main() -> None:
     parser.add_argument(
         "--cases", default="8192:0", help="S:C,... queries and cached tokens (--attention-only)"
     )
+    parser.add_argument("--phases", action="store_true", help="the wgmma kernel's phases alone")
     args = parser.parse_args()
     if args.once:
         return run_once(args.once)
     if not args.output:
         parser.error("--output is required")
+    if args.phases:
+        records = run_phases()
+        with open(args.output, "w") as f:
+            json.dump(records, f, indent=1)
+        for r in records:
+            head = f"{r['layer']} S={r['queries']} {r['phase']:9s} rows {r['valid_rows']:9d}"
+            print(f"{head} {r['time_us']:9.1f} us, {r['us_per_query_sm']:6.2f} a query an SM")
+        return None
     if args.attention_only:
         only = args.attention_only.split(",")
         cases = [tuple(int(v) for v in case.split(":")) for case in args.cases.split(",")]

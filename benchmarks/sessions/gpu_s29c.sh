@@ -10,7 +10,7 @@
 #     (mhc.POST_APART_MIN_TOKENS past any size: one read of the streams fewer; last timed
 #     in session 12, when K1 took 673 us at 8192 tokens against ~100 us now) against the
 #     expand apart (the default from 128).
-# Their GPU tests first.
+# Their GPU tests first, and the wgmma attention's phases (prefill_bench.py --phases).
 # Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/sessions/gpu_s29c.sh     (BUDGET_S: seconds)
 set -uo pipefail
 BUDGET_S=${BUDGET_S:-560}
@@ -23,6 +23,11 @@ grep -E "^E  |^FAILED|passed|failed" "$R/pytest.log" | head -6
 t=$(cap 90); echo "== profile prefill:8192 (${t}s)"
 ((t)) && timeout "$t" python3 benchmarks/profile_forward.py --batch prefill:8192 --top 30 \
   --output "$R/profile_prefill.json" 2>&1 | grep -E "^==|Error" | head -5
+# the wgmma attention's time a query split by what it does (q norm + RoPE on load, the
+# output's inverse RoPE, rows against the fixed cost): where HCA's ~40% fixed cost goes
+t=$(cap 60); echo "== wgmma attention phases (${t}s)"
+((t)) && timeout "$t" python3 benchmarks/prefill_bench.py --phases \
+  --output "$R/attention_phases.json" 2>&1 | tail -12
 flags=(--batch prefill:2048 --batch prefill:8192 --iters 10 --warmup 2)
 forward_ab folded 'pass' shared_beside \
   'import rackserve.ops.grouped_moe as g; g.SHARED_APART = "beside"' "${flags[@]}"
