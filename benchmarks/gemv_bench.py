@@ -53,8 +53,12 @@ def _variants(n: int, k: int, device: torch.device) -> dict[str, gemv.GemvTiling
         "k256_w8": rep(base, block_k=256, num_warps=8),
         "stages3": rep(base, num_stages=3),
         "warps8": rep(base, num_warps=8),
-        "fused_reduce": rep(base, fused_reduce=True),
-        "fused_reduce_splits*2": rep(base, splits=base.splits * 2, fused_reduce=True),
+        "splits*4": rep(base, splits=base.splits * 4),
+        # more programs in flight an SM, each a deeper ring of smaller stages (the default's
+        # 4 x 20 KB leaves two an SM: each waits out its first loads alone)
+        "n32_stages6": rep(base, block_n=32, num_stages=6, splits=base.splits * 2),
+        "k64_stages8": rep(base, block_k=64, num_stages=8),
+        "two_launch": rep(base, fused_reduce=False),  # the reduce in a launch of its own
     }
 
 
