@@ -89,9 +89,11 @@ def run(
     tokens: tuple[int, ...] = TOKENS,
     sweep: bool = True,
     shapes: tuple[str, ...] = tuple(SHAPES),
+    sweep_tokens: tuple[int, ...] = SWEEP_TOKENS,
 ) -> list[dict]:
     """Benchmark records (see the module docstring); each Triton record carries its max
-    |GEMV - cuBLAS| and whether it passes the bf16 rule against the fp32 product."""
+    |GEMV - cuBLAS| and whether it passes the bf16 rule against the fp32 product. The
+    tilings are swept at ``sweep_tokens``."""
     dev = torch.device(device)
     records = []
     for name in shapes:
@@ -104,7 +106,7 @@ def run(
             truth = reference.linear(x.float(), w.float())
             allowed = 2 * (expected.float() - truth).abs() + 1e-3
             tilings: dict[str, gemv.GemvTiling | None] = {"triton": None}
-            if sweep and t in SWEEP_TOKENS:
+            if sweep and t in sweep_tokens:
                 tilings |= {f"triton:{v}": ti for v, ti in _variants(n, k, dev).items()}
             for impl, tiling in tilings.items():
                 rec = _record(
@@ -125,12 +127,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--output", required=True)
     parser.add_argument("--no-sweep", action="store_true", help="default tiling only")
-    parser.add_argument("--tokens", help="comma-separated token counts (default: 1..16)")
+    parser.add_argument(
+        "--tokens", help="comma-separated token counts, each swept (default: 1..16, swept at 1, 8)"
+    )
     parser.add_argument("--shapes", help=f"comma-separated, of {', '.join(SHAPES)}")
     args = parser.parse_args()
     tokens = tuple(int(t) for t in args.tokens.split(",")) if args.tokens else TOKENS
     shapes = tuple(args.shapes.split(",")) if args.shapes else tuple(SHAPES)
-    records = run(tokens=tokens, sweep=not args.no_sweep, shapes=shapes)
+    sweep_tokens = tokens if args.tokens else SWEEP_TOKENS
+    records = run(tokens=tokens, sweep=not args.no_sweep, shapes=shapes, sweep_tokens=sweep_tokens)
     with open(args.output, "w") as f:
         json.dump(records, f, indent=1)
     for r in records:
