@@ -35,5 +35,11 @@ done
 t=$(cap 150); echo "== gemv_bench at 1 and 4 tokens, with the sweep (${t}s)"
 ((t)) && timeout "$t" python3 benchmarks/gemv_bench.py --tokens 1,4 \
   --output "$R/gemv_bench.json" 2>&1 | tail -4
+# the mHC at 64 and 256 tokens over its launch variants: at decode:256 its 9 K1 + 9 K2 + 4
+# post launches took 283 us a step (H200, session 20 timeline: 11-15 us each against ~2 us
+# of bytes), the lever for decode:256's last 2% (added in session 29)
+t=$(cap 90); echo "== latency_kernels, mHC at 64 and 256 tokens (${t}s)"
+((t)) && timeout "$t" python3 benchmarks/latency_kernels.py --tokens 64 256 --parts hc post \
+  --output "$R/latency_kernels.json" 2>&1 | tail -30
 ls "$R"; (cd "$OUT" && tar czf s29a.tgz r && rm -rf r)
 echo "== done in ${SECONDS}s"
