@@ -206,8 +206,7 @@ class DeepseekV4Model(nn.Module):
             streams, attn_in = layer.run(
                 streams, input_ids, meta, caches, counts, attn_in, nxt, rope[layer.attn.rotary]
             )
-        head_in = streams if head_rows is None else streams.index_select(0, head_rows)
-        return self.hc_head(head_in, self.norm), streams
+        return self.hc_head(streams, self.norm, head_rows), streams
 
 
 class DeepseekV4ForCausalLM(nn.Module):
@@ -281,8 +280,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         h = layer.hnorm(streams)  # [T, N, D]
         x = layer.eh_proj(torch.cat([e.unsqueeze(1).expand_as(h), h], dim=-1))
         x = layer.block(x, next_ids, meta, caches)
-        head_in = x if head_rows is None else x.index_select(0, head_rows)
-        return layer.hc_head(head_in, layer.norm), x
+        return layer.hc_head(x, layer.norm, head_rows), x
 
     def cast(self, dtype: torch.dtype) -> DeepseekV4ForCausalLM:
         """Cast to ``dtype``, with the reference's float32 parameters in float32 and

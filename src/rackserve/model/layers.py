@@ -118,8 +118,13 @@ class HyperHead(nn.Module):
         self.hc_eps = cfg.hc_eps
         self.norm_eps = cfg.rms_norm_eps
 
-    def forward(self, streams: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        """streams: [T, N, D] -> the final normed hidden [T, D] (``norm``: the model's)."""
+    def forward(
+        self, streams: torch.Tensor, norm: RMSNorm, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """streams: [T, N, D] -> the final normed hidden [T, D] (``norm``: the model's);
+        ``rows``: of those rows only, [S, D] (the rows that need logits)."""
+        if rows is not None:
+            streams = streams.index_select(0, rows)
         return self.kernels.hc_head(
             streams, self.hc_fn, self.hc_base, self.hc_scale, self.hc_eps, self.norm_eps,
             norm.weight,
