@@ -81,6 +81,30 @@ def test_gemv_is_deterministic_and_default_tiling_splits():
         assert gemv.default_tiling(40, 1024, x.device).splits > 1
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_gemv_fp32_out_is_the_unrounded_accumulator(splits):
+    """out_dtype=float32 (the lm_head's logits): bf16 inputs, the fp32 sum unrounded, into a
+    given strided ``out`` too; the bf16 output is that sum rounded once."""
+    from rackserve.ops.triton import gemv
+
+    g = torch.Generator().manual_seed(splits)
+    x = torch.randn(3, 200, generator=g).to(DEVICE, torch.bfloat16)
+    w = torch.randn(70, 200, generator=g).to(DEVICE, torch.bfloat16)
+    tiling = gemv.GemvTiling(32, 32, splits)
+    got = gemv.gemv(x, w, tiling=tiling, out_dtype=torch.float32)
+    ref32 = x.float() @ w.float().t()
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, ref32, rtol=1e-5, atol=1e-4)
+    rounded = gemv.gemv(x, w, tiling=tiling)
+    assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, got.bfloat16())
+    buf = torch.full((3, 80), float("nan"), device=DEVICE)
+    into = gemv.gemv(x, w, tiling=tiling, out=buf[:, 5:75])
+    assert into.data_ptr() == buf[:, 5:75].data_ptr() and torch.equal(into, got)
+    assert buf[:, :5].isnan().all() and buf[:, 75:].isnan().all()
+    with pytest.raises(ValueError, match="out must be"):
+        gemv.gemv(x, w, out=torch.empty(3, 71, device=DEVICE))
+
+
 def test_gemv_rejects_bad_inputs():
     from rackserve.ops.triton import gemv
 
@@ -143,7 +167,7 @@ def test_logits_reference_rounds_like_transformers():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("rows", [1, 64, 256])
+@pytest.mark.parametrize("rows", [1, 15, 64, 256])
 def test_logits_fp32_accumulator_on_gpu(rows):
     """The fast table's lm_head on CUDA writes cuBLAS's fp32 accumulator: float32 out,
     within the bf16 rule of the fp32 product, and no farther from it than the rounded

@@ -38,6 +38,7 @@ def test_shared_expert_apart_matches_reference(t, e, k, apart, monkeypatch):
     weight 1: run as one more group or apart (``SHARED_APART``: dense GEMMs over x, added
     as the combine's last slot), the reference's output."""
     monkeypatch.setattr(grouped_moe, "SHARED_APART", apart)
+    monkeypatch.setattr(grouped_moe, "SHARED_APART_MIN_TOKENS", 1)
     g = torch.Generator().manual_seed(t * 10 + e)
     d, inter = 64, 32
     x = torch.randn(t, d, generator=g)
@@ -63,6 +64,7 @@ def test_shared_expert_apart_on_gpu(monkeypatch):
     """bf16 on the GPU: the shared expert apart (cuBLAS) within the bf16 rule of the fp32
     reference, as the folded group is; beside the routed experts (side stream) bitwise the
     same as in series."""
+    monkeypatch.setattr(grouped_moe, "SHARED_APART_MIN_TOKENS", 1)
     g = torch.Generator().manual_seed(5)
     t, e, k, d, inter = 600, 9, 3, 512, 256
     routed = torch.stack([torch.randperm(e - 1, generator=g)[:k] for _ in range(t)])

@@ -275,8 +275,8 @@ def _moe_routed_for(
 # cuBLAS takes two (``splitKreduce_kernel``: the launches over issue 12's 20 per decoder layer
 # on the H200). In graph replay it ties cuBLAS there (2026-12-01, ``benchmarks/gemv_bench.py``
 # at T = 1 and 8: 7.9 against 8.3 us for an HCA layer's input projection, 9.2 against 10.5 for
-# CSA's, 20.5 against 21.8 for wo_b). Shapes it does not split (wq_b, the lm_head) stay on
-# cuBLAS. $RACKSERVE_GEMV=0 when the table is made: cuBLAS for every projection.
+# CSA's, 20.5 against 21.8 for wo_b). Shapes it does not split (wq_b) stay on cuBLAS; the
+# lm_head's logits: ``LOGITS_GEMV_MAX_TOKENS``. $RACKSERVE_GEMV=0 when the table is made: cuBLAS for every projection.
 GEMV_ENV = "RACKSERVE_GEMV"
 GEMV_MAX_TOKENS = 16
 
@@ -305,13 +305,26 @@ def _linear_gemv() -> Callable:
     return linear
 
 
+# Logits of fewer rows than this (16-bit, on a GPU) come from the Triton GEMV writing its fp32
+# accumulator (one split: the lm_head's 2,020 column blocks fill the SMs) instead of cuBLAS:
+# H100, 2026-12-06, gemv_bench in graph replay, 129,280 x 4096: 345 against 378 us at 1 token,
+# 347 against 379 at 4 (results/2026-12-06-s30.md). None: cuBLAS at every size.
+LOGITS_GEMV_MAX_TOKENS: int | None = GEMV_MAX_TOKENS
+
+
 def _logits_fp32(
     x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``reference.logits`` with cuBLAS writing the fp32 accumulator for 16-bit inputs on
-    CUDA (``torch.mm``'s ``out_dtype``): the [S, V] bf16 -> fp32 cast after the GEMM was a
-    kernel of its own (H200, 2026-12-03: 96 us at 256 rows, 23 at 64; 129,280 columns)."""
+    """``reference.logits`` with the fp32 accumulator written for 16-bit inputs on CUDA: the
+    GEMV below ``LOGITS_GEMV_MAX_TOKENS`` rows, cuBLAS above (``torch.mm``'s ``out_dtype``):
+    the [S, V] bf16 -> fp32 cast after the GEMM was a kernel of its own (H200, 2026-12-03:
+    96 us at 256 rows, 23 at 64; 129,280 columns)."""
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
+        limit = LOGITS_GEMV_MAX_TOKENS
+        if limit is not None and x.dim() == 2 and x.shape[0] < limit:
+            from rackserve.ops.triton import gemv
+
+            return gemv.gemv(x, weight, out_dtype=torch.float32, out=out)
         if out is None:
             return torch.mm(x, weight.t(), out_dtype=torch.float32)
         return torch.mm(x, weight.t(), out_dtype=torch.float32, out=out)

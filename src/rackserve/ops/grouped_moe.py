@@ -58,9 +58,13 @@ PERMUTE_BY_TOKEN = True
 # copy of x; cuBLAS's dense tiles over all T rows), its output added in the combine as the
 # last slot of weight 1 (the same sum in the same order). "beside": on the side stream,
 # beside the sort, the permute, the routed GEMMs and their SwiGLU (memory-bound passes next
-# to a compute-bound GEMM); "series": in line; None: one more group of the grouped GEMMs.
-# Prepared in session 29, which had no device time: gpu_s29c.sh times it.
-SHARED_APART: str | None = None
+# to a compute-bound GEMM); "series": in line; None: one more group of the grouped GEMMs;
+# from SHARED_APART_MIN_TOKENS tokens. bench forward on the H100, two alternating passes of
+# 10 runs (2026-12-06-s30.md, gpu_s29c.sh): prefill:8192 folded 46.15 / 45.75 ms, beside
+# 45.36 / 45.13, series 45.79 (one pass); prefill:2048 folded 13.27 / 13.21, beside
+# 13.41 / 13.16: no change there, hence from 4096.
+SHARED_APART: str | None = "beside"
+SHARED_APART_MIN_TOKENS = 4096
 
 
 def moe_experts_grouped(
@@ -83,7 +87,8 @@ def moe_experts_grouped(
         tiling = tiled.default_tiling(x.device)
         if tiled.supported(x, w13, w2, tiling):
             return tiled.moe_experts_tiled(x, topk_ids, topk_weights, w13, w2, limit, tiling)
-    if not (shared_last and SHARED_APART in ("series", "beside")):
+    apart = SHARED_APART in ("series", "beside") and x.shape[0] >= SHARED_APART_MIN_TOKENS
+    if not (shared_last and apart):
         y, inverse = _routed_rows(x, topk_ids, w13, w2, limit)
         return _moe_unpermute(y, inverse, topk_weights)
     side = SideStream.of(x.device) if SHARED_APART == "beside" else SideStream(None)

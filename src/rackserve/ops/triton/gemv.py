@@ -167,10 +167,17 @@ def gemv_reduce_kernel(
 
 
 def gemv(
-    x: torch.Tensor, weight: torch.Tensor, *, tiling: GemvTiling | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    tiling: GemvTiling | None = None,
+    out_dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T``: x [T, K] with T <= ``MAX_TOKENS``, weight [N, K] (same dtype,
-    fp32/bf16/fp16); returns [T, N] in x's dtype."""
+    fp32/bf16/fp16); returns [T, N] in ``out_dtype`` (x's by default; float32 writes the
+    fp32 accumulator unrounded: the lm_head's logits), into ``out`` when given (unit column
+    stride)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(
             f"gemv: x [T, K] and weight [N, K] expected, got {tuple(x.shape)}, "
@@ -184,7 +191,16 @@ def gemv(
             f"{x.device}, {weight.dtype} on {weight.device}"
         )
     (t, k), n = x.shape, weight.shape[0]
-    out = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    out_dtype = out.dtype if out is not None else out_dtype or x.dtype
+    if out_dtype not in _TL_DTYPE:
+        raise ValueError(f"gemv: out_dtype must be fp32/bf16/fp16, got {out_dtype}")
+    if out is None:
+        out = torch.empty(t, n, dtype=out_dtype, device=x.device)
+    elif out.shape != (t, n) or out.stride(1) != 1 or out.device != x.device:
+        raise ValueError(
+            f"gemv: out must be [{t}, {n}] with unit column stride on {x.device}, got "
+            f"{tuple(out.shape)} (strides {out.stride()}) on {out.device}"
+        )
     if t == 0 or n == 0:
         return out
     if k == 0:
@@ -195,7 +211,7 @@ def gemv(
     k_blocks = triton.cdiv(k, tiling.block_k)
     k_per_split = triton.cdiv(k_blocks, tiling.splits) * tiling.block_k
     splits = triton.cdiv(k, k_per_split)  # no slice without inputs
-    out_dtype = _TL_DTYPE[x.dtype]
+    tl_out = _TL_DTYPE[out_dtype]
     part = torch.empty(splits, t, n, dtype=torch.float32, device=x.device) if splits > 1 else out
     blocks_n = triton.cdiv(n, tiling.block_n)
     counters = _counters(x.device, blocks_n) if splits > 1 and tiling.fused_reduce else None
@@ -205,13 +221,13 @@ def gemv(
         BLOCK_T=max(16, triton.next_power_of_2(t)), BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
         SPLIT=splits > 1, FUSED=counters is not None,
         FP32_DOT=x.dtype == torch.float32 or x.device.type != "cuda",
-        OUT_DTYPE=out_dtype, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+        OUT_DTYPE=tl_out, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
         **pdl(x.device),
     )  # fmt: skip
     if splits > 1 and counters is None:
         block = min(1024, triton.next_power_of_2(n))
         gemv_reduce_kernel[(triton.cdiv(n, block), t)](
-            part, out, t, n, splits, out.stride(0), BLOCK=block, OUT_DTYPE=out_dtype,
+            part, out, t, n, splits, out.stride(0), BLOCK=block, OUT_DTYPE=tl_out,
             num_warps=4, **pdl(part.device),
         )  # fmt: skip
     return out
