@@ -72,6 +72,10 @@ def route_tokens(
         pick = tl.where(e_ok[None, :], scores + bias[None, :], neg_inf)
     total = tl.zeros([BLOCK_T], tl.float32)
     KO: tl.constexpr = K + SHARED  # columns of the outputs
+    KP: tl.constexpr = triton.next_power_of_2(KO)
+    col = tl.arange(0, KP)[None, :]  # the picks stay in registers, [BT, KP], stored once
+    picked = tl.zeros([BLOCK_T, KP], tl.int64)
+    weights = tl.zeros([BLOCK_T, KP], tl.float32)
     counted = t_ok
     if COUNT == 2:
         counted = t_ok & (tl.load(mask_ptr + t, t_ok, other=0) != 0)
@@ -84,18 +88,21 @@ def route_tokens(
             pick = tl.where(e[None, :] == chosen[:, None], neg_inf, pick)
         weight = tl.sum(tl.where(e[None, :] == chosen[:, None], scores, 0.0), 1)
         total += weight
-        tl.store(out_ids_ptr + t * KO + k, chosen.to(tl.int64), t_ok)
-        tl.store(out_w_ptr + t * KO + k, weight, t_ok)
-        if COUNT:  # integer atomics: the counts are exact whatever the order
-            tl.atomic_add(counts_ptr + chosen, tl.full([BLOCK_T], 1, tl.int64), counted)
-    # normalise in a second pass over the k just written (same program, same addresses)
-    norm = scaling / (total + 1e-20)
-    for k in tl.static_range(K):
-        weight = tl.load(out_w_ptr + t * KO + k, t_ok, other=0.0)
-        tl.store(out_w_ptr + t * KO + k, weight * norm, t_ok)
+        picked = tl.where(col == k, chosen.to(tl.int64)[:, None], picked)
+        weights = tl.where(col == k, weight[:, None], weights)
+        if COUNT:  # integer atomics: the counts are exact whatever the order, so relaxed
+            # (the default, acq_rel, orders each atomic after every earlier store)
+            tl.atomic_add(
+                counts_ptr + chosen, tl.full([BLOCK_T], 1, tl.int64), counted, sem="relaxed"
+            )
+    weights = weights * (scaling / (total + 1e-20))[:, None]
     if SHARED:
-        tl.store(out_ids_ptr + t * KO + K, tl.full([BLOCK_T], 0, tl.int64) + shared_id, t_ok)
-        tl.store(out_w_ptr + t * KO + K, tl.full([BLOCK_T], 1.0, tl.float32), t_ok)
+        picked = tl.where(col == K, shared_id, picked)
+        weights = tl.where(col == K, 1.0, weights)
+    out = t[:, None] * KO + col
+    out_ok = t_ok[:, None] & (col < KO)
+    tl.store(out_ids_ptr + out, picked, out_ok)
+    tl.store(out_w_ptr + out, weights, out_ok)
 
 
 @triton.jit
