@@ -276,7 +276,8 @@ def _moe_routed_for(
 # on the H200). In graph replay it ties cuBLAS there (2026-12-01, ``benchmarks/gemv_bench.py``
 # at T = 1 and 8: 7.9 against 8.3 us for an HCA layer's input projection, 9.2 against 10.5 for
 # CSA's, 20.5 against 21.8 for wo_b). Shapes it does not split (wq_b) stay on cuBLAS; the
-# lm_head's logits: ``LOGITS_GEMV_MAX_TOKENS``. $RACKSERVE_GEMV=0 when the table is made: cuBLAS for every projection.
+# lm_head's logits: ``LOGITS_GEMV_MAX_TOKENS``. $RACKSERVE_GEMV=0 when the table is made:
+# cuBLAS for every projection.
 GEMV_ENV = "RACKSERVE_GEMV"
 GEMV_MAX_TOKENS = 16
 
