@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (Tiling.comb_apart measured no gain here and was removed after this call: results/2026-12-06-s30.md.)
 # Session 30, call 8: two decode latency changes.
 #   - mHC K2 with post and comb (the Sinkhorn chain) in a second program of each token block
 #     (mhc.COMB_APART_MAX_TOKENS = 256) against one program (None, the default), bench

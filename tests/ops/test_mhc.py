@@ -650,30 +650,3 @@ def test_fused_launch_on_gpu(mhc, mhc_launch, t):
         torch.cuda.synchronize()
         assert torch.equal(out, step())
     assert not mhc_launch._COUNTERS[streams.device].any()
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("t,d,finish_block_t", [(1, 64, 1), (5, 320, 1), (37, 256, 16)])
-def test_comb_apart_equals_one_program_a_block(mhc, t, d, finish_block_t, dtype):
-    """``Tiling.comb_apart`` (K2's post and comb, the Sinkhorn chain, in a second program of
-    each token block, beside the collapse) gives hc_pre's and hc_post_pre's outputs bitwise
-    on the interpreter (``assert_same_sums`` on a GPU); hc_head (no comb) is unchanged. One
-    token, D looped in two passes (320), a partial block of 16; outputs start as NaN."""
-    one = gpu_like_tiling(mhc, finish_block_t)
-    apart = dataclasses.replace(one, comb_apart=True)
-    args = hc_pre_args(t, d, seed=90 + t, dtype=dtype)
-    want, got = mhc.hc_pre(*args, tiling=one), mhc.hc_pre(*args, tiling=apart)
-    for a, b in zip(want, got, strict=True):
-        assert_same_sums(a, b)
-    if dtype == torch.float32:
-        for g, r in zip(got, reference.hc_pre(*args), strict=True):
-            assert_fp32_close(g, r)
-    streams, fn, base, scale, norm_weight = args[:5]
-    head = (streams, fn[:N], base[:N], scale[:1], HC_EPS, NORM_EPS, norm_weight)
-    assert torch.equal(mhc.hc_head(*head, tiling=one), mhc.hc_head(*head, tiling=apart))
-    block_out = torch.randn(t, d, device=DEVICE).to(dtype)
-    call = (streams, block_out, want[1], want[2], *args[1:])
-    for a, b in zip(
-        mhc.hc_post_pre(*call, tiling=one), mhc.hc_post_pre(*call, tiling=apart), strict=True
-    ):
-        assert_same_sums(a, b)

@@ -68,12 +68,6 @@ MIXES_BLOCK_T = 64
 # 16%). H200, 2026-12-02, mhc_bench with the split K2, graph replay: hc_pre 440 -> 386 us
 # and hc_post_pre 589 -> 537 at 8192 tokens, 154 -> 85 and 194 -> 126 at 2048
 K1_WIDE_TILE_MIN_TOKENS = 2048
-# up to this many tokens K2 (one launch) computes post and comb (the 20 Sinkhorn iterations,
-# a serial chain at a token a program) in a second program of each token block, beside the
-# collapse to x (``Tiling.comb_apart``); None: never. Prepared in session 30 (H100
-# timeline, decode:1: K2 7.4 us a layer, of it ~3 us the chain by session 20's sinkhorn 20
-# vs 1 at 64 tokens); gpu_s30c.sh times it.
-COMB_APART_MAX_TOKENS: int | None = None
 # K1's dot for bf16 streams on a GPU: "tf32x3" or "bf16x3" (half the wgmma instructions,
 # no tf32 conversions of the streams' tile; fn's pieces split once per weight,
 # ``mhc_launch._fn_pieces``).
@@ -165,7 +159,6 @@ def default_tiling(
         fused=num_tokens <= 4 and os.environ.get(FUSED_ENV, "0") == "1",
         post_apart=num_tokens >= POST_APART_MIN_TOKENS,
         mixes_block_t=MIXES_BLOCK_T if mixes_apart else 0,
-        comb_apart=COMB_APART_MAX_TOKENS is not None and num_tokens <= COMB_APART_MAX_TOKENS,
     )
 
 

@@ -2,9 +2,7 @@
 ``mhc.py`` tiles, ``mhc_inputs.py`` checks the inputs, ``mhc_launch.py`` launches. Shape
 legend as ``mhc_kernels.py``.
 
-K2 ``hc_finish_kernel``, grid (cdiv(T, BLOCK_T),) or, with COMB_APART, (cdiv(T, BLOCK_T), 2)
-    (the second program of a block computes post and comb, the first pre and the collapse:
-    the Sinkhorn chain off the path to x): the mixes (sums the S partials in a
+K2 ``hc_finish_kernel``, grid (cdiv(T, BLOCK_T),): the mixes (sums the S partials in a
     fixed order: deterministic, no atomics; sigmoid / softmax, the Sinkhorn iterations on
     [N, N] in registers, N = 4: 16 separate per-token values, no cross-thread sums), then
     the collapse of the streams with ``pre`` and the block RMSNorm in fp32, rounding x once.
@@ -66,25 +64,9 @@ def hc_finish_kernel(
     SINGLE_PASS: tl.constexpr,
     MIXES: tl.constexpr,
     COLLAPSE: tl.constexpr,
-    COMB_APART: tl.constexpr,  # grid (blocks, 2): program 1 of a block stores post and comb
     PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
     pdl_wait(PDL)
-    if COMB_APART:
-        pid = tl.program_id(0)
-        if tl.program_id(1) == 1:  # post and comb (the Sinkhorn chain), off the path to x
-            _mixes(pid * BLOCK_T + tl.arange(0, BLOCK_T), mix_ptr, sq_ptr, base_ptr, scale_ptr,
-                   post_ptr, comb_ptr, num_tokens, num_splits, inv_num_cols, hc_eps,
-                   norm_eps, sinkhorn_iters, stride_mix_s, stride_mix_t, stride_sq_s, N,
-                   BLOCK_N, BLOCK_T, BLOCK_S, False, "")  # fmt: skip
-        else:  # pre only (as the head's), the collapse and the norm
-            _finish_tokens(pid, streams_ptr, mix_ptr, sq_ptr, base_ptr, scale_ptr, norm_w_ptr,
-                           x_ptr, post_ptr, comb_ptr, pre_ptr, num_tokens, num_splits, hidden,
-                           inv_num_cols, hc_eps, norm_eps, sinkhorn_iters, stride_st,
-                           stride_sn, stride_mix_s, stride_mix_t, stride_sq_s, stride_xt, N,
-                           BLOCK_N, BLOCK_T, BLOCK_S, BLOCK_D, True, SINGLE_PASS, True, True,
-                           "")  # fmt: skip
-        return
     _finish_tokens(
         tl.program_id(0),
         streams_ptr,

@@ -62,10 +62,6 @@ class Tiling:
     gemm_flat: bool = True
     # K1's dot when it expands the streams in its prologue (FUSE_POST; None: gemm_precision)
     expand_precision: str | None = None
-    # a one-launch K2 of hc_pre / hc_post_pre with a second program per token block that
-    # computes post and comb: the 4 x 4 Sinkhorn chain (serial at a token a program) beside
-    # the collapse instead of before it; the same values
-    comb_apart: bool = False
 
 
 @dataclass(frozen=True)
@@ -222,8 +218,7 @@ def _launch(
     def finish(pre: torch.Tensor, block_t: int, warps: int, mixes: bool, collapse: bool):
         """One K2 launch: the mixes, the collapse or both; pre [T, BLOCK_N] carries pre
         from a mixes-only launch to a collapse-only one."""
-        comb_apart = tiling.comb_apart and mixes and collapse and not head
-        hc_finish_kernel[(triton.cdiv(num_tokens, block_t), 2 if comb_apart else 1)](
+        hc_finish_kernel[(triton.cdiv(num_tokens, block_t),)](
             new, mix, sq, base, scale, norm_weight,
             x, x if head else post, x if head else comb, pre,
             num_tokens, splits, hidden, 1.0 / (n * hidden), hc_eps, norm_eps, sinkhorn_iters,
@@ -231,7 +226,7 @@ def _launch(
             x.stride(0),
             N=n, BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_D=finish_block_d,
             HEAD=head, SINGLE_PASS=finish_block_d >= hidden, MIXES=mixes, COLLAPSE=collapse,
-            COMB_APART=comb_apart, num_warps=warps, **pdl(new.device),
+            num_warps=warps, **pdl(new.device),
         )  # fmt: skip
 
     if tiling.mixes_block_t:  # a token a thread for the mixes, then the collapse

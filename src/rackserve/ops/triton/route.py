@@ -91,7 +91,9 @@ def route_tokens(
         picked = tl.where(col == k, chosen.to(tl.int64)[:, None], picked)
         weights = tl.where(col == k, weight[:, None], weights)
         if COUNT:  # integer atomics: the counts are exact whatever the order, so relaxed
-            # (the default, acq_rel, orders each atomic after every earlier store)
+            # (the default, acq_rel, ordered each after every earlier store; with the picks
+            # stored once: route + align 42.3 -> 25.7 us for decode:1's 4 layers in graph
+            # replay, H100, results/2026-12-06-s30.md)
             tl.atomic_add(
                 counts_ptr + chosen, tl.full([BLOCK_T], 1, tl.int64), counted, sem="relaxed"
             )
