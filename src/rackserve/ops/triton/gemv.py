@@ -49,16 +49,24 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# the programs a GPU launch aims at, per SM (the split count follows). With half the splits
+# the H100 took 7.0 against 8.2 us for an HCA layer's input projection, 8.6 against 9.4 for
+# CSA's and 26.0 against 27.3 for wo_b at one token in graph replay (gemv_bench "splits/2",
+# results/2026-12-06-s30.md call 5); 1 a SM is untried in a whole step (read at call time).
+PROGRAMS_PER_SM = 2
+
+
 def default_tiling(n: int, k: int, device: torch.device) -> GemvTiling:
     """Block sizes and the split count from N, K and the device (host ints: graph-safe).
 
     GPU: 64 weight rows x 128 inputs per step (16 KB of bf16 weights in flight per stage,
-    4 stages); splits so that N/64 x S reaches ~2 programs per SM, each slice at least 512
-    inputs. CPU (the interpreter): small tiles, few programs."""
+    4 stages); splits so that N/64 x S reaches ``PROGRAMS_PER_SM`` programs per SM, each
+    slice at least 512 inputs. CPU (the interpreter): small tiles, few programs."""
     if device.type != "cuda":
         block_n, block_k, programs, min_slice = 32, 32, 4, 64
     else:
-        block_n, block_k, programs, min_slice = 64, 128, 2 * _num_sms(device), 512
+        block_n, block_k, min_slice = 64, 128, 512
+        programs = PROGRAMS_PER_SM * _num_sms(device)
     blocks_n = triton.cdiv(n, block_n)
     k_blocks = triton.cdiv(k, block_k)
     splits = max(1, min(triton.cdiv(programs, blocks_n), k // min_slice, k_blocks))
