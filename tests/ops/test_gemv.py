@@ -103,6 +103,8 @@ def test_gemv_fp32_out_is_the_unrounded_accumulator(splits):
     assert buf[:, :5].isnan().all() and buf[:, 75:].isnan().all()
     with pytest.raises(ValueError, match="out must be"):
         gemv.gemv(x, w, out=torch.empty(3, 71, device=DEVICE))
+    with pytest.raises(ValueError, match="out must be"):  # out and out_dtype disagree
+        gemv.gemv(x, w, out_dtype=torch.float32, out=torch.empty(3, 70, device=DEVICE).bfloat16())
 
 
 def test_gemv_rejects_bad_inputs():

@@ -12,11 +12,13 @@ Each fast implementation is tested against its reference.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -282,28 +284,26 @@ GEMV_ENV = "RACKSERVE_GEMV"
 GEMV_MAX_TOKENS = 16
 
 
-def _linear_gemv() -> Callable:
+@functools.cache
+def _gemv() -> ModuleType:
+    """``ops/triton/gemv.py``, imported on first use (Triton may be absent)."""
+    return importlib.import_module("rackserve.ops.triton.gemv")
+
+
+def _cuda_16bit(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """x and weight share a 16-bit dtype on CUDA: where the GEMV may take a product."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+
+
+def _linear_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``reference.linear``, or the GEMV for decode-sized 16-bit inputs on CUDA where it
     splits K (never on the CPU, where the interpreter would only be slower)."""
-    module: list = []
-
-    def linear(x, weight):
-        if (
-            x.is_cuda
-            and x.dim() == 2
-            and x.shape[0] < GEMV_MAX_TOKENS
-            and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype
-        ):
-            if not module:
-                module.append(importlib.import_module("rackserve.ops.triton.gemv"))
-            gemv = module[0]
-            tiling = gemv.default_tiling(weight.shape[0], weight.shape[1], x.device)
-            if tiling.splits > 1:
-                return gemv.gemv(x, weight, tiling=tiling)
-        return reference.linear(x, weight)
-
-    return linear
+    if _cuda_16bit(x, weight) and x.dim() == 2 and x.shape[0] < GEMV_MAX_TOKENS:
+        gemv = _gemv()
+        tiling = gemv.default_tiling(weight.shape[0], weight.shape[1], x.device)
+        if tiling.splits > 1:
+            return gemv.gemv(x, weight, tiling=tiling)
+    return reference.linear(x, weight)
 
 
 # Logits of fewer rows than this (16-bit, on a GPU) come from the Triton GEMV writing its fp32
@@ -320,12 +320,10 @@ def _logits_fp32(
     GEMV below ``LOGITS_GEMV_MAX_TOKENS`` rows, cuBLAS above (``torch.mm``'s ``out_dtype``):
     the [S, V] bf16 -> fp32 cast after the GEMM was a kernel of its own (H200, 2026-12-03:
     96 us at 256 rows, 23 at 64; 129,280 columns)."""
-    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
+    if _cuda_16bit(x, weight):
         limit = LOGITS_GEMV_MAX_TOKENS
         if limit is not None and x.dim() == 2 and x.shape[0] < limit:
-            from rackserve.ops.triton import gemv
-
-            return gemv.gemv(x, weight, out_dtype=torch.float32, out=out)
+            return _gemv().gemv(x, weight, out_dtype=torch.float32, out=out)
         if out is None:
             return torch.mm(x, weight.t(), out_dtype=torch.float32)
         return torch.mm(x, weight.t(), out_dtype=torch.float32, out=out)
@@ -404,7 +402,7 @@ def kernels(name: str = "auto") -> Kernels:
     routed = _on_cuda(
         "rackserve.ops.triton.moe_routed", "moe_routed", reference.moe_routed, everywhere
     )
-    fast["linear"] = _linear_gemv() if os.environ.get(GEMV_ENV, "1") == "1" else reference.linear
+    fast["linear"] = _linear_gemv if os.environ.get(GEMV_ENV, "1") == "1" else reference.linear
     fast["logits"] = _logits_fp32
     return Kernels(
         name,

@@ -199,15 +199,18 @@ def gemv(
             f"{x.device}, {weight.dtype} on {weight.device}"
         )
     (t, k), n = x.shape, weight.shape[0]
-    out_dtype = out.dtype if out is not None else out_dtype or x.dtype
+    out_dtype = out_dtype or (out.dtype if out is not None else x.dtype)
     if out_dtype not in _TL_DTYPE:
         raise ValueError(f"gemv: out_dtype must be fp32/bf16/fp16, got {out_dtype}")
     if out is None:
         out = torch.empty(t, n, dtype=out_dtype, device=x.device)
-    elif out.shape != (t, n) or out.stride(1) != 1 or out.device != x.device:
+    elif (
+        out.shape != (t, n) or out.stride(1) != 1 or out.device != x.device
+        or out.dtype != out_dtype
+    ):  # fmt: skip
         raise ValueError(
-            f"gemv: out must be [{t}, {n}] with unit column stride on {x.device}, got "
-            f"{tuple(out.shape)} (strides {out.stride()}) on {out.device}"
+            f"gemv: out must be [{t}, {n}] {out_dtype} with unit column stride on {x.device}, "
+            f"got {tuple(out.shape)} {out.dtype} (strides {out.stride()}) on {out.device}"
         )
     if t == 0 or n == 0:
         return out
