@@ -229,6 +229,27 @@ def test_gemv_k1_bf16_matches_reference(mhc, mhc_launch, t, fused):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,gemv", [(1, True), (3, False)])
+def test_comb_beside_equals_one_finish_launch(mhc, dtype, t, gemv):
+    """``Tiling.comb_beside`` (K2 as pre + the collapse, then post + comb in a launch of its
+    own) gives the one-launch K2's outputs bitwise, for hc_pre and hc_post_pre (which reads
+    the first's post and comb); the head ignores it. Outside a CUDA-graph capture both
+    launches run on the current stream; the captured side stream is the GPU test's."""
+    one = gpu_like_tiling(mhc, 1, gemv=gemv)
+    split = dataclasses.replace(one, comb_beside=True)
+    args = hc_pre_args(t, 64, seed=70 + t, dtype=dtype)
+    block_out = torch.randn(t, 64, device=DEVICE).to(dtype)
+    outs = []
+    for tiling in (one, split):
+        x, post, comb = mhc.hc_pre(*args, tiling=tiling)
+        call = (args[0], block_out + x, post, comb, *args[1:])
+        outs.append((x, post, comb, *mhc.hc_post_pre(*call, tiling=tiling)))
+    for a, b in zip(*outs, strict=True):
+        assert not b.isnan().any()
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("slots", [False, True])
 def test_post_apart_equals_the_fused_prologue(mhc, dtype, slots):
     """``Tiling.post_apart`` (the streams expanded by hc_post's kernel, then K1 on them: the
@@ -609,6 +630,46 @@ def test_cuda_graph_replay_is_bitwise_equal_to_eager(mhc):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, step())
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("t", [1, 64])
+def test_comb_beside_in_a_captured_step(mhc, mhc_launch, t):
+    """``Tiling.comb_beside`` in CUDA-graph capture: post and comb on the side stream, joined
+    by the next block's mHC and by the head (the capture would fail on an unjoined fork);
+    replay bitwise equal to eager (the same two launches in series) and to the one-launch
+    K2; nothing left pending after the capture."""
+    d = 4096
+    one = mhc.default_tiling(t, N, d, torch.device(DEVICE), torch.bfloat16)
+    one = dataclasses.replace(one, comb_beside=False, fused=False)
+    split = dataclasses.replace(one, comb_beside=True)
+    args = hc_pre_args(t, d, seed=t + 7, dtype=torch.bfloat16)
+    streams, params = args[0].clone(), args[1:]
+    head_params = (params[0][:N], params[1][:N], params[2][:1], HC_EPS, NORM_EPS, params[3])
+    block_out = torch.randn(t, d, device=DEVICE).bfloat16()
+
+    def step(tiling):
+        x, post, comb = mhc.hc_pre(streams, *params, tiling=tiling)
+        new, x2, post, comb = mhc.hc_post_pre(
+            streams, block_out + x, post, comb, *params, tiling=tiling
+        )
+        new = mhc.hc_post(new, x2, post, comb, tiling=tiling)
+        return new, mhc.hc_head(new, *head_params, tiling=tiling)
+
+    step(one), step(split)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(split)
+    assert not mhc_launch._BESIDE_PENDING
+    for seed in (2, 3):
+        streams.copy_(make_streams(t, d, seed=seed, dtype=torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager, one_launch = step(split), step(one)
+        for a, b, c in zip(out, eager, one_launch, strict=True):
+            assert torch.equal(a, b)
+            assert torch.equal(a, c)
 
 
 @pytest.mark.gpu

@@ -9,8 +9,10 @@ Each equals its ``ops.reference`` namesake. Shape legend: T tokens, N streams, D
                   (or, for many tokens, hc_post's kernel + K1 + K2: ``Tiling.post_apart``)
 
 (kernels in ``mhc_kernels.py`` and ``mhc_finish_kernels.py``; with ``Tiling.fused`` and
-T <= 4, K1 + K2 are one launch). Grids and workspaces depend on T and the weights' shapes
-only: no host syncs, so the ops can be captured in CUDA graphs. Under TRITON_INTERPRET=1
+T <= 4, K1 + K2 are one launch; with ``Tiling.comb_beside`` a captured step computes post
+and comb on the side stream and ``settle`` joins it: the ops that read them call it).
+Grids and workspaces depend on T and the weights' shapes only: no host syncs, so the ops
+can be captured in CUDA graphs. Under TRITON_INTERPRET=1
 (CPU tests) the same kernels run on CPU tensors, with larger token tiles.
 
 This module holds the ops and the launch-shape policy: the switches below and
@@ -31,7 +33,7 @@ import triton
 
 from rackserve.ops.reference import ExpertSlots
 from rackserve.ops.triton.mhc_inputs import _block_params, _check_streams, _post_inputs
-from rackserve.ops.triton.mhc_launch import Tiling, _expand, _launch, split_bf16x3
+from rackserve.ops.triton.mhc_launch import Tiling, _expand, _launch, settle, split_bf16x3
 
 __all__ = [
     "Tiling",
@@ -40,6 +42,7 @@ __all__ = [
     "hc_post",
     "hc_post_pre",
     "hc_pre",
+    "settle",
     "split_bf16x3",
 ]
 
@@ -63,6 +66,11 @@ SLOTS_APART_MIN_TOKENS: int | None = 128
 # prefill:8192 56.8 / 57.1 -> 55.8 / 55.8 ms in two alternating passes
 MIXES_APART_MIN_TOKENS: int | None = 2048
 MIXES_BLOCK_T = 64
+# up to this many tokens (on a GPU) a block's K2 runs as two launches, pre + the collapse
+# and post + comb (the Sinkhorn chain), the second on the side stream while a CUDA graph
+# is captured (``Tiling.comb_beside``): off the step's critical path until the next block's
+# mHC, which joins it. None: one launch.
+COMB_BESIDE_MAX_TOKENS: int | None = None
 # from this many tokens K1 takes 128-token tiles (64 below): fn's [K, mixes] tile is loaded
 # once for twice the tokens (ncu at 8192 tokens, 64-token tiles: L1/TEX 82% busy, DRAM
 # 16%). H200, 2026-12-02, mhc_bench with the split K2, graph replay: hc_pre 440 -> 386 us
@@ -110,7 +118,9 @@ def default_tiling(
     tokens hc_post_pre expands the streams in a launch of its own (from
     ``SLOTS_APART_MIN_TOKENS`` when the block output is a fused MoE's slots: ``hc_post_pre``
     decides that); from ``MIXES_APART_MIN_TOKENS`` K2 is two launches. K1 without the
-    expand reads the streams as [T, N*D] rows (``gemm_flat``). On CPU (the Triton
+    expand reads the streams as [T, N*D] rows (``gemm_flat``). Up to
+    ``COMB_BESIDE_MAX_TOKENS`` a block's K2 leaves post and comb to a launch of their own
+    (``comb_beside``: on the side stream in a captured step). On CPU (the Triton
     interpreter) larger token tiles keep the number of interpreted programs small.
     """
     block_n = triton.next_power_of_2(num_streams)
@@ -159,6 +169,7 @@ def default_tiling(
         fused=num_tokens <= 4 and os.environ.get(FUSED_ENV, "0") == "1",
         post_apart=num_tokens >= POST_APART_MIN_TOKENS,
         mixes_block_t=MIXES_BLOCK_T if mixes_apart else 0,
+        comb_beside=COMB_BESIDE_MAX_TOKENS is not None and num_tokens <= COMB_BESIDE_MAX_TOKENS,
     )
 
 

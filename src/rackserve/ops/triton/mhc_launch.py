@@ -11,11 +11,13 @@ time (its constants, an overridden ``default_tiling``) apply.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import triton
 
+from rackserve.ops.side_stream import SideStream
 from rackserve.ops.triton.common import pdl
 from rackserve.ops.triton.mhc_finish_kernels import hc_finish_kernel, hc_fused_kernel
 from rackserve.ops.triton.mhc_kernels import (
@@ -62,6 +64,10 @@ class Tiling:
     gemm_flat: bool = True
     # K1's dot when it expands the streams in its prologue (FUSE_POST; None: gemm_precision)
     expand_precision: str | None = None
+    # a block's K2 (one launch, not mixes_block_t or fused) as two: pre and the collapse,
+    # then post and comb (the Sinkhorn chain: the next block's mHC reads them, nothing
+    # before it), which a CUDA-graph capture puts on the side stream (``_comb_beside``)
+    comb_beside: bool = False
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,36 @@ def _counters(device: torch.device, num_tokens: int) -> torch.Tensor | None:
         buf = torch.zeros(max(256, num_tokens), dtype=torch.int32, device=device)
         _COUNTERS[device] = buf
     return buf
+
+
+# devices whose side stream holds a captured launch of post and comb that the main stream
+# has not joined yet (``settle``)
+_BESIDE_PENDING: set[torch.device] = set()
+
+
+def settle(device: torch.device) -> None:
+    """Join the side stream where post and comb of a captured launch are still on it: the
+    mHC ops that read post and comb (and ``hc_head``, which ends a forward) call this
+    first; any other reader of a captured step's post or comb must too."""
+    if device in _BESIDE_PENDING:
+        _BESIDE_PENDING.discard(device)
+        SideStream.of(device).join()
+
+
+def _comb_beside(device: torch.device, workspaces: tuple[torch.Tensor, ...]) -> SideStream | None:
+    """The side stream for a block's post and comb launch while a CUDA graph is captured
+    (forked here; ``settle`` joins it), else None (eager: the launch follows on the main
+    stream, the same kernels, so replay equals eager bitwise). The workspaces it reads are
+    recorded on it: the allocator keeps blocks freed with another stream's uses out of the
+    capture's reuse."""
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        return None
+    side = SideStream.of(device)
+    side.fork()
+    for w in workspaces:
+        w.record_stream(side.stream)
+    _BESIDE_PENDING.add(device)
+    return side
 
 
 def split_bf16x3(fn: torch.Tensor) -> torch.Tensor:
@@ -149,6 +185,8 @@ def _launch(
     num_tokens, n, hidden = streams.shape
     fn, base, scale, norm_weight = params
     device = streams.device
+    if expand is not None or head:  # reads a previous block's post and comb / ends a step
+        settle(device)
     if expand is not None and tiling.post_apart and not (tiling.fused and tiling.gemm_gemv):
         streams, expand = _expand(streams, *expand, tiling), None
     new = streams if expand is None else _empty(streams.shape, streams.dtype, device)
@@ -215,9 +253,11 @@ def _launch(
         num_warps=tiling.gemm_warps, **pdl(streams.device),
     )  # fmt: skip
 
-    def finish(pre: torch.Tensor, block_t: int, warps: int, mixes: bool, collapse: bool):
+    def finish(
+        pre: torch.Tensor, block_t: int, warps: int, mixes: bool, collapse: bool, part: int = 0
+    ):
         """One K2 launch: the mixes, the collapse or both; pre [T, BLOCK_N] carries pre
-        from a mixes-only launch to a collapse-only one."""
+        from a mixes-only launch to a collapse-only one; part: the kernel's PART."""
         hc_finish_kernel[(triton.cdiv(num_tokens, block_t),)](
             new, mix, sq, base, scale, norm_weight,
             x, x if head else post, x if head else comb, pre,
@@ -226,10 +266,15 @@ def _launch(
             x.stride(0),
             N=n, BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_D=finish_block_d,
             HEAD=head, SINGLE_PASS=finish_block_d >= hidden, MIXES=mixes, COLLAPSE=collapse,
-            num_warps=warps, **pdl(new.device),
+            PART=part, num_warps=warps, **pdl(new.device),
         )  # fmt: skip
 
-    if tiling.mixes_block_t:  # a token a thread for the mixes, then the collapse
+    if tiling.comb_beside and not head and not tiling.mixes_block_t:
+        finish(x, tiling.finish_block_t, tiling.finish_warps, True, True, part=1)
+        side = _comb_beside(device, (mix, sq))
+        with contextlib.nullcontext() if side is None else side.active():
+            finish(x, tiling.finish_block_t, tiling.finish_warps, True, False, part=2)
+    elif tiling.mixes_block_t:  # a token a thread for the mixes, then the collapse
         pre = _empty((num_tokens, block_n), torch.float32, device)
         finish(pre, tiling.mixes_block_t, max(1, min(4, tiling.mixes_block_t // 32)), True, False)
         finish(pre, tiling.finish_block_t, tiling.finish_warps, False, True)
@@ -243,6 +288,7 @@ def _expand(
 ) -> torch.Tensor:
     """``hc_post``'s kernel on checked inputs -> the new streams [T, N, D]."""
     num_tokens, n, hidden = streams.shape
+    settle(streams.device)  # post and comb may still be on the side stream
     out = _empty((num_tokens, n, hidden), streams.dtype, streams.device)
     if num_tokens == 0:
         return out
