@@ -2,7 +2,8 @@
 (graph-capturable fork and join). The attention runs a CSA layer's indexer on it beside the
 q projection (``Attention._indexer_beside_q``), the decode MoE its shared expert beside the
 router (``moe_routed``'s ``shared_beside``), the grouped prefill MoE its shared expert beside
-the routed experts (``grouped_moe.SHARED_APART``)."""
+the routed experts (``grouped_moe.SHARED_APART``), the mHC of a captured step a block's post
+and comb (``mhc_launch.Tiling.comb_beside``)."""
 
 from __future__ import annotations
 
