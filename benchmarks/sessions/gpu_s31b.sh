@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Session 31: the comb-beside GPU test; the split-K GEMV's split count and the mHC's comb
-# beside, four arms alternating (bench forward at decode:1, 8 and 64); then the graph-replay
-# forward gates at HEAD's defaults; the timelines at decode:1, 64 and 256 (graph_gap: where
-# the step's time goes on this card):
+# beside, four arms alternating (bench forward at decode:1, 8 and 64); then the forward
+# gates at HEAD's defaults; the graph-replay timelines at decode:1, 64 and 256 (graph_gap:
+# where the step's time goes on this card):
 #   ceil2   the default: splits = ceil(2 programs a SM / column blocks) (x_proj HCA 7 splits,
 #           280 programs: 16 past the 264 that fit at once; CSA 325; wo_b 320)
 #   floor2  splits = floor(2 a SM / column blocks): one wave at most (240, 260, 256)
