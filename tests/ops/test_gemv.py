@@ -81,6 +81,22 @@ def test_gemv_is_deterministic_and_default_tiling_splits():
         assert gemv.default_tiling(40, 1024, x.device).splits > 1
 
 
+@pytest.mark.parametrize(
+    "n,k,splits",
+    [(2560, 4096, 6), (4160, 4096, 4), (4096, 8192, 4), (64, 4096, 8), (129280, 4096, 1)],
+)
+def test_gpu_split_count_fills_one_wave(monkeypatch, n, k, splits):
+    """On a GPU of 132 SMs (H100, H200) the split count is the most that keeps the launch
+    within two programs a SM (no tail wave): V4-Flash's HCA and CSA input projections, wo_b,
+    the router (its slices at least 512 inputs) and the lm_head (no split)."""
+    from rackserve.ops.triton import gemv
+
+    monkeypatch.setattr(gemv, "_num_sms", lambda device: 132)
+    tiling = gemv.default_tiling(n, k, torch.device("cuda"))
+    assert tiling.splits == splits
+    assert -(-n // tiling.block_n) * tiling.splits <= max(264, -(-n // tiling.block_n))
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_gemv_fp32_out_is_the_unrounded_accumulator(splits):
     """out_dtype=float32 (the lm_head's logits): bf16 inputs, the fp32 sum unrounded, into a

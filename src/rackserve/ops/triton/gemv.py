@@ -14,8 +14,8 @@ byte. cuBLAS picks tiles for such shapes at 1-2 launches (``nvjet_*_splitK`` +
     gemv_reduce   (S > 1 without the fused reduce, or while a graph is captured with no
                   counters yet) sums the partials in split order: no atomics in values
 
-S is chosen so that about two programs per SM stream weights (the lm_head's 2,020 column
-blocks need no split; wo_b's 64 take 8 splits of its 8,192 inputs). fp32 accumulation,
+S is the most that keeps the launch within two programs per SM (the lm_head's 2,020 column
+blocks need no split; wo_b's 64 take 4 splits of its 8,192 inputs). fp32 accumulation,
 one rounding to the output dtype, like cuBLAS. Grids depend on (T, N, K) only: graph-safe.
 """
 
@@ -49,10 +49,12 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-# the programs a GPU launch aims at, per SM (the split count follows). With half the splits
-# the H100 took 7.0 against 8.2 us for an HCA layer's input projection, 8.6 against 9.4 for
-# CSA's and 26.0 against 27.3 for wo_b at one token in graph replay (gemv_bench "splits/2",
-# results/2026-12-06-s30.md call 5); 1 a SM is untried in a whole step (read at call time).
+# the programs a GPU launch may have, per SM (two of 4 x 20 KB stages fit; read at call
+# time): the split count is the most that keeps N / 64 x S within them (one wave, no tail
+# of a few programs after it; ceil(2 a SM / column blocks) had the HCA input projection at
+# 280 programs, CSA's at 325, wo_b at 320). bench forward on the H100, two alternating
+# passes of 30 runs (results/2026-12-06-s31.md): decode:1 1.558 / 1.552 -> 1.547 / 1.547 ms,
+# decode:8 3.598 / 3.594 -> 3.586 / 3.588; ceil(1 a SM) 1.551 / 1.552 and 3.590 / 3.597.
 PROGRAMS_PER_SM = 2
 
 
@@ -60,8 +62,8 @@ def default_tiling(n: int, k: int, device: torch.device) -> GemvTiling:
     """Block sizes and the split count from N, K and the device (host ints: graph-safe).
 
     GPU: 64 weight rows x 128 inputs per step (16 KB of bf16 weights in flight per stage,
-    4 stages); splits so that N/64 x S reaches ``PROGRAMS_PER_SM`` programs per SM, each
-    slice at least 512 inputs. CPU (the interpreter): small tiles, few programs."""
+    4 stages); the most splits that keep N/64 x S within ``PROGRAMS_PER_SM`` programs per
+    SM, each slice at least 512 inputs. CPU (the interpreter): small tiles, few programs."""
     if device.type != "cuda":
         block_n, block_k, programs, min_slice = 32, 32, 4, 64
     else:
@@ -69,7 +71,7 @@ def default_tiling(n: int, k: int, device: torch.device) -> GemvTiling:
         programs = PROGRAMS_PER_SM * _num_sms(device)
     blocks_n = triton.cdiv(n, block_n)
     k_blocks = triton.cdiv(k, block_k)
-    splits = max(1, min(triton.cdiv(programs, blocks_n), k // min_slice, k_blocks))
+    splits = max(1, min(programs // blocks_n, k // min_slice, k_blocks))
     return GemvTiling(block_n, block_k, splits)
 
 

@@ -69,8 +69,10 @@ MIXES_BLOCK_T = 64
 # up to this many tokens (on a GPU) a block's K2 runs as two launches, pre + the collapse
 # and post + comb (the Sinkhorn chain), the second on the side stream while a CUDA graph
 # is captured (``Tiling.comb_beside``): off the step's critical path until the next block's
-# mHC, which joins it. None: one launch.
-COMB_BESIDE_MAX_TOKENS: int | None = None
+# mHC, which joins it. None: one launch. bench forward on the H100, two alternating passes
+# of 30 runs (results/2026-12-06-s31.md): decode:1 1.558 / 1.552 -> 1.535 / 1.532 ms,
+# decode:8 3.598 / 3.594 -> 3.577 / 3.579, but decode:64 5.810 / 5.806 -> 5.824 / 5.821.
+COMB_BESIDE_MAX_TOKENS: int | None = 16
 # from this many tokens K1 takes 128-token tiles (64 below): fn's [K, mixes] tile is loaded
 # once for twice the tokens (ncu at 8192 tokens, 64-token tiles: L1/TEX 82% busy, DRAM
 # 16%). H200, 2026-12-02, mhc_bench with the split K2, graph replay: hc_pre 440 -> 386 us
