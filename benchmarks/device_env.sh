@@ -80,6 +80,19 @@ forward_ab() {
     ((t)) && forward_with "$code_b" "$R/forward_${name_b}_$pass.json" "$@"
   done
 }
+# the graph-replay timelines (graph_gap.py: kernel by kernel, where a step's time goes) of
+# the bench forward batches $3.. into $2, cut to $1 s of what is left of $BUDGET_S
+replay_timelines() {
+  local limit=$1 output=$2 t b args=()
+  shift 2
+  for b in "$@"; do args+=(--batch "$b"); done
+  t=$(cap "$limit"); echo "== graph_gap $* (${t}s)"
+  ((t)) && timeout "$t" python3 -c "import runpy, sys
+sys.path.insert(0, 'benchmarks')  # graph_gap imports bench_timing
+sys.argv = ['graph_gap.py'] + sys.argv[1:]
+runpy.run_path('benchmarks/graph_gap.py', run_name='__main__')" "${args[@]}" \
+    --output "$output" 2>&1 | tail -3
+}
 # every gate of issues 13 and 14 in one bench forward: $R/forward_gates.json
 forward_gates() {
   echo "== bench forward, every gate"

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Session 31, after adopting call 1's winners (the GEMV's one-wave split count, the mHC's
 # comb beside up to 16 tokens): their GPU tests, then bench forward at decode:1, 8 and 64,
-# the new defaults against session 30's (ceil split count, one K2 launch), alternating.
+# the new defaults against session 30's (ceil split count, one K2 launch), alternating; the
+# decode:1 replay timeline at the new defaults.
 # Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/sessions/gpu_s31c.sh     (BUDGET_S: seconds)
 set -uo pipefail
-BUDGET_S=${BUDGET_S:-150}
+BUDGET_S=${BUDGET_S:-200}
 source "$(dirname "$0")/../device_env.sh"
 start_call
 t=$(cap 45); echo "== pytest gemv + comb_beside (${t}s)"
@@ -23,5 +24,6 @@ def ceil_tiling(n, k, device):
 g.default_tiling = ceil_tiling'
 forward_ab s30 "$old" s31 'pass' --batch decode:1@4096 --batch decode:8@4096 \
   --batch decode:64@4096 --iters 30 --warmup 5
+replay_timelines 60 "$R/graph_gap.json" decode:1@4096
 ls "$R"; (cd "$OUT" && tar czf s31c.tgz r && rm -rf r)
 echo "== done in ${SECONDS}s"
