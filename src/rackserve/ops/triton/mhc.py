@@ -12,8 +12,8 @@ Each equals its ``ops.reference`` namesake. Shape legend: T tokens, N streams, D
 T <= 4, K1 + K2 are one launch; with ``Tiling.comb_beside`` a captured step computes post
 and comb on the side stream and ``settle`` joins it: the ops that read them call it).
 Grids and workspaces depend on T and the weights' shapes only: no host syncs, so the ops
-can be captured in CUDA graphs. Under TRITON_INTERPRET=1
-(CPU tests) the same kernels run on CPU tensors, with larger token tiles.
+can be captured in CUDA graphs. Under TRITON_INTERPRET=1 (CPU tests) the same kernels run
+on CPU tensors, with larger token tiles.
 
 This module holds the ops and the launch-shape policy: the switches below and
 ``default_tiling``, read from this module at call time (benchmarks set them on it, or

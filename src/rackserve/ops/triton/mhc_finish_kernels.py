@@ -10,10 +10,10 @@ K2 ``hc_finish_kernel``, grid (cdiv(T, BLOCK_T),): the mixes (sums the S partial
     the halves: for many tokens the mixes run as their own launch, BLOCK_T tokens a
     program (a token a thread), and store pre [T, BLOCK_N] for a collapse launch of a token
     a program (``Tiling.mixes_block_t``: a program of one token runs its Sinkhorn chain in
-    every thread). PART 1 / 2 split it the other way for few tokens: pre and the collapse
-    (the path to x), and post and comb (the Sinkhorn chain, read only by the next block's
-    mHC) in a launch of its own, which a captured step runs on the side stream
-    (``Tiling.comb_beside``).
+    every thread). ``Tiling.comb_beside`` splits it the other way for few tokens: pre and
+    the collapse (the path to x: a HEAD launch, which computes pre alone), then post and
+    comb (COMB_ONLY: the Sinkhorn chain, read only by the next block's mHC) in a launch of
+    their own, which a captured step runs on the side stream.
 ``hc_fused_kernel``, grid (T, S) (one token per program, the GEMV K1): K1's split, then
     the split's program that arrives last at a per-token counter (an int32 atomic, the
     only atomic; values are summed in a fixed order, so results stay deterministic) runs
@@ -67,54 +67,52 @@ def hc_finish_kernel(
     SINGLE_PASS: tl.constexpr,
     MIXES: tl.constexpr,
     COLLAPSE: tl.constexpr,
-    # 0: everything; 1: pre and the collapse only; 2: post and comb only (the Sinkhorn
-    # chain), a launch of its own beside the rest (``Tiling.comb_beside``)
-    PART: tl.constexpr,
+    COMB_ONLY: tl.constexpr,  # post and comb alone (``Tiling.comb_beside``)
     PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
     pdl_wait(PDL)
-    if PART == 2:
+    if COMB_ONLY:
         tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         _mixes(tok, mix_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, num_tokens,
                num_splits, inv_num_cols, hc_eps, norm_eps, sinkhorn_iters, stride_mix_s,
                stride_mix_t, stride_sq_s, N, BLOCK_N, BLOCK_T, BLOCK_S, False, "")  # fmt: skip
-    else:
-        _finish_tokens(
-            tl.program_id(0),
-            streams_ptr,
-            mix_ptr,
-            sq_ptr,
-            base_ptr,
-            scale_ptr,
-            norm_w_ptr,
-            x_ptr,
-            post_ptr,
-            comb_ptr,
-            pre_ptr,
-            num_tokens,
-            num_splits,
-            hidden,
-            inv_num_cols,
-            hc_eps,
-            norm_eps,
-            sinkhorn_iters,
-            stride_st,
-            stride_sn,
-            stride_mix_s,
-            stride_mix_t,
-            stride_sq_s,
-            stride_xt,
-            N,
-            BLOCK_N,
-            BLOCK_T,
-            BLOCK_S,
-            BLOCK_D,
-            HEAD or PART == 1,  # PART 1: pre only, as the head's
-            SINGLE_PASS,
-            MIXES,
-            COLLAPSE,
-            "",
-        )
+        return
+    _finish_tokens(
+        tl.program_id(0),
+        streams_ptr,
+        mix_ptr,
+        sq_ptr,
+        base_ptr,
+        scale_ptr,
+        norm_w_ptr,
+        x_ptr,
+        post_ptr,
+        comb_ptr,
+        pre_ptr,
+        num_tokens,
+        num_splits,
+        hidden,
+        inv_num_cols,
+        hc_eps,
+        norm_eps,
+        sinkhorn_iters,
+        stride_st,
+        stride_sn,
+        stride_mix_s,
+        stride_mix_t,
+        stride_sq_s,
+        stride_xt,
+        N,
+        BLOCK_N,
+        BLOCK_T,
+        BLOCK_S,
+        BLOCK_D,
+        HEAD,
+        SINGLE_PASS,
+        MIXES,
+        COLLAPSE,
+        "",
+    )
 
 
 @triton.jit

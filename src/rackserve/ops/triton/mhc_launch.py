@@ -254,10 +254,17 @@ def _launch(
     )  # fmt: skip
 
     def finish(
-        pre: torch.Tensor, block_t: int, warps: int, mixes: bool, collapse: bool, part: int = 0
+        pre: torch.Tensor,
+        block_t: int,
+        warps: int,
+        mixes: bool,
+        collapse: bool,
+        pre_only: bool = head,
+        comb_only: bool = False,
     ):
         """One K2 launch: the mixes, the collapse or both; pre [T, BLOCK_N] carries pre
-        from a mixes-only launch to a collapse-only one; part: the kernel's PART."""
+        from a mixes-only launch to a collapse-only one. pre_only: the mixes as the head's
+        (no post, comb); comb_only: post and comb alone (``comb_beside``)."""
         hc_finish_kernel[(triton.cdiv(num_tokens, block_t),)](
             new, mix, sq, base, scale, norm_weight,
             x, x if head else post, x if head else comb, pre,
@@ -265,15 +272,15 @@ def _launch(
             new.stride(0), new.stride(1), mix.stride(0), mix.stride(1), sq.stride(0),
             x.stride(0),
             N=n, BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_D=finish_block_d,
-            HEAD=head, SINGLE_PASS=finish_block_d >= hidden, MIXES=mixes, COLLAPSE=collapse,
-            PART=part, num_warps=warps, **pdl(new.device),
+            HEAD=pre_only, SINGLE_PASS=finish_block_d >= hidden, MIXES=mixes,
+            COLLAPSE=collapse, COMB_ONLY=comb_only, num_warps=warps, **pdl(new.device),
         )  # fmt: skip
 
     if tiling.comb_beside and not head and not tiling.mixes_block_t:
-        finish(x, tiling.finish_block_t, tiling.finish_warps, True, True, part=1)
+        finish(x, tiling.finish_block_t, tiling.finish_warps, True, True, pre_only=True)
         side = _comb_beside(device, (mix, sq))
         with contextlib.nullcontext() if side is None else side.active():
-            finish(x, tiling.finish_block_t, tiling.finish_warps, True, False, part=2)
+            finish(x, tiling.finish_block_t, tiling.finish_warps, True, False, comb_only=True)
     elif tiling.mixes_block_t:  # a token a thread for the mixes, then the collapse
         pre = _empty((num_tokens, block_n), torch.float32, device)
         finish(pre, tiling.mixes_block_t, max(1, min(4, tiling.mixes_block_t // 32)), True, False)
