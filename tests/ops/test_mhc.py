@@ -233,8 +233,8 @@ def test_gemv_k1_bf16_matches_reference(mhc, mhc_launch, t, fused):
 def test_comb_beside_equals_one_finish_launch(mhc, dtype, t, gemv):
     """``Tiling.comb_beside`` (K2 as pre + the collapse, then post + comb in a launch of its
     own) gives the one-launch K2's outputs bitwise, for hc_pre and hc_post_pre (which reads
-    the first's post and comb); the head ignores it. Outside a CUDA-graph capture both
-    launches run on the current stream; the captured side stream is the GPU test's."""
+    the first's post and comb). Outside a CUDA-graph capture both launches run on the
+    current stream; the captured side stream (and the head's join) is the GPU test's."""
     one = gpu_like_tiling(mhc, 1, gemv=gemv)
     split = dataclasses.replace(one, comb_beside=True)
     args = hc_pre_args(t, 64, seed=70 + t, dtype=dtype)
@@ -586,8 +586,8 @@ def test_v4_flash_sizes_on_gpu(mhc, t, dtype, precision):
 def test_fused_prologue_at_prefill_sizes_on_gpu(mhc, t):
     """hc_post_pre with the expand in K1's prologue at prefill sizes (``post_apart`` off;
     timed in session 30: ~10 ms slower at 8192 tokens, so only small steps take it) within
-    the bf16 rules of the references,
-    and within one rounding of the streams of the default's outputs."""
+    the bf16 rules of the references, and within one rounding of the streams of the
+    default's outputs."""
     d = 4096
     args = hc_pre_args(t, d, seed=t + 1, dtype=torch.bfloat16)
     streams = args[0]
