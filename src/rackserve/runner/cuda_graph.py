@@ -40,6 +40,7 @@ import bisect
 import contextlib
 import gc
 from collections.abc import Callable, Iterator, Sequence
+import dataclasses
 from dataclasses import dataclass
 from functools import cache, partial
 from typing import Any
@@ -51,6 +52,7 @@ from rackserve.config import HCA
 from rackserve.kv.spec import CacheGroupSpec
 from rackserve.model.batch import KVCacheTensors, StepMetadata
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
+from rackserve.ops.side_stream import SideStream
 from rackserve.runner.graph_sampling import InGraphSampling, SamplerVariant, StaticSampling
 from rackserve.runner.inputs import StepInputs
 from rackserve.runner.step_buffers import StepBuffers
@@ -64,6 +66,11 @@ CONTEXT_BUCKETS = (4096, 16384, 65536, 262144, 1 << 20)
 # bucket they serve
 PREFILL_GRAPH_TOKENS = tuple(range(256, 2049, 256))
 PREFILL_GRAPH_MAX_CONTEXT = 65536
+# a graph's metadata kernels (``ops/triton/step_meta.py``, 7 launches for the v4-flash
+# groups, ~15 us at batch 1) on the side stream, beside the embedding, the first layer's mHC
+# and its input projections, until the first attention reads the slots (``StepMetadata.
+# settle``); False: in line, before the forward
+METADATA_BESIDE = True
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -196,10 +203,14 @@ class _StepGraphs:
         if self.fast_metadata:
             from rackserve.ops.triton.step_meta import step_metadata
 
-            return step_metadata(
-                self.groups, self.positions[:b], self.token_req[:b], rows,
-                self.buffers.tables, bucket, token_mask, self.combined,
-            )  # fmt: skip
+            side = SideStream.of(rows.device) if METADATA_BESIDE else SideStream(None)
+            side.fork()
+            with side.active():
+                meta = step_metadata(
+                    self.groups, self.positions[:b], self.token_req[:b], rows,
+                    self.buffers.tables, bucket, token_mask, self.combined,
+                )  # fmt: skip
+            return dataclasses.replace(meta, ready=side.record())
         return StepMetadata.build(
             self.groups,
             self.positions[:b],
