@@ -38,9 +38,9 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 import gc
 from collections.abc import Callable, Iterator, Sequence
-import dataclasses
 from dataclasses import dataclass
 from functools import cache, partial
 from typing import Any
