@@ -10,6 +10,7 @@ import torch.distributed as dist
 from rackserve.parallel.groups import (
     ParallelGroups,
     ParallelLayout,
+    _ephemeral_floor,
     default_backend,
     free_port,
     free_port_block,
@@ -32,7 +33,10 @@ def test_single_and_backend():
     assert single.ep_group is None and single.ep_size == 1
     assert default_backend("cpu") == "gloo"
     assert default_backend("cuda") == "nccl"
-    assert 0 < free_port() < 65536
+    port = free_port()
+    assert 1024 <= port < _ephemeral_floor()  # below the range bind(0) and clients draw from
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", port))
 
 
 def test_free_port_block_is_bindable_and_skips_taken_ports(monkeypatch):

@@ -69,10 +69,11 @@ def default_backend(device: torch.device | str) -> str:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now on ``host`` (for tests and single-host launches)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A TCP port free right now on ``host`` (for tests and single-host launches), drawn
+    below the ephemeral range as ``free_port_block``'s: a ``bind(0)`` port, released for a
+    server to bind, could be taken in between by any outgoing connection (a router test saw
+    "address already in use", session 31)."""
+    return free_port_block(1, host)
 
 
 def _ephemeral_floor() -> int:
