@@ -30,8 +30,9 @@ amortised over the tokens), as do contexts past ``PREFILL_GRAPH_MAX_CONTEXT`` (a
 What a graph captures beyond the eager forward of the same step (the CPU launch counter
 counts both, tests/runner/test_graph_launches.py): the step's metadata (on a GPU one Triton
 launch per cache group, ``ops/triton/step_meta.py``, where ``StepMetadata.build`` takes
-~115 small torch kernels; on the side stream, ``METADATA_BESIDE``), the token mask, zeroing the expert counts, and one compression
-launch per compressed layer even when no window closes (its candidates write the null block).
+~115 small torch kernels; on the side stream, ``METADATA_BESIDE``), the token mask, zeroing
+the expert counts, and one compression launch per compressed layer even when no window
+closes (its candidates write the null block).
 """
 
 from __future__ import annotations
