@@ -208,12 +208,6 @@ class Attention(nn.Module):
         head_logits = y[:, state_end:] if self.kind == CSA else None
         return Projected(y[:, :q_lora], y[:, q_lora : q_lora + width], state, head_logits)
 
-    def input_weight(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The weight the layer streams first for the batch ``x``: the fused projection of
-        the layer input on the fast path (None on the reference path or for FP8 linears)."""
-        fused = self._fusion("x", self._x_linears()) if self.kernels.fast(x) else None
-        return None if fused is None else fused.get()
-
     def fuse_weights(self) -> None:
         """Build the fast path's fused projection weights now (no-op on the reference path)."""
         if self.kernels.fast(self.wq_a.weight):
@@ -311,9 +305,6 @@ class Attention(nn.Module):
             if self.ratio:
                 self._compress(meta, caches)
 
-        # the attention's kernels ahead are latency-bound at a few tokens: the output
-        # projection's head into L2 beside them (joined after that projection, below)
-        k.prefetch(x, lambda: self.wo_a.weight if type(self.wo_a) is GroupedLinear else None)
         window = meta.gather["swa"]
         out = torch.empty_like(q) if chunk < t else None  # one chunk: no copy into `out`
         for a in range(0, t, chunk):
@@ -332,9 +323,7 @@ class Attention(nn.Module):
                 out = o
             else:
                 out[rows] = o
-        y = linear(self.kernels, self.wo_b, self.wo_a(out.view(t, self.o_groups, -1)))
-        k.settle_prefetch(x)  # long done: the prefetches so far, off the step's critical path
-        return y
+        return linear(self.kernels, self.wo_b, self.wo_a(out.view(t, self.o_groups, -1)))
 
     def _prologue(
         self,

@@ -106,7 +106,6 @@ class DecoderLayer(nn.Module):
         if next_layer is None:
             return k.hc_post(streams, x, post, comb), None
         n = next_layer
-        k.prefetch(streams, lambda: n.attn.input_weight(streams))  # latency-bound mHC ahead
         streams, *next_in = k.hc_post_pre(  # the FFN's post + the next attention's pre
             streams, x, post, comb, n.hc_attn_fn, n.hc_attn_base, n.hc_attn_scale,
             n.attn_norm.weight, *hc,
@@ -179,16 +178,13 @@ class DeepseekV4Model(nn.Module):
         caches: KVCacheTensors,
         expert_counts: torch.Tensor | None = None,
         head_rows: torch.Tensor | None = None,
-        head_weight: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids: [T] -> (normed hidden [T, D], final streams [T, N, D]).
 
         expert_counts: optional [num_layers, E] accumulator of routed tokens per expert.
         head_rows: optional [S] rows of the hidden states wanted (the rows that need
         logits): the hyper head (which reads all N streams) and the norm run on those only
-        and hidden is [S, D]; the streams stay whole. head_weight: the lm_head's weight,
-        which ``Kernels.prefetch`` starts pulling into L2 beside the hyper head (the logits'
-        GEMV follows the forward).
+        and hidden is [S, D]; the streams stay whole.
         """
         x = self.embed_tokens(input_ids)
         # the streams start as copies of x; torch.cat copies in wide vectors where a strided
@@ -203,8 +199,6 @@ class DeepseekV4Model(nn.Module):
         # the first layer's attention input here: each layer then runs its own attention
         # and FFN and the next layer's mHC pre (fused with its FFN's post)
         layers = list(self.layers)
-        if layers:  # the first mHC pre is latency-bound at a few tokens
-            self.kernels.prefetch(streams, lambda: layers[0].attn.input_weight(streams))
         attn_in = layers[0].attn_pre(streams) if layers else None
         for i, layer in enumerate(layers):
             counts = None if expert_counts is None else expert_counts[i]
@@ -212,10 +206,7 @@ class DeepseekV4Model(nn.Module):
             streams, attn_in = layer.run(
                 streams, input_ids, meta, caches, counts, attn_in, nxt, rope[layer.attn.rotary]
             )
-        self.kernels.prefetch(streams, lambda: head_weight)
-        hidden = self.hc_head(streams, self.norm, head_rows)
-        self.kernels.settle_prefetch(streams)
-        return hidden, streams
+        return self.hc_head(streams, self.norm, head_rows), streams
 
 
 class DeepseekV4ForCausalLM(nn.Module):
@@ -262,8 +253,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (hidden [T, D] (or of ``head_rows`` only), final streams [T, N, D]);
         logits via ``compute_logits``."""
-        head = self.head.weight if is_plain_linear(self.head) else None
-        return self.model(input_ids, meta, caches, expert_counts, head_rows, head)
+        return self.model(input_ids, meta, caches, expert_counts, head_rows)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [S, D] (only the rows that need logits) -> [S, V] float32, into ``out``

@@ -59,7 +59,6 @@ from rackserve.ops.reference import (
     swiglu,
     topk_earliest,
 )
-from rackserve.ops.side_stream import SideStream
 
 __all__ = [
     "KERNEL_CHOICES",
@@ -148,31 +147,6 @@ class Kernels:
         min_tokens = PREFILL_ATTENTION_MIN_TOKENS
         return self.fast(q) and min_tokens is not None and q.shape[0] >= min_tokens
 
-    def prefetch(self, x: torch.Tensor, weight: Callable[[], torch.Tensor | None]) -> None:
-        """Before a chain of latency-bound kernels on the batch ``x``: start pulling the head
-        of ``weight()``, the next weight stream (called only when prefetching), into L2, on
-        the prefetch stream (``L2_PREFETCH_MAX_TOKENS`` bytes ``L2_PREFETCH_BYTES``; sm_90
-        and newer; ``ops/triton/l2_prefetch.py``). Changes no value; the forward's end
-        joins it (``settle_prefetch``). Nothing on the reference path or off CUDA."""
-        max_tokens = L2_PREFETCH_MAX_TOKENS
-        if max_tokens is None or x.shape[0] > max_tokens or not (self.fast(x) and x.is_cuda):
-            return
-        w = weight()
-        if w is None or not w.is_cuda:
-            return
-        module = importlib.import_module("rackserve.ops.triton.l2_prefetch")
-        stream = SideStream.of(w.device, "prefetch")
-        stream.fork()
-        with stream.active():
-            module.l2_prefetch(w, L2_PREFETCH_BYTES)
-
-    def settle_prefetch(self, x: torch.Tensor) -> None:
-        """The current stream waits for the prefetches issued for the batch ``x`` (a
-        captured forward must join every stream it forked before it ends)."""
-        max_tokens = L2_PREFETCH_MAX_TOKENS
-        if max_tokens is not None and x.shape[0] <= max_tokens and self.fast(x) and x.is_cuda:
-            SideStream.of(x.device, "prefetch").join()
-
     def indexer_beside_q(self, x: torch.Tensor) -> bool:
         """Whether a CSA layer's indexer runs on a side stream beside the q projection for the
         batch ``x`` [T, D] (``INDEXER_BESIDE_Q_MAX_TOKENS``; off CUDA in issue order)."""
@@ -241,13 +215,6 @@ PREFILL_ATTENTION_MIN_TOKENS: int | None = 128
 # against 6.418 / 6.447; the overlap's ~25 us at most in the bench's one CSA layer is within
 # the spread). Graph replay is bit-identical to eager with it on (GPU test).
 INDEXER_BESIDE_Q_MAX_TOKENS: int | None = None
-# Up to this many tokens the fast path starts pulling the first L2_PREFETCH_BYTES of the
-# next weight stream into L2 on a stream of its own, beside each chain of latency-bound
-# kernels (``Kernels.prefetch``, ``ops/triton/l2_prefetch.py``): a layer's input projection
-# beside the mHC before it, the output projection beside the attention, the lm_head beside
-# the hyper head. None: off, until timed against the defaults (gpu_s32a.sh).
-L2_PREFETCH_MAX_TOKENS: int | None = None
-L2_PREFETCH_BYTES = 16 << 20
 # From MIN to MAX tokens the fused MoE runs its shared expert on a side stream from the
 # start, beside the router's logits, the route + align and the routed experts (aligned
 # without it), which are latency-bound at decode sizes while the shared expert streams its

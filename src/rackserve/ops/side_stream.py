@@ -33,21 +33,19 @@ class SideStream:
     device for one stream at a time: the split-K GEMV's and the one-launch mHC's counters.
     Off CUDA every method does nothing: the work runs in the order it was issued."""
 
-    _streams: ClassVar[dict[tuple[torch.device, str], torch.cuda.Stream]] = {}
+    _streams: ClassVar[dict[torch.device, torch.cuda.Stream]] = {}
 
     def __init__(self, stream: torch.cuda.Stream | None) -> None:
         self.stream = stream
 
     @classmethod
-    def of(cls, device: torch.device, name: str = "side") -> SideStream:
-        """The device's side stream of that name (one per device and name, made on first
-        use: "side" for the work above, "prefetch" for ``Kernels.prefetch``), or a no-op
-        one off CUDA."""
+    def of(cls, device: torch.device) -> SideStream:
+        """The device's side stream (one per device, made on first use), or a no-op one."""
         if device.type != "cuda":
             return cls(None)
-        stream = cls._streams.get((device, name))
+        stream = cls._streams.get(device)
         if stream is None:
-            stream = cls._streams[device, name] = torch.cuda.Stream(device)
+            stream = cls._streams[device] = torch.cuda.Stream(device)
         return cls(stream)
 
     def fork(self) -> None:
