@@ -88,20 +88,27 @@ def test_deferred_sum_is_the_sum(seed):
         assert torch.equal(slots.sum(), out) and torch.equal(*counts)
 
 
+@pytest.mark.parametrize("after", [True, False])
 @pytest.mark.parametrize("seed", [1, 7, 9, 15, 19, 23])
-def test_shared_beside_is_bitwise_the_same(seed, monkeypatch):
-    """``shared_beside``: the shared expert's slot from its own launches (no align), the
-    routed experts aligned without it. Outputs, slots and counts are bitwise those of the
-    one-align path, at T = 1 (one program routes and aligns) and 13 / 40 (the router kernel,
-    then the align kernel), summed and deferred."""
+def test_shared_beside_is_bitwise_the_same(seed, after, monkeypatch):
+    """``shared_beside``: the shared expert's slot from its own launches (no align), its
+    down launch issued after the router's or right after its gate-up
+    (``SHARED_DOWN_AFTER_ROUTER``), the routed experts aligned without it. Outputs, slots
+    and counts are bitwise those of the one-align path, at T = 1 (one program routes and
+    aligns) and 13 / 40 (the router kernel, then the align kernel), summed and deferred;
+    the shared layout is made once per shape."""
     from rackserve.ops.triton import fused_moe
+    from rackserve.ops.triton import moe_routed as module
     from rackserve.ops.triton.moe_routed import moe_routed
+
+    monkeypatch.setattr(module, "SHARED_DOWN_AFTER_ROUTER", after)
+    monkeypatch.setattr(fused_moe, "_SHARED_LAYOUTS", {})
 
     t, (e, k), hashed, shared = CASES[seed]
     assert shared
     calls = []
-    run_shared = fused_moe.run_shared
-    monkeypatch.setattr(fused_moe, "run_shared", lambda *a: calls.append(1) or run_shared(*a))
+    shared_down = fused_moe.shared_down
+    monkeypatch.setattr(fused_moe, "shared_down", lambda *a: calls.append(1) or shared_down(*a))
     for dtype in (torch.bfloat16, torch.float32):
         router, mask, w13, w2 = _case(seed, t, e, k, hashed, True, dtype)
         for defer in (False, True):
@@ -112,6 +119,7 @@ def test_shared_beside_is_bitwise_the_same(seed, monkeypatch):
             )
             assert torch.equal(*counts) and len(calls) == 1
             calls.clear()
+            assert len(fused_moe._SHARED_LAYOUTS) == 1  # one shape: made once, reused
             if defer:
                 assert torch.equal(got.ids, want.ids) and got.num_experts == want.num_experts
                 assert torch.equal(got.slots, want.slots)

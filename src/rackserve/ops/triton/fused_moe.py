@@ -313,7 +313,7 @@ def run_experts(
     ``out`` None: 2 launches, and the slots returned unsummed (their consumer sums them).
     ``slots``: the [T * k, D] fp32 rows to write (None: new ones); ``aligned``: the align
     laid out the pairs of experts [0, aligned) only (None: all of w13's), and another
-    launch writes the others' rows (``run_shared``) before ``out`` is summed."""
+    launch writes the others' rows (``shared_down``) before ``out`` is summed."""
     num_experts = w13.shape[0]
     x, topk_ids = x.contiguous(), topk_ids.contiguous()
     num_pairs = topk_ids.numel()
@@ -331,7 +331,34 @@ def run_experts(
     return None
 
 
-def run_shared(
+# (T, top_k, BM, shared expert, device) -> the shared expert's layout (``_shared_layout``)
+_SHARED_LAYOUTS: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _shared_layout(
+    num_tokens: int, top_k: int, block_m: int, shared: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted_ids, block_expert, weights) of the shared expert's layout: pair
+    t * top_k + top_k - 1 at row t, one block per BM tokens, weight 1. Constants of the
+    shapes, made once per shape outside a graph capture (a captured step's warm-up run
+    makes them first), so the side stream's chain is its two GEMM launches only."""
+    key = (num_tokens, top_k, block_m, shared, device)
+    layout = _SHARED_LAYOUTS.get(key)
+    if layout is not None:
+        return layout
+    num_blocks = triton.cdiv(num_tokens, block_m)
+    rows = num_blocks * block_m
+    # rows past T hold pairs >= num_pairs: padding, which the kernels mask
+    sorted_ids = torch.arange(top_k - 1, rows * top_k, top_k, dtype=torch.int32, device=device)
+    block_expert = torch.full((num_blocks,), shared, dtype=torch.int32, device=device)
+    weights = torch.ones(num_tokens * top_k, dtype=torch.float32, device=device)
+    layout = sorted_ids, block_expert, weights
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        _SHARED_LAYOUTS[key] = layout  # (made in a capture, they would be the graph's)
+    return layout
+
+
+def shared_gate_up(
     x: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
@@ -339,25 +366,36 @@ def run_shared(
     tiling: Tiling,
     shared: int,
     top_k: int,
+) -> torch.Tensor:
+    """The shared expert's gate-up launch (the first half of its slot, ``shared_down``
+    the second): h [rows, I]. Split so that a caller running it on a side stream can issue
+    its own kernels between the two (``moe_routed``: the router's, beside it)."""
+    sorted_ids, block_expert, _ = _shared_layout(
+        x.shape[0], top_k, tiling.block_m, shared, x.device
+    )
+    return _gate_up(x.contiguous(), w13, w2.dtype, sorted_ids, block_expert, top_k,
+                    x.shape[0] * top_k, w13.shape[0], limit, tiling)  # fmt: skip
+
+
+def shared_down(
+    x: torch.Tensor,
+    h: torch.Tensor,
+    w2: torch.Tensor,
+    tiling: Tiling,
+    shared: int,
+    top_k: int,
     slots: torch.Tensor,
 ) -> None:
     """The shared expert's slot (the last of each token's ``top_k``, weight 1) into
-    ``slots`` [T * top_k, D]: the gate-up and down kernels over a layout that needs no
-    align (pair t * top_k + top_k - 1 at row t, one block per BM tokens). With the routed
-    experts aligned apart (``run_experts(aligned=shared)``) it runs on a side stream beside
-    the router and align: nothing it reads is written there."""
-    num_tokens = x.shape[0]
-    num_pairs = num_tokens * top_k
-    num_blocks = triton.cdiv(num_tokens, tiling.block_m)
-    rows = num_blocks * tiling.block_m
-    # rows past T hold pairs >= num_pairs: padding, which the kernels mask
-    sorted_ids = torch.arange(top_k - 1, rows * top_k, top_k, dtype=torch.int32, device=x.device)
-    block_expert = torch.full((num_blocks,), shared, dtype=torch.int32, device=x.device)
-    weights = torch.ones(num_pairs, dtype=torch.float32, device=x.device)
-    _gate_up_down(
-        x.contiguous(), w13, w2, weights, slots, sorted_ids, block_expert, top_k,
-        w13.shape[0], limit, tiling,
-    )  # fmt: skip
+    ``slots`` [T * top_k, D] from ``shared_gate_up``'s h (x: its input), over a layout that
+    needs no align.
+    With the routed experts aligned apart (``run_experts(aligned=shared)``) the two run on
+    a side stream beside the router and align: nothing they read is written there."""
+    num_tokens = slots.shape[0] // top_k
+    sorted_ids, block_expert, weights = _shared_layout(
+        num_tokens, top_k, tiling.block_m, shared, h.device
+    )
+    _down(h, w2, weights, slots, sorted_ids, block_expert, w2.shape[0], tiling, _fp32_dot(x))
 
 
 def _gate_up_down(
@@ -375,12 +413,34 @@ def _gate_up_down(
 ) -> None:
     """The gate-up and down launches over an aligned layout: each pair's weighted expert
     output into its row of ``slots``; blocks of experts >= ``num_experts`` are skipped."""
+    h = _gate_up(x, w13, w2.dtype, sorted_ids, block_expert, top_k, slots.shape[0],
+                 num_experts, limit, tiling)  # fmt: skip
+    _down(h, w2, weights, slots, sorted_ids, block_expert, num_experts, tiling, _fp32_dot(x))
+
+
+def _fp32_dot(x: torch.Tensor) -> bool:
+    """The expert kernels' dots in fp32 (fp32 activations, or the CPU's interpreter)."""
+    return x.dtype == torch.float32 or x.device.type == "cpu"
+
+
+def _gate_up(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    h_dtype: torch.dtype,
+    sorted_ids: torch.Tensor,
+    block_expert: torch.Tensor,
+    top_k: int,
+    num_pairs: int,
+    num_experts: int,
+    limit: float,
+    tiling: Tiling,
+) -> torch.Tensor:
+    """SwiGLU(x @ w13[e]^T) of each aligned row: h [blocks * BM, I] in ``h_dtype`` (w2's;
+    16-bit: rounded by the store)."""
     hidden, inter = x.shape[1], w13.shape[1] // 2
-    num_pairs = slots.shape[0]
     bm = tiling.block_m
     num_blocks = block_expert.shape[0]
-    fp32_dot = x.dtype == torch.float32 or x.device.type == "cpu"
-    h = _empty((num_blocks * bm, inter), w2.dtype, x.device)  # 16-bit: rounded by the store
+    h = _empty((num_blocks * bm, inter), h_dtype, x.device)
     grid = (num_blocks, triton.cdiv(inter, tiling.gate_up_block_n))
     moe_gate_up_kernel[grid](
         x, w13, h, sorted_ids, block_expert,
@@ -389,11 +449,29 @@ def _gate_up_down(
         BLOCK_M=bm,
         BLOCK_N=tiling.gate_up_block_n,
         BLOCK_K=tiling.gate_up_block_k,
-        FP32_DOT=fp32_dot,
+        FP32_DOT=_fp32_dot(x),
         num_warps=tiling.gate_up_warps,
         num_stages=tiling.gate_up_stages, **pdl(x.device),
     )  # fmt: skip
-    grid = (num_blocks, triton.cdiv(hidden, tiling.down_block_n))
+    return h
+
+
+def _down(
+    h: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    slots: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    block_expert: torch.Tensor,
+    num_experts: int,
+    tiling: Tiling,
+    fp32_dot: bool,
+) -> None:
+    """Each aligned row's weighted h @ w2[e]^T into its pair's row of ``slots``."""
+    hidden, inter = slots.shape[1], h.shape[1]
+    num_pairs = slots.shape[0]
+    bm = tiling.block_m
+    grid = (block_expert.shape[0], triton.cdiv(hidden, tiling.down_block_n))
     moe_down_kernel[grid[::-1] if tiling.down_tile_fastest else grid](
         h, w2, weights, slots, sorted_ids, block_expert,
         num_pairs, hidden, inter, num_experts,

@@ -27,6 +27,12 @@ from rackserve.ops.triton.route import _SCORING, route_fused, route_tokens
 
 # the most (token, expert) pairs routed and aligned by one program (see moe_routed)
 ONE_PROGRAM_MAX_PAIRS = 64
+# With ``shared_beside``: the shared expert's down launch issued after the router's and the
+# align's (True) or right after its gate-up (False: both before them). In a CUDA graph a
+# launch whose predecessor has not finished may hold back the launches issued after it
+# (benchmarks/graph_branch_probe.py, results/2026-12-06-s32.md): then the second order
+# starts the router only once the shared gate-up has run.
+SHARED_DOWN_AFTER_ROUTER = True
 
 
 @triton.jit
@@ -99,7 +105,7 @@ def moe_routed(
     router's logits projection (the op table's: the GEMV for a few tokens).
     ``shared_beside``: the shared expert (when given) runs on the side stream from the
     start, beside the router, the align and the routed experts, which are aligned without
-    it (``fused_moe.run_shared``); the same values, bit for bit."""
+    it (``fused_moe.shared_gate_up`` / ``shared_down``); the same values, bit for bit."""
     num_tokens = x.shape[0]
     cols = top_k + int(shared_expert is not None)
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
@@ -128,7 +134,9 @@ def moe_routed(
         side = SideStream.of(x.device)
         side.fork()
         with side.active():
-            fused_moe.run_shared(x, w13, w2, limit, tiling, shared_expert, cols, slots)
+            h = fused_moe.shared_gate_up(x, w13, w2, limit, tiling, shared_expert, cols)
+            if not SHARED_DOWN_AFTER_ROUTER:
+                fused_moe.shared_down(x, h, w2, tiling, shared_expert, cols, slots)
     if one_program:
         ids, weights, sorted_ids, block_expert = _route_align(
             routing, expert_counts, token_mask, aligned, tiling, linear
@@ -140,6 +148,9 @@ def moe_routed(
         sorted_ids, block_expert = fused_moe.moe_align(
             ids, aligned, tiling.block_m, tiling.align_segment
         )
+    if apart and SHARED_DOWN_AFTER_ROUTER:
+        with side.active():
+            fused_moe.shared_down(x, h, w2, tiling, shared_expert, cols, slots)
     result = fused_moe.run_experts(
         x, ids, weights, sorted_ids, block_expert, w13, w2, limit, tiling, None,
         slots=slots, aligned=aligned,
