@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Session 32: do a captured graph's two branches run side by side whatever their issue order
+# (graph_branch_probe.py)? The shared expert's down launch after the router's
+# (moe_routed.SHARED_DOWN_AFTER_ROUTER, the default) against right after its gate-up, and the
+# mHC's comb beside at 64 tokens with it: GPU tests, bench forward alternating, two passes.
+# Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/sessions/gpu_s32b.sh     (BUDGET_S: seconds)
+set -uo pipefail
+BUDGET_S=${BUDGET_S:-300}
+source "$(dirname "$0")/../device_env.sh"
+start_call
+echo "== graph_branch_probe"
+for args in "--n 6 --us 5" "--n 6 --us 2" "--n 2 --us 5"; do
+  timeout 40 python3 benchmarks/graph_branch_probe.py $args \
+    --output "$R/probe_$(echo $args | tr -d ' -').json" 2>&1 | tail -1
+done
+t=$(cap 60); echo "== pytest shared beside (${t}s)"
+((t)) && timeout "$t" "${pt[@]}" tests/ops/test_moe_routed.py tests/model/test_gpu_fastpath.py \
+  -k "shared_beside or beside_router" > "$R/pytest.log" 2>&1; tail -3 "$R/pytest.log"
+before='import rackserve.ops.triton.moe_routed as m; m.SHARED_DOWN_AFTER_ROUTER = False'
+for pass in 1 2; do
+  for arm in before after comb64; do
+    case $arm in
+      before) code=$before ;; after) code='pass' ;; comb64) code='mhc.COMB_BESIDE_MAX_TOKENS = 64' ;;
+    esac
+    t=$(cap 50); echo "== bench forward, $arm, pass $pass (${t}s)"
+    ((t)) && forward_with "$code" "$R/forward_${arm}_$pass.json" --batch decode:4@4096 \
+      --batch decode:64@4096 --batch decode:128@4096 --iters 30 --warmup 5
+  done
+done
+replay_timelines 40 "$R/graph_gap.json" decode:64@4096
+ls "$R"; (cd "$OUT" && tar czf s32b.tgz r && rm -rf r)
+echo "== done in ${SECONDS}s"
