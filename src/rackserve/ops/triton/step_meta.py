@@ -7,7 +7,8 @@ about 115 small kernels at batch 1 for the v4-flash cache groups (a table gather
 most of the difference between the graph's 227 kernels and the eager forward's 100
 (2026-12-01-h200-s3-final-graph-gap.json). Here every group takes one launch of one kernel
 (``KIND`` picks what it derives), reading the block tables in place through the requests'
-table rows: 7 launches for the v4-flash groups, one per group and compression plan.
+table rows: 5 launches for the v4-flash groups, one per group and compression plan, the
+compression plans writing their state groups' slot mappings too.
 
 The slot rule is ``model.batch.paged_slots``'s: ``table[row, c] * per_block + i % per_block``
 for a non-negative index i, with c = (i // per_block) % cols in a sliding group's ring and
@@ -62,6 +63,7 @@ def _step_meta_kernel(
     flag_ptr,  # [T, M] uint8: window valid / entry valid / missing (STORE_FLAG)
     vec_ptr,  # [T] int64: WINDOW the last slot (slot mapping), ENTRIES num_visible, COMPRESS dst
     vec2_ptr,  # [T] int64: COMPRESS entry positions
+    vec3_ptr,  # [T] int64: COMPRESS with STATE_SLOT: the token's own row in the state table
     both_ptr,  # [T, W + M] uint8: ENTRIES with BOTH: [window valid | entry valid]
     M,
     ratio,
@@ -73,6 +75,7 @@ def _step_meta_kernel(
     STORE_VEC: tl.constexpr,
     HAS_MASK: tl.constexpr,
     BOTH: tl.constexpr,
+    STATE_SLOT: tl.constexpr,  # COMPRESS: also the state group's slot mapping (vec3)
     RING: tl.constexpr,  # the first table is a ring (sliding groups); table2 never is
     BLOCK: tl.constexpr,
     BLOCK_W: tl.constexpr,
@@ -115,6 +118,8 @@ def _step_meta_kernel(
             dst = _lookup(table2_ptr, stride2, cols2, per_block2, row, entry, False)
             tl.store(vec_ptr + t, tl.where(closes, dst, 0))
             tl.store(vec2_ptr + t, entry * ratio)
+            if STATE_SLOT:  # the WINDOW launch of width 1 on the state table, folded in
+                tl.store(vec3_ptr + t, _lookup(table_ptr, stride, cols, per_block, row, pos, RING))
     if STORE_SLOTS:
         tl.store(slots_ptr + t * M + m, slot, mask=m_ok)
     if STORE_FLAG:
@@ -138,9 +143,10 @@ def _launch(
     vec: bool = True,
     window: int = 0,
     ring: bool = False,
+    state_slot: bool = False,
 ) -> dict[str, torch.Tensor]:
     """One launch over [T, width]; returns the outputs it wrote (slots, flag, vec, vec2,
-    both)."""
+    vec3, both)."""
     n, device = positions.shape[0], positions.device
     out: dict[str, torch.Tensor] = {}
     if slots:
@@ -151,6 +157,8 @@ def _launch(
         out["vec"] = torch.empty(n, dtype=torch.int64, device=device)
     if kind == COMPRESS:
         out["vec2"] = torch.empty(n, dtype=torch.int64, device=device)
+        if state_slot:
+            out["vec3"] = torch.empty(n, dtype=torch.int64, device=device)
     if kind == ENTRIES and window:
         out["both"] = torch.empty(n, window + width, dtype=torch.bool, device=device)
     if n == 0:  # (width 0 still launches: ENTRIES writes num_visible)
@@ -165,12 +173,12 @@ def _launch(
         tab, tab.stride(0), tab.shape[1], per_block,
         tab2, tab2.stride(0), tab2.shape[1], per_block2,
         out.get("slots", dummy), out["flag"].view(torch.uint8) if flag else dummy,
-        out.get("vec", dummy), out.get("vec2", dummy),
+        out.get("vec", dummy), out.get("vec2", dummy), out.get("vec3", dummy),
         out["both"].view(torch.uint8) if "both" in out else dummy,
         width, ratio, span,
         KIND=kind, W=window if kind == ENTRIES else width, STORE_SLOTS=slots,
         STORE_FLAG=flag, STORE_VEC=vec, HAS_MASK=mask is not None, BOTH="both" in out,
-        RING=ring,
+        STATE_SLOT="vec3" in out, RING=ring,
         BLOCK=block, BLOCK_W=max(2, triton.next_power_of_2(max(window, 1))),
         num_warps=4, **pdl(positions.device),
     )  # fmt: skip
@@ -219,11 +227,19 @@ def step_metadata(
     def table(g: CacheGroupSpec) -> tuple[torch.Tensor, int]:
         return tables[g.name], g.entries_per_block
 
+    def state_of(g: CacheGroupSpec) -> CacheGroupSpec:
+        return next(s for s in groups if s.window is not None and s.layer_ids == g.layer_ids)
+
+    # a compressed group's COMPRESS launch reads its state group's ring at each token's
+    # window; it writes that group's slot mapping too (one launch fewer a state group)
+    folded = {state_of(g).name for g in groups if g.ratio > 1 and state_of(g).is_sliding}
     for g in groups:
         if g.name == "swa":
             out = _launch(WINDOW, g.window, *common, table(g), ring=True)
             gather[g.name] = Gather(out["slots"], out["flag"])
             slot_mapping[g.name] = out["vec"]
+        elif g.ratio == 1 and g.name in folded:
+            continue
         elif g.ratio == 1:
             out = _launch(WINDOW, 1, *common, table(g), flag=False, vec=False,
                           ring=g.is_sliding)  # fmt: skip
@@ -236,14 +252,17 @@ def step_metadata(
             gather[g.name] = Gather(out["slots"], out["flag"], out["vec"])
             if both:
                 derived[("valid", g.name)] = out["both"]
-            state = next(s for s in groups if s.window is not None and s.layer_ids == g.layer_ids)
+            state = state_of(g)
             span = state.window
             assert span is not None
+            fold = state.name in folded
             out = _launch(COMPRESS, span, *common, table(state), table2=table(g), ratio=g.ratio,
-                          span=span, flag=span > g.ratio, ring=True)  # fmt: skip
+                          span=span, flag=span > g.ratio, ring=True, state_slot=fold)  # fmt: skip
             compression[g.name] = Compression(
                 out["slots"], out.get("flag"), out["vec"], out["vec2"]
             )
+            if fold:
+                slot_mapping[state.name] = out["vec3"]
     return StepMetadata(
         pos, req, slot_mapping, gather, compression, max_seq_len, token_mask, derived
     )
