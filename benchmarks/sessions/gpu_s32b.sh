@@ -2,7 +2,8 @@
 # Session 32: do a captured graph's two branches run side by side whatever their issue order
 # (graph_branch_probe.py)? The shared expert's down launch after the router's
 # (moe_routed.SHARED_DOWN_AFTER_ROUTER, the default) against right after its gate-up, and the
-# mHC's comb beside at 64 tokens with it: GPU tests, bench forward alternating, two passes.
+# mHC's comb beside at 64 tokens with it: GPU tests, bench forward alternating, two passes;
+# the replay timelines at decode:1 and 64 (the step metadata in 5 launches).
 # Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/sessions/gpu_s32b.sh     (BUDGET_S: seconds)
 set -uo pipefail
 BUDGET_S=${BUDGET_S:-300}
@@ -15,7 +16,9 @@ for args in "--n 6 --us 5" "--n 6 --us 2" "--n 2 --us 5"; do
 done
 t=$(cap 60); echo "== pytest shared beside (${t}s)"
 ((t)) && timeout "$t" "${pt[@]}" tests/ops/test_moe_routed.py tests/model/test_gpu_fastpath.py \
-  -k "shared_beside or (bit_identical_to_eager and shared)" > "$R/pytest.log" 2>&1; tail -3 "$R/pytest.log"
+  tests/runner/test_graph_launches.py tests/runner/test_cuda_graph.py \
+  -k "shared_beside or (bit_identical_to_eager and shared) or matches_build or metadata_beside" \
+  > "$R/pytest.log" 2>&1; tail -3 "$R/pytest.log"
 before='import rackserve.ops.triton.moe_routed as m; m.SHARED_DOWN_AFTER_ROUTER = False'
 for pass in 1 2; do
   for arm in before after comb64; do
@@ -27,6 +30,6 @@ for pass in 1 2; do
       --batch decode:64@4096 --batch decode:128@4096 --iters 30 --warmup 5
   done
 done
-replay_timelines 40 "$R/graph_gap.json" decode:64@4096
+replay_timelines 50 "$R/graph_gap.json" decode:1@4096 decode:64@4096
 ls "$R"; (cd "$OUT" && tar czf s32b.tgz r && rm -rf r)
 echo "== done in ${SECONDS}s"
