@@ -187,37 +187,3 @@ def test_device_tables_follow_host_tables_by_deltas():
                 n = host.lengths[name][row]
                 assert np.array_equal(dev.tables[name][row, :n], host.tables[name][row, :n])
         assert not dev.tables["a"][dev.null_row].any()  # the null row stays null
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("num_reqs,context", [(1, 143), (24, 63)])
-@torch.inference_mode()
-def test_metadata_beside_equals_in_line(tmp_path, monkeypatch, num_reqs, context):
-    """``METADATA_BESIDE``: a graph whose metadata kernels ran on the side stream replays the
-    logits, cache rows and expert counts of one that ran them in line, bitwise."""
-    import rackserve.runner.cuda_graph as cuda_graph
-
-    model = load_model(create_checkpoint(tiny_config(), tmp_path, seed=0), device="cuda")
-    spec = BatchSpec("decode", num_reqs, 1, context)
-    results = {}
-    for beside in (False, True):
-        monkeypatch.setattr(cuda_graph, "METADATA_BESIDE", beside)
-        s = synthetic_step(model, spec, seed=1)
-        _random_caches(s, seed=7)
-        buffers = StepBuffers(s.groups, s.input_batch.block_tables, "cuda")
-        size = graph_batch_sizes(num_reqs)[-1]
-        graphs = DecodeGraphs(model, s.caches, buffers, s.groups, [size], [context + 40])
-        buffers.apply_writes(*buffers.upload(list(s.step.table_writes)))
-        graphs.capture(log=False)
-        key = graphs.key_for(s.step.inputs)
-        assert key in graphs.graphs
-        empty = (s.step.table_writes[0][:0], s.step.table_writes[1][:0])
-        decoded = graphs.run(key, s.step.inputs, empty)
-        torch.cuda.synchronize()
-        results[beside] = (decoded.logits.clone(), decoded.expert_counts.clone(), s.caches)
-    (logits, counts, caches), (logits2, counts2, caches2) = results[False], results[True]
-    assert torch.equal(logits, logits2) and torch.equal(counts, counts2)
-    for name, per_layer in caches.tensors.items():
-        for layer, t in per_layer.items():
-            assert torch.equal(caches2.tensors[name][layer], t), (name, layer)

@@ -284,7 +284,6 @@ class Attention(nn.Module):
         cos, sin = rope
         proj = self._project(x)
         q_residual = k.rms_norm(proj.q_a, self.q_norm.weight, self.eps)
-        meta.settle()  # the slots and plans below: the index kernels may run beside until here
         swa = caches.flat("swa", self.layer_id)
         chunk = self._chunk_tokens(t, meta.max_seq_len, x.element_size(), x.is_cuda)
         picks = None  # the compressed rows of every query, when computed before the loop

@@ -109,21 +109,10 @@ class StepMetadata:
     token_mask: torch.Tensor | None = None  # [T] bool
     # per-step values derived on first use and shared by every layer of the step
     _derived: dict = field(default_factory=dict, compare=False, repr=False)
-    # recorded after the index kernels when they ran on a side stream (a captured decode
-    # step, ``DecodeGraphs``): the first reader of an index waits for it (``settle``)
-    ready: torch.cuda.Event | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
         return self.positions.shape[0]
-
-    def settle(self) -> None:
-        """Make the current stream wait for the index kernels if they ran on a side stream
-        (once; a no-op otherwise). ``positions``, ``token_req`` and ``token_mask`` are
-        inputs, readable before; every other field is read only after this."""
-        if self.ready is not None:
-            torch.cuda.current_stream(self.positions.device).wait_event(self.ready)
-            object.__setattr__(self, "ready", None)  # frozen: the one field that changes
 
     def window_and_entries_valid(self, group: str) -> torch.Tensor:
         """[T, W + E] bool: the sliding window's ``valid`` then compressed ``group``'s (the

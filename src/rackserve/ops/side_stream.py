@@ -3,8 +3,7 @@
 q projection (``Attention._indexer_beside_q``), the decode MoE its shared expert beside the
 router (``moe_routed``'s ``shared_beside``), the grouped prefill MoE its shared expert beside
 the routed experts (``grouped_moe.SHARED_APART``), the mHC of a captured step a block's post
-and comb (``mhc_launch.Tiling.comb_beside``), a captured step its metadata kernels beside the
-first layer's mHC (``runner.cuda_graph.METADATA_BESIDE``)."""
+and comb (``mhc_launch.Tiling.comb_beside``)."""
 
 from __future__ import annotations
 
@@ -58,9 +57,3 @@ class SideStream:
     def join(self) -> None:
         if self.stream is not None:
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
-
-    def record(self) -> torch.cuda.Event | None:
-        """An event after the side work issued so far, for a join later than ``join`` would
-        be (``current_stream().wait_event``: work issued on the side after this one is not
-        waited for); None off CUDA."""
-        return None if self.stream is None else self.stream.record_event()

@@ -30,16 +30,14 @@ amortised over the tokens), as do contexts past ``PREFILL_GRAPH_MAX_CONTEXT`` (a
 What a graph captures beyond the eager forward of the same step (the CPU launch counter
 counts both, tests/runner/test_graph_launches.py): the step's metadata (on a GPU one Triton
 launch per cache group, ``ops/triton/step_meta.py``, where ``StepMetadata.build`` takes
-~115 small torch kernels; on the side stream, ``METADATA_BESIDE``), the token mask, zeroing
-the expert counts, and one compression launch per compressed layer even when no window
-closes (its candidates write the null block).
+~115 small torch kernels), the token mask, zeroing the expert counts, and one compression
+launch per compressed layer even when no window closes (its candidates write the null block).
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
-import dataclasses
 import gc
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -53,7 +51,6 @@ from rackserve.config import HCA
 from rackserve.kv.spec import CacheGroupSpec
 from rackserve.model.batch import KVCacheTensors, StepMetadata
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
-from rackserve.ops.side_stream import SideStream
 from rackserve.runner.graph_sampling import InGraphSampling, SamplerVariant, StaticSampling
 from rackserve.runner.inputs import StepInputs
 from rackserve.runner.step_buffers import StepBuffers
@@ -67,11 +64,6 @@ CONTEXT_BUCKETS = (4096, 16384, 65536, 262144, 1 << 20)
 # bucket they serve
 PREFILL_GRAPH_TOKENS = tuple(range(256, 2049, 256))
 PREFILL_GRAPH_MAX_CONTEXT = 65536
-# a graph's metadata kernels (``ops/triton/step_meta.py``, 7 launches for the v4-flash
-# groups, ~15 us at batch 1) on the side stream, beside the embedding, the first layer's mHC
-# and its input projections, until the first attention reads the slots (``StepMetadata.
-# settle``); False: in line, before the forward
-METADATA_BESIDE = True
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -204,14 +196,10 @@ class _StepGraphs:
         if self.fast_metadata:
             from rackserve.ops.triton.step_meta import step_metadata
 
-            side = SideStream.of(rows.device) if METADATA_BESIDE else SideStream(None)
-            side.fork()
-            with side.active():
-                meta = step_metadata(
-                    self.groups, self.positions[:b], self.token_req[:b], rows,
-                    self.buffers.tables, bucket, token_mask, self.combined,
-                )  # fmt: skip
-            return dataclasses.replace(meta, ready=side.record())
+            return step_metadata(
+                self.groups, self.positions[:b], self.token_req[:b], rows,
+                self.buffers.tables, bucket, token_mask, self.combined,
+            )  # fmt: skip
         return StepMetadata.build(
             self.groups,
             self.positions[:b],
