@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 32: do a captured graph's two branches run side by side whatever their issue order
-# (graph_branch_probe.py)? The shared expert's down launch after the router's
-# (moe_routed.SHARED_DOWN_AFTER_ROUTER, the default) against right after its gate-up, and the
+# (graph_branch_probe.py)? The shared expert's launches issued between the router's and the
+# routed experts' (moe_routed.SHARED_ISSUED_LATE, the default) against before them, and the
 # mHC's comb beside at 64 tokens with it: GPU tests, bench forward alternating, two passes;
 # the replay timelines at decode:1 and 64 (the step metadata in 5 launches).
 # Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/sessions/gpu_s32b.sh     (BUDGET_S: seconds)
@@ -19,7 +19,7 @@ t=$(cap 60); echo "== pytest shared beside (${t}s)"
   tests/runner/test_graph_launches.py tests/runner/test_cuda_graph.py \
   -k "shared_beside or (bit_identical_to_eager and shared) or matches_build" \
   > "$R/pytest.log" 2>&1; tail -3 "$R/pytest.log"
-before='import rackserve.ops.triton.moe_routed as m; m.SHARED_DOWN_AFTER_ROUTER = False'
+before='import rackserve.ops.triton.moe_routed as m; m.SHARED_ISSUED_LATE = False'
 for pass in 1 2; do
   for arm in before after comb64; do
     case $arm in

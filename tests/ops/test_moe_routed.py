@@ -88,12 +88,12 @@ def test_deferred_sum_is_the_sum(seed):
         assert torch.equal(slots.sum(), out) and torch.equal(*counts)
 
 
-@pytest.mark.parametrize("after", [True, False])
+@pytest.mark.parametrize("late", [True, False])
 @pytest.mark.parametrize("seed", [1, 7, 9, 15, 19, 23])
-def test_shared_beside_is_bitwise_the_same(seed, after, monkeypatch):
-    """``shared_beside``: the shared expert's slot from its own launches (no align), its
-    down launch issued after the router's or right after its gate-up
-    (``SHARED_DOWN_AFTER_ROUTER``), the routed experts aligned without it. Outputs, slots
+def test_shared_beside_is_bitwise_the_same(seed, late, monkeypatch):
+    """``shared_beside``: the shared expert's slot from its own launches (no align), issued
+    between the router's and the routed experts' or before them (``SHARED_ISSUED_LATE``),
+    the routed experts aligned without it. Outputs, slots
     and counts are bitwise those of the one-align path, at T = 1 (one program routes and
     aligns) and 13 / 40 (the router kernel, then the align kernel), summed and deferred;
     the shared layout is made once per shape."""
@@ -101,7 +101,7 @@ def test_shared_beside_is_bitwise_the_same(seed, after, monkeypatch):
     from rackserve.ops.triton import moe_routed as module
     from rackserve.ops.triton.moe_routed import moe_routed
 
-    monkeypatch.setattr(module, "SHARED_DOWN_AFTER_ROUTER", after)
+    monkeypatch.setattr(module, "SHARED_ISSUED_LATE", late)
     monkeypatch.setattr(fused_moe, "_SHARED_LAYOUTS", {})
 
     t, (e, k), hashed, shared = CASES[seed]

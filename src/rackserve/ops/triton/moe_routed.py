@@ -27,12 +27,14 @@ from rackserve.ops.triton.route import _SCORING, route_fused, route_tokens
 
 # the most (token, expert) pairs routed and aligned by one program (see moe_routed)
 ONE_PROGRAM_MAX_PAIRS = 64
-# With ``shared_beside``: the shared expert's down launch issued after the router's and the
-# align's (True) or right after its gate-up (False: both before them). In a CUDA graph a
-# launch whose predecessor has not finished may hold back the launches issued after it
-# (benchmarks/graph_branch_probe.py, results/2026-12-06-s32.md): then the second order
-# starts the router only once the shared gate-up has run.
-SHARED_DOWN_AFTER_ROUTER = True
+# With ``shared_beside``, the order the side stream's two launches are issued in (the graph's
+# dependencies are the same): True, the shared gate-up after the router's and the align's
+# launches and its down after the routed experts'; False, both right after the fork, before
+# the router's. If a graph's launches go out in issue order and one whose predecessor has not
+# finished holds back those issued after it (results/2026-12-06-s32.md, section 3; the probe
+# is benchmarks/graph_branch_probe.py), the second order starts the router only once the
+# side stream's earlier work (a block's mHC comb) and the shared gate-up have run.
+SHARED_ISSUED_LATE = True
 
 
 @triton.jit
@@ -132,10 +134,10 @@ def moe_routed(
             raise ValueError("moe_routed: shared_beside needs the shared expert stacked last")
         slots = fused_moe._empty((num_pairs, x.shape[1]), torch.float32, x.device)
         side = SideStream.of(x.device)
-        side.fork()
-        with side.active():
-            h = fused_moe.shared_gate_up(x, w13, w2, limit, tiling, shared_expert, cols)
-            if not SHARED_DOWN_AFTER_ROUTER:
+        side.fork()  # the shared expert may start from here, whenever its launches are issued
+        if not SHARED_ISSUED_LATE:
+            with side.active():
+                h = fused_moe.shared_gate_up(x, w13, w2, limit, tiling, shared_expert, cols)
                 fused_moe.shared_down(x, h, w2, tiling, shared_expert, cols, slots)
     if one_program:
         ids, weights, sorted_ids, block_expert = _route_align(
@@ -148,13 +150,17 @@ def moe_routed(
         sorted_ids, block_expert = fused_moe.moe_align(
             ids, aligned, tiling.block_m, tiling.align_segment
         )
-    if apart and SHARED_DOWN_AFTER_ROUTER:
+    late = apart and SHARED_ISSUED_LATE
+    if late:
         with side.active():
-            fused_moe.shared_down(x, h, w2, tiling, shared_expert, cols, slots)
+            h = fused_moe.shared_gate_up(x, w13, w2, limit, tiling, shared_expert, cols)
     result = fused_moe.run_experts(
         x, ids, weights, sorted_ids, block_expert, w13, w2, limit, tiling, None,
         slots=slots, aligned=aligned,
     )  # fmt: skip
+    if late:
+        with side.active():
+            fused_moe.shared_down(x, h, w2, tiling, shared_expert, cols, slots)
     if apart:
         side.join()
     if defer_sum:
