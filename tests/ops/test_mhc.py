@@ -229,13 +229,14 @@ def test_gemv_k1_bf16_matches_reference(mhc, mhc_launch, t, fused):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("t,gemv", [(1, True), (3, False)])
-def test_comb_beside_equals_one_finish_launch(mhc, dtype, t, gemv):
+@pytest.mark.parametrize("t,gemv,fused", [(1, True, False), (3, False, False), (2, True, True)])
+def test_comb_beside_equals_one_finish_launch(mhc, dtype, t, gemv, fused):
     """``Tiling.comb_beside`` (K2 as pre + the collapse, then post + comb in a launch of its
-    own) gives the one-launch K2's outputs bitwise, for hc_pre and hc_post_pre (which reads
-    the first's post and comb). Outside a CUDA-graph capture both launches run on the
-    current stream; the captured side stream (and the head's join) is the GPU test's."""
-    one = gpu_like_tiling(mhc, 1, gemv=gemv)
+    own; fused: K1 + the first half in one launch) gives the one-launch K2's outputs
+    bitwise, for hc_pre and hc_post_pre (which reads the first's post and comb). Outside a
+    CUDA-graph capture both launches run on the current stream; the captured side stream
+    (and the head's join) is the GPU test's."""
+    one = gpu_like_tiling(mhc, 1, gemv=gemv, fused=fused)
     split = dataclasses.replace(one, comb_beside=True)
     args = hc_pre_args(t, 64, seed=70 + t, dtype=dtype)
     block_out = torch.randn(t, 64, device=DEVICE).to(dtype)
@@ -634,15 +635,16 @@ def test_cuda_graph_replay_is_bitwise_equal_to_eager(mhc):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("t", [1, 64])
-def test_comb_beside_in_a_captured_step(mhc, mhc_launch, t):
+@pytest.mark.parametrize("t,fused", [(1, False), (64, False), (1, True), (4, True)])
+def test_comb_beside_in_a_captured_step(mhc, mhc_launch, t, fused):
     """``Tiling.comb_beside`` in CUDA-graph capture: post and comb on the side stream, joined
     by the next block's mHC and by the head (the capture would fail on an unjoined fork);
     replay bitwise equal to eager (the same two launches in series) and to the one-launch
-    K2; nothing left pending after the capture."""
+    K2 (fused: K1 + K2 in one launch, with comb_beside K1 + pre and x); nothing left
+    pending after the capture."""
     d = 4096
     one = mhc.default_tiling(t, N, d, torch.device(DEVICE), torch.bfloat16)
-    one = dataclasses.replace(one, comb_beside=False, fused=False)
+    one = dataclasses.replace(one, comb_beside=False, fused=fused)
     split = dataclasses.replace(one, comb_beside=True)
     args = hc_pre_args(t, d, seed=t + 7, dtype=torch.bfloat16)
     streams, params = args[0].clone(), args[1:]

@@ -214,44 +214,6 @@ def _launch(
     block_out, slot_args = bo.rows, (bo.ids, max(1, bo.top_k), bo.num_experts)
     finish_block_d = min(tiling.finish_block_d, triton.next_power_of_2(hidden))
     block_s = min(128, triton.next_power_of_2(splits))
-    counters = _counters(device, num_tokens) if tiling.fused and tiling.gemm_gemv else None
-    if counters is not None:  # one launch: the last split of a token runs K2 for it
-        hc_fused_kernel[(num_tokens, splits)](
-            streams, fn, mix, sq, block_out, prev_post, prev_comb, new,
-            base, scale, norm_weight, x, x if head else post, x if head else comb, counters,
-            num_tokens, hidden, fn.shape[0], d_per_split,
-            1.0 / (n * hidden), hc_eps, norm_eps, sinkhorn_iters,
-            streams.stride(0), streams.stride(1), fn.stride(0),
-            mix.stride(0), mix.stride(1), sq.stride(0), block_out.stride(0), *slot_args,
-            new.stride(0), new.stride(1), x.stride(0),
-            N=n, BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_D=block_d,
-            FINISH_BLOCK_D=finish_block_d, BLOCK_S=block_s, FUSE_POST=expand is not None,
-            SLOTS=bo.top_k > 0,
-            HEAD=head, SINGLE_PASS=finish_block_d >= hidden,
-            num_warps=max(tiling.gemm_warps, tiling.finish_warps), **pdl(streams.device),
-        )  # fmt: skip
-        return new, x, post, comb
-    w = fn
-    precision = tiling.gemm_precision
-    if expand is not None and tiling.expand_precision is not None:
-        precision = tiling.expand_precision
-    if precision == "bf16x3":
-        if streams.dtype != torch.bfloat16 or tiling.gemm_gemv:
-            raise ValueError(
-                f"gemm_precision 'bf16x3' needs bf16 streams and gemm_gemv=False, got "
-                f"{streams.dtype} streams, gemm_gemv={tiling.gemm_gemv}"
-            )
-        w = _fn_pieces(fn)
-    prenorm_gemm_kernel[(t_blocks, splits)](
-        streams, w, mix, sq, block_out, prev_post, prev_comb, new,
-        num_tokens, hidden, fn.shape[0], d_per_split,
-        streams.stride(0), streams.stride(1), fn.stride(0),
-        mix.stride(0), mix.stride(1), sq.stride(0), block_out.stride(0), *slot_args,
-        N=n, BLOCK_N=block_n, BLOCK_T=gemm_block_t, BLOCK_M=block_m, BLOCK_D=block_d,
-        FUSE_POST=expand is not None, SLOTS=bo.top_k > 0, PRECISION=precision,
-        GEMV=tiling.gemm_gemv, NATIVE_BF16=device.type == "cuda", FLAT=flat,
-        num_warps=tiling.gemm_warps, **pdl(streams.device),
-    )  # fmt: skip
 
     def finish(
         pre: torch.Tensor,
@@ -276,11 +238,59 @@ def _launch(
             COLLAPSE=collapse, COMB_ONLY=comb_only, num_warps=warps, **pdl(new.device),
         )  # fmt: skip
 
-    if tiling.comb_beside and not head and not tiling.mixes_block_t:
-        finish(x, tiling.finish_block_t, tiling.finish_warps, True, True, pre_only=True)
+    def comb_beside() -> None:
+        """A block's post and comb (mixes, softmax, Sinkhorn) in a launch of their own, on the
+        side stream while a graph is captured, after a K2 that computed pre and x only."""
         side = _comb_beside(device, (mix, sq))
         with contextlib.nullcontext() if side is None else side.active():
             finish(x, tiling.finish_block_t, tiling.finish_warps, True, False, comb_only=True)
+
+    counters = _counters(device, num_tokens) if tiling.fused and tiling.gemm_gemv else None
+    if counters is not None:  # one launch: the last split of a token runs K2 for it
+        pre_only = head or tiling.comb_beside  # comb_beside: then post + comb beside
+        hc_fused_kernel[(num_tokens, splits)](
+            streams, fn, mix, sq, block_out, prev_post, prev_comb, new,
+            base, scale, norm_weight, x, x if pre_only else post, x if pre_only else comb,
+            counters,
+            num_tokens, hidden, fn.shape[0], d_per_split,
+            1.0 / (n * hidden), hc_eps, norm_eps, sinkhorn_iters,
+            streams.stride(0), streams.stride(1), fn.stride(0),
+            mix.stride(0), mix.stride(1), sq.stride(0), block_out.stride(0), *slot_args,
+            new.stride(0), new.stride(1), x.stride(0),
+            N=n, BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_D=block_d,
+            FINISH_BLOCK_D=finish_block_d, BLOCK_S=block_s, FUSE_POST=expand is not None,
+            SLOTS=bo.top_k > 0,
+            HEAD=pre_only, SINGLE_PASS=finish_block_d >= hidden,
+            num_warps=max(tiling.gemm_warps, tiling.finish_warps), **pdl(streams.device),
+        )  # fmt: skip
+        if pre_only and not head:
+            comb_beside()
+        return new, x, post, comb
+    w = fn
+    precision = tiling.gemm_precision
+    if expand is not None and tiling.expand_precision is not None:
+        precision = tiling.expand_precision
+    if precision == "bf16x3":
+        if streams.dtype != torch.bfloat16 or tiling.gemm_gemv:
+            raise ValueError(
+                f"gemm_precision 'bf16x3' needs bf16 streams and gemm_gemv=False, got "
+                f"{streams.dtype} streams, gemm_gemv={tiling.gemm_gemv}"
+            )
+        w = _fn_pieces(fn)
+    prenorm_gemm_kernel[(t_blocks, splits)](
+        streams, w, mix, sq, block_out, prev_post, prev_comb, new,
+        num_tokens, hidden, fn.shape[0], d_per_split,
+        streams.stride(0), streams.stride(1), fn.stride(0),
+        mix.stride(0), mix.stride(1), sq.stride(0), block_out.stride(0), *slot_args,
+        N=n, BLOCK_N=block_n, BLOCK_T=gemm_block_t, BLOCK_M=block_m, BLOCK_D=block_d,
+        FUSE_POST=expand is not None, SLOTS=bo.top_k > 0, PRECISION=precision,
+        GEMV=tiling.gemm_gemv, NATIVE_BF16=device.type == "cuda", FLAT=flat,
+        num_warps=tiling.gemm_warps, **pdl(streams.device),
+    )  # fmt: skip
+
+    if tiling.comb_beside and not head and not tiling.mixes_block_t:
+        finish(x, tiling.finish_block_t, tiling.finish_warps, True, True, pre_only=True)
+        comb_beside()
     elif tiling.mixes_block_t:  # a token a thread for the mixes, then the collapse
         pre = _empty((num_tokens, block_n), torch.float32, device)
         finish(pre, tiling.mixes_block_t, max(1, min(4, tiling.mixes_block_t // 32)), True, False)
