@@ -4,7 +4,7 @@
 # routed experts' (moe_routed.SHARED_ISSUED_LATE, the default) against before them, and the
 # mHC's comb beside at 64 tokens with it: GPU tests, bench forward alternating, two passes;
 # the one-launch mHC (RACKSERVE_MHC_FUSED=1) now with the comb beside, against the defaults
-# at decode:1 and 4; the replay timelines at decode:1 and 64 (the step metadata in 5
+# at decode:1 and 4, and the sparse attention unsplit at <= 256 rows; the replay timelines at decode:1 and 64 (the step metadata in 5
 # launches).
 # Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/sessions/gpu_s32b.sh     (BUDGET_S: seconds)
 set -uo pipefail
@@ -33,8 +33,23 @@ for pass in 1 2; do
       --batch decode:64@4096 --batch decode:128@4096 --iters 30 --warmup 5
   done
 done
-forward_ab k1k2 'pass' fused 'import os; os.environ["RACKSERVE_MHC_FUSED"] = "1"' \
-  --batch decode:1@4096 --batch decode:4@4096 --iters 30 --warmup 5
+# decode:1 / 4: the one-launch mHC with the comb beside; the sparse attention without its
+# split (and combine launch) when a query reads at most 256 rows (HCA at 4096: 160 rows, 5
+# splits of one 32-row tile and a combine launch now)
+fused='import os; os.environ["RACKSERVE_MHC_FUSED"] = "1"'
+nosplit='base = attn.default_tiling
+def one_split(*a, **k):
+    t = base(*a, **k)
+    return dataclasses.replace(t, num_splits=1) if a[3] <= 256 else t
+attn.default_tiling = one_split'
+for pass in 1 2; do
+  for arm in k1k2 fused nosplit; do
+    case $arm in k1k2) code='pass' ;; fused) code=$fused ;; nosplit) code=$nosplit ;; esac
+    t=$(cap 40); echo "== bench forward, $arm, pass $pass (${t}s)"
+    ((t)) && forward_with "$code" "$R/forward_${arm}_$pass.json" --batch decode:1@4096 \
+      --batch decode:4@4096 --iters 30 --warmup 5
+  done
+done
 replay_timelines 50 "$R/graph_gap.json" decode:1@4096 decode:64@4096
 ls "$R"; (cd "$OUT" && tar czf s32b.tgz r && rm -rf r)
 echo "== done in ${SECONDS}s"
