@@ -388,9 +388,9 @@ def shared_down(
 ) -> None:
     """The shared expert's slot (the last of each token's ``top_k``, weight 1) into
     ``slots`` [T * top_k, D] from ``shared_gate_up``'s h (x: its input), over a layout that
-    needs no align.
-    With the routed experts aligned apart (``run_experts(aligned=shared)``) the two run on
-    a side stream beside the router and align: nothing they read is written there."""
+    needs no align. With the routed experts aligned apart (``run_experts(aligned=shared)``)
+    the two run on a side stream beside the router and align: nothing they read is written
+    there."""
     num_tokens = slots.shape[0] // top_k
     sorted_ids, block_expert, weights = _shared_layout(
         num_tokens, top_k, tiling.block_m, shared, h.device

@@ -46,7 +46,9 @@ __all__ = [
     "split_bf16x3",
 ]
 
-FUSED_ENV = "RACKSERVE_MHC_FUSED"  # "1": default_tiling fuses K1 + K2 for T <= 4 (GPU)
+# "1": default_tiling fuses K1 + K2 for T <= 4 (GPU); with the comb beside the one launch
+# computes pre and x, and post and comb go to the side launch (gpu_s32b.sh times it)
+FUSED_ENV = "RACKSERVE_MHC_FUSED"
 # from this many tokens hc_post_pre expands the streams in hc_post's kernel (3.9 TB/s at
 # 8192 tokens) and runs K1 on them: 155 + 673 us against 1007 us fused (H200, 2026-12-02);
 # at 256 tokens 28.7 against 35.0 us (H200, session 20). From 128 since 2026-12-06 (with
