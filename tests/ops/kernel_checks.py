@@ -74,3 +74,11 @@ def check_raw_q(attn, args: tuple, check) -> None:
         assert (got - on_normed).abs().max().item() <= 0.02 * on_normed.abs().max().item()
     with pytest.raises(ValueError, match="q_norm_eps"):
         attn.paged_sparse_attention(*args[:-2], q_norm_eps=1e-6)
+
+
+def arrivals(op: str, device: torch.device) -> torch.Tensor:
+    """The arrival counters ``op``'s one-launch reductions use on ``device`` (every launch
+    leaves them at zero; ``ops/triton/common.py``'s ``arrival_counters``)."""
+    from rackserve.ops.triton.common import ARRIVALS
+
+    return ARRIVALS[op, device]

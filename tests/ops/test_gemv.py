@@ -13,7 +13,7 @@ import torch
 from rackserve import ops
 from rackserve.ops import reference
 
-from kernel_checks import DEVICE, assert_bf16_close, assert_fp32_close
+from kernel_checks import DEVICE, arrivals, assert_bf16_close, assert_fp32_close
 
 CASES = [  # (T, N, K, splits)
     (1, 64, 128, 1),
@@ -76,7 +76,7 @@ def test_gemv_is_deterministic_and_default_tiling_splits():
     two_launches = dataclasses.replace(fused, fused_reduce=False)
     for _ in range(2):  # the same sums in the same order; the counters are back at zero
         assert torch.equal(gemv.gemv(x, w, tiling=fused), gemv.gemv(x, w, tiling=two_launches))
-        assert not gemv._COUNTERS[x.device].any()
+        assert not arrivals("gemv", x.device).any()
     if DEVICE == "cpu":  # few column blocks: the K dimension is split
         assert gemv.default_tiling(40, 1024, x.device).splits > 1
 

@@ -18,7 +18,7 @@ import torch
 
 from rackserve.ops import reference
 
-from kernel_checks import DEVICE, as_fp32, assert_bf16_close, assert_fp32_close
+from kernel_checks import DEVICE, arrivals, as_fp32, assert_bf16_close, assert_fp32_close
 
 N = 4
 ITERS = 20
@@ -225,7 +225,7 @@ def test_gemv_k1_bf16_matches_reference(mhc, mhc_launch, t, fused):
     for g, rb, rf in zip(new[1:], *refs, strict=True):
         assert_bf16_close(g, rb, rf)
     if fused:
-        assert not mhc_launch._COUNTERS[streams.device].any()  # keyed by the tensors' device
+        assert not arrivals("mhc", streams.device).any()  # keyed by the tensors' device
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -693,7 +693,7 @@ def test_fused_launch_on_gpu(mhc, mhc_launch, t):
     refs = reference.hc_pre(*args), reference.hc_pre(*as_fp32(args))
     for g, rb, rf in zip(got, *refs, strict=True):
         assert_bf16_close(g, rb, rf)
-    assert not mhc_launch._COUNTERS[streams.device].any()
+    assert not arrivals("mhc", streams.device).any()
 
     def step():
         x, post, comb = mhc.hc_pre(streams, *params, tiling=tiling)
@@ -713,4 +713,4 @@ def test_fused_launch_on_gpu(mhc, mhc_launch, t):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, step())
-    assert not mhc_launch._COUNTERS[streams.device].any()
+    assert not arrivals("mhc", streams.device).any()

@@ -51,3 +51,27 @@ def round_as(y, dtype: tl.constexpr):
         rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
         y = tl.where(y == y, rounded.to(tl.float32, bitcast=True), y)  # NaN stays NaN
     return y.to(dtype).to(tl.float32)
+
+
+# the arrival counters of the kernels whose last program of a group reduces the group's
+# partials (one launch where a second would reduce): (op, device) -> int32 zeros
+ARRIVALS: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def arrival_counters(
+    op: str, device: torch.device, count: int, minimum: int = 256
+) -> torch.Tensor | None:
+    """``count`` int32 arrival counters of ``op`` (at least ``minimum`` are made), kept per
+    op and device and left at zero by every launch: the program that arrives last at its
+    group's counter reduces the group and resets it. None while a CUDA graph is captured
+    and no buffer is large enough (allocating there would tie it to the graph's pool): that
+    call takes the two-launch path. An op's launches on a device must run on one stream at
+    a time (they do: the model's main stream; side-stream work takes no such op)."""
+    key = (op, device)
+    buf = ARRIVALS.get(key)
+    if buf is None or buf.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = torch.zeros(max(minimum, count), dtype=torch.int32, device=device)
+        ARRIVALS[key] = buf
+    return buf

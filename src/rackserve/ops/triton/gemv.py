@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rackserve.ops.triton.common import pdl, pdl_wait, round_as
+from rackserve.ops.triton.common import arrival_counters, pdl, pdl_wait, round_as
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 MAX_TOKENS = 64  # token rows one program holds (tl.dot's M: 16 at least)
@@ -73,24 +73,6 @@ def default_tiling(n: int, k: int, device: torch.device) -> GemvTiling:
     k_blocks = triton.cdiv(k, block_k)
     splits = max(1, min(programs // blocks_n, k // min_slice, k_blocks))
     return GemvTiling(block_n, block_k, splits)
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, num_blocks: int) -> torch.Tensor | None:
-    """Per-column-block arrival counters of the fused reduce: int32 zeros kept per device,
-    left at zero by every launch (the reducing program resets its block's). None while a
-    CUDA graph is captured and no buffer is large enough (allocating there would tie it to
-    the graph's pool): that call takes the two-launch path. GEMVs of one device must run on
-    one stream at a time (they do: the model's main stream)."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < num_blocks:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        buf = torch.zeros(max(4096, num_blocks), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
 
 
 @triton.jit
@@ -227,7 +209,8 @@ def gemv(
     tl_out = _TL_DTYPE[out_dtype]
     part = torch.empty(splits, t, n, dtype=torch.float32, device=x.device) if splits > 1 else out
     blocks_n = triton.cdiv(n, tiling.block_n)
-    counters = _counters(x.device, blocks_n) if splits > 1 and tiling.fused_reduce else None
+    fused = splits > 1 and tiling.fused_reduce
+    counters = arrival_counters("gemv", x.device, blocks_n, 4096) if fused else None
     gemv_kernel[(blocks_n, splits)](
         x, weight, part, out, counters if counters is not None else part, t, n, k, k_per_split,
         x.stride(0), weight.stride(0), out.stride(0),

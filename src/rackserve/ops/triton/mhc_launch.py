@@ -18,7 +18,7 @@ import torch
 import triton
 
 from rackserve.ops.side_stream import SideStream
-from rackserve.ops.triton.common import pdl
+from rackserve.ops.triton.common import arrival_counters, pdl
 from rackserve.ops.triton.mhc_finish_kernels import hc_finish_kernel, hc_fused_kernel
 from rackserve.ops.triton.mhc_kernels import (
     hc_post_kernel,
@@ -84,24 +84,6 @@ class _BlockOut:
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Every output and workspace comes from here (tests fill them with NaN)."""
     return torch.empty(shape, dtype=dtype, device=device)
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, num_tokens: int) -> torch.Tensor | None:
-    """The fused launch's per-token arrival counters: int32 zeros, kept per device and left
-    at zero by every launch (the finishing program resets its token's). None while a CUDA
-    graph is being captured and no buffer is large enough: allocating inside a capture would
-    tie the buffer to the graph's pool, so that call takes the two-launch path. The ops of
-    one device must run on one stream at a time (they do: the model's main stream)."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < num_tokens:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        buf = torch.zeros(max(256, num_tokens), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
 
 
 # devices whose side stream holds a captured launch of post and comb that the main stream
@@ -245,7 +227,8 @@ def _launch(
         with contextlib.nullcontext() if side is None else side.active():
             finish(x, tiling.finish_block_t, tiling.finish_warps, True, False, comb_only=True)
 
-    counters = _counters(device, num_tokens) if tiling.fused and tiling.gemm_gemv else None
+    fused = tiling.fused and tiling.gemm_gemv
+    counters = arrival_counters("mhc", device, num_tokens) if fused else None
     if counters is not None:  # one launch: the last split of a token runs K2 for it
         pre_only = head or tiling.comb_beside  # comb_beside: then post + comb beside
         hc_fused_kernel[(num_tokens, splits)](
