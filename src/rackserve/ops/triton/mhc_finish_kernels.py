@@ -77,42 +77,11 @@ def hc_finish_kernel(
                num_splits, inv_num_cols, hc_eps, norm_eps, sinkhorn_iters, stride_mix_s,
                stride_mix_t, stride_sq_s, N, BLOCK_N, BLOCK_T, BLOCK_S, False, "")  # fmt: skip
         return
-    _finish_tokens(
-        tl.program_id(0),
-        streams_ptr,
-        mix_ptr,
-        sq_ptr,
-        base_ptr,
-        scale_ptr,
-        norm_w_ptr,
-        x_ptr,
-        post_ptr,
-        comb_ptr,
-        pre_ptr,
-        num_tokens,
-        num_splits,
-        hidden,
-        inv_num_cols,
-        hc_eps,
-        norm_eps,
-        sinkhorn_iters,
-        stride_st,
-        stride_sn,
-        stride_mix_s,
-        stride_mix_t,
-        stride_sq_s,
-        stride_xt,
-        N,
-        BLOCK_N,
-        BLOCK_T,
-        BLOCK_S,
-        BLOCK_D,
-        HEAD,
-        SINGLE_PASS,
-        MIXES,
-        COLLAPSE,
-        "",
-    )
+    _finish_tokens(tl.program_id(0), streams_ptr, mix_ptr, sq_ptr, base_ptr, scale_ptr,
+                   norm_w_ptr, x_ptr, post_ptr, comb_ptr, pre_ptr, num_tokens, num_splits,
+                   hidden, inv_num_cols, hc_eps, norm_eps, sinkhorn_iters, stride_st, stride_sn,
+                   stride_mix_s, stride_mix_t, stride_sq_s, stride_xt, N, BLOCK_N, BLOCK_T,
+                   BLOCK_S, BLOCK_D, HEAD, SINGLE_PASS, MIXES, COLLAPSE, "")  # fmt: skip
 
 
 @triton.jit

@@ -227,12 +227,15 @@ def step_metadata(
     def table(g: CacheGroupSpec) -> tuple[torch.Tensor, int]:
         return tables[g.name], g.entries_per_block
 
-    def state_of(g: CacheGroupSpec) -> CacheGroupSpec:
-        return next(s for s in groups if s.window is not None and s.layer_ids == g.layer_ids)
-
-    # a compressed group's COMPRESS launch reads its state group's ring at each token's
-    # window; it writes that group's slot mapping too (one launch fewer a state group)
-    folded = {state_of(g).name for g in groups if g.ratio > 1 and state_of(g).is_sliding}
+    # each compressed group's state group (its layers' window rows): the COMPRESS launch
+    # reads the state's ring at each token's window and writes the state's slot mapping
+    # too (one launch fewer a state group)
+    states = {
+        g.name: next(s for s in groups if s.window is not None and s.layer_ids == g.layer_ids)
+        for g in groups
+        if g.ratio > 1
+    }
+    folded = {s.name for s in states.values() if s.is_sliding}
     for g in groups:
         if g.name == "swa":
             out = _launch(WINDOW, g.window, *common, table(g), ring=True)
@@ -252,7 +255,7 @@ def step_metadata(
             gather[g.name] = Gather(out["slots"], out["flag"], out["vec"])
             if both:
                 derived[("valid", g.name)] = out["both"]
-            state = state_of(g)
+            state = states[g.name]
             span = state.window
             assert span is not None
             fold = state.name in folded
