@@ -27,7 +27,7 @@ from rackserve.runner.cuda_graph import (
     prefill_graph_sizes,
 )
 from rackserve.runner.inputs import BlockTables
-from rackserve.runner.step_buffers import StepBuffers
+from rackserve.runner.step_buffers import StaticInputs, StepBuffers
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +160,28 @@ def test_captures_run_with_the_collector_frozen():
     with pytest.raises(RuntimeError), frozen_gc():
         raise RuntimeError("capture failed")
     assert gc.get_freeze_count() == 0
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+)
+def test_upload_writes_fields_back_to_back_into_static_inputs(device):
+    host = BlockTables({"a": 4}, max_num_reqs=2, max_len=64)
+    buffers = StepBuffers([], host, device)
+    static = StaticInputs(12, device)
+    static.buffer.fill_(-1)
+    fields = [np.array([5, 6, 7]), np.array([1]), np.array([8, 9])]
+    index, values = np.array([3, 4]), np.array([10, 11])
+    for writes in ((index, values), (index[:0], values[:0])):
+        out = buffers.upload(writes, static.buffer, fields)
+        assert [a.tolist() for a in out] == [a.tolist() for a in writes]
+        assert all(a.device.type == device for a in out)
+        ids, one, rows = static.views([3, 1, 2])
+        assert (ids.tolist(), one.tolist(), rows.tolist()) == ([5, 6, 7], [1], [8, 9])
+        assert static.buffer[6:].tolist() == [-1] * 6  # nothing past the fields
+    assert buffers.upload([], static.buffer, []) == []
+    with pytest.raises(ValueError, match="past 12"):
+        static.views([10, 3])
 
 
 def test_device_tables_follow_host_tables_by_deltas():

@@ -365,8 +365,9 @@ def test_async_engine_feeds_ids_sampled_in_captured_graphs(tiny):
         done = run(step, *feeds)
         inputs = step.inputs
         for graphs in (runner.graphs, runner.prefill_graphs):
-            if graphs is not None and graphs.key_for(inputs) is not None:
-                ids = graphs.input_ids[: len(inputs.input_ids)].tolist()
+            key = graphs.key_for(inputs) if graphs is not None else None
+            if key is not None:
+                ids = graphs.inputs(key[0])[0][: len(inputs.input_ids)].tolist()
                 for i, (r, pos) in enumerate(zip(inputs.token_req, inputs.positions, strict=True)):
                     replayed[(step.reqs[r].req_id, int(pos))] = ids[i]
         return done

@@ -53,7 +53,7 @@ from rackserve.model.batch import KVCacheTensors, StepMetadata
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 from rackserve.runner.graph_sampling import InGraphSampling, SamplerVariant, StaticSampling
 from rackserve.runner.inputs import StepInputs
-from rackserve.runner.step_buffers import StepBuffers
+from rackserve.runner.step_buffers import StaticInputs, StepBuffers
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 CONTEXT_BUCKETS = (4096, 16384, 65536, 262144, 1 << 20)
@@ -170,9 +170,8 @@ class _StepGraphs:
         self.groups = list(groups)
         self.batch_sizes, self.buckets = sorted(batch_sizes), sorted(buckets)
         device, n = buffers.device, max(batch_sizes)
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.rows = torch.full((n,), buffers.null_row, dtype=torch.int64, device=device)
+        # a graph of b tokens reads [ids b | positions b | table rows b | extra_inputs(b)]
+        self.static = StaticInputs(3 * n + self._num_extra(n), device)
         self.token_req = torch.arange(n, device=device)
         cfg = model.cfg
         self.expert_counts = torch.zeros(
@@ -188,21 +187,31 @@ class _StepGraphs:
             layer.attn.entry_group for layer in model.model.layers if layer.attn.kind == HCA
         }
 
+    def _num_extra(self, b: int) -> int:
+        """Static ints a graph of b tokens reads past its ids, positions and rows."""
+        return 0
+
+    def inputs(self, b: int) -> list[torch.Tensor]:
+        """The static inputs a graph of b tokens reads: ids, positions, table rows [b] each,
+        then its extra field (when ``_num_extra``)."""
+        extra = self._num_extra(b)
+        return self.static.views([b, b, b, extra] if extra else [b, b, b])
+
     def metadata(self, b: int, bucket: int) -> StepMetadata:
         """The captured step's metadata from the static buffers: every token a closing
         candidate, padded rows masked."""
-        rows = self.rows[:b]
+        _, positions, rows = self.inputs(b)[:3]
         token_mask = rows != self.buffers.null_row
         if self.fast_metadata:
             from rackserve.ops.triton.step_meta import step_metadata
 
             return step_metadata(
-                self.groups, self.positions[:b], self.token_req[:b], rows,
+                self.groups, positions, self.token_req[:b], rows,
                 self.buffers.tables, bucket, token_mask, self.combined,
             )  # fmt: skip
         return StepMetadata.build(
             self.groups,
-            self.positions[:b],
+            positions,
             self.token_req[:b],
             {name: table[rows] for name, table in self.buffers.tables.items()},
             bucket,
@@ -215,7 +224,8 @@ class _StepGraphs:
         (``head_rows``: of those rows only)."""
         meta = self.metadata(b, bucket)
         self.expert_counts.zero_()
-        hidden, _ = self.model(self.input_ids[:b], meta, self.caches, self.expert_counts, head_rows)
+        ids = self.inputs(b)[0]
+        hidden, _ = self.model(ids, meta, self.caches, self.expert_counts, head_rows)
         return hidden
 
     def forward(self, b: int, bucket: int) -> torch.Tensor:
@@ -251,13 +261,13 @@ class _StepGraphs:
         inputs: StepInputs,
         table_writes: tuple[np.ndarray, np.ndarray],
         feed: Callable[[torch.Tensor], None] | None = None,
-        extra: Sequence[np.ndarray] = (),
-    ) -> list[torch.Tensor]:
+        extra: np.ndarray | None = None,
+    ) -> None:
         """Upload the step, apply its table writes and fill the static inputs of graph
-        ``key``: each token's id, position and its request's table row (the metadata's
-        row of the token; padded rows: token 0 at position 0 on the null row; ``feed``
-        writes the previous step's sampled ids over placeholders, on the device). Returns
-        the ``extra`` int64 arrays on the device, uploaded in the same copy."""
+        ``key`` in the same copy: each token's id, position and its request's table row
+        (the metadata's row of the token; padded rows: token 0 at position 0 on the null
+        row), then ``extra`` (the graph's extra field, ``_num_extra`` ints); ``feed``
+        writes the previous step's sampled ids over placeholders, on the device."""
         b = key[0]
         pad = b - len(inputs.input_ids)
         rows = np.asarray(inputs.rows, dtype=np.int64)[inputs.token_req]
@@ -268,17 +278,11 @@ class _StepGraphs:
             rows = np.concatenate([rows, np.full(pad, self.buffers.null_row, dtype=np.int64)])
         else:
             ids, positions = inputs.input_ids, inputs.positions
-        write_index, write_values = table_writes
-        ids_d, pos_d, rows_d, w_index, w_values, *extra_d = self.buffers.upload(
-            [ids, positions, rows, write_index, write_values, *extra]
-        )
+        fields = [ids, positions, rows] + ([] if extra is None else [extra])
+        w_index, w_values = self.buffers.upload(table_writes, self.static.buffer, fields)
         self.buffers.apply_writes(w_index, w_values)
-        self.input_ids[:b].copy_(ids_d)
         if feed is not None:  # async scheduling: last step's tokens, on the device
-            feed(self.input_ids)
-        self.positions[:b].copy_(pos_d)
-        self.rows[:b].copy_(rows_d)
-        return extra_d
+            feed(self.inputs(b)[0])
 
     def _padded_key(self, inputs: StepInputs) -> tuple[int, int] | None:
         """(the first size >= the step's tokens, the first bucket >= its longest request),
@@ -387,17 +391,17 @@ class PrefillGraphs(_StepGraphs):
     ) -> None:
         """``max_sampled_rows``: the most rows a step samples (the runner's requests a step;
         None: any number up to the largest size)."""
-        super().__init__(model, caches, buffers, groups, sizes, prefill_graph_buckets(buckets))
         self.max_sampled = max(sizes) if max_sampled_rows is None else max_sampled_rows
-        self.sampled_rows = torch.zeros(self.max_sampled, dtype=torch.int64, device=buffers.device)
+        super().__init__(model, caches, buffers, groups, sizes, prefill_graph_buckets(buckets))
 
-    def _num_head_rows(self, t: int) -> int:
+    def _num_extra(self, t: int) -> int:
+        """The sampled rows' indices: as many as the step samples, at most max_sampled."""
         return min(t, self.max_sampled)
 
     def forward(self, t: int, bucket: int) -> torch.Tensor:
         """The captured region: metadata from the static buffers, forward: the hidden
-        states [min(t, max_sampled_rows), D] of the rows in ``sampled_rows``."""
-        return self.hidden(t, bucket, self.sampled_rows[: self._num_head_rows(t)])
+        states [min(t, max_sampled_rows), D] of the rows in its sampled-rows field."""
+        return self.hidden(t, bucket, self.inputs(t)[3])
 
     def key_for(self, inputs: StepInputs) -> tuple[int, int] | None:
         """The graph that serves this step: None for uniform decode (``DecodeGraphs``'), for
@@ -417,10 +421,9 @@ class PrefillGraphs(_StepGraphs):
         sampled rows' hidden states [S, D], in ``logits_indices`` order, and expert_counts
         [L, E]; valid until the next run)."""
         num_sampled = len(inputs.logits_indices)
-        indices = np.zeros(self._num_head_rows(key[0]), dtype=np.int64)
+        indices = np.zeros(self._num_extra(key[0]), dtype=np.int64)
         indices[:num_sampled] = inputs.logits_indices
-        (indices_d,) = self.stage(key, inputs, table_writes, feed, [indices])
-        self.sampled_rows[: len(indices)].copy_(indices_d)
+        self.stage(key, inputs, table_writes, feed, indices)
         return self._replay(key)[:num_sampled], self.expert_counts
 
 

@@ -4,7 +4,8 @@ deltas, and the one host-to-device copy that carries a step's inputs.
 On a GPU, every array a step needs (token ids, positions, the request of each token, the
 rows of the requests, logits indices, closing tokens, block-table writes) is packed into
 one pinned int64 staging buffer and copied with a single non-blocking copy; the device
-views are slices of that copy. Two staging buffers alternate so that packing step N+1 never
+views are slices of that copy. A graph's static inputs (``StaticInputs``) are copied from
+the same staging buffer straight to where the graph reads them. Two staging buffers alternate so that packing step N+1 never
 overwrites memory whose copy for step N may still be in flight. On the CPU the arrays are
 used in place; everything else is the same path.
 """
@@ -19,6 +20,28 @@ import torch
 from rackserve.kv.spec import CacheGroupSpec
 from rackserve.model.batch import StepMetadata, closing_tokens, compressed_ratios
 from rackserve.runner.inputs import BlockTables, StepInputs
+
+
+def _int64(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+class StaticInputs:
+    """A graph family's int64 inputs (token ids, positions, table rows, ...) in one device
+    buffer that ``StepBuffers.upload`` fills with one host-to-device copy a step.
+
+    The graph of a key reads its fields back to back from the buffer's start (``views``):
+    graphs of every size share the memory, as they share the stream, so a step's copy
+    writes exactly what its graph reads and nothing else moves them."""
+
+    def __init__(self, capacity: int, device: torch.device | str) -> None:
+        self.buffer = torch.zeros(capacity, dtype=torch.int64, device=device)
+
+    def views(self, lengths: Sequence[int]) -> list[torch.Tensor]:
+        """The fields of the given lengths, back to back from the start."""
+        if sum(lengths) > self.buffer.numel():
+            raise ValueError(f"fields of {sum(lengths)} ints past {self.buffer.numel()}")
+        return list(self.buffer[: sum(lengths)].split(list(lengths)))
 
 
 class StepBuffers:
@@ -47,19 +70,38 @@ class StepBuffers:
         self.ratios = compressed_ratios(self.groups)
 
     # ---- the one copy -------------------------------------------------------------------------
-    def upload(self, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
-        """int64 host arrays -> device tensors (views of one copy on a GPU)."""
+    def upload(
+        self,
+        arrays: Sequence[np.ndarray],
+        into: torch.Tensor | None = None,
+        fields: Sequence[np.ndarray] = (),
+    ) -> list[torch.Tensor]:
+        """int64 host arrays -> device tensors (views of one copy on a GPU).
+
+        ``fields``: arrays written back to back from the start of the int64 device tensor
+        ``into`` (a graph's static inputs, ``StaticInputs``) by a copy of their own from the
+        same staging buffer: no device kernel moves them (they used to go through the
+        device views and one copy kernel each)."""
         if self.on_host:
-            return [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)) for a in arrays]
+            start = 0
+            for a in fields:
+                into[start : start + len(a)].copy_(torch.from_numpy(_int64(a)))
+                start += len(a)
+            return [torch.from_numpy(_int64(a)) for a in arrays]
+        num_fields = sum(len(a) for a in fields)
         sizes = [len(a) for a in arrays]
-        total = sum(sizes)
+        total = num_fields + sum(sizes)
         staging = self._staging_buffer(total)
         host = staging.numpy()
         start = 0
-        for a, n in zip(arrays, sizes, strict=True):
-            host[start : start + n] = a
-            start += n
-        dev = staging[:total].to(self.device, non_blocking=True)
+        for a in (*fields, *arrays):
+            host[start : start + len(a)] = a
+            start += len(a)
+        if num_fields:
+            into[:num_fields].copy_(staging[:num_fields], non_blocking=True)
+        if into is not None and total == num_fields:  # only fields (no table writes)
+            return [into[:0]] * len(arrays)
+        dev = staging[num_fields:total].to(self.device, non_blocking=True)
         return list(dev.split(sizes))
 
     def _staging_buffer(self, numel: int) -> torch.Tensor:

@@ -36,7 +36,7 @@ from rackserve.model.batch import StepMetadata, compressed_ratios
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 from rackserve.runner.cuda_graph import capture_region, frozen_gc
 from rackserve.runner.inputs import StepInputs
-from rackserve.runner.step_buffers import StepBuffers
+from rackserve.runner.step_buffers import StaticInputs, StepBuffers
 
 Key = tuple[int, int]  # (padded requests B, context bucket)
 
@@ -101,9 +101,7 @@ class VerifyGraphs:
         self.width = 1 + num_drafts  # tokens per request
         self.set = _GraphSet(batch_sizes, buckets)
         device, n = buffers.device, max(batch_sizes)
-        self.input_ids = torch.zeros(n * self.width, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n * self.width, dtype=torch.int64, device=device)
-        self.rows = torch.full((n,), buffers.null_row, dtype=torch.int64, device=device)
+        self.static = StaticInputs(n * (2 * self.width + 1), device)
         self.token_req = torch.arange(n, device=device).repeat_interleave(self.width)
         self.flat_index = torch.arange(n * self.width, device=device)
         cfg = model.cfg
@@ -111,13 +109,19 @@ class VerifyGraphs:
             cfg.num_hidden_layers, cfg.n_routed_experts, dtype=torch.int64, device=device
         )
 
+    def inputs(self, b: int) -> list[torch.Tensor]:
+        """The static inputs of B = b requests: ids, positions [T] and table rows [B]."""
+        t = b * self.width
+        return self.static.views([t, t, b])
+
     def _forward(self, b: int, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The captured region: metadata from the static buffers, forward, logits, streams."""
         t = b * self.width
-        rows, token_req = self.rows[:b], self.token_req[:t]
+        ids, positions, rows = self.inputs(b)
+        token_req = self.token_req[:t]
         meta = StepMetadata.build(
             self.groups,
-            self.positions[:t],
+            positions,
             token_req,
             {name: table[rows] for name, table in self.buffers.tables.items()},
             bucket,
@@ -125,7 +129,7 @@ class VerifyGraphs:
             token_mask=(rows != self.buffers.null_row)[token_req],
         )
         self.expert_counts.zero_()
-        hidden, streams = self.model(self.input_ids[:t], meta, self.caches, self.expert_counts)
+        hidden, streams = self.model(ids, meta, self.caches, self.expert_counts)
         return self.model.compute_logits(hidden), streams
 
     def capture(self, pool=None, log: bool = True):
@@ -158,14 +162,8 @@ class VerifyGraphs:
             ids, positions = np.concatenate([ids, zeros]), np.concatenate([positions, zeros])
             null = np.full(b - num_reqs, self.buffers.null_row, dtype=np.int64)
             rows = np.concatenate([rows, null])
-        write_index, write_values = table_writes
-        ids_d, pos_d, rows_d, w_index, w_values = self.buffers.upload(
-            [ids, positions, rows, write_index, write_values]
-        )
-        self.buffers.apply_writes(w_index, w_values)
-        self.input_ids[: b * self.width].copy_(ids_d)
-        self.positions[: b * self.width].copy_(pos_d)
-        self.rows[:b].copy_(rows_d)
+        fields = [ids, positions, rows]
+        self.buffers.apply_writes(*self.buffers.upload(table_writes, self.static.buffer, fields))
         logits, streams = self.set.replay(key, self._forward)
         return logits[:t], streams[:t], self.expert_counts
 
@@ -252,13 +250,16 @@ class _ProposalGraphs:
         self.num_drafts, self.width = num_drafts, width
         self.set = _GraphSet(batch_sizes, buckets)
         device, n = buffers.device, max(batch_sizes)
-        rows = n * width
-        self.tokens = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.token_req = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.rows = torch.full((n + 1,), self.null_row, dtype=torch.int64, device=device)
-        self.last = torch.zeros(n, dtype=torch.int64, device=device)
-        self.flat_index = torch.arange(rows, device=device)
+        self.max_rows = n * width
+        self.static = StaticInputs(3 * self.max_rows + 2 * n + 1, device)
+        self.flat_index = torch.arange(self.max_rows, device=device)
+
+    def inputs(self, b: int) -> list[torch.Tensor]:
+        """The static inputs of B = b requests: per flat row [B * width] its token, position
+        and request, per request [B + 1] its table row (B: the pad request's, null), and
+        per request [B] its last row."""
+        t = b * self.width
+        return self.static.views([t, t, t, b + 1, b])
 
     def _forward(self, b: int, bucket: int) -> torch.Tensor:
         raise NotImplementedError
@@ -294,10 +295,8 @@ class _ProposalGraphs:
         req_rows[:num] = rows
         req_last = np.zeros(b, dtype=np.int64)
         req_last[:num] = last
-        uploads = self.buffers.upload([tokens, positions, token_req, req_rows, req_last])
-        targets = (self.tokens, self.positions, self.token_req, self.rows, self.last)
-        for dst, src in zip(targets, uploads, strict=True):
-            dst[: src.shape[0]].copy_(src)
+        fields = [tokens, positions, token_req, req_rows, req_last]
+        self.buffers.upload([], self.static.buffer, fields)
         return self.set.replay(key, self._forward)[:num]
 
 
@@ -324,7 +323,7 @@ class MTPGraphs(_ProposalGraphs):
         super().__init__(buffers, num_drafts, batch_sizes, buckets, width=1 + num_drafts)
         self.model, self.caches, self.swa = model, caches, swa
         self.table = buffers.tables[swa.name]
-        cfg, rows = model.cfg, self.tokens.shape[0]
+        cfg, rows = model.cfg, self.max_rows
         self.streams = torch.zeros(
             rows, cfg.hc_mult, cfg.hidden_size, dtype=model.head.weight.dtype,
             device=buffers.device,
@@ -336,11 +335,9 @@ class MTPGraphs(_ProposalGraphs):
 
     def _forward(self, b: int, bucket: int) -> torch.Tensor:
         t = b * self.width
-        rows = self.rows[: b + 1]  # b: the pad request (null row)
-        positions = self.positions[:t]
-        meta = self._meta(positions, self.token_req[:t], rows, bucket)
-        hidden, x = self.model.mtp_forward(0, self.tokens[:t], self.streams[:t], meta, self.caches)
-        last = self.last[:b]
+        tokens, positions, token_req, rows, last = self.inputs(b)  # rows[b]: the pad request's
+        meta = self._meta(positions, token_req, rows, bucket)
+        hidden, x = self.model.mtp_forward(0, tokens, self.streams[:t], meta, self.caches)
         draft = self.model.compute_logits(hidden[last]).argmax(dim=-1)
         drafts = [draft]
         x, positions = x[last], positions[last]
@@ -397,10 +394,8 @@ class DraftProposalGraphs(_ProposalGraphs):
         return hidden
 
     def _forward(self, b: int, bucket: int) -> torch.Tensor:
-        t = b * self.width
-        rows, positions = self.rows[: b + 1], self.positions[:t]  # b: the pad request
-        hidden = self._hidden(self.tokens[:t], positions, self.token_req[:t], rows, bucket)
-        last = self.last[:b]
+        tokens, positions, token_req, rows, last = self.inputs(b)  # rows[b]: the pad request's
+        hidden = self._hidden(tokens, positions, token_req, rows, bucket)
         draft = self.model.compute_logits(hidden[last]).argmax(dim=-1)
         drafts, positions, req = [draft], positions[last], self.flat_index[:b]
         for _ in range(1, self.num_drafts):
