@@ -5,9 +5,9 @@ On a GPU, every array a step needs (token ids, positions, the request of each to
 rows of the requests, logits indices, closing tokens, block-table writes) is packed into
 one pinned int64 staging buffer and copied with a single non-blocking copy; the device
 views are slices of that copy. A graph's static inputs (``StaticInputs``) are copied from
-the same staging buffer straight to where the graph reads them. Two staging buffers alternate so that packing step N+1 never
-overwrites memory whose copy for step N may still be in flight. On the CPU the arrays are
-used in place; everything else is the same path.
+the same staging buffer straight to where the graph reads them. Two staging buffers
+alternate so that packing step N+1 never overwrites memory whose copy for step N may still
+be in flight. On the CPU the arrays are used in place; everything else is the same path.
 """
 
 from __future__ import annotations
