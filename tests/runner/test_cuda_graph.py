@@ -162,9 +162,7 @@ def test_captures_run_with_the_collector_frozen():
     assert gc.get_freeze_count() == 0
 
 
-@pytest.mark.parametrize(
-    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_upload_writes_fields_back_to_back_into_static_inputs(device):
     host = BlockTables({"a": 4}, max_num_reqs=2, max_len=64)
     buffers = StepBuffers([], host, device)
