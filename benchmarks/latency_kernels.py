@@ -2,7 +2,8 @@
 over launch variants: what each one's serial chain costs and which shape shortens it.
 
 - ``route_align``: ``moe_routed``'s one-program router + align (hash and learned routing,
-  V4-Flash sizes: 64 routed experts + the shared one, k = 6), over (BLOCK_T, CHUNK, warps);
+  V4-Flash sizes: 64 routed experts + the shared one, k = 6), over (BLOCK_T, CHUNK, warps),
+  at T = 1 with the scans' align and ``align_one_token``;
 - ``router_logits``: the router's [T, 4096] x [4096, 64] logits, ``F.linear`` (cuBLAS) against
   ``ops.triton.gemv``;
 - ``hc_pre``: the mHC pre (K1 + K2) over K2's warps and K1's program count (the splits K2
@@ -39,7 +40,9 @@ def _us(fn) -> float:
     return round(1e3 * triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median"), 2)
 
 
-def route_align(t: int, hashed: bool, block_t: int, chunk: int, warps: int, x, w, table, bias):
+def route_align(
+    t: int, hashed: bool, block_t: int, chunk: int, warps: int, x, w, table, bias, one=False
+):
     cols = K + 1
     num_experts = E + 1
     pairs = t * cols
@@ -61,7 +64,8 @@ def route_align(t: int, hashed: bool, block_t: int, chunk: int, warps: int, x, w
             E=E, K=K, SCORING=0, HASHED=hashed, SHARED=1, COUNT=0, BLOCK_T=block_t,
             BLOCK_E=max(16, triton.next_power_of_2(E)), BLOCK_M=tiling.block_m,
             ALIGN_E=align_e, CHUNK=chunk, BLOCK_B=max(16, min(128, 8192 // align_e)),
-            num_warps=warps, PDL=False,
+            ONE_TOKEN=one, BLOCK_P=max(16, triton.next_power_of_2(pairs)), num_warps=warps,
+            PDL=False,
         )  # fmt: skip
 
     return run
@@ -107,9 +111,10 @@ def main() -> None:
             ):  # fmt: skip
                 if block_t < t and block_t != 16:
                     continue
-                run = route_align(t, hashed, block_t, chunk, warps, x, w, table, bias)
-                name = f"{'hash' if hashed else 'learned'} bt{block_t} c{chunk} w{warps}"
-                add("route_align", t, name, _us(run))
+                for one in (False, True) if t == 1 else (False,):
+                    run = route_align(t, hashed, block_t, chunk, warps, x, w, table, bias, one)
+                    name = f"{'hash' if hashed else 'learned'} bt{block_t} c{chunk} w{warps}"
+                    add("route_align", t, name + (" one-token" if one else ""), _us(run))
 
     for t in args.tokens if "align" in args.parts else ():
         routed = torch.rand(t, E, generator=g, device=dev).argsort(dim=-1)[:, :K]

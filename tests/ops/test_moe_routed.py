@@ -10,6 +10,7 @@ import itertools
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from rackserve.ops import reference
 
@@ -125,6 +126,47 @@ def test_shared_beside_is_bitwise_the_same(seed, late, monkeypatch):
                 assert torch.equal(got.slots, want.slots)
             else:
                 assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3, 4, 5, 6, 7])
+def test_one_token_align_is_the_scans_layout(seed, monkeypatch):
+    """One token's pairs (``align_one_token``: a block per pair at its rank, no scans) get
+    ``align_pairs``' layout bit for bit, learned and hash routing, with the shared expert
+    aligned or apart (``aligned`` = the routed experts), and the same MoE output."""
+    from rackserve.ops.triton import fused_moe
+    from rackserve.ops.triton import moe_routed as module
+
+    t, (e, k), hashed, shared = CASES[seed]
+    assert t == 1
+    router, mask, w13, w2 = _case(seed, t, e, k, hashed, shared, torch.float32)
+    cols = k + int(shared)
+    for aligned in {w13.shape[0], e}:
+        dev = router[0].device
+        tiling = fused_moe.default_tiling(t, cols, w13.shape[0], w13.shape[1] // 2, dev)
+        layouts = []
+        for one in (False, True):
+            monkeypatch.setattr(module, "ALIGN_ONE_TOKEN", one)
+            layouts.append(module._route_align(router, None, mask, aligned, tiling, F.linear))
+        (ids, weights, sorted_a, blocks_a), (ids_b, weights_b, sorted_b, blocks_b) = layouts
+        assert torch.equal(ids, ids_b) and torch.equal(weights, weights_b)
+        assert torch.equal(blocks_a, blocks_b)
+        used = int((blocks_a < aligned).sum()) * tiling.block_m  # rows past them: unwritten
+        assert used and torch.equal(sorted_a[:used], sorted_b[:used])
+    out = module.moe_routed(*router, None, mask, w13, w2, 7.0)
+    assert_fp32_close(out, reference.moe_routed(*router, None, mask, w13, w2, 7.0))
+
+
+def test_one_token_align_with_a_repeated_expert():
+    """A hash table whose row repeats an expert (the scans would put both pairs in one
+    block): a block each, the same output as the reference."""
+    t, (e, k), _, _ = CASES[4]
+    router, mask, w13, w2 = _case(4, t, e, k, True, True, torch.float32)
+    router[3] = torch.zeros_like(router[3])  # every pick is expert 0
+    router[3][:, 1] = 3
+    from rackserve.ops.triton.moe_routed import moe_routed
+
+    got = moe_routed(*router, None, None, w13, w2, 7.0)
+    assert_fp32_close(got, reference.moe_routed(*router, None, None, w13, w2, 7.0))
 
 
 def test_shared_beside_needs_the_shared_expert_last():

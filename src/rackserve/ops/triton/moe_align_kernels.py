@@ -19,6 +19,8 @@ No host sync, no atomics; stable: pairs of one expert keep their order.
     (every program counts all P pairs, then scatters its own expert's run; program E marks
     the blocks past the used ones). For decode-sized P: the one-program align is a chain of
     [CHUNK, E] scans that took 35 us per layer at 64 tokens on the H200.
+    ``align_one_token``: the same layout for one token's pairs (a decode step of one
+    request), a block per pair, without the scans (``moe_routed``'s one-program path).
     ``moe_sort_kernel``, grid (S,): the unpadded layout of the grouped GEMMs (BM = 1): the
     token of each sorted row, the sorted row of each pair and each expert's end row.
 """
@@ -167,6 +169,40 @@ def align_pairs(
             done = (ends[None, :] <= blocks[:, None] * BLOCK_M) & expert_ok[None, :]
             expert = tl.sum(done.to(tl.int32), axis=1)
             tl.store(block_expert_ptr + blocks, expert, mask=blocks < num_blocks)
+
+
+@triton.jit
+def align_one_token(
+    ids_ptr,  # [P] expert ids: one token's picks
+    sorted_ptr,  # [R] int32 out: pair index per padded row, P on padding rows
+    block_expert_ptr,  # [B] int32 out: expert per block, E past the used blocks
+    num_pairs,
+    num_experts,
+    num_blocks,
+    BLOCK_M: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    """``align_pairs``' layout for one token's pairs, without its scans: each routed pair
+    (expert in [0, E)) is a run of one block, at its rank in (expert, pair) order; the
+    same layout as ``align_pairs`` when the experts are distinct (top-k picks, a hash
+    table's row), and a valid one (a block per pair) when a table repeats one."""
+    pair = tl.arange(0, BLOCK_P)
+    ids = tl.load(ids_ptr + pair, mask=pair < num_pairs, other=-1)
+    routed = (ids >= 0) & (ids < num_experts)
+    before = (ids[None, :] < ids[:, None]) | ((ids[None, :] == ids[:, None]) & (
+        pair[None, :] < pair[:, None]))  # fmt: skip
+    rank = tl.sum((before & routed[None, :]).to(tl.int32), axis=1)  # [BLOCK_P]
+    tl.store(block_expert_ptr + rank, ids.to(tl.int32), mask=routed)
+    j = tl.arange(0, BLOCK_M)
+    rows = rank[:, None] * BLOCK_M + j[None, :]  # the pair's block: it, then padding
+    values = tl.where(j[None, :] == 0, pair[:, None], num_pairs)
+    tl.store(sorted_ptr + rows, values.to(tl.int32), mask=routed[:, None])
+    used = tl.sum(routed.to(tl.int32), axis=0)
+    for b0 in range(0, num_blocks, BLOCK_B):
+        blocks = b0 + tl.arange(0, BLOCK_B)
+        mask = (blocks >= used) & (blocks < num_blocks)
+        tl.store(block_expert_ptr + blocks, num_experts, mask=mask)
 
 
 @triton.jit

@@ -22,11 +22,14 @@ from rackserve.ops.reference import ExpertSlots
 from rackserve.ops.side_stream import SideStream
 from rackserve.ops.triton import fused_moe
 from rackserve.ops.triton.common import pdl, pdl_wait
-from rackserve.ops.triton.moe_align_kernels import align_pairs
+from rackserve.ops.triton.moe_align_kernels import align_one_token, align_pairs
 from rackserve.ops.triton.route import _SCORING, route_fused, route_tokens
 
 # the most (token, expert) pairs routed and aligned by one program (see moe_routed)
 ONE_PROGRAM_MAX_PAIRS = 64
+# One token's pairs laid out by ``align_one_token`` (a block per pair, no scans) instead of
+# ``align_pairs``' chain of [CHUNK, E] scans; False: the scans (the A/B's other side)
+ALIGN_ONE_TOKEN = True
 # With ``shared_beside``, the order the side stream's two launches are issued in (the graph's
 # dependencies are the same): True, the shared gate-up after the router's and the align's
 # launches and its down after the routed experts'; False, both right after the fork, before
@@ -67,6 +70,8 @@ def _route_align_kernel(
     ALIGN_E: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    ONE_TOKEN: tl.constexpr,  # one token's pairs: align_one_token (no scans)
+    BLOCK_P: tl.constexpr,  # ONE_TOKEN: its pairs, padded
     PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
     pdl_wait(PDL)
@@ -77,10 +82,16 @@ def _route_align_kernel(
             E, K, SCORING, HASHED, SHARED, COUNT, BLOCK_T, BLOCK_E,
         )  # fmt: skip
     tl.debug_barrier()  # the ids this program's threads wrote, visible to all of them
-    align_pairs(
-        0, ids_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts,
-        num_pairs, 1, num_blocks, BLOCK_M, ALIGN_E, CHUNK, BLOCK_B, True,
-    )  # fmt: skip
+    if ONE_TOKEN:
+        align_one_token(
+            ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, num_blocks,
+            BLOCK_M, BLOCK_P, BLOCK_B,
+        )  # fmt: skip
+    else:
+        align_pairs(
+            0, ids_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts,
+            num_pairs, 1, num_blocks, BLOCK_M, ALIGN_E, CHUNK, BLOCK_B, True,
+        )  # fmt: skip
 
 
 def moe_routed(
@@ -237,6 +248,7 @@ def _route_align(
         SHARED=int(shared_expert is not None), COUNT=count, BLOCK_T=block_t,
         BLOCK_E=max(16, triton.next_power_of_2(routed)), BLOCK_M=tiling.block_m,
         ALIGN_E=align_e, CHUNK=chunk, BLOCK_B=max(16, min(128, 8192 // align_e)),
-        num_warps=4 if num_pairs <= 16 or align_e < 128 else 8, **pdl(logits.device),
+        ONE_TOKEN=num_tokens == 1 and ALIGN_ONE_TOKEN,
+        BLOCK_P=max(16, triton.next_power_of_2(num_pairs)), num_warps=4 if num_pairs <= 16 or align_e < 128 else 8, **pdl(logits.device),
     )  # fmt: skip
     return ids, weights, sorted_ids, block_expert
