@@ -160,7 +160,7 @@ def test_one_token_align_with_a_repeated_expert():
     """A hash table whose row repeats an expert (the scans would put both pairs in one
     block): a block each, the same output as the reference."""
     t, (e, k), _, _ = CASES[4]
-    router, mask, w13, w2 = _case(4, t, e, k, True, True, torch.float32)
+    router, _, w13, w2 = _case(4, t, e, k, True, True, torch.float32)
     router[3] = torch.zeros_like(router[3])  # every pick is expert 0
     router[3][:, 1] = 3
     from rackserve.ops.triton.moe_routed import moe_routed

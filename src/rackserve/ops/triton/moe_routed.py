@@ -249,6 +249,7 @@ def _route_align(
         BLOCK_E=max(16, triton.next_power_of_2(routed)), BLOCK_M=tiling.block_m,
         ALIGN_E=align_e, CHUNK=chunk, BLOCK_B=max(16, min(128, 8192 // align_e)),
         ONE_TOKEN=num_tokens == 1 and ALIGN_ONE_TOKEN,
-        BLOCK_P=max(16, triton.next_power_of_2(num_pairs)), num_warps=4 if num_pairs <= 16 or align_e < 128 else 8, **pdl(logits.device),
+        BLOCK_P=max(16, triton.next_power_of_2(num_pairs)),
+        num_warps=4 if num_pairs <= 16 or align_e < 128 else 8, **pdl(logits.device),
     )  # fmt: skip
     return ids, weights, sorted_ids, block_expert
