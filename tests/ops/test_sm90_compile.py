@@ -59,7 +59,8 @@ def _record_fast_path() -> list[dict]:
     model = _model()
     g = torch.Generator().manual_seed(0)
     with recorded_launches() as specs:
-        for batch in ("decode:2@40", "prefill:32@20"):
+        # decode:1: the one-token MoE align (moe_routed's ONE_TOKEN)
+        for batch in ("decode:1@40", "decode:2@40", "prefill:32@20"):
             for kv_dtype in (None, torch.float8_e4m3fn):
                 s = synthetic_step(model, BatchSpec.parse(batch), kv_dtype=kv_dtype)
                 buffers = StepBuffers(s.groups, s.input_batch.block_tables, "cpu")
