@@ -2,7 +2,9 @@
 # Session 33: gpu_s32b.sh (below), and first the step's static inputs copied straight from the
 # staging buffer (StepBuffers.upload's fields, one copy, no copy kernels) against the
 # upload + three copy kernels of session 32 (old_stage below), bench forward at decode:1, 4
-# and 64, alternating, two passes, with host_probe's stage timings.
+# and 64, alternating, two passes, with host_probe's stage timings; and one token's MoE align
+# without the scans (moe_routed.ALIGN_ONE_TOKEN) against with them, in the same rotation
+# (arm "scans"), with latency_kernels' route + align alone.
 # Session 32: do a captured graph's two branches run side by side whatever their issue order
 # (graph_branch_probe.py)? The shared expert's launches issued between the router's and the
 # routed experts' (moe_routed.SHARED_ISSUED_LATE, the default) against before them, and the
@@ -36,8 +38,18 @@ def old_stage(self, key, inputs, table_writes, feed=None, extra=None):
     for dst, src in zip(self.inputs(b)[:3], (ids_d, pos_d, rows_d)):
         dst.copy_(src)
 cg._StepGraphs.stage = old_stage'
-forward_ab old "$old_stage" new pass --batch decode:1@4096 --batch decode:4@4096 \
-  --batch decode:64@4096 --iters 30 --warmup 5
+scans='import rackserve.ops.triton.moe_routed as m; m.ALIGN_ONE_TOKEN = False'
+for pass in 1 2; do
+  for arm in old scans new; do
+    case $arm in old) code=$old_stage ;; scans) code=$scans ;; new) code='pass' ;; esac
+    t=$(cap 45); echo "== bench forward, $arm, pass $pass (${t}s)"
+    ((t)) && forward_with "$code" "$R/forward_${arm}_$pass.json" --batch decode:1@4096 \
+      --batch decode:4@4096 --batch decode:64@4096 --iters 30 --warmup 5
+  done
+done
+t=$(cap 40); echo "== latency_kernels route (${t}s)"
+((t)) && timeout "$t" python3 benchmarks/latency_kernels.py --tokens 1 --parts route \
+  --output "$R/latency_route.json" 2>&1 | grep -E "one-token|bt1 c16 w4|bt16 c64 w4"
 t=$(cap 60); echo "== host_probe (${t}s)"
 ((t)) && timeout "$t" python3 benchmarks/host_probe.py --output "$R/host_probe.json" \
   --decode decode:1@4096 --decode decode:64@4096 2>&1 | tail -2
