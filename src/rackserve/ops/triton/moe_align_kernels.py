@@ -172,6 +172,15 @@ def align_pairs(
 
 
 @triton.jit
+def _no_expert_past(block_expert_ptr, used, num_blocks, num_experts, BLOCK_B: tl.constexpr):
+    """Blocks [used, num_blocks): no expert (E; their programs exit at once)."""
+    for b0 in range(0, num_blocks, BLOCK_B):
+        blocks = b0 + tl.arange(0, BLOCK_B)
+        mask = (blocks >= used) & (blocks < num_blocks)
+        tl.store(block_expert_ptr + blocks, num_experts, mask=mask)
+
+
+@triton.jit
 def align_one_token(
     ids_ptr,  # [P] expert ids: one token's picks
     sorted_ptr,  # [R] int32 out: pair index per padded row, P on padding rows
@@ -199,10 +208,7 @@ def align_one_token(
     values = tl.where(j[None, :] == 0, pair[:, None], num_pairs)
     tl.store(sorted_ptr + rows, values.to(tl.int32), mask=routed[:, None])
     used = tl.sum(routed.to(tl.int32), axis=0)
-    for b0 in range(0, num_blocks, BLOCK_B):
-        blocks = b0 + tl.arange(0, BLOCK_B)
-        mask = (blocks >= used) & (blocks < num_blocks)
-        tl.store(block_expert_ptr + blocks, num_experts, mask=mask)
+    _no_expert_past(block_expert_ptr, used, num_blocks, num_experts, BLOCK_B)
 
 
 @triton.jit
@@ -264,9 +270,7 @@ def moe_align_expert_kernel(
     padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     if e == num_experts:  # the blocks past every run belong to no expert
         used = tl.sum(padded, axis=0) // BLOCK_M
-        for b0 in range(0, num_blocks, BLOCK_B):
-            blocks = b0 + tl.arange(0, BLOCK_B)
-            tl.store(block_expert_ptr + blocks, e, mask=(blocks >= used) & (blocks < num_blocks))
+        _no_expert_past(block_expert_ptr, used, num_blocks, num_experts, BLOCK_B)
         return
     # expert e's run: rows start .. end - 1, its count pairs first, then padding
     mine = experts == e
