@@ -64,54 +64,6 @@ def test_gemv_matches_reference(seed, monkeypatch):
         assert_bf16_close(got, reference.linear(x, w), ref_fp32)
 
 
-@pytest.mark.parametrize("seed", range(10))
-def test_normed_gemv_matches_reference(seed):
-    """``normed_gemv``: the RMSNorm of x in every program as it loads x, then the GEMV,
-    against ``reference.normed_linear`` (fp32 1e-4; bf16 within the rule against the norm
-    rounded to bf16 first, as the reference's two ops round), one split and many."""
-    from rackserve.ops.triton import gemv
-
-    t, n, k, splits = CASES[(3 * seed + 1) % len(CASES)]
-    dtype = torch.float32 if seed % 2 else torch.bfloat16
-    g = torch.Generator().manual_seed(seed)
-    x = (3 * torch.randn(t, k, generator=g)).to(DEVICE, dtype)  # far from unit RMS
-    w = (torch.randn(n, k, generator=g) / k**0.5).to(DEVICE, dtype)
-    norm_w = (1 + 0.3 * torch.randn(k, generator=g)).to(DEVICE)
-    base = gemv.default_tiling(n, k, x.device)
-    tiling = gemv.GemvTiling(base.block_n, base.block_k, splits)
-    got = gemv.gemv(x, w, tiling=tiling, norm=(norm_w, 1e-6))
-    ref32 = reference.normed_linear(x.float(), norm_w, 1e-6, w.float())
-    if dtype == torch.float32:
-        assert_fp32_close(got, ref32)
-    else:
-        assert_bf16_close(got, reference.normed_linear(x, norm_w, 1e-6, w), ref32)
-    assert torch.equal(gemv.normed_gemv(x, norm_w, 1e-6, w), gemv.gemv(x, w, norm=(norm_w, 1e-6)))
-    with pytest.raises(ValueError, match="norm weight"):
-        gemv.gemv(x, w, norm=(norm_w[:-1], 1e-6))
-
-
-def test_normed_linear_dispatch(monkeypatch):
-    """The table's ``normed_linear``: the norm's launch, then ``linear`` on the CPU and with
-    ``NORMED_GEMV_MAX_TOKENS`` None; on a GPU below it, the GEMV norming its input."""
-    k = ops.kernels("triton")
-    x = torch.randn(3, 64).to(torch.bfloat16)
-    norm_w, w = 1 + torch.rand(64), torch.randn(32, 64).to(torch.bfloat16)
-    want = reference.linear(k.rms_norm(x, norm_w, 1e-6), w)
-    assert torch.equal(k.normed_linear(x, norm_w, 1e-6, w), want)
-    assert torch.equal(
-        ops.kernels("reference").normed_linear(x, norm_w, 1e-6, w),
-        reference.linear(reference.rms_norm(x, norm_w, 1e-6), w),
-    )
-    if DEVICE == "cuda":
-        from rackserve.ops.triton import gemv
-
-        xc, nc, wc = x.cuda(), norm_w.cuda(), w.cuda()
-        assert torch.equal(k.normed_linear(xc, nc, 1e-6, wc), gemv.normed_gemv(xc, nc, 1e-6, wc))
-        monkeypatch.setattr(ops, "NORMED_GEMV_MAX_TOKENS", None)
-        want = k.linear(k.rms_norm(xc, nc, 1e-6), wc)
-        assert torch.equal(k.normed_linear(xc, nc, 1e-6, wc), want)
-
-
 def test_gemv_is_deterministic_and_default_tiling_splits():
     from rackserve.ops.triton import gemv
 

@@ -35,7 +35,6 @@ from rackserve.model.layers import (
     GroupedLinear,
     RMSNorm,
     Rotary,
-    is_plain_linear,
     linear,
 )
 from rackserve.ops import Kernels
@@ -221,21 +220,15 @@ class Attention(nn.Module):
         groups = [("x", self._x_linears())]
         return [*groups, ("q", self._q_linears())] if self.kind == CSA else groups
 
-    def _q_projections(self, q_a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """q_a [T, q_lora] -> q_residual = ``q_norm(q_a)`` -> (``wq_b`` [T, H * Dh], CSA: the
-        indexer's ``wq_b`` [T, heads * Di], else None); on the fast path one GEMM that norms
-        its input as it reads it (``normed_linear``; column views)."""
-        k, norm = self.kernels, (self.q_norm.weight, self.eps)
-        fused = None
-        if k.fast(q_a):
-            fused = self._fusion("q", self._q_linears()) if self.kind == CSA else None
-            if self.kind != CSA and is_plain_linear(self.wq_b):
-                return k.normed_linear(q_a, *norm, self.wq_b.weight), None
+    def _q_projections(self, q_residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """q_residual [T, q_lora] -> (``wq_b`` [T, H * Dh], CSA: the indexer's ``wq_b``
+        [T, heads * Di], else None); one GEMM on the fast path (column views)."""
+        if self.kind != CSA:
+            return linear(self.kernels, self.wq_b, q_residual), None
+        fused = self._fusion("q", self._q_linears()) if self.kernels.fast(q_residual) else None
         if fused is None:
-            q_residual = k.rms_norm(q_a, *norm)
-            q = linear(k, self.wq_b, q_residual)
-            return q, self.indexer.wq_b(q_residual) if self.kind == CSA else None
-        q_both = k.normed_linear(q_a, *norm, fused.get())
+            return self.wq_b(q_residual), self.indexer.wq_b(q_residual)
+        q_both = self.kernels.linear(q_residual, fused.get())
         width = self.wq_b.out_features
         return q_both[:, :width], q_both[:, width:]
 
@@ -290,16 +283,16 @@ class Attention(nn.Module):
         rope = self.rotary(meta.positions, x.dtype) if rope is None else rope
         cos, sin = rope
         proj = self._project(x)
+        q_residual = k.rms_norm(proj.q_a, self.q_norm.weight, self.eps)
         swa = caches.flat("swa", self.layer_id)
         chunk = self._chunk_tokens(t, meta.max_seq_len, x.element_size(), x.is_cuda)
         picks = None  # the compressed rows of every query, when computed before the loop
         if self.kind == CSA and chunk == t and k.indexer_beside_q(x):
-            q_residual = k.rms_norm(proj.q_a, self.q_norm.weight, self.eps)
             q, picks = self._indexer_beside_q(q_residual, proj, rope, meta, caches)
             q_index = index_weights = None
             q_norm_eps = self.eps  # the attention norms and rotates q
         else:
-            q, q_index = self._q_projections(proj.q_a)
+            q, q_index = self._q_projections(q_residual)
             # q: per-head norm + RoPE (or by the attention kernel as it loads q); kv: norm +
             # RoPE into the window, the compressor's raw rows into the state; CSA: the
             # indexer's q RoPE and head weights

@@ -44,7 +44,6 @@ from rackserve.ops.reference import (
     logits,
     moe_experts,
     moe_routed,
-    normed_linear,
     paged_indexer_select,
     paged_indexer_topk,
     paged_sparse_attention,
@@ -84,7 +83,6 @@ __all__ = [
     "logits",
     "moe_experts",
     "moe_routed",
-    "normed_linear",
     "paged_indexer_select",
     "paged_indexer_topk",
     "paged_sparse_attention",
@@ -131,7 +129,6 @@ class Kernels:
     moe_experts_fp4: Callable
     moe_routed: Callable
     linear: Callable
-    normed_linear: Callable
     rope_cos_sin: Callable
     logits: Callable
 
@@ -309,27 +306,6 @@ def _linear_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return reference.linear(x, weight)
 
 
-# The q projection of the attention's low-rank q (``normed_linear``) of fewer rows than this
-# (16-bit, on a GPU) in the GEMV's one launch, each program norming the rows it reads
-# (``gemv.normed_gemv``), where it was the RMSNorm's launch and then cuBLAS (wq_b, which
-# the GEMV does not split: ~2.5 us a layer for the norm's launch and its gap at decode:1,
-# H100, results/2026-12-06-s32.md). None: the norm's launch, then ``linear``.
-NORMED_GEMV_MAX_TOKENS: int | None = GEMV_MAX_TOKENS
-
-
-def _normed_linear_for(rms_norm: Callable, linear: Callable) -> Callable:
-    """``normed_linear`` from the table's ``rms_norm`` and ``linear``, or the GEMV with the
-    norm in its programs below ``NORMED_GEMV_MAX_TOKENS`` rows (16-bit, CUDA)."""
-
-    def normed_linear(x, norm_weight, eps, weight):
-        limit = NORMED_GEMV_MAX_TOKENS
-        if limit is not None and _cuda_16bit(x, weight) and x.dim() == 2 and x.shape[0] < limit:
-            return _gemv().normed_gemv(x, norm_weight, eps, weight)
-        return linear(rms_norm(x, norm_weight, eps), weight)
-
-    return normed_linear
-
-
 # Logits of fewer rows than this (16-bit, on a GPU) come from the Triton GEMV writing its fp32
 # accumulator (one split: the lm_head's 2,020 column blocks fill the SMs) instead of cuBLAS:
 # H100, 2026-12-06, gemv_bench in graph replay, 129,280 x 4096: 345 against 378 us at 1 token,
@@ -427,7 +403,6 @@ def kernels(name: str = "auto") -> Kernels:
         "rackserve.ops.triton.moe_routed", "moe_routed", reference.moe_routed, everywhere
     )
     fast["linear"] = _linear_gemv if os.environ.get(GEMV_ENV, "1") == "1" else reference.linear
-    fast["normed_linear"] = _normed_linear_for(fast["rms_norm"], fast["linear"])
     fast["logits"] = _logits_fp32
     return Kernels(
         name,

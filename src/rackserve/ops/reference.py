@@ -741,15 +741,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
-def normed_linear(
-    x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
-) -> torch.Tensor:
-    """``linear(rms_norm(x, norm_weight, eps), weight)``: x [T, K], norm_weight [K] fp32,
-    weight [N, K] -> [T, N] (the q projection of the attention's low-rank q). The spec of
-    ``ops/triton/gemv.normed_gemv``."""
-    return linear(rms_norm(x, norm_weight, eps), weight)
-
-
 def logits(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The lm_head: x [S, D], weight [V, D] -> [S, V] float32, rounded to x's dtype first as
     transformers does (``linear`` then a cast), into ``out`` when given. The fast path's

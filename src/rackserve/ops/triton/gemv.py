@@ -82,8 +82,6 @@ def gemv_kernel(
     part_ptr,  # SPLIT: [S, T, N] fp32 partials
     out_ptr,  # [T, N] (row stride stride_out)
     counter_ptr,  # FUSED: [>= N / BLOCK_N] int32, zero between calls
-    norm_ptr,  # NORM: [K] fp32 RMSNorm weight
-    eps,  # NORM
     T,
     N,
     K,
@@ -98,7 +96,6 @@ def gemv_kernel(
     FUSED: tl.constexpr,  # SPLIT: the last split of a column block reduces
     FP32_DOT: tl.constexpr,  # IEEE fp32 dots: fp32 inputs, and the interpreter
     OUT_DTYPE: tl.constexpr,
-    NORM: tl.constexpr,  # x through the weighted RMSNorm first (``normed_gemv``)
     PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
     pdl_wait(PDL)
@@ -108,24 +105,12 @@ def gemv_kernel(
     n_ok = n < N
     t = tl.arange(0, BLOCK_T)
     t_ok = t < T
-    if NORM:  # each token's RMS over all of K first: its row is a few KB, read from L2
-        sum_sq = tl.zeros([BLOCK_T], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            m = t_ok[:, None] & (k < K)[None, :]
-            a = tl.load(x_ptr + t[:, None] * stride_x + k[None, :], m, 0.0).to(tl.float32)
-            sum_sq += tl.sum(a * a, axis=1)
-        factor = 1.0 / tl.sqrt_rn(sum_sq / K + eps)
     k_start = s * k_per_split
     acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     for kk in range(0, k_per_split, BLOCK_K):
         k = k_start + kk + tl.arange(0, BLOCK_K)
         k_ok = k < K
         a = tl.load(x_ptr + t[:, None] * stride_x + k[None, :], t_ok[:, None] & k_ok[None, :], 0.0)
-        if NORM:  # weight * (x * factor), rounded to x's dtype: the norm's own output
-            g = tl.load(norm_ptr + k, k_ok, 0.0)
-            y = g[None, :] * (a.to(tl.float32) * factor[:, None])
-            a = round_as(y, x_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty)
         w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :],
                     n_ok[:, None] & k_ok[None, :], 0.0)  # fmt: skip
         if FP32_DOT:
@@ -180,13 +165,11 @@ def gemv(
     tiling: GemvTiling | None = None,
     out_dtype: torch.dtype | None = None,
     out: torch.Tensor | None = None,
-    norm: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T``: x [T, K] with T <= ``MAX_TOKENS``, weight [N, K] (same dtype,
     fp32/bf16/fp16); returns [T, N] in ``out_dtype`` (x's by default; float32 writes the
     fp32 accumulator unrounded: the lm_head's logits), into ``out`` when given (unit column
-    stride). ``norm`` (weight [K] fp32, eps): ``rms_norm(x, weight, eps) @ weight.T``, the
-    norm in each program as it loads x (``normed_gemv``)."""
+    stride)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(
             f"gemv: x [T, K] and weight [N, K] expected, got {tuple(x.shape)}, "
@@ -228,17 +211,14 @@ def gemv(
     blocks_n = triton.cdiv(n, tiling.block_n)
     fused = splits > 1 and tiling.fused_reduce
     counters = arrival_counters("gemv", x.device, blocks_n, 4096) if fused else None
-    if norm is not None and (norm[0].shape != (k,) or norm[0].dtype != torch.float32):
-        raise ValueError(f"gemv: the norm weight must be [{k}] float32")
     gemv_kernel[(blocks_n, splits)](
-        x, weight, part, out, counters if counters is not None else part,
-        norm[0] if norm is not None else part, norm[1] if norm is not None else 0.0,
-        t, n, k, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
+        x, weight, part, out, counters if counters is not None else part, t, n, k, k_per_split,
+        x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_T=max(16, triton.next_power_of_2(t)), BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
         SPLIT=splits > 1, FUSED=counters is not None,
         FP32_DOT=x.dtype == torch.float32 or x.device.type != "cuda",
-        OUT_DTYPE=tl_out, NORM=norm is not None, num_warps=tiling.num_warps,
-        num_stages=tiling.num_stages, **pdl(x.device),
+        OUT_DTYPE=tl_out, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+        **pdl(x.device),
     )  # fmt: skip
     if splits > 1 and counters is None:
         block = min(1024, triton.next_power_of_2(n))
@@ -247,12 +227,3 @@ def gemv(
             num_warps=4, **pdl(part.device),
         )  # fmt: skip
     return out
-
-
-def normed_gemv(
-    x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
-) -> torch.Tensor:
-    """``reference.normed_linear`` (``rms_norm(x, norm_weight, eps) @ weight.T``) in the
-    GEMV's one launch: every program norms the token rows it reads (the rows' RMS from a
-    pass over x first), so no launch writes the normed rows in between."""
-    return gemv(x, weight, norm=(norm_weight, eps))
