@@ -24,6 +24,7 @@ from rackserve.model.create import init_model_
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 from rackserve.model.presets import default_layer_types, tiny_config
 from rackserve.ops import quant
+from rackserve.runner.cuda_graph import DecodeGraphs
 from rackserve.runner.step_buffers import StepBuffers
 
 from sm90 import compile_for_sm90, compile_report, gpu_variants, recorded_launches
@@ -67,6 +68,11 @@ def _record_fast_path() -> list[dict]:
                 ids, meta, idx = buffers.eager_step(s.step.inputs, s.step.table_writes)
                 hidden, _ = model(ids, meta, s.caches)
                 model.compute_logits(hidden[idx])
+                if batch.startswith("decode") and kv_dtype is None:  # a graph's metadata
+                    graphs = DecodeGraphs(model, s.caches, buffers, s.groups, [2], [64])
+                    key = graphs.key_for(s.step.inputs)
+                    graphs.stage(key, s.step.inputs, s.step.table_writes)
+                    graphs.metadata(*key)
         # the GPU's top-k: bitonic levels, the last one selecting (the CPU takes torch.topk);
         # the radix select (prefill rows), selecting and writing ids, counted bits and digits
         keys = torch.randn(40, 32, generator=g).bfloat16()
@@ -180,7 +186,7 @@ def test_fast_path_kernels_compile_for_sm90(monkeypatch):
     # the step's kernels, both attention paths, the fp8 writers, the quantized kernels
     for name in ("sparse_attn_kernel", "prefill_attn_kernel", "_compress_kernel",
                  "moe_gate_up_fp4_kernel", "fp8_gemm_kernel", "gemv_kernel",
-                 "select_topk_kernel", "radix_topk_kernel"):  # fmt: skip
+                 "select_topk_kernel", "radix_topk_kernel", "_step_meta_kernel"):  # fmt: skip
         assert any(name in k for k in kernels), (name, sorted(kernels))
     halves = {(s["constexprs"]["MIXES"], s["constexprs"]["COLLAPSE"]) for s in specs
               if s["kernel"] == "hc_finish_kernel"}  # fmt: skip

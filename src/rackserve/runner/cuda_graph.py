@@ -198,17 +198,17 @@ class _StepGraphs:
         return self.static.views([b, b, b, extra] if extra else [b, b, b])
 
     def metadata(self, b: int, bucket: int) -> StepMetadata:
-        """The captured step's metadata from the static buffers: every token a closing
-        candidate, padded rows masked."""
+        """The captured step's metadata from the static buffers (every token a closing
+        candidate, padded rows masked), the expert counts zeroed for the step."""
         _, positions, rows = self.inputs(b)[:3]
-        token_mask = rows != self.buffers.null_row
-        if self.fast_metadata:
+        if self.fast_metadata:  # its first launch zeroes the expert counts too
             from rackserve.ops.triton.step_meta import step_metadata
 
             return step_metadata(
-                self.groups, positions, self.token_req[:b], rows,
-                self.buffers.tables, bucket, token_mask, self.combined,
+                self.groups, positions, self.token_req[:b], rows, self.buffers.tables,
+                bucket, self.buffers.null_row, self.combined, clear=self.expert_counts,
             )  # fmt: skip
+        self.expert_counts.zero_()
         return StepMetadata.build(
             self.groups,
             positions,
@@ -216,14 +216,13 @@ class _StepGraphs:
             {name: table[rows] for name, table in self.buffers.tables.items()},
             bucket,
             {r: self.token_req[:b] for r in self.buffers.ratios},
-            token_mask=token_mask,
+            token_mask=rows != self.buffers.null_row,
         )
 
     def hidden(self, b: int, bucket: int, head_rows: torch.Tensor | None = None) -> torch.Tensor:
         """The forward from the static buffers: metadata, then the model: hidden [b, D]
         (``head_rows``: of those rows only)."""
-        meta = self.metadata(b, bucket)
-        self.expert_counts.zero_()
+        meta = self.metadata(b, bucket)  # zeroes the expert counts
         ids = self.inputs(b)[0]
         hidden, _ = self.model(ids, meta, self.caches, self.expert_counts, head_rows)
         return hidden

@@ -50,7 +50,10 @@ def _step_meta_kernel(
     pos_ptr,  # [T] int64 positions
     req_ptr,  # [T] int64 request of each token
     rows_ptr,  # [R] int64 table row of each request
-    mask_ptr,  # [T] uint8 token mask (HAS_MASK)
+    mask_ptr,  # [T] uint8 out: the token mask (STORE_MASK)
+    clear_ptr,  # [clear_numel] int64 zeroed (CLEAR)
+    clear_numel,
+    null_row,  # MASKED: a token on this row is padding
     table_ptr,  # the group's table [rows, cols] (int64)
     stride,
     cols,
@@ -73,12 +76,15 @@ def _step_meta_kernel(
     STORE_SLOTS: tl.constexpr,
     STORE_FLAG: tl.constexpr,
     STORE_VEC: tl.constexpr,
-    HAS_MASK: tl.constexpr,
+    MASKED: tl.constexpr,  # padding tokens (on null_row) close no window
+    STORE_MASK: tl.constexpr,  # write the token mask (row != null_row)
+    CLEAR: tl.constexpr,  # program (0, 0) zeroes clear_ptr's ints (a step's accumulator)
     BOTH: tl.constexpr,
     STATE_SLOT: tl.constexpr,  # COMPRESS: also the state group's slot mapping (vec3)
     RING: tl.constexpr,  # the first table is a ring (sliding groups); table2 never is
     BLOCK: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    BLOCK_CLEAR: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
     pdl_wait(PDL)
@@ -88,6 +94,12 @@ def _step_meta_kernel(
     pos = tl.load(pos_ptr + t)
     row = tl.load(rows_ptr + tl.load(req_ptr + t))
     first = tl.program_id(1) == 0
+    if STORE_MASK:  # the token's first program
+        tl.store(mask_ptr + t, (row != null_row).to(tl.uint8), mask=first)
+    if CLEAR:  # program (0, 0)
+        for c0 in range(0, tl.where(first & (t == 0), clear_numel, 0), BLOCK_CLEAR):
+            c = c0 + tl.arange(0, BLOCK_CLEAR)
+            tl.store(clear_ptr + c, tl.zeros([BLOCK_CLEAR], tl.int64), mask=c < clear_numel)
     if KIND == 0:  # window rows pos-W+1 .. pos (M = W; M = 1: the slot mapping)
         idx = pos - (M - 1) + m
         flag = idx >= 0
@@ -113,8 +125,8 @@ def _step_meta_kernel(
         slot = _lookup(table_ptr, stride, cols, per_block, row, tl.maximum(idx, 0), RING)
         if first:
             closes = (pos + 1) % ratio == 0
-            if HAS_MASK:
-                closes = closes & (tl.load(mask_ptr + t) != 0)
+            if MASKED:
+                closes = closes & (row != null_row)
             dst = _lookup(table2_ptr, stride2, cols2, per_block2, row, entry, False)
             tl.store(vec_ptr + t, tl.where(closes, dst, 0))
             tl.store(vec2_ptr + t, entry * ratio)
@@ -132,9 +144,11 @@ def _launch(
     positions: torch.Tensor,
     token_req: torch.Tensor,
     rows: torch.Tensor,
-    mask: torch.Tensor | None,
+    null_row: int | None,
     table: tuple[torch.Tensor, int],
     *,
+    store_mask: bool = False,
+    clear: torch.Tensor | None = None,
     table2: tuple[torch.Tensor, int] | None = None,
     ratio: int = 1,
     span: int = 0,
@@ -146,7 +160,9 @@ def _launch(
     state_slot: bool = False,
 ) -> dict[str, torch.Tensor]:
     """One launch over [T, width]; returns the outputs it wrote (slots, flag, vec, vec2,
-    vec3, both)."""
+    vec3, both, mask). ``null_row``: the padding's table row (its tokens close no window;
+    None: no padding); ``store_mask``: write the token mask; ``clear``: an int64 buffer
+    zeroed by program (0, 0)."""
     n, device = positions.shape[0], positions.device
     out: dict[str, torch.Tensor] = {}
     if slots:
@@ -161,7 +177,11 @@ def _launch(
             out["vec3"] = torch.empty(n, dtype=torch.int64, device=device)
     if kind == ENTRIES and window:
         out["both"] = torch.empty(n, window + width, dtype=torch.bool, device=device)
+    if store_mask:
+        out["mask"] = torch.empty(n, dtype=torch.bool, device=device)
     if n == 0:  # (width 0 still launches: ENTRIES writes num_visible)
+        if clear is not None:
+            clear.zero_()
         return out
     tab, per_block = table
     tab2, per_block2 = table2 if table2 is not None else table
@@ -169,7 +189,9 @@ def _launch(
     block = min(1024, triton.next_power_of_2(max(width, 1)))
     _step_meta_kernel[(n, max(1, triton.cdiv(width, block)))](
         positions, token_req, rows,
-        mask.view(torch.uint8) if mask is not None else dummy,
+        out["mask"].view(torch.uint8) if store_mask else dummy,
+        clear if clear is not None else dummy, 0 if clear is None else clear.numel(),
+        -1 if null_row is None else null_row,
         tab, tab.stride(0), tab.shape[1], per_block,
         tab2, tab2.stride(0), tab2.shape[1], per_block2,
         out.get("slots", dummy), out["flag"].view(torch.uint8) if flag else dummy,
@@ -177,9 +199,9 @@ def _launch(
         out["both"].view(torch.uint8) if "both" in out else dummy,
         width, ratio, span,
         KIND=kind, W=window if kind == ENTRIES else width, STORE_SLOTS=slots,
-        STORE_FLAG=flag, STORE_VEC=vec, HAS_MASK=mask is not None, BOTH="both" in out,
-        STATE_SLOT="vec3" in out, RING=ring,
-        BLOCK=block, BLOCK_W=max(2, triton.next_power_of_2(max(window, 1))),
+        STORE_FLAG=flag, STORE_VEC=vec, MASKED=null_row is not None, STORE_MASK=store_mask,
+        CLEAR=clear is not None, BOTH="both" in out, STATE_SLOT="vec3" in out, RING=ring,
+        BLOCK=block, BLOCK_W=max(2, triton.next_power_of_2(max(window, 1))), BLOCK_CLEAR=1024,
         num_warps=4, **pdl(positions.device),
     )  # fmt: skip
     return out
@@ -199,26 +221,30 @@ def step_metadata(
     rows: torch.Tensor,
     tables: Mapping[str, torch.Tensor],
     max_seq_len: int,
-    token_mask: torch.Tensor | None = None,
+    null_row: int | None = None,
     combined: Collection[str] = (),
+    clear: torch.Tensor | None = None,
 ) -> StepMetadata:
     """``StepMetadata.build(groups, positions, token_req, {g: tables[g][rows]}, max_seq_len,
-    {r: every token}, token_mask)``, without gathering the tables.
+    {r: every token}, token_mask)``, without gathering the tables, where token_mask =
+    ``rows[token_req] != null_row`` (the padding's tokens; None: no mask).
 
     positions, token_req: [T] int64; rows: [R] int64 table row of each request; tables:
-    group -> the full [rows, cols] int64 device table; token_mask: [T] bool or None.
-    ``combined``: compressed groups whose [window | entries] validity
-    (``window_and_entries_valid``, read by HCA layers) is written in the same launch.
+    group -> the full [rows, cols] int64 device table. ``combined``: compressed groups
+    whose [window | entries] validity (``window_and_entries_valid``, read by HCA layers) is
+    written in the same launch. ``clear``: an int64 buffer the first launch zeroes (a
+    graph's per-step accumulator, the expert counts: one launch fewer), as the token mask
+    is written there (one more fewer).
     """
     _check(tables, groups)
     if any(t.dtype != torch.int64 for t in (positions, token_req, rows)):
         raise ValueError("step_metadata: positions, token_req and rows must be int64")
-    if token_mask is not None and token_mask.dtype != torch.bool:
-        raise ValueError("step_metadata: token_mask must be bool")
-    pos, req = positions.contiguous(), token_req.contiguous()
-    rows, mask = rows.contiguous(), None if token_mask is None else token_mask.contiguous()
+    if clear is not None and (clear.dtype != torch.int64 or not clear.is_contiguous()):
+        raise ValueError("step_metadata: clear must be a contiguous int64 tensor")
+    pos, req, rows = positions.contiguous(), token_req.contiguous(), rows.contiguous()
     swa = next(g for g in groups if g.name == "swa")
-    common = (pos, req, rows, mask)
+    common = (pos, req, rows, null_row)
+    token_mask = None
     slot_mapping: dict[str, torch.Tensor] = {}
     gather: dict[str, Gather] = {}
     compression: dict[str, Compression] = {}
@@ -237,10 +263,12 @@ def step_metadata(
     }
     folded = {s.name for s in states.values() if s.is_sliding}
     for g in groups:
-        if g.name == "swa":
-            out = _launch(WINDOW, g.window, *common, table(g), ring=True)
+        if g.name == "swa":  # the first launch: the token mask and the clear too
+            out = _launch(WINDOW, g.window, *common, table(g), ring=True,
+                          store_mask=null_row is not None, clear=clear)  # fmt: skip
             gather[g.name] = Gather(out["slots"], out["flag"])
             slot_mapping[g.name] = out["vec"]
+            token_mask = out.get("mask")
         elif g.ratio == 1 and g.name in folded:
             continue
         elif g.ratio == 1:
