@@ -8,7 +8,8 @@ most of the difference between the graph's 227 kernels and the eager forward's 1
 (2026-12-01-h200-s3-final-graph-gap.json). Here every group takes one launch of one kernel
 (``KIND`` picks what it derives), reading the block tables in place through the requests'
 table rows: 5 launches for the v4-flash groups, one per group and compression plan, the
-compression plans writing their state groups' slot mappings too.
+compression plans writing their state groups' slot mappings too, and the first the token
+mask (padding: the null row) and the zeroed expert counts of the graph.
 
 The slot rule is ``model.batch.paged_slots``'s: ``table[row, c] * per_block + i % per_block``
 for a non-negative index i, with c = (i // per_block) % cols in a sliding group's ring and
