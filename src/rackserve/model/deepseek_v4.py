@@ -186,11 +186,8 @@ class DeepseekV4Model(nn.Module):
         logits): the hyper head (which reads all N streams) and the norm run on those only
         and hidden is [S, D]; the streams stay whole.
         """
-        x = self.embed_tokens(input_ids)
-        # the streams start as copies of x; torch.cat copies in wide vectors where a strided
-        # expand().contiguous() does not (8192 tokens: 191 against 310 us, H100, session 28)
-        n = self.cfg.hc_mult
-        streams = torch.cat([x] * n, dim=-1).view(*x.shape[:-1], n, x.shape[-1])
+        # the streams start as copies of each token's embedding
+        streams = self.kernels.embed_streams(input_ids, self.embed_tokens.weight, self.cfg.hc_mult)
         # cos/sin once per step for each rotary (the layers share two), not once per layer
         rope: dict[Rotary, tuple[torch.Tensor, torch.Tensor]] = {}
         for rotary in (self.rotary_main, self.rotary_compress):

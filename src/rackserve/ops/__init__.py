@@ -31,6 +31,7 @@ from rackserve.ops.reference import (
     compress_entries,
     compress_pool,
     compress_windows,
+    embed_streams,
     hc_collapse,
     hc_expand,
     hc_head,
@@ -69,6 +70,7 @@ __all__ = [
     "compress_entries",
     "compress_pool",
     "compress_windows",
+    "embed_streams",
     "hc_collapse",
     "hc_expand",
     "hc_head",
@@ -131,6 +133,7 @@ class Kernels:
     linear: Callable
     rope_cos_sin: Callable
     logits: Callable
+    embed_streams: Callable
 
     def fast(self, x: torch.Tensor) -> bool:
         """Whether ``x`` takes the fast implementations (then the model also fuses its
@@ -360,6 +363,7 @@ def kernels(name: str = "auto") -> Kernels:
         "select_entries": "select",
         "attention_prologue": "attn_prologue",
         "rope_cos_sin": "norm_rope",
+        "embed_streams": "embed",
         **_QUANT_OPS,
     }
     everywhere = name == "triton"

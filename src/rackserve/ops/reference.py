@@ -735,6 +735,14 @@ def moe_routed(
     return moe_experts(x, ids, weights, w13, w2, limit)
 
 
+def embed_streams(input_ids: torch.Tensor, weight: torch.Tensor, num_streams: int) -> torch.Tensor:
+    """input_ids [T] -> [T, N, D]: each token's embedding row, copied into its N mHC streams
+    (the model's input). ``torch.cat`` copies in wide vectors where a strided
+    ``expand().contiguous()`` does not (8192 tokens: 191 against 310 us, H100, session 28)."""
+    x = F.embedding(input_ids, weight)
+    return torch.cat([x] * num_streams, dim=-1).view(*x.shape[:-1], num_streams, x.shape[-1])
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """A projection without bias: x [T, K], weight [N, K] -> [T, N] (``x @ weight.T``, fp32
     accumulation, one rounding to x's dtype). The spec of ``ops/triton/gemv.py``."""
