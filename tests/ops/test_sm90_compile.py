@@ -187,7 +187,7 @@ def test_fast_path_kernels_compile_for_sm90(monkeypatch):
     for name in ("sparse_attn_kernel", "prefill_attn_kernel", "_compress_kernel",
                  "moe_gate_up_fp4_kernel", "fp8_gemm_kernel", "gemv_kernel",
                  "select_topk_kernel", "radix_topk_kernel", "_step_meta_kernel",
-                 "_embed_streams_kernel"):  # fmt: skip
+                 "_embed_streams_kernel", "_router_route_align_kernel"):  # fmt: skip
         assert any(name in k for k in kernels), (name, sorted(kernels))
     halves = {(s["constexprs"]["MIXES"], s["constexprs"]["COLLAPSE"]) for s in specs
               if s["kernel"] == "hc_finish_kernel"}  # fmt: skip

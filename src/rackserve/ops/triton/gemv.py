@@ -76,6 +76,68 @@ def default_tiling(n: int, k: int, device: torch.device) -> GemvTiling:
 
 
 @triton.jit
+def gemv_slice(
+    x_ptr,
+    w_ptr,
+    T,
+    N,
+    K,
+    k_start,
+    k_len,  # a multiple of BLOCK_K
+    stride_x,
+    stride_w,
+    pid_n,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    """x's K-slice [k_start, k_start + k_len) times weight rows of column block pid_n:
+    (acc [BLOCK_T, BLOCK_N] fp32, t, n, mask)."""
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    t = tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+    for kk in range(0, k_len, BLOCK_K):
+        k = k_start + kk + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        a = tl.load(x_ptr + t[:, None] * stride_x + k[None, :], t_ok[:, None] & k_ok[None, :], 0.0)
+        w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :],
+                    n_ok[:, None] & k_ok[None, :], 0.0)  # fmt: skip
+        if FP32_DOT:
+            acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(w), acc)
+    return acc, t, n, t_ok[:, None] & n_ok[None, :]
+
+
+@triton.jit
+def last_to_arrive(counter_ptr, num_splits):
+    """After a split stored its partial: whether it is the last of ``num_splits`` at the
+    counter (then every other partial is stored and visible to its ``.cg`` loads, and the
+    counter is reset to zero for the next launch)."""
+    tl.debug_barrier()  # every thread's partial stores before the release below
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    last = arrived == num_splits - 1
+    if last:
+        tl.store(counter_ptr, 0)
+    return last
+
+
+@triton.jit
+def sum_partials(
+    part, stride_split, num_splits, mask, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """The splits' fp32 partials (split j at part + j * stride_split) summed in split order:
+    the two-launch path's sum."""
+    total = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+    for j in range(num_splits):
+        total += tl.load(part + j * stride_split, mask=mask, other=0.0, cache_modifier=".cg")
+    return total
+
+
+@triton.jit
 def gemv_kernel(
     x_ptr,  # [T, K], unit column stride
     w_ptr,  # [N, K], unit column stride
@@ -101,36 +163,18 @@ def gemv_kernel(
     pdl_wait(PDL)
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    t = tl.arange(0, BLOCK_T)
-    t_ok = t < T
-    k_start = s * k_per_split
-    acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
-    for kk in range(0, k_per_split, BLOCK_K):
-        k = k_start + kk + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        a = tl.load(x_ptr + t[:, None] * stride_x + k[None, :], t_ok[:, None] & k_ok[None, :], 0.0)
-        w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :],
-                    n_ok[:, None] & k_ok[None, :], 0.0)  # fmt: skip
-        if FP32_DOT:
-            acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, tl.trans(w), acc)
-    mask = t_ok[:, None] & n_ok[None, :]
+    acc, t, n, mask = gemv_slice(
+        x_ptr, w_ptr, T, N, K, s * k_per_split, k_per_split, stride_x, stride_w, pid_n,
+        BLOCK_T, BLOCK_N, BLOCK_K, FP32_DOT,
+    )  # fmt: skip
     out = out_ptr + t[:, None] * stride_out + n[None, :]
     if SPLIT:
         part = part_ptr + t[:, None] * N + n[None, :]
         tl.store(part + s * T * N, acc, mask=mask)
         if FUSED:
             num_splits = tl.num_programs(1)
-            tl.debug_barrier()  # every thread's partial stores before the release below
-            arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:  # the block's other splits are all stored
-                tl.store(counter_ptr + pid_n, 0)
-                total = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
-                for j in range(num_splits):  # split order: the two-launch path's sum
-                    total += tl.load(part + j * T * N, mask=mask, other=0.0, cache_modifier=".cg")
+            if last_to_arrive(counter_ptr + pid_n, num_splits):
+                total = sum_partials(part, T * N, num_splits, mask, BLOCK_T, BLOCK_N)
                 tl.store(out, round_as(total, OUT_DTYPE).to(OUT_DTYPE), mask=mask)
     else:
         tl.store(out, round_as(acc, OUT_DTYPE).to(OUT_DTYPE), mask=mask)
