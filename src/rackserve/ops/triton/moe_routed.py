@@ -6,7 +6,10 @@ sum (``fused_moe.run_experts``).
 
 Routing and align share one program, so it serves batches whose pairs fit one align
 segment (T * (k + 1) <= 2048: every decode graph up to 256 tokens); larger ones route and
-align in two launches. Grids depend on the shapes only: CUDA-graph safe.
+align in two launches. Below 16 tokens the router's logits GEMM joins that launch too
+(``_router_route_align_kernel``: the split-K GEMV's K-slices, one a program; the slice that
+arrives last sums them in split order, routes and aligns): 3 launches. Grids depend on the
+shapes only: CUDA-graph safe.
 """
 
 from __future__ import annotations
