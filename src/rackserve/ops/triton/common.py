@@ -75,3 +75,16 @@ def arrival_counters(
         buf = torch.zeros(max(minimum, count), dtype=torch.int32, device=device)
         ARRIVALS[key] = buf
     return buf
+
+
+@triton.jit
+def last_to_arrive(counter_ptr, num_splits):
+    """After a split stored its partial: whether it is the last of ``num_splits`` at the
+    counter (then every other partial is stored and visible to its ``.cg`` loads, and the
+    counter is reset to zero for the next launch)."""
+    tl.debug_barrier()  # every thread's partial stores before the release below
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    last = arrived == num_splits - 1
+    if last:
+        tl.store(counter_ptr, 0)
+    return last

@@ -28,7 +28,13 @@ import torch
 import triton
 import triton.language as tl
 
-from rackserve.ops.triton.common import arrival_counters, pdl, pdl_wait, round_as
+from rackserve.ops.triton.common import (
+    arrival_counters,
+    last_to_arrive,
+    pdl,
+    pdl_wait,
+    round_as,
+)
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 MAX_TOKENS = 64  # token rows one program holds (tl.dot's M: 16 at least)
@@ -110,19 +116,6 @@ def gemv_slice(
         else:
             acc = tl.dot(a, tl.trans(w), acc)
     return acc, t, n, t_ok[:, None] & n_ok[None, :]
-
-
-@triton.jit
-def last_to_arrive(counter_ptr, num_splits):
-    """After a split stored its partial: whether it is the last of ``num_splits`` at the
-    counter (then every other partial is stored and visible to its ``.cg`` loads, and the
-    counter is reset to zero for the next launch)."""
-    tl.debug_barrier()  # every thread's partial stores before the release below
-    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    last = arrived == num_splits - 1
-    if last:
-        tl.store(counter_ptr, 0)
-    return last
 
 
 @triton.jit

@@ -29,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from rackserve.ops.triton.common import pdl_wait
+from rackserve.ops.triton.common import last_to_arrive, pdl_wait
 from rackserve.ops.triton.mhc_kernels import _prenorm_partials, to_output
 
 
@@ -144,10 +144,7 @@ def hc_fused_kernel(
                       stride_mix_t, stride_sq_s, stride_bt, slot_ids_ptr, top_k, num_experts,
                       N, BLOCK_N, 1, BLOCK_M, BLOCK_D, FUSE_POST, SLOTS, "ieee",
                       True, False)  # fmt: skip
-    tl.debug_barrier()  # every thread's partial stores before the release below
-    arrived = tl.atomic_add(counter_ptr + pid_t, 1, sem="acq_rel", scope="gpu")
-    if arrived == num_splits - 1:  # the token's other splits are all stored
-        tl.store(counter_ptr + pid_t, 0)
+    if last_to_arrive(counter_ptr + pid_t, num_splits):  # the token's splits all stored
         _finish_tokens(pid_t, new_ptr, mix_ptr, sq_ptr, base_ptr, scale_ptr, norm_w_ptr,
                        out_x_ptr, post_ptr, comb_ptr, out_x_ptr, num_tokens, num_splits,
                        hidden, inv_num_cols, hc_eps, norm_eps, sinkhorn_iters, stride_nt,

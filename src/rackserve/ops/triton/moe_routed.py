@@ -24,8 +24,14 @@ import triton.language as tl
 from rackserve.ops.reference import ExpertSlots
 from rackserve.ops.side_stream import SideStream
 from rackserve.ops.triton import fused_moe
-from rackserve.ops.triton.common import arrival_counters, pdl, pdl_wait, round_as
-from rackserve.ops.triton.gemv import gemv_slice, last_to_arrive, sum_partials
+from rackserve.ops.triton.common import (
+    arrival_counters,
+    last_to_arrive,
+    pdl,
+    pdl_wait,
+    round_as,
+)
+from rackserve.ops.triton.gemv import gemv_slice, sum_partials
 from rackserve.ops.triton.moe_align_kernels import align_one_token, align_pairs
 from rackserve.ops.triton.route import _SCORING, route_fused, route_tokens
 
