@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Prepared in session 33: its three untimed decode changes against their old forms, bench
+# forward alternating, two passes, at decode:1 / 4 / 64 (and prefill:8192 for the embedding):
+#   old       all three old: the router's logits in a launch of their own
+#             (moe_routed.ROUTER_IN_ALIGN_MAX_TOKENS = None), the embedding as a gather + a
+#             copy (reference.embed_streams), the token mask and the expert counts' zeroing
+#             as two launches beside the step metadata
+#   norouter  the new forms but the router's
+#   new       the defaults
+# then session 32's prepared arms that never ran: graph_branch_probe.py, the shared expert
+# issued before the router (SHARED_ISSUED_LATE = False) against late at decode:4 / 64, the
+# one-launch mHC with the comb beside (RACKSERVE_MHC_FUSED=1) at decode:1 / 4; the GPU tests
+# of all of it; the decode:1 replay timeline.
+# Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/sessions/gpu_s34a.sh     (BUDGET_S: seconds)
+set -uo pipefail
+BUDGET_S=${BUDGET_S:-560}
+source "$(dirname "$0")/../device_env.sh"
+start_call
+norouter='import rackserve.ops.triton.moe_routed as m; m.ROUTER_IN_ALIGN_MAX_TOKENS = None'
+old=$norouter'
+import rackserve.ops.triton.embed as em
+from rackserve.ops import reference
+em.embed_streams = reference.embed_streams
+from rackserve.runner import cuda_graph as cg
+new_metadata = cg._StepGraphs.metadata
+def old_metadata(self, b, bucket):
+    rows = self.inputs(b)[2]
+    _ = rows != self.buffers.null_row  # the token mask: a launch of its own
+    meta = new_metadata(self, b, bucket)
+    self.expert_counts.zero_()  # and the zeroing: another
+    return meta
+cg._StepGraphs.metadata = old_metadata'
+for pass in 1 2; do
+  for arm in old norouter new; do
+    case $arm in old) code=$old ;; norouter) code=$norouter ;; new) code='pass' ;; esac
+    t=$(cap 60); echo "== bench forward, $arm, pass $pass (${t}s)"
+    ((t)) && forward_with "$code" "$R/forward_${arm}_$pass.json" --batch decode:1@4096 \
+      --batch decode:4@4096 --batch decode:64@4096 --batch prefill:8192 --iters 20 --warmup 3
+  done
+done
+t=$(cap 70); echo "== pytest: the changes' GPU tests (${t}s)"
+((t)) && timeout "$t" "${pt[@]}" tests/ops/test_moe_routed.py tests/ops/test_embed.py \
+  tests/runner/test_graph_launches.py tests/runner/test_cuda_graph.py tests/model/test_gpu_fastpath.py \
+  -k "router_in or one_token or embed or matches_build or upload_writes or bit_identical_to_eager" \
+  > "$R/pytest.log" 2>&1; tail -2 "$R/pytest.log"
+echo "== graph_branch_probe"
+for args in "--n 6 --us 5" "--n 2 --us 5"; do
+  timeout 30 python3 benchmarks/graph_branch_probe.py $args \
+    --output "$R/probe_$(echo $args | tr -d ' -').json" 2>&1 | tail -1
+done
+early='import rackserve.ops.triton.moe_routed as m; m.SHARED_ISSUED_LATE = False'
+fused='import os; os.environ["RACKSERVE_MHC_FUSED"] = "1"'
+for pass in 1 2; do
+  for arm in early late fused; do
+    case $arm in early) code=$early ;; late) code='pass' ;; fused) code=$fused ;; esac
+    t=$(cap 40); echo "== bench forward, $arm, pass $pass (${t}s)"
+    ((t)) && forward_with "$code" "$R/forward_${arm}_$pass.json" --batch decode:1@4096 \
+      --batch decode:4@4096 --batch decode:64@4096 --iters 30 --warmup 5
+  done
+done
+replay_timelines 50 "$R/graph_gap.json" decode:1@4096
+ls "$R"; (cd "$OUT" && tar czf s34a.tgz r && rm -rf r)
+echo "== done in ${SECONDS}s"
