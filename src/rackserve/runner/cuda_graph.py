@@ -170,7 +170,7 @@ class _StepGraphs:
         self.groups = list(groups)
         self.batch_sizes, self.buckets = sorted(batch_sizes), sorted(buckets)
         device, n = buffers.device, max(batch_sizes)
-        # a graph of b tokens reads [ids b | positions b | table rows b | extra_inputs(b)]
+        # a graph of b tokens reads [ids b | positions b | table rows b | _num_extra(b)]
         self.static = StaticInputs(3 * n + self._num_extra(n), device)
         self.token_req = torch.arange(n, device=device)
         cfg = model.cfg
