@@ -9,7 +9,9 @@
 #   new       the defaults
 # then session 32's prepared arms that never ran: graph_branch_probe.py, the shared expert
 # issued before the router (SHARED_ISSUED_LATE = False) against late at decode:4 / 64, the
-# one-launch mHC with the comb beside (RACKSERVE_MHC_FUSED=1) at decode:1 / 4; the GPU tests
+# one-launch mHC with the comb beside (RACKSERVE_MHC_FUSED=1), and the lm_head on cuBLAS
+# (LOGITS_GEMV_MAX_TOKENS = None: the GEMV was measured on H100s only) at decode:1 / 4 / 64;
+# the GPU tests
 # of all of it; the decode:1 replay timeline.
 # Usage: RACKSERVE_COMMIT=<sha> bash benchmarks/sessions/gpu_s34a.sh     (BUDGET_S: seconds)
 set -uo pipefail
@@ -50,10 +52,13 @@ for args in "--n 6 --us 5" "--n 2 --us 5"; do
 done
 early='import rackserve.ops.triton.moe_routed as m; m.SHARED_ISSUED_LATE = False'
 fused='import os; os.environ["RACKSERVE_MHC_FUSED"] = "1"'
+cublas='import rackserve.ops as o; o.LOGITS_GEMV_MAX_TOKENS = None'
 for pass in 1 2; do
-  for arm in early late fused; do
-    case $arm in early) code=$early ;; late) code='pass' ;; fused) code=$fused ;; esac
-    t=$(cap 40); echo "== bench forward, $arm, pass $pass (${t}s)"
+  for arm in early late fused cublas; do
+    case $arm in
+      early) code=$early ;; late) code='pass' ;; fused) code=$fused ;; cublas) code=$cublas ;;
+    esac
+    t=$(cap 35); echo "== bench forward, $arm, pass $pass (${t}s)"
     ((t)) && forward_with "$code" "$R/forward_${arm}_$pass.json" --batch decode:1@4096 \
       --batch decode:4@4096 --batch decode:64@4096 --iters 30 --warmup 5
   done
