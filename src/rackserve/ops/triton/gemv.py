@@ -81,6 +81,13 @@ def default_tiling(n: int, k: int, device: torch.device) -> GemvTiling:
     return GemvTiling(block_n, block_k, splits)
 
 
+def k_slices(k: int, block_k: int, splits: int) -> tuple[int, int]:
+    """(inputs a K-slice, slices) for ``splits`` slices of whole BLOCK_K tiles over K: no
+    slice without inputs, so there may be fewer than asked."""
+    k_per_split = triton.cdiv(triton.cdiv(k, block_k), splits) * block_k
+    return k_per_split, triton.cdiv(k, k_per_split)
+
+
 @triton.jit
 def gemv_slice(
     x_ptr,
@@ -240,9 +247,7 @@ def gemv(
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     tiling = tiling or default_tiling(n, k, x.device)
-    k_blocks = triton.cdiv(k, tiling.block_k)
-    k_per_split = triton.cdiv(k_blocks, tiling.splits) * tiling.block_k
-    splits = triton.cdiv(k, k_per_split)  # no slice without inputs
+    k_per_split, splits = k_slices(k, tiling.block_k, tiling.splits)
     tl_out = _TL_DTYPE[out_dtype]
     part = torch.empty(splits, t, n, dtype=torch.float32, device=x.device) if splits > 1 else out
     blocks_n = triton.cdiv(n, tiling.block_n)

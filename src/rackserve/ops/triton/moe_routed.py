@@ -31,7 +31,7 @@ from rackserve.ops.triton.common import (
     pdl_wait,
     round_as,
 )
-from rackserve.ops.triton.gemv import gemv_slice, sum_partials
+from rackserve.ops.triton.gemv import gemv_slice, k_slices, sum_partials
 from rackserve.ops.triton.moe_align_kernels import align_one_token, align_pairs
 from rackserve.ops.triton.route import _SCORING, route_fused, route_tokens
 
@@ -336,8 +336,7 @@ def _route_align(
     splits, block_k = split
     x = x if x.stride(1) == 1 else x.contiguous()
     gate_weight = gate_weight if gate_weight.stride(1) == 1 else gate_weight.contiguous()
-    k_per_split = triton.cdiv(triton.cdiv(x.shape[1], block_k), splits) * block_k
-    splits = triton.cdiv(x.shape[1], k_per_split)
+    k_per_split, splits = k_slices(x.shape[1], block_k, splits)
     logits = torch.empty(num_tokens, routed, dtype=x.dtype, device=x.device)
     part = torch.empty(splits, num_tokens, routed, dtype=torch.float32, device=x.device)
     _router_route_align_kernel[(splits,)](
