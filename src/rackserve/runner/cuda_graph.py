@@ -53,7 +53,7 @@ from rackserve.model.batch import KVCacheTensors, StepMetadata
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 from rackserve.runner.graph_sampling import InGraphSampling, SamplerVariant, StaticSampling
 from rackserve.runner.inputs import StepInputs
-from rackserve.runner.step_buffers import StaticInputs, StepBuffers
+from rackserve.runner.step_buffers import StaticInputs, StepBuffers, pad_to
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 CONTEXT_BUCKETS = (4096, 16384, 65536, 262144, 1 << 20)
@@ -268,15 +268,9 @@ class _StepGraphs:
         row), then ``extra`` (the graph's extra field, ``_num_extra`` ints); ``feed``
         writes the previous step's sampled ids over placeholders, on the device."""
         b = key[0]
-        pad = b - len(inputs.input_ids)
         rows = np.asarray(inputs.rows, dtype=np.int64)[inputs.token_req]
-        if pad:
-            zeros = np.zeros(pad, dtype=np.int64)
-            ids = np.concatenate([inputs.input_ids, zeros])
-            positions = np.concatenate([inputs.positions, zeros])
-            rows = np.concatenate([rows, np.full(pad, self.buffers.null_row, dtype=np.int64)])
-        else:
-            ids, positions = inputs.input_ids, inputs.positions
+        ids, positions = pad_to(inputs.input_ids, b), pad_to(inputs.positions, b)
+        rows = pad_to(rows, b, self.buffers.null_row)
         fields = [ids, positions, rows] + ([] if extra is None else [extra])
         w_index, w_values = self.buffers.upload(table_writes, self.static.buffer, fields)
         self.buffers.apply_writes(w_index, w_values)

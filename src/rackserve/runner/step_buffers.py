@@ -44,6 +44,13 @@ class StaticInputs:
         return list(self.buffer[: sum(lengths)].split(list(lengths)))
 
 
+def pad_to(a: np.ndarray, size: int, value: int = 0) -> np.ndarray:
+    """int64 ``a`` followed by ``value`` up to ``size`` entries (a graph's padded rows: token
+    0 at position 0 on the null table row, so their cache writes land in the null block)."""
+    pad = size - len(a)
+    return a if not pad else np.concatenate([a, np.full(pad, value, dtype=np.int64)])
+
+
 class StepBuffers:
     def __init__(
         self,

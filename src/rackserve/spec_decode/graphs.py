@@ -36,7 +36,7 @@ from rackserve.model.batch import StepMetadata, compressed_ratios
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 from rackserve.runner.cuda_graph import capture_region, frozen_gc
 from rackserve.runner.inputs import StepInputs
-from rackserve.runner.step_buffers import StaticInputs, StepBuffers
+from rackserve.runner.step_buffers import StaticInputs, StepBuffers, pad_to
 
 Key = tuple[int, int]  # (padded requests B, context bucket)
 
@@ -153,15 +153,9 @@ class VerifyGraphs:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits [T, V], streams [T, N, D], expert_counts [L, E]) of the step, valid until
         the next run."""
-        b, num_reqs = key[0], len(inputs.rows)
-        t, pad = num_reqs * self.width, (key[0] - num_reqs) * self.width
-        rows = np.asarray(inputs.rows, dtype=np.int64)
-        ids, positions = inputs.input_ids, inputs.positions
-        if pad:
-            zeros = np.zeros(pad, dtype=np.int64)
-            ids, positions = np.concatenate([ids, zeros]), np.concatenate([positions, zeros])
-            null = np.full(b - num_reqs, self.buffers.null_row, dtype=np.int64)
-            rows = np.concatenate([rows, null])
+        b, t = key[0], len(inputs.rows) * self.width
+        ids, positions = (pad_to(a, b * self.width) for a in (inputs.input_ids, inputs.positions))
+        rows = pad_to(np.asarray(inputs.rows, dtype=np.int64), b, self.buffers.null_row)
         fields = [ids, positions, rows]
         self.buffers.apply_writes(*self.buffers.upload(table_writes, self.static.buffer, fields))
         logits, streams = self.set.replay(key, self._forward)
@@ -286,16 +280,11 @@ class _ProposalGraphs:
             return None
         b = key[0]
         token_req = np.where(token_req == num, b, token_req)  # the pad request is index b
-        pad = (b - num) * self.width
-        if pad:
-            zeros = np.zeros(pad, dtype=np.int64)
-            tokens, positions = np.concatenate([tokens, zeros]), np.concatenate([positions, zeros])
-            token_req = np.concatenate([token_req, np.full(pad, b, dtype=np.int64)])
-        req_rows = np.full(b + 1, self.null_row, dtype=np.int64)
-        req_rows[:num] = rows
-        req_last = np.zeros(b, dtype=np.int64)
-        req_last[:num] = last
-        fields = [tokens, positions, token_req, req_rows, req_last]
+        size = b * self.width
+        tokens, positions = pad_to(tokens, size), pad_to(positions, size)
+        token_req = pad_to(token_req, size, b)
+        req_rows = pad_to(np.asarray(rows, dtype=np.int64), b + 1, self.null_row)
+        fields = [tokens, positions, token_req, req_rows, pad_to(last, b)]
         self.buffers.upload([], self.static.buffer, fields)
         return self.set.replay(key, self._forward)[:num]
 
