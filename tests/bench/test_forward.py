@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
+import torch
 
 from rackserve.bench.forward import BatchSpec, roofline, synthetic_step, time_forward
 from rackserve.cli import main
@@ -119,3 +121,27 @@ def test_cli_decode_reports_step_and_forward(tiny, tmp_path):
     assert result["async_scheduling"] is False
     assert main([*argv, "--async-scheduling"]) == 0
     assert json.loads(out.read_text())["async_scheduling"] is True
+
+
+@pytest.mark.gpu
+def test_pipelined_times_hide_the_host():
+    """A step of 2 ms on the host and ~5 ms on the GPU: each alone takes both (~7 ms), back
+    to back only the GPU's (~5 ms), since the host stages step i while step i - 1 runs."""
+    import time
+
+    from rackserve.bench.forward import isolated_times, pipelined_times
+
+    def gpu() -> None:
+        torch.cuda._sleep(10_000_000)  # ~5-6 ms at an H100 / H200 SM clock
+
+    def run() -> None:
+        time.sleep(2e-3)
+        gpu()
+
+    run()
+    device = torch.device("cuda")
+    kernel = statistics.median(isolated_times(gpu, 8, device))
+    alone = statistics.median(isolated_times(run, 8, device))
+    back_to_back = statistics.median(pipelined_times(run, 8))
+    assert alone > kernel + 1.5e-3  # the host's 2 ms count when the device waits for it
+    assert abs(back_to_back - kernel) < 0.5e-3  # and not once it overlaps the previous step

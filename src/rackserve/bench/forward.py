@@ -9,8 +9,10 @@ the printed fraction of roofline is directly the planner's calibration input.
 
 from __future__ import annotations
 
+import itertools
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -157,58 +159,72 @@ def time_forward(
     warmup: int = 2,
     graph: bool = False,
 ) -> list[float]:
-    """Seconds per forward (+ logits of the sampled rows): CUDA events on a GPU.
+    """Seconds per forward (+ logits of the sampled rows), each step alone: CUDA events on
+    a GPU around a step issued to an idle device (see ``forward_step``)."""
+    run = forward_step(model, synthetic, graph)
+    for _ in range(warmup):
+        run()
+    return isolated_times(run, iters, next(model.parameters()).device)
 
-    The inputs go through the runner's device path (one upload, device block tables);
-    ``graph``: the step is captured once and replayed, as the runner does (``graph_serves``:
-    a uniform decode in ``DecodeGraphs``, a prefill / mixed step of up to 2048 tokens in
-    ``PrefillGraphs`` at the next captured size, its sampled rows' logits eagerly).
-    """
+
+def forward_step(
+    model: DeepseekV4ForCausalLM, synthetic: SyntheticStep, graph: bool = False
+) -> Callable[[], None]:
+    """One forward (+ logits of the sampled rows) of ``synthetic`` as a callable, its inputs
+    through the runner's device path (one upload, device block tables); ``graph``: the step
+    is captured once and replayed, as the runner does (``graph_serves``: a uniform decode in
+    ``DecodeGraphs``, a prefill / mixed step of up to 2048 tokens in ``PrefillGraphs`` at the
+    next captured size, its sampled rows' logits eagerly)."""
     inputs, caches = synthetic.step.inputs, synthetic.caches
     device = next(model.parameters()).device
     num_reqs = len(inputs.rows)
     buffers = StepBuffers(synthetic.groups, synthetic.input_batch.block_tables, device)
     writes = synthetic.step.table_writes
-    cuda = device.type == "cuda"
-    if graph:
-        if not (cuda and graph_serves(inputs)):
-            raise ValueError(
-                "CUDA graphs time uniform decode batches and steps of up to "
-                f"{PREFILL_GRAPH_TOKENS[-1]} tokens on a CUDA device only"
-            )
-        bucket = [inputs.max_seq_len]
-        if inputs.is_uniform_decode:
-            graphs = DecodeGraphs(model, caches, buffers, synthetic.groups, [num_reqs], bucket)
-        else:
-            size = next(t for t in PREFILL_GRAPH_TOKENS if t >= len(inputs.input_ids))
-            # the hyper head on the step's sampled rows (the runner's graphs run it on
-            # max_num_reqs rows, padded: a few us more at 2048 tokens)
-            graphs = PrefillGraphs(
-                model, caches, buffers, synthetic.groups, [size], bucket, max_sampled_rows=num_reqs
-            )
-        buffers.apply_writes(*buffers.upload(list(writes)))
-        graphs.capture(log=False)
-        key = graphs.key_for(inputs)
-        assert key is not None
-        empty = (writes[0][:0], writes[1][:0])
-
-        def run() -> None:
-            out = graphs.run(key, inputs, empty)
-            if isinstance(graphs, PrefillGraphs):  # the sampled rows' logits, as the runner
-                model.compute_logits(out[0])
-
-    else:
+    if not graph:
         input_ids, meta, logits_indices = buffers.eager_step(inputs, writes)
 
-        def run() -> None:  # as the runner: the hyper head on the sampled rows only
+        @torch.inference_mode()
+        def run_eager() -> None:  # as the runner: the hyper head on the sampled rows only
             hidden, _ = model(input_ids, meta, caches, head_rows=logits_indices)
             model.compute_logits(hidden)
 
-    for _ in range(warmup):
-        run()
+        return run_eager
+    if not (device.type == "cuda" and graph_serves(inputs)):
+        raise ValueError(
+            "CUDA graphs time uniform decode batches and steps of up to "
+            f"{PREFILL_GRAPH_TOKENS[-1]} tokens on a CUDA device only"
+        )
+    bucket = [inputs.max_seq_len]
+    if inputs.is_uniform_decode:
+        graphs = DecodeGraphs(model, caches, buffers, synthetic.groups, [num_reqs], bucket)
+    else:
+        size = next(t for t in PREFILL_GRAPH_TOKENS if t >= len(inputs.input_ids))
+        # the hyper head on the step's sampled rows (the runner's graphs run it on
+        # max_num_reqs rows, padded: a few us more at 2048 tokens)
+        graphs = PrefillGraphs(
+            model, caches, buffers, synthetic.groups, [size], bucket, max_sampled_rows=num_reqs
+        )
+    buffers.apply_writes(*buffers.upload(list(writes)))
+    graphs.capture(log=False)
+    key = graphs.key_for(inputs)
+    assert key is not None
+    empty = (writes[0][:0], writes[1][:0])
+
+    @torch.inference_mode()
+    def run_graph() -> None:
+        out = graphs.run(key, inputs, empty)
+        if isinstance(graphs, PrefillGraphs):  # the sampled rows' logits, as the runner
+            model.compute_logits(out[0])
+
+    return run_graph
+
+
+def isolated_times(run: Callable[[], None], iters: int, device: torch.device) -> list[float]:
+    """Seconds of each of ``iters`` calls of ``run``, each issued to an idle device and
+    waited for (a GPU: between two CUDA events, so the host's staging and launch count)."""
     times = []
     for _ in range(iters):
-        if cuda:
+        if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             run()
@@ -220,6 +236,24 @@ def time_forward(
             run()
             times.append(time.perf_counter() - t0)
     return times
+
+
+def pipelined_times(run: Callable[[], None], iters: int, depth: int = 2) -> list[float]:
+    """Seconds of each of ``iters`` GPU steps issued back to back, as the asynchronous
+    engine issues them: the host stages and launches step i while step i - 1 runs, at most
+    ``depth`` steps queued (it waits for step i - depth's end first, as the engine waits
+    for a step's output before it reuses its staging buffer). Each time is the span
+    between consecutive steps' end events: the device's time per step once the host's is
+    hidden (the first also holds the first launch)."""
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+    events[0].record()
+    for i in range(iters):
+        if i >= depth:
+            events[i + 1 - depth].synchronize()
+        run()
+        events[i + 1].record()
+    events[-1].synchronize()
+    return [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(events)]
 
 
 def roofline(model: DeepseekV4ForCausalLM, batch: BatchSpec, hardware: str | None) -> dict:
