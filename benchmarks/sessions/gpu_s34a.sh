@@ -43,7 +43,8 @@ done
 t=$(cap 70); echo "== pytest: the changes' GPU tests (${t}s)"
 ((t)) && timeout "$t" "${pt[@]}" tests/ops/test_moe_routed.py tests/ops/test_embed.py \
   tests/runner/test_graph_launches.py tests/runner/test_cuda_graph.py tests/model/test_gpu_fastpath.py \
-  -k "router_in or one_token or embed or matches_build or upload_writes or bit_identical_to_eager" \
+  tests/bench/test_forward.py \
+  -k "router_in or one_token or embed or matches_build or upload_writes or bit_identical_to_eager or pipelined" \
   > "$R/pytest.log" 2>&1; tail -2 "$R/pytest.log"
 echo "== graph_branch_probe"
 for args in "--n 6 --us 5" "--n 2 --us 5"; do
