@@ -302,3 +302,42 @@ def test_cuda_graph_replay_is_bitwise_equal_to_eager(attn):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, attn.paged_sparse_attention(q, *rest, tiling=tiling))
+
+
+@pytest.mark.parametrize("name", ["split3", "split_every_tile", "heads32"])
+@pytest.mark.parametrize("rope_dim", [0, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_combine_is_the_combine_kernel(attn, monkeypatch, name, rope_dim, dtype):
+    """Up to ``FUSED_COMBINE_MAX_SPLITS`` splits the last split of each head block merges
+    the partials in the attention's launch: the same bits as the combine kernel (same
+    order, same fp32 sums), and the arrival counters are left at zero for the next call;
+    past the limit (or with a dv split) the combine kernel runs."""
+    from rackserve.ops.triton.common import ARRIVALS
+
+    args = make_case(9, 16, 24, dtype, seed=13, rope_dim=rope_dim)
+    tiling = tilings(attn)[name]
+    apart = check(attn, args, tiling)
+    monkeypatch.setattr(attn, "FUSED_COMBINE_MAX_SPLITS", 64)
+    launched = []
+    combine = attn.sparse_attn_combine_kernel
+    monkeypatch.setattr(attn, "sparse_attn_combine_kernel", _Recording(combine, launched))
+    fused = check(attn, args, tiling)
+    assert launched == [] and torch.equal(fused, apart)
+    assert not ARRIVALS[("sparse_attn", fused.device)].any()
+    monkeypatch.setattr(attn, "FUSED_COMBINE_MAX_SPLITS", 1)
+    assert torch.equal(check(attn, args, tiling), apart) and launched == [True]
+    monkeypatch.setattr(attn, "FUSED_COMBINE_MAX_SPLITS", 64)
+    dv2 = check(attn, args, tilings(attn)["dv2_split2"])  # dv split: the combine kernel
+    assert launched == [True, True]
+    assert not dv2.isnan().any()
+
+
+class _Recording:
+    """A kernel launcher that records each launch and runs it."""
+
+    def __init__(self, kernel, launches: list) -> None:
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        self.launches.append(True)
+        return self.kernel[grid]
