@@ -2,7 +2,8 @@
 # gpu_s34a.sh cut to a short call (session 34, machines scarce): bench forward at decode:1 /
 # 4 / 64, alternating, two passes, the defaults against session 33's three untimed changes
 # in their old forms (old: see gpu_s34a.sh), the L2 prefetch on its own stream (prefetch),
-# the attention's combine in its last split (combine) and the lm_head on cuBLAS (cublas);
+# the attention's combine in its last split (combine), the lm_head on cuBLAS (cublas) and
+# the one-launch mHC with the comb beside (fused: RACKSERVE_MHC_FUSED=1);
 # then the GPU tests of the new code.
 # Usage: RACKSERVE_COMMIT=<sha> BUDGET_S=<seconds> bash benchmarks/sessions/gpu_s34b.sh
 set -uo pipefail
@@ -25,11 +26,12 @@ cg._StepGraphs.metadata = old_metadata'
 prefetch='import rackserve.ops as o; o.L2_PREFETCH_MAX_TOKENS = 16'
 combine='import rackserve.ops.triton.sparse_attn as a; a.FUSED_COMBINE_MAX_SPLITS = 8'
 cublas='import rackserve.ops as o; o.LOGITS_GEMV_MAX_TOKENS = None'
+fused='import os; os.environ["RACKSERVE_MHC_FUSED"] = "1"'
 for pass in 1 2; do
-  for arm in new old prefetch combine cublas; do
+  for arm in new old prefetch combine cublas fused; do
     case $arm in
       new) code='pass' ;; old) code=$old ;; prefetch) code=$prefetch ;;
-      combine) code=$combine ;; cublas) code=$cublas ;;
+      combine) code=$combine ;; cublas) code=$cublas ;; fused) code=$fused ;;
     esac
     t=$(cap 40); echo "== bench forward, $arm, pass $pass (${t}s)"
     ((t)) && forward_with "$code" "$R/forward_${arm}_$pass.json" --batch decode:1@4096 \
