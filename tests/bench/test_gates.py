@@ -48,3 +48,17 @@ def test_missing_records_leave_their_gates_out(tmp_path: Path, capsys) -> None:
     assert "no gate records" in capsys.readouterr().out
     (folder / "forward_gates.json").write_text("not json")
     assert gates.gates(folder) == []
+
+
+def test_back_to_back_time_is_named_beside_the_gate(tmp_path: Path) -> None:
+    """A record with bench forward's back-to-back time: the gate's value is still the step
+    timed alone; the back-to-back time is named in the row."""
+    folder = _call(tmp_path, ("forward_gates",))
+    records = json.loads((folder / "forward_gates.json").read_text())
+    for r in records:
+        r["pipelined_s"] = 0.9 * r["measured_s"]
+    (folder / "forward_gates.json").write_text(json.dumps(records))
+    rows = {g.name.split(" (")[0]: g for g in gates.gates(folder)}
+    decode = rows["bench forward decode:1@4096"]
+    assert abs(decode.value - 0.5466) < 1e-4
+    assert "(1.294 ms; back to back 1.165 ms, of roofline)" in decode.name
