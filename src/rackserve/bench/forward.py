@@ -167,6 +167,7 @@ def time_forward(
     return isolated_times(run, iters, next(model.parameters()).device)
 
 
+@torch.inference_mode()
 def forward_step(
     model: DeepseekV4ForCausalLM, synthetic: SyntheticStep, graph: bool = False
 ) -> Callable[[], None]:
