@@ -293,10 +293,10 @@ def paged_sparse_attention(
         part_l = _empty((num_splits, num_queries, num_heads), torch.float32, device)
     stride_ps = num_queries * num_heads * head_dim
     rope_args = (cos, sin) if rope else (out, out)
+    head_blocks = triton.cdiv(num_heads, tiling.block_h)  # the "heads" kernel's
     max_fused = FUSED_COMBINE_MAX_SPLITS
     counters = None
     if not (single or wide) and num_dv == 1 and max_fused is not None and num_splits <= max_fused:
-        head_blocks = triton.cdiv(num_heads, tiling.block_h)
         counters = arrival_counters("sparse_attn", device, num_queries * head_blocks)
     rope_strides = (cos.stride(0), sin.stride(0)) if rope else (0, 0)
     common = dict(
@@ -334,7 +334,6 @@ def paged_sparse_attention(
         )  # fmt: skip
         num_dv, block_dv = 1, block_d  # the combine's own column split
     else:
-        head_blocks = triton.cdiv(num_heads, tiling.block_h)
         sparse_attn_kernel[(head_blocks * num_dv, num_queries, num_splits)](
             *tensors, *partials, out if counters is None else counters, num_heads, head_dim,
             width_a, width_b, rows_per_split, rope_start, qk_scale, *strides,
