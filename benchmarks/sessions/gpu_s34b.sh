@@ -10,19 +10,9 @@ set -uo pipefail
 BUDGET_S=${BUDGET_S:-330}
 source "$(dirname "$0")/../device_env.sh"
 start_call
-old='import rackserve.ops.triton.moe_routed as m; m.ROUTER_IN_ALIGN_MAX_TOKENS = None
-import rackserve.ops.triton.embed as em
-from rackserve.ops import reference
-em.embed_streams = reference.embed_streams
-from rackserve.runner import cuda_graph as cg
-new_metadata = cg._StepGraphs.metadata
-def old_metadata(self, b, bucket):
-    rows = self.inputs(b)[2]
-    _ = rows != self.buffers.null_row
-    meta = new_metadata(self, b, bucket)
-    self.expert_counts.zero_()
-    return meta
-cg._StepGraphs.metadata = old_metadata'
+norouter='import rackserve.ops.triton.moe_routed as m; m.ROUTER_IN_ALIGN_MAX_TOKENS = None'
+old=$norouter'
+exec(open("benchmarks/sessions/s33_old_forms.py").read())'
 prefetch='import rackserve.ops as o; o.L2_PREFETCH_MAX_TOKENS = 16'
 combine='import rackserve.ops.triton.sparse_attn as a; a.FUSED_COMBINE_MAX_SPLITS = 8'
 cublas='import rackserve.ops as o; o.LOGITS_GEMV_MAX_TOKENS = None'
