@@ -119,14 +119,14 @@ def feeder(
     uploaded input ids at flat ``index`` [F], on the device: no host round-trip. The
     previous step ran first on the same device, so its result is there."""
     assert prev is not None
+    pairs = torch.from_numpy(np.stack([index, rows]))  # [2, F]: where, from which row
 
     def feed(input_ids: torch.Tensor) -> None:
         result = prev.result()
         assert result.device_token_ids is not None, "a placeholder's step sampled nothing"
         tokens = result.device_token_ids  # [S'] on the device
-        at, src = torch.from_numpy(index), torch.from_numpy(rows)
-        # pinned on a GPU: a pageable copy could wait for step N
-        at, src = upload(at, tokens.device), upload(src, tokens.device)
+        # one copy for both (pinned on a GPU: a pageable copy could wait for step N)
+        at, src = upload(pairs, tokens.device)
         input_ids[at] = tokens[src].to(input_ids.dtype)
 
     return feed
