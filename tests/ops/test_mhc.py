@@ -295,7 +295,7 @@ def test_split_bf16x3_carries_fn_to_fp32_precision(mhc):
     assert (pieces[1].float().abs() <= 2.0**-8 * fn.abs()).all()  # each piece the rest's
 
 
-@pytest.mark.parametrize("t,d", [(37, 256), (5, 320)])
+@pytest.mark.parametrize("t,d", [(21, 256), (5, 320)])
 def test_bf16x3_k1_has_fp32_accuracy(mhc, t, d):
     """``gemm_precision="bf16x3"``: K1's dots of the bf16 streams against fn's three bf16
     pieces give the mixes of the fp32 GEMM of the same values, so post and comb meet the
@@ -343,7 +343,7 @@ def test_flat_and_3d_k1_match_reference(mhc, flat, precision):
     tiling = dataclasses.replace(
         gpu_like_tiling(mhc, 1), gemm_flat=flat, gemm_precision=precision, gemm_programs=15
     )
-    args = hc_pre_args(37, 320, seed=90, dtype=dtype)
+    args = hc_pre_args(21, 320, seed=90, dtype=dtype)
     streams, fn, base, scale, norm_weight = args[:5]
     got = mhc.hc_pre(*args, tiling=tiling)
     head = (fn[:N], base[:N], scale[:1], HC_EPS, NORM_EPS, norm_weight)
@@ -392,13 +392,13 @@ def assert_same_sums(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("t,d,mixes_block_t", [(37, 256, 16), (5, 320, 32), (1, 64, 16)])
+@pytest.mark.parametrize("t,d,mixes_block_t", [(21, 256, 16), (5, 320, 32), (1, 64, 16)])
 def test_mixes_apart_equals_one_finish_launch(mhc, t, d, mixes_block_t, dtype):
     """``Tiling.mixes_block_t`` (K2 as a mixes launch of many tokens a program, storing pre,
     then a collapse launch reading it) gives hc_pre's, hc_head's and hc_post_pre's outputs:
     the same per-token arithmetic in two programs instead of one, bitwise on the
     interpreter (``assert_same_sums`` on a GPU). Token counts leave a partial mixes tile
-    (37 of 48, 5 of 32, 1 of 16), D = 320 loops the collapse over D (two passes), and the
+    (21 of 32, 5 of 32, 1 of 16), D = 320 loops the collapse over D (two passes), and the
     outputs start as NaN."""
     one = gpu_like_tiling(mhc, 1)
     two = dataclasses.replace(one, mixes_block_t=mixes_block_t)
