@@ -161,15 +161,23 @@ def time_forward(
 ) -> list[float]:
     """Seconds per forward (+ logits of the sampled rows), each step alone: CUDA events on
     a GPU around a step issued to an idle device (see ``forward_step``)."""
-    run = forward_step(model, synthetic, graph)
-    for _ in range(warmup):
-        run()
+    run = forward_step(model, synthetic, graph, warmup)
     return isolated_times(run, iters, next(model.parameters()).device)
 
 
-@torch.inference_mode()
 def forward_step(
-    model: DeepseekV4ForCausalLM, synthetic: SyntheticStep, graph: bool = False
+    model: DeepseekV4ForCausalLM, synthetic: SyntheticStep, graph: bool = False, warmup: int = 0
+) -> Callable[[], None]:
+    """``_step_callable``'s step, called ``warmup`` times before it is returned."""
+    run = _step_callable(model, synthetic, graph)
+    for _ in range(warmup):
+        run()
+    return run
+
+
+@torch.inference_mode()
+def _step_callable(
+    model: DeepseekV4ForCausalLM, synthetic: SyntheticStep, graph: bool
 ) -> Callable[[], None]:
     """One forward (+ logits of the sampled rows) of ``synthetic`` as a callable, its inputs
     through the runner's device path (one upload, device block tables); ``graph``: the step

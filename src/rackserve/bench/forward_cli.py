@@ -105,9 +105,7 @@ def _forward(args: argparse.Namespace) -> int:
             and device.type == "cuda"
             and graph_serves(synthetic.step.inputs)
         )
-        run = forward_step(model, synthetic, graph)
-        for _ in range(args.warmup):
-            run()
+        run = forward_step(model, synthetic, graph, args.warmup)
         times = isolated_times(run, args.iters, device)
         measured = statistics.median(times)
         # the same steps back to back (the asynchronous engine's steady state): the device's
