@@ -37,7 +37,7 @@ def test_embed_streams_rejects_bad_inputs():
 
 
 def test_the_tables_embed_streams():
-    ids, weight = torch.tensor([3, 1]), torch.randn(5, 16)
+    ids, weight = torch.tensor([3, 1], device=DEVICE), torch.randn(5, 16, device=DEVICE)
     want = reference.embed_streams(ids, weight, 4)
     for name in ("reference", "triton"):
         assert torch.equal(ops.kernels(name).embed_streams(ids, weight, 4), want)

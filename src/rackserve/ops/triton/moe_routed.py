@@ -43,8 +43,11 @@ ALIGN_ONE_TOKEN = True
 # Up to this many tokens (16-bit or fp32 router weights, at most 256 experts) the router's
 # logits are computed in the route + align launch (``_router_route_align_kernel``: the
 # split-K GEMV's slices, the last to arrive routes and aligns), one launch fewer a layer;
-# None: the logits by the table's ``linear`` first
-ROUTER_IN_ALIGN_MAX_TOKENS: int | None = 15
+# None: the logits by the table's ``linear`` first. Off: slower on the H100 (bench forward,
+# two alternating passes of 20 runs, results/2026-12-07-s36.md): decode:1@4096 1.497 / 1.495
+# ms at 15 against 1.480 / 1.479 off; the one launch took 10.5 us a layer where the GEMV
+# and the route + align take 4.6 + 3.4
+ROUTER_IN_ALIGN_MAX_TOKENS: int | None = None
 # With ``shared_beside``, the order the side stream's two launches are issued in (the graph's
 # dependencies are the same): True, the shared gate-up after the router's and the align's
 # launches and its down after the routed experts'; False, both right after the fork, before
