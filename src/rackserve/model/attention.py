@@ -208,12 +208,6 @@ class Attention(nn.Module):
         head_logits = y[:, state_end:] if self.kind == CSA else None
         return Projected(y[:, :q_lora], y[:, q_lora : q_lora + width], state, head_logits)
 
-    def input_weight(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The weight the layer streams first for the batch ``x``: the fused projection of
-        the layer input on the fast path (None on the reference path or for FP8 linears)."""
-        fused = self._fusion("x", self._x_linears()) if self.kernels.fast(x) else None
-        return None if fused is None else fused.get()
-
     def fuse_weights(self) -> None:
         """Build the fast path's fused projection weights now (no-op on the reference path)."""
         if self.kernels.fast(self.wq_a.weight):
@@ -295,12 +289,10 @@ class Attention(nn.Module):
         picks = None  # the compressed rows of every query, when computed before the loop
         if self.kind == CSA and chunk == t and k.indexer_beside_q(x):
             q, picks = self._indexer_beside_q(q_residual, proj, rope, meta, caches)
-            wo_a = self._prefetch_wo_a(x)
             q_index = index_weights = None
             q_norm_eps = self.eps  # the attention norms and rotates q
         else:
             q, q_index = self._q_projections(q_residual)
-            wo_a = self._prefetch_wo_a(x)
             # q: per-head norm + RoPE (or by the attention kernel as it loads q); kv: norm +
             # RoPE into the window, the compressor's raw rows into the state; CSA: the
             # indexer's q RoPE and head weights
@@ -330,14 +322,7 @@ class Attention(nn.Module):
                 out = o
             else:
                 out[rows] = o
-        wo_a.join()
         return linear(self.kernels, self.wo_b, self.wo_a(out.view(t, self.o_groups, -1)))
-
-    def _prefetch_wo_a(self, x: torch.Tensor) -> SideStream:
-        """After the q projection, the output projection's head into L2 beside the
-        attention's latency-bound kernels (``Kernels.prefetch``; joined before wo_a)."""
-        plain = type(self.wo_a) is GroupedLinear
-        return self.kernels.prefetch(x, lambda: self.wo_a.weight if plain else None)
 
     def _prologue(
         self,

@@ -98,24 +98,19 @@ class DecoderLayer(nn.Module):
         hc = (c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
         x, post, comb = self.attn_pre(streams) if attn_in is None else attn_in
         block_out = self.attn(x, meta, caches, rope)
-        # the mHC and the routing ahead are latency-bound at a few tokens (Kernels.prefetch)
-        shared = k.prefetch(x, lambda: self.ffn.shared_gate_up(x))
         streams, x, post, comb = k.hc_post_pre(  # the attention's post + the FFN's pre
             streams, block_out, post, comb,
             self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.ffn_norm.weight, *hc,
         )  # fmt: skip
-        shared.join()
         # the experts' slots unsummed on the fast path: the mHC post below sums them
         x = self.ffn(x, input_ids, expert_counts, meta.token_mask, defer_sum=True)
         if next_layer is None:
             return k.hc_post(streams, x, post, comb), None
         n = next_layer
-        ahead = k.prefetch(streams, lambda: n.attn.input_weight(streams))
         streams, *next_in = k.hc_post_pre(  # the FFN's post + the next attention's pre
             streams, x, post, comb, n.hc_attn_fn, n.hc_attn_base, n.hc_attn_scale,
             n.attn_norm.weight, *hc,
         )  # fmt: skip
-        ahead.join()
         return streams, tuple(next_in)
 
 
@@ -184,15 +179,13 @@ class DeepseekV4Model(nn.Module):
         caches: KVCacheTensors,
         expert_counts: torch.Tensor | None = None,
         head_rows: torch.Tensor | None = None,
-        head_weight: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids: [T] -> (normed hidden [T, D], final streams [T, N, D]).
 
         expert_counts: optional [num_layers, E] accumulator of routed tokens per expert.
         head_rows: optional [S] rows of the hidden states wanted (the rows that need
         logits): the hyper head (which reads all N streams) and the norm run on those only
-        and hidden is [S, D]; the streams stay whole. head_weight: the lm_head's weight,
-        whose head ``Kernels.prefetch`` reads into L2 during the hyper head.
+        and hidden is [S, D]; the streams stay whole.
         """
         # the streams start as copies of each token's embedding
         streams = self.kernels.embed_streams(input_ids, self.embed_tokens.weight, self.cfg.hc_mult)
@@ -205,20 +198,15 @@ class DeepseekV4Model(nn.Module):
         # and FFN and the next layer's mHC pre (fused with its FFN's post)
         layers = list(self.layers)
         attn_in = None
-        if layers:  # the first mHC pre is latency-bound at a few tokens (Kernels.prefetch)
-            ahead = self.kernels.prefetch(streams, lambda: layers[0].attn.input_weight(streams))
+        if layers:
             attn_in = layers[0].attn_pre(streams)
-            ahead.join()
         for i, layer in enumerate(layers):
             counts = None if expert_counts is None else expert_counts[i]
             nxt = layers[i + 1] if i + 1 < len(layers) else None
             streams, attn_in = layer.run(
                 streams, input_ids, meta, caches, counts, attn_in, nxt, rope[layer.attn.rotary]
             )
-        # the lm_head's GEMM follows the forward; its head into L2 during the hyper head
-        ahead = self.kernels.prefetch(streams, lambda: head_weight)
         hidden = self.hc_head(streams, self.norm, head_rows)
-        ahead.join()
         return hidden, streams
 
 
@@ -266,8 +254,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (hidden [T, D] (or of ``head_rows`` only), final streams [T, N, D]);
         logits via ``compute_logits``."""
-        head = self.head.weight if is_plain_linear(self.head) else None
-        return self.model(input_ids, meta, caches, expert_counts, head_rows, head)
+        return self.model(input_ids, meta, caches, expert_counts, head_rows)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [S, D] (only the rows that need logits) -> [S, V] float32, into ``out``

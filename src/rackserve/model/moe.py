@@ -213,12 +213,6 @@ class MoE(nn.Module):
             out = out + self.shared_experts(x)
         return out
 
-    def shared_gate_up(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The shared expert's gate-up weight [2I, D] as the fast path streams it for the
-        batch ``x`` (its slice of the folded w13), or None where it is not folded in."""
-        folded = self._with_shared() if self._fast_experts(x) else None
-        return None if folded is None else folded[0].get()[-1]
-
     def fuse_weights(self) -> None:
         """Build the fast path's expert weights with the shared expert now (no-op on the
         reference path and with expert parallelism)."""

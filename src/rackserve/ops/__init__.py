@@ -60,7 +60,6 @@ from rackserve.ops.reference import (
     swiglu,
     topk_earliest,
 )
-from rackserve.ops.side_stream import SideStream
 
 __all__ = [
     "KERNEL_CHOICES",
@@ -151,27 +150,6 @@ class Kernels:
         min_tokens = PREFILL_ATTENTION_MIN_TOKENS
         return self.fast(q) and min_tokens is not None and q.shape[0] >= min_tokens
 
-    def prefetch(self, x: torch.Tensor, weight: Callable[[], torch.Tensor | None]) -> SideStream:
-        """Before a chain of latency-bound kernels on the batch ``x``: read the head of
-        ``weight()`` (the next weight stream; called only when prefetching) into L2 on the
-        device's "prefetch" stream, which starts after everything issued so far
-        (``L2_PREFETCH_MAX_TOKENS``, ``ops/triton/l2_prefetch.py``). Returns the stream:
-        the caller joins it after the chain, before the weight's GEMM (a no-op one when
-        nothing was prefetched). Changes no value."""
-        max_tokens = L2_PREFETCH_MAX_TOKENS
-        if max_tokens is None or x.shape[0] > max_tokens or not (self.fast(x) and x.is_cuda):
-            return SideStream(None)
-        w = weight()
-        if w is None or not (w.is_cuda and w.is_contiguous()):
-            return SideStream(None)
-        side = SideStream.of(x.device, "prefetch")
-        side.fork()
-        with side.active():
-            importlib.import_module("rackserve.ops.triton.l2_prefetch").l2_prefetch(
-                w, L2_PREFETCH_BYTES
-            )
-        return side
-
     def indexer_beside_q(self, x: torch.Tensor) -> bool:
         """Whether a CSA layer's indexer runs on a side stream beside the q projection for the
         batch ``x`` [T, D] (``INDEXER_BESIDE_Q_MAX_TOKENS``; off CUDA in issue order)."""
@@ -240,14 +218,6 @@ PREFILL_ATTENTION_MIN_TOKENS: int | None = 128
 # against 6.418 / 6.447; the overlap's ~25 us at most in the bench's one CSA layer is within
 # the spread). Graph replay is bit-identical to eager with it on (GPU test).
 INDEXER_BESIDE_Q_MAX_TOKENS: int | None = None
-# Up to this many tokens the fast path reads the first L2_PREFETCH_BYTES of the next weight
-# stream into L2 on a stream of its own beside each chain of latency-bound kernels
-# (``Kernels.prefetch``): a layer's input projection during the mHC before it, the output
-# projection during the attention, the shared expert's gate-up during the mHC and the
-# routing before the MoE, the lm_head during the hyper head; each joined before its GEMM.
-# None: off, until timed against it (benchmarks/sessions/gpu_s34a.sh).
-L2_PREFETCH_MAX_TOKENS: int | None = None
-L2_PREFETCH_BYTES = 16 << 20
 # From MIN to MAX tokens the fused MoE runs its shared expert on a side stream from the
 # start, beside the router's logits, the route + align and the routed experts (aligned
 # without it), which are latency-bound at decode sizes while the shared expert streams its

@@ -3,9 +3,7 @@
 q projection (``Attention._indexer_beside_q``), the decode MoE its shared expert beside the
 router (``moe_routed``'s ``shared_beside``), the grouped prefill MoE its shared expert beside
 the routed experts (``grouped_moe.SHARED_APART``), the mHC of a captured step a block's post
-and comb (``mhc_launch.Tiling.comb_beside``). ``Kernels.prefetch`` reads weights into L2 on
-a stream of its own (``SideStream.of(device, "prefetch")``), so that it never queues behind
-that work."""
+and comb (``mhc_launch.Tiling.comb_beside``)."""
 
 from __future__ import annotations
 
@@ -34,19 +32,19 @@ class SideStream:
     device for one stream at a time: the split-K GEMV's and the one-launch mHC's counters.
     Off CUDA every method does nothing: the work runs in the order it was issued."""
 
-    _streams: ClassVar[dict[tuple[torch.device, str], torch.cuda.Stream]] = {}
+    _streams: ClassVar[dict[torch.device, torch.cuda.Stream]] = {}
 
     def __init__(self, stream: torch.cuda.Stream | None) -> None:
         self.stream = stream
 
     @classmethod
-    def of(cls, device: torch.device, name: str = "side") -> SideStream:
-        """The device's side stream ``name`` (made on first use), or a no-op one off CUDA."""
+    def of(cls, device: torch.device) -> SideStream:
+        """The device's side stream (made on first use), or a no-op one off CUDA."""
         if device.type != "cuda":
             return cls(None)
-        stream = cls._streams.get((device, name))
+        stream = cls._streams.get(device)
         if stream is None:
-            stream = cls._streams[(device, name)] = torch.cuda.Stream(device)
+            stream = cls._streams[device] = torch.cuda.Stream(device)
         return cls(stream)
 
     def fork(self) -> None:
