@@ -10,9 +10,7 @@ M = Wa + Wb, R rope dims, P splits of the M rows::
                       |-- split 0 --|-- split 1 --| ... |-- split P-1 --|   (BLOCK_N tiles)
 
 P == 1: one launch writes the output. P > 1: the attention kernel writes per-split partials
-(max, sum, acc) and a combine kernel merges them (kernels in ``sparse_attn_kernels.py``), or,
-up to ``FUSED_COMBINE_MAX_SPLITS`` splits of the "heads" kernel, the split that arrives last
-at its head block's counter merges them in the same launch (``common.last_to_arrive``).
+(max, sum, acc) and a combine kernel merges them (kernels in ``sparse_attn_kernels.py``).
 Grids and workspaces depend on the shapes only: no host syncs, CUDA-graph safe,
 deterministic (the combine sums splits in a fixed order).
 """
@@ -27,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from rackserve.ops.triton.common import arrival_counters, pdl
+from rackserve.ops.triton.common import pdl
 from rackserve.ops.triton.fp8 import FP8_KV_DTYPE
 from rackserve.ops.triton.norm_rope import rms_norm_rope
 from rackserve.ops.triton.sparse_attn_kernels import sparse_attn_combine_kernel, sparse_attn_kernel
@@ -70,12 +68,6 @@ KERNEL_ENV = "RACKSERVE_SPARSE_ATTN"  # "heads" (the default) or "wide": default
 # decode:64@4096 4.56 / 4.53 against 4.63 / 4.68 ms, then 4.50 / 4.50 against 4.45 / 4.46;
 # prefill:2048 15.6 / 15.7 against 15.4 / 15.4: inside the spread, so it stays off
 PV_FP16_MIN_QUERIES: int | None = None
-# up to this many splits (P > 1) the "heads" kernel's last split of each head block merges
-# the partials (one launch, no combine launch); None: always the combine kernel. At S = 1
-# on the v4-flash shapes an HCA layer reads 160 rows in 5 splits of 32 (a combine launch of
-# ~3.2 us + its gap on the H100, results/2026-12-06-s33.md's timeline), CSA 640 in 20. Off
-# until timed (benchmarks/sessions/gpu_s34a.sh's "combine" arm).
-FUSED_COMBINE_MAX_SPLITS: int | None = None
 
 
 def default_tiling(
@@ -293,11 +285,6 @@ def paged_sparse_attention(
         part_l = _empty((num_splits, num_queries, num_heads), torch.float32, device)
     stride_ps = num_queries * num_heads * head_dim
     rope_args = (cos, sin) if rope else (out, out)
-    head_blocks = triton.cdiv(num_heads, tiling.block_h)  # the "heads" kernel's
-    max_fused = FUSED_COMBINE_MAX_SPLITS
-    counters = None
-    if not (single or wide) and num_dv == 1 and max_fused is not None and num_splits <= max_fused:
-        counters = arrival_counters("sparse_attn", device, num_queries * head_blocks)
     rope_strides = (cos.stride(0), sin.stride(0)) if rope else (0, 0)
     common = dict(
         SINGLE=single,
@@ -334,14 +321,14 @@ def paged_sparse_attention(
         )  # fmt: skip
         num_dv, block_dv = 1, block_d  # the combine's own column split
     else:
+        head_blocks = triton.cdiv(num_heads, tiling.block_h)
         sparse_attn_kernel[(head_blocks * num_dv, num_queries, num_splits)](
-            *tensors, *partials, out if counters is None else counters, num_heads, head_dim,
-            width_a, width_b, rows_per_split, rope_start, qk_scale, *strides,
-            BLOCK_H=tiling.block_h, BLOCK_N=tiling.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
-            NUM_DV=num_dv, PREFETCH=tiling.prefetch, FUSED_COMBINE=counters is not None,
+            *tensors, *partials, num_heads, head_dim, width_a, width_b, rows_per_split,
+            rope_start, qk_scale, *strides, BLOCK_H=tiling.block_h, BLOCK_N=tiling.block_n,
+            BLOCK_D=block_d, BLOCK_DV=block_dv, NUM_DV=num_dv, PREFETCH=tiling.prefetch,
             **common, **pdl(q.device),
         )  # fmt: skip
-    if single or counters is not None:
+    if single:
         return out
     combine_blocks = triton.cdiv(num_heads, tiling.combine_block_h)
     if device.type == "cuda":

@@ -32,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from rackserve.ops.triton.common import last_to_arrive, pdl_wait
+from rackserve.ops.triton.common import pdl_wait
 from rackserve.ops.triton.fp8 import widen
 from rackserve.ops.triton.mhc_kernels import to_output
 
@@ -102,7 +102,6 @@ def sparse_attn_kernel(
     part_acc_ptr,  # [P, S, H, Dh] fp32 (not SINGLE)
     part_m_ptr,  # [P, S, H] fp32, log2 domain
     part_l_ptr,  # [P, S, H] fp32
-    counter_ptr,  # FUSED_COMBINE: [S * cdiv(H, BLOCK_H)] int32 arrival counters, zero
     num_heads,
     head_dim,
     width_a,
@@ -128,7 +127,6 @@ def sparse_attn_kernel(
     BLOCK_DV: tl.constexpr,  # output columns per program (BLOCK_D / NUM_DV)
     NUM_DV: tl.constexpr,
     SINGLE: tl.constexpr,
-    FUSED_COMBINE: tl.constexpr,  # P > 1, NUM_DV == 1: the last split of a head block merges
     ROPE: tl.constexpr,
     NUM_STAGES: tl.constexpr,  # software pipelining of the slot loads
     PREFETCH: tl.constexpr,  # register double-buffering of the row tiles
@@ -273,54 +271,6 @@ def sparse_attn_kernel(
         tl.store(part_l_ptr + ml, l_sum, mask=head_ok & (dv == 0))
         acc_rows = part_acc_ptr + split * stride_ps + (s * num_heads + heads[:, None]) * head_dim
         tl.store(acc_rows + dv_cols[None, :], acc, mask=head_ok[:, None] & dv_ok[None, :])
-        if FUSED_COMBINE:
-            num_splits = tl.num_programs(2)
-            if last_to_arrive(counter_ptr + s * tl.num_programs(0) + pid_h, num_splits):
-                _combine(part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr, cos_ptr, sin_ptr,
-                         out_ptr, s, num_s, heads, head_ok, dv, dv_cols, dv_ok, num_splits,
-                         num_heads, head_dim, rope_start, stride_ps, stride_cs, stride_ss,
-                         stride_os, stride_oh, BLOCK_H, BLOCK_DV, ROPE)  # fmt: skip
-
-
-@triton.jit
-def _combine(part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr, cos_ptr, sin_ptr, out_ptr, s,
-             num_s, heads, head_ok, dv, dv_cols, dv_ok, num_splits, num_heads, head_dim,
-             rope_start, stride_ps, stride_cs, stride_ss, stride_os, stride_oh,
-             BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, ROPE: tl.constexpr):  # fmt: skip
-    """Merge the P partials of query s's ``heads`` (columns ``dv_cols``) in split order,
-    add the sink to the denominator, apply the optional inverse RoPE, write the output.
-    The partials are read past L1 (``.cg``): the last split's program reads the others'."""
-    sink = tl.load(sinks_ptr + heads, mask=head_ok, other=0.0) * 1.4426950408889634
-    m_all = sink
-    for p in range(num_splits):
-        m_p = tl.load(
-            part_m_ptr + (p * num_s + s) * num_heads + heads,
-            mask=head_ok,
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        m_all = tl.maximum(m_all, m_p)
-    denom = tl.exp2(sink - m_all)
-    acc = tl.zeros((BLOCK_H, BLOCK_DV), tl.float32)
-    acc_rows = part_acc_ptr + (s * num_heads + heads[:, None]) * head_dim + dv_cols[None, :]
-    for p in range(num_splits):
-        ml = (p * num_s + s) * num_heads + heads
-        m_p = tl.load(part_m_ptr + ml, mask=head_ok, other=float("-inf"), cache_modifier=".cg")
-        w = tl.exp2(m_p - m_all)  # a split without valid rows: m_p = -inf, w = 0
-        denom += tl.load(part_l_ptr + ml, mask=head_ok, other=0.0, cache_modifier=".cg") * w
-        part = tl.load(
-            acc_rows + p * stride_ps,
-            mask=head_ok[:, None] & dv_ok[None, :],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        acc += part * w[:, None]
-    o = acc / denom[:, None]
-    if ROPE:
-        o = _inverse_rope(o, s, dv * BLOCK_DV, cos_ptr, sin_ptr, stride_cs, stride_ss,
-                          rope_start, head_dim, BLOCK_H, BLOCK_DV)  # fmt: skip
-    out_ptrs = out_ptr + s * stride_os + heads[:, None] * stride_oh + dv_cols[None, :]
-    tl.store(out_ptrs, to_output(o, out_ptr), mask=head_ok[:, None] & dv_ok[None, :])
 
 
 @triton.jit
@@ -356,7 +306,24 @@ def sparse_attn_combine_kernel(
     head_ok = heads < num_heads
     dv_cols = dv * BLOCK_DV + tl.arange(0, BLOCK_DV)
     dv_ok = dv_cols < head_dim
-    _combine(part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr, cos_ptr, sin_ptr, out_ptr, s,
-             num_s, heads, head_ok, dv, dv_cols, dv_ok, num_splits, num_heads, head_dim,
-             rope_start, stride_ps, stride_cs, stride_ss, stride_os, stride_oh, BLOCK_H,
-             BLOCK_DV, ROPE)  # fmt: skip
+    sink = tl.load(sinks_ptr + heads, mask=head_ok, other=0.0) * 1.4426950408889634
+    m_all = sink
+    for p in range(num_splits):
+        m_p = tl.load(part_m_ptr + (p * num_s + s) * num_heads + heads, mask=head_ok, other=0.0)
+        m_all = tl.maximum(m_all, m_p)
+    denom = tl.exp2(sink - m_all)
+    acc = tl.zeros((BLOCK_H, BLOCK_DV), tl.float32)
+    acc_rows = part_acc_ptr + (s * num_heads + heads[:, None]) * head_dim + dv_cols[None, :]
+    for p in range(num_splits):
+        ml = (p * num_s + s) * num_heads + heads
+        m_p = tl.load(part_m_ptr + ml, mask=head_ok, other=float("-inf"))
+        w = tl.exp2(m_p - m_all)  # a split without valid rows: m_p = -inf, w = 0
+        denom += tl.load(part_l_ptr + ml, mask=head_ok, other=0.0) * w
+        part = tl.load(acc_rows + p * stride_ps, mask=head_ok[:, None] & dv_ok[None, :], other=0.0)
+        acc += part * w[:, None]
+    o = acc / denom[:, None]
+    if ROPE:
+        o = _inverse_rope(o, s, dv * BLOCK_DV, cos_ptr, sin_ptr, stride_cs, stride_ss,
+                          rope_start, head_dim, BLOCK_H, BLOCK_DV)  # fmt: skip
+    out_ptrs = out_ptr + s * stride_os + heads[:, None] * stride_oh + dv_cols[None, :]
+    tl.store(out_ptrs, to_output(o, out_ptr), mask=head_ok[:, None] & dv_ok[None, :])
