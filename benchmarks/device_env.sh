@@ -38,7 +38,7 @@ def override(module, name, **fields):
 exec(sys.argv[1])
 from rackserve.cli import main; sys.exit(main(sys.argv[2:]))" "$code" bench forward \
     --preset v4-flash --layers 4 --experts 64 --output "$output" "$@" 2>&1 \
-    | grep -E "^prefill|^decode|Error"
+    | grep --line-buffered -E "^prefill|^decode|Error"
 }
 # bench decode at 1 and 64 requests, synchronous and --async-scheduling (context 512), on
 # the checkpoint $1: records $2/decode_<requests>_<mode>.json, each run cut to 45 s of what
