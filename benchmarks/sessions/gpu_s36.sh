@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# Session 36's second call: the router's logits in their own launch again (the default since
-# call 1) against the route + align launch computing them (ROUTER_IN_ALIGN_MAX_TOKENS = 15)
-# in 8 slices (inalign, session 33's form) and in 32 (inalign32), bench forward at decode:1,
-# alternating, two passes; the GPU tests of the router and the embedding; the gate cases of
-# bench forward (when 150 s are left); then where a speculative
-# step's time goes (bench decode --profile, MTP K = 3 at 32 requests against no speculation,
-# v4-flash 4 layers 64 experts with its MTP layer).
+# Prepared in session 36 (its second call never ran): on an H200 with 450 s of budget, every
+# gate (gpu_gates.sh: the gates are set on that card). Elsewhere: the router's logits in
+# their own launch (the default since session 36's call 1) against the route + align launch
+# computing them (ROUTER_IN_ALIGN_MAX_TOKENS = 15) in 8 slices (inalign, session 33's form)
+# and in 32 (inalign32), bench forward at decode:1, alternating, two passes; the GPU tests of
+# the router and the embedding; the gate cases of bench forward (when 150 s are left); then
+# where a speculative step's time goes (bench decode --profile, MTP K = 3 at 32 requests
+# against no speculation, v4-flash 4 layers 64 experts with its MTP layer).
 # Usage: RACKSERVE_COMMIT=<sha> BUDGET_S=<seconds> bash benchmarks/sessions/gpu_s36.sh
 set -uo pipefail
-BUDGET_S=${BUDGET_S:-430}
+BUDGET_S=${BUDGET_S:-540}
+if ((BUDGET_S >= 450)) && nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+  exec bash "$(dirname "$0")/../gpu_gates.sh"
+fi
 source "$(dirname "$0")/../device_env.sh"
 start_call
 inalign='import rackserve.ops.triton.moe_routed as m; m.ROUTER_IN_ALIGN_MAX_TOKENS = 15'
