@@ -168,7 +168,12 @@ def time_forward(
 def forward_step(
     model: DeepseekV4ForCausalLM, synthetic: SyntheticStep, graph: bool = False, warmup: int = 0
 ) -> Callable[[], None]:
-    """``_step_callable``'s step, called ``warmup`` times before it is returned."""
+    """One forward (+ logits of the sampled rows) of ``synthetic`` as a callable, its inputs
+    through the runner's device path (one upload, device block tables), called ``warmup``
+    times before it is returned; ``graph``: the step is captured once and replayed, as the
+    runner does (``graph_serves``: a uniform decode in ``DecodeGraphs``, a prefill / mixed
+    step of up to 2048 tokens in ``PrefillGraphs`` at the next captured size, its sampled
+    rows' logits eagerly)."""
     run = _step_callable(model, synthetic, graph)
     for _ in range(warmup):
         run()
@@ -179,11 +184,7 @@ def forward_step(
 def _step_callable(
     model: DeepseekV4ForCausalLM, synthetic: SyntheticStep, graph: bool
 ) -> Callable[[], None]:
-    """One forward (+ logits of the sampled rows) of ``synthetic`` as a callable, its inputs
-    through the runner's device path (one upload, device block tables); ``graph``: the step
-    is captured once and replayed, as the runner does (``graph_serves``: a uniform decode in
-    ``DecodeGraphs``, a prefill / mixed step of up to 2048 tokens in ``PrefillGraphs`` at the
-    next captured size, its sampled rows' logits eagerly)."""
+    """``forward_step`` before its warm-up."""
     inputs, caches = synthetic.step.inputs, synthetic.caches
     device = next(model.parameters()).device
     num_reqs = len(inputs.rows)
