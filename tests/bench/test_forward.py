@@ -123,6 +123,21 @@ def test_cli_decode_reports_step_and_forward(tiny, tmp_path):
     assert json.loads(out.read_text())["async_scheduling"] is True
 
 
+def test_cli_decode_profile_writes_host_kernel_and_timeline_sections(tiny, tmp_path):
+    profile = tmp_path / "profile.txt"
+    argv = ["bench", "decode", "--model", str(tiny), "--concurrency", "2", "--context", "32",
+            "--steps", "1", "--warmup", "1", "--profile", str(profile)]  # fmt: skip
+    assert main(argv) == 0
+    text = profile.read_text()
+    sections = [line for line in text.splitlines() if line.startswith("== ")]
+    assert [s.split(" over ")[0].split(" of ")[0] for s in sections] == [
+        "== cProfile",
+        "== torch.profiler",
+        "== device timeline",
+    ]
+    assert "core.py" in text and "no device kernels (CPU run)" in text
+
+
 @pytest.mark.gpu
 def test_pipelined_times_hide_the_host():
     """A step of 2 ms on the host and ~5 ms on the GPU: each alone takes both (~7 ms), back

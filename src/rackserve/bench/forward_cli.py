@@ -283,7 +283,7 @@ def _profile_steps(core: Any, steps: int, path: str) -> None:
     import pstats
 
     import torch
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     half = max(1, steps // 2)
     host = cProfile.Profile()
@@ -296,7 +296,8 @@ def _profile_steps(core: Any, steps: int, path: str) -> None:
         activities.append(ProfilerActivity.CUDA)
     with profile(activities=activities) as prof:
         for _ in range(steps - half):
-            core.step()
+            with record_function(_STEP_RANGE):
+                core.step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     text = io.StringIO()
@@ -308,9 +309,32 @@ def _profile_steps(core: Any, steps: int, path: str) -> None:
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     text.write(prof.key_averages().table(sort_by=sort, row_limit=50, max_name_column_width=90))
     text.write(prof.key_averages().table(sort_by="count", row_limit=30, max_name_column_width=90))
+    text.write(f"== device timeline of those {steps - half} steps (kernel_timeline.py)\n")
+    text.write(_timelines(prof))
     with open(path, "w") as f:
         f.write(text.getvalue())
     print(f"profile of {steps} steps in {path}")
+
+
+_STEP_RANGE = "rackserve.engine_step"
+
+
+def _timelines(prof: Any) -> str:
+    """Each profiled step's wall, kernel and idle time and its largest idle gaps."""
+    from torch.autograd import DeviceType
+
+    from rackserve.bench.kernel_timeline import Kernel, format_timelines, step_timelines
+
+    steps, kernels = [], []
+    for e in prof.events():
+        if e.name == _STEP_RANGE:  # the host range (a GPU annotation of it is no kernel)
+            if e.device_type == DeviceType.CPU:
+                steps.append((e.time_range.start, e.time_range.end))
+        elif e.device_type == DeviceType.CUDA:
+            kernels.append(Kernel(e.time_range.start, e.time_range.end, e.name))
+    if not kernels:
+        return "no device kernels (CPU run)\n"
+    return format_timelines(step_timelines(sorted(steps), kernels))
 
 
 def _model_args(p: argparse.ArgumentParser, allow_preset: bool) -> None:
@@ -385,6 +409,7 @@ def register_decode(bench_subparsers: Any) -> None:
         default=None,
         metavar="FILE",
         help=f"after the measured steps, {_PROFILE_STEPS} more under cProfile and torch.profiler "
-        "(host functions, kernels, torch ops): tables as text into FILE",
+        "(host functions, kernels, torch ops, and each step's device idle time with its "
+        "largest gaps): text into FILE",
     )
     p.set_defaults(func=_decode)

@@ -1,0 +1,42 @@
+"""The device timeline of profiled engine steps (``bench decode --profile``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rackserve.bench.kernel_timeline import Kernel, format_timelines, step_timelines
+
+
+def test_busy_is_the_union_and_gaps_name_their_neighbours():
+    kernels = [
+        Kernel(10, 30, "verify_a"),
+        Kernel(20, 40, "side"),  # overlaps verify_a: counted once
+        Kernel(100, 110, "draft"),  # 60 us idle after side
+        Kernel(212, 230, "next_step"),  # the second step's
+    ]
+    first, second = step_timelines([(0, 50), (200, 240)], kernels)
+    assert first.wall_us == 200 and first.kernels == 3
+    assert first.busy_us == pytest.approx(40)
+    assert first.idle_us == pytest.approx(160)
+    assert [(g.us, g.after, g.before) for g in first.gaps] == [
+        (90, "draft", ""),
+        (60, "side", "draft"),
+        (10, "", "verify_a"),
+    ]
+    # the last step runs to the end of its host interval or of its last kernel
+    assert second.wall_us == 40 and second.busy_us == pytest.approx(18)
+    assert [g.us for g in second.gaps] == [12, 10]
+
+
+def test_a_kernel_inside_another_adds_nothing():
+    (t,) = step_timelines([(0, 100)], [Kernel(0, 100, "long"), Kernel(10, 20, "short")])
+    assert t.busy_us == pytest.approx(100) and t.gaps == ()
+    text = format_timelines([t])
+    assert text.startswith("step 1: wall 0.100 ms, kernels 0.100 ms (100%, 2 kernels)")
+
+
+def test_top_keeps_the_largest_gaps():
+    kernels = [Kernel(10 * i + i * i, 10 * i + i * i + 1, f"k{i}") for i in range(8)]
+    (t,) = step_timelines([(0, 1)], kernels, top=2)
+    assert len(t.gaps) == 2 and t.gaps[0].us >= t.gaps[1].us
+    assert t.gaps[0].before == "k7"
