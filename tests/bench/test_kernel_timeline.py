@@ -19,7 +19,7 @@ def test_busy_is_the_union_and_gaps_name_their_neighbours():
     assert first.busy_us == pytest.approx(40)
     assert first.idle_us == pytest.approx(160)
     assert [(g.us, g.after, g.before) for g in first.gaps] == [
-        (90, "draft", ""),
+        (90, "draft", "next_step"),  # clipped at the next step's start
         (60, "side", "draft"),
         (10, "", "verify_a"),
     ]
@@ -40,3 +40,13 @@ def test_top_keeps_the_largest_gaps():
     (t,) = step_timelines([(0, 1)], kernels, top=2)
     assert len(t.gaps) == 2 and t.gaps[0].us >= t.gaps[1].us
     assert t.gaps[0].before == "k7"
+
+
+def test_a_kernel_across_steps_counts_in_each_window():
+    """Async scheduling: step 1's forward runs on into step 2's window."""
+    kernels = [Kernel(5, 150, "forward_1"), Kernel(160, 190, "forward_2")]
+    first, second = step_timelines([(0, 20), (100, 120)], kernels)
+    assert first.busy_us == pytest.approx(95) and first.kernels == 1
+    assert second.busy_us == pytest.approx(80) and second.kernels == 1
+    assert second.wall_us == 90
+    assert [(g.us, g.after, g.before) for g in second.gaps] == [(10, "forward_1", "forward_2")]

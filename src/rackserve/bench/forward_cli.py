@@ -309,7 +309,10 @@ def _profile_steps(core: Any, steps: int, path: str) -> None:
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     text.write(prof.key_averages().table(sort_by=sort, row_limit=50, max_name_column_width=90))
     text.write(prof.key_averages().table(sort_by="count", row_limit=30, max_name_column_width=90))
-    text.write(f"== device timeline of those {steps - half} steps (kernel_timeline.py)\n")
+    text.write(
+        "== device timeline of those steps but the first, which carries the profiler's start "
+        "(kernel_timeline.py)\n"
+    )
     text.write(_timelines(prof))
     with open(path, "w") as f:
         f.write(text.getvalue())
@@ -320,7 +323,8 @@ _STEP_RANGE = "rackserve.engine_step"
 
 
 def _timelines(prof: Any) -> str:
-    """Each profiled step's wall, kernel and idle time and its largest idle gaps."""
+    """Each profiled step's wall, kernel and idle time and its largest idle gaps (from the
+    second step on: the first one's host time includes the profiler's start)."""
     from torch.autograd import DeviceType
 
     from rackserve.bench.kernel_timeline import Kernel, format_timelines, step_timelines
@@ -334,7 +338,7 @@ def _timelines(prof: Any) -> str:
             kernels.append(Kernel(e.time_range.start, e.time_range.end, e.name))
     if not kernels:
         return "no device kernels (CPU run)\n"
-    return format_timelines(step_timelines(sorted(steps), kernels))
+    return format_timelines(step_timelines(sorted(steps)[1:], kernels))
 
 
 def _model_args(p: argparse.ArgumentParser, allow_preset: bool) -> None:

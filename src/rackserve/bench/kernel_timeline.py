@@ -1,13 +1,13 @@
 """Where an engine step leaves the device idle: the kernels of profiled steps, step by step.
 
 ``bench decode --profile`` records each engine step under ``torch.profiler`` and hands the
-steps' host intervals and the device kernels to :func:`step_timelines`. A kernel belongs to
-the step during whose host interval it started (the engine is synchronous, or with async
-scheduling one step ahead: either way a kernel starts after its launch). For each step:
-the wall time of its host interval, the kernel time (the union of the kernels' intervals:
-side streams overlap), the idle rest, and the largest idle gaps with the kernels on either
-side: a gap after a kernel that ends a phase (the verify forward, the proposal) and before
-the next one's first kernel is the host's work between them.
+steps' host intervals and the device kernels to :func:`step_timelines`. A step's window runs
+from its start to the next step's start. For each window: its wall time, the time some
+kernel ran in it (the union of the kernels' intervals, clipped to the window: side streams
+overlap, and with async scheduling a forward runs on into the next step's window), the idle
+rest, and the largest idle gaps with the kernels on either side: in a synchronous step a gap
+after the kernel that ends a phase (the verify forward, the proposal) and before the next
+phase's first kernel is the host's work between them.
 """
 
 from __future__ import annotations
@@ -26,15 +26,15 @@ class Kernel:
 @dataclass(frozen=True)
 class Gap:
     us: float
-    after: str  # the kernel that ended last before it ("" at the step's start)
-    before: str  # the kernel that starts it ("" at the step's end)
+    after: str  # the kernel that ended last before it ("" if none did)
+    before: str  # the kernel that ends it ("" at the last step's end)
 
 
 @dataclass(frozen=True)
 class StepTimeline:
     wall_us: float
     busy_us: float
-    kernels: int
+    kernels: int  # started in the window
     gaps: tuple[Gap, ...]  # the largest first
 
     @property
@@ -46,25 +46,34 @@ def step_timelines(
     steps: Sequence[tuple[float, float]], kernels: Iterable[Kernel], top: int = 4
 ) -> list[StepTimeline]:
     """steps: the host interval (start, end) of each step, in order, in the kernels' clock
-    (microseconds). A step's window runs from its start to the next step's start (the last
-    one's to the end of its interval or of its last kernel)."""
+    (microseconds). The last window ends at the end of its interval or of the last kernel
+    that started in it, whichever is later."""
     ordered = sorted(kernels, key=lambda k: k.start_us)
     out = []
     for i, (start, end) in enumerate(steps):
-        stop = steps[i + 1][0] if i + 1 < len(steps) else None
-        mine = [k for k in ordered if k.start_us >= start and (stop is None or k.start_us < stop)]
-        window_end = stop if stop is not None else max([end] + [k.end_us for k in mine])
-        busy, gaps, reached, last = 0.0, [], start, ""
-        for k in mine:
+        if i + 1 < len(steps):
+            stop = steps[i + 1][0]
+        else:
+            stop = max([end] + [k.end_us for k in ordered if k.start_us >= start])
+        before = [k for k in ordered if k.end_us <= start]
+        last = max(before, key=lambda k: k.end_us).name if before else ""
+        busy, gaps, reached, started = 0.0, [], start, 0
+        for k in ordered:
+            if k.end_us <= start:
+                continue
+            if k.start_us >= stop:
+                break
+            started += k.start_us >= start
             if k.start_us > reached:
                 gaps.append(Gap(k.start_us - reached, last, k.name))
             if k.end_us > reached:
-                busy += k.end_us - max(k.start_us, reached)
-                reached, last = k.end_us, k.name
-        if window_end > reached:
-            gaps.append(Gap(window_end - reached, last, ""))
+                busy += min(k.end_us, stop) - max(k.start_us, reached)
+                reached, last = min(k.end_us, stop), k.name
+        if stop > reached:
+            following = next((k.name for k in ordered if k.start_us >= stop), "")
+            gaps.append(Gap(stop - reached, last, following if i + 1 < len(steps) else ""))
         gaps.sort(key=lambda g: -g.us)
-        out.append(StepTimeline(window_end - start, busy, len(mine), tuple(gaps[:top])))
+        out.append(StepTimeline(stop - start, busy, started, tuple(gaps[:top])))
     return out
 
 
@@ -78,7 +87,7 @@ def format_timelines(timelines: Sequence[StepTimeline], width: int = 60) -> str:
             f"({share:.0%}, {t.kernels} kernels), idle {t.idle_us / 1e3:.3f} ms"
         )
         for g in t.gaps:
-            after = g.after[:width] or "(step start)"
+            after = g.after[:width] or "(no kernel)"
             before = g.before[:width] or "(step end)"
             lines.append(f"  idle {g.us:9.1f} us  after {after}  before {before}")
     return "\n".join(lines) + "\n"
