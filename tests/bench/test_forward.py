@@ -136,6 +136,13 @@ def test_cli_decode_profile_writes_host_kernel_and_timeline_sections(tiny, tmp_p
         "== device timeline",
     ]
     assert "core.py" in text and "no device kernels (CPU run)" in text
+    # the profiled steps but the first, each with its host phases (engine/step_phases.py)
+    hosts = [line for line in text.splitlines() if line.startswith("  host: ")]
+    assert len(hosts) == 2, text
+    for line in hosts:
+        assert [part.split()[0] for part in line[8:].split(", ")] == [
+            "schedule", "launch", "wait", "emit", "update"
+        ]  # fmt: skip
 
 
 @pytest.mark.gpu

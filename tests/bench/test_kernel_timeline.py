@@ -50,3 +50,20 @@ def test_a_kernel_across_steps_counts_in_each_window():
     assert second.busy_us == pytest.approx(80) and second.kernels == 1
     assert second.wall_us == 90
     assert [(g.us, g.after, g.before) for g in second.gaps] == [(10, "forward_1", "forward_2")]
+
+
+def test_host_phases_are_summed_per_window_in_order():
+    phases = [
+        Kernel(0, 2, "schedule"),
+        Kernel(2, 5, "launch"),
+        Kernel(5, 40, "wait"),
+        Kernel(41, 42, "update"),
+        Kernel(45, 47, "update"),  # a second range of the same phase adds up
+        Kernel(100, 103, "schedule"),  # the next step's
+    ]
+    first, second = step_timelines([(0, 50), (100, 110)], [], phases=phases)
+    assert first.host == (("schedule", 2), ("launch", 3), ("wait", 35), ("update", 3))
+    assert second.host == (("schedule", 3),)
+    assert "  host: schedule 0.002, launch 0.003, wait 0.035, update 0.003 ms" in (
+        format_timelines([first])
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import statistics
@@ -285,6 +286,8 @@ def _profile_steps(core: Any, steps: int, path: str) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
+    from rackserve.engine import step_phases
+
     half = max(1, steps // 2)
     host = cProfile.Profile()
     host.enable()
@@ -294,12 +297,16 @@ def _profile_steps(core: Any, steps: int, path: str) -> None:
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities) as prof:
-        for _ in range(steps - half):
-            with record_function(_STEP_RANGE):
-                core.step()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+    step_phases.record(True)
+    try:
+        with profile(activities=activities) as prof:
+            for _ in range(steps - half):
+                with record_function(_STEP_RANGE):
+                    core.step()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+    finally:
+        step_phases.record(False)
     text = io.StringIO()
     text.write(f"== cProfile over {half} engine steps (cumulative)\n")
     stats = pstats.Stats(host, stream=text)
@@ -328,17 +335,24 @@ def _timelines(prof: Any) -> str:
     from torch.autograd import DeviceType
 
     from rackserve.bench.kernel_timeline import Kernel, format_timelines, step_timelines
+    from rackserve.engine.step_phases import PREFIX
 
-    steps, kernels = [], []
+    steps, kernels, phases = [], [], []
     for e in prof.events():
-        if e.name == _STEP_RANGE:  # the host range (a GPU annotation of it is no kernel)
-            if e.device_type == DeviceType.CPU:
-                steps.append((e.time_range.start, e.time_range.end))
+        span = (e.time_range.start, e.time_range.end)
+        if e.name == _STEP_RANGE or e.name.startswith(PREFIX):
+            # host ranges (a GPU annotation of a range is no kernel)
+            if e.device_type == DeviceType.CPU and e.name == _STEP_RANGE:
+                steps.append(span)
+            elif e.device_type == DeviceType.CPU:
+                phases.append(Kernel(*span, e.name.removeprefix(PREFIX)))
         elif e.device_type == DeviceType.CUDA:
-            kernels.append(Kernel(e.time_range.start, e.time_range.end, e.name))
+            kernels.append(Kernel(*span, e.name))
+    timelines = step_timelines(sorted(steps)[1:], kernels, phases=phases)
     if not kernels:
-        return "no device kernels (CPU run)\n"
-    return format_timelines(step_timelines(sorted(steps)[1:], kernels))
+        timelines = [dataclasses.replace(t, busy_us=0.0, gaps=()) for t in timelines]
+        return "no device kernels (CPU run)\n" + format_timelines(timelines)
+    return format_timelines(timelines)
 
 
 def _model_args(p: argparse.ArgumentParser, allow_preset: bool) -> None:

@@ -36,6 +36,7 @@ class StepTimeline:
     busy_us: float
     kernels: int  # started in the window
     gaps: tuple[Gap, ...]  # the largest first
+    host: tuple[tuple[str, float], ...] = ()  # (phase, us) in order: ``engine/step_phases.py``
 
     @property
     def idle_us(self) -> float:
@@ -43,12 +44,17 @@ class StepTimeline:
 
 
 def step_timelines(
-    steps: Sequence[tuple[float, float]], kernels: Iterable[Kernel], top: int = 4
+    steps: Sequence[tuple[float, float]],
+    kernels: Iterable[Kernel],
+    top: int = 4,
+    phases: Iterable[Kernel] = (),
 ) -> list[StepTimeline]:
     """steps: the host interval (start, end) of each step, in order, in the kernels' clock
     (microseconds). The last window ends at the end of its interval or of the last kernel
-    that started in it, whichever is later."""
+    that started in it, whichever is later. phases: the steps' named host ranges, summed
+    per name in each window they start in."""
     ordered = sorted(kernels, key=lambda k: k.start_us)
+    ranges = sorted(phases, key=lambda p: p.start_us)
     out = []
     for i, (start, end) in enumerate(steps):
         if i + 1 < len(steps):
@@ -73,7 +79,13 @@ def step_timelines(
             following = next((k.name for k in ordered if k.start_us >= stop), "")
             gaps.append(Gap(stop - reached, last, following if i + 1 < len(steps) else ""))
         gaps.sort(key=lambda g: -g.us)
-        out.append(StepTimeline(stop - start, busy, started, tuple(gaps[:top])))
+        host: dict[str, float] = {}
+        for p in ranges:
+            if start <= p.start_us < stop:
+                host[p.name] = host.get(p.name, 0.0) + p.end_us - p.start_us
+        out.append(
+            StepTimeline(stop - start, busy, started, tuple(gaps[:top]), tuple(host.items()))
+        )
     return out
 
 
@@ -86,6 +98,8 @@ def format_timelines(timelines: Sequence[StepTimeline], width: int = 60) -> str:
             f"step {i + 1}: wall {t.wall_us / 1e3:.3f} ms, kernels {t.busy_us / 1e3:.3f} ms "
             f"({share:.0%}, {t.kernels} kernels), idle {t.idle_us / 1e3:.3f} ms"
         )
+        if t.host:
+            lines.append("  host: " + ", ".join(f"{n} {us / 1e3:.3f}" for n, us in t.host) + " ms")
         for g in t.gaps:
             after = g.after[:width] or "(no kernel)"
             before = g.before[:width] or "(step end)"

@@ -36,6 +36,7 @@ from rackserve.engine.outputs import (
     SchedulerOutput,
 )
 from rackserve.engine.scheduler import Scheduler
+from rackserve.engine.step_phases import phase
 from rackserve.kv.events import KVEvents
 from rackserve.kv.manager import KVCacheManager
 from rackserve.kv.offload.build import build_offloader
@@ -266,7 +267,8 @@ class EngineCore:
             connector.export_finished()  # the last step's prefills, if the loop did not
             connector.wait()  # naps only when nothing but remote-KV requests exist
             connector.step()
-        sched = self.scheduler.schedule()
+        with phase("schedule"):
+            sched = self.scheduler.schedule()
         if connector is not None:  # a prefill schedule() finished: copied before the forward
             connector.export_finished()
         self.last_step = sched
@@ -291,7 +293,8 @@ class EngineCore:
                     self.ep.dummy_pass()  # no forward ran: the other ranks' dispatch needs ours
                 self.ep_models.end_step(("main",))  # the MTP layers run in no step yet
             self.last_forward_time_s = result.forward_time_s
-            outputs = self.scheduler.update(sched, result)
+            with phase("update"):
+                outputs = self.scheduler.update(sched, result)
         self.kv_events.drain(publish=True)
         stats = self.scheduler.stats()
         if self.offload is not None:
@@ -312,14 +315,16 @@ class EngineCore:
         N+1 ran while N was on the device. An empty step is collected at once, so a step
         stays in flight only while there is work."""
         marked = mark_placeholders(self.scheduler, sched)
-        launched = InFlight(sched, self.runner.launch(sched), marked)
+        with phase("launch"):
+            launched = InFlight(sched, self.runner.launch(sched), marked)
         done, self._in_flight = self._in_flight, launched
         if done is None:  # nothing was in flight: only what schedule() finished
             outputs = self.scheduler.update(sched, RunnerOutput(req_ids=[], sampled_token_ids=[]))
         else:
             result = self.runner.collect(done.handle)
             self.last_forward_time_s = result.forward_time_s
-            outputs = update_after_collect(self.scheduler, done, result, launched)
+            with phase("update"):
+                outputs = update_after_collect(self.scheduler, done, result, launched)
         if not sched.total_num_scheduled_tokens:
             self._in_flight = None
             result = self.runner.collect(launched.handle)

@@ -19,6 +19,7 @@ import torch
 from rackserve.config import SpecConfig
 from rackserve.engine.async_scheduling import InlineDevice
 from rackserve.engine.outputs import RunnerOutput, SchedulerOutput, TokenLogprobs
+from rackserve.engine.step_phases import phase
 from rackserve.kv.spec import CacheGroupSpec
 from rackserve.model.batch import KVCacheTensors
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
@@ -140,7 +141,9 @@ class ModelRunner:
     # ---- one step -----------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """One step, start to end (the synchronous engine)."""
-        return self.collect(self.launch(sched))
+        with phase("launch"):
+            handle = self.launch(sched)
+        return self.collect(handle)
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> StepHandle:
@@ -331,14 +334,21 @@ class ModelRunner:
         num_kept = [starts[k + 1] - starts[k] for k in range(len(reqs))]  # verify: fewer
         if res.out is not None:
             assert res.host_token_ids is not None
-            token_ids = res.timer.wait_for(res.host_token_ids).tolist()
-            logprobs = self._emit(reqs, inputs, res.num_rows, res.out, token_ids, sampled, num_kept)
+            with phase("wait"):
+                token_ids = res.timer.wait_for(res.host_token_ids).tolist()
+            with phase("emit"):
+                logprobs = self._emit(
+                    reqs, inputs, res.num_rows, res.out, token_ids, sampled, num_kept
+                )
             structured = self.structured_outputs
             if structured is not None:  # constrained requests never draft: one token each
                 structured.advance(step.sampled_reqs, [sampled[k][-1] for k in _sampled(inputs)])
         drafts: dict[str, list[int]] = {}
         if self.proposer is not None:
-            drafts = self._propose(reqs, inputs, num_kept, sampled, res.streams, step, res.num_rows)
+            with phase("propose"):
+                drafts = self._propose(
+                    reqs, inputs, num_kept, sampled, res.streams, step, res.num_rows
+                )
         return RunnerOutput(
             req_ids=[r.req_id for r in reqs],
             sampled_token_ids=sampled,
