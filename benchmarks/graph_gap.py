@@ -114,7 +114,7 @@ def _variant(model, s, fast_metadata: bool) -> dict:
     graphs = DecodeGraphs(
         model, s.caches, buffers, s.groups, [len(inputs.rows)], [inputs.max_seq_len]
     )
-    graphs.fast_metadata = fast_metadata
+    graphs.meta.fast = fast_metadata
     buffers.apply_writes(*buffers.upload(list(writes)))
     graphs.capture(log=False)
     key = graphs.key_for(inputs)

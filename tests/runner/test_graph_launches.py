@@ -171,6 +171,56 @@ def test_step_metadata_matches_build(seed, monkeypatch):
 
 
 @needs_triton
+@pytest.mark.parametrize("seed", range(12))
+def test_graph_metadata_of_a_verify_step_matches_build(seed):
+    """The verify graphs' shape (``spec_decode/graphs.VerifyGraphs``): R requests of 1 + K
+    consecutive tokens each, the padded requests' tokens on the null row at position 0.
+    ``GraphMetadata`` with the metadata kernels equals its torch path field by field."""
+    from rackserve.runner.cuda_graph import GraphMetadata
+
+    cfg, groups, start, _, rows, tables, bucket, _ = _random_step(seed)
+    null_row = next(iter(tables.values())).shape[0] - 1
+    width = 2 + seed % 3
+    req = torch.arange(len(rows)).repeat_interleave(width)
+    positions = (start[req] + torch.arange(width).repeat(len(rows))).clamp(max=bucket - 1)
+    positions[rows[req] == null_row] = 0
+    every = torch.arange(len(req))
+    with torch.device("meta"):  # the layers' kinds and groups only: no weights
+        model = DeepseekV4ForCausalLM(cfg, with_mtp=False, kernels="triton")
+
+    class Buffers:  # what GraphMetadata reads of StepBuffers
+        device = torch.device(DEVICE)
+        ratios = sorted({grp.ratio for grp in groups if grp.ratio > 1})
+
+    Buffers.tables = {k: v.to(DEVICE) for k, v in tables.items()}
+    Buffers.null_row = null_row
+    meta = GraphMetadata(model, groups, Buffers)
+    assert meta.fast
+    args = [x.to(DEVICE) for x in (positions, req, rows)]
+    counts = torch.full((3, 5), 9, dtype=torch.int64, device=DEVICE)
+    got = meta(*args, bucket, counts, every.to(DEVICE))
+    assert not counts.any()
+    meta.fast = False
+    counts.fill_(9)
+    want = meta(*args, bucket, counts, every.to(DEVICE))
+    assert not counts.any()
+    assert got.slot_mapping.keys() == want.slot_mapping.keys()
+    for name, slots in want.slot_mapping.items():
+        _assert_same(got.slot_mapping[name], slots, ("slot_mapping", name))
+    for name, gw in want.gather.items():
+        for f in ("slots", "valid", "num_visible"):
+            _assert_same(getattr(got.gather[name], f), getattr(gw, f), (name, f))
+    assert got.compression.keys() == want.compression.keys()
+    for name, cw in want.compression.items():
+        for f in ("src", "missing", "dst", "positions"):
+            _assert_same(getattr(got.compression[name], f), getattr(cw, f), (name, f))
+    for name in meta.combined:
+        _assert_same(got.window_and_entries_valid(name), want.window_and_entries_valid(name), name)
+    assert torch.equal(got.token_mask, want.token_mask)
+    assert got.token_mask.sum() == width * int((rows != null_row).sum())
+
+
+@needs_triton
 def test_step_metadata_rejects_bad_tables():
     from rackserve.ops.triton import step_meta
 

@@ -152,6 +152,54 @@ class DecodeResult:
     expert_counts: torch.Tensor  # [L, E]
 
 
+class GraphMetadata:
+    """A captured step's metadata from its static device inputs: every token a closing
+    candidate, the padding (tokens of requests on the null table row) masked, the graph's
+    expert counts zeroed. On a GPU, and on the CPU when the model runs Triton everywhere
+    (the interpreter: the launch-count tests), the metadata kernels (``ops/triton/
+    step_meta.py``: a launch per cache group); else ``StepMetadata.build`` (torch ops).
+    Decode, verify and prefill graphs share it (``fast``: which one; a benchmark flips it)."""
+
+    def __init__(
+        self, model: DeepseekV4ForCausalLM, groups: Sequence[CacheGroupSpec], buffers: StepBuffers
+    ) -> None:
+        self.groups, self.buffers = list(groups), buffers
+        self.fast = buffers.device.type == "cuda" or model.kernels.name == "triton"
+        # compressed groups read as [window | entries] by HCA layers: derived with the rest
+        self.combined = {
+            layer.attn.entry_group for layer in model.model.layers if layer.attn.kind == HCA
+        }
+
+    def __call__(
+        self,
+        positions: torch.Tensor,
+        token_req: torch.Tensor,
+        rows: torch.Tensor,
+        bucket: int,
+        expert_counts: torch.Tensor,
+        every_token: torch.Tensor,
+    ) -> StepMetadata:
+        """positions, token_req [T]; rows [R] the requests' table rows; every_token [T]
+        arange(T) (a static buffer: the torch path's closing candidates)."""
+        if self.fast:  # its first launch zeroes the expert counts too
+            from rackserve.ops.triton.step_meta import step_metadata
+
+            return step_metadata(
+                self.groups, positions, token_req, rows, self.buffers.tables, bucket,
+                self.buffers.null_row, self.combined, clear=expert_counts,
+            )  # fmt: skip
+        expert_counts.zero_()
+        return StepMetadata.build(
+            self.groups,
+            positions,
+            token_req,
+            {name: table[rows] for name, table in self.buffers.tables.items()},
+            bucket,
+            {r: every_token for r in self.buffers.ratios},
+            token_mask=rows[token_req] != self.buffers.null_row,
+        )
+
+
 class _StepGraphs:
     """What both graph families share: the static inputs (a token's id, position and table
     row), the captured metadata, capture into one pool, staging and replay. ``forward`` is
@@ -179,13 +227,7 @@ class _StepGraphs:
         )
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
-        # the metadata kernels: on a GPU, and on the CPU when the model runs Triton everywhere
-        # (the interpreter: the launch-count tests); else StepMetadata.build (torch ops)
-        self.fast_metadata = buffers.device.type == "cuda" or model.kernels.name == "triton"
-        # compressed groups read as [window | entries] by HCA layers: derived with the rest
-        self.combined = {
-            layer.attn.entry_group for layer in model.model.layers if layer.attn.kind == HCA
-        }
+        self.meta = GraphMetadata(model, groups, buffers)
 
     def _num_extra(self, b: int) -> int:
         """Static ints a graph of b tokens reads past its ids, positions and rows."""
@@ -201,23 +243,8 @@ class _StepGraphs:
         """The captured step's metadata from the static buffers (every token a closing
         candidate, padded rows masked), the expert counts zeroed for the step."""
         _, positions, rows = self.inputs(b)[:3]
-        if self.fast_metadata:  # its first launch zeroes the expert counts too
-            from rackserve.ops.triton.step_meta import step_metadata
-
-            return step_metadata(
-                self.groups, positions, self.token_req[:b], rows, self.buffers.tables,
-                bucket, self.buffers.null_row, self.combined, clear=self.expert_counts,
-            )  # fmt: skip
-        self.expert_counts.zero_()
-        return StepMetadata.build(
-            self.groups,
-            positions,
-            self.token_req[:b],
-            {name: table[rows] for name, table in self.buffers.tables.items()},
-            bucket,
-            {r: self.token_req[:b] for r in self.buffers.ratios},
-            token_mask=rows != self.buffers.null_row,
-        )
+        req = self.token_req[:b]  # one token a request
+        return self.meta(positions, req, rows, bucket, self.expert_counts, req)
 
     def hidden(self, b: int, bucket: int, head_rows: torch.Tensor | None = None) -> torch.Tensor:
         """The forward from the static buffers: metadata, then the model: hidden [b, D]

@@ -17,8 +17,9 @@ each on the H200 (2026-12-01, ``bench decode --profile``).
 
 Like ``runner/cuda_graph.DecodeGraphs`` (whose batch sizes and context buckets these
 reuse), a graph reads static device buffers, derives every index
-inside (``StepMetadata.build`` with every token a closing candidate and a token mask), and
-pads with the null block-table row, so padded requests write only the null block. A key
+inside (``StepMetadata.build`` with every token a closing candidate and a token mask; the
+verify graphs as the decode graphs, through ``GraphMetadata``: on a GPU the metadata kernels),
+and pads with the null block-table row, so padded requests write only the null block. A key
 that was not captured runs the same padded step eagerly: the CPU tests check that path.
 """
 
@@ -34,7 +35,7 @@ import torch
 from rackserve.kv.spec import CacheGroupSpec
 from rackserve.model.batch import StepMetadata, compressed_ratios
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
-from rackserve.runner.cuda_graph import capture_region, frozen_gc
+from rackserve.runner.cuda_graph import GraphMetadata, capture_region, frozen_gc
 from rackserve.runner.inputs import StepInputs
 from rackserve.runner.step_buffers import StaticInputs, StepBuffers, pad_to
 
@@ -108,6 +109,7 @@ class VerifyGraphs:
         self.expert_counts = torch.zeros(
             cfg.num_hidden_layers, cfg.n_routed_experts, dtype=torch.int64, device=device
         )
+        self.meta = GraphMetadata(model, groups, buffers)
 
     def inputs(self, b: int) -> list[torch.Tensor]:
         """The static inputs of B = b requests: ids, positions [T] and table rows [B]."""
@@ -118,17 +120,8 @@ class VerifyGraphs:
         """The captured region: metadata from the static buffers, forward, logits, streams."""
         t = b * self.width
         ids, positions, rows = self.inputs(b)
-        token_req = self.token_req[:t]
-        meta = StepMetadata.build(
-            self.groups,
-            positions,
-            token_req,
-            {name: table[rows] for name, table in self.buffers.tables.items()},
-            bucket,
-            {r: self.flat_index[:t] for r in self.buffers.ratios},
-            token_mask=(rows != self.buffers.null_row)[token_req],
-        )
-        self.expert_counts.zero_()
+        token_req, every = self.token_req[:t], self.flat_index[:t]
+        meta = self.meta(positions, token_req, rows, bucket, self.expert_counts, every)
         hidden, streams = self.model(ids, meta, self.caches, self.expert_counts)
         return self.model.compute_logits(hidden), streams
 
