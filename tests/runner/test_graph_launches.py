@@ -170,12 +170,34 @@ def test_step_metadata_matches_build(seed, monkeypatch):
     assert (got.token_mask is None) if mask is None else torch.equal(got.token_mask, mask)
 
 
+def _assert_same_metadata(got: StepMetadata, want: StepMetadata, combined) -> None:
+    assert got.slot_mapping.keys() == want.slot_mapping.keys()
+    for name, slots in want.slot_mapping.items():
+        _assert_same(got.slot_mapping[name], slots, ("slot_mapping", name))
+    assert got.gather.keys() == want.gather.keys()
+    for name, gw in want.gather.items():
+        for f in ("slots", "valid", "num_visible"):
+            _assert_same(getattr(got.gather[name], f), getattr(gw, f), (name, f))
+    assert got.compression.keys() == want.compression.keys()
+    for name, cw in want.compression.items():
+        for f in ("src", "missing", "dst", "positions"):
+            _assert_same(getattr(got.compression[name], f), getattr(cw, f), (name, f))
+    for name in combined:
+        _assert_same(got.window_and_entries_valid(name), want.window_and_entries_valid(name), name)
+    if want.token_mask is None:
+        assert got.token_mask is None
+    else:
+        assert torch.equal(got.token_mask, want.token_mask)
+
+
 @needs_triton
 @pytest.mark.parametrize("seed", range(12))
-def test_graph_metadata_of_a_verify_step_matches_build(seed):
-    """The verify graphs' shape (``spec_decode/graphs.VerifyGraphs``): R requests of 1 + K
-    consecutive tokens each, the padded requests' tokens on the null row at position 0.
-    ``GraphMetadata`` with the metadata kernels equals its torch path field by field."""
+def test_graph_metadata_of_speculation_steps_matches_build(seed):
+    """The speculation graphs' shapes (``spec_decode/graphs.py``): a verify step of R
+    requests x (1 + K) consecutive tokens, the padded requests' tokens on the null row at
+    position 0 (every group, masked), and the MTP proposal's passes (the sliding group
+    alone: the first over those rows unmasked, a chained one of a token a request masked).
+    ``GraphMetadata``'s metadata kernels equal its torch path field by field."""
     from rackserve.runner.cuda_graph import GraphMetadata
 
     cfg, groups, start, _, rows, tables, bucket, _ = _random_step(seed)
@@ -184,40 +206,35 @@ def test_graph_metadata_of_a_verify_step_matches_build(seed):
     req = torch.arange(len(rows)).repeat_interleave(width)
     positions = (start[req] + torch.arange(width).repeat(len(rows))).clamp(max=bucket - 1)
     positions[rows[req] == null_row] = 0
-    every = torch.arange(len(req))
     with torch.device("meta"):  # the layers' kinds and groups only: no weights
         model = DeepseekV4ForCausalLM(cfg, with_mtp=False, kernels="triton")
-
-    class Buffers:  # what GraphMetadata reads of StepBuffers
-        device = torch.device(DEVICE)
-        ratios = sorted({grp.ratio for grp in groups if grp.ratio > 1})
-
-    Buffers.tables = {k: v.to(DEVICE) for k, v in tables.items()}
-    Buffers.null_row = null_row
-    meta = GraphMetadata(model, groups, Buffers)
-    assert meta.fast
-    args = [x.to(DEVICE) for x in (positions, req, rows)]
-    counts = torch.full((3, 5), 9, dtype=torch.int64, device=DEVICE)
-    got = meta(*args, bucket, counts, every.to(DEVICE))
-    assert not counts.any()
-    meta.fast = False
-    counts.fill_(9)
-    want = meta(*args, bucket, counts, every.to(DEVICE))
-    assert not counts.any()
-    assert got.slot_mapping.keys() == want.slot_mapping.keys()
-    for name, slots in want.slot_mapping.items():
-        _assert_same(got.slot_mapping[name], slots, ("slot_mapping", name))
-    for name, gw in want.gather.items():
-        for f in ("slots", "valid", "num_visible"):
-            _assert_same(getattr(got.gather[name], f), getattr(gw, f), (name, f))
-    assert got.compression.keys() == want.compression.keys()
-    for name, cw in want.compression.items():
-        for f in ("src", "missing", "dst", "positions"):
-            _assert_same(getattr(got.compression[name], f), getattr(cw, f), (name, f))
-    for name in meta.combined:
-        _assert_same(got.window_and_entries_valid(name), want.window_and_entries_valid(name), name)
-    assert torch.equal(got.token_mask, want.token_mask)
-    assert got.token_mask.sum() == width * int((rows != null_row).sum())
+    tables = {k: v.to(DEVICE) for k, v in tables.items()}
+    swa = [g for g in groups if g.name == "swa"]
+    positions, req, rows = (x.to(DEVICE) for x in (positions, req, rows))
+    every = torch.arange(len(req), device=DEVICE)
+    one = torch.arange(len(rows), device=DEVICE)
+    cases = [  # (groups, positions, token_req, every token, masked, counts)
+        (groups, positions, req, every, True, True),
+        (swa, positions, req, None, False, False),
+        (swa, start.to(DEVICE).clamp(max=bucket - 2) + 1, one, None, True, False),
+    ]
+    for case_groups, pos, token_req, every_token, masked, with_counts in cases:
+        meta = GraphMetadata(model, case_groups, tables, null_row, torch.device(DEVICE))
+        assert meta.fast
+        got_want = []
+        for fast in (True, False):
+            meta.fast = fast
+            counts = torch.full((3, 5), 9, dtype=torch.int64, device=DEVICE)
+            clear = counts if with_counts else None
+            got_want.append(meta(pos, token_req, rows, bucket, every_token, clear, masked))
+            assert not counts.any() if with_counts else counts.eq(9).all()
+        got, want = got_want
+        _assert_same_metadata(got, want, meta.combined)
+        if masked:
+            real = int((rows[token_req] != null_row).sum())
+            assert int(got.token_mask.sum()) == real
+        else:
+            assert got.token_mask is None
 
 
 @needs_triton

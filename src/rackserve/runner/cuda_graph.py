@@ -39,7 +39,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import gc
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache, partial
 from typing import Any
@@ -49,7 +49,7 @@ import torch
 
 from rackserve.config import HCA
 from rackserve.kv.spec import CacheGroupSpec
-from rackserve.model.batch import KVCacheTensors, StepMetadata
+from rackserve.model.batch import KVCacheTensors, StepMetadata, compressed_ratios
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 from rackserve.runner.graph_sampling import InGraphSampling, SamplerVariant, StaticSampling
 from rackserve.runner.inputs import StepInputs
@@ -158,17 +158,26 @@ class GraphMetadata:
     expert counts zeroed. On a GPU, and on the CPU when the model runs Triton everywhere
     (the interpreter: the launch-count tests), the metadata kernels (``ops/triton/
     step_meta.py``: a launch per cache group); else ``StepMetadata.build`` (torch ops).
-    Decode, verify and prefill graphs share it (``fast``: which one; a benchmark flips it)."""
+    The decode, prefill, verify and MTP proposal graphs share it (``fast``: which path; a
+    benchmark flips it). ``tables``: the full [rows, cols] int64 device table of each
+    group, ``null_row`` their all-null row."""
 
     def __init__(
-        self, model: DeepseekV4ForCausalLM, groups: Sequence[CacheGroupSpec], buffers: StepBuffers
+        self,
+        model: DeepseekV4ForCausalLM,
+        groups: Sequence[CacheGroupSpec],
+        tables: Mapping[str, torch.Tensor],
+        null_row: int,
+        device: torch.device,
     ) -> None:
-        self.groups, self.buffers = list(groups), buffers
-        self.fast = buffers.device.type == "cuda" or model.kernels.name == "triton"
+        self.groups, self.tables, self.null_row = list(groups), tables, null_row
+        self.fast = device.type == "cuda" or model.kernels.name == "triton"
         # compressed groups read as [window | entries] by HCA layers: derived with the rest
+        names = {g.name for g in self.groups}
         self.combined = {
             layer.attn.entry_group for layer in model.model.layers if layer.attn.kind == HCA
-        }
+        } & names
+        self.ratios = compressed_ratios(self.groups)
 
     def __call__(
         self,
@@ -176,27 +185,32 @@ class GraphMetadata:
         token_req: torch.Tensor,
         rows: torch.Tensor,
         bucket: int,
-        expert_counts: torch.Tensor,
-        every_token: torch.Tensor,
+        every_token: torch.Tensor | None = None,
+        expert_counts: torch.Tensor | None = None,
+        masked: bool = True,
     ) -> StepMetadata:
         """positions, token_req [T]; rows [R] the requests' table rows; every_token [T]
-        arange(T) (a static buffer: the torch path's closing candidates)."""
+        arange(T) (a static buffer: the torch path's closing candidates; None without
+        compressed groups); ``expert_counts`` zeroed; ``masked``: token_mask = rows[token_req]
+        != null_row (else None)."""
+        null_row = self.null_row if masked else None
         if self.fast:  # its first launch zeroes the expert counts too
             from rackserve.ops.triton.step_meta import step_metadata
 
             return step_metadata(
-                self.groups, positions, token_req, rows, self.buffers.tables, bucket,
-                self.buffers.null_row, self.combined, clear=expert_counts,
+                self.groups, positions, token_req, rows, self.tables, bucket, null_row,
+                self.combined, clear=expert_counts,
             )  # fmt: skip
-        expert_counts.zero_()
+        if expert_counts is not None:
+            expert_counts.zero_()
         return StepMetadata.build(
             self.groups,
             positions,
             token_req,
-            {name: table[rows] for name, table in self.buffers.tables.items()},
+            {g.name: self.tables[g.name][rows] for g in self.groups},
             bucket,
-            {r: every_token for r in self.buffers.ratios},
-            token_mask=rows[token_req] != self.buffers.null_row,
+            {r: every_token for r in self.ratios},
+            token_mask=None if null_row is None else rows[token_req] != null_row,
         )
 
 
@@ -227,7 +241,7 @@ class _StepGraphs:
         )
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
-        self.meta = GraphMetadata(model, groups, buffers)
+        self.meta = GraphMetadata(model, groups, buffers.tables, buffers.null_row, device)
 
     def _num_extra(self, b: int) -> int:
         """Static ints a graph of b tokens reads past its ids, positions and rows."""
@@ -244,7 +258,7 @@ class _StepGraphs:
         candidate, padded rows masked), the expert counts zeroed for the step."""
         _, positions, rows = self.inputs(b)[:3]
         req = self.token_req[:b]  # one token a request
-        return self.meta(positions, req, rows, bucket, self.expert_counts, req)
+        return self.meta(positions, req, rows, bucket, req, self.expert_counts)
 
     def hidden(self, b: int, bucket: int, head_rows: torch.Tensor | None = None) -> torch.Tensor:
         """The forward from the static buffers: metadata, then the model: hidden [b, D]

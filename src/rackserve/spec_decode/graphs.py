@@ -109,7 +109,7 @@ class VerifyGraphs:
         self.expert_counts = torch.zeros(
             cfg.num_hidden_layers, cfg.n_routed_experts, dtype=torch.int64, device=device
         )
-        self.meta = GraphMetadata(model, groups, buffers)
+        self.meta = GraphMetadata(model, groups, buffers.tables, buffers.null_row, device)
 
     def inputs(self, b: int) -> list[torch.Tensor]:
         """The static inputs of B = b requests: ids, positions [T] and table rows [B]."""
@@ -121,7 +121,7 @@ class VerifyGraphs:
         t = b * self.width
         ids, positions, rows = self.inputs(b)
         token_req, every = self.token_req[:t], self.flat_index[:t]
-        meta = self.meta(positions, token_req, rows, bucket, self.expert_counts, every)
+        meta = self.meta(positions, token_req, rows, bucket, every, self.expert_counts)
         hidden, streams = self.model(ids, meta, self.caches, self.expert_counts)
         return self.model.compute_logits(hidden), streams
 
@@ -304,29 +304,26 @@ class MTPGraphs(_ProposalGraphs):
     ) -> None:
         super().__init__(buffers, num_drafts, batch_sizes, buckets, width=1 + num_drafts)
         self.model, self.caches, self.swa = model, caches, swa
-        self.table = buffers.tables[swa.name]
+        self.meta = GraphMetadata(model, [swa], buffers.tables, buffers.null_row, buffers.device)
         cfg, rows = model.cfg, self.max_rows
         self.streams = torch.zeros(
             rows, cfg.hc_mult, cfg.hidden_size, dtype=model.head.weight.dtype,
             device=buffers.device,
         )  # fmt: skip
 
-    def _meta(self, positions, token_req, rows, bucket: int, mask=None) -> StepMetadata:
-        tables = {self.swa.name: self.table[rows]}
-        return StepMetadata.build([self.swa], positions, token_req, tables, bucket, {}, mask)
-
     def _forward(self, b: int, bucket: int) -> torch.Tensor:
         t = b * self.width
         tokens, positions, token_req, rows, last = self.inputs(b)  # rows[b]: the pad request's
-        meta = self._meta(positions, token_req, rows, bucket)
+        # the padding writes the null block: unmasked, as the eager proposal's first pass
+        meta = self.meta(positions, token_req, rows, bucket, masked=False)
         hidden, x = self.model.mtp_forward(0, tokens, self.streams[:t], meta, self.caches)
         draft = self.model.compute_logits(hidden[last]).argmax(dim=-1)
         drafts = [draft]
         x, positions = x[last], positions[last]
-        live = rows[:b] != self.null_row
         for _ in range(1, self.num_drafts):
             positions = positions + 1
-            meta = self._meta(positions, self.flat_index[:b], rows[:b], bucket, live)
+            # masked: the padded requests' rows (rows[r] == null_row) are padding
+            meta = self.meta(positions, self.flat_index[:b], rows[:b], bucket)
             hidden, x = self.model.mtp_forward(0, draft, x, meta, self.caches)
             draft = self.model.compute_logits(hidden).argmax(dim=-1)
             drafts.append(draft)
