@@ -158,9 +158,9 @@ class GraphMetadata:
     expert counts zeroed. On a GPU, and on the CPU when the model runs Triton everywhere
     (the interpreter: the launch-count tests), the metadata kernels (``ops/triton/
     step_meta.py``: a launch per cache group); else ``StepMetadata.build`` (torch ops).
-    The decode, prefill, verify and MTP proposal graphs share it (``fast``: which path; a
-    benchmark flips it). ``tables``: the full [rows, cols] int64 device table of each
-    group, ``null_row`` their all-null row."""
+    The decode and prefill graphs and the speculation graphs (``spec_decode/graphs.py``)
+    share it (``fast``: which path; a benchmark flips it). ``tables``: the full [rows,
+    cols] int64 device table of each group, ``null_row`` their all-null row."""
 
     def __init__(
         self,

@@ -17,9 +17,9 @@ each on the H200 (2026-12-01, ``bench decode --profile``).
 
 Like ``runner/cuda_graph.DecodeGraphs`` (whose batch sizes and context buckets these
 reuse), a graph reads static device buffers, derives every index
-inside (``StepMetadata.build`` with every token a closing candidate and a token mask; the
-verify graphs as the decode graphs, through ``GraphMetadata``: on a GPU the metadata kernels),
-and pads with the null block-table row, so padded requests write only the null block. A key
+inside (``runner/cuda_graph.GraphMetadata``: every token a closing candidate and a token
+mask; on a GPU the metadata kernels, else ``StepMetadata.build``), and pads with the null
+block-table row, so padded requests write only the null block. A key
 that was not captured runs the same padded step eagerly: the CPU tests check that path.
 """
 
@@ -33,7 +33,6 @@ import numpy as np
 import torch
 
 from rackserve.kv.spec import CacheGroupSpec
-from rackserve.model.batch import StepMetadata, compressed_ratios
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 from rackserve.runner.cuda_graph import GraphMetadata, capture_region, frozen_gc
 from rackserve.runner.inputs import StepInputs
@@ -98,7 +97,6 @@ class VerifyGraphs:
         buckets: Sequence[int],
     ) -> None:
         self.model, self.caches, self.buffers = model, caches, buffers
-        self.groups = list(groups)
         self.width = 1 + num_drafts  # tokens per request
         self.set = _GraphSet(batch_sizes, buckets)
         device, n = buffers.device, max(batch_sizes)
@@ -171,9 +169,7 @@ class DraftGraphs:
         batch_sizes: Sequence[int],
         buckets: Sequence[int],
     ) -> None:
-        self.model, self.caches = model, caches
-        self.groups, self.tables, self.null_row = list(groups), tables, null_row
-        self.ratios = compressed_ratios(self.groups)
+        self.model, self.caches, self.null_row = model, caches, null_row
         self.set = _GraphSet(batch_sizes, buckets)
         device = next(iter(tables.values())).device
         n = max(batch_sizes)
@@ -181,18 +177,11 @@ class DraftGraphs:
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.rows = torch.full((n,), null_row, dtype=torch.int64, device=device)
         self.token_req = torch.arange(n, device=device)
+        self.meta = GraphMetadata(model, groups, tables, null_row, device)
 
     def _forward(self, b: int, bucket: int) -> torch.Tensor:
-        rows = self.rows[:b]
-        meta = StepMetadata.build(
-            self.groups,
-            self.positions[:b],
-            self.token_req[:b],
-            {name: table[rows] for name, table in self.tables.items()},
-            bucket,
-            {r: self.token_req[:b] for r in self.ratios},
-            token_mask=rows != self.null_row,
-        )
+        req = self.token_req[:b]
+        meta = self.meta(self.positions[:b], req, self.rows[:b], bucket, req)
         hidden, _ = self.model(self.input_ids[:b], meta, self.caches)
         return self.model.compute_logits(hidden)
 
@@ -358,17 +347,11 @@ class DraftProposalGraphs(_ProposalGraphs):
     ) -> None:
         super().__init__(buffers, num_drafts, batch_sizes, buckets, width=2 + num_drafts)
         self.model, self.caches = model, caches
-        self.groups, self.tables = list(groups), tables
-        self.ratios = compressed_ratios(self.groups)
+        self.meta = GraphMetadata(model, groups, tables, buffers.null_row, buffers.device)
 
     def _hidden(self, ids, positions, token_req, rows, bucket: int) -> torch.Tensor:
-        n = positions.shape[0]
-        meta = StepMetadata.build(
-            self.groups, positions, token_req,
-            {name: table[rows] for name, table in self.tables.items()}, bucket,
-            {r: self.flat_index[:n] for r in self.ratios},
-            token_mask=(rows != self.null_row)[token_req],
-        )  # fmt: skip
+        every = self.flat_index[: positions.shape[0]]
+        meta = self.meta(positions, token_req, rows, bucket, every)
         hidden, _ = self.model(ids, meta, self.caches)
         return hidden
 
