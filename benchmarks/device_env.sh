@@ -135,3 +135,17 @@ decode_sized_by_utilization() {
     --output "$R/decode_64_budget.json" > "$R/decode_64_budget.log" 2>&1
   grep -E "memory:|CUDA graphs|KV cache|decode x|Error" "$R/decode_64_budget.log" | head -8
 }
+# bench decode --profile at 32 requests, context 1024, on the checkpoint $MODEL: $1 the
+# record's name, $2 its limit (cut to what is left of $BUDGET_S), $3 a speculative config
+# (JSON, optional); records $R/decode_<name>_x32.json and $R/profile_<name>_x32.txt, and
+# prints the profile's device timeline
+decode_profile() {
+  local name=$1 limit=$2 spec=${3:-} t
+  t=$(cap "$limit"); echo "== bench decode --profile, $name x32 (${t}s)"
+  ((t)) && [[ -d $MODEL ]] && timeout "$t" "${rs[@]}" bench decode --model "$MODEL" \
+    --concurrency 32 --context 1024 --steps 12 --warmup 3 --kv-cache-memory 8000000000 \
+    ${spec:+--speculative-config "$spec"} --profile "$R/profile_${name}_x32.txt" \
+    --output "$R/decode_${name}_x32.json" 2>&1 | grep -E "^decode|Error"
+  [[ -f $R/profile_${name}_x32.txt ]] && sed -n '/== device timeline/,$p' \
+    "$R/profile_${name}_x32.txt" | head -14
+}

@@ -17,18 +17,8 @@ MODEL=/tmp/flash4mtp
 t=$(cap 90); echo "== model create, MTP layer (${t}s)"
 ((t)) && timeout "$t" "${rs[@]}" model create --preset v4-flash --layers 4 --experts 64 \
   --dtype bfloat16 --out "$MODEL" 2>&1 | tail -1
-prof() {  # name [spec json]
-  local name=$1 spec=${2:-} t
-  t=$(cap 75); echo "== bench decode --profile, $name x32 (${t}s)"
-  ((t)) && [[ -d $MODEL ]] && timeout "$t" "${rs[@]}" bench decode --model "$MODEL" \
-    --concurrency 32 --context 1024 --steps 12 --warmup 3 --kv-cache-memory 8000000000 \
-    ${spec:+--speculative-config "$spec"} --profile "$R/profile_${name}_x32.txt" \
-    --output "$R/decode_${name}_x32.json" 2>&1 | grep -E "^decode|Error"
-  [[ -f $R/profile_${name}_x32.txt ]] && sed -n '/== device timeline/,$p' \
-    "$R/profile_${name}_x32.txt" | head -12
-}
-prof mtp_k3 '{"method": "mtp", "num_speculative_tokens": 3}'
-prof plain
-prof mtp_k1 '{"method": "mtp", "num_speculative_tokens": 1}'
+decode_profile mtp_k3 75 '{"method": "mtp", "num_speculative_tokens": 3}'
+decode_profile plain 75
+decode_profile mtp_k1 75 '{"method": "mtp", "num_speculative_tokens": 1}'
 ls "$R"; (cd "$OUT" && tar czf s37.tgz r && rm -rf r)
 echo "== done in ${SECONDS}s"

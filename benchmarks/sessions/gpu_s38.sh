@@ -31,19 +31,9 @@ MODEL=/tmp/flash4mtp
 t=$(cap 90); echo "== model create, MTP layer (${t}s)"
 ((t)) && timeout "$t" "${rs[@]}" model create --preset v4-flash --layers 4 --experts 64 \
   --dtype bfloat16 --out "$MODEL" 2>&1 | tail -1
-prof() {  # name limit [spec json]
-  local name=$1 limit=$2 spec=${3:-} t
-  t=$(cap "$limit"); echo "== bench decode --profile, $name x32 (${t}s)"
-  ((t)) && [[ -d $MODEL ]] && timeout "$t" "${rs[@]}" bench decode --model "$MODEL" \
-    --concurrency 32 --context 1024 --steps 12 --warmup 3 --kv-cache-memory 8000000000 \
-    ${spec:+--speculative-config "$spec"} --profile "$R/profile_${name}_x32.txt" \
-    --output "$R/decode_${name}_x32.json" 2>&1 | grep -E "^decode|Error"
-  [[ -f $R/profile_${name}_x32.txt ]] && sed -n '/== device timeline/,$p' \
-    "$R/profile_${name}_x32.txt" | head -14
-}
-prof plain 120
-prof mtp_k3 90 '{"method": "mtp", "num_speculative_tokens": 3}'
-prof mtp_k1 90 '{"method": "mtp", "num_speculative_tokens": 1}'
+decode_profile plain 120
+decode_profile mtp_k3 90 '{"method": "mtp", "num_speculative_tokens": 3}'
+decode_profile mtp_k1 90 '{"method": "mtp", "num_speculative_tokens": 1}'
 (( BUDGET_S - SECONDS > 150 )) && forward_gates
 ls "$R"; (cd "$OUT" && tar czf s38.tgz r && rm -rf r)
 echo "== done in ${SECONDS}s"

@@ -125,6 +125,27 @@ def _assert_same(got, want, what) -> None:
     assert torch.equal(got, want), what
 
 
+def _assert_same_metadata(got: StepMetadata, want: StepMetadata, combined) -> None:
+    assert got.slot_mapping.keys() == want.slot_mapping.keys()
+    for name, slots in want.slot_mapping.items():
+        _assert_same(got.slot_mapping[name], slots, ("slot_mapping", name))
+    assert got.gather.keys() == want.gather.keys()
+    for name, gw in want.gather.items():
+        for f in ("slots", "valid", "num_visible"):
+            _assert_same(getattr(got.gather[name], f), getattr(gw, f), (name, f))
+    assert got.compression.keys() == want.compression.keys()
+    for name, cw in want.compression.items():
+        for f in ("src", "missing", "dst", "positions"):
+            _assert_same(getattr(got.compression[name], f), getattr(cw, f), (name, f))
+    for name in combined:
+        _assert_same(got.window_and_entries_valid(name), want.window_and_entries_valid(name), name)
+    assert got.max_seq_len == want.max_seq_len
+    if want.token_mask is None:
+        assert got.token_mask is None
+    else:
+        assert torch.equal(got.token_mask, want.token_mask)
+
+
 @needs_triton
 @pytest.mark.parametrize("seed", range(24))
 def test_step_metadata_matches_build(seed, monkeypatch):
@@ -153,41 +174,7 @@ def test_step_metadata_matches_build(seed, monkeypatch):
         groups, pos, req, {k: v[rows] for k, v in tables.items()}, bucket,
         {r: req for r in ratios}, token_mask=mask,
     )  # fmt: skip
-    assert got.slot_mapping.keys() == want.slot_mapping.keys()
-    for name, slots in want.slot_mapping.items():
-        _assert_same(got.slot_mapping[name], slots, ("slot_mapping", name))
-    assert got.gather.keys() == want.gather.keys()
-    for name, gw in want.gather.items():
-        for f in ("slots", "valid", "num_visible"):
-            _assert_same(getattr(got.gather[name], f), getattr(gw, f), (name, f))
-    assert got.compression.keys() == want.compression.keys()
-    for name, cw in want.compression.items():
-        for f in ("src", "missing", "dst", "positions"):
-            _assert_same(getattr(got.compression[name], f), getattr(cw, f), (name, f))
-    for name in hca:
-        _assert_same(got.window_and_entries_valid(name), want.window_and_entries_valid(name), name)
-    assert got.max_seq_len == want.max_seq_len
-    assert (got.token_mask is None) if mask is None else torch.equal(got.token_mask, mask)
-
-
-def _assert_same_metadata(got: StepMetadata, want: StepMetadata, combined) -> None:
-    assert got.slot_mapping.keys() == want.slot_mapping.keys()
-    for name, slots in want.slot_mapping.items():
-        _assert_same(got.slot_mapping[name], slots, ("slot_mapping", name))
-    assert got.gather.keys() == want.gather.keys()
-    for name, gw in want.gather.items():
-        for f in ("slots", "valid", "num_visible"):
-            _assert_same(getattr(got.gather[name], f), getattr(gw, f), (name, f))
-    assert got.compression.keys() == want.compression.keys()
-    for name, cw in want.compression.items():
-        for f in ("src", "missing", "dst", "positions"):
-            _assert_same(getattr(got.compression[name], f), getattr(cw, f), (name, f))
-    for name in combined:
-        _assert_same(got.window_and_entries_valid(name), want.window_and_entries_valid(name), name)
-    if want.token_mask is None:
-        assert got.token_mask is None
-    else:
-        assert torch.equal(got.token_mask, want.token_mask)
+    _assert_same_metadata(got, want, hca)
 
 
 @needs_triton
