@@ -156,33 +156,6 @@ def test_one_token_align_is_the_scans_layout(seed, monkeypatch):
     assert_fp32_close(out, reference.moe_routed(*router, None, mask, w13, w2, 7.0))
 
 
-@pytest.mark.parametrize("seed", [0, 3, 5, 9, 14, 18])
-def test_router_in_the_align_launch(seed, monkeypatch):
-    """The router's logits inside the route + align launch (split-K slices, the last to
-    arrive routes and aligns; ``ROUTER_IN_ALIGN_MAX_TOKENS``) against the logits' own launch
-    first: the same picks and layout, weights to 1e-6 (fp32) or the same bits (bf16: both
-    round the fp32 logits once), the arrival counter back at zero."""
-    from rackserve.ops.triton import common, fused_moe
-    from rackserve.ops.triton import moe_routed as module
-
-    t, (e, k), hashed, shared = CASES[seed]
-    for dtype in (torch.float32, torch.bfloat16):
-        router, mask, w13, _ = _case(seed, t, e, k, hashed, shared, dtype)
-        tiling = fused_moe.default_tiling(t, k + int(shared), w13.shape[0], 32, router[0].device)
-        got = []
-        for limit in (15, None):
-            monkeypatch.setattr(module, "ROUTER_IN_ALIGN_MAX_TOKENS", limit)
-            got.append(module._route_align(router, None, mask, w13.shape[0], tiling, F.linear))
-        fused, apart = got
-        if t <= 15:
-            counter = common.ARRIVALS[("router", router[0].device)]
-            assert not counter.any()
-        assert torch.equal(fused[0], apart[0]) and torch.equal(fused[3], apart[3])
-        used = int((fused[3] < w13.shape[0]).sum()) * tiling.block_m  # rows past: unwritten
-        assert torch.equal(fused[2][:used], apart[2][:used])
-        torch.testing.assert_close(fused[1], apart[1], rtol=1e-6, atol=0)
-
-
 def test_one_token_align_with_a_repeated_expert():
     """A hash table whose row repeats an expert (the scans would put both pairs in one
     block): a block each, the same output as the reference."""

@@ -174,10 +174,8 @@ def test_wide_attention_overlaps_gathers_at_two_programs_per_sm():
 
 
 def test_fast_path_kernels_compile_for_sm90(monkeypatch):
-    from rackserve.ops.triton import mhc, moe_routed
+    from rackserve.ops.triton import mhc
 
-    # decode:1 computes the router's logits in the route + align launch (off by default)
-    monkeypatch.setattr(moe_routed, "ROUTER_IN_ALIGN_MAX_TOKENS", 1)
     # prefill kernels (attention, indexer, grouped MoE) from 24 tokens instead of 512 / 257
     monkeypatch.setattr(ops, "PREFILL_ATTN_MIN_TOKENS", 24)
     monkeypatch.setattr(ops, "PREFILL_ATTENTION_MIN_TOKENS", 24)
@@ -189,7 +187,7 @@ def test_fast_path_kernels_compile_for_sm90(monkeypatch):
     for name in ("sparse_attn_kernel", "prefill_attn_kernel", "_compress_kernel",
                  "moe_gate_up_fp4_kernel", "fp8_gemm_kernel", "gemv_kernel",
                  "select_topk_kernel", "radix_topk_kernel", "_step_meta_kernel",
-                 "_embed_streams_kernel", "_router_route_align_kernel"):  # fmt: skip
+                 "_embed_streams_kernel", "_route_align_kernel"):  # fmt: skip
         assert any(name in k for k in kernels), (name, sorted(kernels))
     halves = {(s["constexprs"]["MIXES"], s["constexprs"]["COLLAPSE"]) for s in specs
               if s["kernel"] == "hc_finish_kernel"}  # fmt: skip

@@ -6,10 +6,15 @@ sum (``fused_moe.run_experts``).
 
 Routing and align share one program, so it serves batches whose pairs fit one align
 segment (T * (k + 1) <= 2048: every decode graph up to 256 tokens); larger ones route and
-align in two launches. Below 16 tokens the router's logits GEMM joins that launch too
-(``_router_route_align_kernel``: the split-K GEMV's K-slices, one a program; the slice that
-arrives last sums them in split order, routes and aligns): 3 launches. Grids depend on the
-shapes only: CUDA-graph safe.
+align in two launches. Grids depend on the shapes only: CUDA-graph safe.
+
+The router's logits stay a launch of their own (the op table's ``linear``: the split-K GEMV
+below 16 tokens). Computing them in the route + align launch (its K-slices one a program,
+the last to arrive routing and aligning) lost on the H100 twice: decode:1@4096 1.497 / 1.495
+ms against 1.480 / 1.479 (results/2026-12-07-s36.md: the one launch took 10.5 us a layer
+where the GEMV and the route + align take 4.6 + 3.4), then 1.461 / 1.464 against 1.463 /
+1.445 and 1.432 / 1.433 against 1.418 / 1.414 back to back in 8 slices, 1.479 / 1.479 in 32
+(results/2026-12-07-s37.md); removed after the second.
 """
 
 from __future__ import annotations
@@ -25,13 +30,9 @@ from rackserve.ops.reference import ExpertSlots
 from rackserve.ops.side_stream import SideStream
 from rackserve.ops.triton import fused_moe
 from rackserve.ops.triton.common import (
-    arrival_counters,
-    last_to_arrive,
     pdl,
     pdl_wait,
-    round_as,
 )
-from rackserve.ops.triton.gemv import gemv_slice, k_slices, sum_partials
 from rackserve.ops.triton.moe_align_kernels import align_one_token, align_pairs
 from rackserve.ops.triton.route import _SCORING, route_fused, route_tokens
 
@@ -40,14 +41,6 @@ ONE_PROGRAM_MAX_PAIRS = 64
 # One token's pairs laid out by ``align_one_token`` (a block per pair, no scans) instead of
 # ``align_pairs``' chain of [CHUNK, E] scans; False: the scans (the A/B's other side)
 ALIGN_ONE_TOKEN = True
-# Up to this many tokens (16-bit or fp32 router weights, at most 256 experts) the router's
-# logits are computed in the route + align launch (``_router_route_align_kernel``: the
-# split-K GEMV's slices, the last to arrive routes and aligns), one launch fewer a layer;
-# None: the logits by the table's ``linear`` first. Off: slower on the H100 (bench forward,
-# two alternating passes of 20 runs, results/2026-12-07-s36.md): decode:1@4096 1.497 / 1.495
-# ms at 15 against 1.480 / 1.479 off; the one launch took 10.5 us a layer where the GEMV
-# and the route + align take 4.6 + 3.4
-ROUTER_IN_ALIGN_MAX_TOKENS: int | None = None
 # With ``shared_beside``, the order the side stream's two launches are issued in (the graph's
 # dependencies are the same): True, the shared gate-up after the router's and the align's
 # launches and its down after the routed experts'; False, both right after the fork, before
@@ -56,35 +49,6 @@ ROUTER_IN_ALIGN_MAX_TOKENS: int | None = None
 # is benchmarks/graph_branch_probe.py), the second order starts the router only once the
 # side stream's earlier work (a block's mHC comb) and the shared gate-up have run.
 SHARED_ISSUED_LATE = True
-
-
-@triton.jit
-def _route_then_align(
-    logits_ptr, bias_ptr, table_ptr, input_ids_ptr, ids_ptr, w_ptr, counts_ptr, mask_ptr,
-    sorted_ptr, block_expert_ptr, num_tokens, scaling, shared_id, num_experts, num_pairs,
-    num_blocks, E: tl.constexpr, K: tl.constexpr, SCORING: tl.constexpr, HASHED: tl.constexpr,
-    SHARED: tl.constexpr, COUNT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_M: tl.constexpr, ALIGN_E: tl.constexpr, CHUNK: tl.constexpr, BLOCK_B: tl.constexpr,
-    ONE_TOKEN: tl.constexpr, BLOCK_P: tl.constexpr,
-):  # fmt: skip
-    """One program: every token routed (``route_tokens``), then the pairs aligned."""
-    for block in range(0, tl.cdiv(num_tokens, BLOCK_T)):
-        route_tokens(
-            block, logits_ptr, bias_ptr, table_ptr, input_ids_ptr, ids_ptr, w_ptr, counts_ptr,
-            mask_ptr, num_tokens, scaling, shared_id,
-            E, K, SCORING, HASHED, SHARED, COUNT, BLOCK_T, BLOCK_E,
-        )  # fmt: skip
-    tl.debug_barrier()  # the ids this program's threads wrote, visible to all of them
-    if ONE_TOKEN:
-        align_one_token(
-            ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, num_blocks,
-            BLOCK_M, BLOCK_P, BLOCK_B,
-        )  # fmt: skip
-    else:
-        align_pairs(
-            0, ids_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts,
-            num_pairs, 1, num_blocks, BLOCK_M, ALIGN_E, CHUNK, BLOCK_B, True,
-        )  # fmt: skip
 
 
 @triton.jit
@@ -103,54 +67,24 @@ def _route_align_kernel(
     BLOCK_P: tl.constexpr,  # ONE_TOKEN: its pairs, padded
     PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):  # fmt: skip
+    """One program: every token routed (``route_tokens``), then the pairs aligned."""
     pdl_wait(PDL)
-    _route_then_align(
-        logits_ptr, bias_ptr, table_ptr, input_ids_ptr, ids_ptr, w_ptr, counts_ptr, mask_ptr,
-        sorted_ptr, block_expert_ptr, num_tokens, scaling, shared_id, num_experts, num_pairs,
-        num_blocks, E, K, SCORING, HASHED, SHARED, COUNT, BLOCK_T, BLOCK_E, BLOCK_M, ALIGN_E,
-        CHUNK, BLOCK_B, ONE_TOKEN, BLOCK_P,
-    )  # fmt: skip
-
-
-@triton.jit
-def _router_route_align_kernel(
-    x_ptr,  # [T, D] the MoE's input
-    gate_ptr,  # [E, D] the router's weight
-    part_ptr,  # [S, T, E] fp32 partials
-    counter_ptr,  # int32 arrival counter, zero between launches
-    D, k_per_split, stride_x, stride_g,
-    logits_ptr,  # [T, E] out: the logits in x's dtype (as the GEMV rounds them)
-    bias_ptr, table_ptr, input_ids_ptr, ids_ptr, w_ptr, counts_ptr, mask_ptr, sorted_ptr,
-    block_expert_ptr, num_tokens, scaling, shared_id, num_experts, num_pairs, num_blocks,
-    E: tl.constexpr, K: tl.constexpr, SCORING: tl.constexpr, HASHED: tl.constexpr,
-    SHARED: tl.constexpr, COUNT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_M: tl.constexpr, ALIGN_E: tl.constexpr, CHUNK: tl.constexpr, BLOCK_B: tl.constexpr,
-    ONE_TOKEN: tl.constexpr, BLOCK_P: tl.constexpr,
-    GEMV_T: tl.constexpr,  # the GEMV's token rows (>= 16: tl.dot's M)
-    BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """The router's logits as the split-K GEMV computes them (program s: K-slice s), and
-    the split that arrives last routes and aligns: ``_route_align_kernel`` without the
-    logits' own launch before it."""
-    pdl_wait(PDL)
-    s = tl.program_id(0)
-    acc, t, n, mask = gemv_slice(
-        x_ptr, gate_ptr, num_tokens, E, D, s * k_per_split, k_per_split, stride_x, stride_g, 0,
-        GEMV_T, BLOCK_E, BLOCK_K, FP32_DOT,
-    )  # fmt: skip
-    part = part_ptr + t[:, None] * E + n[None, :]
-    tl.store(part + s * num_tokens * E, acc, mask=mask)
-    num_splits = tl.num_programs(0)
-    if last_to_arrive(counter_ptr, num_splits):
-        total = sum_partials(part, num_tokens * E, num_splits, mask, GEMV_T, BLOCK_E)
-        dtype = x_ptr.dtype.element_ty
-        tl.store(logits_ptr + t[:, None] * E + n[None, :], round_as(total, dtype).to(dtype), mask)
-        tl.debug_barrier()  # the logits, visible to every thread of this program
-        _route_then_align(
-            logits_ptr, bias_ptr, table_ptr, input_ids_ptr, ids_ptr, w_ptr, counts_ptr,
-            mask_ptr, sorted_ptr, block_expert_ptr, num_tokens, scaling, shared_id,
-            num_experts, num_pairs, num_blocks, E, K, SCORING, HASHED, SHARED, COUNT,
-            BLOCK_T, BLOCK_E, BLOCK_M, ALIGN_E, CHUNK, BLOCK_B, ONE_TOKEN, BLOCK_P,
+    for block in range(0, tl.cdiv(num_tokens, BLOCK_T)):
+        route_tokens(
+            block, logits_ptr, bias_ptr, table_ptr, input_ids_ptr, ids_ptr, w_ptr, counts_ptr,
+            mask_ptr, num_tokens, scaling, shared_id,
+            E, K, SCORING, HASHED, SHARED, COUNT, BLOCK_T, BLOCK_E,
+        )  # fmt: skip
+    tl.debug_barrier()  # the ids this program's threads wrote, visible to all of them
+    if ONE_TOKEN:
+        align_one_token(
+            ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, num_blocks,
+            BLOCK_M, BLOCK_P, BLOCK_B,
+        )  # fmt: skip
+    else:
+        align_pairs(
+            0, ids_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts,
+            num_pairs, 1, num_blocks, BLOCK_M, ALIGN_E, CHUNK, BLOCK_B, True,
         )  # fmt: skip
 
 
@@ -266,21 +200,6 @@ def _check_routing(
                      torch.empty(num_tokens, cols, device=x.device), w13, w2)  # fmt: skip
 
 
-def _router_splits(x: torch.Tensor, gate_weight: torch.Tensor) -> tuple[int, int] | None:
-    """(K-slices, BLOCK_K) of the router's logits inside the route + align launch
-    (``_router_route_align_kernel``), or None: the logits by ``linear`` first (past
-    ``ROUTER_IN_ALIGN_MAX_TOKENS``, or more than 256 experts). On a GPU, slices of 64 KB of
-    the weight each (V4-Flash's 64 x 4096: 8 slices of 512 inputs, the GEMV's own split)."""
-    num_tokens, (num_experts, d) = x.shape[0], gate_weight.shape
-    limit = ROUTER_IN_ALIGN_MAX_TOKENS
-    if limit is None or num_tokens > limit or num_experts > 256 or gate_weight.dtype != x.dtype:
-        return None
-    block_k = 128 if x.is_cuda else 32
-    k_blocks = triton.cdiv(d, block_k)
-    want = triton.cdiv(num_experts * d * x.element_size(), 64 * 1024) if x.is_cuda else 4
-    return max(1, min(k_blocks, want)), block_k
-
-
 def _route_align(
     routing: tuple,
     expert_counts: torch.Tensor | None,
@@ -290,9 +209,8 @@ def _route_align(
     linear: Callable,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The router's logits, then one program routing every token and aligning the pairs of
-    experts [0, aligned): (ids, weights [T, k (+ 1)], sorted_ids, block_expert); the logits
-    in the same launch where ``_router_splits`` says so. ``routing``: ``moe_routed``'s
-    arguments from x to shared_expert."""
+    experts [0, aligned): (ids, weights [T, k (+ 1)], sorted_ids, block_expert).
+    ``routing``: ``moe_routed``'s arguments from x to shared_expert."""
     x, gate_weight, bias, table, input_ids, top_k, scoring_func, scaling, shared_expert = routing
     num_tokens = x.shape[0]
     cols = top_k + int(shared_expert is not None)
@@ -330,22 +248,6 @@ def _route_align(
         BLOCK_P=max(16, triton.next_power_of_2(num_pairs)),
         num_warps=4 if num_pairs <= 16 or align_e < 128 else 8, **pdl(x.device),
     )  # fmt: skip
-    split = _router_splits(x, gate_weight)
-    counter = None if split is None else arrival_counters("router", x.device, 1)
-    if counter is None:  # the logits first (a launch of their own)
-        logits = linear(x, gate_weight).contiguous()  # [T, E] in the activation dtype
-        _route_align_kernel[(1,)](logits, *route_args, **constexprs)
-        return ids, weights, sorted_ids, block_expert
-    splits, block_k = split
-    x = x if x.stride(1) == 1 else x.contiguous()
-    gate_weight = gate_weight if gate_weight.stride(1) == 1 else gate_weight.contiguous()
-    k_per_split, splits = k_slices(x.shape[1], block_k, splits)
-    logits = torch.empty(num_tokens, routed, dtype=x.dtype, device=x.device)
-    part = torch.empty(splits, num_tokens, routed, dtype=torch.float32, device=x.device)
-    _router_route_align_kernel[(splits,)](
-        x, gate_weight, part, counter, x.shape[1], k_per_split, x.stride(0),
-        gate_weight.stride(0), logits, *route_args,
-        GEMV_T=max(16, triton.next_power_of_2(num_tokens)), BLOCK_K=block_k,
-        FP32_DOT=x.dtype == torch.float32 or not x.is_cuda, **constexprs,
-    )  # fmt: skip
+    logits = linear(x, gate_weight).contiguous()  # [T, E] in the activation dtype
+    _route_align_kernel[(1,)](logits, *route_args, **constexprs)
     return ids, weights, sorted_ids, block_expert
