@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from rackserve.bench.kernel_timeline import Kernel, format_timelines, step_timelines
+from rackserve.bench.kernel_timeline import Span, format_timelines, step_timelines
 
 
 def test_busy_is_the_union_and_gaps_name_their_neighbours():
     kernels = [
-        Kernel(10, 30, "verify_a"),
-        Kernel(20, 40, "side"),  # overlaps verify_a: counted once
-        Kernel(100, 110, "draft"),  # 60 us idle after side
-        Kernel(212, 230, "next_step"),  # the second step's
+        Span(10, 30, "verify_a"),
+        Span(20, 40, "side"),  # overlaps verify_a: counted once
+        Span(100, 110, "draft"),  # 60 us idle after side
+        Span(212, 230, "next_step"),  # the second step's
     ]
     first, second = step_timelines([(0, 50), (200, 240)], kernels)
     assert first.wall_us == 200 and first.kernels == 3
@@ -29,14 +29,14 @@ def test_busy_is_the_union_and_gaps_name_their_neighbours():
 
 
 def test_a_kernel_inside_another_adds_nothing():
-    (t,) = step_timelines([(0, 100)], [Kernel(0, 100, "long"), Kernel(10, 20, "short")])
+    (t,) = step_timelines([(0, 100)], [Span(0, 100, "long"), Span(10, 20, "short")])
     assert t.busy_us == pytest.approx(100) and t.gaps == ()
     text = format_timelines([t])
     assert text.startswith("step 1: wall 0.100 ms, kernels 0.100 ms (100%, 2 kernels)")
 
 
 def test_top_keeps_the_largest_gaps():
-    kernels = [Kernel(10 * i + i * i, 10 * i + i * i + 1, f"k{i}") for i in range(8)]
+    kernels = [Span(10 * i + i * i, 10 * i + i * i + 1, f"k{i}") for i in range(8)]
     (t,) = step_timelines([(0, 1)], kernels, top=2)
     assert len(t.gaps) == 2 and t.gaps[0].us >= t.gaps[1].us
     assert t.gaps[0].before == "k7"
@@ -44,7 +44,7 @@ def test_top_keeps_the_largest_gaps():
 
 def test_a_kernel_across_steps_counts_in_each_window():
     """Async scheduling: step 1's forward runs on into step 2's window."""
-    kernels = [Kernel(5, 150, "forward_1"), Kernel(160, 190, "forward_2")]
+    kernels = [Span(5, 150, "forward_1"), Span(160, 190, "forward_2")]
     first, second = step_timelines([(0, 20), (100, 120)], kernels)
     assert first.busy_us == pytest.approx(95) and first.kernels == 1
     assert second.busy_us == pytest.approx(80) and second.kernels == 1
@@ -54,12 +54,12 @@ def test_a_kernel_across_steps_counts_in_each_window():
 
 def test_host_phases_are_summed_per_window_in_order():
     phases = [
-        Kernel(0, 2, "schedule"),
-        Kernel(2, 5, "launch"),
-        Kernel(5, 40, "wait"),
-        Kernel(41, 42, "update"),
-        Kernel(45, 47, "update"),  # a second range of the same phase adds up
-        Kernel(100, 103, "schedule"),  # the next step's
+        Span(0, 2, "schedule"),
+        Span(2, 5, "launch"),
+        Span(5, 40, "wait"),
+        Span(41, 42, "update"),
+        Span(45, 47, "update"),  # a second range of the same phase adds up
+        Span(100, 103, "schedule"),  # the next step's
     ]
     first, second = step_timelines([(0, 50), (100, 110)], [], phases=phases)
     assert first.host == (("schedule", 2), ("launch", 3), ("wait", 35), ("update", 3))

@@ -334,23 +334,24 @@ def _timelines(prof: Any) -> str:
     second step on: the first one's host time includes the profiler's start)."""
     from torch.autograd import DeviceType
 
-    from rackserve.bench.kernel_timeline import Kernel, format_timelines, step_timelines
+    from rackserve.bench.kernel_timeline import Span, format_timelines, step_timelines
     from rackserve.engine.step_phases import PREFIX
 
     steps, kernels, phases = [], [], []
     for e in prof.events():
         span = (e.time_range.start, e.time_range.end)
-        if e.name == _STEP_RANGE or e.name.startswith(PREFIX):
-            # host ranges (a GPU annotation of a range is no kernel)
-            if e.device_type == DeviceType.CPU and e.name == _STEP_RANGE:
+        host = e.device_type == DeviceType.CPU  # a range's GPU annotation is no kernel
+        if e.name == _STEP_RANGE:
+            if host:
                 steps.append(span)
-            elif e.device_type == DeviceType.CPU:
-                phases.append(Kernel(*span, e.name.removeprefix(PREFIX)))
+        elif e.name.startswith(PREFIX):
+            if host:
+                phases.append(Span(*span, e.name.removeprefix(PREFIX)))
         elif e.device_type == DeviceType.CUDA:
-            kernels.append(Kernel(*span, e.name))
+            kernels.append(Span(*span, e.name))
     timelines = step_timelines(sorted(steps)[1:], kernels, phases=phases)
-    if not kernels:
-        timelines = [dataclasses.replace(t, busy_us=0.0, gaps=()) for t in timelines]
+    if not kernels:  # each step one idle gap, its whole window: only the host phases say more
+        timelines = [dataclasses.replace(t, gaps=()) for t in timelines]
         return "no device kernels (CPU run)\n" + format_timelines(timelines)
     return format_timelines(timelines)
 

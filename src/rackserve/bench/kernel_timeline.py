@@ -17,7 +17,9 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class Kernel:
+class Span:
+    """A kernel's or a host phase's interval on the profiler's clock (microseconds)."""
+
     start_us: float
     end_us: float
     name: str
@@ -45,9 +47,9 @@ class StepTimeline:
 
 def step_timelines(
     steps: Sequence[tuple[float, float]],
-    kernels: Iterable[Kernel],
+    kernels: Iterable[Span],
     top: int = 4,
-    phases: Iterable[Kernel] = (),
+    phases: Iterable[Span] = (),
 ) -> list[StepTimeline]:
     """steps: the host interval (start, end) of each step, in order, in the kernels' clock
     (microseconds). The last window ends at the end of its interval or of the last kernel

@@ -315,8 +315,7 @@ class EngineCore:
         N+1 ran while N was on the device. An empty step is collected at once, so a step
         stays in flight only while there is work."""
         marked = mark_placeholders(self.scheduler, sched)
-        with phase("launch"):
-            launched = InFlight(sched, self.runner.launch(sched), marked)
+        launched = InFlight(sched, self.runner.launch(sched), marked)
         done, self._in_flight = self._in_flight, launched
         if done is None:  # nothing was in flight: only what schedule() finished
             outputs = self.scheduler.update(sched, RunnerOutput(req_ids=[], sampled_token_ids=[]))

@@ -12,6 +12,8 @@ otherwise :func:`phase` is a no-op context (no profiler call on the engine's hot
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -32,3 +34,17 @@ def phase(name: str) -> AbstractContextManager:
     if _recording:
         return torch.profiler.record_function(PREFIX + name)
     return nullcontext()
+
+
+def phased(name: str) -> Callable[[Callable], Callable]:
+    """A method or function whose every call is the phase ``name``."""
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            with phase(name):
+                return fn(*args, **kwargs)
+
+        return inner
+
+    return wrap

@@ -19,7 +19,7 @@ import torch
 from rackserve.config import SpecConfig
 from rackserve.engine.async_scheduling import InlineDevice
 from rackserve.engine.outputs import RunnerOutput, SchedulerOutput, TokenLogprobs
-from rackserve.engine.step_phases import phase
+from rackserve.engine.step_phases import phase, phased
 from rackserve.kv.spec import CacheGroupSpec
 from rackserve.model.batch import KVCacheTensors
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
@@ -141,10 +141,9 @@ class ModelRunner:
     # ---- one step -----------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """One step, start to end (the synchronous engine)."""
-        with phase("launch"):
-            handle = self.launch(sched)
-        return self.collect(handle)
+        return self.collect(self.launch(sched))
 
+    @phased("launch")
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> StepHandle:
         """The host half of a step (deltas, inputs, sampling tensors), then its device work

@@ -292,7 +292,7 @@ class MTPGraphs(_ProposalGraphs):
         buckets: Sequence[int],
     ) -> None:
         super().__init__(buffers, num_drafts, batch_sizes, buckets, width=1 + num_drafts)
-        self.model, self.caches, self.swa = model, caches, swa
+        self.model, self.caches = model, caches
         self.meta = GraphMetadata(model, [swa], buffers.tables, buffers.null_row, buffers.device)
         cfg, rows = model.cfg, self.max_rows
         self.streams = torch.zeros(
