@@ -79,9 +79,16 @@ def test_proposal_graph_equals_eager(target_dir, close_draft_dir, method, k):
     }
 
     def recording(core, drafts: list):
-        proposer = core.runner.proposer
-        propose = proposer.propose
-        proposer.propose = lambda step: drafts.append(propose(step)) or drafts[-1]
+        """Each step's drafts, as the runner hands them to the scheduler."""
+        runner = core.runner
+        collect = runner.collect
+
+        def recorded(handle):
+            out = collect(handle)
+            drafts.append(out.draft_token_ids)
+            return out
+
+        runner.collect = recorded
         return core
 
     want, got = [], []
@@ -92,4 +99,4 @@ def test_proposal_graph_equals_eager(target_dir, close_draft_dir, method, k):
     assert core.scheduler.kv.usage == 0.0
     assert counts["proposal"] > 5 and counts["proposal"] >= counts["verify"] - 1, counts
     # the same drafts, step by step (outputs alone would not show it: verification is exact)
-    assert got == want and any(any(d) for d in want)
+    assert got == want and any(any(d.values()) for d in want)

@@ -14,6 +14,7 @@ from rackserve.runner.sampler import sample, sampling_noise
 from rackserve.runner.sampling_tensors import SamplingTensors
 from rackserve.spec_decode.verify import (
     accept_drafts,
+    accepted_counts,
     resample_rejected,
     sample_drafts,
     verification_prefixes,
@@ -27,6 +28,22 @@ def test_accept_drafts_longest_matching_prefix():
     assert accept_drafts([3], []) == [3]
     with pytest.raises(ValueError, match="one target token per draft"):
         accept_drafts([1, 2], [1, 2])
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_accepted_counts_is_accept_drafts_on_the_device(k):
+    """The device route's acceptance (every request at once) is the host rule's, for drafts
+    that match a prefix of every length, and ones that match again after a miss."""
+    gen = torch.Generator().manual_seed(k)
+    target = torch.randint(0, 4, (64, k + 1), generator=gen)
+    drafts = torch.where(torch.rand(64, k, generator=gen) < 0.7, target[:, :k], 9)
+    drafts[0], drafts[1] = target[0, :k], 9  # all accepted, none accepted
+    got = accepted_counts(drafts, target).tolist()
+    pairs = zip(target.tolist(), drafts.tolist(), strict=True)
+    want = [len(accept_drafts(t, d)) - 1 for t, d in pairs]
+    assert got == want
+    assert {0, k} <= set(got)
+    assert k == 1 or any(0 < a < k for a in got)
 
 
 def test_verification_prefixes():

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from rackserve.device import PinnedStaging
 from rackserve.engine.outputs import SchedulerOutput, TokenLogprobs
 from rackserve.request import SamplingParams
 from rackserve.runner.inputs import BlockTables, StepInputs, build_batch_inputs
@@ -74,6 +75,7 @@ class InputBatch:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.device = torch.device(device)
+        self._staging = PinnedStaging(self.device)  # the sampling tensors' one copy a step
         self._seed_rng = np.random.default_rng(seed)
         # Seeds drawn for unseeded requests, kept until they finish (not when preempted), so
         # a recomputed request samples with the same noise: its text does not depend on load.
@@ -181,7 +183,7 @@ class InputBatch:
         sampling = None
         if sampled:
             sampling = self.sampling_params.gather(
-                sampled_rows, sampled_token_ids, self.eos_token_ids, self.device
+                sampled_rows, sampled_token_ids, self.eos_token_ids, self.device, self._staging
             )
         return PreparedStep(
             reqs, inputs, sampled, sampling, self.block_tables.drain_writes(), sampled_drafts

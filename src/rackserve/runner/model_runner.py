@@ -49,7 +49,7 @@ from rackserve.runner.step_handle import (
 from rackserve.runner.structured_output import GrammarCompiler, StructuredOutputs
 from rackserve.spec_decode.checkpoint import DRAFT_PREFIX
 from rackserve.spec_decode.drafters import build_proposer
-from rackserve.spec_decode.proposer import Proposer, VerifiedStep
+from rackserve.spec_decode.proposer import Proposer, VerifiedStep, VerifyOutputs
 from rackserve.spec_decode.verify import accept_drafts
 
 
@@ -279,6 +279,11 @@ class ModelRunner:
                     assert step.sampling is not None and step.sampling.output_token_ids is not None
                     feed_outputs(step.sampling.output_token_ids.view(-1))
                 out = self._sample(step, logits, row_params, num_rows)
+            drafts = None
+            if verify_key is not None and out is not None:
+                drafts = self._propose_verified(
+                    step, verify_key, out.token_ids, streams, row_params
+                )
             host_ids = None if out is None else to_host(out.token_ids)
             return DeviceStep(
                 out=None if out is None else output_to_host(out),
@@ -289,7 +294,32 @@ class ModelRunner:
                 expert_counts=expert_counts.clone(),  # the static buffer is reused next step
                 streams=streams,
                 timer=timer.stop(),
+                host_drafts=None if drafts is None else to_host(drafts),
             )
+
+    def _propose_verified(
+        self,
+        step: PreparedStep,
+        key: tuple[int, int],
+        target_ids: torch.Tensor,
+        streams: torch.Tensor | None,
+        row_params: list[SamplingParams],
+    ) -> torch.Tensor | None:
+        """The next drafts [R, K] enqueued right behind a uniform verify step (graph
+        ``key``) whose requests all draft greedily (``Proposer.propose_verified``); None:
+        the collect proposes after the read-back."""
+        proposer = self.proposer
+        assert proposer is not None and proposer.graphs is not None and streams is not None
+        if not all(p.is_greedy for p in row_params):
+            return None
+        num = len(step.reqs)
+        ids, positions = proposer.graphs.staged(key, num)
+        inputs = step.inputs
+        verified = VerifyOutputs(
+            ids, positions, target_ids.view(num, -1), streams, inputs.rows,
+            inputs.max_seq_len + proposer.num_tokens,
+        )  # fmt: skip
+        return proposer.propose_verified(verified)
 
     def _sample(
         self,
@@ -345,9 +375,13 @@ class ModelRunner:
         drafts: dict[str, list[int]] = {}
         if self.proposer is not None:
             with phase("propose"):
-                drafts = self._propose(
-                    reqs, inputs, num_kept, sampled, res.streams, step, res.num_rows
-                )
+                if res.host_drafts is not None:  # proposed on the device (landed with the ids)
+                    proposed = res.host_drafts.tolist()
+                    drafts = {r.req_id: d for r, d in zip(reqs, proposed, strict=True)}
+                else:
+                    drafts = self._propose(
+                        reqs, inputs, num_kept, sampled, res.streams, step, res.num_rows
+                    )
         return RunnerOutput(
             req_ids=[r.req_id for r in reqs],
             sampled_token_ids=sampled,

@@ -18,19 +18,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rackserve.device import upload
+from rackserve.device import PinnedStaging
 from rackserve.request import SamplingParams
 
 __all__ = ["SamplingParamTable", "SamplingTensors", "noise_seed", "pad_token_ids"]
 
 
-def pad_token_ids(
-    rows: Sequence[Sequence[int]], pad_id: int, device: torch.device | str
-) -> torch.Tensor:
+def pad_token_ids(rows: Sequence[Sequence[int]], pad_id: int) -> np.ndarray:
     """Ragged id lists -> [R, max_len] int64 padded with `pad_id` (at least one column)."""
     width = max((len(row) for row in rows), default=0) or 1
-    packed = [list(row) + [pad_id] * (width - len(row)) for row in rows]
-    return torch.tensor(packed, dtype=torch.int64, device=device)
+    packed = np.full((len(rows), width), pad_id, dtype=np.int64)
+    for i, row in enumerate(rows):
+        packed[i, : len(row)] = row
+    return packed
 
 
 def noise_seed(seed: int) -> int:
@@ -193,10 +193,12 @@ class SamplingParamTable:
         token_ids: Sequence[list[int]],
         eos_token_ids: Sequence[int],
         device: torch.device | str,
+        staging: PinnedStaging | None = None,
     ) -> SamplingTensors:
         """SamplingTensors of ``rows`` [R] (in that order). ``token_ids[i]`` (prompt + output
         so far) belongs to ``rows[i]``; it is only sliced when a penalty or min_tokens
-        needs the prompt or output part."""
+        needs the prompt or output part. ``staging``: the runner's, reused step to step
+        (None: a new one)."""
         vocab_size = self.vocab_size
         prompt_lens = self.num_prompt_tokens[rows].tolist()
 
@@ -205,9 +207,6 @@ class SamplingParamTable:
 
         def outputs() -> list[list[int]]:
             return [ids[n:] for ids, n in zip(token_ids, prompt_lens, strict=True)]
-
-        def column(values: np.ndarray, dtype: np.dtype) -> torch.Tensor:
-            return upload(torch.from_numpy(values.astype(dtype)), device)
 
         is_greedy = self.is_greedy[rows]
         top_k = self.top_k[rows]
@@ -229,26 +228,41 @@ class SamplingParamTable:
                     blocked[i] = ([] if p.ignore_eos else list(eos_token_ids)) + p.stop_token_ids
         wants = self.wants_logprobs[rows]
         positions = np.fromiter(map(len, token_ids), dtype=np.int64, count=len(token_ids))
+        f32 = np.float32
+        columns = {  # what the batch needs, uploaded in one copy
+            "temperature": self.temperature[rows].astype(f32),
+            "is_greedy": is_greedy,
+            "seeds": self.seed[rows],
+            "positions": positions,
+        }
+        if (top_k < vocab_size).any():
+            columns["top_k"] = top_k
+        if (top_p < 1.0).any():
+            columns["top_p"] = top_p.astype(f32)
+        if (min_p > 0.0).any():
+            columns["min_p"] = min_p.astype(f32)
+        if use_presence_or_frequency:
+            columns["presence_penalty"] = presence.astype(f32)
+            columns["frequency_penalty"] = frequency.astype(f32)
+        if use_presence_or_frequency or use_repetition:
+            columns["output_token_ids"] = pad_token_ids(outputs(), vocab_size)
+        if use_repetition:
+            columns["repetition_penalty"] = repetition.astype(f32)
+            columns["prompt_token_ids"] = pad_token_ids(prompts(), vocab_size)
+        if blocked is not None and any(blocked):
+            columns["blocked_token_ids"] = pad_token_ids(blocked, vocab_size)
+        staging = staging if staging is not None else PinnedStaging(device)
+        tensors = dict(zip(columns, staging.upload(list(columns.values())), strict=True))
+        optional = (
+            "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+            "repetition_penalty", "output_token_ids", "prompt_token_ids", "blocked_token_ids",
+        )  # fmt: skip
         return SamplingTensors(
-            temperature=column(self.temperature[rows], np.float32),
-            is_greedy=upload(torch.from_numpy(is_greedy), device),
-            top_k=column(top_k, np.int64) if (top_k < vocab_size).any() else None,
-            top_p=column(top_p, np.float32) if (top_p < 1.0).any() else None,
-            min_p=column(min_p, np.float32) if (min_p > 0.0).any() else None,
-            presence_penalty=column(presence, np.float32) if use_presence_or_frequency else None,
-            frequency_penalty=column(frequency, np.float32) if use_presence_or_frequency else None,
-            repetition_penalty=column(repetition, np.float32) if use_repetition else None,
-            output_token_ids=pad_token_ids(outputs(), vocab_size, device)
-            if use_presence_or_frequency or use_repetition
-            else None,
-            prompt_token_ids=pad_token_ids(prompts(), vocab_size, device)
-            if use_repetition
-            else None,
-            blocked_token_ids=pad_token_ids(blocked, vocab_size, device)
-            if blocked is not None and any(blocked)
-            else None,
-            seeds=column(self.seed[rows], np.int64),
-            positions=column(positions, np.int64),
+            **{name: tensors.get(name) for name in optional},
+            temperature=tensors["temperature"],
+            is_greedy=tensors["is_greedy"],
+            seeds=tensors["seeds"],
+            positions=tensors["positions"],
             num_logprobs=int(self.num_logprobs[rows][wants].max()) if wants.any() else None,
             all_greedy=bool(is_greedy.all()),
             all_random=not is_greedy.any(),

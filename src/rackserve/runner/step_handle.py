@@ -79,6 +79,9 @@ class DeviceStep:
     expert_counts: torch.Tensor  # [L, E]
     streams: torch.Tensor | None  # [T, N, D] final streams (eager steps; the drafter)
     timer: StepTimer
+    # [R, K] the next drafts, proposed on the device behind a uniform verify step (greedy);
+    # on the host (pinned on a GPU) behind the ids' event. None: the collect proposes
+    host_drafts: torch.Tensor | None = None
 
 
 @dataclass

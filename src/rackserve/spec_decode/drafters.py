@@ -65,30 +65,6 @@ class MTPProposer(Proposer):
         )
         return [self.proposal_graphs]
 
-    def _propose_graph(self, step: VerifiedStep) -> list[list[int]] | None:
-        """The whole proposal as one graph replay, when the step was a uniform verify step
-        (1 + K tokens per request) whose requests all draft greedily; else None."""
-        graphs, width, num = self.proposal_graphs, 1 + self.num_tokens, len(step.num_kept)
-        if graphs is None or not self._uniform_greedy(step):
-            return None
-        kept = np.asarray(step.num_kept, dtype=np.int64)
-        base = np.asarray(step.num_computed, dtype=np.int64)
-        i = np.arange(width, dtype=np.int64)
-        real = i[None, :] < kept[:, None]  # [R, 1 + K]
-        positions = np.where(real, base[:, None] + 1 + i[None, :], 0)
-        tokens = np.zeros((num, width), dtype=np.int64)
-        for r, ids in enumerate(step.token_ids):
-            tokens[r, : kept[r]] = ids[base[r] + 1 : base[r] + 1 + kept[r]]
-        token_req = np.where(real, np.arange(num)[:, None], num)
-        last = np.arange(num, dtype=np.int64) * width + kept - 1
-        # the chain's last position: L + kept + K - 1
-        max_len = int((base + kept).max()) + self.num_tokens
-        graphs.stage_streams(step.streams)
-        return self._replayed(graphs.run(
-            tokens.reshape(-1), positions.reshape(-1), token_req.reshape(-1), step.rows, last,
-            max_len,
-        ))  # fmt: skip
-
     def _meta(
         self, positions: torch.Tensor, token_req: torch.Tensor, rows: torch.Tensor, max_len: int
     ) -> StepMetadata:
@@ -97,9 +73,6 @@ class MTPProposer(Proposer):
         return StepMetadata.build([self.swa], positions, token_req, tables, max_len, {})
 
     def propose(self, step: VerifiedStep) -> list[list[int]]:
-        replayed = self._propose_graph(step)
-        if replayed is not None:
-            return replayed
         wanted = [r for r, w in enumerate(step.wants_draft) if w]
         idx, pos, req, nxt, last = [], [], [], [], []
         for r, (start, base, kept) in enumerate(
@@ -183,28 +156,6 @@ class DraftModelProposer(Proposer):
         )  # fmt: skip
         return [self.draft_graphs, self.proposal_graphs]
 
-    def _propose_graph(self, step: VerifiedStep) -> list[list[int]] | None:
-        """The whole proposal as one graph replay (see MTPProposer._propose_graph): rows
-        L .. L + kept (the kept tokens and y) of each request, padded to 2 + K."""
-        graphs, num = self.proposal_graphs, len(step.num_kept)
-        if graphs is None or not self._uniform_greedy(step):
-            return None
-        kept = np.asarray(step.num_kept, dtype=np.int64)
-        base = np.asarray(step.num_computed, dtype=np.int64)
-        i = np.arange(graphs.width, dtype=np.int64)
-        real = i[None, :] <= kept[:, None]  # [R, 2 + K]
-        positions = np.where(real, base[:, None] + i[None, :], 0)
-        tokens = np.zeros((num, graphs.width), dtype=np.int64)
-        for r, ids in enumerate(step.token_ids):
-            tokens[r, : kept[r] + 1] = ids[base[r] : base[r] + kept[r] + 1]
-        token_req = np.where(real, np.arange(num)[:, None], num)
-        last = np.arange(num, dtype=np.int64) * graphs.width + kept
-        max_len = int((base + kept).max()) + self.num_tokens  # the chain's last position + 1
-        return self._replayed(graphs.run(
-            tokens.reshape(-1), positions.reshape(-1), token_req.reshape(-1), step.rows, last,
-            max_len,
-        ))  # fmt: skip
-
     def _chain_logits(
         self, draft: torch.Tensor, positions: np.ndarray, token_req: np.ndarray, rows: torch.Tensor
     ) -> torch.Tensor:
@@ -249,9 +200,6 @@ class DraftModelProposer(Proposer):
         return hidden
 
     def propose(self, step: VerifiedStep) -> list[list[int]]:
-        replayed = self._propose_graph(step)
-        if replayed is not None:
-            return replayed
         wanted = [r for r, w in enumerate(step.wants_draft) if w]
         # the kept tokens and y: rows L .. L + kept of the draft's caches
         counts = [k + s for k, s in zip(step.num_kept, step.sampled, strict=True)]

@@ -13,7 +13,11 @@ the MTP drafter's K steps (the first over each request's kept rows, padded to 1 
 K - 1 chained ones) and their argmaxes replay one :class:`MTPGraphs` graph, and the draft
 model's (the first step over each request's kept tokens and y, padded to 2 + K, then the
 chain) one :class:`DraftProposalGraphs` graph: eager, such steps cost ~3 ms of host launches
-each on the H200 (2026-12-01, ``bench decode --profile``).
+each on the H200 (2026-12-01, ``bench decode --profile``). Their inputs are staged on the
+device from the verify's (its inputs, sampled ids and the acceptance counted there), so the
+proposal follows the verify on the stream and one read-back brings both: with a host
+round trip between them the device idled ~0.6 ms a step (MTP K = 1 at 32 requests, H100,
+2026-12-07).
 
 Like ``runner/cuda_graph.DecodeGraphs`` (whose batch sizes and context buckets these
 reuse), a graph reads static device buffers, derives every index
@@ -126,6 +130,13 @@ class VerifyGraphs:
     def capture(self, pool=None, log: bool = True):
         return self.set.capture(self._forward, pool, log)
 
+    def staged(self, key: Key, num_reqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input ids and positions [R, 1 + K] of the last run of ``key`` (its static
+        inputs, on the device)."""
+        ids, positions, _ = self.inputs(key[0])
+        t = num_reqs * self.width
+        return ids[:t].view(num_reqs, self.width), positions[:t].view(num_reqs, self.width)
+
     def key_for(self, inputs: StepInputs, num_draft_tokens: Sequence[int]) -> Key | None:
         """The graph of a uniform verify step (every request samples K drafts), or None.
         ``num_draft_tokens``: per sampled request."""
@@ -209,10 +220,11 @@ class DraftGraphs:
         return self.set.replay(key, self._forward)[:num]
 
 
-class _ProposalGraphs:
+class ProposalGraphs:
     """What both proposal graphs share: ``width`` padded rows per request (the pad request
-    B owns the padding, on the null row), their static inputs, and one upload per replay.
-    Subclasses set ``width`` and define ``_forward(b, bucket) -> drafts [b, K]``."""
+    B owns the padding, on the null row), their static inputs, staged on the device from
+    the verify step's outputs. Subclasses set ``width`` and define ``rows`` (which rows
+    the proposal's first pass runs) and ``_forward(b, bucket) -> drafts [b, K]``."""
 
     def __init__(
         self,
@@ -243,35 +255,60 @@ class _ProposalGraphs:
     def capture(self, pool=None, log: bool = True):
         return self.set.capture(self._forward, pool, log)
 
+    def rows(
+        self,
+        first_ids: torch.Tensor,
+        target: torch.Tensor,
+        base: torch.Tensor,
+        accepted: torch.Tensor,
+        pad: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The proposal's rows of R verified requests -> per flat row [R * width] its token,
+        position and request (``pad`` on padding), per request [R] its last row.
+        first_ids [R]: x_L; target [R, 1 + K]: the verify's tokens t_0 .. t_K; base [R]: L;
+        accepted [R]: a, the drafts accepted (t_0 .. t_a are emitted)."""
+        raise NotImplementedError
+
     def run(
         self,
-        tokens: np.ndarray,
-        positions: np.ndarray,
-        token_req: np.ndarray,
+        first_ids: torch.Tensor,
+        target: torch.Tensor,
+        base: torch.Tensor,
+        accepted: torch.Tensor,
+        streams: torch.Tensor,
         rows: Sequence[int],
-        last: np.ndarray,
         max_len: int,
     ) -> torch.Tensor | None:
-        """Per flat row [R * width] its token, position and request (R: padding), per
-        request its block-table row and last row, into the static buffers in one upload;
-        then the drafts [R, K] of the key's graph (valid until the next run), or None when
-        no key fits ``max_len`` (host bound on every position + 1)."""
+        """The drafts [R, K] after a uniform verify step (valid until the next run), or None
+        when no key fits ``max_len`` (host bound on every position + 1). Every input but the
+        block-table ``rows`` is a device tensor of the verify step (see :meth:`rows`;
+        ``streams`` [R (1 + K), N, D] its final streams): the replay follows the verify on
+        the stream, with no host round trip."""
         num = len(rows)
         key = self.set.key(num, max_len)
         if key is None:
             return None
         b = key[0]
-        token_req = np.where(token_req == num, b, token_req)  # the pad request is index b
-        size = b * self.width
-        tokens, positions = pad_to(tokens, size), pad_to(positions, size)
-        token_req = pad_to(token_req, size, b)
+        tokens, positions, token_req, last = self.rows(first_ids, target, base, accepted, b)
+        tokens_at, positions_at, token_req_at, rows_at, last_at = self.inputs(b)
+        staged = (
+            (tokens_at, tokens, 0),
+            (positions_at, positions, 0),
+            (token_req_at, token_req, b),
+        )
+        for view, values, pad in (*staged, (last_at, last, 0)):
+            view[: values.shape[0]].copy_(values)
+            view[values.shape[0] :].fill_(pad)
         req_rows = pad_to(np.asarray(rows, dtype=np.int64), b + 1, self.null_row)
-        fields = [tokens, positions, token_req, req_rows, pad_to(last, b)]
-        self.buffers.upload([], self.static.buffer, fields)
+        self.buffers.upload([], rows_at, [req_rows])
+        self._stage_streams(streams)
         return self.set.replay(key, self._forward)[:num]
 
+    def _stage_streams(self, streams: torch.Tensor) -> None:
+        """The verify step's final streams, for a drafter that reads them (MTP)."""
 
-class MTPGraphs(_ProposalGraphs):
+
+class MTPGraphs(ProposalGraphs):
     """The MTP drafter's greedy proposal after a uniform verify step: B requests x (1 + K)
     rows of the verify's final streams -> drafts [B, K].
 
@@ -318,14 +355,25 @@ class MTPGraphs(_ProposalGraphs):
             drafts.append(draft)
         return torch.stack(drafts, dim=1)
 
-    def stage_streams(self, streams: torch.Tensor) -> None:
-        """The verify step's final streams [R (1 + K), N, D], read by the next ``run``."""
+    def rows(self, first_ids, target, base, accepted, pad):
+        r, w = target.shape
+        i = torch.arange(w, device=target.device)
+        real = i[None, :] <= accepted[:, None]  # kept = a + 1 rows
+        req = torch.arange(r, device=target.device)
+        return (
+            torch.where(real, target, 0).flatten(),
+            torch.where(real, base[:, None] + 1 + i, 0).flatten(),
+            torch.where(real, req[:, None], pad).flatten(),
+            req * w + accepted,
+        )
+
+    def _stage_streams(self, streams: torch.Tensor) -> None:
         t = streams.shape[0]
         self.streams[:t].copy_(streams)
         self.streams[t:].zero_()  # padded requests' rows: finite values
 
 
-class DraftProposalGraphs(_ProposalGraphs):
+class DraftProposalGraphs(ProposalGraphs):
     """The draft model's greedy proposal after a uniform verify step: B requests, each its
     kept tokens and y (rows L .. L + kept of the draft's caches, padded to 2 + K rows on
     the pad request B, the null row), then K - 1 chained steps -> drafts [B, K].
@@ -348,6 +396,19 @@ class DraftProposalGraphs(_ProposalGraphs):
         super().__init__(buffers, num_drafts, batch_sizes, buckets, width=2 + num_drafts)
         self.model, self.caches = model, caches
         self.meta = GraphMetadata(model, groups, tables, buffers.null_row, buffers.device)
+
+    def rows(self, first_ids, target, base, accepted, pad):
+        r, w = target.shape[0], self.width
+        i = torch.arange(w, device=target.device)
+        real = i[None, :] <= accepted[:, None] + 1  # x_L, the kept drafts and y
+        req = torch.arange(r, device=target.device)
+        tokens = torch.cat([first_ids[:, None], target], dim=1)  # [R, 2 + K]
+        return (
+            torch.where(real, tokens, 0).flatten(),
+            torch.where(real, base[:, None] + i, 0).flatten(),
+            torch.where(real, req[:, None], pad).flatten(),
+            req * w + accepted + 1,
+        )
 
     def _hidden(self, ids, positions, token_req, rows, bucket: int) -> torch.Tensor:
         every = self.flat_index[: positions.shape[0]]

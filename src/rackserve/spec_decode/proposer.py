@@ -42,8 +42,8 @@ from rackserve.runner.cuda_graph import release_warm_up_memory
 from rackserve.runner.sampler import Resample
 from rackserve.runner.sampling_tensors import SamplingTensors
 from rackserve.runner.step_buffers import StepBuffers
-from rackserve.spec_decode.graphs import VerifyGraphs
-from rackserve.spec_decode.verify import DraftDistributions, sample_drafts
+from rackserve.spec_decode.graphs import ProposalGraphs, VerifyGraphs
+from rackserve.spec_decode.verify import DraftDistributions, accepted_counts, sample_drafts
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,19 @@ class VerifiedStep:
         return self.sampling.select([last_row[r] - 1 for r in wanted], greedy)
 
 
+@dataclass(frozen=True)
+class VerifyOutputs:
+    """A uniform verify step's tensors on the device, R requests x (1 + K) tokens, for the
+    drafters' device route (``Proposer.propose_verified``)."""
+
+    input_ids: torch.Tensor  # [R, 1 + K]: x_L, d_1 .. d_K
+    positions: torch.Tensor  # [R, 1 + K]: L .. L + K
+    target_ids: torch.Tensor  # [R, 1 + K]: the sampled t_0 .. t_K
+    streams: torch.Tensor  # [R (1 + K), N, D] the final streams
+    rows: Sequence[int]  # [R] block-table rows (host)
+    max_len: int  # host bound on every position the proposal writes, + 1
+
+
 class Proposer:
     """K draft tokens for each request that wants them (greedy, or sampled from q)."""
 
@@ -84,6 +97,7 @@ class Proposer:
         self.device = next(iter(tables.values())).device
         self.distributions = DraftDistributions()  # q of the random drafts, one step long
         self.graphs: VerifyGraphs | None = None  # the verify step's graphs (CUDA)
+        self.proposal_graphs: ProposalGraphs | None = None  # the drafter's whole proposal
 
     def enable_graphs(
         self,
@@ -118,24 +132,23 @@ class Proposer:
     def propose(self, step: VerifiedStep) -> list[list[int]]:
         raise NotImplementedError
 
-    def _uniform_greedy(self, step: VerifiedStep) -> bool:
-        """Whether a proposal graph may serve ``step``: a uniform verify step (1 + K tokens
-        per request) whose requests all want drafts and draft greedily."""
-        width = 1 + self.num_tokens
-        return (
-            len(step.num_kept) > 0
-            and step.streams.shape[0] == len(step.num_kept) * width
-            and all(step.wants_draft)
-            and (not step.is_greedy or all(step.is_greedy))
-            and all(b - a == width for a, b in itertools.pairwise(step.query_start_loc))
-        )
-
-    def _replayed(self, drafts: torch.Tensor | None) -> list[list[int]] | None:
-        """A proposal graph's drafts [R, K] as host lists (greedy: no q to keep)."""
-        if drafts is None:
+    def propose_verified(self, verified: VerifyOutputs) -> torch.Tensor | None:
+        """The drafts [R, K] after a uniform verify step whose requests all draft greedily,
+        from its outputs on the device: the drafter's proposal graph replays right behind
+        the verify (the acceptance counted on the device), so one read-back brings the
+        step's tokens and the next drafts. None when no proposal graph fits: then
+        :meth:`propose` runs after the read-back."""
+        graphs = self.proposal_graphs
+        if graphs is None:
             return None
-        self.distributions.keep([], [], None, [])
-        return drafts.tolist()
+        ids, target = verified.input_ids, verified.target_ids
+        drafts = graphs.run(
+            ids[:, 0], target, verified.positions[:, 0], accepted_counts(ids[:, 1:], target),
+            verified.streams, verified.rows, verified.max_len,
+        )  # fmt: skip
+        if drafts is not None:
+            self.distributions.keep([], [], None, [])  # greedy: no q to keep
+        return drafts
 
     def resampler(
         self, reqs: Sequence[Any], num_rows: Sequence[int], sampling: SamplingTensors

@@ -73,6 +73,13 @@ def accept_drafts(target_ids: Sequence[int], draft_ids: Sequence[int]) -> list[i
     return list(target_ids[: a + 1])
 
 
+def accepted_counts(draft_ids: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
+    """:func:`accept_drafts` on the device, for R requests at once: draft_ids [R, K],
+    target_ids [R, K + 1] -> a [R], the number of drafts accepted (t_0 .. t_a emitted)."""
+    matches = draft_ids == target_ids[:, : draft_ids.shape[1]]
+    return matches.cumprod(dim=1).sum(dim=1)
+
+
 def sample_drafts(
     logits: torch.Tensor, tensors: SamplingTensors, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None]:

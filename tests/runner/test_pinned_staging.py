@@ -1,0 +1,77 @@
+"""``device.PinnedStaging``: host arrays of several dtypes and shapes -> device tensors in one
+copy (each at an aligned offset of one buffer), and the sampling tensors that go through it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rackserve.device import PinnedStaging
+from rackserve.request import SamplingParams
+from rackserve.runner.sampling_tensors import SamplingTensors
+
+
+def _arrays(seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [
+        rng.standard_normal(5).astype(np.float32),  # 20 bytes: the next one is realigned
+        rng.random(3) < 0.5,  # bool, 3 bytes
+        rng.integers(-(2**62), 2**62, size=7),  # int64
+        rng.integers(0, 100, size=(3, 4)),  # 2-D int64
+        np.zeros(0, dtype=np.float32),  # empty
+        rng.standard_normal((2, 3)).astype(np.float32)[:, ::2],  # not contiguous
+    ]
+
+
+def _check(device: str) -> None:
+    staging = PinnedStaging(device)
+    first = _arrays(0)
+    got = staging.upload(first)
+    for _ in range(3):  # both buffers refilled, the first result must not change
+        staging.upload(_arrays(1))
+    big = [np.arange(5000, dtype=np.int64)]  # past the buffer: it grows
+    assert staging.upload(big)[0].cpu().tolist() == big[0].tolist()
+    for t, a in zip(got, first, strict=True):
+        assert t.device.type == torch.device(device).type
+        assert t.dtype == torch.from_numpy(np.ascontiguousarray(a)).dtype
+        assert tuple(t.shape) == a.shape
+        assert np.array_equal(t.cpu().numpy(), a)
+
+
+def test_staging_packs_every_dtype_and_shape_without_aliasing():
+    _check("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_staging_on_gpu():
+    _check("cuda")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_sampling_tensors_through_the_staging(device):
+    """Every optional column present (penalties, filters, min_tokens): the values land."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    params = [
+        SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, seed=3,
+                       presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.2,
+                       min_tokens=4, stop_token_ids=[7]),
+        SamplingParams(temperature=0),
+    ]  # fmt: skip
+    t = SamplingTensors.from_params(
+        params, prompt_token_ids=[[1, 2, 3], [4]], output_token_ids=[[5], [6, 8]],
+        vocab_size=50, eos_token_ids=[0], device=device,
+    )  # fmt: skip
+    assert t.temperature.tolist() == pytest.approx([0.7, 1.0])
+    assert t.is_greedy.tolist() == [False, True]
+    assert t.top_k.tolist() == [5, 50] and t.top_p.tolist() == pytest.approx([0.9, 1.0])
+    assert t.min_p.tolist() == pytest.approx([0.05, 0.0])
+    assert t.presence_penalty.tolist() == [0.5, 0.0]
+    assert t.frequency_penalty.tolist() == [0.25, 0.0]
+    assert t.repetition_penalty.tolist() == pytest.approx([1.2, 1.0])
+    assert t.output_token_ids.tolist() == [[5, 50], [6, 8]]
+    assert t.prompt_token_ids.tolist() == [[1, 2, 3], [4, 50, 50]]
+    assert t.blocked_token_ids.tolist() == [[0, 7], [50, 50]]  # row 1: no min_tokens
+    assert t.positions.tolist() == [4, 3]
