@@ -141,7 +141,7 @@ def test_cli_decode_profile_writes_host_kernel_and_timeline_sections(tiny, tmp_p
     assert len(hosts) == 2, text
     for line in hosts:
         assert [part.split()[0] for part in line[8:].split(", ")] == [
-            "schedule", "launch", "wait", "emit", "update"
+            "schedule", "prepare", "enqueue", "wait", "emit", "update"
         ]  # fmt: skip
 
 

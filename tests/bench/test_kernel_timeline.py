@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rackserve.bench.kernel_timeline import Span, format_timelines, step_timelines
+from rackserve.bench.kernel_timeline import BETWEEN, Span, format_timelines, step_timelines
 
 
 def test_busy_is_the_union_and_gaps_name_their_neighbours():
@@ -66,4 +66,26 @@ def test_host_phases_are_summed_per_window_in_order():
     assert second.host == (("schedule", 3),)
     assert "  host: schedule 0.002, launch 0.003, wait 0.035, update 0.003 ms" in (
         format_timelines([first])
+    )
+
+
+def test_idle_time_is_split_by_the_host_phase_it_falls_under():
+    """A synchronous step: the device idles while the host schedules and launches, runs the
+    forward while the host waits, idles again through the update and between phases."""
+    phases = [
+        Span(0, 10, "schedule"),
+        Span(10, 30, "launch"),  # the first kernel starts at 25: 15 of it idle
+        Span(30, 80, "wait"),
+        Span(85, 95, "update"),  # 80-85 and 95-100 under no phase
+    ]
+    kernels = [Span(25, 60, "forward"), Span(62, 78, "sample")]
+    (t,) = step_timelines([(0, 100)], kernels, phases=phases)
+    assert t.busy_us == pytest.approx(51) and t.idle_us == pytest.approx(49)
+    names = [n for n, _ in t.idle_in]
+    assert names == ["schedule", "launch", "wait", "update", BETWEEN]  # the phases' order
+    assert [us for _, us in t.idle_in] == pytest.approx([10, 15, 4, 10, 10])
+    assert sum(us for _, us in t.idle_in) == pytest.approx(t.idle_us)
+    assert [g.start_us for g in t.gaps[:2]] == [0, 78]  # the largest: 25 at 0, 22 at 78
+    assert "  idle during: schedule 0.010, launch 0.015, wait 0.004, update 0.010, " in (
+        format_timelines([t])
     )

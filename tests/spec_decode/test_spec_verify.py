@@ -47,12 +47,16 @@ def test_accepted_counts_is_accept_drafts_on_the_device(k):
 
 
 def test_verification_prefixes():
-    assert verification_prefixes([1, 2, 3, 10, 11], 2) == [
-        [1, 2, 3],
-        [1, 2, 3, 10],
-        [1, 2, 3, 10, 11],
-    ]
-    assert verification_prefixes([1, 2], 0) == [[1, 2]]
+    ids = [1, 2, 3, 10, 11]
+    prefixes = verification_prefixes(ids, 2)
+    assert [list(p) for p in prefixes] == [[1, 2, 3], [1, 2, 3, 10], [1, 2, 3, 10, 11]]
+    assert [list(p) for p in verification_prefixes([1, 2], 0)] == [[1, 2]]
+    # what the sampling tensors read: lengths, and slices as a list's (views: no copy kept)
+    p = prefixes[1]
+    assert len(p) == 4 and p[:2] == [1, 2] and p[2:] == [3, 10] and p[-1] == 10 and p[0] == 1
+    assert p[1:100] == [2, 3, 10] and p[::-1] == [10, 3, 2, 1] and p[5:] == []
+    with pytest.raises(IndexError):
+        p[4]
 
 
 def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:

@@ -30,6 +30,7 @@ class Gap:
     us: float
     after: str  # the kernel that ended last before it ("" if none did)
     before: str  # the kernel that ends it ("" at the last step's end)
+    start_us: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,8 @@ class StepTimeline:
     kernels: int  # started in the window
     gaps: tuple[Gap, ...]  # the largest first
     host: tuple[tuple[str, float], ...] = ()  # (phase, us) in order: ``engine/step_phases.py``
+    # the idle time under each host phase, in order (BETWEEN: under none of them)
+    idle_in: tuple[tuple[str, float], ...] = ()
 
     @property
     def idle_us(self) -> float:
@@ -73,22 +76,46 @@ def step_timelines(
                 break
             started += k.start_us >= start
             if k.start_us > reached:
-                gaps.append(Gap(k.start_us - reached, last, k.name))
+                gaps.append(Gap(k.start_us - reached, last, k.name, reached))
             if k.end_us > reached:
                 busy += min(k.end_us, stop) - max(k.start_us, reached)
                 reached, last = min(k.end_us, stop), k.name
         if stop > reached:
             following = next((k.name for k in ordered if k.start_us >= stop), "")
-            gaps.append(Gap(stop - reached, last, following if i + 1 < len(steps) else ""))
+            following = following if i + 1 < len(steps) else ""
+            gaps.append(Gap(stop - reached, last, following, reached))
         gaps.sort(key=lambda g: -g.us)
+        window = [p for p in ranges if start <= p.start_us < stop]
         host: dict[str, float] = {}
-        for p in ranges:
-            if start <= p.start_us < stop:
-                host[p.name] = host.get(p.name, 0.0) + p.end_us - p.start_us
+        for p in window:
+            host[p.name] = host.get(p.name, 0.0) + p.end_us - p.start_us
+        idle_in = _idle_in(gaps, window) if window else {}
         out.append(
-            StepTimeline(stop - start, busy, started, tuple(gaps[:top]), tuple(host.items()))
-        )
+            StepTimeline(
+                stop - start, busy, started, tuple(gaps[:top]), tuple(host.items()),
+                tuple(idle_in.items()),
+            )
+        )  # fmt: skip
     return out
+
+
+BETWEEN = "between phases"
+
+
+def _idle_in(gaps: Iterable[Gap], phases: Sequence[Span]) -> dict[str, float]:
+    """How much of the idle ``gaps`` falls under each host phase (the host was doing that
+    while the device waited), in the phases' order; the rest under :data:`BETWEEN`."""
+    idle = {p.name: 0.0 for p in phases}
+    for g in gaps:
+        end, covered = g.start_us + g.us, 0.0
+        for p in phases:
+            overlap = min(end, p.end_us) - max(g.start_us, p.start_us)
+            if overlap > 0:
+                idle[p.name] += overlap
+                covered += overlap
+        if g.us - covered > 0:
+            idle[BETWEEN] = idle.get(BETWEEN, 0.0) + g.us - covered
+    return idle
 
 
 def format_timelines(timelines: Sequence[StepTimeline], width: int = 60) -> str:
@@ -102,6 +129,9 @@ def format_timelines(timelines: Sequence[StepTimeline], width: int = 60) -> str:
         )
         if t.host:
             lines.append("  host: " + ", ".join(f"{n} {us / 1e3:.3f}" for n, us in t.host) + " ms")
+        if t.idle_in:
+            idle = ", ".join(f"{n} {us / 1e3:.3f}" for n, us in t.idle_in)
+            lines.append(f"  idle during: {idle} ms")
         for g in t.gaps:
             after = g.after[:width] or "(no kernel)"
             before = g.before[:width] or "(step end)"

@@ -3,7 +3,8 @@ them (``bench decode --profile``, which sums them per step: ``bench/kernel_timel
 otherwise :func:`phase` is a no-op context (no profiler call on the engine's hot path).
 
     schedule   the scheduler's plan of the step
-    launch     the runner's host half: deltas, inputs, sampling tensors, the device launch
+    prepare    the runner's host inputs: deltas, inputs, sampling tensors (their uploads)
+    enqueue    the step's device work enqueued (graph replays, eager kernels; the CPU: run)
     wait       until the step's sampled ids are on the host (the forward, synchronous)
     emit       sampled ids (accepted drafts) into the requests
     propose    the next step's drafts: the proposal's inputs, its device work, the read-back

@@ -52,6 +52,8 @@ from rackserve.spec_decode.drafters import build_proposer
 from rackserve.spec_decode.proposer import Proposer, VerifiedStep, VerifyOutputs
 from rackserve.spec_decode.verify import accept_drafts
 
+Feed = Callable[[torch.Tensor], None] | None  # writes in-flight ids into a device tensor
+
 
 class ModelRunner:
     def __init__(
@@ -143,7 +145,6 @@ class ModelRunner:
         """One step, start to end (the synchronous engine)."""
         return self.collect(self.launch(sched))
 
-    @phased("launch")
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> StepHandle:
         """The host half of a step (deltas, inputs, sampling tensors), then its device work
@@ -151,13 +152,29 @@ class ModelRunner:
         whose last token is still in flight (async scheduling: the step launched before
         this one, not collected yet) gets a placeholder, replaced on the device by that
         step's sampled id."""
+        prepared = self._prepare(sched)
+        if prepared is None:
+            return StepHandle(None, None)
+        step, feed, feed_outputs = prepared
+        with phase("enqueue"):
+            handle = StepHandle(
+                step, self.device_queue.submit(lambda: self._run(step, feed, feed_outputs))
+            )
+        handle.sample_index = {r.req_id: j for j, r in enumerate(step.sampled_reqs)}
+        self._launched = handle
+        return handle
+
+    @phased("prepare")
+    def _prepare(self, sched: SchedulerOutput) -> tuple[PreparedStep, Feed, Feed] | None:
+        """The step's host inputs and, under async scheduling, the feeds of the in-flight
+        tokens into its input ids and penalties' output ids; None: nothing to run."""
         structured = self.structured_outputs
         if structured is not None:
             structured.update(sched)
         fed = self._add_placeholders(sched) if self._launched is not None else []
         step = self.input_batch.prepare(sched)
         if step is None:
-            return StepHandle(None, None)
+            return None
         feed = feed_outputs = None
         if fed:
             prev = self._launched
@@ -169,13 +186,7 @@ class ModelRunner:
                 prev.future, np.array([starts[at[i]] for i in fed], dtype=np.int64), sources
             )
             feed_outputs = self._output_ids_feeder(step, fed, prev.future, sources)
-        sample_index = {r.req_id: j for j, r in enumerate(step.sampled_reqs)}
-        handle = StepHandle(
-            step, self.device_queue.submit(lambda: self._run(step, feed, feed_outputs))
-        )
-        handle.sample_index = sample_index
-        self._launched = handle
-        return handle
+        return step, feed, feed_outputs
 
     def _add_placeholders(self, sched: SchedulerOutput) -> list[str]:
         """Requests scheduled at a token the host does not know yet (computed == known):
@@ -193,7 +204,7 @@ class ModelRunner:
     @staticmethod
     def _output_ids_feeder(
         step: PreparedStep, fed: list[str], prev: Future | None, sources: np.ndarray
-    ) -> Callable[[torch.Tensor], None] | None:
+    ) -> Feed:
         """For a step whose penalties read the output tokens: writes the in-flight tokens of
         ``fed`` (the previous step's rows ``sources``) over their placeholders, each its
         request's last output token, in the sampling tensors' [R, L] output ids."""
@@ -208,8 +219,8 @@ class ModelRunner:
     def _run(
         self,
         step: PreparedStep,
-        feed: Callable[[torch.Tensor], None] | None,
-        feed_outputs: Callable[[torch.Tensor], None] | None = None,
+        feed: Feed,
+        feed_outputs: Feed = None,
     ) -> DeviceStep:
         """The device work of a step: forward, logits processors, sampling (inside the
         decode graphs when the step allows), the copy of the sampled ids to the host (an

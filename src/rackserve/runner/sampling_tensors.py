@@ -190,7 +190,7 @@ class SamplingParamTable:
     def gather(
         self,
         rows: np.ndarray,
-        token_ids: Sequence[list[int]],
+        token_ids: Sequence[Sequence[int]],
         eos_token_ids: Sequence[int],
         device: torch.device | str,
         staging: PinnedStaging | None = None,

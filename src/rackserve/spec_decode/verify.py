@@ -52,12 +52,36 @@ ACCEPT_STREAM = 1  # u of the acceptance test
 RESIDUAL_STREAM = 2  # the draw from (p - q)+
 
 
-def verification_prefixes(token_ids: list[int], num_drafts: int) -> list[list[int]]:
+class TokenPrefix(Sequence[int]):
+    """``token_ids[:length]`` without the copy: the sampler reads a verified position's
+    length (its noise position) every step and slices the ids only for penalties and
+    min_tokens. (Copies cost ~0.5 ms a step at 32 requests of 1024 tokens, K = 3.)"""
+
+    __slots__ = ("_ids", "_length")
+
+    def __init__(self, token_ids: list[int], length: int) -> None:
+        self._ids, self._length = token_ids, length
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self._length)
+            if step > 0:  # (a negative step's stop of -1 would mean the list's end)
+                return self._ids[start:stop:step]
+            return self._ids[: self._length][index]
+        if not -self._length <= index < self._length:
+            raise IndexError(index)
+        return self._ids[index % self._length]
+
+
+def verification_prefixes(token_ids: list[int], num_drafts: int) -> list[TokenPrefix]:
     """The token history each verified position samples after: ``token_ids`` ends with the
     ``num_drafts`` drafts; position j (0..K) sees the history plus drafts d_1..d_j, so the
     sampler's penalties, min_tokens and noise position are those of a plain decode step."""
     base = len(token_ids) - num_drafts
-    return [token_ids[: base + j] for j in range(num_drafts + 1)]
+    return [TokenPrefix(token_ids, base + j) for j in range(num_drafts + 1)]
 
 
 def accept_drafts(target_ids: Sequence[int], draft_ids: Sequence[int]) -> list[int]:
