@@ -16,6 +16,7 @@ from spec_utils import close_draft_dir, mixed_params_prompts, run, spec_engine, 
 
 BATCH_SIZES = [1, 2, 4]  # 3 requests pad to 4; fewer as they finish
 BUCKETS = [32, 64, 1100]
+COUNTS = ("verify", "chain", "proposal")  # graph uses (with_graphs)
 
 
 def with_graphs(core, counts: dict[str, int]):
@@ -79,16 +80,18 @@ def test_proposal_graph_equals_eager(target_dir, close_draft_dir, method, k):
     }
 
     def recording(core, drafts: list):
-        """Each step's drafts, as the runner hands them to the scheduler."""
+        """Each step's verified drafts, as its collect reads them (proposed on the device:
+        fed there, their ids read back behind the next step's)."""
         runner = core.runner
-        collect = runner.collect
+        emit = runner._emit
 
-        def recorded(handle):
-            out = collect(handle)
-            drafts.append(out.draft_token_ids)
-            return out
+        def recorded(reqs, inputs, num_rows, *args):
+            sampled = [k for k, s in enumerate(inputs.sample_mask) if s]
+            rows = zip(sampled, num_rows, strict=True)
+            drafts.append({reqs[k].req_id: reqs[k].token_ids[1 - n :] for k, n in rows if n > 1})
+            return emit(reqs, inputs, num_rows, *args)
 
-        runner.collect = recorded
+        runner._emit = recorded
         return core
 
     want, got = [], []
@@ -99,4 +102,93 @@ def test_proposal_graph_equals_eager(target_dir, close_draft_dir, method, k):
     assert core.scheduler.kv.usage == 0.0
     assert counts["proposal"] > 5 and counts["proposal"] >= counts["verify"] - 1, counts
     # the same drafts, step by step (outputs alone would not show it: verification is exact)
-    assert got == want and any(any(d.values()) for d in want)
+    assert got == want and sum(map(len, want)) > 10
+
+
+@pytest.mark.parametrize("method", ["mtp", "draft_model"])
+def test_drafts_left_on_the_device_are_fed_or_read_back(target_dir, close_draft_dir, method):
+    """The drafts a graph proposes stay on the device: the scheduler holds placeholders and
+    the next launch feeds the ids into the verify's inputs there. Drafts proposed before
+    the last collected step (a request the scheduler left out of a step; forced here every
+    other step) have landed on the host and replace the placeholders at the launch. A
+    request with a penalty reads the drafts on the host: the steps it is in propose there
+    (the others on the device). The tokens and the drafts each step verifies are the eager
+    engine's."""
+    spec = SpecConfig(method, 3, None if method == "mtp" else str(close_draft_dir))
+    prompts = {"a": [5, 9, 300, 4, 71], "b": list(range(20, 60)), "c": [8] * 12, "d": [3, 4]}
+    params = {
+        r: SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
+        for r, m in zip(prompts, (24, 30, 18, 20), strict=True)
+    }
+    penalised = dict(params, d=SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                               presence_penalty=0.5))  # fmt: skip
+
+    def recording(core, verified: list):
+        """Each step's verified drafts, as its collect reads them."""
+        runner = core.runner
+        emit = runner._emit
+
+        def recorded(reqs, inputs, num_rows, *args):
+            rows = zip([k for k, s in enumerate(inputs.sample_mask) if s], num_rows, strict=True)
+            verified.append({reqs[k].req_id: reqs[k].token_ids[1 - n :] for k, n in rows if n > 1})
+            return emit(reqs, inputs, num_rows, *args)
+
+        runner._emit = recorded
+        return core
+
+    def counting(core, paths: dict[str, int]):
+        """How many requests' drafts were fed on the device, and read back at a launch."""
+        runner = core.runner
+        take = runner._take_drafts
+
+        def counted(sched):
+            drafts = sched.scheduled_spec_decode_tokens.values()
+            placeholders = sum(runner.placeholder in d for d in drafts)
+            pending = take(sched)
+            paths["fed"] += len(pending)
+            paths["read"] += placeholders - len(pending)
+            return pending
+
+        runner._take_drafts = counted
+        return core
+
+    def skipping(core):
+        """Every other collected step forgotten as the last one: its drafts count as older."""
+        runner = core.runner
+        collect, calls = runner.collect, [0]
+
+        def collected(handle):
+            out = collect(handle)
+            calls[0] += 1
+            if calls[0] % 2:
+                runner._last_collected = None
+            return out
+
+        runner.collect = collected
+        return core
+
+    verified = {"plain": [], "penalised": []}  # by the eager engines, step by step
+    expected = {
+        case: run(recording(spec_engine(target_dir, spec, max_num_seqs=4), verified[case]),
+                  prompts, p)
+        for case, p in (("plain", params), ("penalised", penalised))
+    }  # fmt: skip
+    for case in ("fed", "read", "penalised"):
+        got, paths = [], {"fed": 0, "read": 0}
+        graphs = with_graphs(
+            spec_engine(target_dir, spec, max_num_seqs=4), dict.fromkeys(COUNTS, 0)
+        )
+        core = counting(recording(graphs, got), paths)
+        if case == "read":
+            core = skipping(core)
+        requests = penalised if case == "penalised" else params
+        eager = "penalised" if case == "penalised" else "plain"
+        assert run(core, prompts, requests) == expected[eager]
+        assert got == verified[eager] and sum(map(len, got)) > 10
+        if case == "fed":
+            assert paths["fed"] > 10 and paths["read"] == 0, paths
+            fed = paths["fed"]
+        elif case == "read":
+            assert paths["read"] > 5 and paths["fed"] > 5, paths
+        else:  # the steps with d propose on the host; once it finished, on the device
+            assert paths["read"] == 0 and paths["fed"] < fed / 2, (paths, fed)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -21,6 +22,9 @@ from rackserve.request import SamplingParams
 from rackserve.runner.inputs import BlockTables, StepInputs, build_batch_inputs
 from rackserve.runner.sampling_tensors import SamplingParamTable, SamplingTensors
 from rackserve.spec_decode.verify import verification_prefixes
+
+if TYPE_CHECKING:
+    from rackserve.runner.step_handle import DeviceStep
 
 
 @dataclass(slots=True)  # slots: read per request per step, keep it compact
@@ -47,6 +51,11 @@ class PreparedStep:
     # per sampled request, the drafts it verifies (their logits rows follow its first row);
     # empty when no request verifies drafts
     num_draft_tokens: list[int] = field(default_factory=list)
+    # drafts fed on the device from the step that proposed them (ModelRunner._take_drafts):
+    # (request index, its row in the source, how many); their ids join the token lists at
+    # the collect, from the source's host copy
+    pending_drafts: list[tuple[int, int, int]] = field(default_factory=list)
+    drafts_source: DeviceStep | None = None
 
 
 class InputBatch:

@@ -44,6 +44,7 @@ from rackserve.runner.step_handle import (
     StepTimer,
     feeder,
     output_to_host,
+    sampled_ids,
     to_host,
 )
 from rackserve.runner.structured_output import GrammarCompiler, StructuredOutputs
@@ -118,6 +119,10 @@ class ModelRunner:
         # where launched steps run (engine/async_scheduling.py: a fake delayed one in tests)
         self.device_queue = InlineDevice()
         self._launched: StepHandle | None = None  # launched, not collected yet
+        # Drafts proposed on the device (Proposer.propose_verified): the scheduler holds
+        # placeholders; request -> (the step that proposed them, its row there)
+        self._proposed: dict[str, tuple[DeviceStep, int]] = {}
+        self._last_collected: DeviceStep | None = None
         # a token still in flight: past the vocabulary, so the penalties' padding ignores it
         self.placeholder = cfg.vocab_size
         self.graphs: DecodeGraphs | None = None
@@ -172,21 +177,65 @@ class ModelRunner:
         if structured is not None:
             structured.update(sched)
         fed = self._add_placeholders(sched) if self._launched is not None else []
+        pending = self._take_drafts(sched) if self._proposed else []
         step = self.input_batch.prepare(sched)
         if step is None:
             return None
         feed = feed_outputs = None
+        if pending:  # (no async scheduling while speculating: no ``fed`` then)
+            feed = self._drafts_feeder(step, pending)
         if fed:
             prev = self._launched
             assert prev is not None and prev.step is not None
             starts = step.inputs.query_start_loc
             at = {r.req_id: k for k, r in enumerate(step.reqs)}
             sources = np.array([prev.sample_index[i] for i in fed], dtype=np.int64)
-            feed = feeder(
-                prev.future, np.array([starts[at[i]] for i in fed], dtype=np.int64), sources
-            )
+            index = np.array([starts[at[i]] for i in fed], dtype=np.int64)
+            feed = feeder(sampled_ids(prev.future), index, sources)
             feed_outputs = self._output_ids_feeder(step, fed, prev.future, sources)
         return step, feed, feed_outputs
+
+    def _take_drafts(self, sched: SchedulerOutput) -> list[tuple[str, DeviceStep, int, int]]:
+        """Scheduled drafts that are placeholders (proposed on the device, ``_proposed``):
+        those of the last collected step stay there, fed into this step's input ids and
+        read when it is collected (``PreparedStep.pending_drafts``); older ones have landed
+        on the host, and their values replace the placeholders here."""
+        spec = sched.scheduled_spec_decode_tokens
+        pending = []
+        for req_id, drafts in spec.items():
+            source = self._proposed.pop(req_id, None)
+            if source is None:  # proposed on the host: real ids already
+                continue
+            result, row = source
+            if result is self._last_collected:
+                pending.append((req_id, result, row, len(drafts)))
+            else:
+                spec[req_id] = result.drafts_on_host(row, len(drafts))
+        return pending
+
+    def _drafts_feeder(
+        self, step: PreparedStep, pending: list[tuple[str, DeviceStep, int, int]]
+    ) -> Feed:
+        """The feed of ``pending`` drafts (one source step's) into ``step``'s input ids, each
+        request's after its first token; ``step.pending_drafts`` keeps what its collect
+        reads back."""
+        source = pending[0][1]
+        assert source.device_drafts is not None and all(p[1] is source for p in pending)
+        width = source.device_drafts.shape[1]
+        starts = step.inputs.query_start_loc
+        at = {r.req_id: k for k, r in enumerate(step.reqs)}
+        index, rows = [], []
+        for req_id, _, row, num in pending:
+            k = at[req_id]
+            index.extend(range(starts[k] + 1, starts[k] + 1 + num))
+            rows.extend(range(row * width, row * width + num))
+            step.pending_drafts.append((k, row, num))
+        step.drafts_source = source
+        drafts = source.device_drafts
+        return feeder(
+            lambda: drafts.reshape(-1), np.array(index, dtype=np.int64),
+            np.array(rows, dtype=np.int64),
+        )  # fmt: skip
 
     def _add_placeholders(self, sched: SchedulerOutput) -> list[str]:
         """Requests scheduled at a token the host does not know yet (computed == known):
@@ -214,7 +263,7 @@ class ModelRunner:
         width = sampling.output_token_ids.shape[1]
         at = {r.req_id: (j, r) for j, r in enumerate(step.sampled_reqs)}
         index = [j * width + len(r.output_token_ids) - 1 for j, r in (at[i] for i in fed)]
-        return feeder(prev, np.array(index, dtype=np.int64), sources)
+        return feeder(sampled_ids(prev), np.array(index, dtype=np.int64), sources)
 
     def _run(
         self,
@@ -250,9 +299,9 @@ class ModelRunner:
                 logits, token_ids = decoded.logits, decoded.token_ids
                 expert_counts = decoded.expert_counts
             elif verify_key is not None:
-                assert verify_graphs is not None and feed is None  # no async with speculation
+                assert verify_graphs is not None
                 logits, streams, expert_counts = verify_graphs.run(
-                    verify_key, inputs, step.table_writes
+                    verify_key, inputs, step.table_writes, feed
                 )
             else:
                 # every row's hidden state where a request computes its prompt's logprobs
@@ -290,13 +339,8 @@ class ModelRunner:
                     assert step.sampling is not None and step.sampling.output_token_ids is not None
                     feed_outputs(step.sampling.output_token_ids.view(-1))
                 out = self._sample(step, logits, row_params, num_rows)
-            drafts = None
-            if verify_key is not None and out is not None:
-                drafts = self._propose_verified(
-                    step, verify_key, out.token_ids, streams, row_params
-                )
             host_ids = None if out is None else to_host(out.token_ids)
-            return DeviceStep(
+            result = DeviceStep(
                 out=None if out is None else output_to_host(out),
                 host_token_ids=host_ids,
                 device_token_ids=None if out is None else out.token_ids,
@@ -304,9 +348,18 @@ class ModelRunner:
                 prompt_logprobs=prompt_logprobs,
                 expert_counts=expert_counts.clone(),  # the static buffer is reused next step
                 streams=streams,
-                timer=timer.stop(),
-                host_drafts=None if drafts is None else to_host(drafts),
+                timer=timer.stop(),  # the collect waits for this, not for the proposal
             )
+            if verify_key is not None and out is not None:
+                drafts = self._propose_verified(
+                    step, verify_key, out.token_ids, streams, row_params
+                )
+                if drafts is not None:
+                    result.device_drafts, result.host_drafts = drafts, to_host(drafts)
+                    if self.device.type == "cuda":
+                        result.drafts_ready = torch.cuda.Event()
+                        result.drafts_ready.record()
+            return result
 
     def _propose_verified(
         self,
@@ -322,6 +375,10 @@ class ModelRunner:
         proposer = self.proposer
         assert proposer is not None and proposer.graphs is not None and streams is not None
         if not all(p.is_greedy for p in row_params):
+            return None
+        # the next step samples before the drafts' ids reach the host: penalties, which
+        # read them there, wait for the host's proposal
+        if step.sampling is None or step.sampling.output_token_ids is not None:
             return None
         num = len(step.reqs)
         ids, positions = proposer.graphs.staged(key, num)
@@ -376,6 +433,10 @@ class ModelRunner:
             assert res.host_token_ids is not None
             with phase("wait"):
                 token_ids = res.timer.wait_for(res.host_token_ids).tolist()
+            source = step.drafts_source
+            for k, row, num in step.pending_drafts:  # fed on the device: their ids now
+                assert source is not None
+                reqs[k].token_ids[-num:] = source.drafts_on_host(row, num)
             with phase("emit"):
                 logprobs = self._emit(
                     reqs, inputs, res.num_rows, res.out, token_ids, sampled, num_kept
@@ -386,13 +447,8 @@ class ModelRunner:
         drafts: dict[str, list[int]] = {}
         if self.proposer is not None:
             with phase("propose"):
-                if res.host_drafts is not None:  # proposed on the device (landed with the ids)
-                    proposed = res.host_drafts.tolist()
-                    drafts = {r.req_id: d for r, d in zip(reqs, proposed, strict=True)}
-                else:
-                    drafts = self._propose(
-                        reqs, inputs, num_kept, sampled, res.streams, step, res.num_rows
-                    )
+                drafts = self._drafts(reqs, inputs, num_kept, sampled, res, step)
+            self._last_collected = res
         return RunnerOutput(
             req_ids=[r.req_id for r in reqs],
             sampled_token_ids=sampled,
@@ -402,6 +458,33 @@ class ModelRunner:
             forward_time_s=res.timer.elapsed_s(),  # ends at the token read-back
             draft_token_ids=drafts,
         )
+
+    def _drafts(
+        self,
+        reqs: list[RunnerRequest],
+        inputs: StepInputs,
+        num_kept: list[int],
+        sampled: list[list[int]],
+        res: DeviceStep,
+        step: PreparedStep,
+    ) -> dict[str, list[int]]:
+        """The next step's drafts for the scheduler. Proposed on the device (still running
+        there): placeholders, each request's source kept in ``_proposed`` for the next
+        launch. Else proposed here, after the read-back."""
+        proposed = self._proposed
+        if res.device_drafts is None:
+            for r in reqs:
+                proposed.pop(r.req_id, None)
+            return self._propose(reqs, inputs, num_kept, sampled, res.streams, step, res.num_rows)
+        if len(proposed) > len(self.input_batch.requests):  # finished with drafts pending
+            for req_id in proposed.keys() - self.input_batch.requests.keys():
+                del proposed[req_id]
+        num = res.device_drafts.shape[1]
+        drafts = {}
+        for row, r in enumerate(reqs):
+            proposed[r.req_id] = (res, row)
+            drafts[r.req_id] = [self.placeholder] * num
+        return drafts
 
     @staticmethod
     def _emit(

@@ -79,9 +79,19 @@ class DeviceStep:
     expert_counts: torch.Tensor  # [L, E]
     streams: torch.Tensor | None  # [T, N, D] final streams (eager steps; the drafter)
     timer: StepTimer
-    # [R, K] the next drafts, proposed on the device behind a uniform verify step (greedy);
-    # on the host (pinned on a GPU) behind the ids' event. None: the collect proposes
+    # [R, K] the next drafts, proposed on the device behind a uniform verify step (greedy;
+    # None: the collect proposes): on the device (fed into the next step's input ids), and
+    # their host copy once ``drafts_ready`` has passed (None on the CPU: at once)
+    device_drafts: torch.Tensor | None = None
     host_drafts: torch.Tensor | None = None
+    drafts_ready: torch.cuda.Event | None = None
+
+    def drafts_on_host(self, row: int, num: int) -> list[int]:
+        """The first ``num`` drafts of request ``row``, from the host copy."""
+        assert self.host_drafts is not None
+        if self.drafts_ready is not None:
+            self.drafts_ready.synchronize()  # passed already where the caller reads them
+        return self.host_drafts[row, :num].tolist()
 
 
 @dataclass
@@ -116,20 +126,30 @@ def output_to_host(out: SamplerOutput) -> SamplerOutput:
 
 
 def feeder(
-    prev: Future | None, index: np.ndarray, rows: np.ndarray
+    source: Callable[[], torch.Tensor], index: np.ndarray, rows: np.ndarray
 ) -> Callable[[torch.Tensor], None]:
-    """Writes the previous step's sampled ids (its rows ``rows`` [F]) into a step's
-    uploaded input ids at flat ``index`` [F], on the device: no host round-trip. The
-    previous step ran first on the same device, so its result is there."""
-    assert prev is not None
+    """Writes ids an earlier step left on the device (``source()``: flat, read when the feed
+    runs; rows ``rows`` [F] of it) into a step's uploaded input ids at flat ``index`` [F],
+    on the device: no host round-trip. The earlier step ran first on the same device, so
+    its ids are there."""
     pairs = torch.from_numpy(np.stack([index, rows]))  # [2, F]: where, from which row
 
     def feed(input_ids: torch.Tensor) -> None:
-        result = prev.result()
-        assert result.device_token_ids is not None, "a placeholder's step sampled nothing"
-        tokens = result.device_token_ids  # [S'] on the device
+        tokens = source()
         # one copy for both (pinned on a GPU: a pageable copy could wait for step N)
         at, src = upload(pairs, tokens.device)
         input_ids[at] = tokens[src].to(input_ids.dtype)
 
     return feed
+
+
+def sampled_ids(prev: Future | None) -> Callable[[], torch.Tensor]:
+    """A :func:`feeder` source: the sampled ids [S'] of the step behind ``prev``."""
+    assert prev is not None
+
+    def ids() -> torch.Tensor:
+        result = prev.result()
+        assert result.device_token_ids is not None, "a placeholder's step sampled nothing"
+        return result.device_token_ids
+
+    return ids

@@ -15,9 +15,11 @@ model's (the first step over each request's kept tokens and y, padded to 2 + K, 
 chain) one :class:`DraftProposalGraphs` graph: eager, such steps cost ~3 ms of host launches
 each on the H200 (2026-12-01, ``bench decode --profile``). Their inputs are staged on the
 device from the verify's (its inputs, sampled ids and the acceptance counted there), so the
-proposal follows the verify on the stream and one read-back brings both: with a host
-round trip between them the device idled ~0.6 ms a step (MTP K = 1 at 32 requests, H100,
-2026-12-07).
+proposal follows the verify on the stream; its drafts stay on the device, fed into the next
+verify's input ids (``VerifyGraphs.run``'s ``feed``), and the host reads them back behind
+that step. The host's work between two steps (their tokens' read-back, the scheduler, the
+next step's inputs) thus runs while the device proposes, instead of ~2 ms a step with the
+device idle (MTP K = 1 at 32 requests, H100, 2026-12-07).
 
 Like ``runner/cuda_graph.DecodeGraphs`` (whose batch sizes and context buckets these
 reuse), a graph reads static device buffers, derives every index
@@ -151,15 +153,22 @@ class VerifyGraphs:
         return self.set.key(num_reqs, inputs.max_seq_len)
 
     def run(
-        self, key: Key, inputs: StepInputs, table_writes: tuple[np.ndarray, np.ndarray]
+        self,
+        key: Key,
+        inputs: StepInputs,
+        table_writes: tuple[np.ndarray, np.ndarray],
+        feed: Callable[[torch.Tensor], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits [T, V], streams [T, N, D], expert_counts [L, E]) of the step, valid until
-        the next run."""
+        the next run. ``feed``: writes ids still on the device (drafts proposed there) into
+        the uploaded input ids."""
         b, t = key[0], len(inputs.rows) * self.width
         ids, positions = (pad_to(a, b * self.width) for a in (inputs.input_ids, inputs.positions))
         rows = pad_to(np.asarray(inputs.rows, dtype=np.int64), b, self.buffers.null_row)
         fields = [ids, positions, rows]
         self.buffers.apply_writes(*self.buffers.upload(table_writes, self.static.buffer, fields))
+        if feed is not None:
+            feed(self.inputs(b)[0])
         logits, streams = self.set.replay(key, self._forward)
         return logits[:t], streams[:t], self.expert_counts
 

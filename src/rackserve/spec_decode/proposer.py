@@ -135,9 +135,9 @@ class Proposer:
     def propose_verified(self, verified: VerifyOutputs) -> torch.Tensor | None:
         """The drafts [R, K] after a uniform verify step whose requests all draft greedily,
         from its outputs on the device: the drafter's proposal graph replays right behind
-        the verify (the acceptance counted on the device), so one read-back brings the
-        step's tokens and the next drafts. None when no proposal graph fits: then
-        :meth:`propose` runs after the read-back."""
+        the verify (the acceptance counted on the device) with no host round trip, and the
+        drafts stay there for the next step's inputs (``ModelRunner._take_drafts``). None
+        when no proposal graph fits: then :meth:`propose` runs after the read-back."""
         graphs = self.proposal_graphs
         if graphs is None:
             return None
