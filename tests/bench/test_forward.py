@@ -123,6 +123,23 @@ def test_cli_decode_reports_step_and_forward(tiny, tmp_path):
     assert json.loads(out.read_text())["async_scheduling"] is True
 
 
+def test_cli_decode_speculating_reports_the_proposal(tiny, tmp_path):
+    """With speculation the record carries the acceptance and the drafter's device time
+    (0 on the CPU: without graphs the host proposes, inside the step minus forward)."""
+    out = tmp_path / "decode.json"
+    spec = '{"method": "mtp", "num_speculative_tokens": 2}'
+    argv = ["bench", "decode", "--model", str(tiny), "--concurrency", "2", "--context", "32",
+            "--steps", "3", "--warmup", "1", "--speculative-config", spec,
+            "--output", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 2}
+    assert result["median_propose_ms"] == 0.0
+    assert result["median_step_minus_device_ms"] == pytest.approx(
+        result["median_step_minus_forward_ms"]
+    )
+
+
 def test_cli_decode_profile_writes_host_kernel_and_timeline_sections(tiny, tmp_path):
     profile = tmp_path / "profile.txt"
     argv = ["bench", "decode", "--model", str(tiny), "--concurrency", "2", "--context", "32",

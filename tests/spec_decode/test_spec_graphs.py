@@ -150,6 +150,14 @@ def test_drafts_left_on_the_device_are_fed_or_read_back(target_dir, close_draft_
             return pending
 
         runner._take_drafts = counted
+        collect = runner.collect
+
+        def timed(handle):  # the proposal's device time, a step late
+            out = collect(handle)
+            paths["timed"] += out.propose_time_s > 0
+            return out
+
+        runner.collect = timed
         return core
 
     def skipping(core):
@@ -174,7 +182,7 @@ def test_drafts_left_on_the_device_are_fed_or_read_back(target_dir, close_draft_
         for case, p in (("plain", params), ("penalised", penalised))
     }  # fmt: skip
     for case in ("fed", "read", "penalised"):
-        got, paths = [], {"fed": 0, "read": 0}
+        got, paths = [], {"fed": 0, "read": 0, "timed": 0}
         graphs = with_graphs(
             spec_engine(target_dir, spec, max_num_seqs=4), dict.fromkeys(COUNTS, 0)
         )
@@ -187,6 +195,7 @@ def test_drafts_left_on_the_device_are_fed_or_read_back(target_dir, close_draft_
         assert got == verified[eager] and sum(map(len, got)) > 10
         if case == "fed":
             assert paths["fed"] > 10 and paths["read"] == 0, paths
+            assert paths["timed"] > 5, paths  # steps, each one after a device proposal
             fed = paths["fed"]
         elif case == "read":
             assert paths["read"] > 5 and paths["fed"] > 5, paths

@@ -219,7 +219,7 @@ def _decode(args: argparse.Namespace) -> int:
             )
     # per step: wall time of step(), and the forward inside it (device time by CUDA events on
     # a GPU; with --async-scheduling the forward of the step collected in that call)
-    step_times, forward_times = [], []
+    step_times, forward_times, propose_times = [], [], []
     num_output = 0
     spec_then = None
     for i in range(args.warmup + args.steps):
@@ -231,6 +231,7 @@ def _decode(args: argparse.Namespace) -> int:
         if i >= args.warmup:
             step_times.append(elapsed)
             forward_times.append(core.last_forward_time_s)
+            propose_times.append(core.last_propose_time_s)
             num_output += sum(len(o.new_token_ids) for o in out.outputs)
     step_ms = statistics.median(step_times) * 1e3
     forward_ms = statistics.median(forward_times) * 1e3
@@ -260,11 +261,23 @@ def _decode(args: argparse.Namespace) -> int:
         }
         result |= spec_now.minus(spec_then).report()
         result["output_tokens_per_s"] = num_output / sum(step_times)
+        # the drafter's device work behind each verify (0 where the host proposed): the
+        # host time left exposed is the step minus both
+        propose_ms = statistics.median(propose_times) * 1e3
+        result["median_propose_ms"] = propose_ms
+        exposed = [m - p * 1e3 for m, p in zip(minus, propose_times, strict=True)]
+        result["median_step_minus_device_ms"] = statistics.median(exposed)
     print(
         f"decode x{args.concurrency} @ {args.context}: step {step_ms:.2f} ms, forward "
         f"{forward_ms:.2f} ms, overhead {step_ms - forward_ms:.2f} ms, step minus forward "
         f"{result['median_step_minus_forward_ms']:.2f} ms per step "
         f"({result['output_tokens_per_s']:.0f} tok/s{', async' if core.async_scheduling else ''})"
+        + (
+            f"; proposal on the device {result['median_propose_ms']:.2f} ms, step minus "
+            f"both {result['median_step_minus_device_ms']:.2f} ms"
+            if "median_propose_ms" in result
+            else ""
+        )
     )
     if args.profile:
         _profile_steps(core, profiled, args.profile)

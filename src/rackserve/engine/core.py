@@ -166,6 +166,7 @@ class EngineCore:
         self.async_scheduling = is_async(config, device)
         self._in_flight: InFlight | None = None
         self.last_forward_time_s = 0.0
+        self.last_propose_time_s = 0.0  # drafts proposed on the device (RunnerOutput)
         self.kv_connector = None
         if config.kv_transfer is not None:  # P/D disaggregation (disagg/connector.py)
             from rackserve.disagg.connector import KVConnector
@@ -293,6 +294,7 @@ class EngineCore:
                     self.ep.dummy_pass()  # no forward ran: the other ranks' dispatch needs ours
                 self.ep_models.end_step(("main",))  # the MTP layers run in no step yet
             self.last_forward_time_s = result.forward_time_s
+            self.last_propose_time_s = result.propose_time_s
             with phase("update"):
                 outputs = self.scheduler.update(sched, result)
         self.kv_events.drain(publish=True)
@@ -322,6 +324,7 @@ class EngineCore:
         else:
             result = self.runner.collect(done.handle)
             self.last_forward_time_s = result.forward_time_s
+            self.last_propose_time_s = result.propose_time_s
             with phase("update"):
                 outputs = update_after_collect(self.scheduler, done, result, launched)
         if not sched.total_num_scheduled_tokens:

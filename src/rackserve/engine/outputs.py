@@ -85,6 +85,9 @@ class RunnerOutput:
     # speculative decoding: the drafts each request proposes for its next step
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     forward_time_s: float = 0.0
+    # device time of the drafts proposed on the device behind the step collected before
+    # this one (this step's still runs when it is collected); 0 when none were
+    propose_time_s: float = 0.0
 
 
 # ---- across processes -------------------------------------------------------------------

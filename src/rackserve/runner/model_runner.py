@@ -351,14 +351,13 @@ class ModelRunner:
                 timer=timer.stop(),  # the collect waits for this, not for the proposal
             )
             if verify_key is not None and out is not None:
+                proposal = StepTimer(self.device)
                 drafts = self._propose_verified(
                     step, verify_key, out.token_ids, streams, row_params
                 )
                 if drafts is not None:
                     result.device_drafts, result.host_drafts = drafts, to_host(drafts)
-                    if self.device.type == "cuda":
-                        result.drafts_ready = torch.cuda.Event()
-                        result.drafts_ready.record()
+                    result.proposal = proposal.stop()
             return result
 
     def _propose_verified(
@@ -448,7 +447,10 @@ class ModelRunner:
         if self.proposer is not None:
             with phase("propose"):
                 drafts = self._drafts(reqs, inputs, num_kept, sampled, res, step)
-            self._last_collected = res
+        last = self._last_collected
+        # the last step's proposal on the device ran before this step's forward: done now
+        propose_time_s = last.proposal.elapsed_s() if last and last.proposal else 0.0
+        self._last_collected = res
         return RunnerOutput(
             req_ids=[r.req_id for r in reqs],
             sampled_token_ids=sampled,
@@ -457,6 +459,7 @@ class ModelRunner:
             expert_counts=res.expert_counts,
             forward_time_s=res.timer.elapsed_s(),  # ends at the token read-back
             draft_token_ids=drafts,
+            propose_time_s=propose_time_s,
         )
 
     def _drafts(

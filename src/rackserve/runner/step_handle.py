@@ -81,17 +81,16 @@ class DeviceStep:
     timer: StepTimer
     # [R, K] the next drafts, proposed on the device behind a uniform verify step (greedy;
     # None: the collect proposes): on the device (fed into the next step's input ids), and
-    # their host copy once ``drafts_ready`` has passed (None on the CPU: at once)
+    # their host copy once ``proposal`` (the timer around that work) has stopped
     device_drafts: torch.Tensor | None = None
     host_drafts: torch.Tensor | None = None
-    drafts_ready: torch.cuda.Event | None = None
+    proposal: StepTimer | None = None
 
     def drafts_on_host(self, row: int, num: int) -> list[int]:
-        """The first ``num`` drafts of request ``row``, from the host copy."""
-        assert self.host_drafts is not None
-        if self.drafts_ready is not None:
-            self.drafts_ready.synchronize()  # passed already where the caller reads them
-        return self.host_drafts[row, :num].tolist()
+        """The first ``num`` drafts of request ``row``, from the host copy (landed already
+        where the runner reads them: behind a later step's ids)."""
+        assert self.host_drafts is not None and self.proposal is not None
+        return self.proposal.wait_for(self.host_drafts)[row, :num].tolist()
 
 
 @dataclass
