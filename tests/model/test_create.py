@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from rackserve.cli import main
@@ -21,6 +22,27 @@ def test_same_seed_same_bytes(tmp_path: Path):
     for name in ("model.safetensors", "config.json", "tokenizer.json"):
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
     assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device")])]
+)  # fmt: skip
+def test_weights_drawn_on_a_device_are_reproducible(tmp_path: Path, device: str):
+    """``--device``: the CPU's draws are the default's; a GPU's are its own (other values),
+    the same run to run, and load like any checkpoint."""
+    cfg = tiny_config(num_layers=2, vocab_size=512)
+    default = create_checkpoint(cfg, tmp_path / "default", seed=1)
+    a = create_checkpoint(cfg, tmp_path / "a", seed=1, device=device)
+    b = create_checkpoint(cfg, tmp_path / "b", seed=1, device=device)
+    weights = "model.safetensors"
+    assert (a / weights).read_bytes() == (b / weights).read_bytes()
+    same_as_cpu = (a / weights).read_bytes() == (default / weights).read_bytes()
+    assert same_as_cpu == (device == "cpu")
+    assert main(["model", "create", "--layers", "2", "--seed", "1", "--device", device,
+                 "--out", str(tmp_path / "cli")]) == 0  # fmt: skip
+    model = load_model(tmp_path / "cli")
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_activations_stay_sane_through_depth(tmp_path: Path):

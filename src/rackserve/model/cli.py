@@ -54,7 +54,9 @@ def _create(args: argparse.Namespace) -> int:
     quantization = quant_config(args.quantization, args.expert_dtype, args.scale_fmt)
     cfg = dataclasses.replace(cfg, quantization=quantization)
     dtype = parse_dtype(args.dtype or ("float32" if args.preset == "tiny" else "bfloat16"), "cpu")
-    out = create_checkpoint(cfg, args.out, seed=args.seed, dtype=dtype, with_mtp=not args.no_mtp)
+    out = create_checkpoint(
+        cfg, args.out, seed=args.seed, dtype=dtype, with_mtp=not args.no_mtp, device=args.device
+    )
     stored = str(dtype).removeprefix("torch.")
     if quantization is not None:
         stored = (
@@ -99,6 +101,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     create.add_argument("--seed", type=int, default=0)
     create.add_argument("--dtype", default=None, help="float32 (tiny default) or bfloat16")
     create.add_argument("--no-mtp", action="store_true", help="leave out the MTP layer(s)")
+    create.add_argument(
+        "--device",
+        default="cpu",
+        help="where the weights are drawn: cpu (default; the same checkpoint on every "
+        "machine) or cuda (much faster for large presets; other values, as reproducible)",
+    )
     add_quantization_args(create)
     create.add_argument("--out", type=Path, required=True)
     create.set_defaults(func=_create)

@@ -86,20 +86,26 @@ def init_rule(name: str, shape: tuple[int, ...], cfg: ModelConfig) -> tuple[str,
 
 
 def init_tensor(
-    name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int, dtype: torch.dtype
+    name: str,
+    shape: tuple[int, ...],
+    cfg: ModelConfig,
+    seed: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """A deterministic random tensor for one checkpoint entry."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    """A deterministic random tensor for one checkpoint entry, drawn on ``device`` (a GPU
+    draws other values than the CPU, as reproducibly) and returned on the CPU."""
+    g = torch.Generator(device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     if name.endswith("tid2eid"):
         # distinct experts per token: the first k of a random permutation
-        perm = torch.rand(shape[0], cfg.n_routed_experts, generator=g).argsort(dim=-1)
-        return perm[:, : shape[1]].to(torch.int64).contiguous()
+        scores = torch.rand(shape[0], cfg.n_routed_experts, generator=g, device=device)
+        return scores.argsort(dim=-1)[:, : shape[1]].to(torch.int64).contiguous().cpu()
     kind, value = init_rule(name, shape, cfg)
     if kind == "fill":
         return torch.full(shape, value, dtype=torch.float32)
-    t = torch.randn(shape, generator=g) * value
+    t = torch.randn(shape, generator=g, device=device) * value
     # the reference's float32 parameters stay float32 in the checkpoint
-    return t if name.endswith(FP32_PARAM_SUFFIXES) else t.to(dtype)
+    return (t if name.endswith(FP32_PARAM_SUFFIXES) else t.to(dtype)).cpu()
 
 
 def fp8_weight_names(cfg: ModelConfig, with_mtp: bool = True) -> set[str]:
@@ -138,12 +144,13 @@ def _shards(
     seed: int,
     dtype: torch.dtype,
     fp8_weights: set[str],
+    device: torch.device | str,
 ) -> Iterator[dict[str, torch.Tensor]]:
     shard: dict[str, torch.Tensor] = {}
     size = 0
     for name, shape in shapes:
         entries = quantized_entries(
-            name, init_tensor(name, shape, cfg, seed, dtype), cfg, fp8_weights
+            name, init_tensor(name, shape, cfg, seed, dtype, device), cfg, fp8_weights
         )
         nbytes = sum(t.numel() * t.element_size() for t in entries.values())
         if shard and size + nbytes > SHARD_BYTES:
@@ -161,14 +168,17 @@ def create_checkpoint(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     with_mtp: bool = True,
+    device: torch.device | str = "cpu",
 ) -> Path:
-    """Write config.json, safetensors shards (+ index when sharded) and the tokenizer."""
+    """Write config.json, safetensors shards (+ index when sharded) and the tokenizer.
+    ``device``: where the weights are drawn (a GPU: ~10x faster for the v4-flash preset,
+    other values than the CPU's)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     shapes = checkpoint_shapes(cfg, with_mtp)
     fp8_weights = fp8_weight_names(cfg, with_mtp) if cfg.quantization else set()
     files: list[tuple[str, list[str]]] = []
-    for i, shard in enumerate(_shards(shapes, cfg, seed, dtype, fp8_weights)):
+    for i, shard in enumerate(_shards(shapes, cfg, seed, dtype, fp8_weights, device)):
         fname = f"model-{i + 1:05d}.safetensors"
         save_file(shard, str(out / fname), metadata={"format": "pt"})
         files.append((fname, list(shard)))
