@@ -53,7 +53,7 @@ from rackserve.spec_decode.drafters import build_proposer
 from rackserve.spec_decode.proposer import Proposer, VerifiedStep, VerifyOutputs
 from rackserve.spec_decode.verify import accept_drafts
 
-Feed = Callable[[torch.Tensor], None] | None  # writes in-flight ids into a device tensor
+Feed = Callable[[torch.Tensor], None]  # writes ids still on the device into a step's inputs
 
 
 class ModelRunner:
@@ -156,7 +156,7 @@ class ModelRunner:
         on :attr:`device` (a GPU: enqueued on the stream; the CPU: run now). A request
         whose last token is still in flight (async scheduling: the step launched before
         this one, not collected yet) gets a placeholder, replaced on the device by that
-        step's sampled id."""
+        step's sampled id; so do drafts the last step proposed on the device."""
         prepared = self._prepare(sched)
         if prepared is None:
             return StepHandle(None, None)
@@ -170,7 +170,9 @@ class ModelRunner:
         return handle
 
     @phased("prepare")
-    def _prepare(self, sched: SchedulerOutput) -> tuple[PreparedStep, Feed, Feed] | None:
+    def _prepare(
+        self, sched: SchedulerOutput
+    ) -> tuple[PreparedStep, Feed | None, Feed | None] | None:
         """The step's host inputs and, under async scheduling, the feeds of the in-flight
         tokens into its input ids and penalties' output ids; None: nothing to run."""
         structured = self.structured_outputs
@@ -253,7 +255,7 @@ class ModelRunner:
     @staticmethod
     def _output_ids_feeder(
         step: PreparedStep, fed: list[str], prev: Future | None, sources: np.ndarray
-    ) -> Feed:
+    ) -> Feed | None:
         """For a step whose penalties read the output tokens: writes the in-flight tokens of
         ``fed`` (the previous step's rows ``sources``) over their placeholders, each its
         request's last output token, in the sampling tensors' [R, L] output ids."""
@@ -268,8 +270,8 @@ class ModelRunner:
     def _run(
         self,
         step: PreparedStep,
-        feed: Feed,
-        feed_outputs: Feed = None,
+        feed: Feed | None,
+        feed_outputs: Feed | None = None,
     ) -> DeviceStep:
         """The device work of a step: forward, logits processors, sampling (inside the
         decode graphs when the step allows), the copy of the sampled ids to the host (an
@@ -351,42 +353,41 @@ class ModelRunner:
                 timer=timer.stop(),  # the collect waits for this, not for the proposal
             )
             if verify_key is not None and out is not None:
-                proposal = StepTimer(self.device)
-                drafts = self._propose_verified(
-                    step, verify_key, out.token_ids, streams, row_params
-                )
-                if drafts is not None:
-                    result.device_drafts, result.host_drafts = drafts, to_host(drafts)
-                    result.proposal = proposal.stop()
+                self._propose_verified(result, step, verify_key, out.token_ids, row_params)
             return result
 
     def _propose_verified(
         self,
+        result: DeviceStep,
         step: PreparedStep,
         key: tuple[int, int],
         target_ids: torch.Tensor,
-        streams: torch.Tensor | None,
         row_params: list[SamplingParams],
-    ) -> torch.Tensor | None:
-        """The next drafts [R, K] enqueued right behind a uniform verify step (graph
-        ``key``) whose requests all draft greedily (``Proposer.propose_verified``); None:
-        the collect proposes after the read-back."""
+    ) -> None:
+        """Enqueue the next drafts [R, K] right behind a uniform verify step (graph ``key``)
+        whose requests all draft greedily (``Proposer.propose_verified``) into ``result``;
+        else leave them to the collect, after the read-back."""
         proposer = self.proposer
-        assert proposer is not None and proposer.graphs is not None and streams is not None
+        assert proposer is not None and proposer.graphs is not None
+        assert result.streams is not None
         if not all(p.is_greedy for p in row_params):
-            return None
+            return
         # the next step samples before the drafts' ids reach the host: penalties, which
         # read them there, wait for the host's proposal
         if step.sampling is None or step.sampling.output_token_ids is not None:
-            return None
+            return
         num = len(step.reqs)
         ids, positions = proposer.graphs.staged(key, num)
         inputs = step.inputs
         verified = VerifyOutputs(
-            ids, positions, target_ids.view(num, -1), streams, inputs.rows,
+            ids, positions, target_ids.view(num, -1), result.streams, inputs.rows,
             inputs.max_seq_len + proposer.num_tokens,
         )  # fmt: skip
-        return proposer.propose_verified(verified)
+        timer = StepTimer(self.device)
+        drafts = proposer.propose_verified(verified)
+        if drafts is not None:
+            result.device_drafts, result.host_drafts = drafts, to_host(drafts)
+            result.proposal = timer.stop()
 
     def _sample(
         self,
