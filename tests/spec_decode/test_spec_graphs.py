@@ -5,14 +5,25 @@ check everything but the capture itself (tests/spec_decode/test_spec_graphs_gpu.
 
 from __future__ import annotations
 
+import time
+
 import pytest
+import torch
 
 from rackserve.config import SpecConfig
+from rackserve.engine.outputs import EngineCoreRequest
 from rackserve.kv.spec import CacheGroupSpec
 from rackserve.request import SamplingParams
 from rackserve.spec_decode.checkpoint import DRAFT_PREFIX
 
-from spec_utils import close_draft_dir, mixed_params_prompts, run, spec_engine, target_dir
+from spec_utils import (
+    close_draft_dir,
+    kv_budget,
+    mixed_params_prompts,
+    run,
+    spec_engine,
+    target_dir,
+)
 
 BATCH_SIZES = [1, 2, 4]  # 3 requests pad to 4; fewer as they finish
 BUCKETS = [32, 64, 1100]
@@ -201,3 +212,60 @@ def test_drafts_left_on_the_device_are_fed_or_read_back(target_dir, close_draft_
             assert paths["read"] > 5 and paths["fed"] > 5, paths
         else:  # the steps with d propose on the host; once it finished, on the device
             assert paths["read"] == 0 and paths["fed"] < fed / 2, (paths, fed)
+
+
+@pytest.mark.parametrize("method", ["mtp", "draft_model"])
+def test_drafts_on_the_device_under_preemption_prefix_hits_and_aborts(
+    target_dir, close_draft_dir, method
+):
+    """The drafts left on the device against the plain engine, greedy, token for token: a
+    KV budget that preempts (a preempted request drops its placeholders and drafts again
+    after its recompute), prompts that share a prefix, and a request aborted while its
+    drafts are in flight. Every block comes back."""
+    spec = SpecConfig(method, 3, None if method == "mtp" else str(close_draft_dir))
+    g = torch.Generator().manual_seed(5)
+    shared = torch.randint(2, 512, (40,), generator=g).tolist()
+    prompts = {
+        f"r{i}": (shared if i % 2 else []) + torch.randint(2, 512, (n,), generator=g).tolist()
+        for i, n in enumerate((7, 60, 25, 90, 12, 33, 48))
+    }
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    aborted, abort_at = "r0", 6  # after its prefill, mid-decode
+
+    def outputs(core, abort: bool = True) -> dict[str, list[int]]:
+        for req_id, ids in prompts.items():
+            core.add_request(EngineCoreRequest(req_id, ids, params, time.time()))
+        found: dict[str, list[int]] = {r: [] for r in prompts}
+        for step in range(10_000):
+            if not core.has_unfinished_requests():
+                break
+            if abort and step == abort_at:
+                core.abort_requests([aborted])
+            for out in core.step().outputs:
+                found[out.request_id] += out.new_token_ids
+        assert not core.has_unfinished_requests()
+        assert core.scheduler.kv.usage == 0.0
+        return found
+
+    def engine(spec_config):
+        budget = kv_budget(target_dir, spec, tokens=260, max_num_seqs=4, max_num_batched_tokens=64)
+        return spec_engine(target_dir, spec_config, max_num_seqs=4, max_num_batched_tokens=64,
+                           max_model_len=256, kv_cache_memory=budget)  # fmt: skip
+
+    plain = outputs(engine(None), abort=False)  # greedy tokens do not depend on the batch
+    core = with_graphs(engine(spec), dict.fromkeys(COUNTS, 0))
+    runner, fed = core.runner, []
+    take = runner._take_drafts
+
+    def counted(sched):
+        pending = take(sched)
+        fed.extend(p[0] for p in pending)
+        return pending
+
+    runner._take_drafts = counted
+    got = outputs(core)
+    cut = got.pop(aborted)
+    assert 0 < len(cut) < params.max_tokens and cut == plain.pop(aborted)[: len(cut)]
+    assert got == plain
+    assert core.scheduler.num_preemptions > 0 and len(fed) > 10
+    assert core.scheduler.stats().prefix_cache_hits > 0
