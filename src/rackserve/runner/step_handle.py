@@ -86,11 +86,15 @@ class DeviceStep:
     host_drafts: torch.Tensor | None = None
     proposal: StepTimer | None = None
 
+    drafts_list: list[list[int]] | None = None  # host_drafts as lists, once read
+
     def drafts_on_host(self, row: int, num: int) -> list[int]:
         """The first ``num`` drafts of request ``row``, from the host copy (landed already
-        where the runner reads them: behind a later step's ids)."""
-        assert self.host_drafts is not None and self.proposal is not None
-        return self.proposal.wait_for(self.host_drafts)[row, :num].tolist()
+        where the runner reads them: behind a later step's ids), read once for all rows."""
+        if self.drafts_list is None:
+            assert self.host_drafts is not None and self.proposal is not None
+            self.drafts_list = self.proposal.wait_for(self.host_drafts).tolist()
+        return self.drafts_list[row][:num]
 
 
 @dataclass
