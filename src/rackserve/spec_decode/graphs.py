@@ -364,7 +364,15 @@ class MTPGraphs(ProposalGraphs):
             drafts.append(draft)
         return torch.stack(drafts, dim=1)
 
-    def rows(self, first_ids, target, base, accepted, pad):
+    def rows(
+        self,
+        first_ids: torch.Tensor,
+        target: torch.Tensor,
+        base: torch.Tensor,
+        accepted: torch.Tensor,
+        pad: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Row i of request r: MTP row L + 1 + i (token t_i) while i <= a (kept = a + 1)."""
         r, w = target.shape
         i = torch.arange(w, device=target.device)
         real = i[None, :] <= accepted[:, None]  # kept = a + 1 rows
@@ -406,7 +414,15 @@ class DraftProposalGraphs(ProposalGraphs):
         self.model, self.caches = model, caches
         self.meta = GraphMetadata(model, groups, tables, buffers.null_row, buffers.device)
 
-    def rows(self, first_ids, target, base, accepted, pad):
+    def rows(
+        self,
+        first_ids: torch.Tensor,
+        target: torch.Tensor,
+        base: torch.Tensor,
+        accepted: torch.Tensor,
+        pad: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Row i of request r: position L + i, token x_L then t_0 .. t_a (i <= a + 1)."""
         r, w = target.shape[0], self.width
         i = torch.arange(w, device=target.device)
         real = i[None, :] <= accepted[:, None] + 1  # x_L, the kept drafts and y
