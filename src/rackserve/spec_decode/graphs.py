@@ -232,8 +232,8 @@ class DraftGraphs:
 class ProposalGraphs:
     """What both proposal graphs share: ``width`` padded rows per request (the pad request
     B owns the padding, on the null row), their static inputs, staged on the device from
-    the verify step's outputs. Subclasses set ``width`` and define ``rows`` (which rows
-    the proposal's first pass runs) and ``_forward(b, bucket) -> drafts [b, K]``."""
+    the verify step's outputs (:meth:`rows`). Subclasses set ``width`` and define
+    ``_forward(b, bucket) -> drafts [b, K]``."""
 
     def __init__(
         self,
@@ -275,8 +275,22 @@ class ProposalGraphs:
         """The proposal's rows of R verified requests -> per flat row [R * width] its token,
         position and request (``pad`` on padding), per request [R] its last row.
         first_ids [R]: x_L; target [R, 1 + K]: the verify's tokens t_0 .. t_K; base [R]: L;
-        accepted [R]: a, the drafts accepted (t_0 .. t_a are emitted)."""
-        raise NotImplementedError
+        accepted [R]: a, the drafts accepted (t_0 .. t_a are emitted).
+
+        The MTP drafter's rows (width 1 + K) are t_0 .. t_a at L + 1 ..; the draft
+        model's (width 2 + K: one row more, ``lead``) are x_L, t_0 .. t_a at L ..."""
+        lead = self.width - target.shape[1]
+        tokens = torch.cat([first_ids[:, None], target], dim=1) if lead else target
+        r, w = tokens.shape
+        i = torch.arange(w, device=tokens.device)
+        real = i[None, :] <= accepted[:, None] + lead
+        req = torch.arange(r, device=tokens.device)
+        return (
+            torch.where(real, tokens, 0).flatten(),
+            torch.where(real, base[:, None] + 1 - lead + i, 0).flatten(),
+            torch.where(real, req[:, None], pad).flatten(),
+            req * w + accepted + lead,
+        )
 
     def run(
         self,
@@ -364,26 +378,6 @@ class MTPGraphs(ProposalGraphs):
             drafts.append(draft)
         return torch.stack(drafts, dim=1)
 
-    def rows(
-        self,
-        first_ids: torch.Tensor,
-        target: torch.Tensor,
-        base: torch.Tensor,
-        accepted: torch.Tensor,
-        pad: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Row i of request r: MTP row L + 1 + i (token t_i) while i <= a (kept = a + 1)."""
-        r, w = target.shape
-        i = torch.arange(w, device=target.device)
-        real = i[None, :] <= accepted[:, None]  # kept = a + 1 rows
-        req = torch.arange(r, device=target.device)
-        return (
-            torch.where(real, target, 0).flatten(),
-            torch.where(real, base[:, None] + 1 + i, 0).flatten(),
-            torch.where(real, req[:, None], pad).flatten(),
-            req * w + accepted,
-        )
-
     def _stage_streams(self, streams: torch.Tensor) -> None:
         t = streams.shape[0]
         self.streams[:t].copy_(streams)
@@ -413,27 +407,6 @@ class DraftProposalGraphs(ProposalGraphs):
         super().__init__(buffers, num_drafts, batch_sizes, buckets, width=2 + num_drafts)
         self.model, self.caches = model, caches
         self.meta = GraphMetadata(model, groups, tables, buffers.null_row, buffers.device)
-
-    def rows(
-        self,
-        first_ids: torch.Tensor,
-        target: torch.Tensor,
-        base: torch.Tensor,
-        accepted: torch.Tensor,
-        pad: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Row i of request r: position L + i, token x_L then t_0 .. t_a (i <= a + 1)."""
-        r, w = target.shape[0], self.width
-        i = torch.arange(w, device=target.device)
-        real = i[None, :] <= accepted[:, None] + 1  # x_L, the kept drafts and y
-        req = torch.arange(r, device=target.device)
-        tokens = torch.cat([first_ids[:, None], target], dim=1)  # [R, 2 + K]
-        return (
-            torch.where(real, tokens, 0).flatten(),
-            torch.where(real, base[:, None] + i, 0).flatten(),
-            torch.where(real, req[:, None], pad).flatten(),
-            req * w + accepted + 1,
-        )
 
     def _hidden(self, ids, positions, token_req, rows, bucket: int) -> torch.Tensor:
         every = self.flat_index[: positions.shape[0]]
