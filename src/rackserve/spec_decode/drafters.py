@@ -55,7 +55,6 @@ class MTPProposer(Proposer):
         if not model.has_mtp:
             raise ConfigError(NO_MTP)
         self.model, self.caches, self.swa = model, caches, swa
-        self.proposal_graphs: MTPGraphs | None = None
 
     def _drafter_graphs(
         self, buffers: StepBuffers, batch_sizes: Sequence[int], buckets: Sequence[int]
@@ -141,7 +140,6 @@ class DraftModelProposer(Proposer):
         ]
         self.ratios = compressed_ratios(self.groups)
         self.draft_graphs: DraftGraphs | None = None  # the chain after an eager first step
-        self.proposal_graphs: DraftProposalGraphs | None = None  # the whole proposal
 
     def _drafter_graphs(
         self, buffers: StepBuffers, batch_sizes: Sequence[int], buckets: Sequence[int]
