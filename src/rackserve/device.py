@@ -50,8 +50,9 @@ class PinnedStaging:
     sync: each array's bytes at an 8-byte aligned offset of a pinned buffer, the tensors
     views of the one device copy. Two buffers alternate; one is refilled only once the
     event after its last copy has passed (at most one step in flight leaves it passed).
-    ``upload`` per array costs a pinned allocation and a copy each (~0.2 ms a step for the
-    sampling columns, H100 profile, 2026-12-07)."""
+    ``upload`` per array costs a pinned allocation and a copy each: with the sampling
+    columns staged here instead, a plain decode step's launch at 32 requests went from 1.99
+    to 1.19-1.29 ms of host time (H100, 2026-12-07)."""
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)

@@ -171,8 +171,8 @@ def create_checkpoint(
     device: torch.device | str = "cpu",
 ) -> Path:
     """Write config.json, safetensors shards (+ index when sharded) and the tokenizer.
-    ``device``: where the weights are drawn (a GPU: ~10x faster for the v4-flash preset,
-    other values than the CPU's)."""
+    ``device``: where the weights are drawn (a GPU: other values than the CPU's; the
+    v4-flash preset's CPU draw took 70-90 s on the device machine, 2026-12-07)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     shapes = checkpoint_shapes(cfg, with_mtp)

@@ -55,7 +55,8 @@ RESIDUAL_STREAM = 2  # the draw from (p - q)+
 class TokenPrefix(Sequence[int]):
     """``token_ids[:length]`` without the copy: the sampler reads a verified position's
     length (its noise position) every step and slices the ids only for penalties and
-    min_tokens. (Copies cost ~0.5 ms a step at 32 requests of 1024 tokens, K = 3.)"""
+    min_tokens. (The copies took ~0.5 ms a step under cProfile at 32 requests of 1024
+    tokens, K = 3, H100 host, 2026-12-07.)"""
 
     __slots__ = ("_ids", "_length")
 
