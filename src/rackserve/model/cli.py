@@ -105,7 +105,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--device",
         default="cpu",
         help="where the weights are drawn: cpu (default; the same checkpoint on every "
-        "machine) or cuda (much faster for large presets; other values, as reproducible)",
+        "machine) or cuda (for large presets, whose CPU draw takes over a minute; other "
+        "values, as reproducible)",
     )
     add_quantization_args(create)
     create.add_argument("--out", type=Path, required=True)
