@@ -60,10 +60,24 @@ class PinnedStaging:
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._next = 0
 
-    def upload(self, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
+    def upload(
+        self,
+        arrays: Sequence[np.ndarray],
+        into: torch.Tensor | None = None,
+        fields: Sequence[np.ndarray] = (),
+    ) -> list[torch.Tensor]:
+        """The device tensors of ``arrays`` (views of one copy; no copy when all are empty).
+
+        ``fields``: arrays of ``into``'s dtype written back to back from the start of the
+        device tensor ``into`` (a graph's static inputs) by a copy of their own from the same
+        buffer, so no device kernel moves them."""
         cuda = self.device.type == "cuda"
         arrays = [np.ascontiguousarray(a) for a in arrays]
-        offsets, total = [], 0
+        fields = [np.ascontiguousarray(f) for f in fields]
+        field_bytes = sum(f.nbytes for f in fields)
+        if fields:
+            assert into is not None and all(f.dtype.itemsize == into.element_size() for f in fields)
+        offsets, total = [], -(-field_bytes // 8) * 8
         for a in arrays:
             offsets.append(total)
             total += -(-a.nbytes // 8) * 8
@@ -76,15 +90,26 @@ class PinnedStaging:
             buffer = torch.empty(max(2 * total, 1 << 12), dtype=torch.uint8, pin_memory=cuda)
             self._buffers[i] = buffer
         host = buffer.numpy()
+        at = 0
+        for f in fields:
+            host[at : at + f.nbytes] = f.reshape(-1).view(np.uint8)
+            at += f.nbytes
         for a, at in zip(arrays, offsets, strict=True):
             host[at : at + a.nbytes] = a.reshape(-1).view(np.uint8)
+        if field_bytes:
+            num = field_bytes // into.element_size()
+            into[:num].copy_(buffer[:field_bytes].view(into.dtype), non_blocking=cuda)
+        start = offsets[0] if arrays else total
+        if total > start:
+            dev = buffer[start:total].to(self.device, non_blocking=cuda, copy=True)
+        else:  # nothing but fields (or nothing at all)
+            dev = torch.empty(0, dtype=torch.uint8, device=self.device)
         if cuda:
-            dev = buffer[:total].to(self.device, non_blocking=True)
             self._copied[i] = torch.cuda.Event()
             self._copied[i].record()
-        else:  # the same packing (the CPU tests), the copy a plain one
-            dev = buffer[:total].to(self.device, copy=True)
         return [
-            dev[at : at + a.nbytes].view(torch.from_numpy(a[:0]).dtype).view(a.shape)
+            dev[at - start : at - start + a.nbytes]
+            .view(torch.from_numpy(a[:0]).dtype)
+            .view(a.shape)
             for a, at in zip(arrays, offsets, strict=True)
         ]

@@ -9,7 +9,9 @@ import torch
 
 from rackserve.device import PinnedStaging
 from rackserve.request import SamplingParams
+from rackserve.runner.inputs import BlockTables
 from rackserve.runner.sampling_tensors import SamplingTensors
+from rackserve.runner.step_buffers import StaticInputs, StepBuffers
 
 
 def _arrays(seed: int) -> list[np.ndarray]:
@@ -75,3 +77,48 @@ def test_sampling_tensors_through_the_staging(device):
     assert t.prompt_token_ids.tolist() == [[1, 2, 3], [4, 50, 50]]
     assert t.blocked_token_ids.tolist() == [[0, 7], [50, 50]]  # row 1: no min_tokens
     assert t.positions.tolist() == [4, 3]
+
+
+def _check_fields(device: str) -> None:
+    """Fields land at the start of ``into`` (a graph's static inputs) from the same buffer;
+    with no other arrays, or only empty ones, nothing else is copied."""
+    staging = PinnedStaging(device)
+    into = torch.full((16,), -1, dtype=torch.int64, device=device)
+    fields = [np.array([3, 1, 4]), np.array([1, 5], dtype=np.int32).astype(np.int64)]
+    arrays = [np.array([9, 2, 6], dtype=np.int64), np.array([True, False])]
+    got = staging.upload(arrays, into, fields)
+    assert into.cpu().tolist() == [3, 1, 4, 1, 5] + [-1] * 11
+    assert got[0].cpu().tolist() == [9, 2, 6] and got[1].cpu().tolist() == [True, False]
+    only = staging.upload([np.zeros(0, dtype=np.int64)] * 2, into, [np.array([7, 7])])
+    assert [t.numel() for t in only] == [0, 0] and only[0].device.type == into.device.type
+    assert into.cpu().tolist()[:3] == [7, 7, 4]
+    with pytest.raises(AssertionError):  # a field of another width than into's
+        staging.upload([], into, [np.array([1], dtype=np.int32)])
+
+
+def test_staging_fields_into_a_device_tensor():
+    _check_fields("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_staging_fields_on_gpu():
+    _check_fields("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_step_buffers_upload_through_the_staging():
+    """StepBuffers on a GPU: arrays and a graph's static fields from one staging, many
+    uploads in flight behind a busy stream do not overwrite each other."""
+    buffers = StepBuffers([], BlockTables({"kv": 4}, 2, 64), "cuda")
+    static = StaticInputs(64, "cuda")
+    spin = torch.randn(4096, 4096, device="cuda")
+    results = []
+    for k in range(6):
+        spin @ spin  # keeps the stream busy while the next uploads are packed
+        (dev,) = buffers.upload([np.arange(k, k + 5)], static.buffer, [np.full(3, k)])
+        results.append((k, dev, static.buffer[:3].clone()))
+    torch.cuda.synchronize()
+    for k, dev, head in results:
+        assert dev.tolist() == list(range(k, k + 5)) and head.tolist() == [k] * 3

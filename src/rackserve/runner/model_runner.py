@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from rackserve.config import SpecConfig
+from rackserve.device import PinnedStaging
 from rackserve.engine.async_scheduling import InlineDevice
 from rackserve.engine.outputs import RunnerOutput, SchedulerOutput, TokenLogprobs
 from rackserve.engine.step_phases import phase, phased
@@ -100,6 +101,7 @@ class ModelRunner:
         )
         target_groups = [g for g in groups if not g.name.startswith(DRAFT_PREFIX)]
         self.buffers = StepBuffers(target_groups, self.input_batch.block_tables, self.device)
+        self._feed_staging = PinnedStaging(self.device)  # the feeds' index pairs
         self.proposer: Proposer | None = None
         if speculative is not None:
             self.proposer = build_proposer(
@@ -193,7 +195,7 @@ class ModelRunner:
             at = {r.req_id: k for k, r in enumerate(step.reqs)}
             sources = np.array([prev.sample_index[i] for i in fed], dtype=np.int64)
             index = np.array([starts[at[i]] for i in fed], dtype=np.int64)
-            feed = feeder(sampled_ids(prev.future), index, sources)
+            feed = feeder(sampled_ids(prev.future), index, sources, self._feed_staging)
             feed_outputs = self._output_ids_feeder(step, fed, prev.future, sources)
         return step, feed, feed_outputs
 
@@ -236,7 +238,7 @@ class ModelRunner:
         drafts = source.device_drafts
         return feeder(
             lambda: drafts.reshape(-1), np.array(index, dtype=np.int64),
-            np.array(rows, dtype=np.int64),
+            np.array(rows, dtype=np.int64), self._feed_staging,
         )  # fmt: skip
 
     def _add_placeholders(self, sched: SchedulerOutput) -> list[str]:
@@ -252,9 +254,8 @@ class ModelRunner:
                 fed.append(req_id)
         return fed
 
-    @staticmethod
     def _output_ids_feeder(
-        step: PreparedStep, fed: list[str], prev: Future | None, sources: np.ndarray
+        self, step: PreparedStep, fed: list[str], prev: Future | None, sources: np.ndarray
     ) -> Feed | None:
         """For a step whose penalties read the output tokens: writes the in-flight tokens of
         ``fed`` (the previous step's rows ``sources``) over their placeholders, each its
@@ -265,7 +266,8 @@ class ModelRunner:
         width = sampling.output_token_ids.shape[1]
         at = {r.req_id: (j, r) for j, r in enumerate(step.sampled_reqs)}
         index = [j * width + len(r.output_token_ids) - 1 for j, r in (at[i] for i in fed)]
-        return feeder(sampled_ids(prev), np.array(index, dtype=np.int64), sources)
+        index_array = np.array(index, dtype=np.int64)
+        return feeder(sampled_ids(prev), index_array, sources, self._feed_staging)
 
     def _run(
         self,

@@ -3,11 +3,11 @@ deltas, and the one host-to-device copy that carries a step's inputs.
 
 On a GPU, every array a step needs (token ids, positions, the request of each token, the
 rows of the requests, logits indices, closing tokens, block-table writes) is packed into
-one pinned int64 staging buffer and copied with a single non-blocking copy; the device
-views are slices of that copy. A graph's static inputs (``StaticInputs``) are copied from
-the same staging buffer straight to where the graph reads them. Two staging buffers
-alternate so that packing step N+1 never overwrites memory whose copy for step N may still
-be in flight. On the CPU the arrays are used in place; everything else is the same path.
+one pinned buffer and copied with a single non-blocking copy (``device.PinnedStaging``:
+two buffers, each refilled only after its last copy's event); the device views are slices
+of that copy. A graph's static inputs (``StaticInputs``) are copied from the same buffer
+straight to where the graph reads them. On the CPU the arrays are used in place;
+everything else is the same path.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from rackserve.device import PinnedStaging
 from rackserve.kv.spec import CacheGroupSpec
 from rackserve.model.batch import StepMetadata, closing_tokens, compressed_ratios
 from rackserve.runner.inputs import BlockTables, StepInputs
@@ -72,8 +73,7 @@ class StepBuffers:
             name: self.flat[offsets[g] : offsets[g + 1]].view(max_num_reqs + 1, -1)
             for g, name in enumerate(host_tables.names)
         }
-        self._staging: list[torch.Tensor] = []
-        self._next = 0
+        self._staging = PinnedStaging(self.device)
         self.ratios = compressed_ratios(self.groups)
 
     # ---- the one copy -------------------------------------------------------------------------
@@ -95,31 +95,7 @@ class StepBuffers:
                 into[start : start + len(a)].copy_(torch.from_numpy(_int64(a)))
                 start += len(a)
             return [torch.from_numpy(_int64(a)) for a in arrays]
-        num_fields = sum(len(a) for a in fields)
-        sizes = [len(a) for a in arrays]
-        total = num_fields + sum(sizes)
-        staging = self._staging_buffer(total)
-        host = staging.numpy()
-        start = 0
-        for a in (*fields, *arrays):
-            host[start : start + len(a)] = a
-            start += len(a)
-        if num_fields:
-            into[:num_fields].copy_(staging[:num_fields], non_blocking=True)
-        if into is not None and total == num_fields:  # only fields (no table writes)
-            return [into[:0]] * len(arrays)
-        dev = staging[num_fields:total].to(self.device, non_blocking=True)
-        return list(dev.split(sizes))
-
-    def _staging_buffer(self, numel: int) -> torch.Tensor:
-        i, self._next = self._next, self._next ^ 1
-        if len(self._staging) <= i:
-            self._staging.append(torch.empty(0, dtype=torch.int64))
-        if self._staging[i].numel() < numel:
-            # the host allocator keeps a replaced buffer alive until its copy has run
-            size = max(2 * numel, 1 << 16)
-            self._staging[i] = torch.empty(size, dtype=torch.int64, pin_memory=True)
-        return self._staging[i]
+        return self._staging.upload([_int64(a) for a in arrays], into, [_int64(a) for a in fields])
 
     def apply_writes(self, index: torch.Tensor, values: torch.Tensor) -> None:
         """Replay block-table writes (flat indices into :attr:`flat`) on the device copy."""

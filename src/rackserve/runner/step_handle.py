@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from rackserve.device import upload
+from rackserve.device import PinnedStaging
 from rackserve.runner.sampler import LogprobsTensors, SamplerOutput
 
 if TYPE_CHECKING:
@@ -129,18 +129,21 @@ def output_to_host(out: SamplerOutput) -> SamplerOutput:
 
 
 def feeder(
-    source: Callable[[], torch.Tensor], index: np.ndarray, rows: np.ndarray
+    source: Callable[[], torch.Tensor],
+    index: np.ndarray,
+    rows: np.ndarray,
+    staging: PinnedStaging,
 ) -> Callable[[torch.Tensor], None]:
     """Writes ids an earlier step left on the device (``source()``: flat, read when the feed
     runs; rows ``rows`` [F] of it) into a step's uploaded input ids at flat ``index`` [F],
     on the device: no host round-trip. The earlier step ran first on the same device, so
-    its ids are there."""
-    pairs = torch.from_numpy(np.stack([index, rows]))  # [2, F]: where, from which row
+    its ids are there. ``staging``: the pinned buffers the index pairs go up through (one
+    copy that does not sync the stream: a pageable copy could wait for step N)."""
+    pairs = np.stack([index, rows])  # [2, F]: where, from which row
 
     def feed(input_ids: torch.Tensor) -> None:
         tokens = source()
-        # one copy for both (pinned on a GPU: a pageable copy could wait for step N)
-        at, src = upload(pairs, tokens.device)
+        at, src = staging.upload([pairs])[0]
         input_ids[at] = tokens[src].to(input_ids.dtype)
 
     return feed
