@@ -12,6 +12,8 @@
 #     (median_step_minus_device_ms); session 38 call 3 (81babf2): K = 1 7.46 ms a step around
 #     a 5.61 ms verify, K = 3 11.08 around 5.77;
 #   - bench decode at 1 request: no speculation, MTP K = 1 and K = 3 (never measured).
+# Session 39 added: StepBuffers and the feeds staged through device.PinnedStaging (its GPU
+# tests, the captured-sampling tests, bench forward decode:1 and decode:64 for a regression).
 # Usage: RACKSERVE_COMMIT=<sha> BUDGET_S=<seconds> bash benchmarks/sessions/gpu_s39.sh
 set -uo pipefail
 BUDGET_S=${BUDGET_S:-540}
@@ -21,6 +23,13 @@ speculation() {
   ((t)) && timeout "$t" "${pt[@]}" tests/spec_decode/test_spec_graphs_gpu.py \
     tests/model/test_create.py -k "gpu or device" > "$R/gpu_tests.log" 2>&1
   tail -2 "$R/gpu_tests.log"
+  t=$(cap 90); echo "== pytest: the steps' inputs through PinnedStaging (${t}s)"
+  ((t)) && timeout "$t" "${pt[@]}" tests/runner/test_pinned_staging.py \
+    tests/runner/test_graph_sampling.py > "$R/staging_tests.log" 2>&1
+  tail -2 "$R/staging_tests.log"
+  t=$(cap 60); echo "== bench forward decode:1, decode:64 (${t}s)"
+  ((t)) && forward_with 'pass' "$R/forward_decode.json" --iters 20 --warmup 3 \
+    --batch decode:1@4096 --batch decode:64@4096
   local start=$SECONDS
   flash4mtp 120
   echo "model create --device cuda: $((SECONDS - start)) s"
