@@ -70,46 +70,85 @@ class PinnedStaging:
 
         ``fields``: arrays of ``into``'s dtype written back to back from the start of the
         device tensor ``into`` (a graph's static inputs) by a copy of their own from the same
-        buffer, so no device kernel moves them."""
-        cuda = self.device.type == "cuda"
+        buffer, so no device kernel moves them.
+
+        The host work is a few us a call plus ~1 us an array: a step's inputs are a dozen
+        small arrays, and the views of the copy (one ``split`` when the arrays are 1-D and
+        of one 8-byte dtype, as a step's int64 inputs are) cost more than the copy's launch."""
         arrays = [np.ascontiguousarray(a) for a in arrays]
         fields = [np.ascontiguousarray(f) for f in fields]
-        field_bytes = sum(f.nbytes for f in fields)
         if fields:
-            assert into is not None and all(f.dtype.itemsize == into.element_size() for f in fields)
-        offsets, total = [], -(-field_bytes // 8) * 8
-        for a in arrays:
-            offsets.append(total)
-            total += -(-a.nbytes // 8) * 8
-        i, self._next = self._next, self._next ^ 1
-        copied = self._copied[i]
-        if copied is not None:
-            copied.synchronize()
+            width = into.element_size() if into is not None else 0
+            assert all(f.dtype.itemsize == width for f in fields), "fields of into's width"
+        field_bytes = sum(f.nbytes for f in fields)
+        start = -(-field_bytes // 8) * 8
+        uniform = _uniform_8_byte(arrays)
+        if uniform is not None:  # back to back, aligned already
+            offsets = None
+            total = start + sum(a.nbytes for a in arrays)
+        else:
+            offsets, total = [], start
+            for a in arrays:
+                offsets.append(total)
+                total += -(-a.nbytes // 8) * 8
+        i, host = self._host_buffer(total)
+        if fields:  # one copy into the buffer for all of them
+            np.concatenate(fields, out=host[:field_bytes].view(fields[0].dtype))
+        if uniform is not None:
+            np.concatenate(arrays, out=host[start:total].view(uniform))
+        else:
+            for a, at in zip(arrays, offsets, strict=True):
+                host[at : at + a.nbytes] = a.reshape(-1).view(np.uint8)
         buffer = self._buffers[i]
-        if buffer is None or buffer.numel() < total:
-            buffer = torch.empty(max(2 * total, 1 << 12), dtype=torch.uint8, pin_memory=cuda)
-            self._buffers[i] = buffer
-        host = buffer.numpy()
-        at = 0
-        for f in fields:
-            host[at : at + f.nbytes] = f.reshape(-1).view(np.uint8)
-            at += f.nbytes
-        for a, at in zip(arrays, offsets, strict=True):
-            host[at : at + a.nbytes] = a.reshape(-1).view(np.uint8)
+        assert buffer is not None
+        cuda = self.device.type == "cuda"
         if field_bytes:
             num = field_bytes // into.element_size()
             into[:num].copy_(buffer[:field_bytes].view(into.dtype), non_blocking=cuda)
-        start = offsets[0] if arrays else total
         if total > start:
             dev = buffer[start:total].to(self.device, non_blocking=cuda, copy=True)
         else:  # nothing but fields (or nothing at all)
             dev = torch.empty(0, dtype=torch.uint8, device=self.device)
         if cuda:
-            self._copied[i] = torch.cuda.Event()
-            self._copied[i].record()
+            event = self._copied[i] = torch.cuda.Event()
+            event.record()
+        if uniform is not None:
+            return list(dev.view(_torch_dtype(uniform)).split([a.size for a in arrays]))
         return [
-            dev[at - start : at - start + a.nbytes]
-            .view(torch.from_numpy(a[:0]).dtype)
-            .view(a.shape)
+            dev[at - start : at - start + a.nbytes].view(_torch_dtype(a.dtype)).view(a.shape)
             for a, at in zip(arrays, offsets, strict=True)
         ]
+
+    def _host_buffer(self, nbytes: int) -> tuple[int, np.ndarray]:
+        """The next buffer's index and bytes (grown to ``nbytes``), once its last copy ran."""
+        i, self._next = self._next, self._next ^ 1
+        copied = self._copied[i]
+        if copied is not None:
+            copied.synchronize()
+        buffer = self._buffers[i]
+        if buffer is None or buffer.numel() < nbytes:
+            cuda = self.device.type == "cuda"
+            buffer = torch.empty(max(2 * nbytes, 1 << 12), dtype=torch.uint8, pin_memory=cuda)
+            self._buffers[i] = buffer
+        return i, buffer.numpy()
+
+
+_TORCH_DTYPES: dict[np.dtype, torch.dtype] = {}
+
+
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    found = _TORCH_DTYPES.get(dtype)
+    if found is None:
+        found = _TORCH_DTYPES[dtype] = torch.from_numpy(np.zeros(0, dtype)).dtype
+    return found
+
+
+def _uniform_8_byte(arrays: list[np.ndarray]) -> np.dtype | None:
+    """The arrays' dtype when all are 1-D of one 8-byte dtype (a step's int64 inputs: packed
+    back to back by one concatenate, viewed by one split), else None."""
+    if not arrays:
+        return None
+    first = arrays[0].dtype
+    if first.itemsize == 8 and all(a.dtype == first and a.ndim == 1 for a in arrays):
+        return first
+    return None
