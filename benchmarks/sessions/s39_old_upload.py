@@ -4,7 +4,6 @@ event), patched in for the "old" arm of ``gpu_s39b.sh``."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from rackserve.runner import step_buffers
@@ -36,4 +35,3 @@ def _upload(self, arrays, into=None, fields=()):
 
 
 step_buffers.StepBuffers.upload = _upload
-np.seterr(all="ignore")
