@@ -100,6 +100,24 @@ def test_staging_fields_into_a_device_tensor():
     _check_fields("cpu")
 
 
+def test_staging_of_one_8_byte_dtype_packs_back_to_back():
+    """A step's inputs (1-D int64 arrays, some empty, with fields): one concatenate, one
+    split; every value lands, and a later upload does not overwrite an earlier result."""
+    staging = PinnedStaging("cpu")
+    into = torch.full((8,), -1, dtype=torch.int64)
+    rng = np.random.default_rng(0)
+    sizes = [3, 0, 1, 7, 0, 2]
+    first = [rng.integers(-(2**40), 2**40, size=n) for n in sizes]
+    got = staging.upload(first, into, [np.array([5, 6])])
+    for _ in range(3):
+        staging.upload([rng.integers(0, 9, size=n) for n in sizes], into, [np.array([1, 2])])
+    assert [t.tolist() for t in got] == [a.tolist() for a in first]
+    assert all(t.dtype == torch.int64 and t.ndim == 1 for t in got)
+    floats = staging.upload([np.array([0.5, -1.0]), np.array([2.0])])  # float64: one split
+    assert [t.tolist() for t in floats] == [[0.5, -1.0], [2.0]]
+    assert [t.numel() for t in staging.upload([np.zeros(0, dtype=np.int64)] * 3)] == [0, 0, 0]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_staging_fields_on_gpu():
