@@ -139,11 +139,10 @@ def feeder(
     on the device: no host round-trip. The earlier step ran first on the same device, so
     its ids are there. ``staging``: the pinned buffers the index pairs go up through (one
     copy that does not sync the stream: a pageable copy could wait for step N)."""
-    pairs = np.stack([index, rows])  # [2, F]: where, from which row
 
     def feed(input_ids: torch.Tensor) -> None:
         tokens = source()
-        at, src = staging.upload([pairs])[0]
+        at, src = staging.upload([index, rows])  # where, from which row
         input_ids[at] = tokens[src].to(input_ids.dtype)
 
     return feed
