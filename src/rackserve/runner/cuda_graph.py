@@ -53,7 +53,7 @@ from rackserve.model.batch import KVCacheTensors, StepMetadata, compressed_ratio
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 from rackserve.runner.graph_sampling import InGraphSampling, SamplerVariant, StaticSampling
 from rackserve.runner.inputs import StepInputs
-from rackserve.runner.step_buffers import StaticInputs, StepBuffers, pad_to
+from rackserve.runner.step_buffers import Feed, StaticInputs, StepBuffers, pad_to
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 CONTEXT_BUCKETS = (4096, 16384, 65536, 262144, 1 << 20)
@@ -300,7 +300,7 @@ class _StepGraphs:
         key: tuple[int, int],
         inputs: StepInputs,
         table_writes: tuple[np.ndarray, np.ndarray],
-        feed: Callable[[torch.Tensor], None] | None = None,
+        feed: Feed | None = None,
         extra: np.ndarray | None = None,
     ) -> None:
         """Upload the step, apply its table writes and fill the static inputs of graph
@@ -380,7 +380,7 @@ class DecodeGraphs(_StepGraphs):
         key: tuple[int, int],
         inputs: StepInputs,
         table_writes: tuple[np.ndarray, np.ndarray],
-        feed: Callable[[torch.Tensor], None] | None = None,
+        feed: Feed | None = None,
         in_graph: InGraphSampling | None = None,
     ) -> DecodeResult:
         """Replay the forward graph, and with ``in_graph`` (``in_graph_sampling``: the step
@@ -449,7 +449,7 @@ class PrefillGraphs(_StepGraphs):
         key: tuple[int, int],
         inputs: StepInputs,
         table_writes: tuple[np.ndarray, np.ndarray],
-        feed: Callable[[torch.Tensor], None] | None = None,
+        feed: Feed | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay (a key not captured: run the same padded step eagerly); returns (the
         sampled rows' hidden states [S, D], in ``logits_indices`` order, and expert_counts

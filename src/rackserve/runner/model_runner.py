@@ -10,7 +10,6 @@ Nothing waits for the device before the sampled token ids are read back.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from concurrent.futures import Future
 
 import numpy as np
@@ -38,7 +37,7 @@ from rackserve.runner.inputs import StepInputs, ring_widths
 from rackserve.runner.logits_processors import apply_logits_processors
 from rackserve.runner.prompt_logprobs import accumulate_prompt_logprobs, needs_every_row
 from rackserve.runner.sampler import SamplerOutput, sample
-from rackserve.runner.step_buffers import StepBuffers
+from rackserve.runner.step_buffers import Feed, StepBuffers
 from rackserve.runner.step_handle import (
     DeviceStep,
     StepHandle,
@@ -53,8 +52,6 @@ from rackserve.spec_decode.checkpoint import DRAFT_PREFIX
 from rackserve.spec_decode.drafters import build_proposer
 from rackserve.spec_decode.proposer import Proposer, VerifiedStep, VerifyOutputs
 from rackserve.spec_decode.verify import accept_drafts
-
-Feed = Callable[[torch.Tensor], None]  # writes ids still on the device into a step's inputs
 
 
 class ModelRunner:

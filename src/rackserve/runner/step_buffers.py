@@ -12,7 +12,7 @@ everything else is the same path.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -21,6 +21,10 @@ from rackserve.device import PinnedStaging
 from rackserve.kv.spec import CacheGroupSpec
 from rackserve.model.batch import StepMetadata, closing_tokens, compressed_ratios
 from rackserve.runner.inputs import BlockTables, StepInputs
+
+# writes ids an earlier step left on the device into a step's uploaded input ids (the
+# previous step's sampled ids under async scheduling, drafts proposed on the device)
+Feed = Callable[[torch.Tensor], None]
 
 
 def _int64(a: np.ndarray) -> np.ndarray:

@@ -20,6 +20,7 @@ import torch
 
 from rackserve.device import PinnedStaging
 from rackserve.runner.sampler import LogprobsTensors, SamplerOutput
+from rackserve.runner.step_buffers import Feed
 
 if TYPE_CHECKING:
     from rackserve.engine.outputs import TokenLogprobs
@@ -133,7 +134,7 @@ def feeder(
     index: np.ndarray,
     rows: np.ndarray,
     staging: PinnedStaging,
-) -> Callable[[torch.Tensor], None]:
+) -> Feed:
     """Writes ids an earlier step left on the device (``source()``: flat, read when the feed
     runs; rows ``rows`` [F] of it) into a step's uploaded input ids at flat ``index`` [F],
     on the device: no host round-trip. The earlier step ran first on the same device, so

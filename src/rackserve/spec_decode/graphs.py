@@ -42,7 +42,7 @@ from rackserve.kv.spec import CacheGroupSpec
 from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 from rackserve.runner.cuda_graph import GraphMetadata, capture_region, frozen_gc
 from rackserve.runner.inputs import StepInputs
-from rackserve.runner.step_buffers import StaticInputs, StepBuffers, pad_to
+from rackserve.runner.step_buffers import Feed, StaticInputs, StepBuffers, pad_to
 
 Key = tuple[int, int]  # (padded requests B, context bucket)
 
@@ -157,7 +157,7 @@ class VerifyGraphs:
         key: Key,
         inputs: StepInputs,
         table_writes: tuple[np.ndarray, np.ndarray],
-        feed: Callable[[torch.Tensor], None] | None = None,
+        feed: Feed | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits [T, V], streams [T, N, D], expert_counts [L, E]) of the step, valid until
         the next run. ``feed``: writes ids still on the device (drafts proposed there) into
