@@ -10,6 +10,9 @@ import torch
 # module can import a kernel.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    from triton_interpreter import skip_nested_patches
+
+    skip_nested_patches()
 
 # The tiny test models are far too small to gain from intra-op threads, and with other
 # processes on the 2 cores (servers under test) spinning thread pools cost 10x.
