@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 40, call 2: call 1 measured decode:1 1.637 ms isolated through PinnedStaging against
+# Session 40, calls 2 and 3: call 1 measured decode:1 1.637 ms isolated through PinnedStaging against
 # 1.442 with the old staging (back to back 1.410 / 1.411): the host time of the upload alone
 # and of the graph step, both arms alternating (sessions/s40_upload_host.py).
 # Usage: RACKSERVE_COMMIT=<sha> BUDGET_S=<seconds> bash benchmarks/sessions/gpu_s40b.sh

@@ -58,7 +58,35 @@ def main() -> None:
     got_new, got_old = new(holder, arrays), old(holder, arrays)
     assert all(torch.equal(a, b) for a, b in zip(got_new, got_old, strict=True))
     print(json.dumps({"us_per_upload": result, "sizes": SIZES}), flush=True)
+    print(json.dumps(event_costs()), flush=True)
     print(json.dumps(graph_step(new, old)), flush=True)
+
+
+def event_costs(n: int = 2000) -> dict:
+    """Host microseconds a call: a new event recorded (the last one dropped), one event
+    recorded again, a pair of timing events made and recorded, a recorded event synchronized."""
+    kept = torch.cuda.Event()
+    state = {"event": None}
+
+    def new_event():
+        state["event"] = torch.cuda.Event()
+        state["event"].record()
+
+    def timing_pair():
+        state["pair"] = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        state["pair"][0].record()
+        state["pair"][1].record()
+
+    out = {}
+    for name, fn in (("new_event", new_event), ("record_again", kept.record),
+                     ("timing_pair", timing_pair), ("synchronize", kept.synchronize)):  # fmt: skip
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        out[name] = round((time.perf_counter() - t0) / n * 1e6, 2)
+        torch.cuda.synchronize()
+    return {"event_us": out}
 
 
 @torch.inference_mode()

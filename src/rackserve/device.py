@@ -52,12 +52,18 @@ class PinnedStaging:
     event after its last copy has passed (at most one step in flight leaves it passed).
     ``upload`` per array costs a pinned allocation and a copy each: with the sampling
     columns staged here instead, a plain decode step's launch at 32 requests went from 1.99
-    to 1.19-1.29 ms of host time (H100, 2026-12-07)."""
+    to 1.19-1.29 ms of host time (H100, 2026-12-07).
+
+    The two events are made once and recorded again: a new ``torch.cuda.Event`` a call (its
+    creation, and the old one's destruction) cost a decode:1 step's twelve arrays 90 us of
+    host time against 50 (H100, 2026-12-07, benchmarks/results/*-s40.md)."""
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
         self._buffers: list[torch.Tensor | None] = [None, None]
-        self._copied: list[torch.cuda.Event | None] = [None, None]
+        cuda = self.device.type == "cuda"
+        # recorded after each buffer's copy; synchronizing one never recorded returns at once
+        self._copied = [torch.cuda.Event(), torch.cuda.Event()] if cuda else [None, None]
         self._next = 0
 
     def upload(
@@ -109,9 +115,9 @@ class PinnedStaging:
             dev = buffer[start:total].to(self.device, non_blocking=cuda, copy=True)
         else:  # nothing but fields (or nothing at all)
             dev = torch.empty(0, dtype=torch.uint8, device=self.device)
-        if cuda:
-            event = self._copied[i] = torch.cuda.Event()
-            event.record()
+        copied = self._copied[i]
+        if copied is not None:
+            copied.record()
         if uniform is not None:
             return list(dev.view(_torch_dtype(uniform)).split([a.size for a in arrays]))
         return [
