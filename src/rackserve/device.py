@@ -65,6 +65,7 @@ class PinnedStaging:
         # recorded after each buffer's copy; synchronizing one never recorded returns at once
         self._copied = [torch.cuda.Event(), torch.cuda.Event()] if cuda else [None, None]
         self._next = 0
+        self._empty: torch.Tensor | None = None  # what arrays of no bytes are views of
 
     def upload(
         self,
@@ -113,11 +114,13 @@ class PinnedStaging:
             into[:num].copy_(buffer[:field_bytes].view(into.dtype), non_blocking=cuda)
         if total > start:
             dev = buffer[start:total].to(self.device, non_blocking=cuda, copy=True)
-        else:  # nothing but fields (or nothing at all)
-            dev = torch.empty(0, dtype=torch.uint8, device=self.device)
         copied = self._copied[i]
         if copied is not None:
             copied.record()
+        if total == start:  # nothing but fields (or nothing at all): empty device tensors
+            if self._empty is None:
+                self._empty = torch.empty(0, dtype=torch.uint8, device=self.device)
+            return [self._empty.view(_torch_dtype(a.dtype)).view(a.shape) for a in arrays]
         if uniform is not None:
             return list(dev.view(_torch_dtype(uniform)).split([a.size for a in arrays]))
         return [
