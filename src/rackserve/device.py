@@ -60,12 +60,13 @@ class PinnedStaging:
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
         self._buffers: list[torch.Tensor | None] = [None, None]
-        cuda = self.device.type == "cuda"
+        self._hosts: list[np.ndarray | None] = [None, None]  # the buffers' numpy views
         # recorded after each buffer's copy; synchronizing one never recorded returns at once
-        self._copied = [torch.cuda.Event(), torch.cuda.Event()] if cuda else [None, None]
+        self._copied = [torch.cuda.Event(), torch.cuda.Event()] if self._cuda else [None, None]
         self._next = 0
-        self._empty: torch.Tensor | None = None  # what arrays of no bytes are views of
+        self._empty: dict[np.dtype, torch.Tensor] = {}  # what arrays of no bytes are views of
 
     def upload(
         self,
@@ -75,52 +76,48 @@ class PinnedStaging:
     ) -> list[torch.Tensor]:
         """The device tensors of ``arrays`` (views of one copy; no copy when all are empty).
 
-        ``fields``: arrays of ``into``'s dtype written back to back from the start of the
-        device tensor ``into`` (a graph's static inputs) by a copy of their own from the same
-        buffer, so no device kernel moves them.
+        ``fields``: arrays that cast safely to ``into``'s dtype, written back to back from
+        the start of the device tensor ``into`` (a graph's static inputs) by a copy of their
+        own from the same buffer, so no device kernel moves them.
 
         Arrays that are all 1-D of one 8-byte dtype (a step's int64 inputs) are packed by one
         concatenate and viewed by one ``split``: a step's twelve took 25.8 us of host time
         against 64.7 with a view per array (CPU, 2026-12-07, benchmarks/results/*-s39.md)."""
-        arrays = [np.ascontiguousarray(a) for a in arrays]
-        fields = [np.ascontiguousarray(f) for f in fields]
+        field_bytes = 0
         if fields:
-            width = into.element_size() if into is not None else 0
-            assert all(f.dtype.itemsize == width for f in fields), "fields of into's width"
-        field_bytes = sum(f.nbytes for f in fields)
+            assert into is not None, "fields go into a device tensor"
+            field_dtype = _numpy_dtype(into.dtype)
+            field_bytes = sum(f.size for f in fields) * field_dtype.itemsize
         start = -(-field_bytes // 8) * 8
         uniform = _uniform_8_byte(arrays)
         if uniform is not None:  # back to back, aligned already
             offsets = None
             total = start + sum(a.nbytes for a in arrays)
         else:
+            arrays = [np.ascontiguousarray(a) for a in arrays]
             offsets, total = [], start
             for a in arrays:
                 offsets.append(total)
                 total += -(-a.nbytes // 8) * 8
         i, host = self._host_buffer(total)
-        if fields:  # one copy into the buffer for all of them
-            np.concatenate(fields, out=host[:field_bytes].view(fields[0].dtype))
-        if uniform is not None:
-            np.concatenate(arrays, out=host[start:total].view(uniform))
-        else:
-            for a, at in zip(arrays, offsets, strict=True):
-                host[at : at + a.nbytes] = a.reshape(-1).view(np.uint8)
         buffer = self._buffers[i]
         assert buffer is not None
-        cuda = self.device.type == "cuda"
-        if field_bytes:
-            num = field_bytes // into.element_size()
-            into[:num].copy_(buffer[:field_bytes].view(into.dtype), non_blocking=cuda)
+        if field_bytes:  # one copy into the buffer for all of them, then one to ``into``
+            out = host[:field_bytes].view(field_dtype)
+            np.concatenate(fields, out=out, casting="safe")  # widened to into's dtype
+            into[: out.size].copy_(buffer[:field_bytes].view(into.dtype), non_blocking=self._cuda)
         if total > start:
-            dev = buffer[start:total].to(self.device, non_blocking=cuda, copy=True)
+            if uniform is not None:
+                np.concatenate(arrays, out=host[start:total].view(uniform))
+            else:
+                for a, at in zip(arrays, offsets, strict=True):
+                    host[at : at + a.nbytes] = a.reshape(-1).view(np.uint8)
+            dev = buffer[start:total].to(self.device, non_blocking=self._cuda, copy=True)
         copied = self._copied[i]
         if copied is not None:
             copied.record()
         if total == start:  # nothing but fields (or nothing at all): empty device tensors
-            if self._empty is None:
-                self._empty = torch.empty(0, dtype=torch.uint8, device=self.device)
-            return [self._empty.view(_torch_dtype(a.dtype)).view(a.shape) for a in arrays]
+            return [self._empty_of(a) for a in arrays]
         if uniform is not None:
             return list(dev.view(_torch_dtype(uniform)).split([a.size for a in arrays]))
         return [
@@ -136,10 +133,20 @@ class PinnedStaging:
             copied.synchronize()
         buffer = self._buffers[i]
         if buffer is None or buffer.numel() < nbytes:
-            cuda = self.device.type == "cuda"
-            buffer = torch.empty(max(2 * nbytes, 1 << 12), dtype=torch.uint8, pin_memory=cuda)
-            self._buffers[i] = buffer
-        return i, buffer.numpy()
+            size = max(2 * nbytes, 1 << 12)
+            buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self._cuda)
+            self._buffers[i], self._hosts[i] = buffer, buffer.numpy()
+        host = self._hosts[i]
+        assert host is not None
+        return i, host
+
+    def _empty_of(self, a: np.ndarray) -> torch.Tensor:
+        """A device tensor of ``a``'s dtype and (empty) shape, a view of one kept per dtype."""
+        empty = self._empty.get(a.dtype)
+        if empty is None:
+            empty = torch.empty(0, dtype=_torch_dtype(a.dtype), device=self.device)
+            self._empty[a.dtype] = empty
+        return empty if a.ndim == 1 else empty.view(a.shape)
 
 
 _TORCH_DTYPES: dict[np.dtype, torch.dtype] = {}
@@ -149,6 +156,16 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
     found = _TORCH_DTYPES.get(dtype)
     if found is None:
         found = _TORCH_DTYPES[dtype] = torch.from_numpy(np.zeros(0, dtype)).dtype
+    return found
+
+
+_NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {}
+
+
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    found = _NUMPY_DTYPES.get(dtype)
+    if found is None:
+        found = _NUMPY_DTYPES[dtype] = torch.empty(0, dtype=dtype).numpy().dtype
     return found
 
 

@@ -92,8 +92,10 @@ def _check_fields(device: str) -> None:
     only = staging.upload([np.zeros(0, dtype=np.int64)] * 2, into, [np.array([7, 7])])
     assert [t.numel() for t in only] == [0, 0] and only[0].device.type == into.device.type
     assert into.cpu().tolist()[:3] == [7, 7, 4]
-    with pytest.raises(AssertionError):  # a field of another width than into's
-        staging.upload([], into, [np.array([1], dtype=np.int32)])
+    staging.upload([], into, [np.array([8], dtype=np.int32)])  # widened to into's int64
+    assert into.cpu().tolist()[:2] == [8, 7]
+    with pytest.raises(TypeError, match="Cannot cast"):  # a field that into cannot hold
+        staging.upload([], into, [np.array([1.5])])
 
 
 def test_staging_fields_into_a_device_tensor():
