@@ -66,46 +66,24 @@ def main() -> None:
     print(json.dumps(result["graph_step"]), flush=True)
 
 
-@torch.inference_mode()
 def graph_step(new, old) -> dict:
-    from rackserve.bench.forward import BatchSpec, forward_step, synthetic_step
-    from rackserve.model.create import init_model_
-    from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
-    from rackserve.model.presets import preset_config
+    from s40_upload_host import time_graph_step
 
-    with torch.device("cuda"):
-        model = DeepseekV4ForCausalLM(preset_config("v4-flash", 4, 64), with_mtp=False)
-    init_model_(model.cast(torch.bfloat16), seed=0)
-    synthetic = synthetic_step(model, BatchSpec.parse("decode:1@4096"))
-    result: dict = {}
     original_init = step_buffers.StepBuffers.__init__
-    for arm in ("new", "noevent", "old") * 2:
-        step_buffers.StepBuffers.upload = old if arm == "old" else new
 
-        def init(self, *a, arm=arm, **k):
+    def arm(name: str) -> None:
+        step_buffers.StepBuffers.upload = old if name == "old" else new
+
+        def init(self, *a, **k):
             original_init(self, *a, **k)
-            set_arm(self, arm)
+            set_arm(self, name)
 
         step_buffers.StepBuffers.__init__ = init
-        run = forward_step(model, synthetic, graph=True, warmup=3)
-        host, isolated = [], []
-        for _ in range(100):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            t0 = time.perf_counter()
-            run()
-            host.append(time.perf_counter() - t0)
-            end.record()
-            end.synchronize()
-            isolated.append(start.elapsed_time(end) / 1e3)
-        result.setdefault(arm, []).append(
-            {
-                "host_us": round(statistics.median(host) * 1e6, 1),
-                "isolated_ms": round(statistics.median(isolated) * 1e3, 4),
-            }
-        )
-    step_buffers.StepBuffers.__init__ = original_init
-    return {"decode:1@4096": result}
+
+    try:
+        return time_graph_step(dict.fromkeys(("new", "noevent", "old"), arm), runs=100)
+    finally:
+        step_buffers.StepBuffers.__init__ = original_init
 
 
 if __name__ == "__main__":

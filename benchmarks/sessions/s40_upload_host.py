@@ -91,22 +91,34 @@ def event_costs(n: int = 2000) -> dict:
 
 @torch.inference_mode()
 def graph_step(new, old) -> dict:
+    def arm(name: str) -> None:
+        step_buffers.StepBuffers.upload = new if name == "new" else old
+
+    return time_graph_step({"new": arm, "old": arm}, runs=50)
+
+
+@torch.inference_mode()
+def time_graph_step(arms: dict, runs: int, passes: int = 2) -> dict:
+    """decode:1@4096's graph step of the v4-flash preset (4 layers, 64 experts, random
+    weights) as bench forward times it, each arm ``passes`` times, alternating; ``arms``:
+    name -> a callable of the name that sets the arm up before its step is built. The
+    host's time in the step's call (staging and replay launch) and the isolated time
+    between CUDA events, medians of ``runs``."""
     from rackserve.bench.forward import BatchSpec, forward_step, synthetic_step
     from rackserve.model.create import init_model_
     from rackserve.model.deepseek_v4 import DeepseekV4ForCausalLM
     from rackserve.model.presets import preset_config
 
-    cfg = preset_config("v4-flash", 4, 64)
     with torch.device("cuda"):
-        model = DeepseekV4ForCausalLM(cfg, with_mtp=False, kernels="auto")
+        model = DeepseekV4ForCausalLM(preset_config("v4-flash", 4, 64), with_mtp=False)
     init_model_(model.cast(torch.bfloat16), seed=0)
     synthetic = synthetic_step(model, BatchSpec.parse("decode:1@4096"))
     result: dict = {}
-    for arm in ("new", "old", "new", "old"):
-        step_buffers.StepBuffers.upload = new if arm == "new" else old
+    for name in list(arms) * passes:
+        arms[name](name)
         run = forward_step(model, synthetic, graph=True, warmup=3)
         host, isolated = [], []
-        for _ in range(50):
+        for _ in range(runs):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             t0 = time.perf_counter()
@@ -115,7 +127,7 @@ def graph_step(new, old) -> dict:
             end.record()
             end.synchronize()
             isolated.append(start.elapsed_time(end) / 1e3)
-        result.setdefault(arm, []).append(
+        result.setdefault(name, []).append(
             {
                 "host_us": round(statistics.median(host) * 1e6, 1),
                 "isolated_ms": round(statistics.median(isolated) * 1e3, 4),
