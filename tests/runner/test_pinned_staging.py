@@ -91,6 +91,11 @@ def _check_fields(device: str) -> None:
     assert got[0].cpu().tolist() == [9, 2, 6] and got[1].cpu().tolist() == [True, False]
     only = staging.upload([np.zeros(0, dtype=np.int64)] * 2, into, [np.array([7, 7])])
     assert [t.numel() for t in only] == [0, 0] and only[0].device.type == into.device.type
+    empties = staging.upload([np.zeros((0, 3), dtype=np.int32), np.zeros(0, dtype=bool)])
+    assert [(tuple(t.shape), t.dtype) for t in empties] == [
+        ((0, 3), torch.int32),
+        ((0,), torch.bool),
+    ]
     assert into.cpu().tolist()[:3] == [7, 7, 4]
     staging.upload([], into, [np.array([8], dtype=np.int32)])  # widened to into's int64
     assert into.cpu().tolist()[:2] == [8, 7]
