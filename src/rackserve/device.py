@@ -54,9 +54,10 @@ class PinnedStaging:
     columns staged here instead, a plain decode step's launch at 32 requests went from 1.99
     to 1.19-1.29 ms of host time (H100, 2026-12-07).
 
-    The two events are made once and recorded again: a new ``torch.cuda.Event`` a call (its
-    creation, and the old one's destruction) cost a decode:1 step's twelve arrays 90 us of
-    host time against 50 (H100, 2026-12-07, benchmarks/results/*-s40.md)."""
+    The two events are made once and recorded again: a new ``torch.cuda.Event`` a call (made,
+    recorded, the last one destroyed) took 9.9 us of host time against 6.4 to record one
+    again, and the record is most of what the staging adds to the old unfenced copy's time
+    (H100, 2026-12-07, benchmarks/results/*-s40.md)."""
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
