@@ -56,8 +56,8 @@ class PinnedStaging:
 
     The two events are made once and recorded again: a new ``torch.cuda.Event`` a call (made,
     recorded, the last one destroyed) took 9.9 us of host time against 6.4 to record one
-    again, and the record is most of what the staging adds to the old unfenced copy's time
-    (H100, 2026-12-07, benchmarks/results/*-s40.md)."""
+    again (H100, 2026-12-07, benchmarks/results/*-s40.md). The record is the fence's cost
+    over an unfenced copy; the rest of a fields-only upload matches one on the CPU."""
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
