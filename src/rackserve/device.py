@@ -100,9 +100,7 @@ class PinnedStaging:
             for a in arrays:
                 offsets.append(total)
                 total += -(-a.nbytes // 8) * 8
-        i, host = self._host_buffer(total)
-        buffer = self._buffers[i]
-        assert buffer is not None
+        i, buffer, host = self._host_buffer(total)
         if field_bytes:  # one copy into the buffer for all of them, then one to ``into``
             out = host[:field_bytes].view(field_dtype)
             np.concatenate(fields, out=out, casting="safe")  # widened to into's dtype
@@ -126,8 +124,9 @@ class PinnedStaging:
             for a, at in zip(arrays, offsets, strict=True)
         ]
 
-    def _host_buffer(self, nbytes: int) -> tuple[int, np.ndarray]:
-        """The next buffer's index and bytes (grown to ``nbytes``), once its last copy ran."""
+    def _host_buffer(self, nbytes: int) -> tuple[int, torch.Tensor, np.ndarray]:
+        """The next buffer's index, tensor and bytes (grown to ``nbytes``), once its last copy
+        ran."""
         i, self._next = self._next, self._next ^ 1
         copied = self._copied[i]
         if copied is not None:
@@ -139,7 +138,7 @@ class PinnedStaging:
             self._buffers[i], self._hosts[i] = buffer, buffer.numpy()
         host = self._hosts[i]
         assert host is not None
-        return i, host
+        return i, buffer, host
 
     def _empty_of(self, a: np.ndarray) -> torch.Tensor:
         """A device tensor of ``a``'s dtype and (empty) shape, a view of one kept per dtype."""
