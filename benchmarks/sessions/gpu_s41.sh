@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session 41, call 1. On an H200 (the gates' card; its figures are still session 28's):
-# bench forward's gate batches (forward_gates), then the lm_head's logits on cuBLAS against
-# the split-K GEMV (the default since session 30, measured on H100s only; session 24's H200
+# bench forward's gate batches (forward_gates). On any card: decode:1's isolated step split
+# into its stage and the graph launch (sessions/s41_step_host.py). On an H200: the lm_head's
+# logits on cuBLAS against the split-K GEMV (the default since session 30, measured on H100s only; session 24's H200
 # ran cuBLAS's lm_head at 242 us, ~4.4 TB/s) at decode:1 / 4, alternating, two passes. On
 # any card: the lean staging's host time (sessions/s40_stage_host.py: daaf5f4 was timed on
 # the CPU only) and its GPU tests; then, on an H200, bench decode against transformers with
@@ -13,8 +14,10 @@ source "$(dirname "$0")/../device_env.sh"
 start_call
 h200=0
 grep -q H200 "$R/gpu.txt" && h200=1
+((h200)) && forward_gates
+t=$(cap 80); echo "== decode:1 step: the stage against the replay's launch (${t}s)"
+((t)) && timeout "$t" python3 benchmarks/sessions/s41_step_host.py | tee "$R/step_host.jsonl"
 if ((h200)); then
-  forward_gates
   forward_ab gemv_head 'pass' cublas_head 'import rackserve.ops as o; o.LOGITS_GEMV_MAX_TOKENS = None' \
     --batch decode:1@4096 --batch decode:4@4096 --iters 30 --warmup 5
 fi
