@@ -24,7 +24,7 @@ fi
 t=$(cap 70); echo "== staging host time (${t}s)"
 ((t)) && PYTHONPATH=$PYTHONPATH:$PWD/benchmarks/sessions timeout "$t" \
   python3 benchmarks/sessions/s40_stage_host.py | tee "$R/stage_host.jsonl"
-t=$(cap 60); echo "== pytest: PinnedStaging and the captured sampling fed from it (${t}s)"
+t=$(cap 120); echo "== pytest: PinnedStaging and the captured sampling fed from it (${t}s)"
 ((t)) && timeout "$t" "${pt[@]}" tests/runner/test_pinned_staging.py \
   tests/runner/test_graph_sampling.py > "$R/staging_tests.log" 2>&1
 tail -1 "$R/staging_tests.log"

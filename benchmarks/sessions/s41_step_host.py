@@ -35,23 +35,28 @@ def med(values: list[float], scale: float) -> float:
     return round(statistics.median(values) * scale, 2)
 
 
-@torch.inference_mode()
-def main() -> None:
+def build_decode1():
+    """decode:1@4096's graph as bench forward's graph step builds it: (graphs, key, inputs,
+    the empty table writes, the captured graph)."""
     with torch.device("cuda"):
         model = DeepseekV4ForCausalLM(preset_config("v4-flash", 4, 64), with_mtp=False)
     init_model_(model.cast(torch.bfloat16), seed=0)
     synthetic = synthetic_step(model, BatchSpec.parse("decode:1@4096"))
     inputs, caches = synthetic.step.inputs, synthetic.caches
-    device = torch.device("cuda")
-    buffers = StepBuffers(synthetic.groups, synthetic.input_batch.block_tables, device)
+    buffers = StepBuffers(synthetic.groups, synthetic.input_batch.block_tables, "cuda")
     writes = synthetic.step.table_writes
     graphs = DecodeGraphs(model, caches, buffers, synthetic.groups, [1], [inputs.max_seq_len])
     buffers.apply_writes(*buffers.upload(list(writes)))
     graphs.capture(log=False)
     key = graphs.key_for(inputs)
     assert key is not None and key in graphs.graphs
-    graph = graphs.graphs[key][0]
-    empty = (writes[0][:0], writes[1][:0])
+    return graphs, key, inputs, (writes[0][:0], writes[1][:0]), graphs.graphs[key][0]
+
+
+@torch.inference_mode()
+def main() -> None:
+    device = torch.device("cuda")
+    graphs, key, inputs, empty, graph = build_decode1()
 
     def run() -> None:
         graphs.run(key, inputs, empty)
