@@ -2,9 +2,9 @@
 ``_StepGraphs.stage`` at 101 us of host time (the device idle for 120 us before the graph)
 against 22 us for a fields-only ``PinnedStaging.upload`` timed alone. This runs the stage's
 lines (``cuda_graph._StepGraphs.stage``, then ``PinnedStaging.upload``'s fields-only path)
-with a clock between each, the device idle before each step ("idle": as bench forward's
-isolated step) and busy with the previous replay ("busy": as the async engine stages), then
-the same stage as one call. Medians of 300 steps, microseconds; one JSON object a line.
+with a clock between each, the device idle before each step ("idle"), idle with a timing
+event recorded first ("timed": as bench forward's isolated step) and busy with the previous
+replay ("busy": as the async engine stages), then the same stage as one call. Medians of 300 steps, microseconds; one JSON object a line.
 """
 
 from __future__ import annotations
@@ -20,7 +20,25 @@ from s41_step_host import build_decode1
 from rackserve.runner.step_buffers import _int64, pad_to
 
 
-def lines(graphs, key, inputs, empty, graph, busy: bool) -> dict:
+def before(mode: str):
+    """Each step's start: "idle" a device synchronize; "timed" as bench forward's isolated
+    step (a timing event recorded first, the last step's end event synchronized); "busy"
+    nothing (the previous replay still runs). Returns what to call after the replay."""
+    if mode == "idle":
+        torch.cuda.synchronize()
+    if mode != "timed":
+        return lambda: None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+
+    def after() -> None:
+        end.record()
+        end.synchronize()
+
+    return after
+
+
+def lines(graphs, key, inputs, empty, graph, mode: str) -> dict:
     buffers = graphs.buffers
     staging = buffers._staging
     into = graphs.static.buffer
@@ -28,8 +46,7 @@ def lines(graphs, key, inputs, empty, graph, busy: bool) -> dict:
              "apply_writes", "replay"]  # fmt: skip
     laps: dict[str, list[float]] = {n: [] for n in names}
     for _ in range(300):
-        if not busy:
-            torch.cuda.synchronize()
+        after = before(mode)
         t = [time.perf_counter()]
         b = key[0]
         rows = np.asarray(inputs.rows, dtype=np.int64)[inputs.token_req]
@@ -57,23 +74,25 @@ def lines(graphs, key, inputs, empty, graph, busy: bool) -> dict:
         t.append(time.perf_counter())
         graph.replay()
         t.append(time.perf_counter())
+        after()
         for name, a, z in zip(names, t[:-1], t[1:], strict=True):
             laps[name].append(z - a)
     torch.cuda.synchronize()
     return {n: round(statistics.median(v) * 1e6, 2) for n, v in laps.items()}
 
 
-def whole(graphs, key, inputs, empty, graph, busy: bool) -> dict:
+def whole(graphs, key, inputs, empty, graph, mode: str) -> dict:
     stage, replay = [], []
     for _ in range(300):
-        if not busy:
-            torch.cuda.synchronize()
+        after = before(mode)
         t0 = time.perf_counter()
         graphs.stage(key, inputs, empty)
         t1 = time.perf_counter()
         graph.replay()
+        t2 = time.perf_counter()
+        after()
         stage.append(t1 - t0)
-        replay.append(time.perf_counter() - t1)
+        replay.append(t2 - t1)
     torch.cuda.synchronize()
     return {
         "stage": round(statistics.median(stage) * 1e6, 2),
@@ -112,10 +131,9 @@ def main() -> None:
         built[0].run(built[1], built[2], built[3])
     torch.cuda.synchronize()
     print(json.dumps({"raw_calls": raw_calls()}), flush=True)
-    for busy in (False, True, False, True):
-        mode = "busy" if busy else "idle"
-        print(json.dumps({f"lines_{mode}": lines(*built, busy=busy)}), flush=True)
-        print(json.dumps({f"whole_{mode}": whole(*built, busy=busy)}), flush=True)
+    for mode in ("idle", "timed", "busy", "idle", "timed"):
+        print(json.dumps({f"lines_{mode}": lines(*built, mode=mode)}), flush=True)
+        print(json.dumps({f"whole_{mode}": whole(*built, mode=mode)}), flush=True)
 
 
 if __name__ == "__main__":
