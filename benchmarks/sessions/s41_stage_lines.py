@@ -4,7 +4,8 @@ against 22 us for a fields-only ``PinnedStaging.upload`` timed alone. This runs 
 lines (``cuda_graph._StepGraphs.stage``, then ``PinnedStaging.upload``'s fields-only path)
 with a clock between each, the device idle before each step ("idle"), idle with a timing
 event recorded first ("timed": as bench forward's isolated step) and busy with the previous
-replay ("busy": as the async engine stages), then the same stage as one call. Medians of 300 steps, microseconds; one JSON object a line.
+replay ("busy": as the async engine stages), then the same stage as one call. Medians of
+300 steps, microseconds; one JSON object a line.
 """
 
 from __future__ import annotations
