@@ -48,26 +48,41 @@ def upload(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 class PinnedStaging:
     """Host arrays -> device tensors in one host-to-device copy per call, without a stream
     sync: each array's bytes at an 8-byte aligned offset of a pinned buffer, the tensors
-    views of the one device copy. Two buffers alternate; one is refilled only once the
-    event after its last copy has passed (at most one step in flight leaves it passed).
-    ``upload`` per array costs a pinned allocation and a copy each: with the sampling
-    columns staged here instead, a plain decode step's launch at 32 requests went from 1.99
-    to 1.19-1.29 ms of host time (H100, 2026-12-07).
+    views of the one device copy. ``upload`` per array costs a pinned allocation and a copy
+    each: with the sampling columns staged here instead, a plain decode step's launch at 32
+    requests went from 1.99 to 1.19-1.29 ms of host time (H100, 2026-12-07).
 
-    The two events are made once and recorded again: a new ``torch.cuda.Event`` a call (made,
-    recorded, the last one destroyed) took 9.9 us of host time against 6.4 to record one
-    again (H100, 2026-12-07, benchmarks/results/*-s40.md). The record is the fence's cost
-    over an unfenced copy; the rest of a fields-only upload matches one on the CPU."""
+    Three buffers take turns; one is refilled only once its fence has passed. The fence is
+    an event recorded after the buffer's copy by :meth:`fence`, which the caller calls once
+    the work that reads the upload is launched (a graph replay); the next upload records a
+    fence still pending itself. Recorded between the copy and the graph, the event's 6-18 us
+    of host time delayed the graph of an idle device (H100, 2026-12-07, results/*-s41.md);
+    recorded after it, the fence passes with the graph, not the copy, and the third buffer
+    keeps the host free to stage two steps ahead, as two buffers fenced at the copy did.
+    The events are made once and recorded again (a new one a call took 9.9 us against 6.4).
+    Uploads and fences of one staging run on one stream (the caller's current stream)."""
+
+    BUFFERS = 3
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
         self._cuda = self.device.type == "cuda"
-        self._buffers: list[torch.Tensor | None] = [None, None]
-        self._hosts: list[np.ndarray | None] = [None, None]  # the buffers' numpy views
-        # recorded after each buffer's copy; synchronizing one never recorded returns at once
-        self._copied = [torch.cuda.Event(), torch.cuda.Event()] if self._cuda else [None, None]
+        self._buffers: list[torch.Tensor | None] = [None] * self.BUFFERS
+        self._hosts: list[np.ndarray | None] = [None] * self.BUFFERS  # their numpy views
+        # each buffer's fence; synchronizing one never recorded returns at once
+        self._fences = [torch.cuda.Event() if self._cuda else None for _ in range(self.BUFFERS)]
+        self._unfenced: int | None = None  # the buffer whose copy awaits its fence
         self._next = 0
         self._empty: dict[np.dtype, torch.Tensor] = {}  # what arrays of no bytes are views of
+
+    def fence(self) -> None:
+        """Record the last upload's fence, if it is still pending: after the work launched
+        on its tensors, off the path from the copy to that work."""
+        i, self._unfenced = self._unfenced, None
+        if i is not None:
+            fence = self._fences[i]
+            if fence is not None:
+                fence.record()
 
     def upload(
         self,
@@ -112,9 +127,8 @@ class PinnedStaging:
                 for a, at in zip(arrays, offsets, strict=True):
                     host[at : at + a.nbytes] = a.reshape(-1).view(np.uint8)
             dev = buffer[start:total].to(self.device, non_blocking=self._cuda, copy=True)
-        copied = self._copied[i]
-        if copied is not None:
-            copied.record()
+        if field_bytes or total > start:
+            self._unfenced = i
         if total == start:  # nothing but fields (or nothing at all): empty device tensors
             return [self._empty_of(a) for a in arrays]
         if uniform is not None:
@@ -125,12 +139,13 @@ class PinnedStaging:
         ]
 
     def _host_buffer(self, nbytes: int) -> tuple[int, torch.Tensor, np.ndarray]:
-        """The next buffer's index, tensor and bytes (grown to ``nbytes``), once its last copy
-        ran."""
-        i, self._next = self._next, self._next ^ 1
-        copied = self._copied[i]
-        if copied is not None:
-            copied.synchronize()
+        """The next buffer's index, tensor and bytes (grown to ``nbytes``), once its fence
+        passed (the last upload's fence recorded first, if still pending)."""
+        self.fence()
+        i, self._next = self._next, (self._next + 1) % self.BUFFERS
+        fence = self._fences[i]
+        if fence is not None:
+            fence.synchronize()
         buffer = self._buffers[i]
         if buffer is None or buffer.numel() < nbytes:
             size = max(2 * nbytes, 1 << 12)

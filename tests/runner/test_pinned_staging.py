@@ -147,3 +147,41 @@ def test_step_buffers_upload_through_the_staging():
     torch.cuda.synchronize()
     for k, dev, head in results:
         assert dev.tolist() == list(range(k, k + 5)) and head.tolist() == [k] * 3
+
+
+class _Fence:
+    """A stand-in for a buffer's CUDA event that logs what is done with it."""
+
+    def __init__(self, log: list, i: int) -> None:
+        self.log, self.i = log, i
+
+    def record(self) -> None:
+        self.log.append(("record", self.i))
+
+    def synchronize(self) -> None:
+        self.log.append(("wait", self.i))
+
+
+def test_fences_are_recorded_after_the_launch_and_waited_for_before_reuse():
+    """The fence of an upload is recorded by ``fence()`` (after the work that reads it),
+    or else by the next upload before it fills its buffer; a buffer is refilled only after
+    waiting on the fence recorded after its last copy; an upload that copies nothing needs
+    no fence."""
+    staging = PinnedStaging("cpu")
+    log: list = []
+    staging._fences = [_Fence(log, i) for i in range(staging.BUFFERS)]
+    into = torch.zeros(4, dtype=torch.int64)
+    staging.upload([np.arange(3)])  # buffer 0
+    assert log == [("wait", 0)]  # nothing recorded between the copy and the launch
+    staging.fence()
+    staging.fence()  # no upload since: nothing more
+    assert log[1:] == [("record", 0)]
+    del log[:]
+    staging.upload([], into, [np.array([5])])  # buffer 1, fields only; left unfenced
+    staging.upload([np.arange(2)])  # buffer 2: records buffer 1's fence first
+    assert log == [("wait", 1), ("record", 1), ("wait", 2)]
+    del log[:]
+    staging.upload([np.zeros(0, dtype=np.int64)])  # buffer 0 again: copies nothing
+    staging.upload([np.arange(4)])  # buffer 1
+    assert log == [("record", 2), ("wait", 0), ("wait", 1)]
+    assert into.tolist() == [5, 0, 0, 0]

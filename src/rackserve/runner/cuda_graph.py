@@ -390,6 +390,7 @@ class DecodeGraphs(_StepGraphs):
         if in_graph is not None:
             self.sampling.stage(in_graph)
         logits = self._replay(key)
+        self.buffers.fence()  # after the replay: not between the upload and the graph
         num_reqs = len(inputs.rows)
         token_ids = None
         if in_graph is not None:
@@ -458,7 +459,9 @@ class PrefillGraphs(_StepGraphs):
         indices = np.zeros(self._num_extra(key[0]), dtype=np.int64)
         indices[:num_sampled] = inputs.logits_indices
         self.stage(key, inputs, table_writes, feed, indices)
-        return self._replay(key)[:num_sampled], self.expert_counts
+        hidden = self._replay(key)
+        self.buffers.fence()
+        return hidden[:num_sampled], self.expert_counts
 
 
 def capture_step_graphs(

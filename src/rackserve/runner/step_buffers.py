@@ -101,6 +101,11 @@ class StepBuffers:
             return [torch.from_numpy(_int64(a)) for a in arrays]
         return self._staging.upload([_int64(a) for a in arrays], into, [_int64(a) for a in fields])
 
+    def fence(self) -> None:
+        """The last upload's fence (``PinnedStaging.fence``): call once the work that reads
+        it is launched (a graph replay)."""
+        self._staging.fence()
+
     def apply_writes(self, index: torch.Tensor, values: torch.Tensor) -> None:
         """Replay block-table writes (flat indices into :attr:`flat`) on the device copy."""
         if index.numel():

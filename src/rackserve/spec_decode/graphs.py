@@ -170,6 +170,7 @@ class VerifyGraphs:
         if feed is not None:
             feed(self.inputs(b)[0])
         logits, streams = self.set.replay(key, self._forward)
+        self.buffers.fence()
         return logits[:t], streams[:t], self.expert_counts
 
 
@@ -325,7 +326,9 @@ class ProposalGraphs:
         req_rows = pad_to(np.asarray(rows, dtype=np.int64), b + 1, self.null_row)
         self.buffers.upload([], rows_at, [req_rows])
         self._stage_streams(streams)
-        return self.set.replay(key, self._forward)[:num]
+        logits = self.set.replay(key, self._forward)
+        self.buffers.fence()
+        return logits[:num]
 
     def _stage_streams(self, streams: torch.Tensor) -> None:
         """The verify step's final streams, for a drafter that reads them (MTP)."""
