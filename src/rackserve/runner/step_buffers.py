@@ -4,10 +4,10 @@ deltas, and the one host-to-device copy that carries a step's inputs.
 On a GPU, every array a step needs (token ids, positions, the request of each token, the
 rows of the requests, logits indices, closing tokens, block-table writes) is packed into
 one pinned buffer and copied with a single non-blocking copy (``device.PinnedStaging``:
-two buffers, each refilled only after its last copy's event); the device views are slices
-of that copy. A graph's static inputs (``StaticInputs``) are copied from the same buffer
-straight to where the graph reads them. On the CPU the arrays are used in place;
-everything else is the same path.
+three buffers, each refilled only after its fence, recorded once the step's work is
+launched: ``fence``); the device views are slices of that copy. A graph's static inputs
+(``StaticInputs``) are copied from the same buffer straight to where the graph reads them.
+On the CPU the arrays are used in place; everything else is the same path.
 """
 
 from __future__ import annotations
