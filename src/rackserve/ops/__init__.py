@@ -312,7 +312,9 @@ def _linear_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 # Logits of fewer rows than this (16-bit, on a GPU) come from the Triton GEMV writing its fp32
 # accumulator (one split: the lm_head's 2,020 column blocks fill the SMs) instead of cuBLAS:
 # H100, 2026-12-06, gemv_bench in graph replay, 129,280 x 4096: 345 against 378 us at 1 token,
-# 347 against 379 at 4 (results/2026-12-06-s30.md). None: cuBLAS at every size.
+# 347 against 379 at 4 (results/2026-12-06-s30.md); H200, 2026-12-07, bench forward: a tie
+# (back to back 1.086 / 1.087 ms against 1.085 / 1.085 at decode:1, 1.865 / 1.864 against
+# 1.868 / 1.867 at decode:4; results/2026-12-07-s41.md). None: cuBLAS at every size.
 LOGITS_GEMV_MAX_TOKENS: int | None = GEMV_MAX_TOKENS
 
 
