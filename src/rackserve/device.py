@@ -134,10 +134,13 @@ class PinnedStaging:
             return [self._empty_of(a) for a in arrays]
         if uniform is not None:
             return list(dev.view(_torch_dtype(uniform)).split([a.size for a in arrays]))
-        return [
-            dev[at - start : at - start + a.nbytes].view(_torch_dtype(a.dtype)).view(a.shape)
-            for a, at in zip(arrays, offsets, strict=True)
-        ]
+        # a 1-D array's view has its shape already: no second view (the sampling columns'
+        # gather, 4-6 such arrays, went from 50-75 to 41-62 us; CPU, 2026-12-07)
+        views = []
+        for a, at in zip(arrays, offsets, strict=True):
+            t = dev[at - start : at - start + a.nbytes].view(_torch_dtype(a.dtype))
+            views.append(t if a.ndim == 1 else t.view(a.shape))
+        return views
 
     def _host_buffer(self, nbytes: int) -> tuple[int, torch.Tensor, np.ndarray]:
         """The next buffer's index, tensor and bytes (grown to ``nbytes``), once its fence
