@@ -329,12 +329,15 @@ class _StepGraphs:
 
     def _replay(self, key: tuple[int, int]) -> torch.Tensor:
         """Graph ``key``'s output after a replay (a key not captured: the same padded step,
-        eagerly)."""
+        eagerly), then the staged upload's fence: recorded after the graph's launch, not
+        between the upload and the graph (``PinnedStaging.fence``)."""
         if key in self.graphs:
             graph, out = self.graphs[key]
             graph.replay()
-            return out
-        return self.forward(*key)
+        else:
+            out = self.forward(*key)
+        self.buffers.fence()
+        return out
 
 
 class DecodeGraphs(_StepGraphs):
@@ -390,7 +393,6 @@ class DecodeGraphs(_StepGraphs):
         if in_graph is not None:
             self.sampling.stage(in_graph)
         logits = self._replay(key)
-        self.buffers.fence()  # after the replay: not between the upload and the graph
         num_reqs = len(inputs.rows)
         token_ids = None
         if in_graph is not None:
@@ -459,9 +461,7 @@ class PrefillGraphs(_StepGraphs):
         indices = np.zeros(self._num_extra(key[0]), dtype=np.int64)
         indices[:num_sampled] = inputs.logits_indices
         self.stage(key, inputs, table_writes, feed, indices)
-        hidden = self._replay(key)
-        self.buffers.fence()
-        return hidden[:num_sampled], self.expert_counts
+        return self._replay(key)[:num_sampled], self.expert_counts
 
 
 def capture_step_graphs(
