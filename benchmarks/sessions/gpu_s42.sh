@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Prepared in session 41 for the next H200: decode:1@4096's graph replay timeline, kernel by
-# kernel (graph_gap.py; the H200's last one was session 24's), then where the synchronous
+# Prepared in session 41 for the next H200: decode:1@4096's and decode:64@512's (bench decode's
+# 64-request shape) graph replay timelines, kernel by
 # engine's 0.70 ms of host time a step goes at 1 request (session 41, call 5: bench decode's
 # sync step 1.99 ms against a 1.28 ms forward; data/expert-parallel deployments run
 # synchronously): bench decode --profile, its host phases per step.
@@ -9,7 +9,7 @@ set -uo pipefail
 BUDGET_S=${BUDGET_S:-300}
 source "$(dirname "$0")/../device_env.sh"
 start_call
-replay_timelines 120 "$R/graph_gap.json" decode:1@4096
+replay_timelines 150 "$R/graph_gap.json" decode:1@4096 decode:64@512
 flash4 170
 t=$(cap 90); echo "== bench decode --profile, 1 request, sync (${t}s)"
 ((t)) && [[ -d /tmp/flash4 ]] && timeout "$t" "${rs[@]}" bench decode --model /tmp/flash4 \
