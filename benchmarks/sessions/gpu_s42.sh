@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Prepared in session 41 for the next H200: decode:1@4096's and decode:64@512's (bench decode's
-# 64-request shape) graph replay timelines, kernel by
+# Prepared in session 41 for the next H200: the graph replay timelines, kernel by kernel
+# (graph_gap.py; the H200's last was session 24's), of decode:1@4096 and of decode:64@512
+# (bench decode's 64-request shape), then where the synchronous
 # engine's 0.70 ms of host time a step goes at 1 request (session 41, call 5: bench decode's
 # sync step 1.99 ms against a 1.28 ms forward; data/expert-parallel deployments run
 # synchronously): bench decode --profile, its host phases per step.
