@@ -199,3 +199,83 @@ def test_logits_fp32_accumulator_on_gpu(rows):
     assert got.dtype == torch.float32 and got.shape == (rows, 129280)
     assert_bf16_close(got, ref, ref32)
     assert (got - ref32).abs().max() <= (ref - ref32).abs().max()
+
+
+GROUPED_CASES = [  # (T, G, out a group, in, block_n, splits)
+    (1, 8, 64, 128, 32, 2),
+    (3, 2, 32, 200, 32, 1),
+    (5, 4, 48, 96, 16, 3),
+    (16, 3, 32, 64, 32, 2),
+]
+
+
+@pytest.mark.parametrize("case", GROUPED_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_gemv_matches_reference(case, dtype, monkeypatch):
+    """groups > 1 (``wo_a``): every column block reads its own group's inputs; against
+    ``reference.grouped_linear`` (the batched GEMM), outputs poisoned first."""
+    from rackserve.ops.triton import gemv
+
+    t, groups, out, k, block_n, splits = case
+    g = torch.Generator().manual_seed(t * groups)
+    x = torch.randn(t, groups, k, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(groups * out, k, generator=g) / k**0.5).to(DEVICE, dtype)
+    real_empty = torch.empty
+    monkeypatch.setattr(
+        gemv.torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan"))
+    )
+    got = gemv.gemv(x, w, tiling=gemv.GemvTiling(block_n, 32, splits), groups=groups)
+    assert got.shape == (t, groups * out) and got.dtype == dtype
+    ref_fp32 = reference.grouped_linear(x.float(), w.float())
+    # each group alone is a plain product: no group read another's inputs
+    for j in range(groups):
+        rows = slice(j * out, (j + 1) * out)
+        torch.testing.assert_close(
+            ref_fp32[:, rows], x[:, j].float() @ w[rows].float().t(), rtol=1e-5, atol=1e-5
+        )
+    if dtype == torch.float32:
+        assert_fp32_close(got, ref_fp32)
+    else:
+        assert_bf16_close(got, reference.grouped_linear(x, w), ref_fp32)
+    flat = gemv.gemv(x.flatten(1), w, tiling=gemv.GemvTiling(block_n, 32, splits), groups=groups)
+    assert torch.equal(got, flat)
+
+
+def test_grouped_gemv_tiling_and_bad_inputs(monkeypatch):
+    from rackserve.ops.triton import gemv
+
+    monkeypatch.setattr(gemv, "_num_sms", lambda device: 132)
+    # V4-Flash's wo_a: 8 groups of 1024 outputs from 4096 inputs: 64-row blocks, 2 splits
+    tiling = gemv.default_tiling(8192, 4096, torch.device("cuda"), groups=8)
+    assert (tiling.block_n, tiling.splits) == (64, 2)
+    # 48 outputs a group: the rows a step halved to a divisor
+    assert gemv.default_tiling(96, 512, torch.device("cuda"), groups=2).block_n == 16
+    x = torch.zeros(2, 3, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="G = 3"):
+        gemv.gemv(x, torch.zeros(10, 8, device=DEVICE), groups=3)  # 3 does not divide 10
+    with pytest.raises(ValueError, match="G = 3"):
+        gemv.gemv(x, torch.zeros(12, 9, device=DEVICE), groups=3)
+    with pytest.raises(ValueError, match="multiple of block_n"):
+        gemv.gemv(x, torch.zeros(48, 8, device=DEVICE), tiling=gemv.GemvTiling(32, 8, 1), groups=3)
+
+
+def test_grouped_linear_dispatch(monkeypatch):
+    """The op table: the reference off CUDA and with the GEMV off; on CUDA below
+    ``GROUPED_GEMV_MAX_TOKENS`` the grouped GEMV, the batched GEMM from there."""
+    monkeypatch.setenv(ops.GEMV_ENV, "0")
+    assert ops.kernels("auto").grouped_linear is reference.grouped_linear
+    monkeypatch.delenv(ops.GEMV_ENV)
+    k = ops.kernels("triton")
+    x = torch.randn(2, 4, 16).to(torch.bfloat16)
+    w = torch.randn(4 * 32, 16).to(torch.bfloat16)
+    assert torch.equal(k.grouped_linear(x, w), reference.grouped_linear(x, w))
+    if DEVICE == "cuda":
+        # 40 outputs a group: no block of 16 rows or more divides it, the batched GEMM
+        x40, w40 = x.cuda(), torch.randn(4 * 40, 16).to("cuda", torch.bfloat16)
+        assert torch.equal(k.grouped_linear(x40, w40), reference.grouped_linear(x40, w40))
+        from rackserve.ops.triton import gemv
+
+        xc, wc = x.cuda(), w.cuda()
+        assert torch.equal(k.grouped_linear(xc, wc), gemv.gemv(xc, wc, groups=4))
+        monkeypatch.setattr(ops, "GROUPED_GEMV_MAX_TOKENS", None)
+        assert torch.equal(k.grouped_linear(xc, wc), reference.grouped_linear(xc, wc))

@@ -35,6 +35,7 @@ from rackserve.model.layers import (
     GroupedLinear,
     RMSNorm,
     Rotary,
+    grouped_linear,
     linear,
 )
 from rackserve.ops import Kernels
@@ -322,7 +323,8 @@ class Attention(nn.Module):
                 out = o
             else:
                 out[rows] = o
-        return linear(self.kernels, self.wo_b, self.wo_a(out.view(t, self.o_groups, -1)))
+        o = grouped_linear(self.kernels, self.wo_a, out.view(t, self.o_groups, -1))
+        return linear(self.kernels, self.wo_b, o)
 
     def _prologue(
         self,

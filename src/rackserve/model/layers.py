@@ -144,6 +144,14 @@ def linear(kernels: ops.Kernels, module: nn.Module, x: torch.Tensor) -> torch.Te
     return module(x)
 
 
+def grouped_linear(kernels: ops.Kernels, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` of x [T, G, in]: a ``GroupedLinear`` through ``kernels.grouped_linear``
+    (on a GPU, the grouped GEMV at decode sizes); other modules (FP8) as they are."""
+    if type(module) is GroupedLinear:
+        return kernels.grouped_linear(x, module.weight)
+    return module(x)
+
+
 class GroupedLinear(nn.Module):
     """Block-diagonal projection: G groups of `in_per_group` -> `out_per_group` each.
 
@@ -156,12 +164,8 @@ class GroupedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(groups * out_per_group, in_per_group))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, G, in] -> [T, G * out]: one batched GEMM over the groups that writes its
-        # [G, T, out] result straight into the [T, G, out] layout (strided rows: no copy)
-        w = self.weight.view(self.groups, -1, x.shape[-1])  # [G, out, in]
-        out = x.new_empty(x.shape[0], self.groups, w.shape[1])
-        torch.bmm(x.transpose(0, 1), w.transpose(1, 2), out=out.transpose(0, 1))
-        return out.flatten(1)
+        # x: [T, G, in] -> [T, G * out]
+        return ops.reference.grouped_linear(x, self.weight)
 
 
 class FusedWeights:

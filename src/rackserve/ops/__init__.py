@@ -32,6 +32,7 @@ from rackserve.ops.reference import (
     compress_pool,
     compress_windows,
     embed_streams,
+    grouped_linear,
     hc_collapse,
     hc_expand,
     hc_head,
@@ -71,6 +72,7 @@ __all__ = [
     "compress_pool",
     "compress_windows",
     "embed_streams",
+    "grouped_linear",
     "hc_collapse",
     "hc_expand",
     "hc_head",
@@ -131,6 +133,7 @@ class Kernels:
     moe_experts_fp4: Callable
     moe_routed: Callable
     linear: Callable
+    grouped_linear: Callable
     rope_cos_sin: Callable
     logits: Callable
     embed_streams: Callable
@@ -309,6 +312,26 @@ def _linear_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return reference.linear(x, weight)
 
 
+# Grouped projections (the attention's ``wo_a``: 8 groups of 4096 -> 1024 in V4-Flash) of
+# fewer rows than this (16-bit, on a GPU) take the GEMV with ``groups``: its column blocks
+# each read their group's inputs, split K as ``linear``'s do, in one launch; cuBLAS runs
+# them as a batched GEMM (``nvjet_*_64x8``: 19.3 us a layer on the H200 in session 24's
+# decode:1 replay, ~3.5 TB/s for 67 MB). None: the batched GEMM (reference) at every size.
+GROUPED_GEMV_MAX_TOKENS: int | None = GEMV_MAX_TOKENS
+
+
+def _grouped_linear_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``reference.grouped_linear`` of x [T, G, in], or the grouped GEMV for decode-sized
+    16-bit inputs on CUDA below ``GROUPED_GEMV_MAX_TOKENS`` (read at call time)."""
+    limit = GROUPED_GEMV_MAX_TOKENS
+    if limit is not None and _cuda_16bit(x, weight) and x.dim() == 3 and x.shape[0] < limit:
+        gemv, (n, k), groups = _gemv(), weight.shape, x.shape[1]
+        tiling = gemv.default_tiling(n, k, x.device, groups)
+        if (n // groups) % tiling.block_n == 0:  # else no block of 16 rows divides a group
+            return gemv.gemv(x, weight, tiling=tiling, groups=groups)
+    return reference.grouped_linear(x, weight)
+
+
 # Logits of fewer rows than this (16-bit, on a GPU) come from the Triton GEMV writing its fp32
 # accumulator (one split: the lm_head's 2,020 column blocks fill the SMs) instead of cuBLAS:
 # H100, 2026-12-06, gemv_bench in graph replay, 129,280 x 4096: 345 against 378 us at 1 token,
@@ -409,6 +432,9 @@ def kernels(name: str = "auto") -> Kernels:
         "rackserve.ops.triton.moe_routed", "moe_routed", reference.moe_routed, everywhere
     )
     fast["linear"] = _linear_gemv if os.environ.get(GEMV_ENV, "1") == "1" else reference.linear
+    fast["grouped_linear"] = (
+        _grouped_linear_gemv if os.environ.get(GEMV_ENV, "1") == "1" else reference.grouped_linear
+    )
     fast["logits"] = _logits_fp32
     return Kernels(
         name,

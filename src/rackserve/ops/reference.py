@@ -749,6 +749,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A block-diagonal projection (the attention's ``wo_a``): x [T, G, in], weight
+    [G * out, in] -> [T, G * out], group g's outputs from its own inputs. One batched GEMM
+    over the groups writing its [G, T, out] result straight into the [T, G, out] layout
+    (strided rows: no copy). The spec of ``ops/triton/gemv.py`` with ``groups``."""
+    groups = x.shape[1]
+    w = weight.view(groups, -1, x.shape[-1])  # [G, out, in]
+    out = x.new_empty(x.shape[0], groups, w.shape[1])
+    torch.bmm(x.transpose(0, 1), w.transpose(1, 2), out=out.transpose(0, 1))
+    return out.flatten(1)
+
+
 def logits(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The lm_head: x [S, D], weight [V, D] -> [S, V] float32, rounded to x's dtype first as
     transformers does (``linear`` then a cast), into ``out`` when given. The fast path's

@@ -14,6 +14,10 @@ byte. cuBLAS picks tiles for such shapes at 1-2 launches (``nvjet_*_splitK`` +
     gemv_reduce   (S > 1 without the fused reduce, or while a graph is captured with no
                   counters yet) sums the partials in split order: no atomics in values
 
+A grouped projection (``reference.grouped_linear``, the attention's ``wo_a``: G blocks on the
+diagonal) is the same launch: column block n reads the inputs of its group, the x columns
+[g K, (g + 1) K) of g = n BLOCK_N / (N / G), where N / G is a multiple of BLOCK_N.
+
 S is the most that keeps the launch within two programs per SM (the lm_head's 2,020 column
 blocks need no split; wo_b's 64 take 4 splits of its 8,192 inputs). fp32 accumulation,
 one rounding to the output dtype, like cuBLAS. Grids depend on (T, N, K) only: graph-safe.
@@ -64,17 +68,20 @@ def _num_sms(device: torch.device) -> int:
 PROGRAMS_PER_SM = 2
 
 
-def default_tiling(n: int, k: int, device: torch.device) -> GemvTiling:
+def default_tiling(n: int, k: int, device: torch.device, groups: int = 1) -> GemvTiling:
     """Block sizes and the split count from N, K and the device (host ints: graph-safe).
 
     GPU: 64 weight rows x 128 inputs per step (16 KB of bf16 weights in flight per stage,
     4 stages); the most splits that keep N/64 x S within ``PROGRAMS_PER_SM`` programs per
-    SM, each slice at least 512 inputs. CPU (the interpreter): small tiles, few programs."""
+    SM, each slice at least 512 inputs. CPU (the interpreter): small tiles, few programs.
+    groups > 1: the rows a step halved (to 16 at least) until they divide a group's N / G."""
     if device.type != "cuda":
         block_n, block_k, programs, min_slice = 32, 32, 4, 64
     else:
         block_n, block_k, min_slice = 64, 128, 512
         programs = PROGRAMS_PER_SM * _num_sms(device)
+    while groups > 1 and block_n > 16 and (n // groups) % block_n:
+        block_n //= 2
     blocks_n = triton.cdiv(n, block_n)
     k_blocks = triton.cdiv(k, block_k)
     splits = max(1, min(programs // blocks_n, k // min_slice, k_blocks))
@@ -158,11 +165,14 @@ def gemv_kernel(
     FUSED: tl.constexpr,  # SPLIT: the last split of a column block reduces
     FP32_DOT: tl.constexpr,  # IEEE fp32 dots: fp32 inputs, and the interpreter
     OUT_DTYPE: tl.constexpr,
+    GROUP_N: tl.constexpr,  # > 0: grouped, N / G outputs a group (a multiple of BLOCK_N)
     PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
 ):
     pdl_wait(PDL)
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
+    if GROUP_N > 0:  # this column block's group reads its own K inputs of x's G K
+        x_ptr += (pid_n * BLOCK_N // GROUP_N) * K
     acc, t, n, mask = gemv_slice(
         x_ptr, w_ptr, T, N, K, s * k_per_split, k_per_split, stride_x, stride_w, pid_n,
         BLOCK_T, BLOCK_N, BLOCK_K, FP32_DOT,
@@ -209,15 +219,25 @@ def gemv(
     tiling: GemvTiling | None = None,
     out_dtype: torch.dtype | None = None,
     out: torch.Tensor | None = None,
+    groups: int = 1,
 ) -> torch.Tensor:
     """``x @ weight.T``: x [T, K] with T <= ``MAX_TOKENS``, weight [N, K] (same dtype,
     fp32/bf16/fp16); returns [T, N] in ``out_dtype`` (x's by default; float32 writes the
     fp32 accumulator unrounded: the lm_head's logits), into ``out`` when given (unit column
-    stride)."""
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+    stride).
+
+    groups > 1: ``reference.grouped_linear`` of x [T, G, K] (or [T, G K]) and weight
+    [N, K]: group g's N / G outputs from its K inputs; N / G must be a multiple of the
+    tiling's ``block_n`` (``default_tiling(n, k, device, groups)`` picks one)."""
+    if groups > 1 and x.dim() == 3 and x.shape[1] == groups:
+        x = x.flatten(1)
+    if (
+        x.dim() != 2 or weight.dim() != 2 or groups < 1
+        or x.shape[1] != weight.shape[1] * groups or weight.shape[0] % groups
+    ):  # fmt: skip
         raise ValueError(
-            f"gemv: x [T, K] and weight [N, K] expected, got {tuple(x.shape)}, "
-            f"{tuple(weight.shape)}"
+            f"gemv: x [T, G K] and weight [N, K] with G = {groups} dividing N expected, got "
+            f"{tuple(x.shape)}, {tuple(weight.shape)}"
         )
     if x.shape[0] > MAX_TOKENS:
         raise ValueError(f"gemv: at most {MAX_TOKENS} tokens, got {x.shape[0]}")
@@ -226,7 +246,7 @@ def gemv(
             f"gemv: x and weight must share a float dtype and device, got {x.dtype} on "
             f"{x.device}, {weight.dtype} on {weight.device}"
         )
-    (t, k), n = x.shape, weight.shape[0]
+    t, (n, k) = x.shape[0], weight.shape
     out_dtype = out_dtype or (out.dtype if out is not None else x.dtype)
     if out_dtype not in _TL_DTYPE:
         raise ValueError(f"gemv: out_dtype must be fp32/bf16/fp16, got {out_dtype}")
@@ -246,7 +266,11 @@ def gemv(
         return out.zero_()
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
-    tiling = tiling or default_tiling(n, k, x.device)
+    tiling = tiling or default_tiling(n, k, x.device, groups)
+    if groups > 1 and (n // groups) % tiling.block_n:
+        raise ValueError(
+            f"gemv: {n // groups} outputs a group is not a multiple of block_n {tiling.block_n}"
+        )
     k_per_split, splits = k_slices(k, tiling.block_k, tiling.splits)
     tl_out = _TL_DTYPE[out_dtype]
     part = torch.empty(splits, t, n, dtype=torch.float32, device=x.device) if splits > 1 else out
@@ -259,8 +283,8 @@ def gemv(
         BLOCK_T=max(16, triton.next_power_of_2(t)), BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
         SPLIT=splits > 1, FUSED=counters is not None,
         FP32_DOT=x.dtype == torch.float32 or x.device.type != "cuda",
-        OUT_DTYPE=tl_out, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
-        **pdl(x.device),
+        OUT_DTYPE=tl_out, GROUP_N=n // groups if groups > 1 else 0,
+        num_warps=tiling.num_warps, num_stages=tiling.num_stages, **pdl(x.device),
     )  # fmt: skip
     if splits > 1 and counters is None:
         block = min(1024, triton.next_power_of_2(n))
