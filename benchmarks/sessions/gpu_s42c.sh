@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 42, for an H200: the graph replay timelines of decode:1@4096 and decode:64@512 (the
-# grouped GEMV on: the default at this commit), then the grouped GEMV against the batched
+# defaults), then the grouped GEMV (opt-in, ops.GROUPED_GEMV_MAX_TOKENS) against the batched
 # cuBLAS GEMM for wo_a in bench forward at decode:1 and decode:4 (two alternating passes).
 # Usage: RACKSERVE_COMMIT=<sha> BUDGET_S=<seconds> bash benchmarks/sessions/gpu_s42c.sh
 set -uo pipefail
@@ -8,8 +8,8 @@ BUDGET_S=${BUDGET_S:-330}
 source "$(dirname "$0")/../device_env.sh"
 start_call
 replay_timelines 120 "$R/graph_gap.json" decode:1@4096 decode:64@512
-forward_ab grouped_gemv 'pass' batched_cublas \
-  'import rackserve.ops as o; o.GROUPED_GEMV_MAX_TOKENS = None' \
+forward_ab grouped_gemv 'import rackserve.ops as o; o.GROUPED_GEMV_MAX_TOKENS = 16' \
+  batched_cublas 'pass' \
   --iters 30 --warmup 3 --batch decode:1@4096 --batch decode:4@4096
 (cd "$OUT" && tar czf s42c.tgz r && rm -rf r)
 echo "== done in ${SECONDS}s"

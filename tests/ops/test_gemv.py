@@ -261,7 +261,8 @@ def test_grouped_gemv_tiling_and_bad_inputs(monkeypatch):
 
 def test_grouped_linear_dispatch(monkeypatch):
     """The op table: the reference off CUDA and with the GEMV off; on CUDA below
-    ``GROUPED_GEMV_MAX_TOKENS`` the grouped GEMV, the batched GEMM from there."""
+    ``GROUPED_GEMV_MAX_TOKENS`` (opt-in) the grouped GEMV, the batched GEMM from there."""
+    monkeypatch.setattr(ops, "GROUPED_GEMV_MAX_TOKENS", 16)
     monkeypatch.setenv(ops.GEMV_ENV, "0")
     assert ops.kernels("auto").grouped_linear is reference.grouped_linear
     monkeypatch.delenv(ops.GEMV_ENV)

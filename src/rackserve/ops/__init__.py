@@ -314,10 +314,13 @@ def _linear_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 # Grouped projections (the attention's ``wo_a``: 8 groups of 4096 -> 1024 in V4-Flash) of
 # fewer rows than this (16-bit, on a GPU) take the GEMV with ``groups``: its column blocks
-# each read their group's inputs, split K as ``linear``'s do, in one launch; cuBLAS runs
-# them as a batched GEMM (``nvjet_*_64x8``: 19.3 us a layer on the H200 in session 24's
-# decode:1 replay, ~3.5 TB/s for 67 MB). None: the batched GEMM (reference) at every size.
-GROUPED_GEMV_MAX_TOKENS: int | None = GEMV_MAX_TOKENS
+# each read their group's inputs, split K as ``linear``'s do, in one launch. None (the
+# default): cuBLAS's batched GEMM (``reference.grouped_linear``) at every size. Opt-in until
+# an H200 says otherwise: on the H100 (2026-12-07, results/*-s42.md) wo_a took 26.2 us in
+# the decode:1 replay against cuBLAS's 26.1 (s36), and bench forward back to back ran
+# decode:1 1.421 / 1.417 ms against 1.414 / 1.415, decode:4 2.427 / 2.425 against 2.421 /
+# 2.422. The H200's cuBLAS wo_a: 19.3 us a layer (session 24's replay, ~3.5 TB/s).
+GROUPED_GEMV_MAX_TOKENS: int | None = None
 
 
 def _grouped_linear_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
