@@ -434,10 +434,9 @@ def kernels(name: str = "auto") -> Kernels:
     routed = _on_cuda(
         "rackserve.ops.triton.moe_routed", "moe_routed", reference.moe_routed, everywhere
     )
-    fast["linear"] = _linear_gemv if os.environ.get(GEMV_ENV, "1") == "1" else reference.linear
-    fast["grouped_linear"] = (
-        _grouped_linear_gemv if os.environ.get(GEMV_ENV, "1") == "1" else reference.grouped_linear
-    )
+    gemv_on = os.environ.get(GEMV_ENV, "1") == "1"
+    fast["linear"] = _linear_gemv if gemv_on else reference.linear
+    fast["grouped_linear"] = _grouped_linear_gemv if gemv_on else reference.grouped_linear
     fast["logits"] = _logits_fp32
     return Kernels(
         name,
