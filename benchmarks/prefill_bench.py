@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 from collections.abc import Callable
 
@@ -128,12 +129,21 @@ def wgmma_variants() -> dict[str, prefill_attn_wgmma.WgmmaTiling]:
     # bn64_s2_p1: 64-row tiles read q from shared memory half as often a row (QK's wgmma N
     # of 32 a warpgroup); 2 slots, one p buffer (200 KB); ptxas: 120 bytes of stack (CPU,
     # 2026-12-06)
-    return {
+    variants = {
         "bn32_s4_p2": tile(32, 4, p_buffers=2),  # the tiling below WIDE_MIN_ROWS rows
         "bn32_s3_p1": tile(32, 3, p_buffers=1),
         "bn16_s6": tile(16, 6),
         "bn64_s2_p1": tile(64, 2, p_buffers=1),
     }
+    # the prologue / loop / epilogue switches (WgmmaTiling's docs), each alone, then all
+    switches = ("async_q", "early_slots", "staged_out")
+    for base in ("bn32_s4_p2", "bn64_s2_p1"):
+        for name in switches:
+            variants[f"{base}_{name}"] = dataclasses.replace(variants[base], **{name: True})
+        variants[f"{base}_all"] = dataclasses.replace(
+            variants[base], **dict.fromkeys(switches, True)
+        )
+    return variants
 
 
 def outside_bf16_rule(out: torch.Tensor, args: tuple, num: int = 256) -> float:
@@ -248,26 +258,28 @@ def phase_inputs(args: tuple, phase: str) -> tuple[tuple, dict]:
 PHASES = ("model", "no_qnorm", "no_rope", "rows_128", "rows_32", "rows_1")
 
 
-def run_phases(device: str = "cuda", s: int = 8192) -> list[dict]:
+def run_phases(device: str = "cuda", s: int = 8192, only: list[str] | None = None) -> list[dict]:
     """The wgmma kernel's time at S queries (HCA and CSA shapes, nothing cached) split by
     what each query does (``phase_inputs``): differences of the phases give the q norm and
     RoPE on load, the output's inverse RoPE, and the per-row cost against the fixed cost a
-    query (rows_1: one tile of one valid row). ``us_per_query_sm``: time x SMs / S."""
+    query (rows_1: one tile of one valid row). ``us_per_query_sm``: time x SMs / S.
+    ``only``: these ``wgmma_variants`` ("default": the default tiling), each phase of each."""
     dev = torch.device(device)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    tilings = {"default": None} | wgmma_variants()
     records = []
     for kind in ("hca", "csa"):
         args = _inputs(s, 0, kind, device)
-        for phase in PHASES:
+        for phase, impl in itertools.product(PHASES, only or ["default"]):
             call_args, kwargs = phase_inputs(args, phase)
 
-            def attend(a=call_args, k=kwargs) -> torch.Tensor:
+            def attend(a=call_args, k=kwargs | {"tiling": tilings[impl]}) -> torch.Tensor:
                 return prefill_attn_wgmma.paged_sparse_attention(*a, **k)
 
             us = _plain_us(attend)
             records.append(
                 {
-                    "kind": "prefill_bench_phases", "layer": kind, "queries": s,
+                    "kind": "prefill_bench_phases", "layer": kind, "queries": s, "impl": impl,
                     "phase": phase, "valid_rows": int(call_args[5].sum()), "time_us": us,
                     "us_per_query_sm": us * sms / s,
                 }
@@ -406,11 +418,11 @@ def main() -> None:
     if not args.output:
         parser.error("--output is required")
     if args.phases:
-        records = run_phases()
+        records = run_phases(only=args.attention_only.split(",") if args.attention_only else None)
         with open(args.output, "w") as f:
             json.dump(records, f, indent=1)
         for r in records:
-            head = f"{r['layer']} S={r['queries']} {r['phase']:9s} rows {r['valid_rows']:9d}"
+            head = f"{r['layer']} {r['impl']:18s} {r['phase']:9s} rows {r['valid_rows']:9d}"
             print(f"{head} {r['time_us']:9.1f} us, {r['us_per_query_sm']:6.2f} a query an SM")
         return None
     if args.attention_only:

@@ -11,6 +11,7 @@ tests.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -33,6 +34,7 @@ _POINTERS = {
     "slots_a_ptr": "*i64", "slots_b_ptr": "*i64", "valid_ptr": "*u8", "sinks_ptr": "*fp32",
 }  # fmt: skip
 _CONSTEXPRS = ("BLOCK_N", "BLOCK_V", "ROPE", "NUM_STAGES", "P_BUFFERS", "Q_NORM", "Q_HEADS")
+_CONSTEXPRS += ("ASYNC_Q", "EARLY_SLOTS", "STAGED_OUT")
 
 
 def compile_sm90(tiling: prefill_attn_wgmma.WgmmaTiling, dtype: str = "bf16", q_norm: bool = False):
@@ -53,6 +55,8 @@ def compile_sm90(tiling: prefill_attn_wgmma.WgmmaTiling, dtype: str = "bf16", q_
     consts = {"BLOCK_N": tiling.block_n, "BLOCK_V": 1024, "ROPE": True}
     consts |= {"NUM_STAGES": tiling.num_stages, "P_BUFFERS": tiling.p_buffers}
     consts |= {"Q_NORM": q_norm, "Q_HEADS": prefill_attn_wgmma.Q_NORM_HEADS}
+    consts |= {"ASYNC_Q": tiling.async_q, "EARLY_SLOTS": tiling.early_slots}
+    consts |= {"STAGED_OUT": tiling.staged_out}
     src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
 
@@ -71,24 +75,32 @@ def _local_memory_bytes(kernel) -> int:
     return int(fields["STACK"])
 
 
+# every switch on (q by cp.async, the refills' slots early, the output staged)
+SWITCHES = {"async_q": True, "early_slots": True, "staged_out": True}
 TILINGS = [
     prefill_attn_wgmma.WgmmaTiling(),
     prefill_attn_wgmma.WgmmaTiling(32, 4, p_buffers=2),
     prefill_attn_wgmma.WgmmaTiling(16, 6),
     prefill_attn_wgmma.WIDE_TILING,
+    prefill_attn_wgmma.WgmmaTiling(32, 4, 2, **SWITCHES),
+    dataclasses.replace(prefill_attn_wgmma.WIDE_TILING, **SWITCHES),
 ]
 # ptxas' stack bytes a tiling may keep: a few spilled registers, and the 64-row tiles' 104-120
 # (CPU compile, 2026-12-06), measured faster than the 32-row ones on CSA queries anyway
-STACK_BYTES = {prefill_attn_wgmma.WIDE_TILING: 128}
+STACK_BYTES = {prefill_attn_wgmma.WIDE_TILING: 128, TILINGS[-2]: 48, TILINGS[-1]: 200}
 
 
 def _tiling_id(t: prefill_attn_wgmma.WgmmaTiling) -> str:
-    return f"bn{t.block_n}_s{t.num_stages}_p{t.p_buffers}"
+    switches = "".join(f"_{k}" for k in SWITCHES if getattr(t, k))
+    return f"bn{t.block_n}_s{t.num_stages}_p{t.p_buffers}{switches}"
 
 
-def compile_report(block_n: int, num_stages: int, p_buffers: int, q_norm: int = 0) -> dict:
-    """What decides the kernel's speed before a GPU runs it (this file as a script)."""
-    tiling = prefill_attn_wgmma.WgmmaTiling(block_n, num_stages, p_buffers)
+def compile_report(
+    block_n: int, num_stages: int, p_buffers: int, q_norm: int = 0, *switches: int
+) -> dict:
+    """What decides the kernel's speed before a GPU runs it (this file as a script);
+    ``switches``: async_q, early_slots, staged_out (0 / 1)."""
+    tiling = prefill_attn_wgmma.WgmmaTiling(block_n, num_stages, p_buffers, *map(bool, switches))
     kernel = compile_sm90(tiling, q_norm=bool(q_norm))
     ptx = kernel.asm["ptx"]
     return {
@@ -101,15 +113,16 @@ def compile_report(block_n: int, num_stages: int, p_buffers: int, q_norm: int = 
 
 @pytest.mark.parametrize(
     "tiling, q_norm",
-    [(t, False) for t in TILINGS] + [(t, True) for t in (TILINGS[0], TILINGS[-1])],
+    [(t, False) for t in TILINGS] + [(t, True) for t in (TILINGS[0], *TILINGS[-3:])],
     ids=[_tiling_id(t) for t in TILINGS]
-    + [f"{_tiling_id(t)}_qnorm" for t in (TILINGS[0], TILINGS[-1])],
+    + [f"{_tiling_id(t)}_qnorm" for t in (TILINGS[0], *TILINGS[-3:])],
 )
 def test_compiles_for_sm90_with_wgmma_and_no_spills(tiling, q_norm):
     # in a process of its own: the interpreter (TRITON_INTERPRET=1) cannot compile Gluon
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     args = [sys.executable, __file__, str(tiling.block_n), str(tiling.num_stages)]
     args += [str(tiling.p_buffers), str(int(q_norm))]
+    args += [str(int(v)) for v in (tiling.async_q, tiling.early_slots, tiling.staged_out)]
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.splitlines()[-1])
@@ -177,8 +190,11 @@ def test_masks_with_holes_and_empty_rows(dtype):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize(
+    "tiling", [None, *TILINGS[-2:]], ids=lambda t: _tiling_id(t) if t else "default"
+)
 @pytest.mark.parametrize("lengths, wb, ratio", [([(1024, 300)], 16, 128), ([(0, 700)], 176, 4)])
-def test_raw_q_normed_and_rotated_on_load(lengths, wb, ratio):
+def test_raw_q_normed_and_rotated_on_load(lengths, wb, ratio, tiling):
     """q_norm_eps: the kernel takes wq_b's raw q and applies the prologue's unweighted norm +
     RoPE as it loads it: the kernel's output on the prologue's q (checked against the
     reference), up to a q element rounded the other way (the norm's sum of squares runs in
@@ -186,7 +202,7 @@ def test_raw_q_normed_and_rotated_on_load(lengths, wb, ratio):
     valid = prefill_mask(lengths, 128, wb, ratio)
     args = make_case(valid, 64, torch.bfloat16, seed=11, **V4)
     raw = (args[0].float() * 5 + 1).to(torch.bfloat16)  # not unit-RMS, a nonzero mean
-    got = prefill_attn_wgmma.paged_sparse_attention(raw, *args[1:], q_norm_eps=1e-6)
+    got = prefill_attn_wgmma.paged_sparse_attention(raw, *args[1:], q_norm_eps=1e-6, tiling=tiling)
     assert not got.isnan().any()
     normed = reference.rms_norm_rope(raw, None, 1e-6, args[-2], args[-1])
     want = _check((normed, *args[1:]))
@@ -215,4 +231,4 @@ def test_supported_names_the_shapes_it_serves():
 
 
 if __name__ == "__main__":
-    print(json.dumps(compile_report(*map(int, sys.argv[1:5]))))
+    print(json.dumps(compile_report(*map(int, sys.argv[1:]))))

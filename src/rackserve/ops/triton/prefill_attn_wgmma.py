@@ -80,6 +80,14 @@ class WgmmaTiling:
     block_n: int = 32
     num_stages: int = 4
     p_buffers: int = 2  # 1: one p buffer, a barrier before it is rewritten
+    # q by cp.async as the program's first instruction (its fetch beside the row-span scan
+    # and the first gathers; a raw q is normed in shared memory), not a load to registers
+    async_q: bool = False
+    # each refill's slot indices loaded at the top of its iteration, not after PV(t)
+    early_slots: bool = False
+    # the output through shared memory (q's buffer) to 16-byte stores, not from the MMA's
+    # accumulator layout
+    staged_out: bool = False
 
 
 # Queries of many rows take 64-row tiles: per tile, each warpgroup's QK reads all of q (64
@@ -159,6 +167,9 @@ def paged_sparse_attention(
         ROPE=cos is not None,
         NUM_STAGES=tiling.num_stages,
         P_BUFFERS=tiling.p_buffers,
+        ASYNC_Q=tiling.async_q,
+        EARLY_SLOTS=tiling.early_slots,
+        STAGED_OUT=tiling.staged_out,
         Q_NORM=q_norm_eps is not None,
         Q_HEADS=Q_NORM_HEADS,
         num_warps=8,
@@ -184,27 +195,47 @@ def _tile_rows(t, a_tiles, first, a_stop, b_start, b_stop, valid_row, width_a, c
 
 
 @gluon.jit
-def _gather(slot_smem, t, total, a_tiles, first, a_stop, b_start, b_stop, contiguous,
-            valid_row, width_a, slots_a_row, slots_b_row, safe_a, safe_b, kv_a_ptr, kv_b_ptr,
-            stride_a, stride_b, BLOCK_N: gl.constexpr, layout: gl.constexpr):  # fmt: skip
-    """cp.async of tile t's rows [BLOCK_N, Dh] into ``slot_smem`` (nothing past the last
-    tile). A row past its list's end or in a hole of the mask reads a valid row of the list
-    instead (its score is masked): no invalid slot is followed."""
+def _gather_rows(t, total, a_tiles, first, a_stop, b_start, b_stop, contiguous, valid_row,
+                 width_a, slots_a_row, slots_b_row, safe_a, safe_b, BLOCK_N: gl.constexpr,
+                 layout: gl.constexpr):  # fmt: skip
+    """Tile t's slots [BLOCK_N] (int32, ``layout``'s row slice). A row past its list's end
+    or in a hole of the mask takes a valid row of the list instead (its score is masked): no
+    invalid slot is followed."""
     rows, stop, in_a, ok = _tile_rows(
         t, a_tiles, first, a_stop, b_start, b_stop, valid_row, width_a, contiguous, t < total,
         BLOCK_N, gl.SliceLayout(1, layout),
     )  # fmt: skip
     slot = gl.load(gl.where(in_a, slots_a_row, slots_b_row) + gl.minimum(rows, stop - 1),
                    mask=t < total, other=0)  # fmt: skip
-    slot = gl.where(ok, slot, gl.where(in_a, safe_a, safe_b))
+    return gl.where(ok, slot, gl.where(in_a, safe_a, safe_b)).to(gl.int32)
+
+
+@gluon.jit
+def _gather_issue(slot_smem, slot, t, total, a_tiles, kv_a_ptr, kv_b_ptr, stride_a, stride_b,
+                  layout: gl.constexpr):  # fmt: skip
+    """cp.async of tile t's rows, at ``slot`` [BLOCK_N], into ``slot_smem`` (nothing past
+    the last tile)."""
+    in_a = t < a_tiles
     row_ptr = gl.where(in_a, kv_a_ptr, kv_b_ptr) + slot.to(gl.int64) * gl.where(
         in_a, stride_a, stride_b
     )
     cols = gl.arange(0, _DH, layout=gl.SliceLayout(0, layout))
-    live = (rows * 0 + t) < total
+    live = (slot * 0 + t) < total
     cp.async_copy_global_to_shared(
         slot_smem, row_ptr[:, None] + cols[None, :], mask=live[:, None] & (cols < _DH)[None, :]
     )
+
+
+@gluon.jit
+def _gather(slot_smem, t, total, a_tiles, first, a_stop, b_start, b_stop, contiguous,
+            valid_row, width_a, slots_a_row, slots_b_row, safe_a, safe_b, kv_a_ptr, kv_b_ptr,
+            stride_a, stride_b, BLOCK_N: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+    """cp.async of tile t's rows [BLOCK_N, Dh] into ``slot_smem``."""
+    slot = _gather_rows(t, total, a_tiles, first, a_stop, b_start, b_stop, contiguous,
+                        valid_row, width_a, slots_a_row, slots_b_row, safe_a, safe_b, BLOCK_N,
+                        layout)  # fmt: skip
+    _gather_issue(slot_smem, slot, t, total, a_tiles, kv_a_ptr, kv_b_ptr, stride_a, stride_b,
+                  layout)  # fmt: skip
 
 
 @gluon.jit
@@ -251,6 +282,9 @@ def prefill_attn_wgmma_kernel(
     P_BUFFERS: gl.constexpr,  # 1: a barrier before p is rewritten; 2: none (a gather fewer)
     Q_NORM: gl.constexpr,  # q arrives raw: the unweighted norm (q_eps) + RoPE on its load
     Q_HEADS: gl.constexpr,  # Q_NORM: heads normed at a time (registers)
+    ASYNC_Q: gl.constexpr,  # q by cp.async first (WgmmaTiling.async_q)
+    EARLY_SLOTS: gl.constexpr,  # a refill's slots loaded at the top of its iteration
+    STAGED_OUT: gl.constexpr,  # the output through shared memory to 16-byte stores
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     # layouts (8 warps): loads in 16-byte vectors; both dots with warps [4, 2] (each
@@ -272,6 +306,14 @@ def prefill_attn_wgmma_kernel(
 
     s = gl.program_id(0).to(gl.int64)
     valid_row = valid_ptr + s * stride_vs
+    heads_l = gl.arange(0, _H, layout=gl.SliceLayout(1, load_l))
+    cols_l = gl.arange(0, _DH, layout=gl.SliceLayout(0, load_l))
+    q_row = q_ptr + s * stride_qs
+    if ASYNC_Q:  # q's fetch first, in flight during the span scan and the first gathers
+        q_smem = gl.allocate_shared_memory(dtype, [_H, _DH], q_sl)
+        cp.async_copy_global_to_shared(q_smem, q_row + heads_l[:, None] * stride_qh
+                                       + cols_l[None, :])  # fmt: skip
+        cp.commit_group()
 
     # the span [first, last] of valid rows (prefill_attn.py)
     first = width + 0
@@ -304,21 +346,17 @@ def prefill_attn_wgmma_kernel(
                 contiguous, valid_row, width_a, slots_a_row, slots_b_row, safe_a, safe_b,
                 kv_a_ptr, kv_b_ptr, stride_a, stride_b, BLOCK_N, load_l)  # fmt: skip
         cp.commit_group()
-    heads_l = gl.arange(0, _H, layout=gl.SliceLayout(1, load_l))
-    cols_l = gl.arange(0, _DH, layout=gl.SliceLayout(0, load_l))
-    q_row = q_ptr + s * stride_qs
-    if Q_NORM:  # the prologue's q norm + RoPE on the way in, a block of heads at a time
+    if ASYNC_Q:
+        pass  # landed with tile 0 (a raw q is normed then, in shared memory)
+    elif Q_NORM:  # the prologue's q norm + RoPE on the way in, a block of heads at a time
         q_smem = gl.allocate_shared_memory(dtype, [_H, _DH], q_sl)
         chunk_l: gl.constexpr = gl.SliceLayout(1, load_l)
         for h0 in gl.static_range(0, _H, Q_HEADS):
             heads_c = h0 + gl.arange(0, Q_HEADS, layout=chunk_l)
-            x = gl.load(q_row + heads_c[:, None] * stride_qh + cols_l[None, :]).to(gl.float32)
-            # reference.rms_norm unweighted: the factor rounded to q's dtype, then the product
-            factor = (1.0 / gl.sqrt_rn(gl.sum(x * x, axis=1) / _DH + q_eps)).to(dtype)
-            x = (x * factor.to(gl.float32)[:, None]).to(dtype).to(gl.float32)
-            x = _rotate(x, cos_ptr + s * stride_cs, sin_ptr + s * stride_ss, rope_start,
-                        Q_HEADS, False)  # fmt: skip
-            q_smem.slice(h0, Q_HEADS).store(x.to(dtype))
+            x = gl.load(q_row + heads_c[:, None] * stride_qh + cols_l[None, :])
+            x = _norm_rope_q(x, cos_ptr + s * stride_cs, sin_ptr + s * stride_ss, rope_start,
+                             q_eps, Q_HEADS)  # fmt: skip
+            q_smem.slice(h0, Q_HEADS).store(x)
     else:
         q = gl.load(q_row + heads_l[:, None] * stride_qh + cols_l[None, :])
         q_smem = gl.allocate_shared_memory(dtype, [_H, _DH], q_sl, q)
@@ -331,6 +369,14 @@ def prefill_attn_wgmma_kernel(
     # tile 0: its scores and p (stored), before the loop
     cp.wait_group(NUM_STAGES - P_BUFFERS)
     gl.thread_barrier()
+    if ASYNC_Q and Q_NORM:  # the raw q in place: each block read by all, then rewritten
+        for h0 in gl.static_range(0, _H, Q_HEADS):
+            x = q_smem.slice(h0, Q_HEADS).load(load_l)
+            x = _norm_rope_q(x, cos_ptr + s * stride_cs, sin_ptr + s * stride_ss, rope_start,
+                             q_eps, Q_HEADS)  # fmt: skip
+            gl.thread_barrier()
+            q_smem.slice(h0, Q_HEADS).store(x)
+        gl.thread_barrier()
     fence_async_shared()
     if total > 0:
         sc = warpgroup_mma(q_smem, kv_smem.index(0).permute((1, 0)), zero_s, use_acc=False,
@@ -350,6 +396,11 @@ def prefill_attn_wgmma_kernel(
     for t in range(total - 1):
         # invariant: p(t) is in p_smem and acc holds tiles < t, scaled to m(t); tiles t and
         # t + 1 have landed (the NUM_STAGES - 1 - P_BUFFERS later ones may be in flight)
+        refill = t + NUM_STAGES + 1 - P_BUFFERS
+        if EARLY_SLOTS:  # the slots' load in flight during this iteration's dots
+            slot = _gather_rows(refill, total, a_tiles, first, a_stop, b_start, b_stop,
+                                contiguous, valid_row, width_a, slots_a_row, slots_b_row,
+                                safe_a, safe_b, BLOCK_N, load_l)  # fmt: skip
         cp.wait_group(NUM_STAGES - 1 - P_BUFFERS)
         gl.thread_barrier()
         fence_async_shared()
@@ -375,11 +426,14 @@ def prefill_attn_wgmma_kernel(
         # into tile t - 1's slot, both done in both warpgroups (this iteration's barrier)
         acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
         p_smem.index((t + 1) % P_BUFFERS).store(p)
-        refill = t + NUM_STAGES + 1 - P_BUFFERS
-        _gather(kv_smem.index(refill % NUM_STAGES), refill, total, a_tiles, first, a_stop,
-                b_start, b_stop, contiguous, valid_row, width_a, slots_a_row, slots_b_row,
-                safe_a, safe_b, kv_a_ptr, kv_b_ptr, stride_a, stride_b, BLOCK_N,
-                load_l)  # fmt: skip
+        if EARLY_SLOTS:
+            _gather_issue(kv_smem.index(refill % NUM_STAGES), slot, refill, total, a_tiles,
+                          kv_a_ptr, kv_b_ptr, stride_a, stride_b, load_l)  # fmt: skip
+        else:
+            _gather(kv_smem.index(refill % NUM_STAGES), refill, total, a_tiles, first, a_stop,
+                    b_start, b_stop, contiguous, valid_row, width_a, slots_a_row, slots_b_row,
+                    safe_a, safe_b, kv_a_ptr, kv_b_ptr, stride_a, stride_b, BLOCK_N,
+                    load_l)  # fmt: skip
         cp.commit_group()
         fence_async_shared()
     if total > 0:  # the last tile's PV
@@ -400,8 +454,25 @@ def prefill_attn_wgmma_kernel(
     cols = gl.arange(0, _DH, layout=gl.SliceLayout(0, o_l))
     if ROPE:
         o = _inverse_rope(o, cos_ptr + s * stride_cs, sin_ptr + s * stride_ss, rope_start, o_l)
-    out_ptrs = out_ptr + s * stride_os + heads[:, None] * stride_oh + cols[None, :]
-    gl.store(out_ptrs, o.to(dtype))
+    if STAGED_OUT:  # q's buffer is free: every QK is done (the barrier before the last PV)
+        q_smem.store(o.to(dtype))
+        gl.thread_barrier()
+        o16 = q_smem.load(load_l)
+        gl.store(out_ptr + s * stride_os + heads_l[:, None] * stride_oh + cols_l[None, :], o16)
+    else:
+        out_ptrs = out_ptr + s * stride_os + heads[:, None] * stride_oh + cols[None, :]
+        gl.store(out_ptrs, o.to(dtype))
+
+
+@gluon.jit
+def _norm_rope_q(x, cos_row, sin_row, rope_start, q_eps, ROWS: gl.constexpr):
+    """A block of raw q heads [ROWS, Dh] (16-bit) normed (unweighted) and rotated, in q's
+    dtype: ``reference.rms_norm`` (the factor rounded to q's dtype, then the product)."""
+    dtype: gl.constexpr = x.dtype
+    x = x.to(gl.float32)
+    factor = (1.0 / gl.sqrt_rn(gl.sum(x * x, axis=1) / _DH + q_eps)).to(dtype)
+    x = (x * factor.to(gl.float32)[:, None]).to(dtype).to(gl.float32)
+    return _rotate(x, cos_row, sin_row, rope_start, ROWS, False).to(dtype)
 
 
 @gluon.jit
