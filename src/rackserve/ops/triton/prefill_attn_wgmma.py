@@ -198,16 +198,16 @@ def _tile_rows(t, a_tiles, first, a_stop, b_start, b_stop, valid_row, width_a, c
 def _gather_rows(t, total, a_tiles, first, a_stop, b_start, b_stop, contiguous, valid_row,
                  width_a, slots_a_row, slots_b_row, safe_a, safe_b, BLOCK_N: gl.constexpr,
                  layout: gl.constexpr):  # fmt: skip
-    """Tile t's slots [BLOCK_N] (int32, ``layout``'s row slice). A row past its list's end
-    or in a hole of the mask takes a valid row of the list instead (its score is masked): no
-    invalid slot is followed."""
+    """Tile t's slots [BLOCK_N] (``layout``'s row slice). A row past its list's end or in a
+    hole of the mask takes a valid row of the list instead (its score is masked): no invalid
+    slot is followed."""
     rows, stop, in_a, ok = _tile_rows(
         t, a_tiles, first, a_stop, b_start, b_stop, valid_row, width_a, contiguous, t < total,
         BLOCK_N, gl.SliceLayout(1, layout),
     )  # fmt: skip
     slot = gl.load(gl.where(in_a, slots_a_row, slots_b_row) + gl.minimum(rows, stop - 1),
                    mask=t < total, other=0)  # fmt: skip
-    return gl.where(ok, slot, gl.where(in_a, safe_a, safe_b)).to(gl.int32)
+    return gl.where(ok, slot, gl.where(in_a, safe_a, safe_b))
 
 
 @gluon.jit
@@ -397,10 +397,11 @@ def prefill_attn_wgmma_kernel(
         # invariant: p(t) is in p_smem and acc holds tiles < t, scaled to m(t); tiles t and
         # t + 1 have landed (the NUM_STAGES - 1 - P_BUFFERS later ones may be in flight)
         refill = t + NUM_STAGES + 1 - P_BUFFERS
-        if EARLY_SLOTS:  # the slots' load in flight during this iteration's dots
+        if EARLY_SLOTS:  # the slots' load in flight during this iteration's dots; int32
+            # across them (fewer registers; a slot is a cache row, < 2**31)
             slot = _gather_rows(refill, total, a_tiles, first, a_stop, b_start, b_stop,
                                 contiguous, valid_row, width_a, slots_a_row, slots_b_row,
-                                safe_a, safe_b, BLOCK_N, load_l)  # fmt: skip
+                                safe_a, safe_b, BLOCK_N, load_l).to(gl.int32)  # fmt: skip
         cp.wait_group(NUM_STAGES - 1 - P_BUFFERS)
         gl.thread_barrier()
         fence_async_shared()
