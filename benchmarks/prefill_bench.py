@@ -135,11 +135,15 @@ def wgmma_variants() -> dict[str, prefill_attn_wgmma.WgmmaTiling]:
         "bn16_s6": tile(16, 6),
         "bn64_s2_p1": tile(64, 2, p_buffers=1),
     }
-    # the prologue / loop / epilogue switches (WgmmaTiling's docs), each alone, then all
-    switches = ("async_q", "early_slots", "staged_out")
+    # the prologue / loop / epilogue switches (WgmmaTiling's docs), each alone, q by cp.async
+    # with the column sums, then all
+    switches = ("async_q", "early_slots", "staged_out", "column_sums")
     for base in ("bn32_s4_p2", "bn64_s2_p1"):
         for name in switches:
             variants[f"{base}_{name}"] = dataclasses.replace(variants[base], **{name: True})
+        variants[f"{base}_aq_cs"] = dataclasses.replace(
+            variants[base], async_q=True, column_sums=True
+        )
         variants[f"{base}_all"] = dataclasses.replace(
             variants[base], **dict.fromkeys(switches, True)
         )

@@ -88,6 +88,10 @@ class WgmmaTiling:
     # the output through shared memory (q's buffer) to 16-byte stores, not from the MMA's
     # accumulator layout
     staged_out: bool = False
+    # the softmax denominator kept per score column (8 fp32 a thread) and summed across the
+    # warpgroups once, after the last tile: a tile's row sum crosses them through shared
+    # memory (two of its six barriers a tile in the SASS)
+    column_sums: bool = False
 
 
 # Queries of many rows take 64-row tiles: per tile, each warpgroup's QK reads all of q (64
@@ -170,6 +174,7 @@ def paged_sparse_attention(
         ASYNC_Q=tiling.async_q,
         EARLY_SLOTS=tiling.early_slots,
         STAGED_OUT=tiling.staged_out,
+        COLUMN_SUMS=tiling.column_sums,
         Q_NORM=q_norm_eps is not None,
         Q_HEADS=Q_NORM_HEADS,
         num_warps=8,
@@ -285,6 +290,7 @@ def prefill_attn_wgmma_kernel(
     ASYNC_Q: gl.constexpr,  # q by cp.async first (WgmmaTiling.async_q)
     EARLY_SLOTS: gl.constexpr,  # a refill's slots loaded at the top of its iteration
     STAGED_OUT: gl.constexpr,  # the output through shared memory to 16-byte stores
+    COLUMN_SUMS: gl.constexpr,  # the denominator per score column, summed after the last tile
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     # layouts (8 warps): loads in 16-byte vectors; both dots with warps [4, 2] (each
@@ -363,6 +369,7 @@ def prefill_attn_wgmma_kernel(
 
     m = gl.full([_H], float("-inf"), gl.float32, rows_s)
     l_sum = gl.zeros([_H], gl.float32, rows_s)
+    l_cols = gl.zeros([_H, BLOCK_N], gl.float32, s_l)  # COLUMN_SUMS
     acc = gl.zeros([_H, _DH], gl.float32, o_l)
     zero_s = gl.zeros([_H, BLOCK_N], gl.float32, s_l)
 
@@ -388,7 +395,10 @@ def prefill_attn_wgmma_kernel(
         m = gl.max(sc, axis=1)
         m_ref = gl.where(m == float("-inf"), 0.0, m)
         p = gl.exp2(sc - m_ref[:, None]).to(dtype)
-        l_sum = gl.sum(p.to(gl.float32), axis=1)
+        if COLUMN_SUMS:
+            l_cols = p.to(gl.float32)
+        else:
+            l_sum = gl.sum(p.to(gl.float32), axis=1)
         p_smem.index(0).store(p)
         fence_async_shared()
         gl.thread_barrier()
@@ -418,7 +428,10 @@ def prefill_attn_wgmma_kernel(
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m - m_ref)
         p = gl.exp2(sc - m_ref[:, None]).to(dtype)
-        l_sum = l_sum * alpha + gl.sum(p.to(gl.float32), axis=1)
+        if COLUMN_SUMS:
+            l_cols = l_cols * alpha[:, None] + p.to(gl.float32)
+        else:
+            l_sum = l_sum * alpha + gl.sum(p.to(gl.float32), axis=1)
         m = m_new
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         if P_BUFFERS == 1:  # wait until both warpgroups are done with p and tile t's slot
@@ -448,6 +461,8 @@ def prefill_attn_wgmma_kernel(
     heads = gl.arange(0, _H, layout=rows_o)
     sink = gl.load(sinks_ptr + heads) * 1.4426950408889634
     m_o = gl.convert_layout(m, rows_o)
+    if COLUMN_SUMS:
+        l_sum = gl.sum(l_cols, axis=1)
     l_o = gl.convert_layout(l_sum, rows_o)
     m_all = gl.maximum(m_o, sink)
     alpha = gl.exp2(m_o - m_all)
