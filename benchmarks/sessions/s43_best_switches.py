@@ -20,7 +20,8 @@ def best(records: list[dict], layer: str, base: str) -> str | None:
     times = {
         r["impl"].removeprefix("wgmma:"): r["time_us"]
         for r in records
-        if r.get("layer") == layer and r.get("impl", "").startswith(f"wgmma:{base}")
+        if r.get("layer") == layer
+        and r.get("impl", "").startswith(f"wgmma:{base}")
         and "time_us" in r
     }
     return min(times, key=times.get) if times else None
