@@ -135,18 +135,17 @@ def wgmma_variants() -> dict[str, prefill_attn_wgmma.WgmmaTiling]:
         "bn16_s6": tile(16, 6),
         "bn64_s2_p1": tile(64, 2, p_buffers=1),
     }
-    # the prologue / loop / epilogue switches (WgmmaTiling's docs), each alone, q by cp.async
-    # with the column sums, then all
-    switches = ("async_q", "early_slots", "staged_out", "column_sums")
+    # the prologue / loop / epilogue switches (WgmmaTiling's docs), each alone, the two that
+    # cut the tile loop's barriers ("barriers"), those with q by cp.async, then all
+    switches = ("async_q", "early_slots", "staged_out", "column_sums", "max_exchange")
+    barriers = {"column_sums": True, "max_exchange": True}
     for base in ("bn32_s4_p2", "bn64_s2_p1"):
+        tiling = variants[base]
         for name in switches:
-            variants[f"{base}_{name}"] = dataclasses.replace(variants[base], **{name: True})
-        variants[f"{base}_aq_cs"] = dataclasses.replace(
-            variants[base], async_q=True, column_sums=True
-        )
-        variants[f"{base}_all"] = dataclasses.replace(
-            variants[base], **dict.fromkeys(switches, True)
-        )
+            variants[f"{base}_{name}"] = dataclasses.replace(tiling, **{name: True})
+        variants[f"{base}_barriers"] = dataclasses.replace(tiling, **barriers)
+        variants[f"{base}_aq_barriers"] = dataclasses.replace(tiling, async_q=True, **barriers)
+        variants[f"{base}_all"] = dataclasses.replace(tiling, **dict.fromkeys(switches, True))
     return variants
 
 

@@ -2,30 +2,31 @@
 # Session 43: the wgmma prefill attention's switches (WgmmaTiling: async_q, q by cp.async
 # first; early_slots, a refill's slot indices loaded at the top of its iteration; staged_out,
 # the output through shared memory to 16-byte stores; column_sums, the softmax denominator
-# per score column, summed once: the tile loop's barriers 6 -> 3). prefill_bench's attention
-# alone at 8192 queries (each switch alone, async_q + column_sums, all; 32- and 64-row
-# tilings; each with its fraction outside the bf16 rule), the GPU tests, the phases of the
-# default against the column sums and all switches, then bench forward prefill:8192 with the
-# fastest variants as the default tilings (s43_best_switches.py) against the defaults
-# (alternating, two passes).
+# per score column, summed once; max_exchange, a tile's row max crossing the warpgroups with
+# one barrier: with the column sums the tile loop's barriers go 6 -> 2). prefill_bench's
+# attention alone at 8192 queries (each switch alone, the two barrier switches, those with
+# async_q, all; 32- and 64-row tilings; each with its fraction outside the bf16 rule), the GPU
+# tests, the phases of the default against the barrier switches and all, then bench forward
+# prefill:8192 with the fastest variants within the bf16 rule as the default tilings
+# (s43_best_switches.py) against the defaults (alternating, two passes).
 # Usage: RACKSERVE_COMMIT=<sha> BUDGET_S=<seconds> bash benchmarks/sessions/gpu_s43.sh
 set -uo pipefail
-BUDGET_S=${BUDGET_S:-460}
+BUDGET_S=${BUDGET_S:-500}
 source "$(dirname "$0")/../device_env.sh"
 start_call
 v=bn32_s4_p2,bn32_s4_p2_async_q,bn32_s4_p2_early_slots,bn32_s4_p2_staged_out
-v=$v,bn32_s4_p2_column_sums,bn32_s4_p2_aq_cs,bn32_s4_p2_all
-v=$v,bn64_s2_p1,bn64_s2_p1_column_sums,bn64_s2_p1_aq_cs,bn64_s2_p1_all
-t=$(cap 160); echo "== prefill_bench attention, 8192 queries (${t}s)"
+v=$v,bn32_s4_p2_column_sums,bn32_s4_p2_max_exchange,bn32_s4_p2_barriers,bn32_s4_p2_aq_barriers
+v=$v,bn32_s4_p2_all,bn64_s2_p1,bn64_s2_p1_barriers,bn64_s2_p1_aq_barriers,bn64_s2_p1_all
+t=$(cap 200); echo "== prefill_bench attention, 8192 queries (${t}s)"
 ((t)) && timeout "$t" python3 benchmarks/prefill_bench.py --attention-only "$v" \
   --cases 8192:0 --output "$R/attention.json" 2>&1 | grep -v "^moe\|^idx" | tail -30
 t=$(cap 100); echo "== GPU tests: the wgmma prefill attention (${t}s)"
 ((t)) && timeout "$t" "${pt[@]}" tests/ops/test_prefill_attn_wgmma.py -k "not compiles" \
   > "$R/wgmma_tests.log" 2>&1
 tail -3 "$R/wgmma_tests.log"
-t=$(cap 60); echo "== prefill_bench phases (${t}s)"
+t=$(cap 50); echo "== prefill_bench phases (${t}s)"
 ((t)) && timeout "$t" python3 benchmarks/prefill_bench.py --phases \
-  --attention-only default,bn32_s4_p2_column_sums,bn32_s4_p2_all --output "$R/phases.json" \
+  --attention-only default,bn32_s4_p2_barriers,bn32_s4_p2_all --output "$R/phases.json" \
   2>&1 | tail -40
 best=$(PYTHONPATH=$PYTHONPATH:$PWD/benchmarks python3 benchmarks/sessions/s43_best_switches.py \
   "$R/attention.json")

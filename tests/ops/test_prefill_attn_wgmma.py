@@ -34,7 +34,7 @@ _POINTERS = {
     "slots_a_ptr": "*i64", "slots_b_ptr": "*i64", "valid_ptr": "*u8", "sinks_ptr": "*fp32",
 }  # fmt: skip
 _CONSTEXPRS = ("BLOCK_N", "BLOCK_V", "ROPE", "NUM_STAGES", "P_BUFFERS", "Q_NORM", "Q_HEADS")
-_CONSTEXPRS += ("ASYNC_Q", "EARLY_SLOTS", "STAGED_OUT", "COLUMN_SUMS")
+_CONSTEXPRS += ("ASYNC_Q", "EARLY_SLOTS", "STAGED_OUT", "COLUMN_SUMS", "MAX_EXCHANGE")
 
 
 def compile_sm90(tiling: prefill_attn_wgmma.WgmmaTiling, dtype: str = "bf16", q_norm: bool = False):
@@ -57,6 +57,7 @@ def compile_sm90(tiling: prefill_attn_wgmma.WgmmaTiling, dtype: str = "bf16", q_
     consts |= {"Q_NORM": q_norm, "Q_HEADS": prefill_attn_wgmma.Q_NORM_HEADS}
     consts |= {"ASYNC_Q": tiling.async_q, "EARLY_SLOTS": tiling.early_slots}
     consts |= {"STAGED_OUT": tiling.staged_out, "COLUMN_SUMS": tiling.column_sums}
+    consts |= {"MAX_EXCHANGE": tiling.max_exchange}
     src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
 
@@ -76,23 +77,25 @@ def _local_memory_bytes(kernel) -> int:
 
 
 # every switch on (q by cp.async, the refills' slots early, the output staged, the denominator
-# by column); then the column sums alone (the loop's barriers 6 -> 3 in the SASS, no spills)
+# by column, the row max exchanged); then the two that cut the tile loop's barriers alone (6 ->
+# 2 a tile in the SASS of the 32-row tiling, 7 -> 3 of the 64-row one)
 SWITCHES = {"async_q": True, "early_slots": True, "staged_out": True, "column_sums": True}
+SWITCHES |= {"max_exchange": True}
+BARRIERS = {"column_sums": True, "max_exchange": True}
 TILINGS = [
     prefill_attn_wgmma.WgmmaTiling(),
     prefill_attn_wgmma.WgmmaTiling(32, 4, p_buffers=2),
     prefill_attn_wgmma.WgmmaTiling(16, 6),
     prefill_attn_wgmma.WIDE_TILING,
-    prefill_attn_wgmma.WgmmaTiling(column_sums=True),
-    dataclasses.replace(prefill_attn_wgmma.WIDE_TILING, column_sums=True),
+    prefill_attn_wgmma.WgmmaTiling(**BARRIERS),
+    dataclasses.replace(prefill_attn_wgmma.WIDE_TILING, **BARRIERS),
     prefill_attn_wgmma.WgmmaTiling(32, 4, 2, **SWITCHES),
     dataclasses.replace(prefill_attn_wgmma.WIDE_TILING, **SWITCHES),
 ]
 # ptxas' stack bytes a tiling may keep: a few spilled registers, and the 64-row tiles' 104-120
-# (CPU compile, 2026-12-06), measured faster than the 32-row ones on CSA queries anyway; every
-# switch on: 96 and 240 with q raw, the column sums alone 32 and 152 (CPU compile, 2026-12-07;
-# the 32-row tiling's tile loop spills nothing with the column sums alone, some with all)
-STACK_BYTES = {prefill_attn_wgmma.WIDE_TILING: 128, TILINGS[-4]: 32, TILINGS[-3]: 160}
+# (CPU compile, 2026-12-06), measured faster than the 32-row ones on CSA queries anyway; with
+# the barrier switches 0-8 and 112, every switch on 40-56 and 200-224 (CPU compile, 2026-12-07)
+STACK_BYTES = {prefill_attn_wgmma.WIDE_TILING: 128, TILINGS[-3]: 128}
 STACK_BYTES |= {TILINGS[-2]: 128, TILINGS[-1]: 256}
 
 
@@ -105,7 +108,7 @@ def compile_report(
     block_n: int, num_stages: int, p_buffers: int, q_norm: int = 0, *switches: int
 ) -> dict:
     """What decides the kernel's speed before a GPU runs it (this file as a script);
-    ``switches``: async_q, early_slots, staged_out, column_sums (0 / 1)."""
+    ``switches``: ``SWITCHES``' fields in order (0 / 1)."""
     tiling = prefill_attn_wgmma.WgmmaTiling(block_n, num_stages, p_buffers, *map(bool, switches))
     kernel = compile_sm90(tiling, q_norm=bool(q_norm))
     ptx = kernel.asm["ptx"]

@@ -92,6 +92,9 @@ class WgmmaTiling:
     # warpgroups once, after the last tile: a tile's row sum crosses them through shared
     # memory (two of its six barriers a tile in the SASS)
     column_sums: bool = False
+    # a tile's row max: each warpgroup's half reduced in its own warps, the halves crossing
+    # through a shared [2, H] buffer with one barrier (the compiler's reduction takes three)
+    max_exchange: bool = False
 
 
 # Queries of many rows take 64-row tiles: per tile, each warpgroup's QK reads all of q (64
@@ -175,6 +178,7 @@ def paged_sparse_attention(
         EARLY_SLOTS=tiling.early_slots,
         STAGED_OUT=tiling.staged_out,
         COLUMN_SUMS=tiling.column_sums,
+        MAX_EXCHANGE=tiling.max_exchange,
         Q_NORM=q_norm_eps is not None,
         Q_HEADS=Q_NORM_HEADS,
         num_warps=8,
@@ -244,6 +248,23 @@ def _gather(slot_smem, t, total, a_tiles, first, a_stop, b_start, b_stop, contig
 
 
 @gluon.jit
+def _row_max(sc, buf, BLOCK_N: gl.constexpr, EXCHANGE: gl.constexpr):
+    """The row max [H] of the scores sc [H, BLOCK_N] (warps [4, 2]: each warpgroup holds
+    half the columns), in sc's row slice. EXCHANGE: each half reduced in its warpgroup's own
+    warps, then crossed through ``buf`` ([2, H] fp32) with one barrier."""
+    if EXCHANGE:
+        halves = gl.max(gl.reshape(sc, [_H, 2, BLOCK_N // 2]), axis=2)  # [H, 2]
+        buf.store(gl.permute(halves, (1, 0)))
+        gl.thread_barrier()
+        rows: gl.constexpr = gl.SliceLayout(1, sc.type.layout)
+        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        each = buf._reinterpret(gl.float32, [2, _H], flat)  # a row a half
+        return gl.maximum(each.index(0).load(rows), each.index(1).load(rows))
+    else:
+        return gl.max(sc, axis=1)
+
+
+@gluon.jit
 def _scores_mask(t, a_tiles, first, a_stop, b_start, b_stop, valid_row, width_a, contiguous,
                  BLOCK_N: gl.constexpr, layout: gl.constexpr):  # fmt: skip
     """0 / -inf per row of tile t [BLOCK_N] (``layout``: the scores' column slice)."""
@@ -291,6 +312,7 @@ def prefill_attn_wgmma_kernel(
     EARLY_SLOTS: gl.constexpr,  # a refill's slots loaded at the top of its iteration
     STAGED_OUT: gl.constexpr,  # the output through shared memory to 16-byte stores
     COLUMN_SUMS: gl.constexpr,  # the denominator per score column, summed after the last tile
+    MAX_EXCHANGE: gl.constexpr,  # a tile's row max through a shared buffer, one barrier
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     # layouts (8 warps): loads in 16-byte vectors; both dots with warps [4, 2] (each
@@ -346,6 +368,10 @@ def prefill_attn_wgmma_kernel(
     # shared memory: q, the ring of row tiles, p
     kv_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, _DH], kv_sl)
     p_smem = gl.allocate_shared_memory(dtype, [P_BUFFERS, _H, BLOCK_N], p_sl)
+    # MAX_EXCHANGE: [half, head] (rewritten by the next tile past the ring's barrier)
+    max_smem = gl.allocate_shared_memory(
+        gl.float32, [2, _H], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    )
     # P_BUFFERS 2: one slot stays free for the loop's first gather (tile NUM_STAGES - 1)
     for i in gl.static_range(NUM_STAGES - P_BUFFERS + 1):
         _gather(kv_smem.index(i), i, total, a_tiles, first, a_stop, b_start, b_stop,
@@ -392,7 +418,7 @@ def prefill_attn_wgmma_kernel(
         bias = _scores_mask(0, a_tiles, first, a_stop, b_start, b_stop, valid_row, width_a,
                             contiguous, BLOCK_N, cols_s)  # fmt: skip
         sc = sc * qk_scale + bias[None, :]
-        m = gl.max(sc, axis=1)
+        m = _row_max(sc, max_smem, BLOCK_N, MAX_EXCHANGE)
         m_ref = gl.where(m == float("-inf"), 0.0, m)
         p = gl.exp2(sc - m_ref[:, None]).to(dtype)
         if COLUMN_SUMS:
@@ -424,7 +450,7 @@ def prefill_attn_wgmma_kernel(
         bias = _scores_mask(t + 1, a_tiles, first, a_stop, b_start, b_stop, valid_row, width_a,
                             contiguous, BLOCK_N, cols_s)  # fmt: skip
         sc = sc * qk_scale + bias[None, :]
-        m_new = gl.maximum(m, gl.max(sc, axis=1))
+        m_new = gl.maximum(m, _row_max(sc, max_smem, BLOCK_N, MAX_EXCHANGE))
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m - m_ref)
         p = gl.exp2(sc - m_ref[:, None]).to(dtype)
