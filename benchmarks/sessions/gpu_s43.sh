@@ -3,8 +3,9 @@
 # first; early_slots, a refill's slot indices loaded at the top of its iteration; staged_out,
 # the output through shared memory to 16-byte stores; column_sums, the softmax denominator
 # per score column, summed once; max_exchange, a tile's row max crossing the warpgroups with
-# one barrier: with the column sums the tile loop's barriers go 6 -> 2). prefill_bench's
-# attention alone at 8192 queries (each switch alone, the two barrier switches, those with
+# one barrier: with the column sums the tile loop's barriers go 6 -> 2; span_reduce, the
+# prologue's span scan in one reduction). prefill_bench's
+# attention alone at 8192 queries (each switch alone, the three barrier switches, those with
 # async_q, all; 32- and 64-row tilings; each with its fraction outside the bf16 rule), the GPU
 # tests, the phases of the default against the barrier switches and all, then bench forward
 # prefill:8192 with the fastest variants within the bf16 rule as the default tilings
@@ -15,7 +16,8 @@ BUDGET_S=${BUDGET_S:-500}
 source "$(dirname "$0")/../device_env.sh"
 start_call
 v=bn32_s4_p2,bn32_s4_p2_async_q,bn32_s4_p2_early_slots,bn32_s4_p2_staged_out
-v=$v,bn32_s4_p2_column_sums,bn32_s4_p2_max_exchange,bn32_s4_p2_barriers,bn32_s4_p2_aq_barriers
+v=$v,bn32_s4_p2_column_sums,bn32_s4_p2_max_exchange,bn32_s4_p2_span_reduce
+v=$v,bn32_s4_p2_barriers,bn32_s4_p2_aq_barriers
 v=$v,bn32_s4_p2_all,bn64_s2_p1,bn64_s2_p1_barriers,bn64_s2_p1_aq_barriers,bn64_s2_p1_all
 t=$(cap 200); echo "== prefill_bench attention, 8192 queries (${t}s)"
 ((t)) && timeout "$t" python3 benchmarks/prefill_bench.py --attention-only "$v" \

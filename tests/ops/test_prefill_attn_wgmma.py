@@ -35,6 +35,7 @@ _POINTERS = {
 }  # fmt: skip
 _CONSTEXPRS = ("BLOCK_N", "BLOCK_V", "ROPE", "NUM_STAGES", "P_BUFFERS", "Q_NORM", "Q_HEADS")
 _CONSTEXPRS += ("ASYNC_Q", "EARLY_SLOTS", "STAGED_OUT", "COLUMN_SUMS", "MAX_EXCHANGE")
+_CONSTEXPRS += ("SPAN_REDUCE",)
 
 
 def compile_sm90(tiling: prefill_attn_wgmma.WgmmaTiling, dtype: str = "bf16", q_norm: bool = False):
@@ -57,7 +58,7 @@ def compile_sm90(tiling: prefill_attn_wgmma.WgmmaTiling, dtype: str = "bf16", q_
     consts |= {"Q_NORM": q_norm, "Q_HEADS": prefill_attn_wgmma.Q_NORM_HEADS}
     consts |= {"ASYNC_Q": tiling.async_q, "EARLY_SLOTS": tiling.early_slots}
     consts |= {"STAGED_OUT": tiling.staged_out, "COLUMN_SUMS": tiling.column_sums}
-    consts |= {"MAX_EXCHANGE": tiling.max_exchange}
+    consts |= {"MAX_EXCHANGE": tiling.max_exchange, "SPAN_REDUCE": tiling.span_reduce}
     src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
 
@@ -77,11 +78,12 @@ def _local_memory_bytes(kernel) -> int:
 
 
 # every switch on (q by cp.async, the refills' slots early, the output staged, the denominator
-# by column, the row max exchanged); then the two that cut the tile loop's barriers alone (6 ->
-# 2 a tile in the SASS of the 32-row tiling, 7 -> 3 of the 64-row one)
+# by column, the row max exchanged, the span in one reduction); then the three that cut
+# barriers alone (in the SASS of the 32-row tiling: the tile loop's 6 -> 2, the kernel's 27 ->
+# 17; of the 64-row one: the loop's 7 -> 3)
 SWITCHES = {"async_q": True, "early_slots": True, "staged_out": True, "column_sums": True}
-SWITCHES |= {"max_exchange": True}
-BARRIERS = {"column_sums": True, "max_exchange": True}
+SWITCHES |= {"max_exchange": True, "span_reduce": True}
+BARRIERS = {"column_sums": True, "max_exchange": True, "span_reduce": True}
 TILINGS = [
     prefill_attn_wgmma.WgmmaTiling(),
     prefill_attn_wgmma.WgmmaTiling(32, 4, p_buffers=2),

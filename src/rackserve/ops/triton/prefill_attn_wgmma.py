@@ -95,6 +95,9 @@ class WgmmaTiling:
     # a tile's row max: each warpgroup's half reduced in its own warps, the halves crossing
     # through a shared [2, H] buffer with one barrier (the compiler's reduction takes three)
     max_exchange: bool = False
+    # the row span's first, last and count in one reduction (one exchange across the warps,
+    # not three: 9 -> 3 barriers in the prologue's scan)
+    span_reduce: bool = False
 
 
 # Queries of many rows take 64-row tiles: per tile, each warpgroup's QK reads all of q (64
@@ -179,6 +182,7 @@ def paged_sparse_attention(
         STAGED_OUT=tiling.staged_out,
         COLUMN_SUMS=tiling.column_sums,
         MAX_EXCHANGE=tiling.max_exchange,
+        SPAN_REDUCE=tiling.span_reduce,
         Q_NORM=q_norm_eps is not None,
         Q_HEADS=Q_NORM_HEADS,
         num_warps=8,
@@ -248,6 +252,11 @@ def _gather(slot_smem, t, total, a_tiles, first, a_stop, b_start, b_stop, contig
 
 
 @gluon.jit
+def _span_combine(first_a, last_a, count_a, first_b, last_b, count_b):
+    return gl.minimum(first_a, first_b), gl.maximum(last_a, last_b), count_a + count_b
+
+
+@gluon.jit
 def _row_max(sc, buf, BLOCK_N: gl.constexpr, EXCHANGE: gl.constexpr):
     """The row max [H] of the scores sc [H, BLOCK_N] (warps [4, 2]: each warpgroup holds
     half the columns), in sc's row slice. EXCHANGE: each half reduced in its warpgroup's own
@@ -313,6 +322,7 @@ def prefill_attn_wgmma_kernel(
     STAGED_OUT: gl.constexpr,  # the output through shared memory to 16-byte stores
     COLUMN_SUMS: gl.constexpr,  # the denominator per score column, summed after the last tile
     MAX_EXCHANGE: gl.constexpr,  # a tile's row max through a shared buffer, one barrier
+    SPAN_REDUCE: gl.constexpr,  # the span's first, last and count in one reduction
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     # layouts (8 warps): loads in 16-byte vectors; both dots with warps [4, 2] (each
@@ -350,9 +360,17 @@ def prefill_attn_wgmma_kernel(
     for v0 in range(0, width, BLOCK_V):
         idx = v0 + gl.arange(0, BLOCK_V, layout=flag_l)
         ok = gl.load(valid_row + idx, mask=idx < width, other=0) != 0
-        first = gl.minimum(first, gl.min(gl.where(ok, idx, width), axis=0))
-        last = gl.maximum(last, gl.max(gl.where(ok, idx, -1), axis=0))
-        count += gl.sum(ok.to(gl.int32), axis=0)
+        if SPAN_REDUCE:
+            f, lt, c = gl.reduce(
+                (gl.where(ok, idx, width), gl.where(ok, idx, -1), ok.to(gl.int32)), 0, _span_combine
+            )
+            first = gl.minimum(first, f)
+            last = gl.maximum(last, lt)
+            count += c
+        else:
+            first = gl.minimum(first, gl.min(gl.where(ok, idx, width), axis=0))
+            last = gl.maximum(last, gl.max(gl.where(ok, idx, -1), axis=0))
+            count += gl.sum(ok.to(gl.int32), axis=0)
     contiguous = count == last - first + 1
     a_stop = gl.minimum(last + 1, width_a)
     b_start = gl.maximum(first, width_a) - width_a
