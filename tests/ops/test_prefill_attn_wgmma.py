@@ -80,7 +80,7 @@ def _local_memory_bytes(kernel) -> int:
 # every switch on (q by cp.async, the refills' slots early, the output staged, the denominator
 # by column, the row max exchanged, the span in one reduction); then the three that cut
 # barriers alone (in the SASS of the 32-row tiling: the tile loop's 6 -> 2, the kernel's 27 ->
-# 17; of the 64-row one: the loop's 7 -> 3)
+# 15; of the 64-row one: the loop's 7 -> 3)
 SWITCHES = {"async_q": True, "early_slots": True, "staged_out": True, "column_sums": True}
 SWITCHES |= {"max_exchange": True, "span_reduce": True}
 BARRIERS = {"column_sums": True, "max_exchange": True, "span_reduce": True}
