@@ -7,7 +7,7 @@
 # prologue's span scan in one reduction). prefill_bench's
 # attention alone at 8192 queries (each switch alone, the three barrier switches, those with
 # async_q, all; 32- and 64-row tilings; each with its fraction outside the bf16 rule), the GPU
-# tests, the phases of the default against the barrier switches and all, then bench forward
+# tests, the phases of the default against the barrier switches, then bench forward
 # prefill:8192 with the fastest variants within the bf16 rule as the default tilings
 # (s43_best_switches.py) against the defaults (alternating, two passes).
 # Usage: RACKSERVE_COMMIT=<sha> BUDGET_S=<seconds> bash benchmarks/sessions/gpu_s43.sh
@@ -28,7 +28,7 @@ t=$(cap 100); echo "== GPU tests: the wgmma prefill attention (${t}s)"
 tail -3 "$R/wgmma_tests.log"
 t=$(cap 50); echo "== prefill_bench phases (${t}s)"
 ((t)) && timeout "$t" python3 benchmarks/prefill_bench.py --phases \
-  --attention-only default,bn32_s4_p2_barriers,bn32_s4_p2_all --output "$R/phases.json" \
+  --attention-only default,bn32_s4_p2_barriers --output "$R/phases.json" \
   2>&1 | tail -40
 best=$(PYTHONPATH=$PYTHONPATH:$PWD/benchmarks python3 benchmarks/sessions/s43_best_switches.py \
   "$R/attention.json")
