@@ -135,11 +135,11 @@ def wgmma_variants() -> dict[str, prefill_attn_wgmma.WgmmaTiling]:
         "bn16_s6": tile(16, 6),
         "bn64_s2_p1": tile(64, 2, p_buffers=1),
     }
-    # the prologue / loop / epilogue switches (WgmmaTiling's docs), each alone, the three that
-    # cut barriers ("barriers"), those with q by cp.async, then all
+    # the prologue / loop / epilogue switches (WgmmaTiling's docs), each alone, the four that
+    # cut barriers and spills ("barriers"), those with q by cp.async, then all
     switches = ("async_q", "early_slots", "staged_out", "column_sums", "max_exchange")
-    switches += ("span_reduce",)
-    barriers = {"column_sums": True, "max_exchange": True, "span_reduce": True}
+    switches += ("span_reduce", "reuse_scores")
+    barriers = dict.fromkeys(("column_sums", "max_exchange", "span_reduce", "reuse_scores"), True)
     for base in ("bn32_s4_p2", "bn64_s2_p1"):
         tiling = variants[base]
         for name in switches:

@@ -35,7 +35,7 @@ _POINTERS = {
 }  # fmt: skip
 _CONSTEXPRS = ("BLOCK_N", "BLOCK_V", "ROPE", "NUM_STAGES", "P_BUFFERS", "Q_NORM", "Q_HEADS")
 _CONSTEXPRS += ("ASYNC_Q", "EARLY_SLOTS", "STAGED_OUT", "COLUMN_SUMS", "MAX_EXCHANGE")
-_CONSTEXPRS += ("SPAN_REDUCE",)
+_CONSTEXPRS += ("SPAN_REDUCE", "REUSE_SCORES")
 
 
 def compile_sm90(tiling: prefill_attn_wgmma.WgmmaTiling, dtype: str = "bf16", q_norm: bool = False):
@@ -59,6 +59,7 @@ def compile_sm90(tiling: prefill_attn_wgmma.WgmmaTiling, dtype: str = "bf16", q_
     consts |= {"ASYNC_Q": tiling.async_q, "EARLY_SLOTS": tiling.early_slots}
     consts |= {"STAGED_OUT": tiling.staged_out, "COLUMN_SUMS": tiling.column_sums}
     consts |= {"MAX_EXCHANGE": tiling.max_exchange, "SPAN_REDUCE": tiling.span_reduce}
+    consts |= {"REUSE_SCORES": tiling.reuse_scores}
     src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
 
@@ -78,12 +79,13 @@ def _local_memory_bytes(kernel) -> int:
 
 
 # every switch on (q by cp.async, the refills' slots early, the output staged, the denominator
-# by column, the row max exchanged, the span in one reduction); then the three that cut
-# barriers alone (in the SASS of the 32-row tiling: the tile loop's 6 -> 2, the kernel's 27 ->
-# 15; of the 64-row one: the loop's 7 -> 3)
+# by column, the row max exchanged, the span in one reduction, the scores' registers reused);
+# then the four that cut barriers and spills alone (in the SASS of the 32-row tiling: the tile
+# loop's barriers 6 -> 2, the kernel's 27 -> 15; of the 64-row one: the loop's 7 -> 3 and its
+# stack 112 -> 0 bytes)
 SWITCHES = {"async_q": True, "early_slots": True, "staged_out": True, "column_sums": True}
-SWITCHES |= {"max_exchange": True, "span_reduce": True}
-BARRIERS = {"column_sums": True, "max_exchange": True, "span_reduce": True}
+SWITCHES |= {"max_exchange": True, "span_reduce": True, "reuse_scores": True}
+BARRIERS = {"column_sums": True, "max_exchange": True, "span_reduce": True, "reuse_scores": True}
 TILINGS = [
     prefill_attn_wgmma.WgmmaTiling(),
     prefill_attn_wgmma.WgmmaTiling(32, 4, p_buffers=2),
@@ -96,9 +98,8 @@ TILINGS = [
 ]
 # ptxas' stack bytes a tiling may keep: a few spilled registers, and the 64-row tiles' 104-120
 # (CPU compile, 2026-12-06), measured faster than the 32-row ones on CSA queries anyway; with
-# the barrier switches 0-8 and 112, every switch on 40-56 and 200-224 (CPU compile, 2026-12-07)
-STACK_BYTES = {prefill_attn_wgmma.WIDE_TILING: 128, TILINGS[-3]: 128}
-STACK_BYTES |= {TILINGS[-2]: 128, TILINGS[-1]: 256}
+# every switch on 8-56 (CPU compile, 2026-12-07)
+STACK_BYTES = {prefill_attn_wgmma.WIDE_TILING: 128, TILINGS[-2]: 64, TILINGS[-1]: 64}
 
 
 def _tiling_id(t: prefill_attn_wgmma.WgmmaTiling) -> str:

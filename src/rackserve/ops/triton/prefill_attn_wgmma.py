@@ -98,6 +98,10 @@ class WgmmaTiling:
     # the row span's first, last and count in one reduction (one exchange across the warps,
     # not three: 9 -> 3 barriers in the prologue's scan)
     span_reduce: bool = False
+    # QK's accumulator operand is the last tile's scores (dead by then; use_acc=False ignores
+    # it either way), not a zero tile live through the loop: with the three switches above
+    # the 64-row tiling's stack goes 112 -> 0 bytes (no spill loads in its tile loop)
+    reuse_scores: bool = False
 
 
 # Queries of many rows take 64-row tiles: per tile, each warpgroup's QK reads all of q (64
@@ -183,6 +187,7 @@ def paged_sparse_attention(
         COLUMN_SUMS=tiling.column_sums,
         MAX_EXCHANGE=tiling.max_exchange,
         SPAN_REDUCE=tiling.span_reduce,
+        REUSE_SCORES=tiling.reuse_scores,
         Q_NORM=q_norm_eps is not None,
         Q_HEADS=Q_NORM_HEADS,
         num_warps=8,
@@ -323,6 +328,7 @@ def prefill_attn_wgmma_kernel(
     COLUMN_SUMS: gl.constexpr,  # the denominator per score column, summed after the last tile
     MAX_EXCHANGE: gl.constexpr,  # a tile's row max through a shared buffer, one barrier
     SPAN_REDUCE: gl.constexpr,  # the span's first, last and count in one reduction
+    REUSE_SCORES: gl.constexpr,  # QK's accumulator operand: the last tile's scores
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     # layouts (8 warps): loads in 16-byte vectors; both dots with warps [4, 2] (each
@@ -416,6 +422,7 @@ def prefill_attn_wgmma_kernel(
     l_cols = gl.zeros([_H, BLOCK_N], gl.float32, s_l)  # COLUMN_SUMS
     acc = gl.zeros([_H, _DH], gl.float32, o_l)
     zero_s = gl.zeros([_H, BLOCK_N], gl.float32, s_l)
+    sc = zero_s
 
     # tile 0: its scores and p (stored), before the loop
     cp.wait_group(NUM_STAGES - P_BUFFERS)
@@ -461,7 +468,8 @@ def prefill_attn_wgmma_kernel(
         fence_async_shared()
         # QK(t + 1) first, then PV(t): waiting for one group leaves PV(t) running
         sc = warpgroup_mma(q_smem, kv_smem.index((t + 1) % NUM_STAGES).permute((1, 0)),
-                           zero_s, use_acc=False, is_async=True)  # fmt: skip
+                           sc if REUSE_SCORES else zero_s, use_acc=False,
+                           is_async=True)  # fmt: skip
         acc = warpgroup_mma(p_smem.index(t % P_BUFFERS), kv_smem.index(t % NUM_STAGES), acc,
                             is_async=True)  # fmt: skip
         sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc,))
