@@ -147,6 +147,10 @@ def wgmma_variants() -> dict[str, prefill_attn_wgmma.WgmmaTiling]:
         variants[f"{base}_barriers"] = dataclasses.replace(tiling, **barriers)
         variants[f"{base}_aq_barriers"] = dataclasses.replace(tiling, async_q=True, **barriers)
         variants[f"{base}_all"] = dataclasses.replace(tiling, **dict.fromkeys(switches, True))
+        for name in switches:  # all but one
+            variants[f"{base}_all_no_{name}"] = dataclasses.replace(
+                variants[f"{base}_all"], **{name: False}
+            )
     return variants
 
 

@@ -148,7 +148,7 @@ def test_default_tiling_by_rows_a_query():
     below (an HCA layer's 128 + 64 at 8192 tokens)."""
     wide = prefill_attn_wgmma.default_tiling(128 + 512)
     assert wide == prefill_attn_wgmma.WIDE_TILING and wide.block_n == 64
-    assert prefill_attn_wgmma.default_tiling(128 + 64) == prefill_attn_wgmma.WgmmaTiling()
+    assert prefill_attn_wgmma.default_tiling(128 + 64).block_n == 32
 
 
 gpu = pytest.mark.skipif(DEVICE != "cuda", reason="needs a GPU")
@@ -217,7 +217,7 @@ def test_raw_q_normed_and_rotated_on_load(lengths, wb, ratio, tiling):
     got = prefill_attn_wgmma.paged_sparse_attention(raw, *args[1:], q_norm_eps=1e-6, tiling=tiling)
     assert not got.isnan().any()
     normed = reference.rms_norm_rope(raw, None, 1e-6, args[-2], args[-1])
-    want = _check((normed, *args[1:]))
+    want = _check((normed, *args[1:]), tiling)  # the same tiling: the same summation order
     assert (got.float() - want.float()).abs().max().item() <= 0.02 * want.abs().max().item()
     assert (got != want).float().mean().item() <= 0.01
 

@@ -111,13 +111,16 @@ class WgmmaTiling:
 # 512 rows a query) 3,244 -> 2,902 us, HCA after 65,536 cached (128 + 576) 3,717 -> 3,327;
 # HCA at 8192 (128 + up to 64) 1,476 -> 1,483 and at 2048 364 -> 389 keep 32-row tiles.
 # bench forward prefill:8192@65536 75.6-75.8 -> 74.2-74.7 ms.
-WIDE_TILING = WgmmaTiling(block_n=64, num_stages=2, p_buffers=1)
+_SWITCHES = ("async_q", "early_slots", "staged_out", "column_sums", "max_exchange")
+_ON = dict.fromkeys((*_SWITCHES, "span_reduce", "reuse_scores"), True)
+WIDE_TILING = WgmmaTiling(block_n=64, num_stages=2, p_buffers=1, **_ON)
+NARROW_TILING = WgmmaTiling(**_ON)
 WIDE_MIN_ROWS = 384
 
 
 def default_tiling(rows_per_query: int) -> WgmmaTiling:
     """The tiling for queries of up to ``rows_per_query`` rows (window + compressed)."""
-    return WIDE_TILING if rows_per_query >= WIDE_MIN_ROWS else WgmmaTiling()
+    return WIDE_TILING if rows_per_query >= WIDE_MIN_ROWS else NARROW_TILING
 
 
 @functools.lru_cache(maxsize=8)
