@@ -127,31 +127,13 @@ def wgmma_variants() -> dict[str, prefill_attn_wgmma.WgmmaTiling]:
     + stages x rows x 1 KB + p)."""
     tile = prefill_attn_wgmma.WgmmaTiling
     # bn64_s2_p1: 64-row tiles read q from shared memory half as often a row (QK's wgmma N
-    # of 32 a warpgroup); 2 slots, one p buffer (200 KB); ptxas: 120 bytes of stack (CPU,
-    # 2026-12-06)
-    variants = {
+    # of 32 a warpgroup); 2 slots, one p buffer (200 KB)
+    return {
         "bn32_s4_p2": tile(32, 4, p_buffers=2),  # the tiling below WIDE_MIN_ROWS rows
         "bn32_s3_p1": tile(32, 3, p_buffers=1),
         "bn16_s6": tile(16, 6),
         "bn64_s2_p1": tile(64, 2, p_buffers=1),
     }
-    # the prologue / loop / epilogue switches (WgmmaTiling's docs), each alone, the four that
-    # cut barriers and spills ("barriers"), those with q by cp.async, then all
-    switches = ("async_q", "early_slots", "staged_out", "column_sums", "max_exchange")
-    switches += ("span_reduce", "reuse_scores")
-    barriers = dict.fromkeys(("column_sums", "max_exchange", "span_reduce", "reuse_scores"), True)
-    for base in ("bn32_s4_p2", "bn64_s2_p1"):
-        tiling = variants[base]
-        for name in switches:
-            variants[f"{base}_{name}"] = dataclasses.replace(tiling, **{name: True})
-        variants[f"{base}_barriers"] = dataclasses.replace(tiling, **barriers)
-        variants[f"{base}_aq_barriers"] = dataclasses.replace(tiling, async_q=True, **barriers)
-        variants[f"{base}_all"] = dataclasses.replace(tiling, **dict.fromkeys(switches, True))
-        for name in switches:  # all but one
-            variants[f"{base}_all_no_{name}"] = dataclasses.replace(
-                variants[f"{base}_all"], **{name: False}
-            )
-    return variants
 
 
 def outside_bf16_rule(out: torch.Tensor, args: tuple, num: int = 256) -> float:

@@ -11,7 +11,6 @@ tests.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -34,8 +33,6 @@ _POINTERS = {
     "slots_a_ptr": "*i64", "slots_b_ptr": "*i64", "valid_ptr": "*u8", "sinks_ptr": "*fp32",
 }  # fmt: skip
 _CONSTEXPRS = ("BLOCK_N", "BLOCK_V", "ROPE", "NUM_STAGES", "P_BUFFERS", "Q_NORM", "Q_HEADS")
-_CONSTEXPRS += ("ASYNC_Q", "EARLY_SLOTS", "STAGED_OUT", "COLUMN_SUMS", "MAX_EXCHANGE")
-_CONSTEXPRS += ("SPAN_REDUCE", "REUSE_SCORES")
 
 
 def compile_sm90(tiling: prefill_attn_wgmma.WgmmaTiling, dtype: str = "bf16", q_norm: bool = False):
@@ -56,10 +53,6 @@ def compile_sm90(tiling: prefill_attn_wgmma.WgmmaTiling, dtype: str = "bf16", q_
     consts = {"BLOCK_N": tiling.block_n, "BLOCK_V": 1024, "ROPE": True}
     consts |= {"NUM_STAGES": tiling.num_stages, "P_BUFFERS": tiling.p_buffers}
     consts |= {"Q_NORM": q_norm, "Q_HEADS": prefill_attn_wgmma.Q_NORM_HEADS}
-    consts |= {"ASYNC_Q": tiling.async_q, "EARLY_SLOTS": tiling.early_slots}
-    consts |= {"STAGED_OUT": tiling.staged_out, "COLUMN_SUMS": tiling.column_sums}
-    consts |= {"MAX_EXCHANGE": tiling.max_exchange, "SPAN_REDUCE": tiling.span_reduce}
-    consts |= {"REUSE_SCORES": tiling.reuse_scores}
     src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
 
@@ -78,41 +71,24 @@ def _local_memory_bytes(kernel) -> int:
     return int(fields["STACK"])
 
 
-# every switch on (q by cp.async, the refills' slots early, the output staged, the denominator
-# by column, the row max exchanged, the span in one reduction, the scores' registers reused);
-# then the four that cut barriers and spills alone (in the SASS of the 32-row tiling: the tile
-# loop's barriers 6 -> 2, the kernel's 27 -> 15; of the 64-row one: the loop's 7 -> 3 and its
-# stack 112 -> 0 bytes)
-SWITCHES = {"async_q": True, "early_slots": True, "staged_out": True, "column_sums": True}
-SWITCHES |= {"max_exchange": True, "span_reduce": True, "reuse_scores": True}
-BARRIERS = {"column_sums": True, "max_exchange": True, "span_reduce": True, "reuse_scores": True}
 TILINGS = [
     prefill_attn_wgmma.WgmmaTiling(),
-    prefill_attn_wgmma.WgmmaTiling(32, 4, p_buffers=2),
+    prefill_attn_wgmma.WgmmaTiling(32, 3, p_buffers=1),
     prefill_attn_wgmma.WgmmaTiling(16, 6),
     prefill_attn_wgmma.WIDE_TILING,
-    prefill_attn_wgmma.WgmmaTiling(**BARRIERS),
-    dataclasses.replace(prefill_attn_wgmma.WIDE_TILING, **BARRIERS),
-    prefill_attn_wgmma.WgmmaTiling(32, 4, 2, **SWITCHES),
-    dataclasses.replace(prefill_attn_wgmma.WIDE_TILING, **SWITCHES),
 ]
-# ptxas' stack bytes a tiling may keep: a few spilled registers, and the 64-row tiles' 104-120
-# (CPU compile, 2026-12-06), measured faster than the 32-row ones on CSA queries anyway; with
-# every switch on 8-56 (CPU compile, 2026-12-07)
-STACK_BYTES = {prefill_attn_wgmma.WIDE_TILING: 128, TILINGS[-2]: 64, TILINGS[-1]: 64}
+# ptxas' stack bytes a tiling may keep: a few spilled registers (CPU compile, 2026-12-07: 0-16
+# bytes; the 64-row tiling's 112 before the barrier rework of session 43)
+STACK_BYTES = 16
 
 
 def _tiling_id(t: prefill_attn_wgmma.WgmmaTiling) -> str:
-    switches = "".join(f"_{k}" for k in SWITCHES if getattr(t, k))
-    return f"bn{t.block_n}_s{t.num_stages}_p{t.p_buffers}{switches}"
+    return f"bn{t.block_n}_s{t.num_stages}_p{t.p_buffers}"
 
 
-def compile_report(
-    block_n: int, num_stages: int, p_buffers: int, q_norm: int = 0, *switches: int
-) -> dict:
-    """What decides the kernel's speed before a GPU runs it (this file as a script);
-    ``switches``: ``SWITCHES``' fields in order (0 / 1)."""
-    tiling = prefill_attn_wgmma.WgmmaTiling(block_n, num_stages, p_buffers, *map(bool, switches))
+def compile_report(block_n: int, num_stages: int, p_buffers: int, q_norm: int = 0) -> dict:
+    """What decides the kernel's speed before a GPU runs it (this file as a script)."""
+    tiling = prefill_attn_wgmma.WgmmaTiling(block_n, num_stages, p_buffers)
     kernel = compile_sm90(tiling, q_norm=bool(q_norm))
     ptx = kernel.asm["ptx"]
     return {
@@ -134,13 +110,12 @@ def test_compiles_for_sm90_with_wgmma_and_no_spills(tiling, q_norm):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     args = [sys.executable, __file__, str(tiling.block_n), str(tiling.num_stages)]
     args += [str(tiling.p_buffers), str(int(q_norm))]
-    args += [str(int(getattr(tiling, k))) for k in SWITCHES]
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.splitlines()[-1])
     assert report["wgmma"] > 0 and report["mma_sync"] == 0
     assert report["shared_bytes"] <= 227 * 1024
-    assert report["stack_bytes"] <= STACK_BYTES.get(tiling, 16)
+    assert report["stack_bytes"] <= STACK_BYTES
 
 
 def test_default_tiling_by_rows_a_query():
@@ -148,7 +123,7 @@ def test_default_tiling_by_rows_a_query():
     below (an HCA layer's 128 + 64 at 8192 tokens)."""
     wide = prefill_attn_wgmma.default_tiling(128 + 512)
     assert wide == prefill_attn_wgmma.WIDE_TILING and wide.block_n == 64
-    assert prefill_attn_wgmma.default_tiling(128 + 64).block_n == 32
+    assert prefill_attn_wgmma.default_tiling(128 + 64) == prefill_attn_wgmma.WgmmaTiling()
 
 
 gpu = pytest.mark.skipif(DEVICE != "cuda", reason="needs a GPU")
@@ -203,7 +178,7 @@ def test_masks_with_holes_and_empty_rows(dtype):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize(
-    "tiling", [None, *TILINGS[-4:]], ids=lambda t: _tiling_id(t) if t else "default"
+    "tiling", [None, *TILINGS], ids=lambda t: _tiling_id(t) if t else "default"
 )
 @pytest.mark.parametrize("lengths, wb, ratio", [([(1024, 300)], 16, 128), ([(0, 700)], 176, 4)])
 def test_raw_q_normed_and_rotated_on_load(lengths, wb, ratio, tiling):

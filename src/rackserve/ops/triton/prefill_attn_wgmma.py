@@ -11,8 +11,12 @@ SM's only program (13.8% of bf16 peak on the CSA layer, ``prefill_attn.default_t
 Here, per program (one query, 8 warps = 2 warpgroups):
 
 - QK: the scores [64, BLOCK_N] with warps [4, 2]: each warpgroup computes half the tile's
-  rows against all 512 dims (no repeat). The row max and sum cross the two warpgroups
-  through shared memory (the compiler's reduction).
+  rows against all 512 dims (no repeat). A tile's row max: each warpgroup's half reduced in
+  its own warps, the halves crossing through a [2, 64] shared buffer with one barrier (the
+  compiler's reduction of the whole row takes three). The denominator is kept per score
+  column and summed across the warpgroups once, after the last tile (a row sum a tile would
+  cross them with two barriers more). The tile loop has two barriers: the ring's and the
+  row max's (SASS of the 32-row tiling; six before session 43).
 - P is stored to shared memory as bf16; PV runs with warps [4, 2] over the output columns:
   each warpgroup accumulates its [64, 256] half of the output from all of P.
 - The row tiles are gathered by cp.async into a ring of ``NUM_STAGES`` slots, so the
@@ -23,6 +27,10 @@ Here, per program (one query, 8 warps = 2 warpgroups):
 - Softmax of tile t + 1 runs while PV of tile t is on the tensor cores (FlashAttention-3's
   intra-warpgroup overlap): QK(t + 1) is issued before PV(t), and wgmma groups retire in
   order, so waiting for one outstanding group leaves PV(t) running.
+- q is fetched by cp.async as the program's first instruction, in flight during the span
+  scan and the first gathers (a raw q is normed and rotated in shared memory once landed);
+  the refills' slot indices load at the top of their iteration; the output goes through q's
+  buffer to 16-byte stores.
 
 Measured on the H200 (``benchmarks/prefill_bench.py``, 8192 queries, 2026-12-04, session 21
 calls 1-5): HCA 1,461 us and CSA 3,212 us against the Triton kernel's 1,733 / 4,551 (19.4%
@@ -35,6 +43,12 @@ epilogue outweighed the hidden prologue. What bounds it now: one 8-warp program 
 (255 registers, 200 KB shared memory), whose per-query prologue (the valid-flag scan, the
 first gathers, tile 0's QK) and epilogue run with nothing beside them (~10 us a query, ~40%
 of an HCA query), and QK's wgmma N of 16 a warpgroup.
+
+Session 43's rework (the row max exchange, the column sums, the span's reductions in one, the
+scores' registers reused as QK's accumulator operand, q by cp.async, the early slots, the
+staged output), on an H100 (8192 queries, prefill_bench.py, 2026-12-07): HCA 1,466 -> 1,250
+us (32-row tiles), CSA 2,852 -> 2,340 (64-row tiles, whose 112 bytes of spills are gone);
+bench forward prefill:8192 44.6-45.0 -> 43.8-43.9 ms (benchmarks/results/2026-12-07-s44.md).
 
 Numerics are the Triton kernel's default (``pv="rows"``): fp32 scores and online softmax in
 the log2 domain, p rounded to bf16 for PV and the denominator summed from the rounded p, the
@@ -80,28 +94,6 @@ class WgmmaTiling:
     block_n: int = 32
     num_stages: int = 4
     p_buffers: int = 2  # 1: one p buffer, a barrier before it is rewritten
-    # q by cp.async as the program's first instruction (its fetch beside the row-span scan
-    # and the first gathers; a raw q is normed in shared memory), not a load to registers
-    async_q: bool = False
-    # each refill's slot indices loaded at the top of its iteration, not after PV(t)
-    early_slots: bool = False
-    # the output through shared memory (q's buffer) to 16-byte stores, not from the MMA's
-    # accumulator layout
-    staged_out: bool = False
-    # the softmax denominator kept per score column (8 fp32 a thread) and summed across the
-    # warpgroups once, after the last tile: a tile's row sum crosses them through shared
-    # memory (two of its six barriers a tile in the SASS)
-    column_sums: bool = False
-    # a tile's row max: each warpgroup's half reduced in its own warps, the halves crossing
-    # through a shared [2, H] buffer with one barrier (the compiler's reduction takes three)
-    max_exchange: bool = False
-    # the row span's first, last and count in one reduction (one exchange across the warps,
-    # not three: 9 -> 3 barriers in the prologue's scan)
-    span_reduce: bool = False
-    # QK's accumulator operand is the last tile's scores (dead by then; use_acc=False ignores
-    # it either way), not a zero tile live through the loop: with the three switches above
-    # the 64-row tiling's stack goes 112 -> 0 bytes (no spill loads in its tile loop)
-    reuse_scores: bool = False
 
 
 # Queries of many rows take 64-row tiles: per tile, each warpgroup's QK reads all of q (64
@@ -111,16 +103,13 @@ class WgmmaTiling:
 # 512 rows a query) 3,244 -> 2,902 us, HCA after 65,536 cached (128 + 576) 3,717 -> 3,327;
 # HCA at 8192 (128 + up to 64) 1,476 -> 1,483 and at 2048 364 -> 389 keep 32-row tiles.
 # bench forward prefill:8192@65536 75.6-75.8 -> 74.2-74.7 ms.
-_SWITCHES = ("async_q", "early_slots", "staged_out", "column_sums", "max_exchange")
-_ON = dict.fromkeys((*_SWITCHES, "span_reduce", "reuse_scores"), True)
-WIDE_TILING = WgmmaTiling(block_n=64, num_stages=2, p_buffers=1, **_ON)
-NARROW_TILING = WgmmaTiling(**_ON)
+WIDE_TILING = WgmmaTiling(block_n=64, num_stages=2, p_buffers=1)
 WIDE_MIN_ROWS = 384
 
 
 def default_tiling(rows_per_query: int) -> WgmmaTiling:
     """The tiling for queries of up to ``rows_per_query`` rows (window + compressed)."""
-    return WIDE_TILING if rows_per_query >= WIDE_MIN_ROWS else NARROW_TILING
+    return WIDE_TILING if rows_per_query >= WIDE_MIN_ROWS else WgmmaTiling()
 
 
 @functools.lru_cache(maxsize=8)
@@ -184,13 +173,6 @@ def paged_sparse_attention(
         ROPE=cos is not None,
         NUM_STAGES=tiling.num_stages,
         P_BUFFERS=tiling.p_buffers,
-        ASYNC_Q=tiling.async_q,
-        EARLY_SLOTS=tiling.early_slots,
-        STAGED_OUT=tiling.staged_out,
-        COLUMN_SUMS=tiling.column_sums,
-        MAX_EXCHANGE=tiling.max_exchange,
-        SPAN_REDUCE=tiling.span_reduce,
-        REUSE_SCORES=tiling.reuse_scores,
         Q_NORM=q_norm_eps is not None,
         Q_HEADS=Q_NORM_HEADS,
         num_warps=8,
@@ -265,20 +247,18 @@ def _span_combine(first_a, last_a, count_a, first_b, last_b, count_b):
 
 
 @gluon.jit
-def _row_max(sc, buf, BLOCK_N: gl.constexpr, EXCHANGE: gl.constexpr):
+def _row_max(sc, buf, BLOCK_N: gl.constexpr):
     """The row max [H] of the scores sc [H, BLOCK_N] (warps [4, 2]: each warpgroup holds
-    half the columns), in sc's row slice. EXCHANGE: each half reduced in its warpgroup's own
-    warps, then crossed through ``buf`` ([2, H] fp32) with one barrier."""
-    if EXCHANGE:
-        halves = gl.max(gl.reshape(sc, [_H, 2, BLOCK_N // 2]), axis=2)  # [H, 2]
-        buf.store(gl.permute(halves, (1, 0)))
-        gl.thread_barrier()
-        rows: gl.constexpr = gl.SliceLayout(1, sc.type.layout)
-        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        each = buf._reinterpret(gl.float32, [2, _H], flat)  # a row a half
-        return gl.maximum(each.index(0).load(rows), each.index(1).load(rows))
-    else:
-        return gl.max(sc, axis=1)
+    half the columns), in sc's row slice: each half reduced in its warpgroup's own warps, then
+    crossed through ``buf`` ([2, H] fp32) with one barrier (the compiler's reduction of the
+    whole row takes three)."""
+    halves = gl.max(gl.reshape(sc, [_H, 2, BLOCK_N // 2]), axis=2)  # [H, 2]
+    buf.store(gl.permute(halves, (1, 0)))
+    gl.thread_barrier()
+    rows: gl.constexpr = gl.SliceLayout(1, sc.type.layout)
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    each = buf._reinterpret(gl.float32, [2, _H], flat)  # a row a half
+    return gl.maximum(each.index(0).load(rows), each.index(1).load(rows))
 
 
 @gluon.jit
@@ -325,13 +305,6 @@ def prefill_attn_wgmma_kernel(
     P_BUFFERS: gl.constexpr,  # 1: a barrier before p is rewritten; 2: none (a gather fewer)
     Q_NORM: gl.constexpr,  # q arrives raw: the unweighted norm (q_eps) + RoPE on its load
     Q_HEADS: gl.constexpr,  # Q_NORM: heads normed at a time (registers)
-    ASYNC_Q: gl.constexpr,  # q by cp.async first (WgmmaTiling.async_q)
-    EARLY_SLOTS: gl.constexpr,  # a refill's slots loaded at the top of its iteration
-    STAGED_OUT: gl.constexpr,  # the output through shared memory to 16-byte stores
-    COLUMN_SUMS: gl.constexpr,  # the denominator per score column, summed after the last tile
-    MAX_EXCHANGE: gl.constexpr,  # a tile's row max through a shared buffer, one barrier
-    SPAN_REDUCE: gl.constexpr,  # the span's first, last and count in one reduction
-    REUSE_SCORES: gl.constexpr,  # QK's accumulator operand: the last tile's scores
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     # layouts (8 warps): loads in 16-byte vectors; both dots with warps [4, 2] (each
@@ -356,30 +329,26 @@ def prefill_attn_wgmma_kernel(
     heads_l = gl.arange(0, _H, layout=gl.SliceLayout(1, load_l))
     cols_l = gl.arange(0, _DH, layout=gl.SliceLayout(0, load_l))
     q_row = q_ptr + s * stride_qs
-    if ASYNC_Q:  # q's fetch first, in flight during the span scan and the first gathers
-        q_smem = gl.allocate_shared_memory(dtype, [_H, _DH], q_sl)
-        cp.async_copy_global_to_shared(q_smem, q_row + heads_l[:, None] * stride_qh
-                                       + cols_l[None, :])  # fmt: skip
-        cp.commit_group()
+    # q's fetch first, in flight during the span scan and the first gathers (a raw q is normed
+    # in shared memory once it has landed)
+    q_smem = gl.allocate_shared_memory(dtype, [_H, _DH], q_sl)
+    cp.async_copy_global_to_shared(q_smem, q_row + heads_l[:, None] * stride_qh
+                                   + cols_l[None, :])  # fmt: skip
+    cp.commit_group()
 
-    # the span [first, last] of valid rows (prefill_attn.py)
+    # the span [first, last] of valid rows (prefill_attn.py), its three reductions in one
     first = width + 0
     last = width * 0 - 1
     count = width * 0
     for v0 in range(0, width, BLOCK_V):
         idx = v0 + gl.arange(0, BLOCK_V, layout=flag_l)
         ok = gl.load(valid_row + idx, mask=idx < width, other=0) != 0
-        if SPAN_REDUCE:
-            f, lt, c = gl.reduce(
-                (gl.where(ok, idx, width), gl.where(ok, idx, -1), ok.to(gl.int32)), 0, _span_combine
-            )
-            first = gl.minimum(first, f)
-            last = gl.maximum(last, lt)
-            count += c
-        else:
-            first = gl.minimum(first, gl.min(gl.where(ok, idx, width), axis=0))
-            last = gl.maximum(last, gl.max(gl.where(ok, idx, -1), axis=0))
-            count += gl.sum(ok.to(gl.int32), axis=0)
+        f, lt, c = gl.reduce(
+            (gl.where(ok, idx, width), gl.where(ok, idx, -1), ok.to(gl.int32)), 0, _span_combine
+        )
+        first = gl.minimum(first, f)
+        last = gl.maximum(last, lt)
+        count += c
     contiguous = count == last - first + 1
     a_stop = gl.minimum(last + 1, width_a)
     b_start = gl.maximum(first, width_a) - width_a
@@ -392,10 +361,10 @@ def prefill_attn_wgmma_kernel(
     safe_a = gl.load(slots_a_row + first, mask=a_tiles > 0, other=0)
     safe_b = gl.load(slots_b_row + (last - width_a), mask=b_tiles > 0, other=0)
 
-    # shared memory: q, the ring of row tiles, p
+    # shared memory: (q,) the ring of row tiles, p, a tile's row max halves
     kv_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, _DH], kv_sl)
     p_smem = gl.allocate_shared_memory(dtype, [P_BUFFERS, _H, BLOCK_N], p_sl)
-    # MAX_EXCHANGE: [half, head] (rewritten by the next tile past the ring's barrier)
+    # [half, head] (rewritten by the next tile past the ring's barrier)
     max_smem = gl.allocate_shared_memory(
         gl.float32, [2, _H], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
     )
@@ -405,32 +374,18 @@ def prefill_attn_wgmma_kernel(
                 contiguous, valid_row, width_a, slots_a_row, slots_b_row, safe_a, safe_b,
                 kv_a_ptr, kv_b_ptr, stride_a, stride_b, BLOCK_N, load_l)  # fmt: skip
         cp.commit_group()
-    if ASYNC_Q:
-        pass  # landed with tile 0 (a raw q is normed then, in shared memory)
-    elif Q_NORM:  # the prologue's q norm + RoPE on the way in, a block of heads at a time
-        q_smem = gl.allocate_shared_memory(dtype, [_H, _DH], q_sl)
-        chunk_l: gl.constexpr = gl.SliceLayout(1, load_l)
-        for h0 in gl.static_range(0, _H, Q_HEADS):
-            heads_c = h0 + gl.arange(0, Q_HEADS, layout=chunk_l)
-            x = gl.load(q_row + heads_c[:, None] * stride_qh + cols_l[None, :])
-            x = _norm_rope_q(x, cos_ptr + s * stride_cs, sin_ptr + s * stride_ss, rope_start,
-                             q_eps, Q_HEADS)  # fmt: skip
-            q_smem.slice(h0, Q_HEADS).store(x)
-    else:
-        q = gl.load(q_row + heads_l[:, None] * stride_qh + cols_l[None, :])
-        q_smem = gl.allocate_shared_memory(dtype, [_H, _DH], q_sl, q)
 
     m = gl.full([_H], float("-inf"), gl.float32, rows_s)
-    l_sum = gl.zeros([_H], gl.float32, rows_s)
-    l_cols = gl.zeros([_H, BLOCK_N], gl.float32, s_l)  # COLUMN_SUMS
+    # the softmax denominator per score column, summed across the warpgroups once, after the
+    # last tile (a tile's row sum would cross them through shared memory: two barriers)
+    l_cols = gl.zeros([_H, BLOCK_N], gl.float32, s_l)
     acc = gl.zeros([_H, _DH], gl.float32, o_l)
-    zero_s = gl.zeros([_H, BLOCK_N], gl.float32, s_l)
-    sc = zero_s
+    sc = gl.zeros([_H, BLOCK_N], gl.float32, s_l)  # QK's accumulator operand (use_acc=False)
 
     # tile 0: its scores and p (stored), before the loop
     cp.wait_group(NUM_STAGES - P_BUFFERS)
     gl.thread_barrier()
-    if ASYNC_Q and Q_NORM:  # the raw q in place: each block read by all, then rewritten
+    if Q_NORM:  # the raw q in place: each block read by all, then rewritten
         for h0 in gl.static_range(0, _H, Q_HEADS):
             x = q_smem.slice(h0, Q_HEADS).load(load_l)
             x = _norm_rope_q(x, cos_ptr + s * stride_cs, sin_ptr + s * stride_ss, rope_start,
@@ -440,19 +395,16 @@ def prefill_attn_wgmma_kernel(
         gl.thread_barrier()
     fence_async_shared()
     if total > 0:
-        sc = warpgroup_mma(q_smem, kv_smem.index(0).permute((1, 0)), zero_s, use_acc=False,
+        sc = warpgroup_mma(q_smem, kv_smem.index(0).permute((1, 0)), sc, use_acc=False,
                            is_async=True)  # fmt: skip
         sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
         bias = _scores_mask(0, a_tiles, first, a_stop, b_start, b_stop, valid_row, width_a,
                             contiguous, BLOCK_N, cols_s)  # fmt: skip
         sc = sc * qk_scale + bias[None, :]
-        m = _row_max(sc, max_smem, BLOCK_N, MAX_EXCHANGE)
+        m = _row_max(sc, max_smem, BLOCK_N)
         m_ref = gl.where(m == float("-inf"), 0.0, m)
         p = gl.exp2(sc - m_ref[:, None]).to(dtype)
-        if COLUMN_SUMS:
-            l_cols = p.to(gl.float32)
-        else:
-            l_sum = gl.sum(p.to(gl.float32), axis=1)
+        l_cols = p.to(gl.float32)
         p_smem.index(0).store(p)
         fence_async_shared()
         gl.thread_barrier()
@@ -461,32 +413,30 @@ def prefill_attn_wgmma_kernel(
         # invariant: p(t) is in p_smem and acc holds tiles < t, scaled to m(t); tiles t and
         # t + 1 have landed (the NUM_STAGES - 1 - P_BUFFERS later ones may be in flight)
         refill = t + NUM_STAGES + 1 - P_BUFFERS
-        if EARLY_SLOTS:  # the slots' load in flight during this iteration's dots; int32
-            # across them (fewer registers; a slot is a cache row, < 2**31)
-            slot = _gather_rows(refill, total, a_tiles, first, a_stop, b_start, b_stop,
-                                contiguous, valid_row, width_a, slots_a_row, slots_b_row,
-                                safe_a, safe_b, BLOCK_N, load_l).to(gl.int32)  # fmt: skip
+        # the refill's slots: their load in flight during this iteration's dots; int32
+        # across them (fewer registers; a slot is a cache row, < 2**31)
+        slot = _gather_rows(refill, total, a_tiles, first, a_stop, b_start, b_stop,
+                            contiguous, valid_row, width_a, slots_a_row, slots_b_row,
+                            safe_a, safe_b, BLOCK_N, load_l).to(gl.int32)  # fmt: skip
         cp.wait_group(NUM_STAGES - 1 - P_BUFFERS)
         gl.thread_barrier()
         fence_async_shared()
-        # QK(t + 1) first, then PV(t): waiting for one group leaves PV(t) running
-        sc = warpgroup_mma(q_smem, kv_smem.index((t + 1) % NUM_STAGES).permute((1, 0)),
-                           sc if REUSE_SCORES else zero_s, use_acc=False,
-                           is_async=True)  # fmt: skip
+        # QK(t + 1) first, then PV(t): waiting for one group leaves PV(t) running. Its
+        # accumulator operand is tile t's scores (dead by now; use_acc=False ignores it), not
+        # a zero tile live through the loop (registers: no spills in the 64-row tiling)
+        sc = warpgroup_mma(q_smem, kv_smem.index((t + 1) % NUM_STAGES).permute((1, 0)), sc,
+                           use_acc=False, is_async=True)  # fmt: skip
         acc = warpgroup_mma(p_smem.index(t % P_BUFFERS), kv_smem.index(t % NUM_STAGES), acc,
                             is_async=True)  # fmt: skip
         sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc,))
         bias = _scores_mask(t + 1, a_tiles, first, a_stop, b_start, b_stop, valid_row, width_a,
                             contiguous, BLOCK_N, cols_s)  # fmt: skip
         sc = sc * qk_scale + bias[None, :]
-        m_new = gl.maximum(m, _row_max(sc, max_smem, BLOCK_N, MAX_EXCHANGE))
+        m_new = gl.maximum(m, _row_max(sc, max_smem, BLOCK_N))
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m - m_ref)
         p = gl.exp2(sc - m_ref[:, None]).to(dtype)
-        if COLUMN_SUMS:
-            l_cols = l_cols * alpha[:, None] + p.to(gl.float32)
-        else:
-            l_sum = l_sum * alpha + gl.sum(p.to(gl.float32), axis=1)
+        l_cols = l_cols * alpha[:, None] + p.to(gl.float32)
         m = m_new
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         if P_BUFFERS == 1:  # wait until both warpgroups are done with p and tile t's slot
@@ -495,14 +445,8 @@ def prefill_attn_wgmma_kernel(
         # into tile t - 1's slot, both done in both warpgroups (this iteration's barrier)
         acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
         p_smem.index((t + 1) % P_BUFFERS).store(p)
-        if EARLY_SLOTS:
-            _gather_issue(kv_smem.index(refill % NUM_STAGES), slot, refill, total, a_tiles,
-                          kv_a_ptr, kv_b_ptr, stride_a, stride_b, load_l)  # fmt: skip
-        else:
-            _gather(kv_smem.index(refill % NUM_STAGES), refill, total, a_tiles, first, a_stop,
-                    b_start, b_stop, contiguous, valid_row, width_a, slots_a_row, slots_b_row,
-                    safe_a, safe_b, kv_a_ptr, kv_b_ptr, stride_a, stride_b, BLOCK_N,
-                    load_l)  # fmt: skip
+        _gather_issue(kv_smem.index(refill % NUM_STAGES), slot, refill, total, a_tiles,
+                      kv_a_ptr, kv_b_ptr, stride_a, stride_b, load_l)  # fmt: skip
         cp.commit_group()
         fence_async_shared()
     if total > 0:  # the last tile's PV
@@ -516,23 +460,18 @@ def prefill_attn_wgmma_kernel(
     heads = gl.arange(0, _H, layout=rows_o)
     sink = gl.load(sinks_ptr + heads) * 1.4426950408889634
     m_o = gl.convert_layout(m, rows_o)
-    if COLUMN_SUMS:
-        l_sum = gl.sum(l_cols, axis=1)
-    l_o = gl.convert_layout(l_sum, rows_o)
+    l_o = gl.convert_layout(gl.sum(l_cols, axis=1), rows_o)
     m_all = gl.maximum(m_o, sink)
     alpha = gl.exp2(m_o - m_all)
     o = acc * (alpha / (l_o * alpha + gl.exp2(sink - m_all)))[:, None]
-    cols = gl.arange(0, _DH, layout=gl.SliceLayout(0, o_l))
     if ROPE:
         o = _inverse_rope(o, cos_ptr + s * stride_cs, sin_ptr + s * stride_ss, rope_start, o_l)
-    if STAGED_OUT:  # q's buffer is free: every QK is done (the barrier before the last PV)
-        q_smem.store(o.to(dtype))
-        gl.thread_barrier()
-        o16 = q_smem.load(load_l)
-        gl.store(out_ptr + s * stride_os + heads_l[:, None] * stride_oh + cols_l[None, :], o16)
-    else:
-        out_ptrs = out_ptr + s * stride_os + heads[:, None] * stride_oh + cols[None, :]
-        gl.store(out_ptrs, o.to(dtype))
+    # through q's buffer (free: every QK is done, the barrier before the last PV) to 16-byte
+    # stores, not from the MMA's accumulator layout
+    q_smem.store(o.to(dtype))
+    gl.thread_barrier()
+    o16 = q_smem.load(load_l)
+    gl.store(out_ptr + s * stride_os + heads_l[:, None] * stride_oh + cols_l[None, :], o16)
 
 
 @gluon.jit
