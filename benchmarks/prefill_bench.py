@@ -21,18 +21,23 @@ tiles) against the decode indexer (``indexer.py``) on one request's S queries ov
 ``run_phases`` (``--phases``) splits the wgmma kernel's time a query by what it does: the q
 norm and RoPE on load, the output's inverse RoPE, the rows (``phase_inputs``).
 
-``run_moe`` times the grouped-GEMM MoE (``ops/grouped_moe.py``: T tokens, 64 experts, top-6,
-D 4096, I 2048) whole, and its two elementwise steps (Triton ``swiglu_rows`` and
-``moe_unpermute``) against the torch chains they replaced.
+``run_moe`` (``--moe-only``) times the grouped-GEMM MoE (``ops/grouped_moe.py``: T tokens,
+64 experts, top-6, D 4096, I 2048) whole, and its elementwise steps at k = 5 routed picks
+(``ops/triton/prefill_moe.py``: ``moe_permute``, ``swiglu_rows``, ``moe_unpermute`` with and
+without the shared expert's output as ``extra``) in their default tilings and the
+candidates (``PERMUTE_TILINGS``, ``SWIGLU_TILINGS``, ``UNPERMUTE_TILINGS``) at 8192 tokens,
+each with its GB/s and fraction of a 4.24 TB/s copy, beside the torch chains replaced.
 
     from benchmarks.prefill_bench import run; records = run()   # one-call GPU script
     python benchmarks/prefill_bench.py --output $OUT/prefill_bench.json
+    python benchmarks/prefill_bench.py --moe-only --output $OUT/prefill_moe.json
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 from collections.abc import Callable
@@ -56,6 +61,8 @@ from bench_timing import stamped
 H, DH, ROPE, WA, TOPK = 64, 512, 64, 128, 512
 CASES = ((2048, 0), (8192, 0), (8192, 65536))  # (new tokens S, cached tokens C)
 PEAK_FLOPS = 989e12
+COPY_BYTES_PER_S = 4.24e12  # H200 device-to-device copy: the elementwise MoE ops' roofline
+MOE_ROUTED = 5  # routed picks a token of the elementwise MoE ops (the shared expert apart)
 
 
 def _inputs(s: int, cached: int, kind: str, device: str) -> tuple:
@@ -153,7 +160,10 @@ def run(device: str = "cuda", cases=CASES, sweep: bool = True) -> list[dict]:
     """Every record of this module: attention, indexer and MoE (``all_kernels.py`` calls
     this), each stamped; a part that fails leaves an error record."""
     records = run_attention(device, cases, sweep)
-    parts = (("indexer", lambda: run_indexer(device, cases)), ("moe", lambda: run_moe(device)))
+    parts = (
+        ("indexer", lambda: run_indexer(device, cases)),
+        ("moe", lambda: run_moe(device, sweep=sweep)),
+    )
     for name, part in parts:
         try:
             records += part()
@@ -327,9 +337,62 @@ def run_indexer(device: str = "cuda", cases=CASES) -> list[dict]:
     return stamped(records, dev)
 
 
-def run_moe(device: str = "cuda", tokens: tuple[int, ...] = (2048, 8192)) -> list[dict]:
-    """Grouped MoE records (see the module docstring): impl, tokens, time_us, and for the
-    whole MoE its FLOPs and fraction of 989 TFLOP/s."""
+def _moe_ops(t: int, sweep: bool, g: torch.Generator, device: str) -> list[tuple]:
+    """The elementwise MoE ops at T tokens, k = ``MOE_ROUTED`` (``run_moe``): (op, impl, fn,
+    bytes) for each default (``<op>:default``), tiling candidate (``<op>:<name>``, with
+    ``sweep``) and torch chain replaced."""
+    kr, d, inter = MOE_ROUTED, 4096, 2048
+    n = t * kr
+    x = torch.randn(t, d, generator=g, device=device).bfloat16()
+    h = torch.randn(n, 2 * inter, generator=g, device=device).bfloat16()
+    y = torch.randn(n, d, generator=g, device=device).bfloat16()
+    shared = torch.randn(t, d, generator=g, device=device).bfloat16()  # the shared expert's
+    weights = torch.rand(t, kr, generator=g, device=device)
+    order = torch.randperm(n, generator=g, device=device)  # sorted row -> pair
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=device))
+    inverse = inverse.view(t, kr).int()
+
+    def old_unpermute(y=y, order=order, weights=weights):
+        y = (y * weights.flatten()[order, None]).to(torch.bfloat16)
+        unsorted = torch.empty_like(y)
+        unsorted[order] = y
+        return unsorted.view(t, kr, -1).sum(dim=1)
+
+    def tilings(candidates: dict) -> dict:
+        return {"default": None} | (candidates if sweep else {})
+
+    row = 2 * d  # bytes of a bf16 [D] row
+    ops = []
+    for name, tiling in tilings(prefill_moe.PERMUTE_TILINGS).items():
+        fn = functools.partial(prefill_moe.moe_permute, x, inverse, tiling=tiling)
+        ops.append(("moe_permute", name, fn, t * row + n * row))
+    for name, tiling in tilings(prefill_moe.SWIGLU_TILINGS).items():
+        fn = functools.partial(prefill_moe.swiglu_rows, h, 10.0, tiling=tiling)
+        ops.append(("swiglu_rows", name, fn, n * 3 * inter * 2))
+    chain = functools.partial(reference.swiglu, *h.chunk(2, dim=-1), 10.0)
+    ops.append(("swiglu_rows", "torch_chain", chain, n * 3 * inter * 2))
+    unpermute = tilings(prefill_moe.UNPERMUTE_TILINGS)
+    for op, extra in (("moe_unpermute", None), ("moe_unpermute_extra", shared)):
+        for name, tiling in unpermute.items():
+            fn = functools.partial(
+                prefill_moe.moe_unpermute, y, inverse, weights, extra, tiling=tiling
+            )
+            ops.append((op, name, fn, n * row + t * row * (2 if extra is None else 3)))
+    ops.append(("moe_unpermute", "torch_chain", old_unpermute, n * row + t * row))
+    return ops
+
+
+def run_moe(
+    device: str = "cuda",
+    tokens: tuple[int, ...] = (2048, 8192),
+    sweep: bool = True,
+    sweep_tokens: tuple[int, ...] = (8192,),
+) -> list[dict]:
+    """Grouped MoE records (see the module docstring): op, impl ("<op>:<name>"), tokens,
+    time_us; for the whole MoE its FLOPs and fraction of 989 TFLOP/s; for the elementwise
+    ops (k = 5 routed picks) bytes, GB/s, fraction of ``COPY_BYTES_PER_S`` and, for a
+    tiling, whether the output equals the default's bit for bit. ``sweep``: the tiling
+    candidates too, at ``sweep_tokens`` (the default tilings at every T)."""
     dev = torch.device(device)
     e, k, d, inter = 64, 6, 4096, 2048
     g = torch.Generator(device=device).manual_seed(0)
@@ -337,41 +400,44 @@ def run_moe(device: str = "cuda", tokens: tuple[int, ...] = (2048, 8192)) -> lis
     w2 = (torch.randn(e, d, inter, generator=g, device=device) / inter**0.5).bfloat16()
     records = []
     for t in tokens:
+        base = {"kind": "prefill_bench_moe", "tokens": t, "T": t}
         x = torch.randn(t, d, generator=g, device=device).bfloat16()
         ids = torch.rand(t, e, generator=g, device=device).topk(k, dim=1).indices
         weights = torch.rand(t, k, generator=g, device=device)
-        h = torch.randn(t * k, 2 * inter, generator=g, device=device).bfloat16()
-        y = torch.randn(t * k, d, generator=g, device=device).bfloat16()
-        order = torch.randperm(t * k, generator=g, device=device)
-        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(t * k, device=device))
-        inverse = inverse.view(t, k)
-
-        def old_unpermute(y=y, order=order, weights=weights, t=t):
-            y = (y * weights.flatten()[order, None]).to(torch.bfloat16)
-            unsorted = torch.empty_like(y)
-            unsorted[order] = y
-            return unsorted.view(t, k, -1).sum(dim=1)
-
-        impls = {
-            "grouped_moe": lambda x=x, i=ids, w=weights: moe_experts_grouped(
-                x, i, w, w13, w2, 10.0
-            ),
-            "swiglu_rows:triton": lambda h=h: prefill_moe.swiglu_rows(h, 10.0),
-            "swiglu_rows:torch_chain": lambda h=h: reference.swiglu(*h.chunk(2, dim=-1), 10.0),
-            "moe_unpermute:triton": lambda y=y, i=inverse, w=weights: prefill_moe.moe_unpermute(
-                y, i, w
-            ),
-            "moe_unpermute:torch_chain": old_unpermute,
-        }
+        us = _plain_us(lambda x=x, i=ids, w=weights: moe_experts_grouped(x, i, w, w13, w2, 10.0))
         flops = 2 * t * k * 3 * d * inter
-        for impl, fn in impls.items():
-            us = _plain_us(fn)
-            rec = {"kind": "prefill_bench_moe", "op": "grouped_moe", "impl": impl, "tokens": t}
-            rec |= {"T": t, "time_us": us, "us": us}
-            if impl == "grouped_moe":
-                rec |= {"flops": flops, "peak_fraction": flops / PEAK_FLOPS / (us * 1e-6)}
-            records.append(rec)
+        records.append(
+            base
+            | {"op": "grouped_moe", "impl": "grouped_moe", "k": k, "time_us": us, "us": us}
+            | {"flops": flops, "peak_fraction": flops / PEAK_FLOPS / (us * 1e-6)}
+        )
+        del x, ids, weights
+        records += _moe_op_records(base, _moe_ops(t, sweep and t in sweep_tokens, g, device))
     return stamped(records, dev)
+
+
+def _moe_op_records(base: dict, ops: list[tuple]) -> list[dict]:
+    """A record of each of ``_moe_ops``' impls: timed, its bytes' rate, and whether its
+    output is the default's bit for bit (a tiling's; None for the default and the chains)."""
+    records, defaults = [], {}
+    for op, name, fn, nbytes in ops:
+        rec = base | {"op": op, "impl": f"{op}:{name}", "k": MOE_ROUTED, "bytes": nbytes}
+        try:
+            out = fn()
+            if name == "default":
+                defaults[op] = out
+            same = None
+            if name not in ("default", "torch_chain") and op in defaults:
+                same = torch.equal(out, defaults[op])
+            del out
+            us = _plain_us(fn)
+        except Exception as exc:  # a tiling that does not compile
+            records.append(rec | {"error": repr(exc)[:300]})
+            continue
+        rec |= {"time_us": us, "us": us, "gb_per_s": nbytes / us / 1e3}
+        rec |= {"fraction_of_copy": nbytes / COPY_BYTES_PER_S / (us * 1e-6)}
+        records.append(rec | {"same_as_default": same})
+    return records
 
 
 def run_once(spec: str, device: str = "cuda") -> None:
@@ -390,6 +456,24 @@ def _plain_us(fn: Callable[[], object]) -> float:
     return triton.testing.do_bench(fn, return_mode="median") * 1e3
 
 
+def _print_moe(r: dict) -> None:
+    """One ``run_moe`` record as a line."""
+    if "tokens" not in r:  # the whole part failed (``run``)
+        print(r["kind"], r.get("error"))
+        return
+    head = f"moe T={r['tokens']:5d} {r['impl']:38s}"
+    if "error" in r:
+        print(head, r["error"])
+    elif "gb_per_s" in r:
+        same = {None: "", True: " same as default", False: " DIFFERS from default"}
+        print(
+            f"{head} {r['time_us']:9.1f} us {r['gb_per_s']:7.0f} GB/s "
+            f"{100 * r['fraction_of_copy']:5.1f}% of copy{same[r['same_as_default']]}"
+        )
+    else:
+        print(f"{head} {r['time_us']:9.1f} us {100 * r['peak_fraction']:5.1f}% of bf16 peak")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--output")
@@ -402,6 +486,10 @@ def main() -> None:
         "--cases", default="8192:0", help="S:C,... queries and cached tokens (--attention-only)"
     )
     parser.add_argument("--phases", action="store_true", help="the wgmma kernel's phases alone")
+    parser.add_argument(
+        "--moe-only", action="store_true", help="run_moe alone (tilings swept at the largest T)"
+    )
+    parser.add_argument("--moe-tokens", default="2048,8192", help="T,... (--moe-only)")
     args = parser.parse_args()
     if args.once:
         return run_once(args.once)
@@ -415,6 +503,14 @@ def main() -> None:
             head = f"{r['layer']} {r['impl']:18s} {r['phase']:9s} rows {r['valid_rows']:9d}"
             print(f"{head} {r['time_us']:9.1f} us, {r['us_per_query_sm']:6.2f} a query an SM")
         return None
+    if args.moe_only:
+        tokens = tuple(int(v) for v in args.moe_tokens.split(","))
+        records = run_moe(tokens=tokens, sweep=not args.no_sweep, sweep_tokens=(max(tokens),))
+        with open(args.output, "w") as f:
+            json.dump(records, f, indent=1)
+        for r in records:
+            _print_moe(r)
+        return None
     if args.attention_only:
         only = args.attention_only.split(",")
         cases = [tuple(int(v) for v in case.split(":")) for case in args.cases.split(",")]
@@ -425,10 +521,10 @@ def main() -> None:
         json.dump(everything, f, indent=1)
     records = [r for r in everything if r["kind"] == "prefill_bench"]
     for r in everything:
-        if r["kind"] != "prefill_bench" and "error" in r:
+        if r["kind"] not in ("prefill_bench", "prefill_bench_moe") and "error" in r:
             print(r["kind"], r["error"])
-    for r in (r for r in everything if r["kind"] == "prefill_bench_moe" and "error" not in r):
-        print(f"moe T={r['tokens']:5d} {r['impl']:26s} {r['time_us']:9.1f} us")
+    for r in (r for r in everything if r["kind"] == "prefill_bench_moe"):
+        _print_moe(r)
     for r in (r for r in everything if r["kind"] == "prefill_bench_indexer" and "error" not in r):
         print(
             f"indexer S={r['queries']:5d} C={r['cached']:6d} E={r['entries']:6d} "

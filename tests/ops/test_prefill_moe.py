@@ -4,6 +4,9 @@ on CPU.
 
 Outputs start as NaN (an unwritten element fails). Shapes: ragged row counts (1, 7, 33,
 130), widths that are not powers of two, k in {1, 2, 6}, gates beyond the clamp limit.
+The A/B tilings (``PermuteTiling``, ``SwigluTiling``) at small blocks: token and column
+counts that are not multiples of theirs, k in {1, 2, 5, 7}; each bit for bit the default's
+output (unpermute's vector slots sum in the loop kernel's order).
 Tolerances (GPU_FASTPATH.md section 5): fp32 within 1e-4 relative; bf16 |kernel -
 ref_fp32| <= 2 |ref_bf16 - ref_fp32| + 1e-3 for >= 99.9%.
 """
@@ -12,6 +15,10 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -136,12 +143,146 @@ def test_moe_permute_strided_x_and_bad_input(moe):
         moe.moe_permute(x.long(), inverse)
 
 
+def permute_tilings(moe) -> list:
+    """Small-block tilings of every kind: vector slots at 1, 2 and 4 tokens a program, the
+    loop kernel in another shape."""
+    tile = moe.PermuteTiling
+    return [tile(64, 1, True, 2), tile(128, 2, True, 4), tile(64, 4, True, 1), tile(32, 1)]
+
+
+def pairs_case(t: int, k: int, dim: int, dtype: torch.dtype, seed: int) -> tuple:
+    """y [T k, D], inverse [T, k] (a permutation of the rows), weights [T, k], extra [T, D]."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(t * k, dim, generator=g).to(dtype).to(DEVICE)
+    inverse = torch.randperm(t * k, generator=g).view(t, k).to(DEVICE)
+    weights = torch.rand(t, k, generator=g).to(DEVICE)
+    extra = torch.randn(t, dim, generator=g).to(dtype).to(DEVICE)
+    return y, inverse, weights, extra
+
+
+TILING_SHAPES = [(1, 1, 64), (7, 5, 200), (13, 7, 100), (9, 2, 96)]
+
+
+@pytest.mark.parametrize("t,k,dim", TILING_SHAPES)
+def test_moe_permute_tilings(moe, t, k, dim):
+    _, inverse, _, x = pairs_case(t, k, dim, torch.bfloat16, t * k + dim)  # x: [T, D]
+    want = reference.moe_permute(x, inverse)
+    for tiling in permute_tilings(moe):
+        got = moe.moe_permute(x, inverse.int(), tiling=tiling)
+        assert torch.equal(got, want), tiling
+
+
+@pytest.mark.parametrize("t,k,dim", TILING_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_unpermute_tilings(moe, t, k, dim, dtype):
+    """Every tiling, with and without extra, against the reference and bit for bit the
+    default (the slots in the same order, fp32, extra last)."""
+    y, inverse, weights, extra = pairs_case(t, k, dim, dtype, t * k + dim + 2)
+    for ex in (None, extra):
+        default = moe.moe_unpermute(y, inverse, weights, ex)
+        for tiling in permute_tilings(moe):
+            got = moe.moe_unpermute(y, inverse, weights, ex, tiling=tiling)
+            assert torch.equal(got, default), tiling
+        check(default, reference.moe_unpermute, y, inverse, weights, ex)
+
+
+@pytest.mark.parametrize("n,inter", [(1, 24), (19, 96), (37, 200)])
+def test_swiglu_rows_tilings(moe, n, inter):
+    g = torch.Generator().manual_seed(n + inter)
+    h = (6 * torch.randn(n, 2 * inter, generator=g)).bfloat16().to(DEVICE)
+    default = moe.swiglu_rows(h, 7.0)
+    check(default, reference.swiglu_rows, h, 7.0)
+    tile = moe.SwigluTiling
+    for tiling in (tile(8, 64, 4), tile(16, 32, 2), tile(2, 256, 8), tile(1, 16, 1)):
+        assert torch.equal(moe.swiglu_rows(h, 7.0, tiling=tiling), default), tiling
+
+
+def test_tiling_bad_input(moe):
+    y, inverse, weights, x = pairs_case(4, 3, 32, torch.float32, 0)
+    with pytest.raises(ValueError, match="block_t > 1 needs vector_slots"):
+        moe.moe_permute(x, inverse, tiling=moe.PermuteTiling(32, 2))
+    with pytest.raises(ValueError, match="block_t > 1 needs vector_slots"):
+        moe.moe_unpermute(y, inverse, weights, tiling=moe.PermuteTiling(32, 2))
+
+
+@pytest.mark.gpu
+def test_ab_tilings_at_model_shapes(moe):
+    """The benchmark's candidates (``PERMUTE_TILINGS`` etc.) at D 4096, I 2048, k 5, bf16
+    (T not a multiple of BLOCK_T): each bit for bit the default's output."""
+    t, k, dim, inter = 1001, 5, 4096, 2048
+    y, inverse, weights, extra = pairs_case(t, k, dim, torch.bfloat16, 3)
+    x = extra  # any [T, D]
+    rows = moe.moe_permute(x, inverse)
+    assert torch.equal(rows, reference.moe_permute(x, inverse))
+    for name, tiling in moe.PERMUTE_TILINGS.items():
+        assert torch.equal(moe.moe_permute(x, inverse, tiling=tiling), rows), name
+    for ex in (None, extra):
+        default = moe.moe_unpermute(y, inverse, weights, ex)
+        check(default, reference.moe_unpermute, y, inverse, weights, ex)
+        for name, tiling in moe.UNPERMUTE_TILINGS.items():
+            got = moe.moe_unpermute(y, inverse, weights, ex, tiling=tiling)
+            assert torch.equal(got, default), name
+    h = (6 * torch.randn(t * k, 2 * inter, device=DEVICE)).bfloat16()
+    default = moe.swiglu_rows(h, 10.0)
+    for name, tiling in moe.SWIGLU_TILINGS.items():
+        assert torch.equal(moe.swiglu_rows(h, 10.0, tiling=tiling), default), name
+
+
+# compiles the vector-slot kernels for sm_90 (no GPU: Triton's bundled ptxas) in a process
+# without the interpreter; prints, per kernel, its shared memory and its PTX's local memory
+# (arrays LLVM could not keep in registers), fp32 adds and fmas
+_COMPILE_SM90 = """
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from rackserve.ops.triton import prefill_moe as m
+
+def report(fn, consts, warps):
+    names = list(fn.arg_names)
+    types = {"inverse_ptr": "*i32", "w_ptr": "*fp32"}
+    sig = {n: "constexpr" if n in consts else types.get(n, "*bf16" if n.endswith("_ptr")
+           else "i32") for n in names}
+    aligned = [n for n in names if n.endswith("_ptr") or n.startswith("stride") or n == "dim"]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    ptx = kernel.asm["ptx"]
+    return {"shared": kernel.metadata.shared, "local": ptx.count(".local"),
+            "adds": ptx.count("add.f32"), "fmas": ptx.count("fma.rn.f32")}
+
+slots = {"K": 5, "K_PAD": 8, "BLOCK_D": 1024}
+print(json.dumps({
+    "permute": report(m.permute_slots_kernel, slots | {"BLOCK_T": 2}, 4),
+    "unpermute": report(m.unpermute_slots_kernel, slots | {"BLOCK_T": 1, "HAS_EXTRA": True}, 4),
+}))
+"""
+
+
+def test_slot_kernels_compile_for_sm90():
+    """At the model's shapes (k 5, D 4096, 1024 columns, 4 warps: 8 columns a thread) the
+    vector-slot kernels compile with no shared or local memory, and unpermute's slot picks
+    fold away: 5 fma a column (the loop kernel's acc += w * y, contracted) and 1 add
+    (extra)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["permute"]["shared"] == 0 and report["permute"]["local"] == 0
+    unpermute = report["unpermute"]
+    assert unpermute["shared"] == 0 and unpermute["local"] == 0
+    assert unpermute["fmas"] == 5 * 8 and unpermute["adds"] == 8, unpermute
+
+
 def test_empty(moe):
     assert moe.swiglu_rows(torch.zeros(0, 8, device=DEVICE), 7.0).shape == (0, 4)
     empty = torch.zeros(0, 2, dtype=torch.long, device=DEVICE)
     out = moe.moe_unpermute(torch.zeros(0, 8, device=DEVICE), empty, empty.float())
     assert out.shape == (0, 8)
     assert moe.moe_permute(torch.zeros(0, 8, device=DEVICE), empty).shape == (0, 8)
+    vector = moe.PermuteTiling(8, 2, True, 1)
+    assert moe.moe_permute(torch.zeros(0, 8, device=DEVICE), empty, tiling=vector).shape == (0, 8)
 
 
 @pytest.mark.parametrize(
