@@ -20,7 +20,7 @@ t=$(cap 100); echo "== prefill_bench attention: 32- against 64-row tiles (${t}s)
   | grep -v "^moe\|^idx" | tail -24
 forward_gates
 if grep -q -- "--moe-only" benchmarks/prefill_bench.py; then
-  t=$(cap 90); echo "== prefill_bench: the MoE passes' tilings (${t}s)"
+  t=$(cap 120); echo "== prefill_bench: the MoE passes' tilings (${t}s)"
   ((t)) && timeout "$t" python3 benchmarks/prefill_bench.py --moe-only \
     --output "$R/moe.json" 2>&1 | tail -40
 fi
