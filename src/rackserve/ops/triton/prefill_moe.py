@@ -320,17 +320,28 @@ def _slot(tile, slots, j: tl.constexpr, AXIS: tl.constexpr):
 
 
 @triton.jit
-def permute_slots_kernel(x_ptr, inverse_ptr, rows_ptr, num_tokens, dim, stride_x, stride_r,
-                         K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                         BLOCK_D: tl.constexpr):  # fmt: skip
-    """``permute_kernel`` for BLOCK_T tokens: their K_PAD >= k indices as one load, then
-    every row in one masked [BLOCK_T, K_PAD, BLOCK_D] store."""
+def _slot_block(num_tokens, dim, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                BLOCK_D: tl.constexpr):  # fmt: skip
+    """A slot kernel's block: its tokens [BLOCK_T], columns [BLOCK_D] and slots [K_PAD], which
+    are in range, and the (token, slot) pairs' flat index [BLOCK_T, K_PAD] into inverse."""
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     slots = tl.arange(0, K_PAD)
     tok_ok, col_ok = tokens < num_tokens, cols < dim
     pair_ok = tok_ok[:, None] & (slots < K)[None, :]
     pairs = tokens.to(tl.int64)[:, None] * K + slots[None, :]
+    return tokens, cols, slots, tok_ok, col_ok, pair_ok, pairs
+
+
+@triton.jit
+def permute_slots_kernel(x_ptr, inverse_ptr, rows_ptr, num_tokens, dim, stride_x, stride_r,
+                         K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                         BLOCK_D: tl.constexpr):  # fmt: skip
+    """``permute_kernel`` for BLOCK_T tokens: their K_PAD >= k indices as one load, then
+    every row in one masked [BLOCK_T, K_PAD, BLOCK_D] store."""
+    tokens, cols, _, tok_ok, col_ok, pair_ok, pairs = _slot_block(
+        num_tokens, dim, K, K_PAD, BLOCK_T, BLOCK_D
+    )
     row = tl.load(inverse_ptr + pairs, mask=pair_ok, other=0)
     x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_x + cols[None, :]
     x = tl.load(x_rows, mask=tok_ok[:, None] & col_ok[None, :])
@@ -347,12 +358,9 @@ def unpermute_slots_kernel(y_ptr, inverse_ptr, w_ptr, out_ptr, extra_ptr, num_to
     """``unpermute_kernel`` for BLOCK_T tokens: their K_PAD >= k indices and weights as one
     load each, every row in one [BLOCK_T, K_PAD, BLOCK_D] gather, then the slots summed as
     the loop kernel sums them (fp32, j = 0..k-1 in order, extra last: the same bits)."""
-    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    slots = tl.arange(0, K_PAD)
-    tok_ok, col_ok = tokens < num_tokens, cols < dim
-    pair_ok = tok_ok[:, None] & (slots < K)[None, :]
-    pairs = tokens.to(tl.int64)[:, None] * K + slots[None, :]
+    tokens, cols, slots, tok_ok, col_ok, pair_ok, pairs = _slot_block(
+        num_tokens, dim, K, K_PAD, BLOCK_T, BLOCK_D
+    )
     row = tl.load(inverse_ptr + pairs, mask=pair_ok, other=0).to(tl.int64)
     w = tl.load(w_ptr + pairs, mask=pair_ok, other=0.0)
     y_rows = y_ptr + row[:, :, None] * stride_y + cols[None, None, :]
