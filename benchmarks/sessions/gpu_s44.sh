@@ -3,8 +3,9 @@
 # priority: its GPU tests (the raw-q test now compares like tilings) and the MoE elementwise
 # kernels' ones; the MoE elementwise kernels' tilings (prefill_bench.py --moe-only); the
 # attention of 32- against 64-row tiles at 8192 queries, 2048, and 8192 after 65,536 cached
-# (which tiling the HCA layer takes: 64-row tiles won at 8192 queries in call 1); every
-# gate's bench forward; the gates' summary.
+# (which tiling the HCA layer takes: 64-row tiles won at 8192 queries in call 1); the q
+# norm's head blocks (sessions/s44_q_heads.py); every gate's bench forward; the gates'
+# summary.
 # Usage: RACKSERVE_COMMIT=<sha> BUDGET_S=<seconds> bash benchmarks/sessions/gpu_s44.sh
 set -uo pipefail
 BUDGET_S=${BUDGET_S:-470}
@@ -23,6 +24,8 @@ t=$(cap 100); echo "== prefill_bench attention: 32- against 64-row tiles (${t}s)
 ((t)) && timeout "$t" python3 benchmarks/prefill_bench.py --attention-only bn32_s4_p2,bn64_s2_p1 \
   --cases 8192:0,2048:0,8192:65536 --output "$R/attention.json" 2>&1 \
   | grep -v "^moe\|^idx" | tail -24
+t=$(cap 60); echo "== the q norm's head blocks: 16, 32, 64 (${t}s)"
+((t)) && timeout "$t" python3 benchmarks/sessions/s44_q_heads.py | tee "$R/q_heads.jsonl"
 ((BUDGET_S - SECONDS > 150)) && forward_gates  # uncut: only with time for it
 echo "== the gates"
 python3 benchmarks/gates.py "$R" --output "$R/gates.json"
