@@ -361,7 +361,7 @@ def prefill_attn_wgmma_kernel(
     safe_a = gl.load(slots_a_row + first, mask=a_tiles > 0, other=0)
     safe_b = gl.load(slots_b_row + (last - width_a), mask=b_tiles > 0, other=0)
 
-    # shared memory: (q,) the ring of row tiles, p, a tile's row max halves
+    # shared memory beside q's: the ring of row tiles, p, a tile's row max halves
     kv_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, _DH], kv_sl)
     p_smem = gl.allocate_shared_memory(dtype, [P_BUFFERS, _H, BLOCK_N], p_sl)
     # [half, head] (rewritten by the next tile past the ring's barrier)

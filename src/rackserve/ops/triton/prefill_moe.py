@@ -246,20 +246,21 @@ def moe_unpermute(
     tiling = tiling or PermuteTiling()
     _check_tiling(tiling)
     block_d = min(tiling.block_d, triton.next_power_of_2(dim))
-    extra_args = (extra if extra is not None else out, extra.stride(0) if extra is not None else 0)
+    # no extra: out stands in for its pointer (HAS_EXTRA=False never reads it)
+    extra_ptr, stride_e = (out, 0) if extra is None else (extra, extra.stride(0))
     if tiling.vector_slots:
         grid = (triton.cdiv(num_tokens, tiling.block_t), triton.cdiv(dim, block_d))
         unpermute_slots_kernel[grid](
-            y, inverse, weights, out, extra_args[0], num_tokens, dim, y.stride(0),
-            out.stride(0), extra_args[1], K=k, K_PAD=triton.next_power_of_2(k),
+            y, inverse, weights, out, extra_ptr, num_tokens, dim, y.stride(0),
+            out.stride(0), stride_e, K=k, K_PAD=triton.next_power_of_2(k),
             HAS_EXTRA=extra is not None, BLOCK_T=tiling.block_t, BLOCK_D=block_d,
             num_warps=tiling.num_warps,
         )  # fmt: skip
         return out
     grid = (num_tokens, triton.cdiv(dim, block_d))
     unpermute_kernel[grid](
-        y, inverse, weights, out, extra_args[0], dim, k, y.stride(0), out.stride(0),
-        extra_args[1], HAS_EXTRA=extra is not None, BLOCK_D=block_d, num_warps=tiling.num_warps,
+        y, inverse, weights, out, extra_ptr, dim, k, y.stride(0), out.stride(0),
+        stride_e, HAS_EXTRA=extra is not None, BLOCK_D=block_d, num_warps=tiling.num_warps,
     )  # fmt: skip
     return out
 
