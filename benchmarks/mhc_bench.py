@@ -85,6 +85,19 @@ def _variants(t: int, device: torch.device) -> dict[str, mhc.Tiling]:
         )
     elif t <= 64:
         variants["gemv_on"] = rep(base, gemm_gemv=True)
+    # hc_post_pre with the expand in K1's prologue and the bf16x3 dot, in tilings that
+    # compile for sm_90 without spills (session 45: the defaults' expand-fused K1, 32 x 32
+    # columns at tf32x3, keeps 1000 bytes of stack; 128 x 16 at 8192 tokens, 656)
+    fused = {"post_apart": False, "expand_precision": None, "gemm_precision": "bf16x3"}
+    fused_tiles = ((16, 32, 4), (32, 16, 4)) if t <= 128 else ()
+    if t >= 256:
+        fused_tiles = ((64, 16, 4), (64, 16, 8), (64, 32, 8), (128, 16, 8))
+    for bt, bd, w in fused_tiles:
+        variants[f"fused_t{bt}_d{bd}_w{w}"] = rep(
+            base, **fused, gemm_gemv=False, gemm_block_t=bt, gemm_block_d=bd, gemm_warps=w
+        )
+    if t <= 128:  # the same tiles at the defaults' tf32x3
+        variants["fused_t32_d16_w4_tf32x3"] = rep(base, gemm_block_t=32, gemm_block_d=16)
     if t >= 1024:  # prefill: wider token tiles in K1, several tokens per K2 program
         variants["gemm_t128"] = rep(base, gemm_block_t=128)
         variants["gemm_t128_w8"] = rep(base, gemm_block_t=128, gemm_warps=8)
@@ -127,6 +140,7 @@ def _line(r: dict) -> str:
     return (
         f"{r['op']:8s} T={r['tokens']:5d} {r['impl']:26s} {r['time_us']:9.1f} us "
         f"graph {graph if graph is None else round(graph, 1)} us {r['gb_per_s']:7.1f} GB/s"
+        f" err {r.get('max_abs_err', float('nan')):.3g}"
     )
 
 
