@@ -252,14 +252,16 @@ def test_comb_beside_equals_one_finish_launch(mhc, dtype, t, gemv, fused):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("slots", [False, True])
-def test_post_apart_equals_the_fused_prologue(mhc, dtype, slots):
+@pytest.mark.parametrize("per_stream", [False, True])
+def test_post_apart_equals_the_fused_prologue(mhc, dtype, slots, per_stream):
     """``Tiling.post_apart`` (the streams expanded by hc_post's kernel, then K1 on them: the
     default from ``POST_APART_MIN_TOKENS`` tokens) gives hc_post_pre's outputs, with a plain
     block output and with a fused MoE's unsummed slots. The streams bitwise under the
     interpreter; on a GPU the two kernels' compiled arithmetic may round apart (seen
     2026-12-02), so within fp32 rounding of the streams there. x, post and comb within
     rounding everywhere: the apart K1 is the flat one (``Tiling.gemm_flat``), whose splits
-    sum the products in another order."""
+    sum the products in another order. ``per_stream``: the fused prologue a stream at a
+    time (``Tiling.expand_per_stream``), one pipelining stage."""
     t, d, k, e = 5, 256, 3, 8
     args = hc_pre_args(t, d, seed=61, dtype=dtype)
     _, post, comb = reference.hc_pre(*args)
@@ -272,6 +274,8 @@ def test_post_apart_equals_the_fused_prologue(mhc, dtype, slots):
         block_out = torch.randn(t, d, generator=g).to(device=DEVICE, dtype=dtype)
     call = (args[0], block_out, post, comb, *args[1:])
     fused = gpu_like_tiling(mhc, 2)
+    if per_stream:
+        fused = dataclasses.replace(fused, expand_per_stream=True, gemm_stages=1)
     apart = dataclasses.replace(fused, post_apart=True)
     want, got = mhc.hc_post_pre(*call, tiling=fused), mhc.hc_post_pre(*call, tiling=apart)
     tol = 1e-5 if dtype == torch.float32 else 2**-7  # one rounding of the streams

@@ -98,9 +98,18 @@ def prenorm_gemm_kernel(
     NATIVE_BF16: tl.constexpr,  # "bf16x3" dots on the tensor cores (else fp32 ones: CPU)
     FLAT: tl.constexpr,  # the streams as [T, N*D] rows, splits of those K columns (no FUSE_POST)
     PDL: tl.constexpr,  # programmatic dependent launch (common.pdl)
+    PER_STREAM: tl.constexpr = False,  # FUSE_POST, a stream at a time (no [T, N, D] tile)
 ):
     pdl_wait(PDL)
-    if FLAT:
+    if PER_STREAM:
+        _prenorm_partials_per_stream(
+            tl.program_id(0), tl.program_id(1), x_ptr, w_ptr, mix_ptr, sq_ptr, block_out_ptr,
+            post_ptr, comb_ptr, new_ptr, num_tokens, hidden, num_mixes, d_per_split, stride_xt,
+            stride_xn, stride_wm, stride_mix_s, stride_mix_t, stride_sq_s, stride_bt,
+            slot_ids_ptr, top_k, num_experts, N, BLOCK_T, BLOCK_M, BLOCK_D, SLOTS, PRECISION,
+            NATIVE_BF16,
+        )  # fmt: skip
+    elif FLAT:
         _prenorm_partials_flat(
             tl.program_id(0), tl.program_id(1), x_ptr, w_ptr, mix_ptr, sq_ptr, num_tokens,
             N * hidden, num_mixes, d_per_split, stride_xt, stride_wm, stride_mix_s,
@@ -238,6 +247,62 @@ def _prenorm_partials(
             PRECISION, GEMV, NATIVE_BF16,
         )  # fmt: skip
         sq += tl.sum(tl.sum(x * x, axis=2), axis=1)
+    mix_out = mix_ptr + pid_s * stride_mix_s + tok[:, None] * stride_mix_t + m[None, :]
+    tl.store(mix_out, acc, mask=tok_ok[:, None])
+    tl.store(sq_ptr + pid_s * stride_sq_s + tok, sq, mask=tok_ok)
+
+
+@triton.jit
+def _prenorm_partials_per_stream(
+    pid_t, pid_s, x_ptr, w_ptr, mix_ptr, sq_ptr, block_out_ptr, post_ptr, comb_ptr, new_ptr,
+    num_tokens, hidden, num_mixes, d_per_split, stride_xt, stride_xn, stride_wm, stride_mix_s,
+    stride_mix_t, stride_sq_s, stride_bt, slot_ids_ptr, top_k, num_experts,
+    N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    SLOTS: tl.constexpr, PRECISION: tl.constexpr, NATIVE_BF16: tl.constexpr,
+):  # fmt: skip
+    """K1 with the expand in its prologue (``_prenorm_partials``' FUSE_POST), a stream at a
+    time: new stream k's [BLOCK_T, BLOCK_D] tile from the N old ones (their loads after
+    the first stream's come from L1), stored, then its own dot against fn's columns of
+    stream k. Every tile is 2D, so the dot takes the tile as computed: no [T, N, D] tile
+    reshaped to [T, N * D] through shared memory. The same values in the same order as
+    ``hc_post_kernel``."""
+    tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = tok < num_tokens
+    tok64 = tok.to(tl.int64)
+    m = tl.arange(0, BLOCK_M)
+    m_ok = m < num_mixes
+    acc = tl.zeros((BLOCK_T, BLOCK_M), tl.float32)
+    sq = tl.zeros((BLOCK_T,), tl.float32)
+    x_rows = x_ptr + tok64[:, None] * stride_xt
+    new_rows = new_ptr + tok64[:, None] * (N * hidden)
+    d_start = pid_s * d_per_split
+    for k in range(0, d_per_split, BLOCK_D):
+        d = d_start + k + tl.arange(0, BLOCK_D)
+        d_ok = d < hidden
+        td_ok = tok_ok[:, None] & d_ok[None, :]
+        bo = load_block_out(
+            block_out_ptr, slot_ids_ptr, tok, tok_ok, d, td_ok, stride_bt, top_k, num_experts,
+            new_ptr, SLOTS, BLOCK_T, BLOCK_D,
+        )  # fmt: skip
+        for n in tl.static_range(N):
+            # new[t, n, d] = post[t, n] * block_out[t, d] + sum_j comb[t, j, n] * x[t, j, d]
+            post_n = tl.load(post_ptr + tok * N + n, mask=tok_ok, other=0.0)
+            x = post_n[:, None] * bo
+            for j in tl.static_range(N):
+                x_j = tl.load(x_rows + j * stride_xn + d[None, :], mask=td_ok, other=0.0)
+                c_jn = tl.load(comb_ptr + tok * (N * N) + j * N + n, mask=tok_ok, other=0.0)
+                x += c_jn[:, None] * x_j.to(tl.float32)
+            new = to_output(x, new_ptr)
+            tl.store(new_rows + n * hidden + d[None, :], new, mask=td_ok)
+            x16 = tl.where(td_ok, new, 0.0)  # the GEMM sees the stored streams
+            x = x16.to(tl.float32)
+            w_rows = w_ptr + m[:, None] * stride_wm + n * hidden + d[None, :]
+            w_ok = m_ok[:, None] & d_ok[None, :]
+            acc = _k1_dot(
+                acc, x16, x, w_rows, w_ok, num_mixes * stride_wm, BLOCK_M, BLOCK_D, PRECISION,
+                False, NATIVE_BF16,
+            )  # fmt: skip
+            sq += tl.sum(x * x, axis=1)
     mix_out = mix_ptr + pid_s * stride_mix_s + tok[:, None] * stride_mix_t + m[None, :]
     tl.store(mix_out, acc, mask=tok_ok[:, None])
     tl.store(sq_ptr + pid_s * stride_sq_s + tok, sq, mask=tok_ok)

@@ -68,6 +68,14 @@ class Tiling:
     # then post and comb (the Sinkhorn chain: the next block's mHC reads them, nothing
     # before it), which a CUDA-graph capture puts on the side stream (``_comb_beside``)
     comb_beside: bool = False
+    # K1's expand (FUSE_POST) a stream at a time in [T, D] tiles, a dot of K = gemm_block_d
+    # each, instead of [T, N, D] tiles and one dot of K = N * gemm_block_d (session 45: an
+    # A/B at hc_post_pre's prefill and decode:64 sizes)
+    expand_per_stream: bool = False
+    # K1's software-pipelining stages (None: Triton's default, 3). One stage keeps its
+    # shared memory to the dots' operands (a few KB: several programs an SM, the memory
+    # latency hidden by occupancy instead)
+    gemm_stages: int | None = None
 
 
 @dataclass(frozen=True)
@@ -260,6 +268,7 @@ def _launch(
                 f"{streams.dtype} streams, gemm_gemv={tiling.gemm_gemv}"
             )
         w = _fn_pieces(fn)
+    stages = {} if tiling.gemm_stages is None else {"num_stages": tiling.gemm_stages}
     prenorm_gemm_kernel[(t_blocks, splits)](
         streams, w, mix, sq, block_out, prev_post, prev_comb, new,
         num_tokens, hidden, fn.shape[0], d_per_split,
@@ -268,7 +277,8 @@ def _launch(
         N=n, BLOCK_N=block_n, BLOCK_T=gemm_block_t, BLOCK_M=block_m, BLOCK_D=block_d,
         FUSE_POST=expand is not None, SLOTS=bo.top_k > 0, PRECISION=precision,
         GEMV=tiling.gemm_gemv, NATIVE_BF16=device.type == "cuda", FLAT=flat,
-        num_warps=tiling.gemm_warps, **pdl(streams.device),
+        PER_STREAM=expand is not None and tiling.expand_per_stream and not tiling.gemm_gemv,
+        num_warps=tiling.gemm_warps, **stages, **pdl(streams.device),
     )  # fmt: skip
 
     if tiling.comb_beside and not head and not tiling.mixes_block_t:
