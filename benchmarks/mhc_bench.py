@@ -85,27 +85,11 @@ def _variants(t: int, device: torch.device) -> dict[str, mhc.Tiling]:
         )
     elif t <= 64:
         variants["gemv_on"] = rep(base, gemm_gemv=True)
-    # hc_post_pre with the expand in K1's prologue and the bf16x3 dot, in tilings that
-    # compile for sm_90 without spills (session 45: the defaults' expand-fused K1, 32 x 32
-    # columns at tf32x3, keeps 1000 bytes of stack; 128 x 16 at 8192 tokens, 656): in
-    # [T, N, D] tiles ("fused_*") or a stream at a time ("stream_*", "_s1": one pipelining
-    # stage, a few KB of shared memory)
-    fused = {"post_apart": False, "expand_precision": None, "gemm_precision": "bf16x3"}
-    small = (
-        ("fused", 16, 32, 4, None), ("fused", 32, 16, 4, None), ("stream", 32, 32, 4, 1),
-        ("stream", 16, 64, 4, 1),
-    )  # fmt: skip
-    large = (
-        ("fused", 64, 16, 8, None), ("fused", 64, 32, 8, None), ("fused", 128, 16, 8, None),
-        ("stream", 64, 32, 8, None), ("stream", 64, 32, 8, 1), ("stream", 64, 64, 8, 1),
-        ("stream", 128, 32, 8, 1),
-    )  # fmt: skip
-    for kind, bt, bd, w, stages in small if t <= 128 else large:
-        name = f"{kind}_t{bt}_d{bd}_w{w}" + ("" if stages is None else f"_s{stages}")
-        variants[name] = rep(
-            base, **fused, gemm_gemv=False, gemm_block_t=bt, gemm_block_d=bd, gemm_warps=w,
-            expand_per_stream=kind == "stream", gemm_stages=stages,
-        )  # fmt: skip
+    # hc_post_pre with the expand in K1's prologue at the bf16x3 dot in launch shapes that
+    # compile without spills (``mhc.EXPAND_K1_*``)
+    candidates = mhc.EXPAND_K1_DECODE if t <= 128 else mhc.EXPAND_K1_PREFILL
+    for name, candidate in candidates.items():
+        variants[name] = mhc.expand_k1_tiling(base, candidate)
     if t <= 128:  # the defaults' tf32x3 in tiles without spills
         variants["fused_t32_d16_w4_tf32x3"] = rep(base, gemm_block_t=32, gemm_block_d=16)
     if t >= 1024:  # prefill: wider token tiles in K1, several tokens per K2 program

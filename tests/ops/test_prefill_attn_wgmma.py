@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 import pytest
 import torch
@@ -28,6 +27,7 @@ from rackserve.ops.triton import prefill_attn, prefill_attn_wgmma
 
 from attn_cases import any_mask, make_case, prefill_mask
 from kernel_checks import DEVICE, as_fp32, assert_bf16_close
+from sm90 import stack_bytes
 
 _POINTERS = {
     "slots_a_ptr": "*i64", "slots_b_ptr": "*i64", "valid_ptr": "*u8", "sinks_ptr": "*fp32",
@@ -57,20 +57,6 @@ def compile_sm90(tiling: prefill_attn_wgmma.WgmmaTiling, dtype: str = "bf16", q_
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
 
 
-def _local_memory_bytes(kernel) -> int:
-    """Stack bytes of the compiled cubin (spills), from cuobjdump's resource usage."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        usage = subprocess.run(
-            [tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
-        ).stdout
-    fields = dict(item.split(":") for line in usage.splitlines() if "REG:" in line
-                  for item in line.split())  # fmt: skip
-    return int(fields["STACK"])
-
-
 TILINGS = [
     prefill_attn_wgmma.WgmmaTiling(),
     prefill_attn_wgmma.WgmmaTiling(32, 3, p_buffers=1),
@@ -95,7 +81,7 @@ def compile_report(block_n: int, num_stages: int, p_buffers: int, q_norm: int = 
         "wgmma": ptx.count("wgmma.mma_async"),
         "mma_sync": ptx.count("mma.sync"),
         "shared_bytes": kernel.metadata.shared,
-        "stack_bytes": _local_memory_bytes(kernel),
+        "stack_bytes": stack_bytes(kernel),
     }
 
 

@@ -38,6 +38,7 @@ from rackserve.ops.triton.mhc_launch import Tiling, _expand, _launch, settle, sp
 __all__ = [
     "Tiling",
     "default_tiling",
+    "expand_k1_tiling",
     "hc_head",
     "hc_post",
     "hc_post_pre",
@@ -88,6 +89,39 @@ K1_WIDE_TILE_MIN_TOKENS = 2048
 # [T, N, D] tiles, the default before); 59.8 against 109.4 / 84.4 at 2048; hc_post_pre at 64
 # tokens 24.8 against 26.7, at 256 37.5 against 35.0 (both with the split launched each call)
 BF16_DOT_PRECISION = "bf16x3"
+# Candidates for hc_post_pre's K1 with the expand in its prologue at the bf16x3 dot, for an
+# A/B against the defaults (``benchmarks/mhc_bench.py`` times them as variants;
+# tests/ops/test_mhc_sm90.py compiles each for sm_90 without spills): (block_t, block_d,
+# warps, a stream at a time, pipelining stages; None: Triton's 3). Compiled for sm_90
+# (session 45), the defaults' expand-fused K1 keeps 1000 bytes of stack at 17-127 tokens
+# (32 x 32 columns, tf32x3) and 656 at prefill sizes (128 x 16); at decode:64 on an H100 it
+# took 18 us a call where the flat K1 without the expand took 5 (session 43's replay)
+EXPAND_K1_DECODE = {
+    "fused_t16_d32_w4": (16, 32, 4, False, None),
+    "fused_t32_d16_w4": (32, 16, 4, False, None),
+    "stream_t32_d32_w4_s1": (32, 32, 4, True, 1),
+    "stream_t16_d64_w4_s1": (16, 64, 4, True, 1),
+}
+EXPAND_K1_PREFILL = {
+    "fused_t64_d16_w8": (64, 16, 8, False, None),
+    "fused_t64_d32_w8": (64, 32, 8, False, None),
+    "fused_t128_d16_w8": (128, 16, 8, False, None),
+    "stream_t64_d32_w8": (64, 32, 8, True, None),
+    "stream_t64_d32_w8_s1": (64, 32, 8, True, 1),
+    "stream_t64_d64_w8_s1": (64, 64, 8, True, 1),
+    "stream_t128_d32_w8_s1": (128, 32, 8, True, 1),
+}
+
+
+def expand_k1_tiling(base: Tiling, candidate: tuple[int, int, int, bool, int | None]) -> Tiling:
+    """``base`` with hc_post_pre's K1 expanding the streams at the bf16x3 dot in the
+    candidate's launch shape (an ``EXPAND_K1_*`` value)."""
+    block_t, block_d, warps, per_stream, stages = candidate
+    return dataclasses.replace(
+        base, post_apart=False, expand_precision=None, gemm_precision="bf16x3", gemm_gemv=False,
+        fused=False, gemm_block_t=block_t, gemm_block_d=block_d, gemm_warps=warps,
+        expand_per_stream=per_stream, gemm_stages=stages,
+    )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=8)
