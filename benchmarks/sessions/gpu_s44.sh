@@ -23,9 +23,10 @@ if grep -q -- "--moe-only" benchmarks/prefill_bench.py; then
   ((t)) && timeout "$t" python3 benchmarks/prefill_bench.py --moe-only \
     --output "$R/moe.json" 2>&1 | tail -40
 fi
-t=$(cap 110); echo "== GPU tests: the wgmma prefill attention, the MoE passes (${t}s)"
+t=$(cap 150); echo "== GPU tests: the wgmma prefill attention, the MoE passes, mHC's expand-fused K1 (${t}s)"
 ((t)) && timeout "$t" "${pt[@]}" tests/ops/test_prefill_attn_wgmma.py tests/ops/test_prefill_moe.py \
-  -k "not compile" > "$R/gpu_tests.log" 2>&1
+  tests/ops/test_mhc.py -k "(not compile and not test_mhc) or prefill_sizes" \
+  > "$R/gpu_tests.log" 2>&1
 tail -3 "$R/gpu_tests.log"
 t=$(cap 100); echo "== prefill_bench attention: 32- against 64-row tiles (${t}s)"
 ((t)) && timeout "$t" python3 benchmarks/prefill_bench.py --attention-only bn32_s4_p2,bn64_s2_p1 \

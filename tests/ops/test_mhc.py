@@ -585,14 +585,22 @@ def test_v4_flash_sizes_on_gpu(mhc, t, dtype, precision):
         assert_bf16_close(g, rb, rf)
 
 
+def _expand_cases() -> list[tuple[int, str | None]]:
+    from rackserve.ops.triton import mhc
+
+    cases = [(t, None) for t in (2048, 8192)]
+    cases += [(64, name) for name in mhc.EXPAND_K1_DECODE]
+    return cases + [(t, name) for t in (2048, 8192) for name in mhc.EXPAND_K1_PREFILL]
+
+
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("t", [2048, 8192])
-def test_fused_prologue_at_prefill_sizes_on_gpu(mhc, t):
-    """hc_post_pre with the expand in K1's prologue at prefill sizes (``post_apart`` off;
-    timed in session 30: ~10 ms slower at 8192 tokens, so only small steps take it) within
-    the bf16 rules of the references, and within one rounding of the streams of the
-    default's outputs."""
+@pytest.mark.parametrize("t, candidate", _expand_cases())
+def test_fused_prologue_at_prefill_sizes_on_gpu(mhc, t, candidate):
+    """hc_post_pre with the expand in K1's prologue (``post_apart`` off; timed in session
+    30: ~10 ms slower at 8192 tokens, so only small steps take it; or a candidate of
+    ``mhc.EXPAND_K1_*``) within the bf16 rules of the references, and within one rounding
+    of the streams of the outputs of the apart expand."""
     d = 4096
     args = hc_pre_args(t, d, seed=t + 1, dtype=torch.bfloat16)
     streams = args[0]
@@ -600,9 +608,12 @@ def test_fused_prologue_at_prefill_sizes_on_gpu(mhc, t):
     block_out = torch.randn(t, d, device=DEVICE).bfloat16()
     call = (streams, block_out, post, comb, *args[1:])
     default = mhc.default_tiling(t, N, d, torch.device(DEVICE), torch.bfloat16)
-    assert default.post_apart
-    want = mhc.hc_post_pre(*call)
-    got = mhc.hc_post_pre(*call, tiling=dataclasses.replace(default, post_apart=False))
+    want = mhc.hc_post_pre(*call, tiling=dataclasses.replace(default, post_apart=True))
+    fused = dataclasses.replace(default, post_apart=False)
+    if candidate is not None:
+        every = mhc.EXPAND_K1_DECODE | mhc.EXPAND_K1_PREFILL
+        fused = mhc.expand_k1_tiling(default, every[candidate])
+    got = mhc.hc_post_pre(*call, tiling=fused)
     post32 = reference.hc_post(streams.float(), block_out.float(), post, comb)
     assert_bf16_close(got[0], reference.hc_post(streams, block_out, post, comb), post32)
     pre_bf16 = reference.hc_pre(got[0], *args[1:])
