@@ -19,9 +19,11 @@ Cases: ``moe_routed`` (the model's fused decode MoE: route + align, gate-up, dow
 without the router), ``gemv`` (the split-K GEMV at 1 token: x-projections, wq_b, wo_b,
 grouped wo_a, the lm_head's fp32 logits), ``sparse_attn`` (the decode attention at 1 and 64
 queries; from 128 queries the model takes the prefill / wgmma attention, audited apart),
-``indexer`` (the CSA indexer's logits + top-k at 1, 64, 256 queries over 4096 / 4 entries).
+``indexer`` (the CSA indexer's logits + top-k at 1, 64, 256 queries over 4096 / 4 entries),
+``rms_norm q_a``, ``rope_cos_sin``, ``embed_streams``, ``hc_post_pre`` (a block's mHC at
+decode and prefill sizes: it flags the expand-fused K1's spills at 16 and 64 tokens).
 Not covered (their inputs are the step metadata's and caches' and are not rebuilt here):
-the attention prologue, compress, norm_rope, step_meta, embed, the prefill indexer / MoE.
+the attention prologue / kv_insert, compress, step_meta, the prefill indexer / MoE.
 """
 
 from __future__ import annotations
@@ -33,15 +35,15 @@ from collections.abc import Callable
 
 os.environ.pop("TRITON_INTERPRET", None)  # the compile needs the real backend
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource, make_backend  # noqa: E402
-from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+import torch
+import triton
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import JITFunction, create_function_from_signature
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sass_resources import resources  # noqa: E402
+from sass_resources import resources
 
 TARGET = GPUTarget("cuda", 90, 32)
 BACKEND = make_backend(TARGET)
@@ -245,7 +247,10 @@ def case_moe_routed(tokens: int) -> None:
 def case_moe_experts(tokens: int) -> None:
     from rackserve.ops.triton.fused_moe import moe_experts
 
-    ids, weights = _empty(tokens, TOP_K, dtype=torch.int32), _empty(tokens, TOP_K, dtype=torch.float32)
+    ids, weights = (
+        _empty(tokens, TOP_K, dtype=torch.int32),
+        _empty(tokens, TOP_K, dtype=torch.float32),
+    )
     w13, w2 = _empty(EXPERTS, 2 * INTER, HIDDEN), _empty(EXPERTS, HIDDEN, INTER)
     moe_experts(_empty(tokens, HIDDEN), ids, weights, w13, w2, 10.0)
 
@@ -288,9 +293,44 @@ def case_indexer(tokens: int) -> None:
     entries = CONTEXT // CSA_RATIO
     paged_indexer_select(
         _empty(tokens, INDEX_HEADS, INDEX_DIM), _empty(entries * 4, HEAD_DIM + INDEX_DIM),
-        _empty(tokens, entries, dtype=torch.int64), _empty(tokens, INDEX_HEADS, dtype=torch.float32),
+        _empty(tokens, entries, dtype=torch.int64),
+        _empty(tokens, INDEX_HEADS, dtype=torch.float32),
         INDEX_DIM**-0.5, _empty(tokens, dtype=torch.int32), INDEX_TOPK,
         _empty(tokens, WINDOW, dtype=torch.bool),
+    )  # fmt: skip
+
+
+def case_rms_norm(tokens: int) -> None:
+    """The attention's q_a norm (q_residual [T, 1024], fp32 weight)."""
+    from rackserve.ops.triton.norm_rope import rms_norm
+
+    rms_norm(_empty(tokens, Q_LORA), _empty(Q_LORA, dtype=torch.float32), 1e-6)
+
+
+def case_rope_cos_sin(tokens: int) -> None:
+    from rackserve.ops.triton.norm_rope import rope_cos_sin
+
+    rope_cos_sin(
+        _empty(tokens, dtype=torch.int64), _empty(ROPE // 2, dtype=torch.float32), 1.0, BF16
+    )
+
+
+def case_embed(tokens: int) -> None:
+    from rackserve.ops.triton.embed import embed_streams
+
+    embed_streams(_empty(tokens, dtype=torch.int64), _empty(VOCAB, HIDDEN), 4)
+
+
+def case_hc_post_pre(tokens: int) -> None:
+    """A block's mHC: the previous block's expand, then K1 + K2 (N 4 streams)."""
+    from rackserve.ops.triton.mhc import hc_post_pre
+
+    n, f32 = 4, torch.float32
+    hc_post_pre(
+        _empty(tokens, n, HIDDEN), _empty(tokens, HIDDEN), _empty(tokens, n, dtype=f32),
+        _empty(tokens, n, n, dtype=f32), _empty((2 + n) * n, n * HIDDEN, dtype=f32),
+        _empty((2 + n) * n, dtype=f32), _empty(3, dtype=f32), _empty(HIDDEN, dtype=f32),
+        20, 1e-6, 1e-6,
     )  # fmt: skip
 
 
@@ -306,6 +346,10 @@ CASES: list[tuple[str, Callable[[int], None], tuple[int, ...]]] = [
     ("sparse_attn csa", case_sparse_attn(INDEX_TOPK), (1, 64)),
     ("sparse_attn hca", case_sparse_attn(CONTEXT // HCA_RATIO), (1, 64)),
     ("indexer", case_indexer, DECODE),
+    ("rms_norm q_a", case_rms_norm, DECODE),
+    ("rope_cos_sin", case_rope_cos_sin, DECODE),
+    ("embed_streams", case_embed, DECODE),
+    ("hc_post_pre", case_hc_post_pre, (1, 16, 64, 256, 8192)),
 ]
 
 
@@ -320,9 +364,9 @@ def main(argv: list[str]) -> int:
         for tokens in batches:
             LAUNCHES.clear()
             try:
-                with FakeTensorMode(allow_non_fake_inputs=True):
+                with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
                     case(tokens)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 print(f"{label:<22} {tokens:>4}  SKIPPED: {type(exc).__name__}: {exc}"[:200])
                 continue
             seen = set()
