@@ -12,7 +12,9 @@ Every launch prints one line: kernel, case, the constexprs, warps / stages, regi
 stack bytes, LDL/STL spill instructions and shared bytes ("!" flags stack > 16 bytes or
 shared > 232,448 bytes).
 
-    env -u TRITON_INTERPRET .venv/bin/python benchmarks/sass_audit.py [CASE_SUBSTRING ...]
+    env -u TRITON_INTERPRET .venv/bin/python benchmarks/sass_audit.py [--json] [CASE_SUBSTRING ...]
+
+(``--json``: the records as one JSON list; tests/ops/test_mhc_sm90.py reads them.)
 
 Cases: ``moe_routed`` (the model's fused decode MoE: route + align, gate-up, down, through
 ``MoE.forward`` as a decoder layer calls it, defer_sum=True), ``moe_experts`` (the fused MoE
@@ -21,13 +23,17 @@ grouped wo_a, the lm_head's fp32 logits), ``sparse_attn`` (the decode attention 
 queries; from 128 queries the model takes the prefill / wgmma attention, audited apart),
 ``indexer`` (the CSA indexer's logits + top-k at 1, 64, 256 queries over 4096 / 4 entries),
 ``rms_norm q_a``, ``rope_cos_sin``, ``embed_streams``, ``hc_post_pre`` (a block's mHC at
-decode and prefill sizes: it flags the expand-fused K1's spills at 16 and 64 tokens).
+decode and prefill sizes, with a plain block output or a fused MoE's unsummed slots: it
+flags the expand-fused K1's spills at 16 and 64 tokens), ``k1 <candidate>`` (hc_post_pre
+with each ``mhc.EXPAND_K1_*`` candidate, plain and with slots).
 Not covered (their inputs are the step metadata's and caches' and are not rebuilt here):
 the attention prologue / kv_insert, compress, step_meta, the prefill indexer / MoE.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import sys
 import types
@@ -321,17 +327,55 @@ def case_embed(tokens: int) -> None:
     embed_streams(_empty(tokens, dtype=torch.int64), _empty(VOCAB, HIDDEN), 4)
 
 
-def case_hc_post_pre(tokens: int) -> None:
-    """A block's mHC: the previous block's expand, then K1 + K2 (N 4 streams)."""
-    from rackserve.ops.triton.mhc import hc_post_pre
+def case_hc_post_pre(tokens: int, slots: bool = False, tiling=None) -> None:
+    """A block's mHC: the previous block's expand, then K1 + K2 (N 4 streams); ``slots``:
+    after a fused MoE, its unsummed slots (the shared expert's last: k 7) as the block
+    output; ``tiling``: a function of the default tiling."""
+    from rackserve.ops.reference import ExpertSlots
+    from rackserve.ops.triton import mhc
 
     n, f32 = 4, torch.float32
-    hc_post_pre(
-        _empty(tokens, n, HIDDEN), _empty(tokens, HIDDEN), _empty(tokens, n, dtype=f32),
+    block_out = _empty(tokens, HIDDEN)
+    if slots:
+        k = TOP_K + 1
+        block_out = ExpertSlots(
+            _empty(tokens * k, HIDDEN, dtype=f32), _empty(tokens, k, dtype=torch.int32),
+            EXPERTS + 1, BF16,
+        )  # fmt: skip
+    if tiling is not None:
+        tiling = tiling(mhc.default_tiling(tokens, n, HIDDEN, CUDA, BF16))
+    mhc.hc_post_pre(
+        _empty(tokens, n, HIDDEN), block_out, _empty(tokens, n, dtype=f32),
         _empty(tokens, n, n, dtype=f32), _empty((2 + n) * n, n * HIDDEN, dtype=f32),
         _empty((2 + n) * n, dtype=f32), _empty(3, dtype=f32), _empty(HIDDEN, dtype=f32),
-        20, 1e-6, 1e-6,
+        20, 1e-6, 1e-6, tiling=tiling,
     )  # fmt: skip
+
+
+def case_expand_k1(name: str, slots: bool) -> Callable[[int], None]:
+    """hc_post_pre with an expand-fused K1 candidate (``mhc.EXPAND_K1_*``)."""
+
+    def run(tokens: int) -> None:
+        from rackserve.ops.triton import mhc
+
+        every = mhc.EXPAND_K1_DECODE | mhc.EXPAND_K1_PREFILL
+        case_hc_post_pre(tokens, slots, lambda base: mhc.expand_k1_tiling(base, every[name]))
+
+    return run
+
+
+def _expand_k1_cases() -> list[tuple[str, Callable[[int], None], tuple[int, ...]]]:
+    """The decode candidates at 64 tokens after an attention block and after a fused MoE
+    (its slots); the prefill ones at 8192 after a plain block output (the prefill MoE sums
+    its own slots)."""
+    from rackserve.ops.triton import mhc
+
+    cases = [
+        (f"k1 {n}{s}", case_expand_k1(n, bool(s)), (64,))
+        for n in mhc.EXPAND_K1_DECODE
+        for s in ("", " slots")
+    ]
+    return cases + [(f"k1 {n}", case_expand_k1(n, False), (8192,)) for n in mhc.EXPAND_K1_PREFILL]
 
 
 DECODE = (1, 64, 256)
@@ -350,14 +394,17 @@ CASES: list[tuple[str, Callable[[int], None], tuple[int, ...]]] = [
     ("rope_cos_sin", case_rope_cos_sin, DECODE),
     ("embed_streams", case_embed, DECODE),
     ("hc_post_pre", case_hc_post_pre, (1, 16, 64, 256, 8192)),
+    ("hc_post_pre slots", functools.partial(case_hc_post_pre, slots=True), (16, 64, 256)),
+    *_expand_k1_cases(),
 ]
 
 
-def main(argv: list[str]) -> int:
-    wanted = argv[1:]
-    flagged = []
-    print(f"{'case':<22} {'T':>4}  {'kernel':<30} {'w/s':>5} {'reg':>4} {'stack':>6} "
-          f"{'spill':>5} {'shared':>7}  constexprs")  # fmt: skip
+def audit(wanted: list[str]) -> list[dict]:
+    """Every distinct launch of the cases whose label contains one of ``wanted`` (all when
+    empty), compiled for sm_90: one record each (case, tokens, kernel, warps, stages,
+    registers, stack bytes, spill instructions, shared bytes, constexprs), or a record with
+    ``skipped`` where the case could not run on fake tensors."""
+    records = []
     for label, case, batches in CASES:
         if wanted and not any(w in label for w in wanted):
             continue
@@ -367,7 +414,8 @@ def main(argv: list[str]) -> int:
                 with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
                     case(tokens)
             except Exception as exc:
-                print(f"{label:<22} {tokens:>4}  SKIPPED: {type(exc).__name__}: {exc}"[:200])
+                records.append({"case": label, "tokens": tokens,
+                                "skipped": f"{type(exc).__name__}: {exc}"[:160]})  # fmt: skip
                 continue
             seen = set()
             for launch in LAUNCHES:
@@ -377,19 +425,44 @@ def main(argv: list[str]) -> int:
                 seen.add(key)
                 r = resources(compile_launch(launch))
                 opts = launch["options"]
-                bad = r["stack_bytes"] > MAX_STACK or r["shared_bytes"] > MAX_SHARED
-                line = (
-                    f"{label:<22} {tokens:>4}  {launch['fn'].__name__:<30} "
-                    f"{opts.num_warps:>2}/{opts.num_stages:<2} {r['registers']:>4} "
-                    f"{r['stack_bytes']:>6} {r['spills']:>5} {r['shared_bytes']:>7}"
-                    f"{' !' if bad else '  '}{describe(launch)}"
-                )
-                print(line, flush=True)
-                if bad:
-                    flagged.append(line)
+                records.append({
+                    "case": label, "tokens": tokens, "kernel": launch["fn"].__name__,
+                    "warps": opts.num_warps, "stages": opts.num_stages,
+                    "registers": r["registers"], "stack_bytes": r["stack_bytes"],
+                    "spills": r["spills"], "shared_bytes": r["shared_bytes"],
+                    "constexprs": describe(launch),
+                })  # fmt: skip
+    return records
+
+
+def _flagged(r: dict) -> bool:
+    return r["stack_bytes"] > MAX_STACK or r["shared_bytes"] > MAX_SHARED
+
+
+def _line(r: dict) -> str:
+    if "skipped" in r:
+        return f"{r['case']:<22} {r['tokens']:>4}  SKIPPED: {r['skipped']}"
+    return (
+        f"{r['case']:<22} {r['tokens']:>4}  {r['kernel']:<30} {r['warps']:>2}/{r['stages']:<2} "
+        f"{r['registers']:>4} {r['stack_bytes']:>6} {r['spills']:>5} {r['shared_bytes']:>7}"
+        f"{' !' if _flagged(r) else '  '}{r['constexprs']}"
+    )
+
+
+def main(argv: list[str]) -> int:
+    as_json = "--json" in argv
+    records = audit([a for a in argv[1:] if a != "--json"])
+    if as_json:
+        print(json.dumps(records))
+        return 0
+    print(f"{'case':<22} {'T':>4}  {'kernel':<30} {'w/s':>5} {'reg':>4} {'stack':>6} "
+          f"{'spill':>5} {'shared':>7}  constexprs")  # fmt: skip
+    for r in records:
+        print(_line(r))
+    flagged = [r for r in records if "skipped" not in r and _flagged(r)]
     print(f"\n{len(flagged)} launches over {MAX_STACK} stack bytes or {MAX_SHARED} shared bytes")
-    for line in flagged:
-        print(line)
+    for r in flagged:
+        print(_line(r))
     return 0
 
 

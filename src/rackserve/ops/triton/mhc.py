@@ -100,7 +100,6 @@ EXPAND_K1_DECODE = {
     "fused_t16_d32_w4": (16, 32, 4, False, None),
     "fused_t32_d16_w4": (32, 16, 4, False, None),
     "stream_t32_d32_w4_s1": (32, 32, 4, True, 1),
-    "stream_t16_d64_w4_s1": (16, 64, 4, True, 1),
 }
 EXPAND_K1_PREFILL = {
     "fused_t64_d16_w8": (64, 16, 8, False, None),
