@@ -339,7 +339,7 @@ def case_hc_post_pre(tokens: int, slots: bool = False, tiling=None) -> None:
     if slots:
         k = TOP_K + 1
         block_out = ExpertSlots(
-            _empty(tokens * k, HIDDEN, dtype=f32), _empty(tokens, k, dtype=torch.int32),
+            _empty(tokens * k, HIDDEN, dtype=f32), _empty(tokens, k, dtype=torch.int64),
             EXPERTS + 1, BF16,
         )  # fmt: skip
     if tiling is not None:

@@ -20,7 +20,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 
 import torch
@@ -184,20 +183,3 @@ def compile_report(specs: list[dict], timeout: float = 900) -> dict:
     if done.returncode != 0:
         raise RuntimeError(f"the sm_90 compiler process failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def stack_bytes(kernel) -> int:
-    """Stack bytes of a kernel compiled for sm_90 (ptxas' spills), from its cubin's resource
-    usage as Triton's bundled cuobjdump reads it."""
-    import triton
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        usage = subprocess.run(
-            [tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
-        ).stdout
-    fields = dict(item.split(":") for line in usage.splitlines() if "REG:" in line
-                  for item in line.split())  # fmt: skip
-    return int(fields["STACK"])

@@ -6,7 +6,7 @@ spills. The launches are recorded through the op itself on fake CUDA tensors
 specializations are the real ones).
 
 Session 45 found the defaults' expand-fused K1 at 5-127 tokens (tf32x3) spilling: at 64
-tokens 888 bytes of stack after an attention block and 664 after a fused MoE's slots. At
+tokens 888 bytes of stack after an attention block and 672 after a fused MoE's slots. At
 decode:64 on an H100 it took 18 us a call where the flat K1 without the expand took 5
 (session 43's replay)."""
 

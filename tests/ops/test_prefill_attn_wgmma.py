@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +28,9 @@ from rackserve.ops.triton import prefill_attn, prefill_attn_wgmma
 
 from attn_cases import any_mask, make_case, prefill_mask
 from kernel_checks import DEVICE, as_fp32, assert_bf16_close
-from sm90 import stack_bytes
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from sass_resources import resources
 
 _POINTERS = {
     "slots_a_ptr": "*i64", "slots_b_ptr": "*i64", "valid_ptr": "*u8", "sinks_ptr": "*fp32",
@@ -81,7 +84,7 @@ def compile_report(block_n: int, num_stages: int, p_buffers: int, q_norm: int = 
         "wgmma": ptx.count("wgmma.mma_async"),
         "mma_sync": ptx.count("mma.sync"),
         "shared_bytes": kernel.metadata.shared,
-        "stack_bytes": stack_bytes(kernel),
+        "stack_bytes": resources(kernel)["stack_bytes"],
     }
 
 

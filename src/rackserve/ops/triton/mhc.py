@@ -93,9 +93,10 @@ BF16_DOT_PRECISION = "bf16x3"
 # A/B against the defaults (``benchmarks/mhc_bench.py`` times them as variants;
 # tests/ops/test_mhc_sm90.py compiles each for sm_90 without spills): (block_t, block_d,
 # warps, a stream at a time, pipelining stages; None: Triton's 3). Compiled for sm_90
-# (session 45), the defaults' expand-fused K1 keeps 1000 bytes of stack at 17-127 tokens
-# (32 x 32 columns, tf32x3) and 656 at prefill sizes (128 x 16); at decode:64 on an H100 it
-# took 18 us a call where the flat K1 without the expand took 5 (session 43's replay)
+# (session 45, ``benchmarks/sass_audit.py``), the defaults' expand-fused K1 keeps 888 bytes
+# of stack at 64 tokens (32 x 32 columns, tf32x3; 672 after a fused MoE's slots) and 656 at
+# prefill sizes (128 x 16); at decode:64 on an H100 it took 18 us a call where the flat K1
+# without the expand took 5 (session 43's replay)
 EXPAND_K1_DECODE = {
     "fused_t16_d32_w4": (16, 32, 4, False, None),
     "fused_t32_d16_w4": (32, 16, 4, False, None),

@@ -261,9 +261,9 @@ def _prenorm_partials_per_stream(
     SLOTS: tl.constexpr, PRECISION: tl.constexpr, NATIVE_BF16: tl.constexpr,
 ):  # fmt: skip
     """K1 with the expand in its prologue (``_prenorm_partials``' FUSE_POST), a stream at a
-    time: new stream k's [BLOCK_T, BLOCK_D] tile from the N old ones (their loads after
+    time: new stream n's [BLOCK_T, BLOCK_D] tile from the N old ones (their loads after
     the first stream's come from L1), stored, then its own dot against fn's columns of
-    stream k. Every tile is 2D, so the dot takes the tile as computed: no [T, N, D] tile
+    stream n. Every tile is 2D, so the dot takes the tile as computed: no [T, N, D] tile
     reshaped to [T, N * D] through shared memory. The same values in the same order as
     ``hc_post_kernel``."""
     tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
